@@ -1,0 +1,230 @@
+"""The `hybridmoe` command line.
+
+Errors a user can cause print one message (what, where, what to do) and exit 1, or 2 for
+usage errors; anything else is a bug: one line on the terminal, the traceback in the log.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import traceback
+from datetime import datetime
+
+from backend.errors import HybridMoeError, UsageError
+from backend.plan.workload import BACKENDS, KV_BYTES_PER_ELEMENT, PREFILL_RESERVE, STRATEGIES
+
+EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_CANCELLED = 0, 1, 2, 130
+
+
+# ---- commands -------------------------------------------------------------------------------
+
+
+def cmd_doctor(args) -> int:
+    from app.render import hardware_text
+    from backend import settings
+    from backend.hardware import detect
+
+    store = settings.load().model_store_path
+    profile = detect(measure_bandwidth=not args.no_bandwidth, model_dir=store)
+    if args.json:
+        _print_json(profile.to_dict())
+    else:
+        print(hardware_text(profile))
+    return EXIT_OK
+
+
+def cmd_inspect(args) -> int:
+    from app.render import model_text
+    from backend.models import inspect_model
+
+    model = inspect_model(args.model, expert_format=args.format)
+    if args.json:
+        _print_json(
+            {"path": str(model.path), "kind": model.kind, "spec": model.spec.to_dict(), "inventory": model.inventory.to_dict()}
+        )
+    else:
+        print(model_text(model))
+    return EXIT_OK
+
+
+def cmd_plan(args) -> int:
+    from app.render import plan_text
+    from backend.models import inspect_model
+    from backend.plan import Workload, make
+
+    workload = Workload(
+        context=args.context,
+        users=args.users,
+        kv_dtype=args.kv_dtype,
+        prefill_reserve=args.prefill_reserve,
+        strategy=args.strategy,
+        stats_file=args.stats,
+        backend=args.backend,
+        target_tokens_per_s=args.target_speed,
+    )
+    hardware = resolve_hardware(args)
+    model = inspect_model(args.model, expert_format=args.format)
+    plan = make(model.spec, model.inventory, hardware, workload)
+    if args.save:
+        plan.save(args.save)
+    if args.json:
+        _print_json(plan.to_dict())
+    else:
+        print(plan_text(plan))
+        if args.save:
+            print(f"\nSaved to {args.save}")
+    return EXIT_OK
+
+
+def resolve_hardware(args):
+    """This machine, a preset, or a TOML description; then the command-line overrides."""
+    from backend.hardware import detect
+    from backend.hardware.overrides import apply_overrides
+    from backend.hardware.presets import resolve
+    from backend.units import parse_bytes, parse_rate
+
+    if args.hardware == "this":
+        profile = detect(measure_bandwidth=not args.no_bandwidth and args.host_bandwidth is None)
+    else:
+        profile = resolve(args.hardware)
+    return apply_overrides(
+        profile,
+        gpu_memory=parse_bytes(args.gpu_memory) if args.gpu_memory else None,
+        gpus=args.gpus,
+        ram=parse_bytes(args.ram) if args.ram else None,
+        host_bandwidth=parse_rate(args.host_bandwidth) if args.host_bandwidth else None,
+        cores=args.cores,
+    )
+
+
+# ---- parser ---------------------------------------------------------------------------------
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line and the usage, exit 2, as argparse does, without the traceback risk
+        self.print_usage(sys.stderr)
+        self.exit(EXIT_USAGE, f"hybridmoe: error: {message}\n")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number")
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be 1 or more")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number")
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be 0 or more")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number")
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be positive")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="hybridmoe",
+        description="Run giant Mixture-of-Experts models on one workstation: GPU + CPU expert offload.",
+    )
+    sub = parser.add_subparsers(dest="command", parser_class=_Parser, metavar="COMMAND")
+
+    p = sub.add_parser("doctor", help="show what this machine has (CPU, RAM, GPUs, disk)")
+    p.add_argument("--json", action="store_true", help="one JSON object (documented in the README)")
+    p.add_argument("--no-bandwidth", action="store_true", help="skip the ~1 s host memory bandwidth probe")
+    p.set_defaults(func=cmd_doctor)
+
+    p = sub.add_parser("inspect", help="what a model is made of (checkpoint dir, GGUF, or config.json)")
+    p.add_argument("model", help="a model directory, a .gguf file (first part of a split set), or a config.json")
+    p.add_argument("--format", help="storage format to assume for a bare config.json (bf16, fp8_block, int4_g32, q8_0, q4_0, q4_k_m)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_inspect)
+
+    p = sub.add_parser("plan", help="choose the expert layout and estimate speed for a model on a machine")
+    p.add_argument("model", help="a model directory, a .gguf file, or a config.json")
+    p.add_argument("--hardware", default="this", help='"this" (default), a preset such as "4x H200 NVL", or a TOML file')
+    p.add_argument("--gpus", type=_non_negative_int, help="number of GPUs (overrides the hardware)")
+    p.add_argument("--gpu-memory", help="memory per GPU as the driver reports it, e.g. 96GiB")
+    p.add_argument("--ram", help="host RAM, e.g. 768GiB")
+    p.add_argument("--host-bandwidth", help="host memory bandwidth, e.g. 1229GB/s")
+    p.add_argument("--cores", type=_positive_int, help="physical CPU cores")
+    p.add_argument("--no-bandwidth", action="store_true", help="skip the host bandwidth probe on this machine")
+    p.add_argument("--format", help="expert storage format to assume for a bare config.json")
+    p.add_argument("--context", type=_positive_int, default=32768, help="tokens per conversation (default 32768)")
+    p.add_argument("--users", type=_positive_int, default=1, help="concurrent conversations (default 1)")
+    p.add_argument("--kv-dtype", choices=list(KV_BYTES_PER_ELEMENT), default="bf16")
+    p.add_argument("--prefill-reserve", choices=list(PREFILL_RESERVE), default="auto",
+                   help="keep one MoE layer of experts free on each GPU for fast long prompts")
+    p.add_argument("--strategy", choices=list(STRATEGIES), default="uniform")
+    p.add_argument("--stats", help="expert statistics file for --strategy frequency")
+    p.add_argument("--backend", choices=list(BACKENDS), default="auto")
+    p.add_argument("--target-speed", type=_positive_float, default=5.0,
+                   help="tokens/s each conversation needs; below it the plan says one machine is not enough")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--save", help="write the plan to FILE (.toml or .json)")
+    p.set_defaults(func=cmd_plan)
+    return parser
+
+
+# ---- entry point ----------------------------------------------------------------------------
+
+
+def _print_json(obj) -> None:
+    json.dump(obj, sys.stdout, indent=1, default=str)
+    sys.stdout.write("\n")
+
+
+def _log_internal_error() -> str:
+    from backend.settings import state_dir
+
+    try:
+        log_dir = state_dir()
+        log_dir.mkdir(parents=True, exist_ok=True)
+        path = log_dir / "errors.log"
+        with open(path, "a") as f:
+            f.write(f"--- {datetime.now().isoformat()} {' '.join(sys.argv)}\n{traceback.format_exc()}\n")
+        return str(path)
+    except OSError:
+        return "(the log could not be written)"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return EXIT_OK
+    try:
+        return args.func(args)
+    except HybridMoeError as e:
+        print(f"hybridmoe: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("hybridmoe: cancelled", file=sys.stderr)
+        return EXIT_CANCELLED
+    except BrokenPipeError:
+        return EXIT_OK  # the reader (e.g. `| head`) went away; nothing to report
+    except Exception as e:  # a bug: say so briefly, keep the details for the report
+        where = _log_internal_error()
+        print(f"hybridmoe: internal error: {type(e).__name__}: {e}\n  Details in {where}; please report it.", file=sys.stderr)
+        return EXIT_ERROR
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,237 @@
+"""Plain-text renderings of a hardware profile, a model and a plan, for the CLI.
+
+Each number printed by `plan` carries the arithmetic that produced it and the SIZING.md
+section it comes from, so a person can check it by hand.
+"""
+
+from __future__ import annotations
+
+from backend.hardware.profile import HardwareProfile
+from backend.models.inventory import TensorClass
+from backend.plan.plan import Plan
+from backend.units import fmt_bytes, fmt_rate
+
+GB = 1e9
+
+
+def _kv_lines(rows: list[tuple[str, str]], indent: int = 2) -> list[str]:
+    width = max((len(k) for k, _ in rows), default=0)
+    return [f"{' ' * indent}{k.ljust(width)}  {v}" for k, v in rows]
+
+
+def _table(header: list[str], rows: list[list[str]], indent: int = 2) -> list[str]:
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    fmt = lambda r: " " * indent + "  ".join(  # noqa: E731
+        str(c).ljust(w) if i == 0 else str(c).rjust(w) for i, (c, w) in enumerate(zip(r, widths))
+    )
+    return [fmt(header), *[fmt(r) for r in rows]]
+
+
+# ---- doctor -------------------------------------------------------------------------------
+
+
+def hardware_text(hw: HardwareProfile, extra: list[tuple[str, str]] | None = None) -> str:
+    cpu, mem = hw.cpu, hw.memory
+    out = [f"Hardware: {hw.name}" + (" (described)" if hw.described else "")]
+    out.append("CPU")
+    numa = ", ".join(
+        f"node {n.id}: {len(n.cpus)} CPUs, {fmt_bytes(n.memory_total_bytes)}" for n in cpu.numa_nodes
+    )
+    out += _kv_lines(
+        [
+            ("model", cpu.model_name or "unknown"),
+            ("architecture", cpu.arch or "unknown"),
+            ("sockets", str(cpu.sockets or "unknown")),
+            ("cores / threads", f"{cpu.physical_cores or 'unknown'} physical / {cpu.threads or 'unknown'} logical"),
+            ("NUMA", numa or "unknown"),
+            ("features", " ".join(cpu.features) or "none detected"),
+            ("L3 cache", fmt_bytes(cpu.l3_bytes)),
+        ]
+    )
+    out.append("Memory")
+    rows = [
+        ("total", fmt_bytes(mem.total_bytes)),
+        ("available", fmt_bytes(mem.available_bytes)),
+        ("container limit", fmt_bytes(mem.cgroup_limit_bytes) if mem.cgroup_limit_bytes else "none"),
+        ("usable", fmt_bytes(mem.usable_bytes)),
+    ]
+    if mem.hugepages_total:
+        rows.append(("huge pages", f"{mem.hugepages_total} × {fmt_bytes(mem.hugepage_size_bytes)}"))
+    rows.append(("bandwidth, measured", fmt_rate(mem.bandwidth_measured_bytes_per_s)))
+    theo = fmt_rate(mem.bandwidth_theoretical_bytes_per_s)
+    rows.append(("bandwidth, theoretical", theo + (f" ({mem.bandwidth_note})" if mem.bandwidth_note else "")))
+    out += _kv_lines(rows)
+    out.append("GPUs")
+    if not hw.gpus:
+        out.append("  none")
+    for g in hw.gpus:
+        cc = ".".join(map(str, g.compute_capability)) if g.compute_capability else "unknown"
+        pcie = f"PCIe gen {g.pcie_generation} x{g.pcie_width}" if g.pcie_generation else "PCIe unknown"
+        line = (
+            f"  {g.index}: {g.name} — {fmt_bytes(g.total_bytes)} total, {fmt_bytes(g.free_bytes)} free, "
+            f"compute {cc}, {pcie}"
+        )
+        if g.nvlink_links:
+            line += f", NVLink ×{g.nvlink_links}"
+        if not g.served:
+            line += " (not served by the hybrid backend)"
+        out.append(line)
+    if hw.disk:
+        out.append("Disk")
+        out += _kv_lines([(hw.disk.path, f"{fmt_bytes(hw.disk.free_bytes)} free of {fmt_bytes(hw.disk.total_bytes)}")])
+    if extra:
+        out.append("Software")
+        out += _kv_lines(extra)
+    if hw.unknown:
+        out.append("Unknown")
+        out += _kv_lines(sorted(hw.unknown.items()))
+    return "\n".join(out)
+
+
+# ---- inspect ------------------------------------------------------------------------------
+
+
+def model_text(model) -> str:
+    spec, inv = model.spec, model.inventory
+    attn = (
+        f"MLA, latent {spec.kv_lora_rank} + rope {spec.qk_rope_head_dim}"
+        if spec.attention == "mla"
+        else f"GQA, {spec.num_attention_heads} heads / {spec.num_kv_heads} KV heads × {spec.head_dim}"
+    )
+    if spec.sliding_window and spec.sliding_layers:
+        attn += f"; {len(spec.sliding_layers)} sliding-window layers ({spec.sliding_window} tokens)"
+    out = [f"Model: {spec.name} ({spec.family}, {spec.architecture}) from {model.kind} {model.path}"]
+    out += _kv_lines(
+        [
+            ("layers", f"{spec.num_layers} ({len(spec.dense_layers)} dense, {spec.n_moe_layers} MoE)"
+             + (f", plus {spec.n_mtp_layers} MTP" if spec.n_mtp_layers else "")),
+            ("hidden / vocab", f"{spec.hidden_size} / {spec.vocab_size}"),
+            ("attention", attn),
+            ("experts", f"{spec.n_routed_experts} routed, top-{spec.experts_per_token}, "
+             f"intermediate {spec.moe_intermediate_size}"
+             + (f"; {spec.n_shared_experts} shared ({spec.shared_intermediate_size})" if spec.n_shared_experts else "")),
+            ("context", f"{spec.max_context} tokens"),
+            ("formats", f"experts {inv.expert_format} ({inv.expert_bits_per_weight:g} bits/weight), "
+             f"rest {spec.other_format}"),
+            ("KV per token", f"{fmt_bytes(spec.kv_bytes_per_token())} (bf16)"),
+        ]
+    )
+    out.append(f"Tensor inventory ({inv.source})")
+    rows = [[c.value, fmt_bytes(inv.bytes_by_class.get(c, 0)), f"{inv.bytes_by_class.get(c, 0) / GB:,.2f} GB"]
+            for c in TensorClass]
+    rows.append(["total", fmt_bytes(inv.total_bytes), f"{inv.total_bytes / GB:,.2f} GB"])
+    out += _table(["class", "GiB", "GB"], rows)
+    if spec.moe_layers:
+        layer = spec.moe_layers[0]
+        out.append(
+            f"  per expert: 3 × {spec.hidden_size} × {spec.moe_intermediate_size} = {spec.params_per_expert:,} weights, "
+            f"{inv.bytes_per_expert(layer) / 1e6:,.2f} MB"
+        )
+    for note in inv.notes:
+        out.append(f"  note: {note}")
+    return "\n".join(out)
+
+
+# ---- plan ---------------------------------------------------------------------------------
+
+
+def _experts_per_layer(plan: Plan) -> str:
+    counts = [len(plan.gpu_experts.get(layer, ())) for layer in plan.moe_layers]
+    if not counts:
+        return "no MoE layers"
+    if min(counts) == max(counts):
+        return f"{counts[0]} of {plan.n_routed_experts} in each of {len(counts)} MoE layers"
+    return f"{min(counts)}–{max(counts)} of {plan.n_routed_experts} per MoE layer ({sum(counts)} in all)"
+
+
+def plan_text(plan: Plan) -> str:
+    wl = plan.workload
+    out = [
+        f"Plan: {plan.model} ({plan.family}, experts {plan.expert_format}) on {plan.hardware}"
+        + (" (described)" if plan.described_hardware else ""),
+        f"Workload: {wl.context} tokens × {wl.users} conversation(s), KV {wl.kv_dtype}, "
+        f"strategy {wl.strategy}, prefill reserve {wl.prefill_reserve}",
+        "",
+    ]
+    bpe_values = sorted(set(round(v) for v in plan.bytes_per_expert.values()))
+    bpe = plan.bytes_per_expert[plan.moe_layers[0]] if plan.moe_layers else 0
+    out.append("Routed experts (SIZING §1)")
+    out += _kv_lines(
+        [
+            ("per expert", f"{bpe / 1e6:,.2f} MB" + (" (varies by layer)" if len(bpe_values) > 1 else "")),
+            ("all", f"{len(plan.moe_layers)} layers × {plan.n_routed_experts} × per expert = "
+             f"{plan.routed_expert_bytes_total / GB:,.1f} GB ({fmt_bytes(plan.routed_expert_bytes_total)})"),
+            ("on GPUs", f"{_experts_per_layer(plan)}: {plan.gpu_routed_expert_bytes / GB:,.1f} GB"),
+            ("in host RAM", f"{plan.host_routed_expert_bytes / GB:,.1f} GB"),
+        ]
+    )
+    out.append("KV cache (SIZING §2)")
+    out += _kv_lines(
+        [
+            ("per token", f"{plan.kv_bytes_per_token:,.0f} B ({fmt_bytes(plan.kv_bytes_per_token)})"),
+            ("per conversation", f"{wl.context} tokens → {fmt_bytes(plan.kv_bytes_per_conversation)}"),
+        ]
+    )
+    out.append("Devices (SIZING §3, §4)")
+    cls_order = ["always_read", "kv_cache", "activations", "prefill_reserve", "routed_experts"]
+    rows = []
+    for d in plan.devices:
+        rows.append(
+            [d.name, fmt_bytes(d.budget_bytes)]
+            + [fmt_bytes(d.bytes_by_class[c]) if c in d.bytes_by_class else "-" for c in cls_order]
+            + [fmt_bytes(d.used_bytes), fmt_bytes(d.free_bytes)]
+        )
+    out += _table(["device", "budget", "always-read", "KV", "activations", "reserve", "experts", "used", "free"], rows)
+    out.append(
+        f"  host RAM: needs {fmt_bytes(plan.host_ram_needed_bytes)} incl. reserve, "
+        f"usable {fmt_bytes(plan.host_ram_usable_bytes)}"
+    )
+    out.append("Decode speed, one conversation (SIZING §6; upper bounds)")
+    rows = [
+        ("host reads / token", f"{plan.host_bytes_per_token / GB:,.3f} GB at {fmt_rate(plan.host_bandwidth_bytes_per_s)} "
+         f"({plan.host_bandwidth_source})"),
+        ("GPU reads / token", f"{plan.gpu_bytes_per_token / GB:,.3f} GB"),
+    ]
+    if plan.decode_tokens_per_s_upper_bound:
+        rows.append(("bound", f"{plan.decode_tokens_per_s_upper_bound:,.1f} tokens/s, set by {plan.decode_bound_by}"))
+    else:
+        rows.append(("bound", plan.decode_bound_by))
+    out += _kv_lines(rows)
+    if wl.users > 1:
+        out.append(f"Decode speed, {wl.users} conversations together (SIZING §6)")
+        per_user = plan.decode_tokens_per_s_per_user
+        out += _kv_lines(
+            [
+                ("experts touched / layer", f"{plan.n_routed_experts} × (1 − ({plan.n_routed_experts} − "
+                 f"{plan.experts_per_token}) / {plan.n_routed_experts})^{wl.users} = {plan.experts_touched_per_layer:,.1f}"),
+                ("per conversation", f"{per_user:,.1f} tokens/s" if per_user else "unknown"),
+                ("all together", f"{plan.decode_tokens_per_s_aggregate:,.1f} tokens/s" if per_user else "unknown"),
+            ]
+        )
+    if plan.prefill_crossover_tokens:
+        out.append(
+            f"Prefill: streaming an expert to the GPU beats computing it on the CPU above "
+            f"{plan.prefill_crossover_tokens:,.0f} tokens routed to it (SIZING §6, assumed 2.5 GHz CPU clock)"
+        )
+    lc = plan.llama_cpp
+    out.append("llama.cpp equivalent (SIZING §5: whole layers only)")
+    out += _kv_lines(
+        [
+            ("experts on CPU", f"blocks 0..{lc['n_cpu_moe'] - 1}" if lc["n_cpu_moe"] else "none"),
+            ("command", lc["command"]),
+        ]
+        + [("-ot", p) for p in lc["override_tensor"]]
+    )
+    out.append("")
+    out.append(f"Fits: {'yes' if plan.fits else 'NO'} — {plan.reason}")
+    for s in plan.suggestions:
+        out.append(f"  - {s}")
+    for w in plan.warnings:
+        out.append(f"Warning: {w}")
+    if plan.serving:
+        out.append("One workstation is not enough for this workload (SIZING §7). A serving deployment that carries it:")
+        out.append(f"  {plan.serving['summary']}")
+        for key in ("vllm", "sglang"):
+            if key in plan.serving:
+                out.append(f"  {key}: {plan.serving[key]}")
+    return "\n".join(out)

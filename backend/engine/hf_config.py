@@ -1,0 +1,122 @@
+"""The Hugging Face text configuration as the engine reads it.
+
+The engine takes the plain dict that ``config.json`` holds (for multimodal wrappers such as
+Kimi K2.5/K2.6, its ``text_config`` part). Two vintages of that dict exist: hub checkpoints
+write ``rope_theta`` / ``rope_scaling`` at the top level, transformers 5 writes a
+``rope_parameters`` dict; both are read here so that model code sees one vocabulary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from backend.errors import ModelError, UnsupportedModelError
+
+# model_type (or the architecture class name) -> engine family module name.
+_FAMILIES = {
+    "deepseek_v3": "deepseek",
+    "deepseek_v2": "deepseek",
+    "kimi_k2": "deepseek",
+    "qwen3_moe": "qwen3_moe",
+    "qwen2_moe": "qwen2_moe",
+    "mixtral": "mixtral",
+    "olmoe": "olmoe",
+    "gpt_oss": "gpt_oss",
+    "glm4_moe": "glm4_moe",
+}
+_ARCHITECTURES = {
+    "DeepseekV3ForCausalLM": "deepseek",
+    "DeepseekV2ForCausalLM": "deepseek",
+    "KimiK2ForCausalLM": "deepseek",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "MixtralForCausalLM": "mixtral",
+    "OlmoeForCausalLM": "olmoe",
+    "GptOssForCausalLM": "gpt_oss",
+    "Glm4MoeForCausalLM": "glm4_moe",
+}
+
+
+def text_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The text-model part of a config: ``text_config`` for wrappers, else the config itself."""
+    inner = config.get("text_config")
+    if isinstance(inner, dict) and "num_hidden_layers" not in config:
+        return inner
+    return config
+
+
+def family_of(config: dict[str, Any]) -> str:
+    """The engine family serving this text config, or UnsupportedModelError."""
+    model_type = config.get("model_type")
+    if model_type in _FAMILIES:
+        return _FAMILIES[model_type]
+    for arch in config.get("architectures") or ():
+        if arch in _ARCHITECTURES:
+            return _ARCHITECTURES[arch]
+    name = model_type or ", ".join(config.get("architectures") or ()) or "unknown"
+    raise UnsupportedModelError(
+        f"the embedded engine does not serve the {name} architecture",
+        "Run this model with `--backend llamacpp`.",
+    )
+
+
+@dataclass(frozen=True)
+class RopeParams:
+    """RoPE settings in transformers' standardised form (``rope_parameters``)."""
+
+    kind: str  # "default", "linear", "llama3" or "yarn"
+    theta: float
+    partial_rotary_factor: float
+    extra: dict[str, Any]  # factor, beta_fast, mscale, original_max_position_embeddings, ...
+
+    def get(self, key: str, default: Any = None) -> Any:
+        value = self.extra.get(key)
+        return default if value is None else value
+
+
+class HFConfig:
+    """Typed reads of a text config dict, with the family's transformers defaults."""
+
+    def __init__(self, config: dict[str, Any], source: str = "config.json"):
+        self.raw = config
+        self.source = source
+
+    def get(self, key: str, default: Any = None) -> Any:
+        value = self.raw.get(key)
+        return default if value is None else value
+
+    def require(self, key: str) -> Any:
+        value = self.raw.get(key)
+        if value is None:
+            raise ModelError(f"{self.source} has no {key!r}, which this model needs")
+        return value
+
+    @property
+    def model_type(self) -> str:
+        return str(self.raw.get("model_type") or "")
+
+    def rope(self, *, default_theta: float = 10000.0, default_partial: float = 1.0) -> RopeParams:
+        params = dict(self.raw.get("rope_parameters") or self.raw.get("rope_scaling") or {})
+        # A per-layer-type nested dict (some newer models) is not one of ours; refuse clearly.
+        if params and all(isinstance(v, dict) for v in params.values()):
+            raise UnsupportedModelError(
+                f"{self.source}: per-layer rope parameters are not supported by the embedded engine",
+                "Run this model with `--backend llamacpp`.",
+            )
+        kind = params.pop("rope_type", None) or params.pop("type", None) or "default"
+        params.pop("type", None)
+        theta = params.pop("rope_theta", None) or self.raw.get("rope_theta") or default_theta
+        partial = params.pop("partial_rotary_factor", None)
+        if partial is None:
+            partial = self.raw.get("partial_rotary_factor", default_partial)
+        if kind in ("llama3", "yarn") and params.get("original_max_position_embeddings") is None:
+            params["original_max_position_embeddings"] = self.raw.get(
+                "original_max_position_embeddings", self.raw.get("max_position_embeddings")
+            )
+        if kind not in ("default", "linear", "llama3", "yarn"):
+            raise UnsupportedModelError(
+                f"{self.source}: rope type {kind!r} is not supported by the embedded engine",
+                "Run this model with `--backend llamacpp`.",
+            )
+        return RopeParams(kind=kind, theta=float(theta), partial_rotary_factor=float(partial), extra=params)

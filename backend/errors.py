@@ -1,0 +1,43 @@
+"""Errors a user can cause, each carrying what went wrong and what to do about it.
+
+The CLI prints ``str(error)`` and exits with ``error.exit_code``; the TUI shows the same
+text in a dialog. Anything that is not a ``HybridMoeError`` is a bug and is reported as such.
+"""
+
+from __future__ import annotations
+
+
+class HybridMoeError(Exception):
+    """A failure the user can act on. ``what`` names the problem, ``hint`` the way out."""
+
+    exit_code = 1
+
+    def __init__(self, what: str, hint: str | None = None):
+        super().__init__(what)
+        self.what = what
+        self.hint = hint
+
+    def __str__(self) -> str:
+        return f"{self.what}\n  {self.hint}" if self.hint else self.what
+
+
+class UsageError(HybridMoeError):
+    """The command line or a description file is malformed (exit code 2)."""
+
+    exit_code = 2
+
+
+class ModelError(HybridMoeError):
+    """A model path, config or weight file cannot be used."""
+
+
+class UnsupportedModelError(ModelError):
+    """The model is readable but of an architecture or format we do not serve."""
+
+
+class HardwareDescriptionError(UsageError):
+    """A described (not detected) machine makes no sense."""
+
+
+class PlanError(HybridMoeError):
+    """A workload that cannot be planned at all (as opposed to a plan that does not fit)."""

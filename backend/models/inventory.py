@@ -1,0 +1,74 @@
+"""How many bytes a model holds of each tensor class (SIZING.md section 1).
+
+Built from real tensor lists (safetensors headers, GGUF tensor infos) when files are on
+disk, or computed from the config for a chosen storage format when they are not; the
+builders live in ``backend.models.tensors``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+
+class TensorClass(str, Enum):
+    EMBEDDING = "embedding"
+    ATTENTION = "attention"  # q/k/v/o, MLA projections, all norms
+    DENSE_FFN = "dense_ffn"  # MLPs of dense layers
+    SHARED_EXPERTS = "shared_experts"  # incl. Qwen2-MoE shared_expert_gate
+    ROUTER = "router"  # gate.weight, e_score_correction_bias, router biases
+    ROUTED_EXPERTS = "routed_experts"
+    LM_HEAD = "lm_head"
+    OTHER = "other"  # vision tower, MTP/NextN layers: not loaded for text chat
+
+
+# Classes every decoded token reads in full: they go to the GPU first (SIZING.md section 3).
+ALWAYS_READ = (
+    TensorClass.EMBEDDING,
+    TensorClass.ATTENTION,
+    TensorClass.DENSE_FFN,
+    TensorClass.SHARED_EXPERTS,
+    TensorClass.ROUTER,
+    TensorClass.LM_HEAD,
+)
+
+
+@dataclass(frozen=True)
+class TensorInventory:
+    bytes_by_class: dict[TensorClass, int]
+    # Routed-expert bytes of each MoE layer, keyed by layer index.
+    routed_bytes_by_layer: dict[int, int]
+    n_routed_experts: int
+    source: str  # "safetensors", "gguf" or "config"
+    expert_format: str  # storage format name of routed experts
+    expert_bits_per_weight: float  # average, scales included
+    files: tuple[str, ...] = ()
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.bytes_by_class.values())
+
+    @property
+    def routed_expert_bytes(self) -> int:
+        return self.bytes_by_class.get(TensorClass.ROUTED_EXPERTS, 0)
+
+    @property
+    def always_read_bytes(self) -> int:
+        return sum(self.bytes_by_class.get(c, 0) for c in ALWAYS_READ)
+
+    def bytes_per_expert(self, layer: int) -> float:
+        return self.routed_bytes_by_layer[layer] / self.n_routed_experts
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "source": self.source,
+            "expert_format": self.expert_format,
+            "expert_bits_per_weight": self.expert_bits_per_weight,
+            "total_bytes": self.total_bytes,
+            "bytes_by_class": {c.value: b for c, b in self.bytes_by_class.items()},
+            "routed_bytes_by_layer": {str(k): v for k, v in sorted(self.routed_bytes_by_layer.items())},
+            "files": list(self.files),
+            "notes": list(self.notes),
+        }

@@ -1,0 +1,86 @@
+"""What a model is, independent of where it was read from (config.json or GGUF metadata).
+
+``ModelSpec`` holds the shape facts the planner and the engine need. ``config`` keeps the
+model's text configuration in Hugging Face form (for a GGUF, translated from its metadata
+keys by the family module), so the engine reads one vocabulary whatever the source.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    family: str  # "deepseek", "qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "gpt_oss", "glm4_moe"
+    architecture: str  # HF architectures[0] (e.g. "DeepseekV3ForCausalLM") or GGUF general.architecture
+    hidden_size: int
+    num_layers: int  # decoder layers used for text generation (MTP/NextN layers excluded)
+    vocab_size: int
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int
+    attention: str  # "mla" or "gqa"
+    max_context: int
+    moe_layers: tuple[int, ...]  # indices of layers with routed experts
+    dense_layers: tuple[int, ...]  # indices of layers with a plain MLP
+    n_routed_experts: int
+    experts_per_token: int
+    moe_intermediate_size: int
+    n_shared_experts: int = 0
+    shared_intermediate_size: int = 0  # total width of the shared-expert MLP (all shared experts)
+    dense_intermediate_size: int = 0
+    tie_word_embeddings: bool = False
+    # MLA (DeepSeek-V2/V3, Kimi K2): the compressed cache holds kv_lora_rank + qk_rope_head_dim.
+    kv_lora_rank: int | None = None
+    q_lora_rank: int | None = None
+    qk_rope_head_dim: int | None = None
+    qk_nope_head_dim: int | None = None
+    v_head_dim: int | None = None
+    # Sliding-window attention: layers listed here keep at most `sliding_window` tokens.
+    sliding_window: int | None = None
+    sliding_layers: tuple[int, ...] = ()
+    n_mtp_layers: int = 0  # multi-token-prediction / NextN layers (not loaded for chat)
+    has_vision: bool = False
+    vision_params: int = 0  # estimated weights of the vision tower + projector (from vision_config)
+    # Storage format names (see backend.models.formats) as the checkpoint holds them.
+    expert_format: str = "bf16"
+    other_format: str = "bf16"
+    torch_dtype: str = "bfloat16"
+    config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def params_per_expert(self) -> int:
+        """Weights in one routed expert: gate, up and down projections."""
+        return 3 * self.hidden_size * self.moe_intermediate_size
+
+    @property
+    def n_moe_layers(self) -> int:
+        return len(self.moe_layers)
+
+    def kv_bytes_per_token(self, bytes_per_element: float = 2.0) -> float:
+        """KV cache bytes one token occupies across all layers (SIZING.md section 2).
+
+        Sliding-window layers are included here; ``kv_bytes(context)`` caps them.
+        """
+        return self.kv_bytes_per_token_per_layer(bytes_per_element) * self.num_layers
+
+    def kv_bytes_per_token_per_layer(self, bytes_per_element: float = 2.0) -> float:
+        if self.attention == "mla":
+            return (self.kv_lora_rank + self.qk_rope_head_dim) * bytes_per_element
+        return 2 * self.num_kv_heads * self.head_dim * bytes_per_element
+
+    def kv_bytes(self, context: int, bytes_per_element: float = 2.0) -> float:
+        """KV cache bytes for one conversation of `context` tokens."""
+        per_layer = self.kv_bytes_per_token_per_layer(bytes_per_element)
+        n_sliding = len(self.sliding_layers) if self.sliding_window else 0
+        full = (self.num_layers - n_sliding) * per_layer * context
+        sliding = n_sliding * per_layer * min(context, self.sliding_window or context)
+        return full + sliding
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.pop("config")
+        return d

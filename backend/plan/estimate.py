@@ -1,0 +1,80 @@
+"""Speed estimates (SIZING.md section 6). Every figure is an upper bound from bytes and bandwidths."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Theoretical per-core throughput for expert matmuls on the CPU, by the best ISA present
+# (dense multiply-adds per cycle × 2 flops). A sustained all-core clock is not knowable
+# from here, so the prefill crossover assumes 2.5 GHz and says so.
+ASSUMED_CPU_HZ = 2.5e9
+FLOPS_PER_CYCLE = (
+    ("amx_bf16", 1024.0),  # AMX tiles: 16×32 bf16 dot products per cycle
+    ("avx512_bf16", 128.0),  # two VDPBF16PS ports × 32 bf16 pairs
+    ("avx512f", 64.0),  # two FMA ports × 16 fp32
+    ("avx2", 32.0),  # two FMA ports × 8 fp32
+)
+PORTABLE_FLOPS_PER_CYCLE = 8.0
+
+
+def experts_touched(n_experts: int, k: int, users: int) -> float:
+    """Distinct experts a layer reads when `users` tokens are routed uniformly: E(1 − ((E−k)/E)^u)."""
+    return n_experts * (1 - ((n_experts - k) / n_experts) ** users)
+
+
+def cpu_flops(physical_cores: int | None, features: tuple[str, ...]) -> float | None:
+    if not physical_cores:
+        return None
+    per_cycle = next((f for name, f in FLOPS_PER_CYCLE if name in features), PORTABLE_FLOPS_PER_CYCLE)
+    return physical_cores * ASSUMED_CPU_HZ * per_cycle
+
+
+def prefill_crossover_tokens(bits_per_weight: float, cpu_flops_per_s: float | None, pcie_bytes_per_s: float | None):
+    """Tokens routed to one expert above which copying it to the GPU beats computing it on the CPU.
+
+    Copying costs (bits/8)·P / B_pcie seconds; computing t tokens costs 2·P·t / F_cpu;
+    they are equal at t = (bits/8) · F_cpu / (2 · B_pcie).
+    """
+    if not cpu_flops_per_s or not pcie_bytes_per_s:
+        return None
+    return (bits_per_weight / 8) * cpu_flops_per_s / (2 * pcie_bytes_per_s)
+
+
+@dataclass(frozen=True)
+class DecodeEstimate:
+    host_bytes_per_step: float
+    gpu_bytes_per_step: float
+    tokens_per_s_per_user: float | None
+    bound_by: str
+
+
+def decode_step(
+    *,
+    host_bytes: float,
+    host_bandwidth: float | None,
+    gpu_bytes_by_card: list[tuple[float, float | None]],
+) -> DecodeEstimate:
+    """Time of one decode step: the host path and the GPU path overlap, so the slower bounds.
+
+    GPU cards of a pipeline run one after the other for the same token, so their times add.
+    """
+    t_host = host_bytes / host_bandwidth if host_bandwidth and host_bytes else 0.0
+    gpu_bytes = sum(b for b, _ in gpu_bytes_by_card)
+    t_gpu = 0.0
+    unknown_gpu_bw = False
+    for b, bw in gpu_bytes_by_card:
+        if bw:
+            t_gpu += b / bw
+        elif b:
+            unknown_gpu_bw = True
+    if host_bytes and not host_bandwidth:
+        return DecodeEstimate(host_bytes, gpu_bytes, None, "unknown: host memory bandwidth not known")
+    if t_host == 0 and t_gpu == 0:
+        return DecodeEstimate(host_bytes, gpu_bytes, None, "unknown: no bandwidth figures")
+    if t_host >= t_gpu:
+        bound = "host memory bandwidth (CPU experts)"
+        if unknown_gpu_bw:
+            bound += "; GPU bandwidth unknown, GPU time not counted"
+    else:
+        bound = "GPU memory bandwidth"
+    return DecodeEstimate(host_bytes, gpu_bytes, 1.0 / max(t_host, t_gpu), bound)

@@ -1,0 +1,164 @@
+"""The Plan: where every tensor class and every routed expert goes, and what that buys.
+
+A Plan is data. It is made by ``backend.plan.make``, shown to the user, saved as TOML or
+JSON, loaded again, edited, and obeyed by both backends. All sizes are bytes, all speeds
+are per second; the printed form converts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import tomllib
+from dataclasses import MISSING, asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import tomli_w
+
+from backend.errors import UsageError
+from backend.plan.workload import Workload
+
+PLAN_FORMAT = "hybridmoe-plan/1"
+
+
+@dataclass(frozen=True)
+class DevicePlan:
+    name: str  # "cuda:0 NVIDIA H200 NVL" or "cpu"
+    kind: str  # "gpu" or "cpu"
+    budget_bytes: int  # what may be placed here (after reserves)
+    used_bytes: int
+    bytes_by_class: dict[str, int]  # tensor class -> bytes, plus "kv_cache", "prefill_reserve", "activations"
+    layers: tuple[int, ...] = ()  # decoder layers whose always-read weights live here (GPUs)
+    bandwidth_bytes_per_s: float | None = None
+
+    @property
+    def free_bytes(self) -> int:
+        return self.budget_bytes - self.used_bytes
+
+
+@dataclass(frozen=True)
+class Plan:
+    model: str
+    family: str
+    expert_format: str
+    hardware: str
+    described_hardware: bool
+    workload: Workload
+    devices: tuple[DevicePlan, ...]
+    # Routed experts on a GPU, per MoE layer; every other routed expert is CPU-resident.
+    gpu_experts: dict[int, tuple[int, ...]]
+    n_routed_experts: int
+    experts_per_token: int
+    moe_layers: tuple[int, ...]
+    bytes_per_expert: dict[int, float]
+    main_device: str  # "cuda" or "cpu"
+    threads: int | None
+    numa_nodes: int
+    kv_bytes_per_token: float
+    kv_bytes_per_conversation: float
+    routed_expert_bytes_total: int
+    gpu_routed_expert_bytes: int
+    host_routed_expert_bytes: int
+    host_ram_needed_bytes: int
+    host_ram_usable_bytes: int | None
+    host_bandwidth_bytes_per_s: float | None
+    host_bandwidth_source: str
+    host_bytes_per_token: float
+    gpu_bytes_per_token: float
+    decode_tokens_per_s_upper_bound: float | None
+    decode_bound_by: str
+    # Several users: experts touched per layer (union formula), per-user bound, all users together.
+    experts_touched_per_layer: float
+    decode_tokens_per_s_per_user: float | None
+    decode_tokens_per_s_aggregate: float | None
+    prefill_crossover_tokens: float | None
+    llama_cpp: dict[str, Any]
+    fits: bool
+    reason: str
+    suggestions: tuple[str, ...] = ()
+    outgrown: bool = False
+    serving: dict[str, Any] | None = None
+    warnings: tuple[str, ...] = ()
+    format: str = field(default=PLAN_FORMAT)
+
+    @property
+    def gpu_expert_count(self) -> int:
+        return sum(len(v) for v in self.gpu_experts.values())
+
+    def placement(self) -> dict[int, frozenset[int]]:
+        """Main-device experts per MoE layer, as the engine consumes them."""
+        return {layer: frozenset(ids) for layer, ids in self.gpu_experts.items()}
+
+    # ---- serialisation -------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["workload"] = self.workload.to_dict()
+        d["gpu_experts"] = {str(k): list(v) for k, v in sorted(self.gpu_experts.items())}
+        d["gpu_experts_per_layer"] = {str(k): len(v) for k, v in sorted(self.gpu_experts.items())}
+        d["bytes_per_expert"] = {str(k): v for k, v in sorted(self.bytes_per_expert.items())}
+        for dev, dd in zip(self.devices, d["devices"]):
+            dd["free_bytes"] = dev.free_bytes
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Plan":
+        if d.get("format") != PLAN_FORMAT:
+            raise UsageError(f"not a hybridmoe plan (format {d.get('format')!r}, expected {PLAN_FORMAT!r})")
+        dev_names = {f.name for f in fields(DevicePlan)}
+        # TOML has no null, so unset optional fields are absent: they come back as None.
+        kw = {f.name: d.get(f.name) for f in fields(cls) if f.name in d or f.default is MISSING}
+        kw["workload"] = Workload.from_dict(d["workload"])
+        kw["devices"] = tuple(
+            DevicePlan(
+                **{k: dd.get(k) for k in dev_names if k != "layers"},
+                layers=tuple(dd.get("layers", ())),
+            )
+            for dd in d["devices"]
+        )
+        kw["gpu_experts"] = {int(k): tuple(int(e) for e in v) for k, v in d["gpu_experts"].items()}
+        kw["bytes_per_expert"] = {int(k): float(v) for k, v in d["bytes_per_expert"].items()}
+        for name in ("moe_layers", "suggestions", "warnings"):
+            kw[name] = tuple(d.get(name, ()))
+        return cls(**kw)
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write as TOML (``.toml``) or JSON (anything else), atomically."""
+        path = Path(path)
+        if path.suffix == ".toml":
+            text = tomli_w.dumps(_drop_none(self.to_dict()))
+        else:
+            text = json.dumps(self.to_dict(), indent=1)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+        return path
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "Plan":
+        path = Path(path)
+        try:
+            raw = path.read_bytes()
+        except OSError as e:
+            raise UsageError(f"cannot read plan {path}: {e.strerror}", "Make one with `hybridmoe plan MODEL --save FILE`.")
+        try:
+            d = tomllib.loads(raw.decode()) if path.suffix == ".toml" else json.loads(raw)
+        except (UnicodeDecodeError, tomllib.TOMLDecodeError, json.JSONDecodeError) as e:
+            raise UsageError(f"plan {path} is not valid {'TOML' if path.suffix == '.toml' else 'JSON'}: {e}")
+        try:
+            return cls.from_dict(d)
+        except (KeyError, TypeError, ValueError) as e:
+            raise UsageError(f"plan {path} is incomplete or malformed ({e})", "Make it again with `hybridmoe plan`.")
+
+
+def _drop_none(value):
+    """TOML has no null: leave unset fields out (from_dict restores their defaults)."""
+    if isinstance(value, dict):
+        return {k: _drop_none(v) for k, v in value.items() if v is not None}
+    if isinstance(value, (list, tuple)):
+        return [_drop_none(v) for v in value]
+    return value

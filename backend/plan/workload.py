@@ -1,0 +1,65 @@
+"""What the user wants to run: context length, concurrent conversations, cache precision, strategy."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+from backend.errors import UsageError
+
+# Bytes one cached element takes. q8_0 is llama.cpp's 8-bit cache: 32 int8 + one fp16 scale.
+KV_BYTES_PER_ELEMENT = {"bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "q8_0": 34 / 32}
+STRATEGIES = ("uniform", "frequency", "cpu-only")
+BACKENDS = ("auto", "engine", "llamacpp")
+PREFILL_RESERVE = ("auto", "on", "off")
+
+
+@dataclass(frozen=True)
+class Workload:
+    context: int = 32768
+    users: int = 1
+    kv_dtype: str = "bf16"
+    # "auto": keep one MoE layer of experts free on each GPU for streamed prefill when it fits.
+    prefill_reserve: str = "auto"
+    strategy: str = "uniform"
+    stats_file: str | None = None
+    backend: str = "auto"
+    # Tokens per prefill chunk: sizes the activation reserve on the main device.
+    prefill_chunk: int = 2048
+    # Per-user decode speed below which one workstation is not enough (SIZING.md section 7).
+    target_tokens_per_s: float = 5.0
+
+    def __post_init__(self):
+        if self.context < 1:
+            raise UsageError(f"context must be at least 1 token, got {self.context}", "Pass --context 32768 or similar.")
+        if self.users < 1:
+            raise UsageError(f"users must be at least 1, got {self.users}", "Pass --users 1 or more.")
+        if self.kv_dtype not in KV_BYTES_PER_ELEMENT:
+            raise UsageError(f"unknown KV cache type {self.kv_dtype!r}", f"Choose one of {', '.join(KV_BYTES_PER_ELEMENT)}.")
+        if self.strategy not in STRATEGIES:
+            raise UsageError(f"unknown placement strategy {self.strategy!r}", f"Choose one of {', '.join(STRATEGIES)}.")
+        if self.strategy == "frequency" and not self.stats_file:
+            raise UsageError(
+                "the frequency strategy needs a statistics file",
+                "Pass --stats FILE (recorded by `hybridmoe run --record-stats FILE`), or use --strategy uniform.",
+            )
+        if self.backend not in BACKENDS:
+            raise UsageError(f"unknown backend {self.backend!r}", f"Choose one of {', '.join(BACKENDS)}.")
+        if self.prefill_reserve not in PREFILL_RESERVE:
+            raise UsageError(f"prefill reserve must be one of {', '.join(PREFILL_RESERVE)}, got {self.prefill_reserve!r}")
+        if self.prefill_chunk < 1:
+            raise UsageError(f"prefill chunk must be at least 1 token, got {self.prefill_chunk}")
+        if self.target_tokens_per_s <= 0:
+            raise UsageError(f"target speed must be positive, got {self.target_tokens_per_s}")
+
+    @property
+    def kv_bytes_per_element(self) -> float:
+        return KV_BYTES_PER_ELEMENT[self.kv_dtype]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Workload":
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
