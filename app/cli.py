@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import traceback
 from datetime import datetime
 
-from backend.errors import HybridMoeError, UsageError
+from backend.errors import HybridMoeError
 from backend.plan.workload import BACKENDS, KV_BYTES_PER_ELEMENT, PREFILL_RESERVE, STRATEGIES
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_CANCELLED = 0, 1, 2, 130
@@ -82,13 +83,15 @@ def resolve_hardware(args):
     """This machine, a preset, or a TOML description; then the command-line overrides."""
     from backend.hardware import detect
     from backend.hardware.overrides import apply_overrides
-    from backend.hardware.presets import resolve
+    from backend.hardware.presets import load_described, preset
     from backend.units import parse_bytes, parse_rate
 
     if args.hardware == "this":
         profile = detect(measure_bandwidth=not args.no_bandwidth and args.host_bandwidth is None)
+    elif args.hardware.endswith(".toml") or os.path.exists(args.hardware):
+        profile = load_described(args.hardware)
     else:
-        profile = resolve(args.hardware)
+        profile = preset(args.hardware)
     return apply_overrides(
         profile,
         gpu_memory=parse_bytes(args.gpu_memory) if args.gpu_memory else None,

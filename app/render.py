@@ -190,7 +190,8 @@ def plan_text(plan: Plan) -> str:
     rows = [
         ("host reads / token", f"{plan.host_bytes_per_token / GB:,.3f} GB at {fmt_rate(plan.host_bandwidth_bytes_per_s)} "
          f"({plan.host_bandwidth_source})"),
-        ("GPU reads / token", f"{plan.gpu_bytes_per_token / GB:,.3f} GB"),
+        ("GPU reads / token", f"{plan.gpu_bytes_per_token / GB:,.3f} GB (always-read weights, GPU experts, "
+         f"KV cache at the full context)"),
     ]
     if plan.decode_tokens_per_s_upper_bound:
         rows.append(("bound", f"{plan.decode_tokens_per_s_upper_bound:,.1f} tokens/s, set by {plan.decode_bound_by}"))

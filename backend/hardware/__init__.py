@@ -1,0 +1,98 @@
+"""What this machine has (``detect``) or what a machine being sized has (presets, descriptions).
+
+``detect()`` never raises: a fact it cannot determine is ``None`` in the profile and its
+reason is in ``HardwareProfile.unknown``, so the planner can say what it assumed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any, TypeVar
+
+from backend.hardware.bandwidth import measure_host_read_bandwidth, probe_buffer_bytes, probe_threads
+from backend.hardware.cpu import detect_cpu
+from backend.hardware.disk import default_model_dir, detect_disk
+from backend.hardware.gpu import detect_gpus
+from backend.hardware.memory import detect_memory
+from backend.hardware.presets import GPU_MODELS, describe, load_described, preset, preset_names
+from backend.hardware.profile import CPU, GPU, Disk, HardwareProfile, Memory, NumaNode
+
+__all__ = [
+    "detect",
+    "describe",
+    "load_described",
+    "preset",
+    "preset_names",
+    "GPU_MODELS",
+    "default_model_dir",
+    "HardwareProfile",
+    "CPU",
+    "GPU",
+    "Disk",
+    "Memory",
+    "NumaNode",
+]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+def _guarded(part: str, unknown: dict[str, str], default: T, call: Callable[[], tuple[T, dict[str, str]]]) -> T:
+    """Run one detector; a bug in it costs that part of the profile, not the whole app."""
+    try:
+        value, reasons = call()
+    except Exception as error:
+        log.warning("hardware detection of %s failed", part, exc_info=True)
+        unknown[part] = f"detection failed ({type(error).__name__}: {error}); please report this"
+        return default
+    unknown.update(reasons)
+    return value
+
+
+def detect(
+    *,
+    measure_bandwidth: bool = True,
+    model_dir: str | os.PathLike[str] | None = None,
+    proc_root: str | os.PathLike[str] = "/proc",
+    sys_root: str | os.PathLike[str] = "/sys",
+    dev_root: str | os.PathLike[str] = "/dev",
+    nvml: ModuleType | Any | None = None,
+) -> HardwareProfile:
+    """Profile this machine: CPU, host memory (with cgroup limit and bandwidth), GPUs, disk.
+
+    ``measure_bandwidth`` runs the ~0.5 s host read-bandwidth probe. ``model_dir`` is where
+    models will be stored (default: ``default_model_dir()``). ``proc_root``, ``sys_root``,
+    ``dev_root`` and ``nvml`` (a pynvml-like module) let tests substitute fake trees and
+    drivers.
+    """
+    unknown: dict[str, str] = {}
+    cpu = _guarded("cpu", unknown, CPU(), lambda: detect_cpu(proc_root, sys_root))
+    memory = _guarded(
+        "memory",
+        unknown,
+        Memory(),
+        lambda: detect_memory(
+            proc_root, sys_root, cpu_model=cpu.model_name, sockets=cpu.sockets, physical_cores=cpu.physical_cores
+        ),
+    )
+
+    if not measure_bandwidth:
+        unknown["memory.bandwidth_measured_bytes_per_s"] = "bandwidth probe not run (opted out)"
+    else:
+        try:
+            measured = measure_host_read_bandwidth(
+                buffer_bytes=probe_buffer_bytes(cpu.l3_bytes, memory.available_bytes),
+                threads=probe_threads(cpu.physical_cores),
+            )
+            memory = dataclasses.replace(memory, bandwidth_measured_bytes_per_s=measured)
+        except Exception as error:  # MemoryError, a broken torch: the probe is optional
+            unknown["memory.bandwidth_measured_bytes_per_s"] = f"bandwidth probe failed: {type(error).__name__}: {error}"
+
+    gpus = _guarded("gpus", unknown, (), lambda: detect_gpus(nvml, sys_root=sys_root, dev_root=dev_root))
+    disk = _guarded("disk", unknown, None, lambda: detect_disk(model_dir))
+    return HardwareProfile(cpu=cpu, memory=memory, gpus=gpus, disk=disk, unknown=unknown)

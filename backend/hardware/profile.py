@@ -30,7 +30,7 @@ class CPU:
     # "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8",
     # "amx_bf16", "neon", "sve".
     features: tuple[str, ...] = ()
-    l3_bytes: int | None = None
+    l3_bytes: int | None = None  # all L3 instances of all sockets together
 
 
 @dataclass(frozen=True)
@@ -64,8 +64,13 @@ class GPU:
     total_bytes: int | None = None
     free_bytes: int | None = None
     compute_capability: tuple[int, int] | None = None
+    # Fastest link the card and its slot can train to (what transfers are planned with) ...
     pcie_generation: int | None = None
     pcie_width: int | None = None
+    # ... and the link now: the generation drops while a card idles, a narrower width than
+    # the maximum means a riser or slot problem worth telling the user about.
+    pcie_generation_current: int | None = None
+    pcie_width_current: int | None = None
     nvlink_links: int | None = None
     memory_bandwidth_bytes_per_s: float | None = None
     served: bool = True  # False: seen, but the hybrid backend cannot use it

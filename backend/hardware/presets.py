@@ -1,0 +1,532 @@
+"""Machines the user does not have (yet): presets, TOML descriptions, explicit numbers.
+
+Sizing before purchase needs a ``HardwareProfile`` for a machine that cannot be detected.
+GPU memory is given as the driver reports it (``nvidia-smi``), because that, not the
+marketing figure, is what the planner budgets from (SIZING.md §3): an RTX PRO 6000 "96 GB"
+shows 97,887 MiB, an H200 NVL "141 GB" 140.4 GiB.
+
+A description file looks like this (every key but ``[host] ram`` is optional; a GPU model
+from ``GPU_MODELS`` supplies memory, bandwidth and link facts; a flat file may instead use
+``describe()``'s parameter names at the top level: ``gpu_count = 4``, ``host_ram = "768GiB"``)::
+
+    name = "lab box"
+    [gpu]
+    model = "RTX PRO 6000"
+    count = 4
+    memory = "97887MiB"      # per card, as the driver reports it
+    bandwidth = "1792GB/s"   # per card
+    [host]
+    ram = "768GiB"
+    bandwidth = "1229GB/s"   # else derived from cpu + sockets when the platform is known
+    cpu = "AMD EPYC 9355 32-Core Processor"
+    cores = 64               # physical cores, all sockets together
+    threads = 128
+    sockets = 2
+    l3 = "512MiB"
+    features = ["avx512f", "avx512_vnni", "avx512_bf16"]
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from backend.errors import HardwareDescriptionError
+from backend.hardware.memory import theoretical_host_bandwidth
+from backend.hardware.profile import CPU, GPU, HardwareProfile, Memory, NumaNode
+from backend.units import GiB, MiB, UnitError, fmt_bytes, fmt_rate, parse_bytes, parse_rate
+
+__all__ = ["GPUModel", "GPU_MODELS", "preset", "preset_names", "describe", "load_described"]
+
+
+@dataclass(frozen=True)
+class GPUModel:
+    """A card as the driver reports it, for describing machines by model name alone."""
+
+    name: str
+    memory_bytes: int  # what nvidia-smi / NVML report as total
+    memory_bandwidth_bytes_per_s: float
+    compute_capability: tuple[int, int]
+    pcie_generation: int
+    pcie_width: int
+    nvlink_links: int | None  # None: depends on the bridges or baseboard installed
+    aliases: tuple[str, ...] = ()
+
+
+# The first alias is the short name shown to users; matching ignores case and punctuation.
+GPU_MODELS: tuple[GPUModel, ...] = (
+    GPUModel("NVIDIA RTX PRO 6000 Blackwell", 97_887 * MiB, 1.792e12, (12, 0), 5, 16, 0,
+             ("RTX PRO 6000", "RTX PRO 6000 Blackwell", "RTX PRO 6000 Blackwell Workstation Edition",
+              "RTX PRO 6000 Blackwell Server Edition", "RTX PRO 6000 Blackwell Max-Q Workstation Edition")),
+    GPUModel("NVIDIA H200 NVL", 143_771 * MiB, 4.8e12, (9, 0), 5, 16, None, ("H200 NVL",)),
+    GPUModel("NVIDIA H200", 143_771 * MiB, 4.8e12, (9, 0), 5, 16, 18, ("H200", "H200 SXM")),
+    GPUModel("NVIDIA H100 NVL", 95_830 * MiB, 3.9e12, (9, 0), 5, 16, None, ("H100 NVL",)),
+    GPUModel("NVIDIA H100 80GB HBM3", 81_559 * MiB, 3.35e12, (9, 0), 5, 16, 18, ("H100", "H100 SXM")),
+    GPUModel("NVIDIA A100-SXM4-80GB", 81_920 * MiB, 2.039e12, (8, 0), 4, 16, 12, ("A100 80GB", "A100 SXM4 80GB")),
+    GPUModel("NVIDIA L40S", 46_068 * MiB, 864e9, (8, 9), 4, 16, 0, ("L40S",)),
+    GPUModel("NVIDIA RTX 6000 Ada Generation", 49_140 * MiB, 960e9, (8, 9), 4, 16, 0, ("RTX 6000 Ada",)),
+    GPUModel("NVIDIA GeForce RTX 5090", 32_607 * MiB, 1.792e12, (12, 0), 5, 16, 0, ("RTX 5090",)),
+    GPUModel("NVIDIA GeForce RTX 4090", 24_564 * MiB, 1.008e12, (8, 9), 4, 16, 0, ("RTX 4090",)),
+)
+
+
+def _normalize(name: str) -> str:
+    """'NVIDIA RTX-PRO 6000' and 'rtx pro 6000' are the same card; '8×' is '8x'."""
+    name = name.lower().replace("×", "x")
+    name = re.sub(r"^nvidia\s+(geforce\s+)?", "", name.strip())
+    return re.sub(r"[^a-z0-9]", "", name)
+
+
+def _find_gpu_model(name: str) -> GPUModel | None:
+    wanted = _normalize(name)
+    for model in GPU_MODELS:
+        if wanted in {_normalize(model.name), *(_normalize(a) for a in model.aliases)}:
+            return model
+    return None
+
+
+# --- presets ----------------------------------------------------------------------------------
+
+# Zen 5 (EPYC 9005) ISA as /proc/cpuinfo names it.
+_ZEN5_FEATURES = ("avx2", "fma", "avx_vnni", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16")
+
+# A plausible host for these GPUs: two EPYC 9355 (32 cores each, 8 × 32 MiB L3 each) with
+# all 24 channels populated; the bandwidth follows from the platform table (1,228.8 GB/s).
+_EPYC_9355_HOST: dict[str, Any] = {
+    "cpu_model": "AMD EPYC 9355 32-Core Processor",
+    "sockets": 2,
+    "cores": 64,
+    "threads": 128,
+    "l3": 512 * MiB,
+    "features": _ZEN5_FEATURES,
+}
+
+# 1.5 TiB = 24 × 64 GiB DIMMs for 8-GPU boxes; 768 GiB = 24 × 32 GiB (one DIMM per channel,
+# the full-bandwidth minimum) for the others.
+_PRESETS: dict[str, dict[str, Any]] = {
+    "4x RTX PRO 6000": {"gpu_model": "RTX PRO 6000", "gpu_count": 4, "host_ram": 768 * GiB, **_EPYC_9355_HOST},
+    "8x RTX PRO 6000": {"gpu_model": "RTX PRO 6000", "gpu_count": 8, "host_ram": 1536 * GiB, **_EPYC_9355_HOST},
+    "4x H200 NVL": {"gpu_model": "H200 NVL", "gpu_count": 4, "host_ram": 768 * GiB, **_EPYC_9355_HOST},
+    "8x H200 NVL": {"gpu_model": "H200 NVL", "gpu_count": 8, "host_ram": 1536 * GiB, **_EPYC_9355_HOST},
+    "cpu-only": {"gpu_count": 0, "host_ram": 768 * GiB, **_EPYC_9355_HOST},
+}
+
+
+def preset_names() -> tuple[str, ...]:
+    return tuple(_PRESETS)
+
+
+def preset(name: str) -> HardwareProfile:
+    """The preset machine called ``name`` (spacing, case and '×' vs 'x' do not matter)."""
+    wanted = _normalize(name)
+    for known, values in _PRESETS.items():
+        if _normalize(known) == wanted:
+            return describe(name=known, **values)
+    raise HardwareDescriptionError(
+        f"unknown machine preset {name!r}",
+        "Known presets: " + ", ".join(repr(n) for n in _PRESETS) + "; or describe the machine in a TOML file.",
+    )
+
+
+# --- describe ---------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Source:
+    """Where each value came from, so that errors point at it: a file line or a parameter."""
+
+    where: Callable[[str], str]  # parameter -> "machine.toml:5" or "describe()"
+    name: Callable[[str], str]  # parameter -> "[gpu] memory" or "gpu_memory"
+
+    def at(self, parameter: str) -> str:
+        return f"{self.where(parameter)}: {self.name(parameter)}"
+
+
+_CALL = _Source(where=lambda _: "describe()", name=lambda parameter: parameter)
+
+# Below these a unit was surely forgotten ("96" meaning 96 GiB is 96 bytes).
+_MIN_SENSIBLE_MEMORY = 1 * GiB
+_MIN_SENSIBLE_RATE = 1e9
+
+
+def describe(
+    *,
+    name: str = "described machine",
+    gpu_model: str | None = None,
+    gpu_count: int = 0,
+    gpu_memory: int | str | None = None,
+    gpu_bandwidth: float | str | None = None,
+    host_ram: int | str | None = None,
+    host_bandwidth: float | str | None = None,
+    cpu_model: str | None = None,
+    cores: int | None = None,
+    threads: int | None = None,
+    sockets: int | None = None,
+    l3: int | str | None = None,
+    features: Iterable[str] | None = None,
+) -> HardwareProfile:
+    """A ``HardwareProfile(described=True)`` from explicit numbers.
+
+    Sizes and rates may be numbers (bytes, bytes/s) or strings with units ("96GiB",
+    "1229GB/s"). ``gpu_memory`` is per card as the driver reports it and may be left out
+    for a model in ``GPU_MODELS``. The machine is taken as idle: GPU free memory and host
+    available memory equal the totals; the planner applies its own reserves. Raises
+    ``HardwareDescriptionError`` saying what is wrong and what to do.
+    """
+    return _describe(
+        dict(
+            name=name,
+            gpu_model=gpu_model,
+            gpu_count=gpu_count,
+            gpu_memory=gpu_memory,
+            gpu_bandwidth=gpu_bandwidth,
+            host_ram=host_ram,
+            host_bandwidth=host_bandwidth,
+            cpu_model=cpu_model,
+            cores=cores,
+            threads=threads,
+            sockets=sockets,
+            l3=l3,
+            features=features,
+        ),
+        _CALL,
+    )
+
+
+def _fail(source: _Source, parameter: str, problem: str, hint: str) -> HardwareDescriptionError:
+    return HardwareDescriptionError(f"{source.at(parameter)}: {problem}", hint)
+
+
+def _size(
+    values: dict[str, Any], parameter: str, source: _Source, label: str, minimum: int = _MIN_SENSIBLE_MEMORY
+) -> int | None:
+    value = values.get(parameter)
+    if value is None:
+        return None
+    try:
+        size = parse_bytes(value)
+    except UnitError as error:
+        raise _fail(source, parameter, f"{label}: {error.what}", error.hint or "") from None
+    if size <= 0:
+        raise _fail(source, parameter, f"{label} must be more than 0", f"Give the {label} with a unit, e.g. \"96GiB\".")
+    if size < minimum:
+        raise _fail(
+            source, parameter, f"{label} {value!r} is only {fmt_bytes(size)}",
+            f"A bare number is bytes; write the unit, e.g. \"{value}GiB\".",
+        )
+    return size
+
+
+def _rate(values: dict[str, Any], parameter: str, source: _Source, label: str) -> float | None:
+    value = values.get(parameter)
+    if value is None:
+        return None
+    try:
+        rate = parse_rate(value)
+    except UnitError as error:
+        raise _fail(source, parameter, f"{label}: {error.what}", error.hint or "") from None
+    if rate <= 0:
+        raise _fail(source, parameter, f"{label} must be more than 0", f"Give the {label} with a unit, e.g. \"1229GB/s\".")
+    if rate < _MIN_SENSIBLE_RATE:
+        raise _fail(
+            source, parameter, f"{label} {value!r} is only {fmt_rate(rate)}",
+            f"A bare number is bytes/s; write the unit, e.g. \"{value}GB/s\".",
+        )
+    return rate
+
+
+def _count(values: dict[str, Any], parameter: str, source: _Source, label: str, minimum: int) -> int | None:
+    value = values.get(parameter)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _fail(source, parameter, f"{label} must be a whole number, not {value!r}", f"Write e.g. {max(minimum, 2)}.")
+    if value < minimum:
+        raise _fail(source, parameter, f"{label} must be at least {minimum}, not {value}", f"Write e.g. {max(minimum, 2)}.")
+    return value
+
+
+def _guess_arch(cpu_model: str | None) -> str | None:
+    if not cpu_model:
+        return None
+    if re.search(r"\b(EPYC|Xeon|Threadripper|Ryzen|Core)\b", cpu_model, re.IGNORECASE):
+        return "x86_64"
+    if re.search(r"\bApple\b", cpu_model, re.IGNORECASE):
+        return "arm64"
+    if re.search(r"\b(Grace|Neoverse|Graviton|Ampere|Axion)\b", cpu_model, re.IGNORECASE):
+        return "aarch64"
+    return None
+
+
+def _numa_per_socket(sockets: int, cores: int | None, threads: int | None, ram: int) -> tuple[NumaNode, ...]:
+    """One node per socket (NPS1 / SNC off), CPUs numbered the way Linux numbers them on
+    x86 servers: each socket's first threads, then the SMT siblings in the same order."""
+    cpus_of: list[list[int]] = [[] for _ in range(sockets)]
+    if cores and cores % sockets == 0:
+        per_socket = cores // sockets
+        smt_levels = (threads // cores) if threads and threads % cores == 0 else 1
+        for level in range(smt_levels):
+            for socket in range(sockets):
+                start = level * cores + socket * per_socket
+                cpus_of[socket].extend(range(start, start + per_socket))
+    return tuple(
+        NumaNode(id=s, cpus=tuple(cpus_of[s]), memory_total_bytes=ram // sockets) for s in range(sockets)
+    )
+
+
+def _describe(values: dict[str, Any], source: _Source) -> HardwareProfile:
+    unknown: dict[str, str] = {}
+    not_described = "not described"
+
+    gpu_count = _count(values, "gpu_count", source, "GPU count", 0) or 0
+    gpu_model_name = values.get("gpu_model")
+    if gpu_model_name is not None and not isinstance(gpu_model_name, str):
+        raise _fail(source, "gpu_model", f"GPU model must be text, not {gpu_model_name!r}", 'Write e.g. "RTX PRO 6000".')
+    if gpu_count == 0:
+        for parameter, label in (("gpu_memory", "GPU memory"), ("gpu_bandwidth", "GPU bandwidth"), ("gpu_model", "a GPU model")):
+            if values.get(parameter) is not None:
+                raise _fail(
+                    source, parameter, f"{label} is given for a machine with 0 GPUs",
+                    f"Set {source.name('gpu_count')} to the number of cards, or remove {source.name(parameter)}.",
+                )
+    gpu_memory = _size(values, "gpu_memory", source, "GPU memory per card")
+    gpu_bandwidth = _rate(values, "gpu_bandwidth", source, "GPU memory bandwidth")
+    card = _find_gpu_model(gpu_model_name) if gpu_model_name else None
+    if gpu_count and card is None and gpu_memory is None:
+        known = ", ".join(repr(m.aliases[0]) for m in GPU_MODELS)
+        if gpu_model_name:
+            raise _fail(
+                source, "gpu_model", f"unknown GPU model {gpu_model_name!r} and no GPU memory given",
+                f"Give the memory per card as the driver reports it (e.g. \"97887MiB\"), or use a known model: {known}.",
+            )
+        raise _fail(
+            source, "gpu_count", f"{gpu_count} GPUs but neither their model nor their memory",
+            f"Give the GPU model ({known}) or the memory per card as the driver reports it.",
+        )
+
+    host_ram = _size(values, "host_ram", source, "host RAM")
+    if host_ram is None:
+        raise _fail(source, "host_ram", "host RAM is missing", 'Give the installed RAM, e.g. "768GiB".')
+    host_bandwidth = _rate(values, "host_bandwidth", source, "host memory bandwidth")
+    cpu_model = values.get("cpu_model")
+    if cpu_model is not None and not isinstance(cpu_model, str):
+        raise _fail(source, "cpu_model", f"CPU model must be text, not {cpu_model!r}", 'Write e.g. "AMD EPYC 9355".')
+    sockets = _count(values, "sockets", source, "socket count", 1)
+    cores = _count(values, "cores", source, "physical core count", 1)
+    threads = _count(values, "threads", source, "thread count", 1)
+    if cores is not None and sockets is not None and (cores < sockets or cores % sockets):
+        raise _fail(
+            source, "cores", f"{cores} cores cannot be shared evenly by {sockets} sockets",
+            "Give the physical cores of all sockets together (e.g. 64 for two 32-core CPUs).",
+        )
+    if cores is not None and threads is not None and threads < cores:
+        raise _fail(
+            source, "threads", f"{threads} threads is fewer than the {cores} physical cores",
+            "Give the hardware threads (2 per core with SMT on), or leave threads out.",
+        )
+    l3 = _size(values, "l3", source, "L3 cache size", minimum=1)
+    features_value = values.get("features")
+    if features_value is not None and (
+        isinstance(features_value, str) or not all(isinstance(f, str) for f in features_value)
+    ):
+        raise _fail(source, "features", f"features must be a list of names, not {features_value!r}",
+                    'Write e.g. ["avx512f", "avx512_vnni"].')
+
+    # GPUs: explicit numbers win over the model catalogue.
+    gpus = []
+    for index in range(gpu_count):
+        memory = gpu_memory if gpu_memory is not None else card.memory_bytes  # type: ignore[union-attr]
+        gpus.append(
+            GPU(
+                index=index,
+                name=card.name if card else (gpu_model_name or "GPU"),
+                vendor="nvidia",
+                total_bytes=memory,
+                free_bytes=memory,
+                compute_capability=card.compute_capability if card else None,
+                pcie_generation=card.pcie_generation if card else None,
+                pcie_width=card.pcie_width if card else None,
+                nvlink_links=card.nvlink_links if card else None,
+                memory_bandwidth_bytes_per_s=gpu_bandwidth or (card.memory_bandwidth_bytes_per_s if card else None),
+                served=True,
+                source="described",
+            )
+        )
+        for field in ("compute_capability", "pcie_generation", "pcie_width", "memory_bandwidth_bytes_per_s"):
+            if getattr(gpus[-1], field) is None:
+                unknown[f"gpus[{index}].{field}"] = f"{not_described}: GPU model {gpu_model_name or '(none)'} is not in the catalogue"
+        if gpus[-1].nvlink_links is None:
+            unknown[f"gpus[{index}].nvlink_links"] = (
+                f"{not_described}: {card.name} NVLink depends on the bridges installed" if card
+                else f"{not_described}: GPU model not in the catalogue"
+            )
+
+    if host_bandwidth is not None:
+        theoretical, note = host_bandwidth, f"described: {fmt_rate(host_bandwidth)}"
+    else:
+        theoretical, note = theoretical_host_bandwidth(cpu_model, sockets, cores)
+        if theoretical is None:
+            unknown["memory.bandwidth_theoretical_bytes_per_s"] = f"{not_described}; {note}"
+    memory = Memory(
+        total_bytes=host_ram,
+        available_bytes=host_ram,
+        bandwidth_theoretical_bytes_per_s=theoretical,
+        bandwidth_note=note if theoretical is not None else None,
+    )
+    unknown["memory.bandwidth_measured_bytes_per_s"] = "described machine: nothing to measure"
+    unknown["memory.hugepages_total"] = unknown["memory.hugepage_size_bytes"] = not_described
+
+    cpu = CPU(
+        model_name=cpu_model,
+        arch=_guess_arch(cpu_model),
+        sockets=sockets,
+        physical_cores=cores,
+        threads=threads,
+        numa_nodes=_numa_per_socket(sockets, cores, threads, host_ram) if sockets else (),
+        features=tuple(features_value or ()),
+        l3_bytes=l3,
+    )
+    for field in fields(CPU):
+        value = getattr(cpu, field.name)
+        if value is None or (field.name == "features" and features_value is None):
+            unknown[f"cpu.{field.name}"] = not_described
+    if not sockets:
+        unknown["cpu.numa_nodes"] = f"{not_described}: give the socket count"
+    elif cores is None:
+        unknown["cpu.numa_nodes"] = "described: one node per socket assumed; CPUs unknown without a core count"
+    else:
+        unknown["cpu.numa_nodes"] = "described: one node per socket assumed (NPS1 / SNC off)"
+    unknown["disk"] = "described machine: the model store is sized on the machine that runs it"
+
+    name = values.get("name") or "described machine"
+    return HardwareProfile(
+        cpu=cpu, memory=memory, gpus=tuple(gpus), disk=None, unknown=unknown, described=True, name=str(name)
+    )
+
+
+# --- TOML descriptions -------------------------------------------------------------------------
+
+# TOML (table, key) -> describe() parameter.
+_TOML_KEYS: dict[tuple[str, str], str] = {
+    ("", "name"): "name",
+    ("gpu", "model"): "gpu_model",
+    ("gpu", "count"): "gpu_count",
+    ("gpu", "memory"): "gpu_memory",
+    ("gpu", "bandwidth"): "gpu_bandwidth",
+    ("host", "ram"): "host_ram",
+    ("host", "bandwidth"): "host_bandwidth",
+    ("host", "cpu"): "cpu_model",
+    ("host", "cores"): "cores",
+    ("host", "threads"): "threads",
+    ("host", "sockets"): "sockets",
+    ("host", "l3"): "l3",
+    ("host", "features"): "features",
+}
+# A flat file may use describe()'s parameter names at the top level instead of the tables.
+_DESCRIBE_PARAMETERS = tuple(_TOML_KEYS.values())
+_EXAMPLE = '[gpu]\nmodel = "RTX PRO 6000"\ncount = 4\n[host]\nram = "768GiB"\ncpu = "AMD EPYC 9355"\nsockets = 2'
+
+
+def _line_of(text: str, table: str, key: str) -> int | None:
+    """Line number of ``key = ...`` inside ``[table]`` (top level when table is "")."""
+    current = ""
+    for number, line in enumerate(text.splitlines(), start=1):
+        stripped = line.strip()
+        header = re.match(r"^\[\s*([A-Za-z0-9_.-]+)\s*\]", stripped)
+        if header:
+            current = header[1]
+            continue
+        if current == table and re.match(rf"^[\"']?{re.escape(key)}[\"']?\s*=", stripped):
+            return number
+    return None
+
+
+def _toml_name(table: str, key: str) -> str:
+    return f"[{table}] {key}" if table else key
+
+
+def load_described(path: str | os.PathLike[str]) -> HardwareProfile:
+    """A described machine from a TOML file (format in this module's docstring).
+
+    Every problem raises ``HardwareDescriptionError`` naming the file, the line and the key.
+    """
+    path = Path(path)
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except FileNotFoundError:
+        raise HardwareDescriptionError(
+            f"{path}: no such machine description", "Check the path, or use a preset: " + ", ".join(_PRESETS)
+        ) from None
+    except (OSError, UnicodeDecodeError) as error:
+        raise HardwareDescriptionError(f"{path}: cannot read it: {error}", "Give a UTF-8 TOML file.") from None
+    try:
+        document = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as error:
+        message = str(error)
+        line = re.search(r"at line (\d+)", message)
+        where = f"{path}:{line[1]}" if line else str(path)
+        raise HardwareDescriptionError(
+            f"{where}: malformed TOML: {message}",
+            "Fix that line; text values need quotes. A description looks like:\n" + _EXAMPLE,
+        ) from None
+
+    # Where each describe() parameter was written: a key of [gpu]/[host], or the parameter's
+    # own name at the top level (flat files). Unwritten ones default to their table key.
+    origin: dict[str, tuple[str, str]] = {param: key for key, param in _TOML_KEYS.items()}
+
+    def where(parameter: str) -> str:
+        table, key = origin[parameter]
+        # A missing key (host RAM not given) is pointed at by its table's header.
+        line = _line_of(text, table, key) or _line_of_table(text, table)
+        return f"{path}:{line}" if line else str(path)
+
+    source = _Source(where=where, name=lambda parameter: _toml_name(*origin[parameter]))
+
+    def take(parameter: str, table: str, key: str, value: Any) -> None:
+        if parameter in values:
+            line = _line_of(text, table, key)
+            raise HardwareDescriptionError(
+                f"{path}{':' + str(line) if line else ''}: {_toml_name(table, key)} repeats "
+                f"{_toml_name(*origin[parameter])}",
+                "Give each fact once.",
+            )
+        values[parameter] = value
+        origin[parameter] = (table, key)
+
+    values: dict[str, Any] = {}
+    for top_key, top_value in document.items():
+        if isinstance(top_value, dict) and top_key in ("gpu", "host"):
+            for key, value in top_value.items():
+                if (top_key, key) not in _TOML_KEYS:
+                    known = ", ".join(k for t, k in _TOML_KEYS if t == top_key)
+                    line = _line_of(text, top_key, key)
+                    raise HardwareDescriptionError(
+                        f"{path}{':' + str(line) if line else ''}: unknown key {_toml_name(top_key, key)}",
+                        f"Keys of [{top_key}]: {known}.",
+                    )
+                take(_TOML_KEYS[(top_key, key)], top_key, key, value)
+        elif top_key in _DESCRIBE_PARAMETERS and not isinstance(top_value, dict):
+            take(top_key, "", top_key, top_value)
+        else:
+            line = _line_of(text, "", top_key) or _line_of_table(text, top_key)
+            raise HardwareDescriptionError(
+                f"{path}{':' + str(line) if line else ''}: unknown entry {top_key!r}",
+                "A description has the tables [gpu] and [host] (or describe()'s parameter names "
+                "at the top level: " + ", ".join(_DESCRIBE_PARAMETERS) + "). Example:\n" + _EXAMPLE,
+            )
+    if "name" not in values:
+        values["name"] = path.stem
+    return _describe(values, source)
+
+
+def _line_of_table(text: str, table: str) -> int | None:
+    if not table:
+        return None
+    for number, line in enumerate(text.splitlines(), start=1):
+        if re.match(rf"^\s*\[\s*{re.escape(table)}\s*\]", line):
+            return number
+    return None

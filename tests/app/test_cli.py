@@ -1,0 +1,161 @@
+"""The command line as a user runs it: the installed `hybridmoe` script, its output and exit codes."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+CONFIGS = Path(__file__).resolve().parents[2].parent / "shared" / "configs"
+KIMI = CONFIGS / "moonshotai__Kimi-K2.6.json"
+
+
+def run(*args, env=None, input=None, timeout=120):
+    exe = shutil.which("hybridmoe")
+    cmd = [exe] if exe else [sys.executable, "-m", "app.cli"]
+    return subprocess.run([*cmd, *map(str, args)], capture_output=True, text=True, env=env, input=input, timeout=timeout)
+
+
+@pytest.fixture
+def home(tmp_path):
+    """Config, data and state directories of their own, so tests never touch the user's."""
+    env = dict(os.environ)
+    for var in ("XDG_CONFIG_HOME", "XDG_DATA_HOME", "XDG_STATE_HOME", "XDG_CACHE_HOME"):
+        env[var] = str(tmp_path / var.lower())
+    env["HF_HOME"] = str(tmp_path / "hf")
+    return env
+
+
+def assert_clean_error(result, code):
+    assert result.returncode == code, (result.stdout, result.stderr)
+    assert "Traceback" not in result.stderr
+    assert result.stderr.startswith(("hybridmoe: error:", "usage:")), result.stderr
+
+
+def test_doctor_json_has_the_documented_keys(home):
+    r = run("doctor", "--json", "--no-bandwidth", env=home)
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert d["cpu"]["physical_cores"] >= 1
+    assert d["cpu"]["threads"] >= d["cpu"]["physical_cores"]
+    assert all(f == f.lower() for f in d["cpu"]["features"])
+    assert d["memory"]["total_bytes"] > 0 and d["memory"]["available_bytes"] > 0
+    assert isinstance(d["gpus"], list)
+    for g in d["gpus"]:
+        assert {"name", "total_bytes", "free_bytes", "compute_capability"} <= set(g)
+    assert "disk" in d and "unknown" in d
+
+
+def test_doctor_text_names_the_sections(home):
+    r = run("doctor", "--no-bandwidth", env=home)
+    assert r.returncode == 0, r.stderr
+    for section in ("CPU", "Memory", "GPUs"):
+        assert f"\n{section}\n" in f"\n{r.stdout}"
+
+
+def test_plan_kimi_on_a_preset_prints_checkable_figures(home):
+    r = run("plan", KIMI, "--hardware", "4x H200 NVL", "--context", "32768", env=home)
+    assert r.returncode == 0, r.stderr
+    assert "24.77 MB" in r.stdout  # per expert, SIZING §1
+    assert "70,272 B" in r.stdout  # KV per token, SIZING §2
+    assert "llama-server" in r.stdout
+    assert "Fits: yes" in r.stdout
+
+
+def test_plan_json_and_save(home, tmp_path):
+    saved = tmp_path / "kimi-plan.toml"
+    r = run("plan", KIMI, "--hardware", "8x RTX PRO 6000", "--json", "--save", saved, env=home)
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    for key in ("kv_bytes_per_token", "routed_expert_bytes_total", "gpu_routed_expert_bytes",
+                "host_routed_expert_bytes", "host_bytes_per_token", "decode_tokens_per_s_upper_bound",
+                "devices", "llama_cpp", "fits", "reason"):
+        assert key in d, key
+    assert {"name", "budget_bytes", "used_bytes"} <= set(d["devices"][0])
+    assert saved.exists()
+    from backend.plan import Plan
+
+    assert json.loads(json.dumps(Plan.load(saved).to_dict())) == d
+
+
+def test_a_plan_that_does_not_fit_exits_zero_with_fits_false(home):
+    r = run("plan", KIMI, "--hardware", "cpu-only", "--ram", "128GiB", "--json", env=home)
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert d["fits"] is False and "short by" in d["reason"]
+
+
+def test_overrides_describe_a_machine_to_buy(home):
+    r = run("plan", KIMI, "--hardware", "cpu-only", "--ram", "1.5TB", "--host-bandwidth", "1229GB/s", "--json",
+            env=home)
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert d["host_bandwidth_bytes_per_s"] == pytest.approx(1229e9)
+    assert d["described_hardware"] is True
+
+
+@pytest.mark.parametrize(
+    "args, code, needle",
+    [
+        (["plan", KIMI, "--gpus", "0", "--gpu-memory", "96GiB", "--hardware", "cpu-only"], 2, "0 GPUs"),
+        (["plan", KIMI, "--hardware", "cpu-only", "--ram=-5GiB"], 2, "negative"),
+        (["plan", KIMI, "--hardware", "cpu-only", "--ram", "lots"], 2, "cannot read"),
+        (["plan", KIMI, "--hardware", "3x Imaginary 9000"], 2, "4x H200 NVL"),
+        (["plan", KIMI, "--users", "0"], 2, "must be 1 or more"),
+        (["plan", KIMI, "--hardware", "cpu-only", "--context", "99999999"], 1, "longer than"),
+        (["plan", KIMI, "--strategy", "frequency", "--hardware", "cpu-only"], 2, "--stats"),
+        (["plan", "/nonexistent/model"], 1, "/nonexistent/model"),
+        (["inspect", "/nonexistent/model.gguf"], 1, "/nonexistent/model.gguf"),
+        (["frobnicate"], 2, "invalid choice"),
+    ],
+)
+def test_bad_input_gets_one_clear_message(home, args, code, needle):
+    r = run(*args, env=home)
+    assert_clean_error(r, code)
+    assert needle in r.stderr
+
+
+def test_malformed_hardware_file(home, tmp_path):
+    bad = tmp_path / "box.toml"
+    bad.write_text('gpu_count = 2\ngpu_memory = "96GiB"\nram = [\n')
+    r = run("plan", KIMI, "--hardware", bad, env=home)
+    assert_clean_error(r, 2)
+    assert str(bad) in r.stderr
+
+
+def test_corrupt_config_json(home, tmp_path):
+    bad = tmp_path / "config.json"
+    bad.write_text('{"architectures": ["DeepseekV3ForCausalLM"], "hidden_size": ')
+    r = run("inspect", bad, env=home)
+    assert_clean_error(r, 1)
+    assert "config.json" in r.stderr
+
+
+def test_unknown_architecture_names_the_supported_ones(home, tmp_path):
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64}))
+    r = run("plan", cfg, "--hardware", "cpu-only", env=home)
+    assert_clean_error(r, 1)
+    assert "DeepseekV3ForCausalLM" in r.stderr or "deepseek" in r.stderr.lower()
+
+
+def test_internal_errors_are_logged_not_shown(home, monkeypatch, capsys):
+    """A bug prints one line and the path of the log; the traceback goes to the log."""
+    from app import cli
+
+    monkeypatch.setenv("XDG_STATE_HOME", home["XDG_STATE_HOME"])
+
+    def boom(args):
+        raise RuntimeError("kaboom")
+
+    parser = cli.build_parser()
+    monkeypatch.setattr(cli, "build_parser", lambda: parser)
+    parser._subparsers._group_actions[0].choices["doctor"].set_defaults(func=boom)
+    assert cli.main(["doctor"]) == 1
+    err = capsys.readouterr().err
+    assert "internal error: RuntimeError: kaboom" in err and "Traceback" not in err
+    log = Path(home["XDG_STATE_HOME"]) / "hybridmoe" / "errors.log"
+    assert "Traceback" in log.read_text()
