@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, LlamaFileType
 

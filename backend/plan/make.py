@@ -11,6 +11,7 @@ import math
 
 from backend.errors import ModelError, PlanError
 from backend.hardware.profile import HardwareProfile
+from backend.models.formats import FORMATS
 from backend.models.inventory import TensorClass, TensorInventory
 from backend.models.spec import ModelSpec
 from backend.plan import budget as B
@@ -23,8 +24,8 @@ from backend.plan.stats import ExpertStats
 from backend.plan.workload import Workload
 
 GIB = 1 << 30
-# Average bits per weight of a Q4_K_M GGUF's experts, for the "smaller quantization" hint.
-Q4_K_M_BITS = 4.84
+# Average bits per weight of a Q4_K_M GGUF, for the "smaller quantization" hint.
+Q4_K_M_BITS = FORMATS["q4_k_m"].bits_per_weight
 
 
 def make(spec: ModelSpec, inventory: TensorInventory, hardware: HardwareProfile, workload: Workload) -> Plan:
@@ -309,7 +310,7 @@ class _Planner:
                 saved = host_parts["routed_experts"] * (1 - Q4_K_M_BITS / bits)
                 verb = "would fit" if host_needed - saved <= usable else "would still not fit"
                 suggestions.append(
-                    f"A Q4_K_M quantization ({Q4_K_M_BITS} bits/weight for experts instead of {bits:g}) saves "
+                    f"A Q4_K_M quantization ({Q4_K_M_BITS:.2f} bits/weight for experts instead of {bits:g}) saves "
                     f"about {saved / GIB:.0f} GiB of host RAM and {verb}."
                 )
             if not gpus:

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Any
 
 from backend.errors import ModelError, UnsupportedModelError
 from backend.models.formats import TORCH_DTYPES, get_format
@@ -245,17 +246,22 @@ class TensorShape:
 
     ``role`` drives the storage format in a config-only inventory: ``matrix`` (a Linear
     weight, quantized like the others of its class), ``vector`` (norms, biases: kept in
-    float), ``router``, ``token_embd``, ``output``, and the llama.cpp mix roles ``attn_v``,
-    ``attn_output``, ``ffn_down``; ``vision`` marks an estimate of a vision tower.
+    float), ``fp32`` (a vector the checkpoints keep in float32, like DeepSeek's
+    ``e_score_correction_bias``), ``router``, ``token_embd``, ``output``, ``mtp`` (the MTP
+    merge projection, kept in 16 bit), the llama.cpp mix roles ``attn_v``, ``attn_output``,
+    ``ffn_down``, and ``vision`` for an estimate of a vision tower.
     """
 
     name: str
     shape: tuple[int, ...]
     role: str = "matrix"
+    # Identical tensors this entry stands for: the routed experts of one layer are listed
+    # once (named for expert 0) rather than 384 times.
+    count: int = 1
 
     @property
     def n_weights(self) -> int:
-        return math.prod(self.shape)
+        return math.prod(self.shape) * self.count
 
 
 def norm(name: str, width: int) -> TensorShape:
@@ -293,9 +299,10 @@ def swiglu(prefix: str, hidden: int, inter: int, names=("gate_proj", "up_proj", 
 
 def routed_experts(prefix: str, n_experts: int, hidden: int, inter: int,
                    names=("gate_proj", "up_proj", "down_proj")) -> Iterator[TensorShape]:
-    """Per-expert tensors ``{prefix}.{e}.{gate,up,down}`` as the published checkpoints hold them."""
-    for e in range(n_experts):
-        yield from swiglu(f"{prefix}.{e}", hidden, inter, names)
+    """Per-expert tensors ``{prefix}.{e}.{gate,up,down}`` as the published checkpoints hold
+    them, one entry per projection with ``count`` = the number of experts."""
+    for t in swiglu(f"{prefix}.0", hidden, inter, names):
+        yield TensorShape(t.name, t.shape, t.role, n_experts)
 
 
 def decoder_norms(prefix: str, hidden: int) -> Iterator[TensorShape]:
@@ -362,3 +369,37 @@ def gguf_common_config(f: Fields, arch: str, metadata: Mapping[str, Any],
     if bos is not None:
         cfg["bos_token_id"] = int(bos)
     return cfg
+
+
+def sparse_step_moe_layers(f: Fields, n_layers: int, n_experts: int) -> tuple[int, ...]:
+    """Qwen2-MoE / Qwen3-MoE rule: layer i has experts unless listed in ``mlp_only_layers``,
+    and only every ``decoder_sparse_step``-th layer (counting from 1) does."""
+    step = f.int("decoder_sparse_step", default=1)
+    if step < 1:
+        raise ModelError(f"'decoder_sparse_step' in {f.source} must be at least 1, not {step}.",
+                         "Restore the original config.json from the model repository.")
+    dense = set(f.int_list("mlp_only_layers"))
+    return tuple(i for i in range(n_layers)
+                 if n_experts > 0 and i not in dense and (i + 1) % step == 0)
+
+
+def qwen_sliding_layers(f: Fields, n_layers: int) -> tuple[int | None, tuple[int, ...]]:
+    """(sliding_window, sliding layers) of Qwen2/Qwen3 configs: ``layer_types`` when given
+    (transformers 5 writes it), else ``use_sliding_window`` from ``max_window_layers`` on."""
+    window = f.int("sliding_window", default=None)
+    types = f.get("layer_types")
+    if isinstance(types, list) and types:
+        layers = sliding_layers_from_types(types)
+        return (window, layers) if window and layers else (None, ())
+    if not f.get("use_sliding_window", default=False) or not window:
+        return None, ()
+    start = f.int("max_window_layers", default=0)
+    return window, tuple(range(start, n_layers))
+
+
+def check_routing(n_experts: int, top_k: int, source: str) -> None:
+    if n_experts < 1 or not 1 <= top_k <= n_experts:
+        raise ModelError(
+            f"{source} selects {top_k} of {n_experts} routed experts per token, which is impossible.",
+            "Restore the original config from the model repository.",
+        )

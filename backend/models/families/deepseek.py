@@ -10,13 +10,15 @@ of them.
 from __future__ import annotations
 
 import math
-from typing import Any, Iterator, Mapping
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 from backend.errors import ModelError
 from backend.models.families.common import (
     Fields,
     TensorShape,
     architecture_of,
+    check_routing,
     decoder_norms,
     embeddings,
     gguf_common_config,
@@ -61,7 +63,7 @@ def spec_from_config(config: Mapping[str, Any], name: str, *, source: str = "con
     rope, nope = f.int("qk_rope_head_dim"), f.int("qk_nope_head_dim")
     q_lora = f.int("q_lora_rank", default=0) or None
     expert_format, other_format = storage_formats(text, source)
-    _check_routing(n_experts, top_k, source)
+    check_routing(n_experts, top_k, source)
     return ModelSpec(
         name=name,
         family=FAMILY,
@@ -98,14 +100,6 @@ def spec_from_config(config: Mapping[str, Any], name: str, *, source: str = "con
     )
 
 
-def _check_routing(n_experts: int, top_k: int, source: str) -> None:
-    if n_experts < 1 or not 1 <= top_k <= n_experts:
-        raise ModelError(
-            f"{source} selects {top_k} of {n_experts} routed experts per token, which is impossible.",
-            "Restore the original config from the model repository.",
-        )
-
-
 def _mla_attention(prefix: str, s: ModelSpec) -> Iterator[TensorShape]:
     h, heads = s.hidden_size, s.num_attention_heads
     if s.q_lora_rank:
@@ -128,11 +122,20 @@ def _decoder_layer(prefix: str, s: ModelSpec, moe: bool) -> Iterator[TensorShape
         yield from swiglu(f"{prefix}.mlp", h, s.dense_intermediate_size)
         return
     yield TensorShape(f"{prefix}.mlp.gate.weight", (s.n_routed_experts, h), "router")
-    if s.config.get("topk_method") == "noaux_tc":
-        yield TensorShape(f"{prefix}.mlp.gate.e_score_correction_bias", (s.n_routed_experts,), "vector")
+    if _has_correction_bias(s.config):
+        yield TensorShape(f"{prefix}.mlp.gate.e_score_correction_bias", (s.n_routed_experts,), "fp32")
     yield from routed_experts(f"{prefix}.mlp.experts", s.n_routed_experts, h, s.moe_intermediate_size)
     if s.n_shared_experts:
         yield from swiglu(f"{prefix}.mlp.shared_experts", h, s.shared_intermediate_size)
+
+
+def _has_correction_bias(config: Mapping[str, Any]) -> bool:
+    """DeepSeek-V3-style routing (``noaux_tc``) keeps a per-expert ``e_score_correction_bias``;
+    transformers' own V3 configs omit topk_method because V3 always routes that way."""
+    method = config.get("topk_method")
+    if method is None:
+        return config.get("model_type") in ("deepseek_v3", "kimi_k2")
+    return method == "noaux_tc"
 
 
 def expected_tensors(s: ModelSpec) -> Iterator[TensorShape]:

@@ -1,0 +1,126 @@
+"""Model families: one module per family, found by HF architecture / model_type or GGUF arch.
+
+Every family module provides ``FAMILY``, ``HF_ARCHITECTURES``, ``MODEL_TYPES``,
+``GGUF_ARCHS``, ``GGUF_KEEPS_MTP`` and
+
+- ``spec_from_config(config, name, *, source) -> ModelSpec``
+- ``config_from_gguf(metadata, *, source, tensor_shapes) -> dict`` (HF-style text config)
+- ``spec_from_gguf(metadata, name, *, source, tensor_shapes) -> ModelSpec``
+- ``expected_tensors(spec) -> Iterator[TensorShape]`` (the checkpoint's tensors, for sizing
+  from the config alone)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import replace
+from types import ModuleType
+from typing import Any
+
+from backend.errors import ModelError, UnsupportedModelError
+from backend.models.families import (
+    deepseek,
+    glm4_moe,
+    gpt_oss,
+    mixtral,
+    olmoe,
+    qwen2_moe,
+    qwen3_moe,
+)
+from backend.models.spec import ModelSpec
+
+FAMILIES: tuple[ModuleType, ...] = (deepseek, qwen3_moe, qwen2_moe, mixtral, olmoe, gpt_oss, glm4_moe)
+
+_DISPLAY = {
+    "deepseek": "DeepSeek-V2/V3/R1 and Kimi K2.x",
+    "qwen3_moe": "Qwen3-MoE",
+    "qwen2_moe": "Qwen2-MoE / Qwen1.5-MoE",
+    "mixtral": "Mixtral",
+    "olmoe": "OLMoE",
+    "gpt_oss": "GPT-OSS",
+    "glm4_moe": "GLM-4.5",
+}
+
+
+def supported_models() -> str:
+    """One line listing the supported families with their architecture names."""
+    return "; ".join(
+        f"{_DISPLAY[m.FAMILY]} ({', '.join(m.HF_ARCHITECTURES)}; GGUF {', '.join(m.GGUF_ARCHS)})"
+        for m in FAMILIES
+    )
+
+
+def family_by_name(family: str) -> ModuleType:
+    for module in FAMILIES:
+        if module.FAMILY == family:
+            return module
+    raise UnsupportedModelError(f"Unknown model family '{family}'.",
+                                "Supported families: " + ", ".join(m.FAMILY for m in FAMILIES) + ".")
+
+
+def _lookup(config: Mapping[str, Any]) -> ModuleType | None:
+    archs = config.get("architectures") or []
+    if isinstance(archs, str):
+        archs = [archs]
+    for module in FAMILIES:
+        if any(a in module.HF_ARCHITECTURES for a in archs if isinstance(a, str)):
+            return module
+    model_type = config.get("model_type")
+    for module in FAMILIES:
+        if model_type in module.MODEL_TYPES:
+            return module
+    return None
+
+
+def family_for_config(config: Mapping[str, Any], source: str) -> ModuleType:
+    if not isinstance(config, Mapping):
+        raise ModelError(f"{source} does not hold a JSON object.",
+                         "Restore the original config.json from the model repository.")
+    module = _lookup(config)
+    inner = config.get("text_config")
+    if module is None and isinstance(inner, Mapping):
+        # An unknown multimodal wrapper around a known language model.
+        module = _lookup(inner)
+    if module is None:
+        archs = config.get("architectures") or []
+        what = f"architecture {archs[0]!r}" if archs else "no 'architectures' entry"
+        raise UnsupportedModelError(
+            f"{source} describes a model with {what} (model_type {config.get('model_type')!r}), "
+            "which hybridmoe does not support.",
+            "Supported: " + supported_models() + ".",
+        )
+    return module
+
+
+def family_for_gguf(metadata: Mapping[str, Any], source: str) -> ModuleType:
+    arch = metadata.get("general.architecture")
+    if not arch:
+        raise ModelError(f"{source} has no 'general.architecture' key.",
+                         "The GGUF file is damaged or was not written by llama.cpp's tools; "
+                         "download it again.")
+    for module in FAMILIES:
+        if arch in module.GGUF_ARCHS:
+            if module is mixtral and not metadata.get(f"{arch}.expert_count"):
+                raise UnsupportedModelError(
+                    f"{source} is a dense '{arch}' model (no {arch}.expert_count); hybridmoe runs "
+                    "Mixture-of-Experts models.",
+                    "Run dense models with llama.cpp directly, or pick an MoE model.",
+                )
+            return module
+    raise UnsupportedModelError(
+        f"{source} holds GGUF architecture {arch!r}, which hybridmoe does not support.",
+        "Supported: " + supported_models() + ".",
+    )
+
+
+def spec_from_config(config: Mapping[str, Any], name: str, *, source: str = "config.json") -> ModelSpec:
+    return family_for_config(config, source).spec_from_config(config, name, source=source)
+
+
+def spec_from_gguf(metadata: Mapping[str, Any], name: str, *, source: str,
+                   tensor_shapes: Mapping[str, tuple[int, ...]] | None = None) -> ModelSpec:
+    """The spec of a GGUF, its ``config`` translated to Hugging Face keys; ``architecture`` is
+    the GGUF arch. Storage formats are filled in from the tensor types by the caller."""
+    module = family_for_gguf(metadata, source)
+    spec = module.spec_from_gguf(metadata, name, source=source, tensor_shapes=tensor_shapes)
+    return replace(spec, architecture=str(metadata["general.architecture"]))

@@ -1,0 +1,196 @@
+"""``inspect_model``: what a model on disk (or only its config) is and what it weighs.
+
+Accepts a checkpoint directory (config.json + safetensors shards), a GGUF file (the first
+or any part of a split set), a directory holding one GGUF model, or a bare config.json
+(planning before the download). Reads headers and metadata only, never tensor data.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from backend.errors import ModelError
+from backend.models.families import spec_from_config, spec_from_gguf
+from backend.models.formats import SAFETENSORS_DTYPES, get_format
+from backend.models.gguf_files import SPLIT_NAME, read_gguf
+from backend.models.inventory import TensorClass, TensorInventory
+from backend.models.safetensors_files import TensorRecord, read_checkpoint
+from backend.models.spec import ModelSpec
+from backend.models.tensors import (
+    classify_hf,
+    gguf_storage_formats,
+    inventory_from_config,
+    inventory_from_records,
+)
+
+GGUF_MAGIC = b"GGUF"
+
+
+@dataclass(frozen=True)
+class InspectedModel:
+    spec: ModelSpec
+    inventory: TensorInventory
+    path: Path  # what was inspected, as given
+    kind: str  # "safetensors", "gguf" or "config"
+    files: tuple[Path, ...]  # weight files read (the config file for kind "config")
+
+
+def inspect_model(path: str | os.PathLike[str], *, expert_format: str | None = None,
+                  other_format: str | None = None) -> InspectedModel:
+    """Spec and tensor inventory of the model at `path`.
+
+    `expert_format` / `other_format` size the model as if stored in those formats (a planned
+    conversion, or a download not yet made); by default the inventory is what the files hold,
+    or for a bare config what the published checkpoint holds.
+    """
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise ModelError(f"{p} does not exist.",
+                         "Give a model folder (with config.json), a .gguf file or a config.json.")
+    if p.is_dir():
+        if (p / "config.json").is_file():
+            return _inspect_checkpoint(p, expert_format, other_format)
+        return _inspect_gguf(_gguf_in_directory(p), expert_format, other_format, given=p)
+    if p.suffix.lower() == ".gguf" or _starts_with_gguf_magic(p):
+        return _inspect_gguf(p, expert_format, other_format, given=p)
+    if p.suffix.lower() == ".json":
+        return _inspect_config(p, expert_format, other_format)
+    raise ModelError(f"{p} is neither a model folder, a .gguf file nor a config.json.",
+                     "Give a model folder (with config.json), a .gguf file or a config.json.")
+
+
+def load_config(path: Path) -> dict[str, Any]:
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ModelError(f"Cannot read {path}: {exc.strerror or exc}.", "Check that the file is readable.") from exc
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ModelError(f"{path} is not valid JSON ({exc}).",
+                         "The file is damaged; download config.json again from the model repository.") from exc
+    if not isinstance(config, dict):
+        raise ModelError(f"{path} does not hold a JSON object.",
+                         "Download config.json again from the model repository.")
+    return config
+
+
+def model_name(path: Path, config: dict[str, Any] | None = None) -> str:
+    """A readable name: ``org/model`` for a Hugging Face cache snapshot or an
+    ``org__model.json`` config, else the folder or file name."""
+    directory = path if path.is_dir() else path.parent
+    if directory.parent.name == "snapshots" and directory.parent.parent.name.startswith("models--"):
+        return directory.parent.parent.name.removeprefix("models--").replace("--", "/")
+    if path.is_file() and path.suffix == ".json" and path.name != "config.json":
+        return path.stem.replace("__", "/")
+    if config and isinstance(config.get("_name_or_path"), str) and config["_name_or_path"].count("/") == 1:
+        return config["_name_or_path"]
+    return directory.name if path.is_dir() or path.name == "config.json" else path.stem
+
+
+def _resized(spec: ModelSpec, inventory: TensorInventory, expert_format: str | None,
+             other_format: str | None) -> TensorInventory:
+    """The files' inventory, or one computed from the config when other formats were asked."""
+    wants_other = other_format is not None and get_format(other_format).name != spec.other_format
+    wants_expert = expert_format is not None and get_format(expert_format).name != spec.expert_format
+    if not (wants_expert or wants_other):
+        return inventory
+    resized = inventory_from_config(spec, expert_format=expert_format, other_format=other_format)
+    note = f"the files hold experts in {spec.expert_format}; sizes are for the requested formats"
+    return replace(resized, files=inventory.files, notes=resized.notes + (note,))
+
+
+def _inspect_config(path: Path, expert_format: str | None, other_format: str | None) -> InspectedModel:
+    config = load_config(path)
+    spec = spec_from_config(config, model_name(path, config), source=str(path))
+    inventory = inventory_from_config(spec, expert_format=expert_format, other_format=other_format)
+    return InspectedModel(spec, inventory, path, "config", (path,))
+
+
+def _inspect_checkpoint(directory: Path, expert_format: str | None, other_format: str | None) -> InspectedModel:
+    config_path = directory / "config.json"
+    config = load_config(config_path)
+    spec = spec_from_config(config, model_name(directory, config), source=str(config_path))
+    files, records = read_checkpoint(directory)
+    if not files and any(directory.glob("*.gguf")):
+        return _inspect_gguf(_gguf_in_directory(directory), expert_format, other_format, given=directory)
+    if not files:
+        # Only the config is here (planning before the download): size it from the config.
+        inventory = inventory_from_config(spec, expert_format=expert_format, other_format=other_format)
+        return InspectedModel(spec, inventory, directory, "config", (config_path,))
+    spec = _with_stored_float_formats(spec, records)
+    inventory = inventory_from_records(records, spec, source="safetensors", files=[str(f) for f in files])
+    inventory = _resized(spec, inventory, expert_format, other_format)
+    return InspectedModel(spec, inventory, directory, "safetensors", tuple(files))
+
+
+def _with_stored_float_formats(spec: ModelSpec, records: list[TensorRecord]) -> ModelSpec:
+    """For unquantized checkpoints, the float type the tensors really have (a config may say
+    bfloat16 over float32 tensors, or name no dtype at all)."""
+
+    def stored(classes: tuple[TensorClass, ...], declared: str) -> str:
+        if get_format(declared).kind != "float":
+            return declared
+        counts: dict[str, int] = {}
+        for r in records:
+            if len(r.shape) >= 2 and classify_hf(r.name, spec.num_layers).cls in classes:
+                counts[r.dtype] = counts.get(r.dtype, 0) + r.nbytes
+        if not counts:
+            return declared
+        fmt = SAFETENSORS_DTYPES.get(max(counts, key=counts.get), (None, None))[1]
+        return fmt if fmt and get_format(fmt).kind == "float" else declared
+
+    return replace(
+        spec,
+        expert_format=stored((TensorClass.ROUTED_EXPERTS,), spec.expert_format),
+        other_format=stored((TensorClass.ATTENTION, TensorClass.DENSE_FFN, TensorClass.SHARED_EXPERTS),
+                            spec.other_format),
+    )
+
+
+def _starts_with_gguf_magic(path: Path) -> bool:
+    try:
+        with open(path, "rb") as fh:
+            return fh.read(4) == GGUF_MAGIC
+    except OSError:
+        return False
+
+
+def _gguf_in_directory(directory: Path) -> Path:
+    """The one GGUF model in a folder: a single file or the first part of a split set;
+    multimodal projector files (mmproj) are not models."""
+    candidates: dict[str, Path] = {}
+    for f in sorted(directory.glob("*.gguf")):
+        if "mmproj" in f.name.lower():
+            continue
+        m = SPLIT_NAME.match(f.name)
+        key = m.group("stem") if m else f.stem
+        if key not in candidates or (m and m.group("no") == "00001"):
+            candidates[key] = f
+    if not candidates:
+        raise ModelError(f"{directory} holds neither config.json nor a .gguf file.",
+                         "Give the folder a model was downloaded into, or the model file itself.")
+    if len(candidates) > 1:
+        names = ", ".join(p.name for p in candidates.values())
+        raise ModelError(f"{directory} holds several GGUF models ({names}).",
+                         "Give the path of the one to use.")
+    return next(iter(candidates.values()))
+
+
+def _inspect_gguf(path: Path, expert_format: str | None, other_format: str | None, *, given: Path) -> InspectedModel:
+    contents = read_gguf(path)
+    first = contents.files[0]
+    name = contents.metadata.get("general.name")
+    if not isinstance(name, str) or not name:
+        m = SPLIT_NAME.match(first.name)
+        name = m.group("stem") if m else first.stem
+    shapes = {t.name: t.shape for t in contents.tensors}
+    spec = spec_from_gguf(contents.metadata, name, source=str(first), tensor_shapes=shapes)
+    ef, of = gguf_storage_formats(contents.tensors, contents.metadata, spec.num_layers)
+    spec = replace(spec, expert_format=ef, other_format=of, torch_dtype="bfloat16")
+    inventory = inventory_from_records(contents.tensors, spec, source="gguf",
+                                       files=[str(f) for f in contents.files])
+    inventory = _resized(spec, inventory, expert_format, other_format)
+    return InspectedModel(spec, inventory, given, "gguf", contents.files)

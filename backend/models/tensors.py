@@ -1,0 +1,303 @@
+"""Tensor classes (SIZING.md section 1) and the builders of ``TensorInventory``.
+
+Names are classified by the module path they belong to, so quantization companions
+(compressed-tensors ``weight_packed``/``weight_scale``/``weight_shape``, fp8
+``weight_scale_inv``, GPT-OSS ``_blocks``/``_scales``) land in the class of their weight.
+Layers at or beyond ``num_layers`` are MTP/NextN layers and count as other.
+
+Three builders: from the tensor list of the files (safetensors headers or GGUF tensor
+infos), and from the config alone for a chosen storage format (planning before download,
+or for a conversion not yet made).
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from backend.errors import ModelError
+from backend.models.families import family_by_name
+from backend.models.families.common import TensorShape
+from backend.models.formats import (
+    TORCH_DTYPES,
+    file_type_name,
+    get_format,
+    gguf_row_fallback,
+    mix_tensor_format,
+    tensor_bytes,
+)
+from backend.models.inventory import TensorClass, TensorInventory
+from backend.models.safetensors_files import TensorRecord
+from backend.models.spec import ModelSpec
+
+C = TensorClass
+
+
+@dataclass(frozen=True)
+class Classified:
+    cls: TensorClass
+    layer: int | None  # decoder layer (block) index, None for model-level tensors
+    known: bool = True  # False: no rule matched, counted as other
+
+
+_VISION = re.compile(
+    r"^(?:model\.)?(?:vision_tower|vision_model|visual|multi_modal_projector|mm_projector|"
+    r"vision_encoder|audio_tower|audio_model)(?:\.|$)"
+)
+_HF_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.(.+)$")
+_HF_RULES: tuple[tuple[re.Pattern[str], TensorClass], ...] = tuple(
+    (re.compile(p), c)
+    for p, c in (
+        (r"^(?:self_attn|attention|attn)\.", C.ATTENTION),
+        (r"^[^.]*norm[^.]*\.", C.ATTENTION),  # input_layernorm, post_attention_layernorm, ...
+        # experts.E.*, fused experts.gate_up_proj[_blocks|_scales|_bias], experts.down_proj*
+        (r"^(?:mlp|block_sparse_moe|feed_forward|moe)\.experts\.", C.ROUTED_EXPERTS),
+        (r"^mlp\.shared_experts?\.", C.SHARED_EXPERTS),
+        (r"^mlp\.shared_expert_gate\.", C.SHARED_EXPERTS),
+        (r"^(?:mlp|block_sparse_moe|feed_forward|moe)\.(?:gate|router)\.[^.]+$", C.ROUTER),
+        (r"^mlp\.(?:gate_proj|up_proj|down_proj|gate_up_proj|fc1|fc2|w1|w2|w3)\.", C.DENSE_FFN),
+    )
+)
+
+_HF_EMBEDDING = re.compile(r"(?:^|\.)(?:embed_tokens|wte|tok_embeddings)\.")
+_HF_LM_HEAD = re.compile(r"(?:^|\.)lm_head\.")
+_HF_FINAL_NORM = re.compile(r"(?:^|\.)(?:norm|final_layernorm|ln_f)\.")
+
+
+def classify_hf(name: str, num_layers: int) -> Classified:
+    """Class of a safetensors tensor name (``model.layers.3.mlp.experts.7.up_proj.weight``)."""
+    if _VISION.match(name):
+        return Classified(C.OTHER, None)
+    m = _HF_LAYER.search(name)
+    if m:
+        layer, rest = int(m.group(1)), m.group(2)
+        if layer >= num_layers:
+            return Classified(C.OTHER, layer)  # MTP / NextN layers
+        for pattern, cls in _HF_RULES:
+            if pattern.search(rest):
+                return Classified(cls, layer)
+        return Classified(C.OTHER, layer, known=False)
+    if _HF_EMBEDDING.search(name):
+        return Classified(C.EMBEDDING, None)
+    if _HF_LM_HEAD.search(name):
+        return Classified(C.LM_HEAD, None)
+    if _HF_FINAL_NORM.search(name):
+        return Classified(C.ATTENTION, None)
+    return Classified(C.OTHER, None, known=False)
+
+
+_GGUF_LAYER = re.compile(r"^blk\.(\d+)\.(.+)$")
+_GGUF_RULES: tuple[tuple[re.Pattern[str], TensorClass], ...] = tuple(
+    (re.compile(p), c)
+    for p, c in (
+        (r"^nextn\.", C.OTHER),
+        (r"^[^.]*norm[^.]*\.", C.ATTENTION),  # attn_norm, ffn_norm, post_attention_norm, ...
+        (r"^attn_", C.ATTENTION),  # q/k/v/output, MLA q_a/q_b/kv_a_mqa/kv_b/k_b/v_b, sinks
+        (r"^ffn_(?:gate|up|down|gate_up)_exps\.", C.ROUTED_EXPERTS),
+        (r"^ffn_(?:gate|up|down)\.\d+\.", C.ROUTED_EXPERTS),  # pre-2024 Mixtral GGUFs: one per expert
+        (r"^ffn_gate_inp_shexp\.", C.SHARED_EXPERTS),
+        (r"^ffn_(?:gate|up|down)_shexp\.", C.SHARED_EXPERTS),
+        (r"^(?:ffn_gate_inp|exp_probs_b)\.", C.ROUTER),
+        (r"^ffn_(?:gate|up|down)\.", C.DENSE_FFN),
+    )
+)
+
+
+def classify_gguf(name: str, num_layers: int) -> Classified:
+    """Class of a GGUF tensor name (``blk.3.ffn_up_exps.weight``, llama.cpp naming)."""
+    m = _GGUF_LAYER.match(name)
+    if m:
+        layer, rest = int(m.group(1)), m.group(2)
+        if layer >= num_layers:
+            return Classified(C.OTHER, layer)  # NextN layers (GLM-4.5 keeps them in the GGUF)
+        for pattern, cls in _GGUF_RULES:
+            if pattern.search(rest):
+                return Classified(cls, layer)
+        return Classified(C.OTHER, layer, known=False)
+    if name.startswith("token_embd_norm."):
+        return Classified(C.ATTENTION, None)
+    if name.startswith("token_embd."):
+        return Classified(C.EMBEDDING, None)
+    if name.startswith("output."):
+        return Classified(C.LM_HEAD, None)
+    if name.startswith(("output_norm.", "rope_freqs.")):
+        return Classified(C.ATTENTION, None)
+    return Classified(C.OTHER, None, known=False)
+
+
+# --- from files ---------------------------------------------------------------------------
+
+
+def inventory_from_records(records: Iterable[TensorRecord], spec: ModelSpec, *, source: str,
+                           files: Iterable[str] = (), expert_format: str | None = None) -> TensorInventory:
+    """Inventory of real tensors (``source`` "safetensors" or "gguf")."""
+    classify = classify_gguf if source == "gguf" else classify_hf
+    by_class = {c: 0 for c in TensorClass}
+    by_layer: dict[int, int] = {}
+    unknown: list[str] = []
+    for r in records:
+        c = classify(r.name, spec.num_layers)
+        by_class[c.cls] += r.nbytes
+        if c.cls is C.ROUTED_EXPERTS:
+            by_layer[c.layer] = by_layer.get(c.layer, 0) + r.nbytes
+        if not c.known:
+            unknown.append(r.name)
+    files = tuple(str(f) for f in files)
+    _check_expert_layers(spec, by_layer, files)
+    notes = []
+    if unknown:
+        notes.append(f"{len(unknown)} tensor(s) not recognised and counted as other, e.g. {unknown[0]}")
+    return TensorInventory(
+        bytes_by_class=by_class,
+        routed_bytes_by_layer=dict(sorted(by_layer.items())),
+        n_routed_experts=spec.n_routed_experts,
+        source=source,
+        expert_format=expert_format or spec.expert_format,
+        expert_bits_per_weight=_expert_bits(spec, by_class[C.ROUTED_EXPERTS]),
+        files=files,
+        notes=tuple(notes),
+    )
+
+
+def _check_expert_layers(spec: ModelSpec, by_layer: Mapping[int, int], files: tuple[str, ...]) -> None:
+    found, expected = set(by_layer), set(spec.moe_layers)
+    if found == expected:
+        return
+    where = files[0] if len(files) == 1 else f"the {len(files)} files of this model"
+    if expected - found:
+        layers = sorted(expected - found)
+        raise ModelError(
+            f"The config puts routed experts in layer {layers[0]}"
+            f"{f' (and {len(layers) - 1} more)' if len(layers) > 1 else ''}, but {where} hold none there.",
+            "The checkpoint is incomplete or does not match its config; download it again.",
+        )
+    layers = sorted(found - expected)
+    raise ModelError(
+        f"{where} hold routed experts in layer {layers[0]}, which the config describes as dense.",
+        "The config does not match the weights; download both from the same repository revision.",
+    )
+
+
+def _expert_bits(spec: ModelSpec, routed_bytes: int) -> float:
+    weights = spec.n_moe_layers * spec.n_routed_experts * spec.params_per_expert
+    return 8 * routed_bytes / weights if weights else 0.0
+
+
+def gguf_storage_formats(records: Iterable[TensorRecord], metadata: Mapping[str, object],
+                         num_layers: int) -> tuple[str, str]:
+    """(expert_format, other_format) of a GGUF, from its tensor types.
+
+    A single type when all routed-expert matrices share one; otherwise the file's mix
+    (``general.file_type``, e.g. ``q4_k_m``), or ``mixed`` when that is not recorded.
+    """
+    file_type = metadata.get("general.file_type")
+    mix = file_type_name(int(file_type)) if isinstance(file_type, int) else None
+    expert_bytes: Counter[str] = Counter()
+    other_bytes: Counter[str] = Counter()
+    for r in records:
+        if len(r.shape) < 2 or r.name.endswith(".bias"):
+            continue  # norms and biases (GPT-OSS expert biases are 2-D) stay in float
+        cls = classify_gguf(r.name, num_layers).cls
+        if cls is C.ROUTED_EXPERTS:
+            expert_bytes[r.dtype] += r.nbytes
+        elif cls in (C.ATTENTION, C.DENSE_FFN, C.SHARED_EXPERTS):
+            other_bytes[r.dtype] += r.nbytes
+
+    def pick(counter: Counter[str]) -> str:
+        if len(counter) == 1:
+            return next(iter(counter))
+        if not counter:
+            return mix or "f16"
+        return mix or "mixed"
+
+    return pick(expert_bytes), pick(other_bytes)
+
+
+# --- from the config ----------------------------------------------------------------------
+
+
+def default_other_format(spec: ModelSpec, expert_format: str) -> str:
+    """Format for the non-expert weights when only the expert format was chosen: a GGUF type
+    or mix applies to the whole file (as ``llama-quantize`` does); a safetensors layout keeps
+    the checkpoint's other weights as they are (16 bit when the model was read from a GGUF)."""
+    ef = get_format(expert_format)
+    if ef.is_gguf:
+        return ef.name
+    if get_format(spec.other_format).is_gguf:
+        return TORCH_DTYPES.get(spec.torch_dtype, "bf16")
+    return spec.other_format
+
+
+def inventory_from_config(spec: ModelSpec, *, expert_format: str | None = None,
+                          other_format: str | None = None) -> TensorInventory:
+    """Inventory computed from the config for the given storage formats (default: as the
+    checkpoint stores them). Exact for the tensors a checkpoint of this family holds; a vision
+    tower is estimated from ``vision_config``."""
+    family = family_by_name(spec.family)
+    ef = get_format(expert_format or spec.expert_format).name
+    of = get_format(other_format or (default_other_format(spec, ef) if expert_format else spec.other_format)).name
+    gguf_mode = get_format(of).is_gguf or get_format(ef).is_gguf
+    plain = "f32" if gguf_mode else TORCH_DTYPES.get(spec.torch_dtype, "bf16")
+    n_blocks = spec.num_layers + (spec.n_mtp_layers if family.GGUF_KEEPS_MTP else 0)
+    # The mix recipe's "8-expert model" rule reads the expert count of the model.
+    n_expert = spec.n_routed_experts
+
+    by_class = {c: 0 for c in TensorClass}
+    by_layer: dict[int, int] = {}
+    for t in family.expected_tensors(spec):
+        c = classify_hf(t.name, spec.num_layers)
+        if gguf_mode and (t.role == "vision" or (c.layer is not None and c.layer >= spec.num_layers
+                                                 and not family.GGUF_KEEPS_MTP)):
+            continue  # not in a text GGUF: the converter drops it or writes it to an mmproj file
+        structural = classify_hf(t.name, 1 << 30).cls  # an MTP layer's experts are still experts
+        fmt = _config_tensor_format(t, structural, c.layer, ef, of, plain, gguf_mode, n_blocks, n_expert)
+        nbytes = _bytes(fmt, t.shape, gguf_mode) * t.count
+        by_class[c.cls] += nbytes
+        if c.cls is C.ROUTED_EXPERTS:
+            by_layer[c.layer] = by_layer.get(c.layer, 0) + nbytes
+
+    notes = [f"computed from the config: routed experts in {ef}, other weights in {of}"]
+    if spec.vision_params and not gguf_mode:
+        notes.append("vision tower size estimated from vision_config")
+    return TensorInventory(
+        bytes_by_class=by_class,
+        routed_bytes_by_layer=dict(sorted(by_layer.items())),
+        n_routed_experts=spec.n_routed_experts,
+        source="config",
+        expert_format=ef,
+        expert_bits_per_weight=_expert_bits(spec, by_class[C.ROUTED_EXPERTS]),
+        notes=tuple(notes),
+    )
+
+
+def _config_tensor_format(t: TensorShape, cls: TensorClass, layer: int | None, ef: str, of: str,
+                          plain: str, gguf_mode: bool, n_blocks: int, n_expert: int) -> str:
+    if t.role in ("vector", "router"):
+        return plain
+    if t.role == "fp32":
+        return "f32" if gguf_mode else "fp32"
+    if not gguf_mode:
+        # Quantized safetensors checkpoints keep embeddings, head, routers, the MTP merge
+        # projection and vision towers in 16 bit (every published ignore list says so).
+        if t.role in ("token_embd", "output", "mtp", "vision"):
+            return plain
+        return ef if cls is C.ROUTED_EXPERTS else of
+    fmt = ef if cls is C.ROUTED_EXPERTS else of
+    row = t.shape[-1]
+    if get_format(fmt).kind == "mix":
+        return mix_tensor_format(fmt, t.role, layer, n_blocks, n_expert, row)
+    if t.role == "output" and fmt not in ("q8_0", "f16", "bf16", "f32"):
+        return gguf_row_fallback("q6_k", row)  # llama-quantize's output.weight rule
+    if get_format(fmt).kind == "gguf":
+        return gguf_row_fallback(fmt, row)
+    return fmt
+
+
+def _bytes(fmt: str, shape: tuple[int, ...], gguf_mode: bool) -> int:
+    try:
+        return tensor_bytes(fmt, shape)
+    except ValueError:
+        # A row that is not a whole number of blocks: llama.cpp's fallback type, else 16 bit.
+        return tensor_bytes(gguf_row_fallback(fmt, shape[-1]) if gguf_mode else "bf16", shape)
