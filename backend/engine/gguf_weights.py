@@ -1,0 +1,444 @@
+"""A GGUF file (or a split set) as a weight source under Hugging Face tensor names.
+
+The engine's model code asks for ``model.layers.3.self_attn.q_proj.weight`` whether the
+weights come from safetensors or from a GGUF; this module translates llama.cpp's names
+(``blk.3.attn_q.weight``) and layouts back. Tensors are read through ``gguf.GGUFReader``'s
+read-only mmap: ``get`` returns views of the file, quantized ones as ``QuantTensor``,
+float ones (F32/F16/BF16) as plain torch tensors, and nothing is copied except where
+llama.cpp changed a layout that the HF-convention code needs undone:
+
+* ``llama`` arch (Mixtral): llama.cpp's converter permutes the rows of Q and K so that
+  ggml's interleaved ("normal") RoPE gives HF's rotate-half result; ``q_proj``/``k_proj``
+  are returned with that permutation undone (a gather of those rows: attention weights, small).
+* ``deepseek2`` conversions newer than spring 2025 store MLA's ``kv_b_proj`` split into
+  ``attn_k_b`` (transposed) and ``attn_v_b``; ``kv_b_proj.weight`` is rebuilt from them
+  (dequantized, float32) when the file has no ``attn_kv_b``.
+
+Routed experts: llama.cpp merges them into one ``[E, out, in]`` tensor per projection
+(``ffn_gate_exps`` ...); each expert is exposed as a view
+``model.layers.N.mlp.experts.E.{gate,up,down}_proj.weight`` (and ``.bias`` for GPT-OSS), the
+same for every family. The router is ``mlp.gate.weight`` (GPT-OSS: ``mlp.router.weight``
+and ``.bias``, its HF names); Mixtral's checkpoint names (``block_sparse_moe.gate``,
+``experts.E.w1/w2/w3``) are accepted by ``get`` as aliases. Returned tensors share the
+read-only mapping: clone or move them before modifying them in place.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Self
+
+import torch
+from gguf import GGUFReader
+from gguf.gguf_reader import ReaderTensor
+
+from backend.engine.quant import GGUF_SUPPORTED_TYPES, QuantTensor, from_gguf
+from backend.errors import ModelError, UnsupportedModelError
+
+__all__ = ["SUPPORTED_ARCHITECTURES", "GGUFWeights", "open_gguf"]
+
+SUPPORTED_ARCHITECTURES = ("deepseek2", "qwen3moe", "qwen2moe", "llama", "olmoe", "gpt-oss", "glm4moe")
+
+_GLOBAL = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output.weight": "lm_head.weight",
+    "output_norm.weight": "model.norm.weight",
+}
+
+# blk.N.<gguf suffix> -> model.layers.N.<hf suffix>. Names per llama.cpp (gguf-py
+# constants.TENSOR_NAMES) and the HF checkpoints of the families listed above; the test
+# suite cross-checks every entry against gguf-py's own HF->GGUF TensorNameMap.
+_BLOCK = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",  # gpt-oss, glm4moe
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_output.bias": "self_attn.o_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "attn_sinks.weight": "self_attn.sinks",
+    "attn_sinks": "self_attn.sinks",
+    # MLA (deepseek2: DeepSeek-V2/V3/R1, Kimi K2)
+    "attn_q_a.weight": "self_attn.q_a_proj.weight",
+    "attn_q_a_norm.weight": "self_attn.q_a_layernorm.weight",
+    "attn_q_b.weight": "self_attn.q_b_proj.weight",
+    "attn_kv_a_mqa.weight": "self_attn.kv_a_proj_with_mqa.weight",
+    "attn_kv_a_norm.weight": "self_attn.kv_a_layernorm.weight",
+    "attn_kv_b.weight": "self_attn.kv_b_proj.weight",
+    # router
+    "ffn_gate_inp.weight": "mlp.gate.weight",
+    "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",  # HF ...e_score_correction_bias
+    "exp_probs_b": "mlp.gate.e_score_correction_bias",
+    # dense MLP (leading dense layers of DeepSeek / GLM; plain llama)
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+    # shared experts
+    "ffn_gate_shexp.weight": "mlp.shared_experts.gate_proj.weight",
+    "ffn_up_shexp.weight": "mlp.shared_experts.up_proj.weight",
+    "ffn_down_shexp.weight": "mlp.shared_experts.down_proj.weight",
+    "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
+    # NextN / multi-token-prediction layers (GLM-4.5): HF keeps them as extra decoder layers
+    "nextn.eh_proj.weight": "eh_proj.weight",
+    "nextn.enorm.weight": "enorm.weight",
+    "nextn.hnorm.weight": "hnorm.weight",
+    "nextn.embed_tokens.weight": "embed_tokens.weight",
+    "nextn.shared_head_head.weight": "shared_head.head.weight",
+    "nextn.shared_head_norm.weight": "shared_head.norm.weight",
+}
+
+_ARCH_BLOCK = {
+    # GPT-OSS calls its router `router` and gives it a bias.
+    "gpt-oss": {"ffn_gate_inp.weight": "mlp.router.weight", "ffn_gate_inp.bias": "mlp.router.bias"},
+    # Qwen2-MoE has one shared expert, named in the singular.
+    "qwen2moe": {
+        "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
+        "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
+        "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
+    },
+}
+
+_EXPERT_PROJ = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+# Old Mixtral GGUFs (before llama.cpp merged experts, early 2024): blk.N.ffn_gate.E.weight
+_OLD_EXPERT = re.compile(r"ffn_(gate|up|down)\.(\d+)\.weight")
+_BLK = re.compile(r"blk\.(\d+)\.(.+)")
+_SPLIT = re.compile(r"(.*)-(\d{5})-of-(\d{5})\.gguf")
+
+# Mixtral checkpoint names -> the names used here (llama arch only).
+_MIXTRAL_ALIASES = (
+    (re.compile(r"(model\.layers\.\d+)\.block_sparse_moe\.gate\.weight"), r"\1.mlp.gate.weight"),
+    (re.compile(r"(model\.layers\.\d+)\.block_sparse_moe\.experts\.(\d+)\.w1\.weight"), r"\1.mlp.experts.\2.gate_proj.weight"),
+    (re.compile(r"(model\.layers\.\d+)\.block_sparse_moe\.experts\.(\d+)\.w3\.weight"), r"\1.mlp.experts.\2.up_proj.weight"),
+    (re.compile(r"(model\.layers\.\d+)\.block_sparse_moe\.experts\.(\d+)\.w2\.weight"), r"\1.mlp.experts.\2.down_proj.weight"),
+)
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """How one HF-named tensor is made from the file."""
+
+    gguf: str  # GGUF tensor name (for kv_b rebuilt from k_b/v_b: the k_b name)
+    expert: int | None = None  # index into a merged [E, ...] tensor
+    op: str = "view"  # "view", "unpermute_q", "unpermute_k", "kv_b", "row_vector"
+    layer: int | None = None
+    extra: str | None = None  # second GGUF tensor (v_b for op "kv_b")
+
+
+class GGUFWeights:
+    """Tensors of one GGUF model (one file or a split set) under HF names. See the module doc."""
+
+    def __init__(self, files: list[Path], readers: list[GGUFReader]):
+        self.files = tuple(files)
+        self._readers = readers
+        self._tensors: dict[str, tuple[ReaderTensor, Path]] = {}
+        for path, reader in zip(files, readers):
+            for t in reader.tensors:
+                if t.name in self._tensors:
+                    raise ModelError(f"GGUF tensor '{t.name}' appears twice ({self._tensors[t.name][1]} and {path}).")
+                self._tensors[t.name] = (t, path)
+        self._metadata: dict[str, Any] | None = None
+        self.architecture = self._scalar("general.architecture")
+        if not isinstance(self.architecture, str):
+            raise ModelError(f"{files[0]} has no general.architecture key.", "The file is not a llama.cpp model GGUF.")
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise UnsupportedModelError(
+                f"{files[0]}: GGUF architecture '{self.architecture}' is not supported by the embedded engine.",
+                "Supported: " + ", ".join(SUPPORTED_ARCHITECTURES) + ". The llama.cpp backend may run it.",
+            )
+        self._map: dict[str, _Entry] = {}
+        self.unmapped: tuple[str, ...] = ()  # GGUF tensors with no HF name (rope_freqs, ...)
+        self._build_map()
+        self._check_types()
+
+    # ---- metadata ----------------------------------------------------------------------
+
+    def _field(self, key: str):
+        return self._readers[0].fields.get(key)
+
+    def _scalar(self, key: str, default: Any = None) -> Any:
+        f = self._field(key)
+        return default if f is None else f.contents()
+
+    @property
+    def metadata(self) -> dict[str, Any]:
+        """GGUF key -> Python value (str, int, float, bool or list) from the first file."""
+        if self._metadata is None:
+            # Decoded lazily: the tokenizer arrays hold ~10^5 strings.
+            self._metadata = {
+                k: f.contents() for k, f in self._readers[0].fields.items() if not k.startswith("GGUF.")
+            }
+        return self._metadata
+
+    def _arch_int(self, key: str, layer: int | None) -> int | None:
+        v = self._scalar(f"{self.architecture}.{key}")
+        if isinstance(v, list):  # per-layer arrays (some archs vary head counts by layer)
+            v = v[layer or 0]
+        return None if v is None else int(v)
+
+    # ---- name map ----------------------------------------------------------------------
+
+    def _build_map(self) -> None:
+        arch_block = {**_BLOCK, **_ARCH_BLOCK.get(self.architecture, {})}
+        unmapped: list[str] = []
+        for name, (t, _) in self._tensors.items():
+            if name in _GLOBAL:
+                self._map[_GLOBAL[name]] = _Entry(name)
+                continue
+            m = _BLK.fullmatch(name)
+            if not m:
+                unmapped.append(name)
+                continue
+            layer, rest = int(m.group(1)), m.group(2)
+            prefix = f"model.layers.{layer}."
+            base, _, kind = rest.rpartition(".")
+            if base in _EXPERT_PROJ and kind in ("weight", "bias"):
+                n_expert = int(t.shape[-1])  # ggml ne is reversed: the expert dim is last
+                proj = _EXPERT_PROJ[base]
+                for e in range(n_expert):
+                    self._map[f"{prefix}mlp.experts.{e}.{proj}.{kind}"] = _Entry(name, expert=e, layer=layer)
+                continue
+            old = _OLD_EXPERT.fullmatch(rest)
+            if old:
+                proj = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}[old.group(1)]
+                self._map[f"{prefix}mlp.experts.{int(old.group(2))}.{proj}.weight"] = _Entry(name, layer=layer)
+                continue
+            if rest in arch_block:
+                op = "view"
+                if self.architecture == "llama" and rest in ("attn_q.weight", "attn_q.bias"):
+                    op = "unpermute_q"
+                elif self.architecture == "llama" and rest in ("attn_k.weight", "attn_k.bias"):
+                    op = "unpermute_k"
+                elif rest == "ffn_gate_inp_shexp.weight":
+                    op = "row_vector"  # HF shape [1, hidden]; llama.cpp may store [hidden]
+                self._map[prefix + arch_block[rest]] = _Entry(name, op=op, layer=layer)
+                continue
+            if rest in ("attn_k_b.weight", "attn_v_b.weight"):
+                continue  # handled below, as kv_b_proj
+            unmapped.append(name)
+
+        # MLA: rebuild kv_b_proj from the split k_b / v_b where the file has no attn_kv_b.
+        for name in self._tensors:
+            m = _BLK.fullmatch(name)
+            if m and m.group(2) == "attn_k_b.weight":
+                layer = int(m.group(1))
+                hf = f"model.layers.{layer}.self_attn.kv_b_proj.weight"
+                v_b = f"blk.{layer}.attn_v_b.weight"
+                if hf not in self._map and v_b in self._tensors:
+                    self._map[hf] = _Entry(name, op="kv_b", layer=layer, extra=v_b)
+        self.unmapped = tuple(unmapped)
+
+    def _check_types(self) -> None:
+        used = {e.gguf for e in self._map.values()} | {e.extra for e in self._map.values() if e.extra}
+        bad = [(n, self._tensors[n][0].tensor_type) for n in sorted(used)
+               if self._tensors[n][0].tensor_type not in GGUF_SUPPORTED_TYPES]
+        if bad:
+            types = sorted({t.name for _, t in bad})
+            raise UnsupportedModelError(
+                f"{self.files[0]}: {len(bad)} tensor(s) use GGUF type(s) {', '.join(types)} that the embedded "
+                f"engine cannot read (first: '{bad[0][0]}' is {bad[0][1].name}).",
+                "Supported GGUF types: " + ", ".join(sorted(t.name for t in GGUF_SUPPORTED_TYPES))
+                + ". Use a GGUF quantized with those, or run this model with the llama.cpp backend.",
+            )
+
+    def _canonical(self, name: str) -> str:
+        if name in self._map or self.architecture != "llama":
+            return name
+        for pattern, repl in _MIXTRAL_ALIASES:
+            alias = pattern.fullmatch(name)
+            if alias:
+                return alias.expand(repl)
+        return name
+
+    # ---- mapping-like access -----------------------------------------------------------
+
+    def keys(self) -> list[str]:
+        return list(self._map)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._map)
+
+    def __len__(self) -> int:
+        return len(self._map)
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and self._canonical(name) in self._map
+
+    def _entry(self, name: str) -> _Entry:
+        try:
+            return self._map[self._canonical(name)]
+        except KeyError:
+            raise KeyError(f"{name!r} is not in {self.files[0].name} ({self.architecture})") from None
+
+    def gguf_name(self, name: str) -> str:
+        """The GGUF tensor a HF name is read from (for reports and error messages)."""
+        return self._entry(name).gguf
+
+    def tensor_format(self, name: str) -> str:
+        """Storage format of the tensor behind `name`: ``q4_k``, ``q8_0``, ``f32``, ``bf16``, ..."""
+        return self._tensors[self._entry(name).gguf][0].tensor_type.name.lower()
+
+    def get_gguf(self, gguf_name: str) -> QuantTensor | torch.Tensor:
+        """A tensor by its GGUF name, as stored (merged experts stay [E, out, in])."""
+        t, _ = self._tensors[gguf_name]
+        return from_gguf(t.data, t.tensor_type, tuple(int(d) for d in reversed(t.shape.tolist())), name=gguf_name)
+
+    def get(self, name: str) -> QuantTensor | torch.Tensor:
+        """The tensor HF calls `name`: a QuantTensor for block types, else a torch tensor.
+
+        Views of the read-only file mapping except where a layout is undone (see module doc).
+        """
+        e = self._entry(name)
+        raw = self.get_gguf(e.gguf)
+        if e.expert is not None:
+            return raw[e.expert]
+        if e.op == "view":
+            return raw
+        if e.op in ("unpermute_q", "unpermute_k"):
+            return self._unpermute(raw, e)
+        if e.op == "row_vector":
+            return raw.reshape(1, -1) if isinstance(raw, torch.Tensor) and raw.dim() == 1 else raw
+        if e.op == "kv_b":
+            return self._rebuild_kv_b(raw, self.get_gguf(e.extra), e.layer)
+        raise AssertionError(e.op)
+
+    def _unpermute(self, raw: QuantTensor | torch.Tensor, e: _Entry) -> QuantTensor | torch.Tensor:
+        """Undo convert_hf_to_gguf.py's LlamaModel.permute on Q/K rows.
+
+        The converter does ``w.reshape(n_head, 2, head_dim // 2, *rest).swapaxes(1, 2)``: GGUF
+        row ``h*hd + 2i + j`` is HF row ``h*hd + j*hd/2 + i``. Rows are whole quantized rows,
+        so the inverse is a row gather; K uses the KV head count.
+        """
+        n_head = self._arch_int("attention.head_count", e.layer)
+        if e.op == "unpermute_k":
+            n_head = self._arch_int("attention.head_count_kv", e.layer) or n_head
+        rows = raw.shape[0]
+        if not n_head or rows % (2 * n_head):
+            raise ModelError(
+                f"{self.files[0]}: cannot undo the Q/K permutation of '{e.gguf}' "
+                f"({rows} rows, {n_head} heads).", "The GGUF metadata does not match its tensors."
+            )
+        perm = torch.arange(rows).reshape(n_head, rows // n_head // 2, 2).transpose(1, 2).reshape(-1)
+        return raw[perm]
+
+    def _rebuild_kv_b(self, k_b: Any, v_b: Any, layer: int | None) -> torch.Tensor:
+        """kv_b_proj [n_head*(nope+v), kv_lora] from k_b [n_head, kv_lora, nope], v_b [n_head, v, kv_lora].
+
+        The converter splits each head's kv_b rows into nope (k) and v parts and stores k
+        transposed for MLA weight absorption; this is the inverse.
+        """
+        floats = [t for t in (k_b, v_b) if isinstance(t, torch.Tensor)]
+        dtype = floats[0].dtype if len(floats) == 2 and floats[0].dtype == floats[1].dtype else torch.float32
+        k = k_b.dequantize(dtype) if isinstance(k_b, QuantTensor) else k_b.to(dtype)
+        v = v_b.dequantize(dtype) if isinstance(v_b, QuantTensor) else v_b.to(dtype)
+        if k.dim() == 2 or v.dim() == 2:  # flattened heads: recover them from the metadata
+            n_head = self._arch_int("attention.head_count", layer)
+            k = k.reshape(n_head, -1, k.shape[-1])
+            v = v.reshape(n_head, -1, v.shape[-1])
+        if k.shape[0] != v.shape[0] or k.shape[1] != v.shape[2]:
+            raise ModelError(f"{self.files[0]}: attn_k_b {tuple(k.shape)} and attn_v_b {tuple(v.shape)} of layer "
+                             f"{layer} do not fit together.")
+        kv = torch.cat((k.transpose(1, 2), v), dim=1)  # [n_head, nope + v, kv_lora]
+        return kv.reshape(-1, kv.shape[-1])
+
+    # ---- lifetime ----------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Drop this object's references to the mappings (tensors handed out keep theirs)."""
+        self._readers = []
+        self._tensors = {}
+        self._map = {}
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"GGUFWeights({self.files[0].name!r}, arch={self.architecture!r}, {len(self._map)} tensors)"
+
+
+# --------------------------------------------------------------------------------------
+# Opening files
+# --------------------------------------------------------------------------------------
+
+
+def _split_set(path: Path) -> list[Path]:
+    """All files of a split GGUF (name-0000k-of-0000N.gguf), or just `path`."""
+    m = _SPLIT.fullmatch(path.name)
+    if not m:
+        return [path]
+    stem, count = m.group(1), int(m.group(3))
+    parts = [path.with_name(f"{stem}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
+    missing = [p.name for p in parts if not p.is_file()]
+    if missing:
+        raise ModelError(
+            f"Split GGUF {parts[0].name} is incomplete: missing {', '.join(missing)}.",
+            f"Download all {count} parts into {path.parent}.",
+        )
+    return parts
+
+
+def _read(path: Path) -> GGUFReader:
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        raise ModelError(f"Cannot read {path}: {e.strerror or e}.") from None
+    if magic != b"GGUF":
+        raise ModelError(f"{path} is not a GGUF file (it does not start with the GGUF magic).",
+                         "Point at a .gguf model file.")
+    try:
+        reader = GGUFReader(path, "r")
+    except Exception as e:  # noqa: BLE001 - any parse failure of the header is a broken file, not a bug here
+        raise ModelError(f"{path} is truncated or corrupt: {e}.",
+                         "Download the file again (a partial download looks like this).") from None
+    if reader.byte_order != "I":
+        # torch cannot view byte-swapped arrays; such files come from s390x builds only.
+        raise UnsupportedModelError(f"{path} is a big-endian GGUF.", "Use the little-endian file of this model.")
+    for t in reader.tensors:
+        end = t.data_offset + t.n_bytes
+        if end > size or t.data.nbytes != t.n_bytes:
+            raise ModelError(f"{path} is truncated: tensor '{t.name}' ends at byte {end} of {size}.",
+                             "Download the file again (a partial download looks like this).")
+    return reader
+
+
+def open_gguf(path: str | Path) -> GGUFWeights:
+    """Open a GGUF model for reading weights; `path` may be any part of a split set.
+
+    A directory is accepted if it holds exactly one GGUF model (``mmproj*`` files, vision
+    projectors, are ignored). Raises ``ModelError`` (missing, not GGUF, truncated, corrupt,
+    incomplete split) or ``UnsupportedModelError`` (architecture or tensor types).
+    """
+    path = Path(path).expanduser()
+    if path.is_dir():
+        candidates = sorted(p for p in path.glob("*.gguf") if not p.name.startswith("mmproj"))
+        firsts = [p for p in candidates if not _SPLIT.fullmatch(p.name) or "-00001-of-" in p.name]
+        if len(firsts) != 1:
+            raise ModelError(
+                f"{path} holds {len(firsts) or 'no'} GGUF model{'s' if len(firsts) != 1 else ''}.",
+                "Point at the .gguf file to use.",
+            )
+        path = firsts[0]
+    if not path.exists():
+        raise ModelError(f"No such file: {path}.")
+    files = _split_set(path)
+    readers = [_read(p) for p in files]
+    if len(files) > 1:
+        expected = readers[0].fields.get("split.tensors.count")
+        total = sum(len(r.tensors) for r in readers)
+        if expected is not None and int(expected.contents()) != total:
+            raise ModelError(f"Split GGUF {files[0].name} should hold {expected.contents()} tensors but its "
+                             f"parts hold {total}.", "Download the parts again.")
+    return GGUFWeights(files, readers)
