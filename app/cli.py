@@ -38,9 +38,10 @@ def cmd_doctor(args) -> int:
 
 def cmd_inspect(args) -> int:
     from app.render import model_text
+    from backend.hub.catalogue import model_path
     from backend.models import inspect_model
 
-    model = inspect_model(args.model, expert_format=args.format)
+    model = inspect_model(model_path(args.model), expert_format=args.format)
     if args.json:
         _print_json(
             {"path": str(model.path), "kind": model.kind, "spec": model.spec.to_dict(), "inventory": model.inventory.to_dict()}
@@ -52,6 +53,7 @@ def cmd_inspect(args) -> int:
 
 def cmd_plan(args) -> int:
     from app.render import plan_text
+    from backend.hub.catalogue import model_path
     from backend.models import inspect_model
     from backend.plan import Workload, make
 
@@ -65,8 +67,8 @@ def cmd_plan(args) -> int:
         backend=args.backend,
         target_tokens_per_s=args.target_speed,
     )
+    model = inspect_model(model_path(args.model), expert_format=args.format)  # a bad name fails before the probe
     hardware = resolve_hardware(args)
-    model = inspect_model(args.model, expert_format=args.format)
     plan = make(model.spec, model.inventory, hardware, workload)
     if args.save:
         plan.save(args.save)
@@ -76,6 +78,104 @@ def cmd_plan(args) -> int:
         print(plan_text(plan))
         if args.save:
             print(f"\nSaved to {args.save}")
+    return EXIT_OK
+
+
+def cmd_pull(args) -> int:
+    """Download a repository into the Hugging Face cache; Ctrl-C cancels (a later pull resumes)."""
+    import signal
+
+    from app.hub_render import ProgressLine, plan_text, pulled_text
+    from backend.hub import pull
+    from backend.hub.catalogue import pull_target
+    from backend.session import CancelToken
+
+    repo = pull_target(args.repo, args.quant)
+    line = ProgressLine(sys.stderr)
+    cancel = CancelToken()
+
+    def on_plan(plan):
+        print(plan_text(plan), file=sys.stderr)
+
+    def on_sigint(signum, frame):
+        if cancel.cancelled:  # the second Ctrl-C: stop now
+            raise KeyboardInterrupt
+        cancel.cancel()
+        line.show("cancelling; the partial files are kept for the next pull (Ctrl-C again to abort) ...")
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        model = pull(repo, quant=args.quant, revision=args.revision, on_progress=line, cancel=cancel, on_plan=on_plan)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        line.done()
+    print(pulled_text(model), file=sys.stderr)
+    print(model.path)  # stdout: just the path, for scripts
+    return EXIT_OK
+
+
+def cmd_convert(args) -> int:
+    """A safetensors checkpoint to one GGUF file; Ctrl-C cancels and leaves no partial file."""
+    import signal
+
+    from app.convert_render import ConvertProgress
+    from backend.convert import default_output_path, to_gguf
+    from backend.session import CancelToken
+    from backend.units import fmt_bytes
+
+    out = args.out or default_output_path(args.model, args.quant)
+    line = ConvertProgress(sys.stderr)
+    cancel = CancelToken()
+
+    def on_sigint(signum, frame):
+        if cancel.cancelled:  # the second Ctrl-C: stop now (the temporary file is still removed)
+            raise KeyboardInterrupt
+        cancel.cancel()
+        line.show("cancelling (Ctrl-C again to abort) ...")
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        path = to_gguf(args.model, out, args.quant, on_progress=line, cancel=cancel)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        line.done()
+    print(f"Wrote {path} ({fmt_bytes(path.stat().st_size)}, {args.quant.upper()})", file=sys.stderr)
+    print(path)  # stdout: just the path, for scripts
+    return EXIT_OK
+
+
+def cmd_models(args) -> int:
+    """Local models; the registered directories; the catalogue."""
+    from app.hub_render import catalogue_text, models_text
+    from backend.hub import discover, registry
+
+    if args.add:
+        path = registry.add_dir(args.add)
+        found = [discover.describe(m) for m in discover.scan_directory(path, source="directory")]
+        print(f"Registered {path}; `hybridmoe models` now searches it.", file=sys.stderr)
+        print(models_text(found) if found else "  (no models in it yet)")
+        return EXIT_OK
+    if args.remove:
+        path = registry.remove_dir(args.remove)
+        print(f"Unregistered {path}; the models in it were not touched.", file=sys.stderr)
+        return EXIT_OK
+    if args.catalogue:
+        from backend import settings
+        from backend.hardware import detect
+        from backend.hub import catalogue
+
+        entries = catalogue.load()
+        if args.json:
+            _print_json([e.to_dict() for e in entries])
+            return EXIT_OK
+        hardware = detect(measure_bandwidth=settings.load().measure_bandwidth)
+        print(catalogue_text(entries, catalogue.rank_for(hardware, catalogue=entries)))
+        return EXIT_OK
+    models = discover.list_local_models()
+    if args.json:
+        _print_json([m.to_dict() for m in models])
+    else:
+        print(models_text(models))
     return EXIT_OK
 
 
@@ -182,6 +282,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.add_argument("--save", help="write the plan to FILE (.toml or .json)")
     p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser("pull", help="download a model from the Hugging Face Hub (resumable; Ctrl-C cancels)")
+    p.add_argument("repo", help="organisation/name on the Hub, or a catalogue name such as kimi-k2.6")
+    p.add_argument("--quant", help="GGUF repositories: the quantization to download, e.g. Q4_K_M (any case)")
+    p.add_argument("--revision", help="branch, tag or commit (default: main)")
+    p.set_defaults(func=cmd_pull)
+
+    p = sub.add_parser("convert", help="convert a safetensors checkpoint to a GGUF file (Ctrl-C cancels)")
+    p.add_argument("model", help="a Hugging Face checkpoint directory (config.json + *.safetensors)")
+    p.add_argument("--to", choices=["gguf"], default="gguf", help="output format (gguf)")
+    p.add_argument("--quant", choices=["bf16", "q8_0", "q4_0", "q4_k_m"], default="q8_0",
+                   help="weight type (default q8_0); q4_k_m runs llama.cpp's quantizer on a bf16 intermediate")
+    p.add_argument("--out", help="output file (default: <model folder>-<QUANT>.gguf next to the folder)")
+    p.set_defaults(func=cmd_convert)
+
+    p = sub.add_parser("models", help="models on this machine; --catalogue: the models hybridmoe knows by name")
+    p.add_argument("--json", action="store_true")
+    group = p.add_mutually_exclusive_group()
+    group.add_argument("--add", metavar="DIR", help="also search DIR for models (it is never modified)")
+    group.add_argument("--remove", metavar="DIR", help="stop searching DIR")
+    group.add_argument("--catalogue", action="store_true", help="the catalogue, and what fits this machine")
+    p.set_defaults(func=cmd_models)
+
+    from app import headless
+
+    headless.add_parser(sub)
     return parser
 
 

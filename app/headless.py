@@ -1,0 +1,156 @@
+"""`hybridmoe run`: one prompt in, the answer streamed to stdout.
+
+Progress and statistics go to stderr, and only when stderr is a terminal, so pipes get
+the answer alone. Ctrl-C stops generation cleanly (exit 130) with what was generated
+already printed.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+from dataclasses import asdict
+
+from backend.errors import UsageError
+from backend.session import CancelToken, Done, Message, Progress, TextPiece
+
+EXIT_CANCELLED = 130
+
+
+def read_prompt(prompt: str | None) -> str:
+    """-p TEXT, or `-p -` / no -p with piped stdin: the prompt from standard input."""
+    if prompt is not None and prompt != "-":
+        return prompt
+    if prompt is None and sys.stdin.isatty():
+        raise UsageError("no prompt given", "Pass -p 'your question', or pipe it in: echo 'question' | hybridmoe run -m MODEL")
+    text = sys.stdin.read()
+    if not text.strip():
+        raise UsageError("the prompt read from standard input is empty")
+    return text
+
+
+def load_plan(args, model):
+    """The plan from --plan, or one made now for this machine and the requested context."""
+    from backend.hardware import detect
+    from backend.plan import Plan, Workload, make
+
+    if args.plan:
+        return Plan.load(args.plan)
+    context = min(args.context, model.spec.max_context)
+    plan = make(model.spec, model.inventory, detect(measure_bandwidth=False), Workload(context=context, backend=args.backend))
+    if not plan.fits:
+        from backend.errors import PlanError
+
+        raise PlanError(
+            f"{model.spec.name} does not fit this machine: {plan.reason}",
+            " ".join(plan.suggestions) or "See `hybridmoe plan` for the details.",
+        )
+    return plan
+
+
+class _StderrProgress:
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+
+    def __call__(self, p: Progress) -> None:
+        if self.enabled:
+            total = f"/{p.total:g}" if p.total else ""
+            sys.stderr.write(f"\r{p.stage}: {p.done:g}{total} {p.unit}  ")
+            sys.stderr.flush()
+
+    def done(self) -> None:
+        if self.enabled:
+            sys.stderr.write("\r\033[K")
+
+
+def cmd_run(args) -> int:
+    from backend.engine.sampling import SamplingParams
+    from backend.engine.session import EngineBackend
+    from backend.models import inspect_model
+
+    prompt = read_prompt(args.prompt)
+    sampling = SamplingParams(
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        seed=args.seed,
+        max_tokens=args.max_tokens,
+        stop=tuple(args.stop or ()),
+    )
+    model = inspect_model(args.model)
+    plan = load_plan(args, model)
+    interactive = sys.stderr.isatty() and not args.json
+    progress = _StderrProgress(interactive)
+    cancel = CancelToken()
+    previous = signal.signal(signal.SIGINT, lambda *_: cancel.cancel())
+    try:
+        session = EngineBackend().load(args.model, plan, progress, cancel)
+        progress.done()
+        messages = [Message("system", args.system)] if args.system else []
+        messages.append(Message("user", prompt))
+        done = None
+        for event in session.generate(messages, sampling, cancel):
+            if isinstance(event, TextPiece) and not args.json:
+                sys.stdout.write(event.text)
+                sys.stdout.flush()
+            elif isinstance(event, Done):
+                done = event
+        if args.record_stats:
+            session.save_expert_stats(args.record_stats)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if args.json:
+        json.dump(
+            {
+                "model": model.spec.name,
+                "backend": "engine",
+                "text": done.text,
+                "token_ids": list(done.token_ids),
+                "finish_reason": done.reason,
+                "stats": asdict(done.stats),
+            },
+            sys.stdout,
+        )
+        sys.stdout.write("\n")
+    else:
+        if done.text and not done.text.endswith("\n"):
+            sys.stdout.write("\n")
+        if interactive:
+            s = done.stats
+            parts = [f"{s.prompt_tokens} prompt + {s.generated_tokens} generated tokens"]
+            if s.time_to_first_token_s is not None:
+                parts.append(f"first token {s.time_to_first_token_s:.2f} s")
+            if s.prefill_tokens_per_s:
+                parts.append(f"prefill {s.prefill_tokens_per_s:.1f} tok/s")
+            if s.decode_tokens_per_s:
+                parts.append(f"decode {s.decode_tokens_per_s:.1f} tok/s")
+            if s.main_device_expert_share is not None and plan.main_device != "cpu":
+                parts.append(f"{s.main_device_expert_share:.0%} of experts on the GPU")
+            sys.stderr.write(", ".join(parts) + "\n")
+    return EXIT_CANCELLED if done.reason == "cancelled" else 0
+
+
+def add_parser(sub) -> None:
+    from backend.plan.workload import BACKENDS
+
+    p = sub.add_parser("run", help="answer one prompt (headless): the answer to stdout, progress to stderr")
+    p.add_argument("-m", "--model", required=True, help="a model directory or a .gguf file")
+    p.add_argument("-p", "--prompt", help="the prompt; '-' (or none, with a pipe) reads standard input")
+    p.add_argument("--system", help="a system prompt")
+    p.add_argument("--max-tokens", type=int, default=512, help="stop after this many tokens (default 512)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--stop", action="append", help="a stop string (repeatable)")
+    p.add_argument("--plan", help="a saved plan (hybridmoe plan --save FILE); default: plan for this machine now")
+    p.add_argument("--context", type=int, default=4096, help="context length when no --plan is given (default 4096)")
+    p.add_argument("--backend", choices=list(BACKENDS), default="auto")
+    p.add_argument("--record-stats", metavar="FILE", help="save per-expert activation counts for --strategy frequency")
+    p.add_argument("--json", action="store_true", help="print one JSON object: text, token ids, stats")
+    p.set_defaults(func=cmd_run)

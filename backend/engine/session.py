@@ -1,0 +1,192 @@
+"""The embedded engine behind the Backend/Session protocol (backend/session.py).
+
+EngineBackend.load() reads the model the Plan describes (weights through mmap, experts
+placed per the Plan), EngineSession.generate() turns messages into a stream of events:
+render the chat template, prefill in chunks (reusing the cached prefix of the previous
+turn), sample, detokenize without splitting characters, stop on end tokens or stop strings.
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import torch
+
+from backend.engine.chat_template import ChatTemplate
+from backend.engine.kv_cache import CacheRewindError
+from backend.engine.model import MoeTransformer, build_model
+from backend.engine.sampling import Sampler, SamplingParams, StopStringMatcher
+from backend.engine.tokenizer import Tokenizer, load_tokenizer
+from backend.engine.weights import open_weights
+from backend.errors import ModelError, UsageError
+from backend.models import inspect_model
+from backend.plan.plan import Plan
+from backend.session import CancelToken, Done, Message, Progress, ProgressCallback, Stats, TextPiece
+
+
+class EngineBackend:
+    name = "engine"
+
+    def load(self, model_path, plan: Plan, on_progress: ProgressCallback | None = None,
+             cancel: CancelToken | None = None, *, device: str | None = None) -> "EngineSession":
+        model = inspect_model(model_path)
+        if model.kind == "config":
+            raise ModelError(f"{model_path} is a config.json without weights", "Download the model first (`hybridmoe pull`).")
+        spec = model.spec
+        if tuple(plan.moe_layers) != tuple(spec.moe_layers) or plan.n_routed_experts != spec.n_routed_experts:
+            raise UsageError(
+                f"the plan was made for {plan.model}, whose layers differ from {spec.name}",
+                f"Make a plan for this model: `hybridmoe plan {model_path} --save FILE`.",
+            )
+        if plan.workload.context > spec.max_context:
+            raise UsageError(f"the plan's context ({plan.workload.context}) exceeds {spec.name}'s {spec.max_context} tokens")
+
+        def progress(done: int, total: int) -> None:
+            if cancel is not None:
+                cancel.raise_if_cancelled("loading the model")
+            if on_progress is not None:
+                on_progress(Progress("load", done, total, unit="layers", message=f"building layer {done} of {total}"))
+
+        tokenizer = load_tokenizer(model_path)
+        weights = open_weights(model_path)
+        net = build_model(
+            spec.config,
+            weights,
+            plan.placement(),
+            device,
+            max_context=plan.workload.context,
+            name=spec.name,
+            on_progress=progress,
+        )
+        return EngineSession(net, tokenizer, ChatTemplate.for_tokenizer(tokenizer), plan, Path(model_path))
+
+
+class EngineSession:
+    def __init__(self, model: MoeTransformer, tokenizer: Tokenizer, template: ChatTemplate, plan: Plan, path: Path):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.template = template
+        self.plan = plan
+        self.path = path
+        self.context = plan.workload.context
+        self.chunk = plan.workload.prefill_chunk
+        self._cached: list[int] = []  # the token ids whose keys/values the cache holds
+
+    def prompt_ids(self, messages: Sequence[Message]) -> list[int]:
+        text = self.template.render([{"role": m.role, "content": m.content} for m in messages], add_generation_prompt=True)
+        return self.tokenizer.encode_prompt(text)
+
+    def generate(self, messages: Sequence[Message], sampling: SamplingParams,
+                 cancel: CancelToken | None = None) -> Iterator[TextPiece | Done]:
+        ids = self.prompt_ids(messages)
+        if len(ids) >= self.context:
+            raise ModelError(
+                f"the prompt is {len(ids)} tokens, the context holds {self.context}",
+                "Shorten the conversation, or plan a longer context (`hybridmoe plan --context N`).",
+            )
+        budget = self.context - len(ids)
+        max_new = min(sampling.max_tokens, budget) if sampling.max_tokens else budget
+        started = time.perf_counter()
+        logits, prefilled = self._prefill(ids)
+        prefill_s = time.perf_counter() - started
+
+        sampler = Sampler(sampling)
+        detok = self.tokenizer.detokenizer()
+        stops = StopStringMatcher([*sampling.stop, *self.template.stop_strings])
+        context_ids = list(ids)
+        generated: list[int] = []
+        text: list[str] = []
+        reason = "length"
+        first_token_at = None
+        while True:
+            if cancel is not None and cancel.cancelled:
+                reason = "cancelled"
+                break
+            token = sampler.sample(logits[-1], context_ids)
+            if first_token_at is None:
+                first_token_at = time.perf_counter()
+            if token in self.tokenizer.stop_ids:
+                reason = "stop"
+                break
+            generated.append(token)
+            context_ids.append(token)
+            piece = stops.feed(detok.feed(token))
+            if piece:
+                text.append(piece)
+                yield TextPiece(piece, (token,))
+            if stops.stopped:
+                reason = "stop"
+                break
+            if len(generated) >= max_new:
+                break
+            logits = self._forward([token], len(self._cached))
+        if not stops.stopped:
+            tail = stops.feed(detok.flush()) + stops.flush()
+            if tail:
+                text.append(tail)
+                yield TextPiece(tail, ())
+        finished = time.perf_counter()
+        decode_tokens = max(len(generated) - 1, 0)
+        decode_s = finished - first_token_at if first_token_at else 0.0
+        stats = Stats(
+            prompt_tokens=len(ids),
+            generated_tokens=len(generated),
+            time_to_first_token_s=(first_token_at - started) if first_token_at else None,
+            prefill_tokens_per_s=prefilled / prefill_s if prefilled and prefill_s > 0 else None,
+            decode_tokens_per_s=decode_tokens / decode_s if decode_tokens and decode_s > 0 else None,
+            main_device_expert_share=self.model.stats.main_share(),
+            peak_memory_bytes=peak_memory(self.model.device),
+            backend="engine",
+        )
+        yield Done(reason, "".join(text), tuple(generated), stats)
+
+    def _forward(self, tokens: list[int], start: int, *, last_only: bool = True) -> torch.Tensor:
+        logits = self.model(torch.tensor(tokens, dtype=torch.long), start, last_only=last_only)
+        self._cached = self._cached[:start] + tokens
+        return logits
+
+    def _prefill(self, ids: list[int]) -> tuple[torch.Tensor, int]:
+        """Feed the prompt in chunks after the prefix the cache already holds; returns the
+        last logits and how many tokens were computed."""
+        start = common_prefix(self._cached, ids)
+        start = min(start, len(ids) - 1)  # at least one token must run to give logits
+        try:
+            return self._prefill_from(ids, start), len(ids) - start
+        except CacheRewindError:
+            # A sliding-window layer no longer holds what the rewind needs: start over.
+            return self._prefill_from(ids, 0), len(ids)
+
+    def _prefill_from(self, ids: list[int], start: int) -> torch.Tensor:
+        logits = None
+        for pos in range(start, len(ids), self.chunk):
+            logits = self._forward(ids[pos : pos + self.chunk], pos)
+        return logits
+
+    def save_expert_stats(self, path) -> None:
+        self.model.stats.save(path)
+
+    def close(self) -> None:
+        self.model = None
+        self._cached = []
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def peak_memory(device: torch.device) -> dict[str, int]:
+    # ru_maxrss is KiB on Linux and bytes on macOS.
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+    peaks = {"host": rss}
+    if device.type == "cuda":
+        peaks[str(device)] = torch.cuda.max_memory_allocated(device)
+    return peaks

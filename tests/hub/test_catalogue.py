@@ -1,0 +1,154 @@
+"""The shipped catalogue: it loads, every entry's config inspects, its numbers agree, ranking works."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from backend.errors import ModelError, UsageError
+from backend.hardware import preset
+from backend.hub import catalogue
+from backend.models.families import family_by_name
+from backend.plan import Workload
+
+ROOT = Path(__file__).resolve().parents[2]
+SHARED_CONFIGS = ROOT.parent / "shared" / "configs"
+
+TARGETS = {  # the models the catalogue must know, by official repository
+    "moonshotai/Kimi-K2.6", "moonshotai/Kimi-K2.5", "moonshotai/Kimi-K2-Instruct", "deepseek-ai/DeepSeek-V3",
+    "deepseek-ai/DeepSeek-R1", "Qwen/Qwen3-30B-A3B", "Qwen/Qwen3-235B-A22B", "Qwen/Qwen3-Coder-480B-A35B-Instruct",
+    "openai/gpt-oss-20b", "openai/gpt-oss-120b", "zai-org/GLM-4.5", "zai-org/GLM-4.5-Air",
+    "mistralai/Mixtral-8x7B-v0.1", "mistralai/Mixtral-8x22B-v0.1", "allenai/OLMoE-1B-7B-0924",
+    "Qwen/Qwen1.5-MoE-A2.7B", "deepseek-ai/DeepSeek-V2-Lite",
+}
+
+
+@pytest.fixture(scope="module")
+def cat():
+    return catalogue.load()
+
+
+def test_the_catalogue_ships_next_to_the_backend_package(cat):
+    assert catalogue.assets_dir() == ROOT / "assets"
+    assert cat.path == ROOT / "assets" / "catalogue.toml"
+
+
+def test_it_knows_every_target_model(cat):
+    assert {e.repo for e in cat} == TARGETS
+    assert len(set(cat.ids())) == len(cat)
+
+
+def test_every_entry_config_inspects(cat):
+    for e in cat:
+        family_by_name(e.family)  # a family backend.models serves
+        assert e.config_path.parent == ROOT / "assets" / "configs"
+        assert e.context == e.spec.max_context > 0
+        assert e.checkpoint_size().bytes > 0
+        for q in e.quants:
+            size = e.quant_size(q)
+            assert size is None or size.bytes > 0, (e.id, q.name)
+
+
+@pytest.mark.skipif(not SHARED_CONFIGS.is_dir(), reason="needs the shared configs")
+def test_shipped_configs_are_the_published_ones(cat):
+    for e in cat:
+        assert json.loads(e.config_path.read_text()) == json.loads((SHARED_CONFIGS / e.config_path.name).read_text())
+
+
+def test_published_and_computed_sizes_agree(cat):
+    """Within 1% for checkpoints and the llama.cpp types; the gpt-oss GGUFs (other tensors
+    quantized too) and Q5_K_M (computed as Q5_K) within 13%."""
+    checked = 0
+    for e in cat:
+        if e.checkpoint_bytes is not None:
+            computed = e.inspect().inventory.total_bytes
+            assert abs(e.checkpoint_bytes / computed - 1) < 0.01, e.id
+            checked += 1
+        for q in e.quants:
+            if q.published_bytes is None or q.format is None:
+                continue
+            computed = e.inspect(q.format).inventory.total_bytes
+            tolerance = 0.01 if q.format in ("q4_k_m", "q8_0", "bf16") else 0.13
+            assert abs(q.published_bytes / computed - 1) < tolerance, (e.id, q.name, q.published_bytes, computed)
+            checked += 1
+    assert checked >= 15
+
+
+def test_find_by_id_repo_or_name(cat):
+    k = cat.find("kimi-k2.6")
+    assert k.repo == "moonshotai/Kimi-K2.6" and k.family == "deepseek" and k.context == 262144
+    assert cat.find("MOONSHOTAI/kimi-k2.6") is k and cat.find("Kimi-K2.6") is k
+    assert cat.find("unsloth/Qwen3-30B-A3B-GGUF").id == "qwen3-30b-a3b"
+    assert cat.find("nothing") is None
+
+
+def test_to_dict_is_json(cat):
+    d = json.loads(json.dumps([e.to_dict() for e in cat]))
+    q = next(x for x in d if x["id"] == "deepseek-v3")
+    assert q["quants"]["Q4_K_M"]["published"] and q["quants"]["Q4_K_M"]["bytes"] == 404_430_000_000
+    assert q["checkpoint"]["format"] == "fp8_block"
+
+
+def test_rank_for_a_big_machine_lists_what_fits_fastest_first(cat):
+    ranked = catalogue.rank_for(preset("4x H200 NVL"), Workload(context=32768), catalogue=cat)
+    assert {r.entry.id for r in ranked} >= {"kimi-k2.6", "deepseek-v3", "qwen3-30b-a3b", "gpt-oss-120b"}
+    speeds = [r.tokens_per_s for r in ranked]
+    assert all(s is not None for s in speeds) and speeds == sorted(speeds, reverse=True)
+    assert all(r.plan.fits for r in ranked)
+    kimi = next(r for r in ranked if r.entry.id == "kimi-k2.6")
+    assert kimi.option == "checkpoint"  # the published int4 fits: no re-quantization
+    olmoe = next(r for r in ranked if r.entry.id == "olmoe-1b-7b")
+    assert olmoe.context == 4096  # capped at what the model takes
+
+
+def test_rank_for_a_small_machine_leaves_out_what_does_not_fit(cat):
+    from backend.hardware.overrides import apply_overrides
+
+    small = apply_overrides(preset("cpu-only"), ram=32 << 30)
+    ranked = catalogue.rank_for(small, catalogue=cat)
+    ids = {r.entry.id for r in ranked}
+    assert "kimi-k2.6" not in ids and "deepseek-v3" not in ids
+    assert "qwen3-30b-a3b" in ids
+    qwen = next(r for r in ranked if r.entry.id == "qwen3-30b-a3b")
+    assert qwen.option in ("Q4_K_M", "Q8_0")  # the bf16 checkpoint does not fit 32 GiB
+    assert all(r.plan.fits for r in ranked)
+
+
+def test_names_on_the_command_line(cat, home):
+    assert catalogue.model_path("kimi-k2.6") == cat.find("kimi-k2.6").config_path
+    assert catalogue.model_path("moonshotai/Kimi-K2.6") == cat.find("kimi-k2.6").config_path
+    with pytest.raises(UsageError, match="hybridmoe pull org/unknown"):
+        catalogue.model_path("org/unknown")
+    with pytest.raises(UsageError, match="neither a file"):
+        catalogue.model_path("no-such-model")
+    assert catalogue.model_path("./missing.json") == Path("./missing.json")
+    assert catalogue.pull_target("kimi-k2.6") == "moonshotai/Kimi-K2.6"
+    assert catalogue.pull_target("kimi-k2.6", "UD-Q4_K_XL") == "unsloth/Kimi-K2.6-GGUF"
+    assert catalogue.pull_target("someone/repo", "Q4_K_M") == "someone/repo"
+    with pytest.raises(UsageError, match="no GGUF repository"):
+        catalogue.pull_target("olmoe-1b-7b", "Q4_K_M")
+
+
+def test_a_malformed_catalogue_names_the_entry(tmp_path):
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "c.toml").write_text('[[model]]\nid = "x"\nname = "X"\nrepo = "a/b"\nconfig = "configs/none.json"\n')
+    with pytest.raises(ModelError, match=r"model #1 \(x\) is malformed.*does not exist"):
+        catalogue.load(tmp_path / "c.toml")
+
+
+def test_the_build_ships_assets_beside_backend():
+    """assets_dir() finds assets/ next to backend/: in a checkout, and in site-packages when
+    the build copies it there as a top-level directory (scikit-build-core wheel.packages,
+    or setuptools packages.find as a namespace package). A wheel build compiles native/, too
+    slow for this suite, so the build configuration is checked instead."""
+    import tomllib
+
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    tool = config.get("tool", {})
+    shipped = set(tool.get("scikit-build", {}).get("wheel", {}).get("packages", []))
+    found = tool.get("setuptools", {}).get("packages", {}).get("find", {}).get("include", [])
+    assert "assets" in shipped or any(re.fullmatch(p.replace("*", ".*"), "assets") for p in found), \
+        "pyproject.toml must ship assets/ as a top-level directory of the wheel"
