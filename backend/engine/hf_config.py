@@ -92,6 +92,15 @@ class HFConfig:
             raise ModelError(f"{self.source} has no {key!r}, which this model needs")
         return value
 
+    def n_routed_experts(self) -> int:
+        """Routed experts per MoE layer. The key varies: hub Qwen3-MoE writes num_experts and
+        transformers 5 writes num_local_experts for the same model; DeepSeek/GLM use
+        n_routed_experts."""
+        for key in ("n_routed_experts", "num_experts", "num_local_experts"):
+            if self.raw.get(key) is not None:
+                return int(self.raw[key])
+        return 0
+
     @property
     def model_type(self) -> str:
         return str(self.raw.get("model_type") or "")

@@ -1,0 +1,146 @@
+"""Grouped-query attention with the variants our families use.
+
+- q/k RMSNorm per head (Qwen3-MoE, GLM-4.5 with use_qk_norm) or over the whole projection
+  (OLMoE), optional clipping of q/k/v (OLMoE `clip_qkv`), biases where the checkpoint has them;
+- sliding windows (GPT-OSS alternating layers, Mixtral/Qwen when configured) with a ring cache;
+- attention sinks (GPT-OSS): one learned logit per head that joins the softmax and is dropped.
+
+Plain attention goes through ``F.scaled_dot_product_attention`` (flash kernels on CPU and
+CUDA, no [T, S] score matrix in memory); attention with sinks, and MLA's absorbed form, use
+``eager_attention``, which computes the scores explicitly in query chunks.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from backend.engine.kv_cache import KVCache, SlidingKVCache, causal_mask
+from backend.engine.layers import Linear, RMSNorm
+from backend.engine.rope import Rotary
+
+# Upper bound on score elements materialised at once by eager_attention (per query chunk).
+_EAGER_SCORE_BUDGET = 1 << 24
+
+
+def eager_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """softmax(q k^T * scale) v for q [1, H, T, D], k [1, KV, S, D], v [1, KV, S, Dv].
+
+    KV heads are shared by H/KV query heads without copying them: the query heads of a group
+    are stacked into one matrix per KV head. `mask` [T, S] is True where attending is allowed.
+    With `sinks` [H] (GPT-OSS) the softmax runs in the scores' dtype as the reference does;
+    otherwise in float32.
+    """
+    _, n_heads, n_q, dim = q.shape
+    n_kv, n_keys = k.shape[1], k.shape[2]
+    group = n_heads // n_kv
+    out = q.new_empty(1, n_heads, n_q, v.shape[-1])
+    keys_t = k.transpose(-1, -2)
+    chunk = max(1, _EAGER_SCORE_BUDGET // (n_heads * max(n_keys, 1)))
+    for t0 in range(0, n_q, chunk):
+        t1 = min(n_q, t0 + chunk)
+        n = t1 - t0
+        grouped = q[:, :, t0:t1].reshape(1, n_kv, group * n, dim)
+        scores = (torch.matmul(grouped, keys_t) * scale).view(1, n_heads, n, n_keys)
+        if mask is not None:
+            scores = scores.masked_fill(~mask[t0:t1], float("-inf"))
+        if sinks is not None:
+            sink = sinks.view(1, n_heads, 1, 1).expand(1, n_heads, n, 1).to(scores.dtype)
+            combined = torch.cat((scores, sink), dim=-1)
+            combined = combined - combined.max(dim=-1, keepdim=True).values
+            probs = F.softmax(combined, dim=-1, dtype=combined.dtype)[..., :-1]
+        else:
+            probs = F.softmax(scores, dim=-1, dtype=torch.float32)
+        probs = probs.to(v.dtype).reshape(1, n_kv, group * n, n_keys)
+        out[:, :, t0:t1] = torch.matmul(probs, v).view(1, n_heads, n, -1)
+    return out
+
+
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    start_pos: int,
+    key_positions: torch.Tensor | None,
+    window: int | None,
+    scale: float,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal (optionally windowed) attention of the new queries over the returned keys."""
+    n_q, n_keys = q.shape[2], k.shape[2]
+    if key_positions is None and window is None and n_q == 1:
+        mask, causal = None, False  # one query at the end sees every key
+    elif key_positions is None and window is None and start_pos == 0:
+        mask, causal = None, True  # square causal: let the kernel build it
+    else:
+        q_pos = torch.arange(start_pos, start_pos + n_q, device=q.device)
+        mask, causal = causal_mask(q_pos, key_positions, n_keys, window), False
+    if sinks is not None:
+        if causal:
+            q_pos = torch.arange(n_q, device=q.device)
+            mask = causal_mask(q_pos, None, n_keys, None)
+        return eager_attention(q, k, v, mask, scale, sinks)
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=k.shape[1] != q.shape[1]
+    )
+
+
+class Attention(nn.Module):
+    def __init__(
+        self,
+        *,
+        q: Linear,
+        k: Linear,
+        v: Linear,
+        o: Linear,
+        n_heads: int,
+        n_kv_heads: int,
+        head_dim: int,
+        rotary: Rotary,
+        cache: KVCache | SlidingKVCache,
+        window: int | None = None,
+        q_norm: RMSNorm | None = None,
+        k_norm: RMSNorm | None = None,
+        norm_per_head: bool = True,
+        clip_qkv: float | None = None,
+        sinks: torch.Tensor | None = None,
+    ):
+        super().__init__()
+        self.q, self.k, self.v, self.o = q, k, v, o
+        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
+        self.rotary = rotary
+        self.cache = cache
+        self.window = window
+        self.q_norm, self.k_norm = q_norm, k_norm
+        self.norm_per_head = norm_per_head
+        self.clip_qkv = clip_qkv
+        self.register_buffer("sinks", sinks, persistent=False)
+        self.scale = head_dim**-0.5
+
+    def forward(self, x: torch.Tensor, start_pos: int) -> torch.Tensor:
+        n = x.shape[0]
+        q, k, v = self.q(x), self.k(x), self.v(x)
+        if self.q_norm is not None and not self.norm_per_head:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.clip_qkv is not None:
+            q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
+        q = q.view(n, self.n_heads, self.head_dim)
+        k = k.view(n, self.n_kv_heads, self.head_dim)
+        v = v.view(n, self.n_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.norm_per_head:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, heads, n, d]
+        cos, sin = self.rotary.tables(start_pos, n, x.dtype)
+        q, k = self.rotary.apply(q, cos, sin), self.rotary.apply(k, cos, sin)
+        keys, values, key_positions = self.cache.update(k, v, start_pos)
+        window = self.window if isinstance(self.cache, SlidingKVCache) else None
+        out = attend(q, keys, values, start_pos, key_positions, window, self.scale, self.sinks)
+        return self.o(out.squeeze(0).transpose(0, 1).reshape(n, -1))

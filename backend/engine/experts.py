@@ -1,0 +1,268 @@
+"""Routed experts: where they are stored, where they run, and the reference computation.
+
+A placement ``{layer: expert ids}`` names the experts of each MoE layer that live on the
+main device (a missing layer: none). Those are materialised there once, dequantized, with
+gate and up fused into one matrix (``ResidentExperts``). All others stay in host memory in
+their stored form, mmap'd and possibly quantized (``HostExperts``), and are computed on the
+CPU by ``cpu_experts_forward``, which dequantizes each needed expert per call: the plain
+PyTorch reference the native kernels (``native_experts``) are tested against and fall
+back to. The two partial sums are added by the MoE block.
+
+Checkpoint layouts of one layer's experts (``prefix`` is e.g. ``model.layers.3.mlp``):
+- per expert (every hub checkpoint, and what transformers 5 ``save_pretrained`` writes for
+  all families but GPT-OSS): ``prefix.experts.{e}.{gate,up,down}_proj.weight`` (Mixtral:
+  ``w1``, ``w3``, ``w2``);
+- fused (transformers' in-memory layout): ``prefix.experts.gate_up_proj`` [E, 2I, H] with
+  gate rows first, ``prefix.experts.down_proj`` [E, H, I];
+- GPT-OSS: ``prefix.experts.gate_up_proj`` [E, H, 2I] (as x @ W, gate/up interleaved by
+  column) and ``down_proj`` [E, I, H] in float checkpoints, or MXFP4 blocks whose logical
+  shape is [E, 2I, H] / [E, H, I] (as x @ W^T); plus ``gate_up_proj_bias``, ``down_proj_bias``.
+  Read from a GGUF file, GPT-OSS experts come per expert, gate and up apart, each with a
+  ``.bias``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from backend.engine.layers import activation
+from backend.engine.weights import WeightSource, dense, missing_tensor, require
+
+
+@dataclass
+class ExpertMatrices:
+    """One expert's weights as [out, in] matrices (views allowed): either `gate_up` (fused:
+    gate rows then up rows, or interleaved for GPT-OSS) or separate `gate` and `up`; biases
+    where the family has them (GPT-OSS)."""
+
+    down: torch.Tensor
+    gate_up: torch.Tensor | None = None
+    gate: torch.Tensor | None = None
+    up: torch.Tensor | None = None
+    gate_up_bias: torch.Tensor | None = None
+    gate_bias: torch.Tensor | None = None
+    up_bias: torch.Tensor | None = None
+    down_bias: torch.Tensor | None = None
+
+    def fused(self, interleave: bool = False) -> ExpertMatrices:
+        """The same expert with gate and up in one matrix (one matmul instead of two)."""
+        if self.gate_up is not None:
+            return self
+        if interleave:  # GPT-OSS convention: gate in even rows, up in odd rows
+            gate_up = torch.stack((self.gate, self.up), dim=1).reshape(-1, self.gate.shape[1])
+            bias = None if self.gate_bias is None else torch.stack((self.gate_bias, self.up_bias), dim=1).reshape(-1)
+        else:
+            gate_up = torch.cat((self.gate, self.up))
+            bias = None if self.gate_bias is None else torch.cat((self.gate_bias, self.up_bias))
+        return ExpertMatrices(down=self.down, gate_up=gate_up, gate_up_bias=bias, down_bias=self.down_bias)
+
+
+class ExpertActivation:
+    """The gated nonlinearity between the two projections."""
+
+    def __init__(self, kind: str = "silu", *, alpha: float = 1.702, limit: float = 7.0):
+        self.kind = kind
+        self.alpha, self.limit = alpha, limit
+        self.act = activation(kind) if kind != "gpt_oss" else None
+
+    @property
+    def interleaved(self) -> bool:
+        """Whether a fused gate_up matrix interleaves gate and up rows (GPT-OSS)."""
+        return self.kind == "gpt_oss"
+
+    def __call__(self, x: torch.Tensor, m: ExpertMatrices) -> torch.Tensor:
+        if m.gate_up is None:
+            gate, up = _linear(x, m.gate, m.gate_bias), _linear(x, m.up, m.up_bias)
+        else:
+            gate_up = _linear(x, m.gate_up, m.gate_up_bias)
+            if self.interleaved:
+                gate, up = gate_up[..., ::2], gate_up[..., 1::2]
+            else:
+                gate, up = gate_up.chunk(2, dim=-1)
+        if self.kind == "gpt_oss":
+            # GPT-OSS: clamped SwiGLU with a sigmoid slope alpha, and up shifted by one.
+            gate = gate.clamp(max=self.limit)
+            up = up.clamp(-self.limit, self.limit)
+            return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+        return self.act(gate) * up
+
+
+def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    # Expert biases (GPT-OSS) are added after the product is rounded, as the reference does.
+    y = F.linear(x, w)
+    return y if b is None else y + b
+
+
+def expert_mlp(x: torch.Tensor, m: ExpertMatrices, act: ExpertActivation) -> torch.Tensor:
+    return _linear(act(x, m), m.down, m.down_bias)
+
+
+# --- where the experts are stored -----------------------------------------------------
+
+
+class ExpertStore:
+    """One MoE layer's routed experts as the checkpoint stores them (read lazily, kept).
+
+    Per-expert tensors may carry biases (GPT-OSS read from a GGUF file, where llama.cpp
+    stores gate and up separately); the fused GPT-OSS layout has them as
+    ``gate_up_proj_bias`` / ``down_proj_bias``.
+    """
+
+    def __init__(self, weights: WeightSource, prefix: str, n_experts: int, hidden: int, intermediate: int,
+                 *, names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"), gpt_oss: bool = False):
+        self.weights = weights
+        self.prefix = prefix
+        self.n_experts, self.hidden, self.intermediate = n_experts, hidden, intermediate
+        self.names = names
+        self.gpt_oss = gpt_oss
+        self._stored: dict[int, dict[str, Any]] = {}
+        fused = f"{prefix}.experts.gate_up_proj"
+        self.layout = "fused" if fused in weights else "per_expert"
+        self.transposed = False
+        if self.layout == "fused":
+            e, h, i = n_experts, hidden, intermediate
+            gate_up = weights.get(fused)
+            # Float GPT-OSS tensors are stored for x @ W ([in, out]); everything else [out, in].
+            self.transposed = gpt_oss and isinstance(gate_up, torch.Tensor)
+            want_gu, want_down = ((e, h, 2 * i), (e, i, h)) if self.transposed else ((e, 2 * i, h), (e, h, i))
+            self._gate_up = require(weights, fused, want_gu)
+            self._down = require(weights, f"{prefix}.experts.down_proj", want_down)
+            self._gate_up_bias = require(weights, f"{fused}_bias", (e, 2 * i)) if gpt_oss else None
+            self._down_bias = require(weights, f"{prefix}.experts.down_proj_bias", (e, h)) if gpt_oss else None
+        else:
+            # Presence is checked now (name lookups only) so that an incomplete checkpoint
+            # fails at load; shapes are checked when an expert is first read.
+            for e in range(n_experts):
+                for name in names:
+                    if f"{prefix}.experts.{e}.{name}.weight" not in weights:
+                        raise missing_tensor(weights, f"{prefix}.experts.{e}.{name}.weight")
+
+    def stored(self, e: int) -> dict[str, Any]:
+        """Expert e's stored objects (mmap'd tensors or quant objects, [out, in] unless
+        `transposed`), read once and kept: they are views, not copies."""
+        got = self._stored.get(e)
+        if got is not None:
+            return got
+        if not 0 <= e < self.n_experts:
+            raise ValueError(f"expert {e} out of range for {self.prefix} ({self.n_experts} experts)")
+        if self.layout == "fused":
+            got = {"gate_up": self._gate_up[e], "down": self._down[e]}
+            if self._gate_up_bias is not None:
+                got.update(gate_up_bias=self._gate_up_bias[e], down_bias=self._down_bias[e])
+        else:
+            w, h, i, p = self.weights, self.hidden, self.intermediate, f"{self.prefix}.experts.{e}"
+            got = {}
+            for role, name, shape in (("gate", self.names[0], (i, h)), ("up", self.names[1], (i, h)),
+                                      ("down", self.names[2], (h, i))):
+                got[role] = require(w, f"{p}.{name}.weight", shape)
+                if f"{p}.{name}.bias" in w:
+                    got[f"{role}_bias"] = require(w, f"{p}.{name}.bias", (shape[0],))
+        self._stored[e] = got
+        return got
+
+    def matrices(self, e: int, dtype: torch.dtype, device: torch.device | str, *, fused: bool = False,
+                 interleave: bool = False) -> ExpertMatrices:
+        """Expert e as [out, in] matrices in `dtype` on `device` (dequantizing as needed).
+
+        A float tensor already in `dtype` on the CPU comes back as the stored view itself."""
+        parts = {role: dense(t, dtype, device) for role, t in self.stored(e).items()}
+        if self.transposed:
+            parts["gate_up"], parts["down"] = parts["gate_up"].t(), parts["down"].t()
+        m = ExpertMatrices(**parts)
+        return m.fused(interleave) if fused else m
+
+
+# --- where the experts run ------------------------------------------------------------
+
+
+class ExpertGroup:
+    """The experts of one layer that run on one device."""
+
+    def __init__(self, ids: Collection[int], n_experts: int, device: torch.device | str, act: ExpertActivation):
+        self.ids = tuple(sorted(set(int(e) for e in ids)))
+        self.n_experts = n_experts
+        self.device = torch.device(device)
+        self.act = act
+        self.holds = torch.zeros(n_experts + 1, dtype=torch.bool, device=self.device)  # last: id -1
+        if self.ids:
+            self.holds[list(self.ids)] = True
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def weights_of(self, e: int) -> ExpertMatrices:
+        raise NotImplementedError
+
+
+class ResidentExperts(ExpertGroup):
+    """Experts materialised once on the main device (dequantized, gate and up fused)."""
+
+    def __init__(self, store: ExpertStore, ids: Collection[int], dtype: torch.dtype, device, act: ExpertActivation):
+        super().__init__(ids, store.n_experts, device, act)
+        self._matrices = {e: store.matrices(e, dtype, device, fused=True, interleave=act.interleaved) for e in self.ids}
+
+    def weights_of(self, e: int) -> ExpertMatrices:
+        return self._matrices[e]
+
+
+class HostExperts(ExpertGroup):
+    """Experts left in host memory in their stored form; each call dequantizes what it uses."""
+
+    def __init__(self, store: ExpertStore, ids: Collection[int], dtype: torch.dtype, act: ExpertActivation):
+        super().__init__(ids, store.n_experts, "cpu", act)
+        self.store = store
+        self.dtype = dtype
+
+    def weights_of(self, e: int) -> ExpertMatrices:
+        return self.store.matrices(e, self.dtype, "cpu")
+
+
+def experts_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, experts: ExpertGroup) -> torch.Tensor:
+    """Sum over the (token, slot) pairs routed to an expert of `experts` of
+    weight * expert(x[token]); pairs of other experts (or id -1) contribute nothing.
+
+    x [T, H], topk_ids [T, k] int64, topk_weights [T, k], all on the group's device.
+    Returns [T, H] in float32: the k contributions of a token (and the main-device and CPU
+    halves) are summed in float32 and rounded once by the caller, as transformers' default
+    (grouped) experts path does. Loops over the experts actually hit, each over all its
+    tokens at once.
+    """
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    if not len(experts):
+        return out
+    k = topk_ids.shape[1]
+    flat = topk_ids.reshape(-1)
+    pairs = experts.holds[flat].nonzero().squeeze(1)
+    if pairs.numel() == 0:
+        return out
+    ids = flat[pairs]
+    order = torch.argsort(ids, stable=True)
+    pairs, ids = pairs[order], ids[order]
+    counts = torch.bincount(ids, minlength=experts.n_experts).tolist()
+    tokens = pairs // k
+    weights = topk_weights.reshape(-1)[pairs]
+    start = 0
+    for e, count in enumerate(counts):
+        if not count:
+            continue
+        tok = tokens[start : start + count]
+        y = expert_mlp(x[tok], experts.weights_of(e), experts.act)
+        # The product keeps the router's dtype promotion (bf16 x float32 weights -> float32).
+        out.index_add_(0, tok, (y * weights[start : start + count, None]).float())
+        start += count
+    return out
+
+
+def cpu_experts_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, experts: HostExperts) -> torch.Tensor:
+    """The CPU half of an MoE layer: the partial sum over the CPU-resident experts.
+
+    The plain PyTorch reference for the native CPU kernels (same contract): x [T, H] in the
+    compute dtype, topk_ids [T, k] int64 (ids not held by `experts` are skipped),
+    topk_weights [T, k]; all on the CPU. Returns the float32 partial sum [T, H].
+    """
+    return experts_forward(x, topk_ids, topk_weights, experts)

@@ -1,0 +1,51 @@
+"""Reads a family's non-expert weights into layers on the main device.
+
+Everything here is read in full for every token (attention, norms, routers, shared
+experts, dense layers, embeddings, head), so it is materialised once on the main device in
+the compute dtype. Names are the checkpoint's HF names; shapes are checked against the
+config so that a mismatched checkpoint fails at load with the tensor named.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from backend.engine.layers import GatedMLP, Linear, RMSNorm
+from backend.engine.weights import WeightSource, dense, require
+
+
+class Loader:
+    def __init__(self, weights: WeightSource, device: torch.device, dtype: torch.dtype):
+        self.weights = weights
+        self.device = device
+        self.dtype = dtype
+
+    def has(self, name: str) -> bool:
+        return name in self.weights
+
+    def tensor(self, name: str, shape: tuple[int, ...] | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+        return dense(require(self.weights, name, shape), dtype or self.dtype, self.device)
+
+    def optional(self, name: str, shape: tuple[int, ...] | None = None, dtype: torch.dtype | None = None):
+        return self.tensor(name, shape, dtype) if self.has(name) else None
+
+    def linear(self, prefix: str, out_features: int, in_features: int, *, bias: bool | None = None) -> Linear:
+        """`prefix`.weight [out, in] and, when `bias` is True (or None and present), `prefix`.bias."""
+        w = self.tensor(f"{prefix}.weight", (out_features, in_features))
+        if bias is None:
+            bias = self.has(f"{prefix}.bias")
+        b = self.tensor(f"{prefix}.bias", (out_features,)) if bias else None
+        return Linear(w, b)
+
+    def norm(self, name: str, dim: int, eps: float, *, round_before_weight: bool = True) -> RMSNorm:
+        return RMSNorm(self.tensor(name, (dim,)), eps, round_before_weight=round_before_weight)
+
+    def mlp(self, prefix: str, hidden: int, intermediate: int, act: str = "silu",
+            names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")) -> GatedMLP:
+        gate, up, down = names
+        return GatedMLP(
+            self.linear(f"{prefix}.{gate}", intermediate, hidden, bias=False),
+            self.linear(f"{prefix}.{up}", intermediate, hidden, bias=False),
+            self.linear(f"{prefix}.{down}", hidden, intermediate, bias=False),
+            act,
+        )

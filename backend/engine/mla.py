@@ -1,0 +1,106 @@
+"""Multi-head latent attention (DeepSeek-V2/V3, Kimi K2).
+
+Each token is cached as its compressed latent c (kv_lora_rank, after kv_a_layernorm) and
+one rotary key shared by all heads (qk_rope_head_dim): 576 values per token and layer for
+DeepSeek-V3 instead of 2 x 128 heads x 192. Per head, keys and values are
+k_nope = W_UK c and v = W_UV c, with W_UK, W_UV the two halves of kv_b_proj.
+
+Two ways to attend over the cache, with the same result:
+- expanded: rebuild k_nope and v for every cached token (kv_b_proj over S tokens), then
+  ordinary attention with 192-wide keys. Cheap when many queries share that work (prefill).
+- absorbed: fold W_UK into the query (q_nope W_UK, kv_lora_rank wide) so the scores are
+  taken against the latents directly, and apply W_UV after attention to the attended
+  latent. Nothing per cached token is recomputed, which is what decode needs.
+A cost model picks one per call; ``absorb`` forces either (tests compare them).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from backend.engine.attention import attend, eager_attention
+from backend.engine.kv_cache import LatentCache, causal_mask
+from backend.engine.layers import Linear, RMSNorm
+from backend.engine.rope import Rotary
+
+
+class MLAttention(nn.Module):
+    def __init__(
+        self,
+        *,
+        q_proj: Linear | None,
+        q_a: Linear | None,
+        q_a_norm: RMSNorm | None,
+        q_b: Linear | None,
+        kv_a: Linear,
+        kv_a_norm: RMSNorm,
+        kv_b_weight: torch.Tensor,
+        o: Linear,
+        n_heads: int,
+        nope_dim: int,
+        rope_dim: int,
+        v_dim: int,
+        kv_lora_rank: int,
+        rotary: Rotary,
+        cache: LatentCache,
+        scale: float,
+    ):
+        super().__init__()
+        self.q_proj, self.q_a, self.q_a_norm, self.q_b = q_proj, q_a, q_a_norm, q_b
+        self.kv_a, self.kv_a_norm, self.o = kv_a, kv_a_norm, o
+        self.register_buffer("kv_b_weight", kv_b_weight, persistent=False)  # [H*(nope+v), kv_lora]
+        self.n_heads, self.nope_dim, self.rope_dim, self.v_dim = n_heads, nope_dim, rope_dim, v_dim
+        self.kv_lora_rank = kv_lora_rank
+        self.rotary = rotary
+        self.cache = cache
+        self.scale = scale
+        self.absorb: bool | None = None  # None: choose by cost
+
+    def _use_absorbed(self, n_q: int, n_keys: int) -> bool:
+        if self.absorb is not None:
+            return self.absorb
+        h, c, r = self.n_heads, self.kv_lora_rank, self.rope_dim
+        per_token_expand = h * c * (self.nope_dim + self.v_dim)
+        absorbed = n_q * per_token_expand + n_q * n_keys * h * (2 * c + r)
+        expanded = n_keys * per_token_expand + n_q * n_keys * h * (self.nope_dim + r + self.v_dim)
+        return absorbed <= expanded
+
+    def forward(self, x: torch.Tensor, start_pos: int) -> torch.Tensor:
+        n = x.shape[0]
+        h, nope, rope, c = self.n_heads, self.nope_dim, self.rope_dim, self.kv_lora_rank
+        q = self.q_proj(x) if self.q_proj is not None else self.q_b(self.q_a_norm(self.q_a(x)))
+        q = q.view(n, h, nope + rope).transpose(0, 1).unsqueeze(0)  # [1, H, n, nope+rope]
+        q_nope, q_rope = q[..., :nope], q[..., nope:]
+
+        compressed = self.kv_a(x)
+        latent = self.kv_a_norm(compressed[:, :c])
+        k_rope = compressed[:, c:].view(1, 1, n, rope)
+
+        cos, sin = self.rotary.tables(start_pos, n, x.dtype)
+        q_rope = self.rotary.apply(q_rope, cos, sin)
+        k_rope = self.rotary.apply(k_rope, cos, sin)
+        cached = self.cache.update(latent, k_rope.view(n, rope), start_pos)  # [S, c + rope]
+        n_keys = cached.shape[0]
+
+        w = self.kv_b_weight.view(h, nope + self.v_dim, c)
+        if self._use_absorbed(n, n_keys):
+            q_latent = torch.matmul(q_nope, w[:, :nope])  # [1, H, n, c]: W_UK folded into q
+            q_full = torch.cat((q_latent, q_rope), dim=-1)
+            keys = cached.view(1, 1, n_keys, c + rope)
+            values = cached[:, :c].view(1, 1, n_keys, c)
+            mask = None
+            if n > 1 or start_pos + n != n_keys:
+                q_pos = torch.arange(start_pos, start_pos + n, device=x.device)
+                mask = causal_mask(q_pos, None, n_keys, None)
+            attended = eager_attention(q_full, keys, values, mask, self.scale)  # [1, H, n, c]
+            out = torch.matmul(attended, w[:, nope:].transpose(1, 2))  # W_UV after attention
+        else:
+            kv = F.linear(cached[:, :c], self.kv_b_weight).view(n_keys, h, nope + self.v_dim).transpose(0, 1)
+            k_nope, values = kv[..., :nope], kv[..., nope:]
+            k_shared = cached[:, c:].view(1, n_keys, rope).expand(h, n_keys, rope)
+            keys = torch.cat((k_nope, k_shared), dim=-1).unsqueeze(0)
+            q_full = torch.cat((q_nope, q_rope), dim=-1)
+            out = attend(q_full, keys, values.unsqueeze(0), start_pos, None, None, self.scale)
+        return self.o(out.squeeze(0).transpose(0, 1).reshape(n, h * self.v_dim))

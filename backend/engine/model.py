@@ -1,0 +1,264 @@
+"""The decoder-only MoE transformer and ``build_model``.
+
+Every family is the same skeleton: embedding, N pre-norm decoder layers
+(x + attn(norm(x)), then x + ffn(norm(x))), final norm, LM head. A family module
+(``deepseek``, ``qwen3_moe``, ...) supplies only what differs: the attention of layer i,
+the feed-forward block of layer i (dense MLP or MoE), which layers are MoE and how many
+routed experts they have. ``Build`` carries what those builders share.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Collection, Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from backend.engine.attention import Attention
+from backend.engine.experts import ExpertActivation, ExpertStore, HostExperts, ResidentExperts
+from backend.engine.hf_config import HFConfig, family_of, text_config
+from backend.engine.kv_cache import KVCache, SlidingKVCache, check_span
+from backend.engine.layers import GatedMLP, Linear, RMSNorm
+from backend.engine.loader import Loader
+from backend.engine.mla import MLAttention
+from backend.engine.moe import MoE
+from backend.engine.rope import Rotary
+from backend.engine.stats import ExpertRecorder
+from backend.engine.weights import WeightSource, missing_tensor, require, text_model_weights
+
+Placement = Mapping[int, Collection[int]]
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, attn_norm: RMSNorm, attn: nn.Module, ffn_norm: RMSNorm, ffn: nn.Module):
+        super().__init__()
+        self.attn_norm, self.attn, self.ffn_norm, self.ffn = attn_norm, attn, ffn_norm, ffn
+
+    def forward(self, x: torch.Tensor, start_pos: int) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), start_pos)
+        return x + self.ffn(self.ffn_norm(x))
+
+
+class MoeTransformer(nn.Module):
+    """forward(tokens, start_pos) -> float32 logits, with an explicit per-layer KV cache.
+
+    Batch size 1: tokens [T] or [1, T]; the logits come back [T, V] or [1, T, V]. A call
+    appends its tokens at positions start_pos..start_pos+T-1 to the cache and attends over
+    everything before them; passing an earlier start_pos rewinds.
+    """
+
+    def __init__(self, *, family: str, config: HFConfig, embed: torch.Tensor, layers: list[DecoderLayer],
+                 norm: RMSNorm, lm_head: torch.Tensor, recorder: ExpertRecorder, placement: dict[int, tuple[int, ...]],
+                 device: torch.device, dtype: torch.dtype, max_context: int):
+        super().__init__()
+        self.family = family
+        self.config = config
+        self.register_buffer("embed", embed, persistent=False)
+        self.layers = nn.ModuleList(layers)
+        self.norm = norm
+        self.register_buffer("lm_head", lm_head, persistent=False)
+        self.stats = recorder
+        self.placement = placement
+        self.device = device
+        self.dtype = dtype
+        self.max_context = max_context
+        self.length = 0  # positions the cache holds
+        self._rings = [m for m in self.modules() if isinstance(m, SlidingKVCache)]
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, start_pos: int = 0, *, last_only: bool = False) -> torch.Tensor:
+        batched = tokens.dim() == 2
+        if batched and tokens.shape[0] != 1:
+            raise ValueError(f"batch size {tokens.shape[0]}: the engine runs one sequence at a time")
+        ids = tokens.reshape(-1).to(self.device)
+        # Checked here, before any layer's cache is written, so a refused call changes nothing.
+        check_span(start_pos, ids.shape[0], self.length, self.max_context)
+        for ring in self._rings:
+            ring.check_rewind(start_pos)
+        x = F.embedding(ids, self.embed)
+        for layer in self.layers:
+            x = layer(x, start_pos)
+        if last_only:
+            x = x[-1:]
+        logits = F.linear(self.norm(x), self.lm_head).float()
+        self.length = start_pos + ids.shape[0]
+        self.stats.add_tokens(ids.shape[0])
+        return logits.unsqueeze(0) if batched else logits
+
+    def set_mla_absorb(self, absorb: bool | None) -> None:
+        """Force MLA's absorbed (True) or expanded (False) form, or let it choose (None)."""
+        for m in self.modules():
+            if isinstance(m, MLAttention):
+                m.absorb = absorb
+
+
+class Build:
+    """What a family's layer builders share while one model is built."""
+
+    def __init__(self, config: HFConfig, weights: WeightSource, placement: dict[int, tuple[int, ...]],
+                 device: torch.device, dtype: torch.dtype, max_context: int, recorder: ExpertRecorder | None,
+                 *, moe_layers: Collection[int] = (), sliding_rewind: int = 0, rms_eps_default: float = 1e-6,
+                 round_norm_before_weight: bool = True):
+        self.config = config
+        self.moe_layers = frozenset(moe_layers)  # layers whose feed-forward block has routed experts
+        self.weights = weights
+        self.load = Loader(weights, device, dtype)
+        self.placement = placement
+        self.device, self.dtype, self.max_context = device, dtype, max_context
+        self.sliding_rewind = sliding_rewind
+        self.recorder = recorder
+        self.hidden = int(config.require("hidden_size"))
+        self.eps = float(config.get("rms_norm_eps", rms_eps_default))
+        self.round_norm_before_weight = round_norm_before_weight
+        self._memo: dict[str, Any] = {}
+
+    def memo(self, key: str, factory: Callable[[], Any]) -> Any:
+        if key not in self._memo:
+            self._memo[key] = factory()
+        return self._memo[key]
+
+    def norm(self, name: str, dim: int | None = None) -> RMSNorm:
+        return self.load.norm(name, dim or self.hidden, self.eps, round_before_weight=self.round_norm_before_weight)
+
+    def rotary(self, rotary_dim: int, *, default_theta: float = 10000.0, default_partial: float = 1.0,
+               layout: str = "halves", float32_math: bool = False) -> Rotary:
+        """The rotary tables, built once per model and shared by its layers."""
+        def make() -> Rotary:
+            params = self.config.rope(default_theta=default_theta, default_partial=default_partial)
+            return Rotary(params, rotary_dim, self.max_context,
+                          int(self.config.get("max_position_embeddings", self.max_context)),
+                          layout=layout, float32_math=float32_math, device=self.device)
+        return self.memo(f"rotary/{rotary_dim}/{layout}", make)
+
+    def gqa(self, i: int, *, n_heads: int, n_kv_heads: int, head_dim: int, rotary: Rotary,
+            window: int | None = None, qk_norm: str | None = None, clip_qkv: float | None = None,
+            sinks: bool = False, o_bias: bool | None = None) -> Attention:
+        """Grouped-query attention of layer i (`qk_norm`: None, "head" or "full")."""
+        p = f"model.layers.{i}.self_attn"
+        h = self.hidden
+        q = self.load.linear(f"{p}.q_proj", n_heads * head_dim, h)
+        k = self.load.linear(f"{p}.k_proj", n_kv_heads * head_dim, h)
+        v = self.load.linear(f"{p}.v_proj", n_kv_heads * head_dim, h)
+        o = self.load.linear(f"{p}.o_proj", h, n_heads * head_dim, bias=o_bias)
+        q_norm = k_norm = None
+        if qk_norm == "head":
+            q_norm, k_norm = self.norm(f"{p}.q_norm.weight", head_dim), self.norm(f"{p}.k_norm.weight", head_dim)
+        elif qk_norm == "full":
+            q_norm = self.norm(f"{p}.q_norm.weight", n_heads * head_dim)
+            k_norm = self.norm(f"{p}.k_norm.weight", n_kv_heads * head_dim)
+        if window is not None and window < self.max_context:
+            cache = SlidingKVCache(n_kv_heads, head_dim, head_dim, window, self.max_context, self.dtype, self.device,
+                                   rewind=self.sliding_rewind)
+        else:
+            window = None  # a window as long as the context never bites
+            cache = KVCache(n_kv_heads, head_dim, head_dim, self.max_context, self.dtype, self.device)
+        return Attention(
+            q=q, k=k, v=v, o=o, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim,
+            rotary=rotary, cache=cache, window=window, q_norm=q_norm, k_norm=k_norm,
+            norm_per_head=qk_norm == "head", clip_qkv=clip_qkv,
+            sinks=self.load.tensor(f"{p}.sinks", (n_heads,)) if sinks else None,
+        )
+
+    def routed_experts(self, i: int, prefix: str, n_experts: int, intermediate: int, act: ExpertActivation, *,
+                       names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
+                       gpt_oss: bool = False) -> tuple[ResidentExperts, HostExperts]:
+        """Layer i's routed experts split by the placement: (main device, host)."""
+        store = ExpertStore(self.weights, prefix, n_experts, self.hidden, intermediate, names=names, gpt_oss=gpt_oss)
+        on_main = set(self.placement.get(i, ()))
+        bad = [e for e in on_main if not 0 <= e < n_experts]
+        if bad:
+            raise ValueError(f"placement for layer {i} names experts {sorted(bad)}; the layer has {n_experts}")
+        main = ResidentExperts(store, on_main, self.dtype, self.device, act)
+        host = HostExperts(store, set(range(n_experts)) - on_main, self.dtype, act)
+        return main, host
+
+    def moe(self, i: int, prefix: str, router: nn.Module, n_experts: int, intermediate: int, *,
+            act: ExpertActivation | None = None, names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
+            gpt_oss: bool = False, shared: GatedMLP | None = None, shared_gate: Linear | None = None) -> MoE:
+        """Layer i's MoE block: `router`, its routed experts under `prefix`, shared experts."""
+        act = act or ExpertActivation(str(self.config.get("hidden_act", "silu")))
+        main, host = self.routed_experts(i, prefix, n_experts, intermediate, act, names=names, gpt_oss=gpt_oss)
+        return MoE(i, router, main, host, shared=shared, shared_gate=shared_gate, recorder=self.recorder)
+
+
+def _default_dtype(embed: Any) -> torch.dtype:
+    """float32 for float32 checkpoints (the tests), else bfloat16: float16 activations
+    overflow in DeepSeek-style models, and quantized checkpoints carry no compute dtype."""
+    if isinstance(embed, torch.Tensor) and embed.dtype == torch.float32:
+        return torch.float32
+    return torch.bfloat16
+
+
+def _family_module(name: str):
+    return importlib.import_module(f"backend.engine.{name}")
+
+
+def build_model(
+    config: dict[str, Any],
+    weights: WeightSource,
+    placement: Placement | None = None,
+    device: torch.device | str | None = None,
+    *,
+    max_context: int = 4096,
+    sliding_rewind: int = 1024,
+    dtype: torch.dtype | None = None,
+    name: str | None = None,
+    on_progress: Callable[[int, int], None] | None = None,
+) -> MoeTransformer:
+    """Build the model a config.json describes from `weights`.
+
+    config: the HF config dict (the whole config.json, or its text_config).
+    placement: {layer index: expert ids on the main device}; missing layers run all their
+        routed experts on the CPU.
+    device: the main device (default: CUDA when present, else CPU).
+    max_context: tokens the preallocated KV cache holds.
+    sliding_rewind: positions a sliding-window layer keeps beyond its window, so that a
+        conversation can be rewound that far without a new prefill (CacheRewindError beyond).
+    dtype: compute dtype (default: float32 for a float32 checkpoint, else bfloat16).
+    on_progress: called with (layers built, total layers).
+    """
+    config = text_config(config)
+    family = family_of(config)
+    module = _family_module(family)
+    cfg = HFConfig(config)
+    weights = text_model_weights(weights)
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    if dtype is None:
+        dtype = _default_dtype(require(weights, "model.embed_tokens.weight"))
+    placement = {int(k): tuple(sorted(int(e) for e in v)) for k, v in (placement or {}).items()}
+
+    n_layers = int(cfg.require("num_hidden_layers"))
+    moe_layers = module.moe_layers(cfg)
+    stray = sorted(layer for layer, ids in placement.items() if ids and layer not in set(moe_layers))
+    if stray:
+        raise ValueError(f"placement names layers {stray}, which have no routed experts (MoE layers: {moe_layers})")
+    recorder = ExpertRecorder(name or str(config.get("_name_or_path") or family), cfg.n_routed_experts(),
+                              moe_layers, placement)
+    b = Build(cfg, weights, placement, device, dtype, max_context, recorder, moe_layers=moe_layers,
+              sliding_rewind=sliding_rewind, **module.BUILD_OPTIONS)
+    vocab = int(cfg.require("vocab_size"))
+    embed = b.load.tensor("model.embed_tokens.weight", (vocab, b.hidden))
+    layers = []
+    for i in range(n_layers):
+        layers.append(DecoderLayer(
+            b.norm(f"model.layers.{i}.input_layernorm.weight"),
+            module.attention(b, i),
+            b.norm(f"model.layers.{i}.post_attention_layernorm.weight"),
+            module.feed_forward(b, i),
+        ))
+        if on_progress is not None:
+            on_progress(i + 1, n_layers)
+    norm = b.norm("model.norm.weight")
+    if "lm_head.weight" in weights:
+        lm_head = b.load.tensor("lm_head.weight", (vocab, b.hidden))
+    elif cfg.get("tie_word_embeddings", False):
+        lm_head = embed
+    else:
+        raise missing_tensor(weights, "lm_head.weight")
+    return MoeTransformer(family=family, config=cfg, embed=embed, layers=layers, norm=norm, lm_head=lm_head,
+                          recorder=recorder, placement=placement, device=device, dtype=dtype, max_context=max_context)

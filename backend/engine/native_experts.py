@@ -1,0 +1,278 @@
+"""The CPU-resident experts of a MoE layer through the native kernels (``native/``).
+
+``cpu_experts_forward`` has the contract of the PyTorch reference in ``experts.py``: x
+[T, H], topk_ids [T, k] int64, topk_weights [T, k] on the CPU; the float32 partial sum
+[T, H] over the experts of ``experts`` (ids of other experts, and -1, contribute nothing).
+It computes them in one native call that releases the GIL, reading the stored bytes in
+place: the views of the mmap'd checkpoint that ``ExpertStore`` holds are handed to C++ as
+addresses, nothing is copied or converted at load (biases, a few KB, become float32).
+
+``try_forward`` is the engine's entry point: the native result when the extension is built
+and the layer's storage is one it reads (see ``native_format``), else ``None`` and the
+caller runs the reference. ``HYBRIDMOE_NATIVE=0`` turns the native path off.
+
+Formats: GGUF q8_0, q4_0, q4_k, q5_k, q6_k, mxfp4, bf16, f16, f32 tensors; compressed-tensors
+int4 with groups of 32 and bf16 scales (Kimi K2); GPT-OSS MXFP4 safetensors. gate and up
+must share a format; down may differ (GGUF quant mixes). Not native: fp8_block, other int4
+group sizes, the GGUF types without a kernel (q2_k, q3_k, iq*), GPT-OSS float checkpoints
+stored transposed. They fall back to the reference, which reads everything.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from backend.engine.quant import QuantTensor
+
+if TYPE_CHECKING:
+    from backend.engine.experts import HostExperts
+
+try:  # built by the package build; absent in a source tree that was never installed
+    from backend.engine import _native
+except ImportError as e:  # pragma: no cover - depends on the build
+    _native = None
+    _IMPORT_ERROR = str(e)
+else:
+    _IMPORT_ERROR = ""
+
+__all__ = [
+    "NativeExperts",
+    "available",
+    "cpu_experts_forward",
+    "isa",
+    "native_format",
+    "try_forward",
+    "unsupported_reason",
+]
+
+REGIMES = {"auto": 0, "decode": 1, "prefill": 2}
+
+_GGUF_NATIVE = {"q8_0", "q4_0", "q4_k", "q5_k", "q6_k", "mxfp4"}
+_FLOAT_NATIVE = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
+
+
+def available() -> bool:
+    """Whether the extension was built and imports."""
+    return _native is not None
+
+
+def isa() -> str:
+    """The native kernel set in use ("avx512_vnni", "avx2", "scalar"), or why there is none."""
+    if _native is None:
+        return f"unavailable ({_IMPORT_ERROR or 'not built'})"
+    return _native.isa()
+
+
+def isa_info() -> dict[str, Any]:
+    """isa, note (a refused variant and why), supported variants, threads, NUMA nodes."""
+    if _native is None:
+        return {"isa": None, "note": _IMPORT_ERROR or "not built"}
+    return dict(_native.isa_info())
+
+
+def enabled() -> bool:
+    return _native is not None and os.environ.get("HYBRIDMOE_NATIVE", "1") not in ("0", "false", "no", "off")
+
+
+def native_format(w: Any) -> str | None:
+    """The native kernels' name for how `w` (a stored expert matrix) is stored, or None."""
+    if isinstance(w, QuantTensor):
+        if w.layout == "gguf":
+            return w.format if w.format in _GGUF_NATIVE else None
+        if w.format == "int4_g32" and w.parts["weight_scale"].dtype == torch.bfloat16:
+            return "int4_g32"
+        if w.format == "mxfp4":
+            return "mxfp4_hf"
+        return None
+    if isinstance(w, torch.Tensor):
+        return _FLOAT_NATIVE.get(w.dtype)
+    return None
+
+
+# ---- addressing stored matrices ------------------------------------------------------
+
+
+def _row_major(t: torch.Tensor, inner_dims: int, what: str) -> None:
+    """Raise unless the last `inner_dims` dims of `t` are one contiguous run per row."""
+    if t.device.type != "cpu":
+        raise _Unsupported(f"{what} is not in host memory")
+    expect = 1
+    for d in range(t.dim() - 1, t.dim() - 1 - inner_dims, -1):
+        if t.shape[d] != 1 and t.stride(d) != expect:
+            raise _Unsupported(f"{what} rows are not contiguous")
+        expect *= t.shape[d]
+
+
+class _Unsupported(Exception):
+    pass
+
+
+def _matrix(w: Any, fmt: str, rows: int, start: int = 0, step: int = 1) -> tuple[list[int], list[torch.Tensor]]:
+    """(data address, scale address, row stride, scale row stride) of rows start, start+step, ...
+    of the 2-D stored matrix `w`, and the tensors those addresses point into."""
+    if isinstance(w, torch.Tensor):
+        parts = [(w, 1)]
+    elif fmt == "int4_g32":
+        parts = [(w.parts["weight_packed"], 1), (w.parts["weight_scale"], 1)]
+    elif fmt == "mxfp4_hf":
+        parts = [(w.parts["blocks"], 2), (w.parts["scales"], 1)]
+    else:
+        parts = [(w.parts["data"], 1)]
+    if w.shape[0] < start + (rows - 1) * step + 1:
+        raise _Unsupported("matrix has fewer rows than the layer needs")
+    out = [0, 0, 0, 0]
+    keep = []
+    for i, (t, inner) in enumerate(parts):
+        _row_major(t, inner, "expert weight")
+        stride = t.stride(0) * t.element_size()  # bytes from one row to the next
+        out[i] = t.data_ptr() + start * stride
+        out[2 + i] = stride * step
+        keep.append(t)
+    return out, keep
+
+
+def _bias(b: torch.Tensor | None, start: int, step: int, n: int) -> torch.Tensor | None:
+    if b is None:
+        return None
+    return b[start : start + (n - 1) * step + 1 : step].to(torch.float32).contiguous()
+
+
+class NativeExperts:
+    """One layer's CPU experts described to the native kernels (built once, kept)."""
+
+    def __init__(self, experts: HostExperts):
+        store = experts.store
+        if store.transposed:
+            raise _Unsupported("float GPT-OSS experts stored as x @ W are not read natively")
+        H, I, E = store.hidden, store.intermediate, store.n_experts
+        interleave = experts.act.interleaved
+        act = experts.act.kind
+        if act in ("silu", "swish"):
+            act = "silu"
+        elif act != "gpt_oss":
+            raise _Unsupported(f"activation {act!r}")
+        self.hidden, self.intermediate, self.n_experts = H, I, E
+        refs = torch.zeros((E, 3, 4), dtype=torch.int64)
+        biases = torch.zeros((E, 3), dtype=torch.int64)
+        cpu = torch.zeros(E, dtype=torch.uint8)
+        keep: list[torch.Tensor] = []
+        formats: set[tuple[str, str]] = set()
+        for e in experts.ids:
+            parts = store.stored(e)
+            if "gate_up" in parts:
+                gu = parts["gate_up"]
+                fmt = native_format(gu)
+                g_at, u_at, step = ((0, 1, 2) if interleave else (0, I, 1))
+                gate = _matrix(gu, fmt, I, g_at, step) if fmt else None
+                up = _matrix(gu, fmt, I, u_at, step) if fmt else None
+                gub = parts.get("gate_up_bias")
+                gb, ub = _bias(gub, g_at, step, I), _bias(gub, u_at, step, I)
+            else:
+                fmt = native_format(parts["gate"])
+                if fmt != native_format(parts["up"]):
+                    raise _Unsupported("gate and up are stored in different formats")
+                gate = _matrix(parts["gate"], fmt, I) if fmt else None
+                up = _matrix(parts["up"], fmt, I) if fmt else None
+                gb, ub = _bias(parts.get("gate_bias"), 0, 1, I), _bias(parts.get("up_bias"), 0, 1, I)
+            dfmt = native_format(parts["down"])
+            if fmt is None or dfmt is None:
+                what = parts.get("gate_up", parts.get("gate")) if fmt is None else parts["down"]
+                raise _Unsupported(f"stored as {_describe(what)}")
+            down = _matrix(parts["down"], dfmt, H)
+            db = _bias(parts.get("down_bias"), 0, 1, H)
+            formats.add((fmt, dfmt))
+            for j, (ref, kept) in enumerate((gate, up, down)):
+                refs[e, j] = torch.tensor(ref, dtype=torch.int64)
+                keep.extend(kept)
+            for j, b in enumerate((gb, ub, db)):
+                if b is not None:
+                    biases[e, j] = b.data_ptr()
+                    keep.append(b)
+            cpu[e] = 1
+        if len(formats) > 1:
+            raise _Unsupported(f"experts of one layer stored in several formats: {sorted(formats)}")
+        self.format, self.down_format = formats.pop() if formats else ("f32", "f32")
+        try:
+            self.layer = _native.MoELayer(self.format, self.down_format, H, I, refs, cpu.numpy(), act,
+                                          float(experts.act.alpha), float(experts.act.limit), biases)
+        except ValueError as err:
+            raise _Unsupported(str(err)) from None
+        self._keep = keep  # the layer reads these tensors' memory: keep them alive with it
+
+    @property
+    def expert_bytes(self) -> int:
+        """Stored bytes of one expert (gate, up, down): what a decode step reads per expert hit."""
+        return self.layer.expert_bytes
+
+    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, *,
+                regime: str = "auto", prefill_min_tokens: int = 0) -> torch.Tensor:
+        """The float32 partial sum [T, H] (see the module docstring)."""
+        if x.dtype not in (torch.float32, torch.bfloat16):
+            x = x.float()
+        x = x.contiguous()
+        ids = topk_ids.to(torch.int64).contiguous()
+        weights = topk_weights.to(torch.float32).contiguous()
+        out = torch.empty((x.shape[0], self.hidden), dtype=torch.float32)
+        if x.shape[0]:
+            self.layer.forward(x, ids, weights, out, REGIMES[regime], prefill_min_tokens)
+        return out
+
+
+def _describe(w: Any) -> str:
+    if isinstance(w, QuantTensor):
+        return f"{w.format} ({w.layout} layout)"
+    return str(getattr(w, "dtype", type(w).__name__))
+
+
+# One NativeExperts per HostExperts, built on first use; None remembers "not supported".
+_built: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_reasons: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def native_for(experts: HostExperts) -> NativeExperts | None:
+    """The native description of `experts`, or None when the kernels cannot read them."""
+    if experts in _built:
+        return _built[experts]
+    native = None
+    try:
+        if _native is None:
+            raise _Unsupported(isa())
+        native = NativeExperts(experts)
+    except _Unsupported as err:
+        _reasons[experts] = str(err)
+    _built[experts] = native
+    return native
+
+
+def unsupported_reason(experts: HostExperts) -> str | None:
+    """Why `experts` run on the reference path (None when they run natively)."""
+    if native_for(experts) is not None:
+        return None
+    return _reasons.get(experts, "unknown")
+
+
+def try_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                experts: HostExperts) -> torch.Tensor | None:
+    """The native partial sum, or None when the reference must run (disabled, not built,
+    unsupported storage, tensors not on the CPU)."""
+    if not enabled() or not len(experts) or x.device.type != "cpu" or x.dim() != 2:
+        return None
+    native = native_for(experts)
+    if native is None:
+        return None
+    return native.forward(x, topk_ids, topk_weights)
+
+
+def cpu_experts_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                        experts: HostExperts) -> torch.Tensor:
+    """The reference contract, natively; raises when the experts cannot run natively."""
+    if not len(experts):
+        return torch.zeros(x.shape, dtype=torch.float32)
+    native = native_for(experts)
+    if native is None:
+        raise RuntimeError(f"native CPU experts unavailable: {unsupported_reason(experts)}")
+    return native.forward(x, topk_ids, topk_weights)

@@ -1,0 +1,127 @@
+"""Routers: for each token, which k experts and with what weights.
+
+Every router returns ``(topk_ids [T, k] int64, topk_weights [T, k])``; the weights keep the
+dtype the reference keeps (float32 for DeepSeek/GLM/Mixtral, the model dtype for
+Qwen/OLMoE/GPT-OSS) because the expert outputs are multiplied by them before rounding.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class SoftmaxTopK(nn.Module):
+    """softmax over all experts, top k, optionally renormalised (Qwen2/3-MoE, OLMoE, Mixtral)."""
+
+    def __init__(self, weight: torch.Tensor, k: int, *, normalize: bool, float32_weights: bool = False):
+        super().__init__()
+        self.register_buffer("weight", weight, persistent=False)
+        self.k = k
+        self.normalize = normalize
+        # Mixtral keeps its routing weights in float32; the others round to the logits' dtype.
+        self.float32_weights = float32_weights
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = F.linear(x, self.weight)
+        probs = F.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, ids = torch.topk(probs, self.k, dim=-1)
+        if self.normalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return ids, weights if self.float32_weights else weights.to(logits.dtype)
+
+
+class SigmoidGroupedTopK(nn.Module):
+    """DeepSeek-V3 / Kimi K2 / GLM-4.5 routing ("noaux_tc").
+
+    Sigmoid scores; the choice adds a learned per-expert bias (e_score_correction_bias) that
+    balances load but does not enter the weights. Experts are split into n_group groups, a
+    group scores the sum of its two best biased scores, only the topk_group best groups are
+    eligible, and the k best eligible experts are chosen. Weights are the unbiased sigmoid
+    scores, optionally renormalised, times routed_scaling_factor. All in float32.
+    """
+
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        correction_bias: torch.Tensor | None,
+        k: int,
+        *,
+        n_group: int,
+        topk_group: int,
+        normalize: bool,
+        scaling: float,
+    ):
+        super().__init__()
+        self.register_buffer("weight", weight.float(), persistent=False)
+        self.register_buffer("correction_bias", None if correction_bias is None else correction_bias.float(), persistent=False)
+        self.k, self.n_group, self.topk_group = k, n_group, topk_group
+        self.normalize, self.scaling = normalize, scaling
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = F.linear(x.float(), self.weight).sigmoid()
+        choice = scores if self.correction_bias is None else scores + self.correction_bias
+        if self.n_group > 1 and self.topk_group < self.n_group:
+            n_tokens, n_experts = choice.shape
+            grouped = choice.view(n_tokens, self.n_group, n_experts // self.n_group)
+            group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
+            best_groups = group_scores.topk(self.topk_group, dim=-1, sorted=False).indices
+            eligible = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best_groups, True)
+            eligible = eligible.unsqueeze(-1).expand_as(grouped).reshape(n_tokens, n_experts)
+            choice = choice.masked_fill(~eligible, float("-inf"))
+        ids = choice.topk(self.k, dim=-1, sorted=False).indices
+        weights = scores.gather(1, ids)
+        if self.normalize:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return ids, weights * self.scaling
+
+
+class SoftmaxGroupedGreedy(nn.Module):
+    """DeepSeek-V2 routing: softmax scores, top k over all experts ("greedy") or over the
+    topk_group groups with the best single expert ("group_limited_greedy")."""
+
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        k: int,
+        *,
+        method: str,
+        n_group: int,
+        topk_group: int,
+        normalize: bool,
+        scaling: float,
+    ):
+        super().__init__()
+        self.register_buffer("weight", weight.float(), persistent=False)
+        self.k, self.method, self.n_group, self.topk_group = k, method, n_group, topk_group
+        self.normalize, self.scaling = normalize, scaling
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = F.linear(x.float(), self.weight).softmax(dim=-1, dtype=torch.float32)
+        if self.method == "group_limited_greedy" and self.n_group > 1:
+            n_tokens, n_experts = scores.shape
+            grouped = scores.view(n_tokens, self.n_group, n_experts // self.n_group)
+            best_groups = grouped.max(dim=-1).values.topk(self.topk_group, dim=-1, sorted=False).indices
+            eligible = torch.zeros(n_tokens, self.n_group, dtype=torch.bool, device=x.device).scatter_(1, best_groups, True)
+            scores = scores.masked_fill(~eligible.unsqueeze(-1).expand_as(grouped).reshape(n_tokens, n_experts), 0.0)
+        weights, ids = scores.topk(self.k, dim=-1, sorted=False)
+        # As DeepSeek's own code: either renormalise or scale, not both.
+        if self.normalize and self.k > 1:
+            return ids, weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return ids, weights * self.scaling
+
+
+class TopKSoftmax(nn.Module):
+    """GPT-OSS: top k of the biased logits, softmax over those k only (in the model dtype)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor, k: int):
+        super().__init__()
+        self.register_buffer("weight", weight, persistent=False)
+        self.register_buffer("bias", bias, persistent=False)
+        self.k = k
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = F.linear(x, self.weight, self.bias)
+        top, ids = torch.topk(logits, self.k, dim=-1)
+        return ids, F.softmax(top, dim=-1, dtype=top.dtype)

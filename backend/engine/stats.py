@@ -1,0 +1,67 @@
+"""Counting which routed experts the running model activates.
+
+Counts accumulate in one int64 tensor per MoE layer (a bincount per layer call, no Python
+per token); ``to_expert_stats`` hands them to the planner's ``ExpertStats`` (its JSON file
+format is the one the ``frequency`` placement strategy reads), and ``main_share`` says how
+many activations the main-device experts served under the current placement.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Collection, Mapping
+
+import torch
+
+from backend.plan.stats import ExpertStats
+
+
+class ExpertRecorder:
+    def __init__(self, model: str, n_experts: int, moe_layers: Collection[int],
+                 placement: Mapping[int, Collection[int]] | None = None):
+        self.model = model
+        self.n_experts = n_experts
+        self.tokens = 0
+        self.enabled = True
+        self.counts = {layer: torch.zeros(n_experts, dtype=torch.int64) for layer in moe_layers}
+        self.placement = {int(k): tuple(int(e) for e in v) for k, v in (placement or {}).items()}
+
+    def record(self, layer: int, topk_ids: torch.Tensor) -> None:
+        """Count the experts chosen by one layer call (topk_ids [T, k] on the CPU)."""
+        if self.enabled:
+            self.counts[layer] += torch.bincount(topk_ids.reshape(-1), minlength=self.n_experts)
+
+    def add_tokens(self, n: int) -> None:
+        if self.enabled:
+            self.tokens += n
+
+    def reset(self) -> None:
+        self.tokens = 0
+        for c in self.counts.values():
+            c.zero_()
+
+    def main_share(self) -> float | None:
+        """Share of all recorded activations served by main-device experts (None: no data)."""
+        total = sum(int(c.sum()) for c in self.counts.values())
+        if not total:
+            return None
+        on_main = sum(int(self.counts[layer][list(ids)].sum()) for layer, ids in self.placement.items()
+                      if layer in self.counts and ids)
+        return on_main / total
+
+    def to_expert_stats(self) -> ExpertStats:
+        return ExpertStats(
+            model=self.model,
+            n_experts=self.n_experts,
+            tokens=self.tokens,
+            layers={layer: c.tolist() for layer, c in sorted(self.counts.items())},
+        )
+
+    def to_dict(self) -> dict:
+        d = self.to_expert_stats().to_dict()
+        d["main_share"] = self.main_share()
+        return d
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write the statistics file the planner reads (atomically)."""
+        self.to_expert_stats().save(path)

@@ -1,0 +1,120 @@
+"""The engine against transformers on the same tiny checkpoints, for every family."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.engine.conftest import FAMILY_NAMES, engine, greedy, relative_error, tokens
+
+MLA_FAMILIES = ("deepseek_v3", "deepseek_v2")
+
+
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_full_forward_matches_transformers_fp32(family, checkpoints, references):
+    path = checkpoints(family)
+    ids = tokens(24)
+    with torch.no_grad():
+        ref = references(path)(ids).logits
+    ours = engine(path)(ids)
+    assert ours.shape == ref.shape
+    assert relative_error(ours, ref) < 1e-4
+
+
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_decode_with_kv_cache_matches_full_forward(family, checkpoints, references):
+    """Prefill, then a chunk of several tokens at once, then one token per call (MLA in its
+    absorbed form) gives the logits of one full forward, ours and transformers'."""
+    path = checkpoints(family)
+    ids = tokens(24)
+    with torch.no_grad():
+        ref = references(path)(ids).logits
+    # sliding_rewind=2: GPT-OSS' sliding layers (window 8) keep a ring of 10 slots, which
+    # the 24 tokens wrap around more than once.
+    model = engine(path, sliding_rewind=2)
+    full = model(ids)
+    model.set_mla_absorb(True)
+    steps = [model(ids[:, :6], 0), model(ids[:, 6:11], 6)]
+    steps += [model(ids[:, t : t + 1], t) for t in range(11, 24)]
+    decoded = torch.cat(steps, dim=1)
+    assert relative_error(decoded, ref) < 1e-4
+    assert relative_error(decoded, full) < 1e-4
+
+
+@pytest.mark.parametrize("family", MLA_FAMILIES)
+def test_mla_absorbed_and_expanded_forms_agree(family, checkpoints):
+    model = engine(checkpoints(family))
+    ids = tokens(20, seed=3)
+    model.set_mla_absorb(False)
+    expanded = model(ids)
+    model.set_mla_absorb(True)
+    absorbed = model(ids)
+    assert relative_error(absorbed, expanded) < 1e-5
+
+
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_bf16_greedy_matches_transformers_generate(family, checkpoints, references):
+    """32 greedy tokens from a bf16 checkpoint are the tokens transformers generates.
+
+    MLA is held to its expanded form here: the absorbed form is the same function but rounds
+    differently in bf16, and a random tiny model has near-ties that any rounding change
+    flips; the next test bounds that difference instead.
+    """
+    path = checkpoints(family, torch.bfloat16)
+    prompt = tokens(12, seed=5)
+    ref = references(path, torch.bfloat16)
+    with torch.no_grad():
+        expected = ref.generate(prompt, max_new_tokens=32, min_new_tokens=32, do_sample=False, pad_token_id=0)
+    model = engine(path)
+    assert model.dtype == torch.bfloat16
+    model.set_mla_absorb(False)
+    assert greedy(model, prompt, 32) == expected[0, 12:].tolist()
+
+
+@pytest.mark.parametrize("family", MLA_FAMILIES)
+def test_bf16_absorbed_decode_is_as_accurate_as_expanded(family, checkpoints):
+    """In bf16 the absorbed form rounds differently from the expanded one (transformers'),
+    but not worse: both measured against float32 arithmetic on the same bf16 weights."""
+    path = checkpoints(family, torch.bfloat16)
+    ids = tokens(24, seed=5)
+    exact = engine(path, dtype=torch.float32)(ids)
+    errors = {}
+    for absorb in (False, True):
+        model = engine(path)
+        model.set_mla_absorb(absorb)
+        decoded = torch.cat([model(ids[:, :8], 0)] + [model(ids[:, t : t + 1], t) for t in range(8, 24)], dim=1)
+        errors[absorb] = relative_error(decoded, exact)
+    assert errors[True] <= 2 * errors[False] + 1e-2, errors
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_moe", "gpt_oss"])
+def test_rewinding_the_cache_replays_a_different_continuation(family, checkpoints):
+    """A call at an earlier start_pos overwrites what followed it (chat edits, regeneration);
+    GPT-OSS' sliding layers (window 8) keep 6 positions more than their window for this."""
+    path = checkpoints(family)
+    model = engine(path, sliding_rewind=6)
+    first, second = tokens(20, seed=7), tokens(20, seed=8)
+    model(first, 0)
+    spliced = torch.cat((first[:, :14], second[:, 14:]), dim=1)
+    rewound = model(spliced[:, 14:], 14)
+    fresh = engine(path)(spliced)[:, 14:]
+    assert relative_error(rewound, fresh) < 1e-5
+
+
+def test_rewinding_past_a_sliding_ring_is_refused(checkpoints):
+    from backend.engine.kv_cache import CacheRewindError
+
+    model = engine(checkpoints("gpt_oss"), sliding_rewind=2)
+    model(tokens(20), 0)
+    model(tokens(2), 18)  # within reach: the window before 18 is still held
+    with pytest.raises(CacheRewindError):
+        model(tokens(2), 12)
+
+
+def test_context_overflow_is_a_clear_error(checkpoints):
+    from backend.engine.kv_cache import ContextFullError
+
+    model = engine(checkpoints("qwen3_moe"), max_context=16)
+    model(tokens(12), 0)
+    with pytest.raises(ContextFullError, match="16"):
+        model(tokens(8), 12)
