@@ -49,6 +49,11 @@ def load_plan(args, model):
     return plan
 
 
+def _say_fallback(why) -> None:
+    # Said whether or not stderr is a terminal: it explains why the run uses another backend.
+    sys.stderr.write(f"hybridmoe: the embedded engine cannot serve this model, using llama.cpp instead: {why.what}\n")
+
+
 class _StderrProgress:
     def __init__(self, enabled: bool):
         self.enabled = enabled
@@ -65,8 +70,8 @@ class _StderrProgress:
 
 
 def cmd_run(args) -> int:
+    from backend.backends import load_session
     from backend.engine.sampling import SamplingParams
-    from backend.engine.session import EngineBackend
     from backend.models import inspect_model
 
     prompt = read_prompt(args.prompt)
@@ -87,8 +92,11 @@ def cmd_run(args) -> int:
     cancel = CancelToken()
     previous = signal.signal(signal.SIGINT, lambda *_: cancel.cancel())
     try:
-        session = EngineBackend().load(args.model, plan, progress, cancel)
+        session = load_session(args.backend, args.model, plan, progress, cancel, on_fallback=_say_fallback)
         progress.done()
+        if args.record_stats and not hasattr(session, "save_expert_stats"):
+            raise UsageError("--record-stats needs the embedded engine; llama.cpp does not report expert activations",
+                             "Run with --backend engine, or leave out --record-stats.")
         messages = [Message("system", args.system)] if args.system else []
         messages.append(Message("user", prompt))
         done = None
@@ -106,7 +114,7 @@ def cmd_run(args) -> int:
         json.dump(
             {
                 "model": model.spec.name,
-                "backend": "engine",
+                "backend": done.stats.backend,
                 "text": done.text,
                 "token_ids": list(done.token_ids),
                 "finish_reason": done.reason,
@@ -150,7 +158,8 @@ def add_parser(sub) -> None:
     p.add_argument("--stop", action="append", help="a stop string (repeatable)")
     p.add_argument("--plan", help="a saved plan (hybridmoe plan --save FILE); default: plan for this machine now")
     p.add_argument("--context", type=int, default=4096, help="context length when no --plan is given (default 4096)")
-    p.add_argument("--backend", choices=list(BACKENDS), default="auto")
+    p.add_argument("--backend", choices=list(BACKENDS), default="auto",
+                   help="auto (default): the embedded engine, or llama.cpp when the engine cannot serve the model")
     p.add_argument("--record-stats", metavar="FILE", help="save per-expert activation counts for --strategy frequency")
     p.add_argument("--json", action="store_true", help="print one JSON object: text, token ids, stats")
     p.set_defaults(func=cmd_run)
