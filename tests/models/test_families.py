@@ -169,6 +169,26 @@ def test_transformers5_config_names_are_accepted():
     assert spec_from_config(c, "x").n_routed_experts == 128
 
 
+def _as_transformers5_saves_it(config: dict) -> dict:
+    """A hub config as transformers 5 writes it back: num_local_experts for num_experts,
+    dtype for torch_dtype, and rope_theta/rope_scaling folded into rope_parameters."""
+    c = copy.deepcopy(config)
+    c["num_local_experts"] = c.pop("num_experts")
+    c["dtype"] = c.pop("torch_dtype")
+    rope = {"rope_type": "default", "rope_theta": c.pop("rope_theta")}
+    rope.update(c.pop("rope_scaling", None) or {})
+    c["rope_parameters"] = rope
+    return c
+
+
+@pytest.mark.parametrize("name", ["Qwen__Qwen3-30B-A3B", "Qwen__Qwen1.5-MoE-A2.7B", "allenai__OLMoE-1B-7B-0924"])
+def test_transformers5_saved_config_gives_the_same_spec(name):
+    hub = shared_config(name)
+    t5 = _as_transformers5_saves_it(hub)
+    assert "num_experts" not in t5 and "rope_theta" not in t5 and "torch_dtype" not in t5
+    assert spec_from_config(t5, name).to_dict() == spec(name).to_dict()
+
+
 def test_minimax_m2_is_unsupported_with_a_clear_message():
     with pytest.raises(UnsupportedModelError) as err:
         spec_from_config(shared_config("MiniMaxAI__MiniMax-M2"), "m", source="MiniMax-M2/config.json")

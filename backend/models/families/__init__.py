@@ -4,8 +4,8 @@ Every family module provides ``FAMILY``, ``HF_ARCHITECTURES``, ``MODEL_TYPES``,
 ``GGUF_ARCHS``, ``GGUF_KEEPS_MTP`` and
 
 - ``spec_from_config(config, name, *, source) -> ModelSpec``
-- ``config_from_gguf(metadata, *, source, tensor_shapes) -> dict`` (HF-style text config)
-- ``spec_from_gguf(metadata, name, *, source, tensor_shapes) -> ModelSpec``
+- ``config_from_gguf(metadata, *, source, tensor_shapes) -> dict`` (HF-style text config;
+  a GGUF's spec is ``spec_from_config`` of it)
 - ``expected_tensors(spec) -> Iterator[TensorShape]`` (the checkpoint's tensors, for sizing
   from the config alone)
 """
@@ -122,5 +122,6 @@ def spec_from_gguf(metadata: Mapping[str, Any], name: str, *, source: str,
     """The spec of a GGUF, its ``config`` translated to Hugging Face keys; ``architecture`` is
     the GGUF arch. Storage formats are filled in from the tensor types by the caller."""
     module = family_for_gguf(metadata, source)
-    spec = module.spec_from_gguf(metadata, name, source=source, tensor_shapes=tensor_shapes)
+    config = module.config_from_gguf(metadata, source=source, tensor_shapes=tensor_shapes)
+    spec = module.spec_from_config(config, name, source=source)
     return replace(spec, architecture=str(metadata["general.architecture"]))

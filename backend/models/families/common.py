@@ -1,6 +1,13 @@
-"""What the family modules share: reading config fields with clear errors, the storage
-format a checkpoint declares in ``quantization_config``, and the tensor shapes of the usual
-building blocks (GQA attention, SwiGLU MLPs, routed experts) for config-only inventories.
+"""What the family modules share, so that a family module holds only what is particular to it.
+
+- Reading a config.json: ``Fields`` (typed reads with clear errors), ``DecoderConfig`` (the
+  fields every family reads the same way, and the ``ModelSpec`` built from them), the storage
+  format a checkpoint declares in ``quantization_config``, and layer rules several families
+  use (Qwen's sparse step and sliding window).
+- Tensor shapes of the usual building blocks (GQA attention, SwiGLU MLPs, the router with its
+  routed experts, DeepSeek-style MoE MLPs and MTP layers) for config-only inventories.
+- GGUF metadata -> config: ``gguf_to_config`` reads the keys every GGUF decoder has and then
+  a family's ``GGUFKey`` table.
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ from typing import Any
 
 from backend.errors import ModelError, UnsupportedModelError
 from backend.models.formats import TORCH_DTYPES, get_format
+from backend.models.spec import ModelSpec
 
 _MISSING = object()
 
@@ -38,30 +46,25 @@ class Fields:
         return self._lookup(names)[1] is not _MISSING
 
     def int(self, *names: str, default: Any = _MISSING) -> int:
-        key, value = self._lookup(names)
-        if value is _MISSING:
-            if default is _MISSING:
-                raise self.missing(names)
-            return default
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
-            raise ModelError(
-                f"{self.what.capitalize()} '{key}' in {self.source} should be a whole number, not {value!r}.",
-                "The file looks damaged or hand-edited; restore the original from the model repository.",
-            )
-        return int(value)
+        return self._number(names, default, whole=True)
 
     def float(self, *names: str, default: Any = _MISSING) -> float:
+        return self._number(names, default, whole=False)
+
+    def _number(self, names: tuple[str, ...], default: Any, *, whole: bool) -> Any:
         key, value = self._lookup(names)
         if value is _MISSING:
             if default is _MISSING:
                 raise self.missing(names)
             return default
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
+        # bool is an int subclass, but a true/false where a size belongs is a damaged file.
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or (whole and value != int(value)):
+            kind = "a whole number" if whole else "a number"
             raise ModelError(
-                f"{self.what.capitalize()} '{key}' in {self.source} should be a number, not {value!r}.",
+                f"{self.what.capitalize()} '{key}' in {self.source} should be {kind}, not {value!r}.",
                 "The file looks damaged or hand-edited; restore the original from the model repository.",
             )
-        return float(value)
+        return int(value) if whole else float(value)
 
     def get(self, *names: str, default: Any = None) -> Any:
         value = self._lookup(names)[1]
@@ -233,8 +236,119 @@ def _compressed_tensors_formats(q: Mapping[str, Any], plain: str, source: str) -
     return experts, other
 
 
+# --- the fields every family reads the same way --------------------------------------------
+
+
+def check_routing(n_experts: int, top_k: int, source: str) -> None:
+    if n_experts < 1 or not 1 <= top_k <= n_experts:
+        raise ModelError(
+            f"{source} selects {top_k} of {n_experts} routed experts per token, which is impossible.",
+            "Restore the original config from the model repository.",
+        )
+
+
+@dataclass(frozen=True)
+class DecoderConfig:
+    """A config.json read as far as every family reads it alike.
+
+    A family module calls ``read()``, reads what is particular to it (which layers have
+    experts, shared experts, sliding windows) from ``fields``, and hands that to ``spec()``
+    under ModelSpec's field names.
+    """
+
+    config: Mapping[str, Any]  # as given: a multimodal wrapper's architecture names the model
+    text: dict[str, Any]  # the language model's config (a wrapper's text_config)
+    has_vision: bool
+    fields: Fields  # typed reads of ``text``
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    n_routed_experts: int
+    experts_per_token: int
+
+    @classmethod
+    def read(cls, config: Mapping[str, Any], source: str, *, expert_count: tuple[str, ...],
+             experts_per_token: tuple[str, ...] = ("num_experts_per_tok",)) -> DecoderConfig:
+        """``expert_count``/``experts_per_token``: the names the family's configs give those
+        two numbers, the published configs' name first (it is the one an error names).
+        transformers 5 renames some: it writes Qwen3-MoE's num_experts as num_local_experts."""
+        text, has_vision = text_config(config)
+        f = Fields(text, source)
+        n_layers = f.int("num_hidden_layers")
+        hidden = f.int("hidden_size")
+        heads = f.int("num_attention_heads")
+        n_experts = f.int(*expert_count)
+        top_k = f.int(*experts_per_token)
+        check_routing(n_experts, top_k, source)
+        return cls(config, text, has_vision, f, n_layers, hidden, heads, n_experts, top_k)
+
+    def spec(self, name: str, family: str, *, moe_layers: tuple[int, ...], attention: str = "gqa",
+             head_dim: int | None = None, **particular: Any) -> ModelSpec:
+        """The ModelSpec: what ``read()`` and this method read, plus the family's
+        ``particular`` ModelSpec fields. The layers without routed experts are the dense
+        ones. ``head_dim`` is the config's, else hidden_size / num_attention_heads; MLA
+        families give their own."""
+        f, heads = self.fields, self.num_attention_heads
+        expert_format, other_format = storage_formats(self.text, f.source)
+        if head_dim is None:
+            head_dim = f.int("head_dim", default=self.hidden_size // heads)
+        return ModelSpec(
+            name=name,
+            family=family,
+            architecture=architecture_of(self.config),
+            hidden_size=self.hidden_size,
+            num_layers=self.num_layers,
+            vocab_size=f.int("vocab_size"),
+            num_attention_heads=heads,
+            num_kv_heads=f.int("num_key_value_heads", default=heads),
+            head_dim=head_dim,
+            attention=attention,
+            max_context=f.int("max_position_embeddings"),
+            moe_layers=moe_layers,
+            dense_layers=tuple(i for i in range(self.num_layers) if i not in moe_layers),
+            n_routed_experts=self.n_routed_experts,
+            experts_per_token=self.experts_per_token,
+            tie_word_embeddings=bool(self.text.get("tie_word_embeddings", False)),
+            has_vision=self.has_vision,
+            expert_format=expert_format,
+            other_format=other_format,
+            torch_dtype=torch_dtype_of(self.text),
+            config=self.text,
+            **particular,
+        )
+
+
+# --- layer rules more than one family uses ---------------------------------------------------
+
+
 def sliding_layers_from_types(layer_types: Iterable[str]) -> tuple[int, ...]:
     return tuple(i for i, t in enumerate(layer_types) if t == "sliding_attention")
+
+
+def sparse_step_moe_layers(f: Fields, n_layers: int, n_experts: int) -> tuple[int, ...]:
+    """Qwen2-MoE / Qwen3-MoE rule: layer i has experts unless listed in ``mlp_only_layers``,
+    and only every ``decoder_sparse_step``-th layer (counting from 1) does."""
+    step = f.int("decoder_sparse_step", default=1)
+    if step < 1:
+        raise ModelError(f"'decoder_sparse_step' in {f.source} must be at least 1, not {step}.",
+                         "Restore the original config.json from the model repository.")
+    dense = set(f.int_list("mlp_only_layers"))
+    return tuple(i for i in range(n_layers)
+                 if n_experts > 0 and i not in dense and (i + 1) % step == 0)
+
+
+def qwen_sliding_layers(f: Fields, n_layers: int) -> tuple[int | None, tuple[int, ...]]:
+    """(sliding_window, sliding layers) of Qwen2/Qwen3 configs: ``layer_types`` when given
+    (transformers 5 writes it), else ``use_sliding_window`` from ``max_window_layers`` on."""
+    window = f.int("sliding_window", default=None)
+    types = f.get("layer_types")
+    if isinstance(types, list) and types:
+        layers = sliding_layers_from_types(types)
+        return (window, layers) if window and layers else (None, ())
+    if not f.get("use_sliding_window", default=False) or not window:
+        return None, ()
+    start = f.int("max_window_layers", default=0)
+    return window, tuple(range(start, n_layers))
 
 
 # --- tensor shapes for config-only inventories ---------------------------------------------
@@ -274,10 +388,11 @@ def linear(name: str, out: int, inp: int, role: str = "matrix", bias: bool = Fal
         yield TensorShape(f"{name}.bias", (out,), "vector")
 
 
-def gqa_attention(prefix: str, hidden: int, heads: int, kv_heads: int, head_dim: int, *,
-                  qkv_bias: bool = False, o_bias: bool = False, q_norm: int = 0, k_norm: int = 0,
-                  sinks: bool = False) -> Iterator[TensorShape]:
-    """q/k/v/o projections; ``q_norm``/``k_norm`` are the widths of those norms (0: none)."""
+def gqa_attention(prefix: str, s: ModelSpec, *, qkv_bias: bool = False, o_bias: bool = False,
+                  q_norm: int = 0, k_norm: int = 0, sinks: bool = False) -> Iterator[TensorShape]:
+    """q/k/v/o projections of the spec's heads; ``q_norm``/``k_norm`` are the widths of
+    those norms (0: none)."""
+    hidden, heads, kv_heads, head_dim = s.hidden_size, s.num_attention_heads, s.num_kv_heads, s.head_dim
     yield from linear(f"{prefix}.q_proj", heads * head_dim, hidden, bias=qkv_bias)
     yield from linear(f"{prefix}.k_proj", kv_heads * head_dim, hidden, bias=qkv_bias)
     yield from linear(f"{prefix}.v_proj", kv_heads * head_dim, hidden, "attn_v", bias=qkv_bias)
@@ -297,12 +412,41 @@ def swiglu(prefix: str, hidden: int, inter: int, names=("gate_proj", "up_proj", 
     yield from linear(f"{prefix}.{down}", hidden, inter, "ffn_down")
 
 
-def routed_experts(prefix: str, n_experts: int, hidden: int, inter: int,
-                   names=("gate_proj", "up_proj", "down_proj")) -> Iterator[TensorShape]:
-    """Per-expert tensors ``{prefix}.{e}.{gate,up,down}`` as the published checkpoints hold
-    them, one entry per projection with ``count`` = the number of experts."""
-    for t in swiglu(f"{prefix}.0", hidden, inter, names):
-        yield TensorShape(t.name, t.shape, t.role, n_experts)
+def routed_moe(prefix: str, s: ModelSpec, *, correction_bias: bool = False,
+               names=("gate_proj", "up_proj", "down_proj")) -> Iterator[TensorShape]:
+    """The router ``{prefix}.gate`` and the routed experts ``{prefix}.experts.{e}.{gate,up,down}``
+    as the published checkpoints hold them (per expert, not fused): one entry per projection
+    with ``count`` = the number of experts. ``correction_bias``: DeepSeek-V3-style routing's
+    per-expert ``e_score_correction_bias``."""
+    yield TensorShape(f"{prefix}.gate.weight", (s.n_routed_experts, s.hidden_size), "router")
+    if correction_bias:
+        yield TensorShape(f"{prefix}.gate.e_score_correction_bias", (s.n_routed_experts,), "fp32")
+    for t in swiglu(f"{prefix}.experts.0", s.hidden_size, s.moe_intermediate_size, names):
+        yield TensorShape(t.name, t.shape, t.role, s.n_routed_experts)
+
+
+def deepseek_style_mlp(prefix: str, s: ModelSpec, moe: bool, *, correction_bias: bool) -> Iterator[TensorShape]:
+    """The MLP of a DeepSeek-V3-style layer (GLM-4.5 has the same): a dense SwiGLU, or in a
+    MoE layer the router, the routed experts and ``shared_experts`` (one MLP as wide as all
+    the shared experts together)."""
+    if not moe:
+        yield from swiglu(prefix, s.hidden_size, s.dense_intermediate_size)
+        return
+    yield from routed_moe(prefix, s, correction_bias=correction_bias)
+    if s.n_shared_experts:
+        yield from swiglu(f"{prefix}.shared_experts", s.hidden_size, s.shared_intermediate_size)
+
+
+def mtp_layer_extras(prefix: str, s: ModelSpec) -> Iterator[TensorShape]:
+    """What a DeepSeek-V3 MTP / GLM-4.5 NextN layer holds beyond its decoder layer: its own
+    copies of the embedding and the head, and the projection merging the two streams."""
+    h = s.hidden_size
+    yield TensorShape(f"{prefix}.embed_tokens.weight", (s.vocab_size, h), "token_embd")
+    yield norm(f"{prefix}.enorm.weight", h)
+    yield norm(f"{prefix}.hnorm.weight", h)
+    yield TensorShape(f"{prefix}.eh_proj.weight", (h, 2 * h), "mtp")
+    yield norm(f"{prefix}.shared_head.norm.weight", h)
+    yield TensorShape(f"{prefix}.shared_head.head.weight", (s.vocab_size, h), "output")
 
 
 def decoder_norms(prefix: str, hidden: int) -> Iterator[TensorShape]:
@@ -318,6 +462,51 @@ def embeddings(vocab: int, hidden: int, tie: bool, prefix: str = "model") -> Ite
         yield TensorShape(lm, (vocab, hidden), "output")
 
 
+# --- GGUF metadata -> config -----------------------------------------------------------------
+
+# A GGUFKey default: the key must be in the file.
+REQUIRED: Any = _MISSING
+# A GGUFKey default: embedding_length / head_count, what llama.cpp assumes for a missing
+# attention.key_length.
+HIDDEN_PER_HEAD: Any = object()
+
+
+@dataclass(frozen=True)
+class GGUFKey:
+    """One Hugging Face config key and the ``{arch}.*`` key(s) llama.cpp's converter stores it
+    under; of several, the first one present is read."""
+
+    hf: str
+    gguf: str | tuple[str, ...]
+    default: Any = REQUIRED
+    kind: type = int  # int, float, or bool (a flag; give a default)
+
+    def read(self, f: Fields, cfg: Mapping[str, Any]) -> Any:
+        names = (self.gguf,) if isinstance(self.gguf, str) else self.gguf
+        default = self.default
+        if default is HIDDEN_PER_HEAD:
+            default = cfg["hidden_size"] // cfg["num_attention_heads"]
+        if self.kind is bool:
+            return bool(f.get(*names, default=default))
+        if self.kind is float:
+            return f.float(*names, default=default)
+        return f.int(*names, default=default)
+
+
+# The DeepSeek-V3-style MoE settings, which GLM-4.5 names alike and llama.cpp stores alike
+# for deepseek2 and glm4moe. block_count counts the NextN/MTP layers too: those families
+# take num_nextn_predict_layers off num_hidden_layers.
+DEEPSEEK_STYLE_MOE_KEYS = (
+    GGUFKey("num_nextn_predict_layers", "nextn_predict_layers", default=0),
+    GGUFKey("intermediate_size", "feed_forward_length"),
+    GGUFKey("moe_intermediate_size", "expert_feed_forward_length"),
+    GGUFKey("n_routed_experts", "expert_count"),
+    GGUFKey("n_shared_experts", "expert_shared_count", default=0),
+    GGUFKey("first_k_dense_replace", "leading_dense_block_count", default=0),
+    GGUFKey("routed_scaling_factor", "expert_weights_scale", default=1.0, kind=float),
+)
+
+
 def gguf_vocab_size(metadata: Mapping[str, Any], arch: str, tensor_shapes: Mapping[str, tuple[int, ...]] | None) -> int | None:
     """Vocabulary size of a GGUF: the ``{arch}.vocab_size`` key, else the tokenizer's token
     list, else the rows of ``token_embd.weight``."""
@@ -331,9 +520,12 @@ def gguf_vocab_size(metadata: Mapping[str, Any], arch: str, tensor_shapes: Mappi
     return None
 
 
-def gguf_common_config(f: Fields, arch: str, metadata: Mapping[str, Any],
-                       tensor_shapes: Mapping[str, tuple[int, ...]] | None) -> dict[str, Any]:
-    """The HF config fields every GGUF decoder has, translated from ``{arch}.*`` keys."""
+def gguf_to_config(metadata: Mapping[str, Any], source: str, tensor_shapes: Mapping[str, tuple[int, ...]] | None,
+                   arch: str, keys: Iterable[GGUFKey]) -> tuple[dict[str, Any], Fields]:
+    """A GGUF's metadata as a Hugging Face text config: the keys every llama.cpp MoE decoder
+    stores, then the family's ``keys``. Also returns the ``{arch}.*`` Fields, for what the
+    family computes rather than copies (its ``architectures`` and ``model_type`` included)."""
+    f = Fields(metadata, source, prefix=f"{arch}.", what="GGUF key")
     vocab = gguf_vocab_size(metadata, arch, tensor_shapes)
     if vocab is None:
         raise f.missing(["vocab_size"])
@@ -359,47 +551,16 @@ def gguf_common_config(f: Fields, arch: str, metadata: Mapping[str, Any],
             "factor": f.float("rope.scaling.factor", default=1.0),
             "original_max_position_embeddings": f.int("rope.scaling.original_context_length", default=None),
         }
-    for src, dst in (("general.name", "_name_or_path"),):
-        if metadata.get(src):
-            cfg[dst] = metadata[src]
+    if metadata.get("general.name"):
+        cfg["_name_or_path"] = metadata["general.name"]
     eos = metadata.get("tokenizer.ggml.eos_token_id")
     if eos is not None:
         cfg["eos_token_id"] = int(eos)
     bos = metadata.get("tokenizer.ggml.bos_token_id")
     if bos is not None:
         cfg["bos_token_id"] = int(bos)
-    return cfg
-
-
-def sparse_step_moe_layers(f: Fields, n_layers: int, n_experts: int) -> tuple[int, ...]:
-    """Qwen2-MoE / Qwen3-MoE rule: layer i has experts unless listed in ``mlp_only_layers``,
-    and only every ``decoder_sparse_step``-th layer (counting from 1) does."""
-    step = f.int("decoder_sparse_step", default=1)
-    if step < 1:
-        raise ModelError(f"'decoder_sparse_step' in {f.source} must be at least 1, not {step}.",
-                         "Restore the original config.json from the model repository.")
-    dense = set(f.int_list("mlp_only_layers"))
-    return tuple(i for i in range(n_layers)
-                 if n_experts > 0 and i not in dense and (i + 1) % step == 0)
-
-
-def qwen_sliding_layers(f: Fields, n_layers: int) -> tuple[int | None, tuple[int, ...]]:
-    """(sliding_window, sliding layers) of Qwen2/Qwen3 configs: ``layer_types`` when given
-    (transformers 5 writes it), else ``use_sliding_window`` from ``max_window_layers`` on."""
-    window = f.int("sliding_window", default=None)
-    types = f.get("layer_types")
-    if isinstance(types, list) and types:
-        layers = sliding_layers_from_types(types)
-        return (window, layers) if window and layers else (None, ())
-    if not f.get("use_sliding_window", default=False) or not window:
-        return None, ()
-    start = f.int("max_window_layers", default=0)
-    return window, tuple(range(start, n_layers))
-
-
-def check_routing(n_experts: int, top_k: int, source: str) -> None:
-    if n_experts < 1 or not 1 <= top_k <= n_experts:
-        raise ModelError(
-            f"{source} selects {top_k} of {n_experts} routed experts per token, which is impossible.",
-            "Restore the original config from the model repository.",
-        )
+    cfg["num_hidden_layers"] = f.int("block_count")
+    cfg["num_experts_per_tok"] = f.int("expert_used_count")
+    for key in keys:
+        cfg[key.hf] = key.read(f, cfg)
+    return cfg, f

@@ -8,18 +8,14 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from backend.models.families.common import (
-    Fields,
+    DecoderConfig,
+    GGUFKey,
     TensorShape,
-    architecture_of,
-    check_routing,
     decoder_norms,
     embeddings,
-    gguf_common_config,
+    gguf_to_config,
     gqa_attention,
-    routed_experts,
-    storage_formats,
-    text_config,
-    torch_dtype_of,
+    routed_moe,
 )
 from backend.models.spec import ModelSpec
 
@@ -29,41 +25,19 @@ MODEL_TYPES = ("olmoe",)
 GGUF_ARCHS = ("olmoe",)
 GGUF_KEEPS_MTP = False
 
+# Config keys llama.cpp's converter stores for this family, beyond those every family has.
+GGUF_KEYS = (
+    # Every MLP is an expert, so the config's intermediate_size is the expert width.
+    GGUFKey("intermediate_size", ("expert_feed_forward_length", "feed_forward_length")),
+    GGUFKey("num_experts", "expert_count"),
+)
+
 
 def spec_from_config(config: Mapping[str, Any], name: str, *, source: str = "config.json") -> ModelSpec:
-    text, has_vision = text_config(config)
-    f = Fields(text, source)
-    n_layers = f.int("num_hidden_layers")
-    hidden = f.int("hidden_size")
-    heads = f.int("num_attention_heads")
-    n_experts = f.int("num_experts", "num_local_experts")
-    top_k = f.int("num_experts_per_tok")
-    check_routing(n_experts, top_k, source)
-    expert_format, other_format = storage_formats(text, source)
-    return ModelSpec(
-        name=name,
-        family=FAMILY,
-        architecture=architecture_of(config),
-        hidden_size=hidden,
-        num_layers=n_layers,
-        vocab_size=f.int("vocab_size"),
-        num_attention_heads=heads,
-        num_kv_heads=f.int("num_key_value_heads", default=heads),
-        head_dim=f.int("head_dim", default=hidden // heads),
-        attention="gqa",
-        max_context=f.int("max_position_embeddings"),
-        moe_layers=tuple(range(n_layers)),
-        dense_layers=(),
-        n_routed_experts=n_experts,
-        experts_per_token=top_k,
-        moe_intermediate_size=f.int("intermediate_size"),
-        tie_word_embeddings=bool(text.get("tie_word_embeddings", False)),
-        has_vision=has_vision,
-        expert_format=expert_format,
-        other_format=other_format,
-        torch_dtype=torch_dtype_of(text),
-        config=text,
-    )
+    # transformers 5 may write num_local_experts where the published configs say num_experts.
+    c = DecoderConfig.read(config, source, expert_count=("num_experts", "num_local_experts"))
+    return c.spec(name, FAMILY, moe_layers=tuple(range(c.num_layers)),
+                  moe_intermediate_size=c.fields.int("intermediate_size"))
 
 
 def expected_tensors(s: ModelSpec) -> Iterator[TensorShape]:
@@ -72,32 +46,14 @@ def expected_tensors(s: ModelSpec) -> Iterator[TensorShape]:
     for i in range(s.num_layers):
         p = f"model.layers.{i}"
         yield from decoder_norms(p, h)
-        yield from gqa_attention(f"{p}.self_attn", h, s.num_attention_heads, s.num_kv_heads, s.head_dim,
-                                 qkv_bias=bool(s.config.get("attention_bias", False)),
-                                 q_norm=s.num_attention_heads * s.head_dim,
-                                 k_norm=s.num_kv_heads * s.head_dim)
-        yield TensorShape(f"{p}.mlp.gate.weight", (s.n_routed_experts, h), "router")
-        yield from routed_experts(f"{p}.mlp.experts", s.n_routed_experts, h, s.moe_intermediate_size)
+        yield from gqa_attention(f"{p}.self_attn", s, qkv_bias=bool(s.config.get("attention_bias", False)),
+                                 q_norm=s.num_attention_heads * s.head_dim, k_norm=s.num_kv_heads * s.head_dim)
+        yield from routed_moe(f"{p}.mlp", s)
 
 
 def config_from_gguf(metadata: Mapping[str, Any], *, source: str,
                      tensor_shapes: Mapping[str, tuple[int, ...]] | None = None) -> dict[str, Any]:
-    arch = "olmoe"
-    f = Fields(metadata, source, prefix=f"{arch}.", what="GGUF key")
-    cfg = gguf_common_config(f, arch, metadata, tensor_shapes)
-    cfg.update(
-        architectures=["OlmoeForCausalLM"],
-        model_type="olmoe",
-        num_hidden_layers=f.int("block_count"),
-        intermediate_size=f.int("expert_feed_forward_length", "feed_forward_length"),
-        num_experts=f.int("expert_count"),
-        num_experts_per_tok=f.int("expert_used_count"),
-        norm_topk_prob=False,
-    )
+    cfg, _ = gguf_to_config(metadata, source, tensor_shapes, GGUF_ARCHS[0], GGUF_KEYS)
+    # Not stored in the GGUF: llama.cpp's olmoe does not renormalise the top-k weights.
+    cfg.update(architectures=["OlmoeForCausalLM"], model_type="olmoe", norm_topk_prob=False)
     return cfg
-
-
-def spec_from_gguf(metadata: Mapping[str, Any], name: str, *, source: str,
-                   tensor_shapes: Mapping[str, tuple[int, ...]] | None = None) -> ModelSpec:
-    return spec_from_config(config_from_gguf(metadata, source=source, tensor_shapes=tensor_shapes),
-                            name, source=source)

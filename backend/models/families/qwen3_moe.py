@@ -9,21 +9,18 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from backend.models.families.common import (
-    Fields,
+    HIDDEN_PER_HEAD,
+    DecoderConfig,
+    GGUFKey,
     TensorShape,
-    architecture_of,
-    check_routing,
     decoder_norms,
     embeddings,
-    gguf_common_config,
+    gguf_to_config,
     gqa_attention,
     qwen_sliding_layers,
-    routed_experts,
+    routed_moe,
     sparse_step_moe_layers,
-    storage_formats,
     swiglu,
-    text_config,
-    torch_dtype_of,
 )
 from backend.models.spec import ModelSpec
 
@@ -33,88 +30,51 @@ MODEL_TYPES = ("qwen3_moe",)
 GGUF_ARCHS = ("qwen3moe",)
 GGUF_KEEPS_MTP = False
 
+# Config keys llama.cpp's converter stores for this family, beyond those every family has.
+GGUF_KEYS = (
+    GGUFKey("head_dim", "attention.key_length", default=HIDDEN_PER_HEAD),
+    GGUFKey("intermediate_size", "feed_forward_length", default=0),
+    GGUFKey("moe_intermediate_size", "expert_feed_forward_length"),
+    GGUFKey("num_experts", "expert_count"),
+)
+
 
 def spec_from_config(config: Mapping[str, Any], name: str, *, source: str = "config.json") -> ModelSpec:
-    text, has_vision = text_config(config)
-    f = Fields(text, source)
-    n_layers = f.int("num_hidden_layers")
-    hidden = f.int("hidden_size")
-    heads = f.int("num_attention_heads")
     # transformers 5 writes num_local_experts where the published configs say num_experts.
-    n_experts = f.int("num_experts", "num_local_experts")
-    top_k = f.int("num_experts_per_tok")
-    check_routing(n_experts, top_k, source)
-    moe_layers = sparse_step_moe_layers(f, n_layers, n_experts)
-    window, sliding = qwen_sliding_layers(f, n_layers)
-    expert_format, other_format = storage_formats(text, source)
-    return ModelSpec(
-        name=name,
-        family=FAMILY,
-        architecture=architecture_of(config),
-        hidden_size=hidden,
-        num_layers=n_layers,
-        vocab_size=f.int("vocab_size"),
-        num_attention_heads=heads,
-        num_kv_heads=f.int("num_key_value_heads", default=heads),
-        head_dim=f.int("head_dim", default=hidden // heads),
-        attention="gqa",
-        max_context=f.int("max_position_embeddings"),
+    c = DecoderConfig.read(config, source, expert_count=("num_experts", "num_local_experts"))
+    f = c.fields
+    moe_layers = sparse_step_moe_layers(f, c.num_layers, c.n_routed_experts)
+    window, sliding = qwen_sliding_layers(f, c.num_layers)
+    return c.spec(
+        name, FAMILY,
         moe_layers=moe_layers,
-        dense_layers=tuple(i for i in range(n_layers) if i not in moe_layers),
-        n_routed_experts=n_experts,
-        experts_per_token=top_k,
         moe_intermediate_size=f.int("moe_intermediate_size"),
         dense_intermediate_size=f.int("intermediate_size", default=0),
-        tie_word_embeddings=bool(text.get("tie_word_embeddings", False)),
         sliding_window=window,
         sliding_layers=sliding,
-        has_vision=has_vision,
-        expert_format=expert_format,
-        other_format=other_format,
-        torch_dtype=torch_dtype_of(text),
-        config=text,
     )
 
 
 def expected_tensors(s: ModelSpec) -> Iterator[TensorShape]:
     h = s.hidden_size
+    bias = bool(s.config.get("attention_bias", False))
     yield from embeddings(s.vocab_size, h, s.tie_word_embeddings)
     for i in range(s.num_layers):
         p = f"model.layers.{i}"
         yield from decoder_norms(p, h)
-        yield from gqa_attention(f"{p}.self_attn", h, s.num_attention_heads, s.num_kv_heads, s.head_dim,
-                                 qkv_bias=bool(s.config.get("attention_bias", False)),
-                                 o_bias=bool(s.config.get("attention_bias", False)),
+        yield from gqa_attention(f"{p}.self_attn", s, qkv_bias=bias, o_bias=bias,
                                  q_norm=s.head_dim, k_norm=s.head_dim)
         if i in s.moe_layers:
-            yield TensorShape(f"{p}.mlp.gate.weight", (s.n_routed_experts, h), "router")
-            yield from routed_experts(f"{p}.mlp.experts", s.n_routed_experts, h, s.moe_intermediate_size)
+            yield from routed_moe(f"{p}.mlp", s)
         else:
             yield from swiglu(f"{p}.mlp", h, s.dense_intermediate_size)
 
 
 def config_from_gguf(metadata: Mapping[str, Any], *, source: str,
                      tensor_shapes: Mapping[str, tuple[int, ...]] | None = None) -> dict[str, Any]:
-    arch = "qwen3moe"
-    f = Fields(metadata, source, prefix=f"{arch}.", what="GGUF key")
-    cfg = gguf_common_config(f, arch, metadata, tensor_shapes)
-    cfg.update(
-        architectures=["Qwen3MoeForCausalLM"],
-        model_type="qwen3_moe",
-        num_hidden_layers=f.int("block_count"),
-        head_dim=f.int("attention.key_length", default=cfg["hidden_size"] // cfg["num_attention_heads"]),
-        intermediate_size=f.int("feed_forward_length", default=0),
-        moe_intermediate_size=f.int("expert_feed_forward_length"),
-        num_experts=f.int("expert_count"),
-        num_experts_per_tok=f.int("expert_used_count"),
-        decoder_sparse_step=1,
-        mlp_only_layers=[],
-        norm_topk_prob=True,
-    )
+    cfg, _ = gguf_to_config(metadata, source, tensor_shapes, GGUF_ARCHS[0], GGUF_KEYS)
+    # Not stored in the GGUF: llama.cpp's qwen3moe puts experts in every layer and
+    # renormalises the top-k weights.
+    cfg.update(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe",
+               decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True)
     return cfg
-
-
-def spec_from_gguf(metadata: Mapping[str, Any], name: str, *, source: str,
-                   tensor_shapes: Mapping[str, tuple[int, ...]] | None = None) -> ModelSpec:
-    return spec_from_config(config_from_gguf(metadata, source=source, tensor_shapes=tensor_shapes),
-                            name, source=source)
