@@ -1,0 +1,109 @@
+"""What the converter does when it cannot or should not finish: nothing half-written is left,
+and the message names the problem and the way out."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections import namedtuple
+from pathlib import Path
+
+import pytest
+
+from backend.convert import to_gguf
+from backend.errors import HybridMoeError, ModelError, UnsupportedModelError, UsageError
+from backend.session import Cancelled, CancelToken
+
+
+def _listing(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir())
+
+
+def test_cancel_midway_leaves_no_file(checkpoints, tmp_path):
+    token = CancelToken()
+    events = []
+
+    def on_progress(p):
+        events.append(p)
+        if p.done > 0:  # the first tensor is written: the temporary file exists
+            assert any(n.endswith(".partial") for n in _listing(tmp_path))
+            token.cancel()
+
+    with pytest.raises(Cancelled):
+        to_gguf(checkpoints("qwen3_moe").path, tmp_path / "out.gguf", "q8_0", on_progress=on_progress, cancel=token)
+    assert _listing(tmp_path) == []
+    assert events and events[-1].stage == "convert" and events[-1].unit == "B"
+    assert 0 < events[-1].done < events[-1].total
+
+
+def test_refuses_when_the_disk_is_too_small(checkpoints, tmp_path, monkeypatch):
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr("backend.convert.gguf_file.shutil.disk_usage", lambda _: usage(10**9, 10**9 - 5000, 5000))
+    with pytest.raises(HybridMoeError) as info:
+        to_gguf(checkpoints("qwen3_moe").path, tmp_path / "out.gguf", "bf16")
+    message = str(info.value)
+    assert "Not enough disk space" in message and "4.9 KiB is free" in message and "needs about" in message
+    assert "--out" in message
+    assert _listing(tmp_path) == []
+
+
+def test_refuses_q4_k_m_without_room_for_its_intermediate(checkpoints, converted, tmp_path, monkeypatch):
+    bf16_size = converted("mixtral", "bf16").stat().st_size
+    usage = namedtuple("usage", "total used free")
+    # Room for the bf16 file and its margin, but not for the Q4_K_M file next to it.
+    free = bf16_size + 256 * 1024 * 1024 + 1000
+    monkeypatch.setattr("backend.convert.gguf_file.shutil.disk_usage", lambda _: usage(10**12, 0, free))
+    with pytest.raises(HybridMoeError, match="BF16 intermediate"):
+        to_gguf(checkpoints("mixtral").path, tmp_path / "out.gguf", "q4_k_m")
+    assert _listing(tmp_path) == []
+
+
+def test_unsupported_architecture(tmp_path):
+    dense = tmp_path / "llama"
+    dense.mkdir()
+    (dense / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 100}))
+    with pytest.raises(UnsupportedModelError, match="LlamaForCausalLM"):
+        to_gguf(dense, tmp_path / "out.gguf", "q8_0")
+
+    oss = tmp_path / "gpt-oss"
+    oss.mkdir()
+    (oss / "config.json").write_text(json.dumps({
+        "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "hidden_size": 64,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+        "vocab_size": 100, "num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32,
+        "max_position_embeddings": 128}))
+    with pytest.raises(UnsupportedModelError, match="gpt_oss"):
+        to_gguf(oss, tmp_path / "out.gguf", "q8_0")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gpt-oss", "llama"]
+
+
+def test_config_llama_cpp_cannot_represent_is_refused(checkpoints, tmp_path):
+    ck = shutil.copytree(checkpoints("qwen3_moe").path, tmp_path / "ck")
+    config = json.loads((ck / "config.json").read_text())
+    config["norm_topk_prob"] = False
+    (ck / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedModelError, match="norm_topk_prob"):
+        to_gguf(ck, tmp_path / "out.gguf", "q8_0")
+    assert not (tmp_path / "out.gguf").exists()
+
+
+def test_corrupt_shard_is_named(checkpoints, tmp_path):
+    ck = shutil.copytree(checkpoints("qwen3_moe").path, tmp_path / "ck")
+    shard = ck / "model.safetensors"
+    with open(shard, "r+b") as f:
+        f.truncate(shard.stat().st_size // 2)
+    with pytest.raises(ModelError, match="model.safetensors") as info:
+        to_gguf(ck, tmp_path / "out.gguf", "q8_0")
+    assert "truncated" in str(info.value)
+    assert not (tmp_path / "out.gguf").exists()
+
+
+def test_bad_arguments(checkpoints, tmp_path):
+    with pytest.raises(UsageError, match="q3_k"):
+        to_gguf(checkpoints("qwen3_moe").path, tmp_path / "out.gguf", "q3_k")
+    with pytest.raises(UsageError, match="does not exist"):
+        to_gguf(checkpoints("qwen3_moe").path, tmp_path / "missing" / "out.gguf", "q8_0")
+    with pytest.raises(ModelError, match="does not exist"):
+        to_gguf(tmp_path / "nothing", tmp_path / "out.gguf", "q8_0")

@@ -1,0 +1,185 @@
+"""Converted GGUFs against transformers: llama.cpp loads them and computes the same thing.
+
+bf16 files are compared with the checkpoint itself (its weights are bf16, so the conversion
+is exact and the only differences are llama.cpp's own bf16 arithmetic). Quantized files are
+compared with transformers running the *quantized* weights, read back from the GGUF by the
+engine's reader and dequantized: this checks every tensor's name, layout and block encoding
+with bf16-level tolerances (a comparison with the unquantized model would mostly measure
+quantization noise) and that the engine reads what llama.cpp reads. The quantization error
+itself is bounded separately.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from tests.convert.conftest import (
+    SAMPLES,
+    hf_greedy,
+    hf_logits,
+    llama_greedy,
+    llama_logits,
+    needs_llama_cpp,
+    open_llama,
+)
+
+pytestmark = needs_llama_cpp
+
+PROMPT = [5, 17, 42, 99, 120, 7, 3, 200, 61, 33]
+STEPS = 16
+
+# (family, quant): max |logit difference| allowed between llama.cpp and the reference, over
+# the prompt positions; logits are of order 10. Measured values are about half these
+# (DeepSeek's three layers with grouped sigmoid routing amplify rounding more).
+CASES = {
+    ("qwen3_moe", "bf16"): 0.2,
+    ("qwen3_moe", "q8_0"): 0.5,
+    ("qwen3_moe", "q4_0"): 0.5,
+    ("deepseek_v3", "bf16"): 0.3,
+    ("deepseek_v3", "q8_0"): 0.8,
+    ("deepseek_v3", "q4_0"): 0.8,
+    ("qwen2_moe", "bf16"): 0.2,
+    ("olmoe", "bf16"): 0.2,
+    ("mixtral", "bf16"): 0.2,
+    ("mixtral", "q8_0"): 0.5,
+    ("mixtral", "q4_k_m"): 0.5,
+}
+
+
+def dequantized_reference(checkpoint, gguf_path: Path, tmp: Path) -> torch.nn.Module:
+    """The HF model with every weight replaced by what the GGUF holds (dequantized)."""
+    import transformers
+    from safetensors import safe_open
+
+    from backend.engine.gguf_weights import open_gguf
+    from backend.engine.weights import dense
+
+    state = {}
+    with safe_open(str(checkpoint.path / "model.safetensors"), "pt") as f, open_gguf(gguf_path) as g:
+        for name in f.keys():
+            state[name] = dense(g.get(name), torch.float32).clone() if name in g else f.get_tensor(name).float()
+    tmp.mkdir()
+    shutil.copy(checkpoint.path / "config.json", tmp / "config.json")
+    save_file(state, str(tmp / "model.safetensors"))
+    arch = json.loads((tmp / "config.json").read_text())["architectures"][0]
+    return getattr(transformers, arch).from_pretrained(tmp, dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize(("family", "quant"), list(CASES))
+def test_llama_cpp_matches_transformers(family, quant, checkpoints, converted, tmp_path, record_property):
+    # Quantized files: llama.cpp also rounds activations to 8 bits for quantized matmuls, and
+    # in a random tiny MoE some token always has two experts within that noise of each other
+    # for the k-th place; the flip changes that token's logits by whole units. The quantized
+    # cases therefore use the model variant that routes every token to every expert.
+    dense_routing = quant != "bf16"
+    ck = checkpoints(family, dense_routing)
+    path = converted(family, quant, dense_routing)
+    reference = ck.model if quant == "bf16" else dequantized_reference(ck, path, tmp_path / "deq")
+    llm = open_llama(path)
+    try:
+        diff = (hf_logits(reference, PROMPT) - llama_logits(llm, PROMPT)).abs().max().item()
+        record_property("max_logit_diff", diff)
+        print(f"{family} {quant}: max |logit diff| {diff:.4f}")
+        assert diff < CASES[(family, quant)]
+        ours = llama_greedy(llm, PROMPT, STEPS)
+        if quant == "bf16":
+            assert ours == hf_greedy(reference, PROMPT, STEPS)
+        else:
+            # A step whose two best tokens are closer than the activation-rounding noise may
+            # go either way: every step's choice must be the reference's best token or tie
+            # with it within the tolerance, with the reference fed the same sequence.
+            logits = hf_logits(reference, PROMPT + ours)[len(PROMPT) - 1 : -1]
+            chosen = logits[torch.arange(STEPS), torch.tensor(ours)]
+            assert (logits.max(dim=1).values - chosen <= CASES[(family, quant)]).all()
+    finally:
+        llm.close()
+
+
+@pytest.mark.parametrize(("family", "quant", "bound"), [("qwen3_moe", "q8_0", 0.05), ("qwen3_moe", "q4_0", 0.5)])
+def test_quantization_error_is_bounded(family, quant, bound, checkpoints, converted, tmp_path):
+    """The quantized weights stay close to the originals (relative RMS error per tensor)."""
+    from safetensors import safe_open
+
+    from backend.engine.gguf_weights import open_gguf
+    from backend.engine.weights import dense
+
+    ck = checkpoints(family)
+    worst = 0.0
+    with safe_open(str(ck.path / "model.safetensors"), "pt") as f, open_gguf(converted(family, quant)) as g:
+        for name in f.keys():
+            original = f.get_tensor(name).float()
+            if original.dim() < 2:
+                continue
+            err = (dense(g.get(name), torch.float32) - original).pow(2).mean().sqrt() / original.pow(2).mean().sqrt()
+            worst = max(worst, err.item())
+    assert 0 < worst < bound
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_tokenization_matches_hf(family, checkpoints, converted):
+    """llama.cpp's tokenizer, from the GGUF's metadata, splits text as the HF tokenizer does."""
+    import llama_cpp
+    from tokenizers import Tokenizer
+
+    ck = checkpoints(family)
+    hf = Tokenizer.from_file(str(ck.path / "tokenizer.json"))
+    llm = llama_cpp.Llama(model_path=str(converted(family, "bf16")), vocab_only=True, verbose=False)
+    try:
+        for text in SAMPLES:
+            expected = hf.encode(text, add_special_tokens=False).ids
+            got = llm.tokenize(text.encode("utf-8"), add_bos=False, special=True)
+            assert got == expected, text
+    finally:
+        llm.close()
+
+
+def test_metadata(checkpoints, converted):
+    """Keys llama.cpp and the engine read: MLA sizes, routing, vocabulary, chat template."""
+    from backend.engine.tokenizer import read_gguf_metadata
+
+    meta = read_gguf_metadata(converted("deepseek_v3", "bf16"))
+    cfg = checkpoints("deepseek_v3").model.config
+    assert meta["general.architecture"] == "deepseek2"
+    assert meta["deepseek2.block_count"] == cfg.num_hidden_layers
+    assert meta["deepseek2.leading_dense_block_count"] == 1
+    assert meta["deepseek2.attention.head_count_kv"] == 1
+    assert meta["deepseek2.attention.key_length"] == cfg.kv_lora_rank + cfg.qk_rope_head_dim
+    assert meta["deepseek2.attention.key_length_mla"] == cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+    assert meta["deepseek2.attention.value_length_mla"] == cfg.v_head_dim
+    assert meta["deepseek2.expert_gating_func"] == 2  # sigmoid
+    assert meta["deepseek2.expert_shared_count"] == 1
+    assert meta["deepseek2.expert_weights_norm"] is True
+    assert meta["deepseek2.expert_weights_scale"] == pytest.approx(2.5)
+    assert meta["deepseek2.expert_group_count"] == 4
+    assert meta["tokenizer.ggml.model"] == "gpt2"
+    assert meta["tokenizer.ggml.pre"] == "qwen2"
+    assert "<|im_start|>" in meta["tokenizer.chat_template"]
+    assert meta["tokenizer.ggml.tokens"][meta["tokenizer.ggml.eos_token_id"]] == "<|im_end|>"
+
+    spm = read_gguf_metadata(converted("mixtral", "bf16"))
+    assert spm["tokenizer.ggml.model"] == "llama"
+    assert spm["tokenizer.ggml.bos_token_id"] == 1 and spm["tokenizer.ggml.add_bos_token"] is True
+    assert spm["llama.expert_count"] == 8
+
+
+def test_engine_reads_the_gguf_like_the_checkpoint(checkpoints, converted):
+    """The engine's GGUF reader returns the checkpoint's tensors (bf16: bit for bit), including
+    the un-permuted Mixtral Q/K and DeepSeek's kv_b_proj rebuilt from attn_k_b/attn_v_b."""
+    from safetensors import safe_open
+
+    from backend.engine.gguf_weights import open_gguf
+    from backend.engine.weights import dense
+
+    for family in ("mixtral", "deepseek_v3"):
+        ck = checkpoints(family)
+        with safe_open(str(ck.path / "model.safetensors"), "pt") as f, open_gguf(converted(family, "bf16")) as g:
+            for name in f.keys():
+                if name not in g:
+                    continue
+                assert torch.equal(dense(g.get(name), torch.float32), f.get_tensor(name).float()), name
