@@ -1,0 +1,188 @@
+"""End-to-end prefill and decode speed of the engine and of llama.cpp on the same GGUF.
+
+Each backend runs in a fresh process of its own (`python -m backend.bench.generate
+--worker ...`), so that its peak resident memory and its thread pool are its own; both get
+the same prompt token ids, the same thread count and greedy decoding. Reported: load time,
+peak RSS after load and at the end, prefill tokens/s on the prompt and decode tokens/s,
+medians over the repeats. A benchmark, not a test: timings on a shared machine are noisy,
+so compare the ratio printed at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+BACKENDS = ("engine", "llamacpp")
+
+
+def _vm_hwm() -> int:
+    """Peak resident set size of this process in bytes (Linux /proc; 0 elsewhere)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def _prompt(vocab: int, n: int, seed: int = 0) -> list[int]:
+    import random
+
+    rng = random.Random(seed)
+    # Avoid the low ids, where special and control tokens live.
+    return [rng.randrange(min(1000, vocab // 2), vocab) for _ in range(n)]
+
+
+def _run_engine(model: str, prompt_tokens: int, gen_tokens: int, threads: int, repeats: int) -> dict:
+    import torch
+
+    from backend.engine.session import EngineBackend
+    from backend.hardware import detect
+    from backend.models import inspect_model
+    from backend.plan import Workload, make
+
+    torch.set_num_threads(threads)
+    os.environ.setdefault("HYBRIDMOE_CPU_THREADS", str(threads))
+    inspected = inspect_model(model)
+    plan = make(inspected.spec, inspected.inventory, detect(measure_bandwidth=False),
+                Workload(context=prompt_tokens + gen_tokens + 8, strategy="cpu-only"))
+    t0 = time.perf_counter()
+    net = EngineBackend().load(model, plan).model
+    load_s = time.perf_counter() - t0
+    rss_load = _vm_hwm()
+    ids = _prompt(net.config.require("vocab_size"), prompt_tokens)
+    chunk = plan.workload.prefill_chunk
+    prefill, decode, tokens = [], [], []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for pos in range(0, len(ids), chunk):
+            logits = net(torch.tensor(ids[pos : pos + chunk]), pos, last_only=True)
+        prefill.append(len(ids) / (time.perf_counter() - t0))
+        tok = int(logits[-1].argmax())
+        out = [tok]
+        t0 = time.perf_counter()
+        for i in range(gen_tokens - 1):
+            logits = net(torch.tensor([tok]), len(ids) + i, last_only=True)
+            tok = int(logits[-1].argmax())
+            out.append(tok)
+        decode.append((gen_tokens - 1) / (time.perf_counter() - t0))
+        tokens = out
+    from backend.engine import native_experts
+
+    return {"load_s": load_s, "rss_after_load": rss_load, "prefill": prefill, "decode": decode,
+            "tokens": tokens, "kernels": native_experts.isa()}
+
+
+def _run_llamacpp(model: str, prompt_tokens: int, gen_tokens: int, threads: int, repeats: int) -> dict:
+    import llama_cpp
+    import numpy as np
+
+    t0 = time.perf_counter()
+    llm = llama_cpp.Llama(model_path=model, n_ctx=prompt_tokens + gen_tokens + 8, n_batch=2048, n_ubatch=512,
+                          n_threads=threads, n_threads_batch=threads, logits_all=False, verbose=False)
+    load_s = time.perf_counter() - t0
+    rss_load = _vm_hwm()
+    ids = _prompt(llm.n_vocab(), prompt_tokens)
+    prefill, decode, tokens = [], [], []
+    for _ in range(repeats):
+        llm.reset()
+        t0 = time.perf_counter()
+        llm.eval(ids)
+        prefill.append(len(ids) / (time.perf_counter() - t0))
+        tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        out = [tok]
+        t0 = time.perf_counter()
+        for _ in range(gen_tokens - 1):
+            llm.eval([tok])
+            tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+            out.append(tok)
+        decode.append((gen_tokens - 1) / (time.perf_counter() - t0))
+        tokens = out
+    return {"load_s": load_s, "rss_after_load": rss_load, "prefill": prefill, "decode": decode, "tokens": tokens,
+            "version": llama_cpp.__version__}
+
+
+def run_worker(backend: str, model: str, prompt_tokens: int, gen_tokens: int, threads: int, repeats: int) -> dict:
+    runner = _run_engine if backend == "engine" else _run_llamacpp
+    result = runner(model, prompt_tokens, gen_tokens, threads, repeats)
+    result["rss_peak"] = _vm_hwm()
+    result["backend"] = backend
+    return result
+
+
+def measure(model: str, *, prompt_tokens: int = 512, gen_tokens: int = 64, threads: int | None = None,
+            repeats: int = 3, backends=BACKENDS) -> dict:
+    """Run every backend in its own process; return their results and the engine/llama.cpp ratios."""
+    import psutil
+
+    threads = threads or psutil.cpu_count(logical=False) or 1
+    results = {}
+    for backend in backends:
+        cmd = [sys.executable, "-m", "backend.bench.generate", "--worker", backend, model,
+               "--prompt-tokens", str(prompt_tokens), "--gen-tokens", str(gen_tokens),
+               "--threads", str(threads), "--repeats", str(repeats)]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            results[backend] = {"error": proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "failed"}
+            continue
+        r = json.loads(proc.stdout.strip().splitlines()[-1])
+        r["prefill_median"] = statistics.median(r["prefill"])
+        r["decode_median"] = statistics.median(r["decode"])
+        results[backend] = r
+    summary = {"model": model, "prompt_tokens": prompt_tokens, "gen_tokens": gen_tokens, "threads": threads,
+               "repeats": repeats, "results": results}
+    e, l = results.get("engine", {}), results.get("llamacpp", {})
+    if "decode_median" in e and "decode_median" in l:
+        summary["decode_ratio"] = e["decode_median"] / l["decode_median"]
+        summary["prefill_ratio"] = e["prefill_median"] / l["prefill_median"]
+        summary["same_greedy_tokens"] = e["tokens"] == l["tokens"]
+    return summary
+
+
+def table(summary: dict) -> str:
+    gib = 1 << 30
+    lines = [f"{summary['model']}: {summary['prompt_tokens']}-token prompt, {summary['gen_tokens']} generated, "
+             f"{summary['threads']} threads, median of {summary['repeats']}",
+             f"{'backend':10} {'load s':>7} {'RSS load':>9} {'RSS peak':>9} {'prefill tok/s':>14} {'decode tok/s':>13}"]
+    for name, r in summary["results"].items():
+        if "error" in r:
+            lines.append(f"{name:10} error: {r['error']}")
+            continue
+        lines.append(f"{name:10} {r['load_s']:7.2f} {r['rss_after_load'] / gib:8.2f}G {r['rss_peak'] / gib:8.2f}G "
+                     f"{r['prefill_median']:14.1f} {r['decode_median']:13.1f}")
+    if "decode_ratio" in summary:
+        lines.append(f"engine / llama.cpp: prefill {summary['prefill_ratio']:.2f}x, decode {summary['decode_ratio']:.2f}x; "
+                     f"same greedy tokens: {summary['same_greedy_tokens']}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--worker", choices=BACKENDS, help=argparse.SUPPRESS)
+    p.add_argument("model")
+    p.add_argument("--prompt-tokens", type=int, default=512)
+    p.add_argument("--gen-tokens", type=int, default=64)
+    p.add_argument("--threads", type=int)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    if args.worker:
+        print(json.dumps(run_worker(args.worker, args.model, args.prompt_tokens, args.gen_tokens,
+                                    args.threads or 1, args.repeats)))
+        return 0
+    summary = measure(args.model, prompt_tokens=args.prompt_tokens, gen_tokens=args.gen_tokens,
+                      threads=args.threads, repeats=args.repeats)
+    print(json.dumps(summary, indent=1) if args.json else table(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
