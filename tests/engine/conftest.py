@@ -81,12 +81,14 @@ def _randomise(model: torch.nn.Module, seed: int) -> None:
                 buf.copy_(0.1 * torch.randn(buf.shape, generator=g))
 
 
-def make_checkpoint(family: str, out: Path, dtype: torch.dtype = torch.float32, seed: int = 0) -> Path:
+def make_checkpoint(family: str, out: Path, dtype: torch.dtype = torch.float32, seed: int = 0,
+                    **overrides) -> Path:
+    """Save a tiny random `family` model; `overrides` change its config (e.g. vocab_size)."""
     import transformers
 
     cls_name, kwargs = FAMILIES[family]
     cls = getattr(transformers, cls_name)
-    config = cls.config_class(**kwargs)
+    config = cls.config_class(**{**kwargs, **overrides})
     torch.manual_seed(seed)
     model = cls(config)
     _randomise(model, seed)

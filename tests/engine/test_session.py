@@ -1,0 +1,126 @@
+"""The engine behind the Backend/Session protocol: streaming, stop strings, cancel, limits, stats."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from backend.engine.sampling import SamplingParams
+from backend.engine.session import EngineBackend
+from backend.errors import ModelError, UsageError
+from backend.hardware.presets import preset
+from backend.models import inspect_model
+from backend.plan import Workload, make
+from backend.session import CancelToken, Done, Message, TextPiece
+
+CHAT = [Message("system", "Be brief."), Message("user", "Hello there, how are you?")]
+GREEDY = SamplingParams(temperature=0, max_tokens=24)
+
+
+def plan_for(path, context=256, **workload):
+    model = inspect_model(path)
+    return make(model.spec, model.inventory, preset("cpu-only"), Workload(context=context, **workload))
+
+
+@pytest.fixture(scope="module")
+def session(tiny_chat_model):
+    s = EngineBackend().load(tiny_chat_model, plan_for(tiny_chat_model))
+    yield s
+    s.close()
+
+
+def run(session, messages=CHAT, sampling=GREEDY, cancel=None):
+    events = list(session.generate(messages, sampling, cancel))
+    assert isinstance(events[-1], Done) and all(isinstance(e, TextPiece) for e in events[:-1])
+    return events[:-1], events[-1]
+
+
+def test_pieces_add_up_to_the_answer_and_stats_are_reported(session):
+    pieces, done = run(session)
+    assert "".join(p.text for p in pieces) == done.text
+    assert done.reason == "length" and len(done.token_ids) == 24
+    s = done.stats
+    assert s.prompt_tokens == len(session.prompt_ids(CHAT))
+    assert s.generated_tokens == 24
+    assert s.time_to_first_token_s > 0 and s.prefill_tokens_per_s > 0 and s.decode_tokens_per_s > 0
+    assert s.peak_memory_bytes["host"] > 0
+    assert s.backend == "engine"
+
+
+def test_greedy_is_deterministic_and_the_cached_prefix_changes_nothing(session, tiny_chat_model):
+    _, first = run(session)
+    _, again = run(session)  # the whole prompt is in the cache now: only its last token reruns
+    fresh = EngineBackend().load(tiny_chat_model, plan_for(tiny_chat_model))
+    _, cold = run(fresh)
+    assert first.token_ids == again.token_ids == cold.token_ids
+
+
+def test_a_follow_up_turn_matches_a_fresh_session(session, tiny_chat_model):
+    _, first = run(session)
+    follow_up = [*CHAT, Message("assistant", first.text), Message("user", "And then?")]
+    _, warm = run(session, follow_up)
+    fresh = EngineBackend().load(tiny_chat_model, plan_for(tiny_chat_model))
+    _, cold = run(fresh, follow_up)
+    assert warm.token_ids == cold.token_ids
+
+
+def test_a_stop_string_ends_generation_and_is_not_emitted(session):
+    _, full = run(session)
+    cut = full.text[4:8]
+    assert cut, "the random model must produce some text"
+    _, done = run(session, sampling=SamplingParams(temperature=0, max_tokens=24, stop=(cut,)))
+    assert done.reason == "stop"
+    assert done.text == full.text[: full.text.index(cut)]
+
+
+def test_cancel_stops_between_tokens_and_keeps_what_was_generated(session):
+    cancel = CancelToken()
+    pieces = []
+    for event in session.generate(CHAT, SamplingParams(temperature=0, max_tokens=200), cancel):
+        if isinstance(event, TextPiece):
+            pieces.append(event)
+            if len(pieces) == 3:
+                cancel.cancel()
+        else:
+            done = event
+    assert done.reason == "cancelled"
+    assert 3 <= len(done.token_ids) < 200
+    assert done.text == "".join(p.text for p in pieces)
+
+
+def test_a_prompt_longer_than_the_context_is_a_clear_error(tiny_chat_model):
+    small = EngineBackend().load(tiny_chat_model, plan_for(tiny_chat_model, context=16))
+    with pytest.raises(ModelError, match="the prompt is .* tokens, the context holds 16"):
+        run(small, [Message("user", "word " * 50)])
+
+
+def test_a_plan_for_another_model_is_refused(tiny_chat_model):
+    other = inspect_model(__import__("pathlib").Path(__file__).resolve().parents[2].parent
+                          / "shared" / "configs" / "Qwen__Qwen3-30B-A3B.json")
+    plan = make(other.spec, other.inventory, preset("cpu-only"), Workload(context=256))
+    with pytest.raises(UsageError, match="plan was made for"):
+        EngineBackend().load(tiny_chat_model, plan)
+
+
+def test_loading_reports_progress_and_can_be_cancelled(tiny_chat_model):
+    from backend.session import Cancelled
+
+    seen = []
+    EngineBackend().load(tiny_chat_model, plan_for(tiny_chat_model), on_progress=seen.append)
+    assert seen and seen[-1].done == seen[-1].total and seen[-1].unit == "layers"
+    cancel = CancelToken()
+    cancel.cancel()
+    with pytest.raises(Cancelled):
+        EngineBackend().load(tiny_chat_model, plan_for(tiny_chat_model), cancel=cancel)
+
+
+def test_expert_statistics_feed_the_frequency_planner(session, tiny_chat_model, tmp_path):
+    run(session)
+    path = tmp_path / "stats.json"
+    session.save_expert_stats(path)
+    data = json.loads(path.read_text())
+    assert data["format"] == "hybridmoe-expert-stats/1" and data["tokens"] > 0
+    assert all(sum(counts) > 0 for counts in data["layers"].values())
+    plan = plan_for(tiny_chat_model, strategy="frequency", stats_file=str(path))
+    assert set(plan.gpu_experts) == set(inspect_model(tiny_chat_model).spec.moe_layers)
