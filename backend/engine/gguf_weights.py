@@ -2,10 +2,11 @@
 
 The engine's model code asks for ``model.layers.3.self_attn.q_proj.weight`` whether the
 weights come from safetensors or from a GGUF; this module translates llama.cpp's names
-(``blk.3.attn_q.weight``) and layouts back. Tensors are read through ``gguf.GGUFReader``'s
-read-only mmap: ``get`` returns views of the file, quantized ones as ``QuantTensor``,
-float ones (F32/F16/BF16) as plain torch tensors, and nothing is copied except where
-llama.cpp changed a layout that the HF-convention code needs undone:
+(``blk.3.attn_q.weight``) and layouts back. Files are opened with the project's GGUF reader
+(``backend.models.gguf_reader``), which maps them read-only: ``get`` returns views of the
+file, quantized ones as ``QuantTensor``, float ones (F32/F16/BF16) as plain torch tensors,
+and nothing is copied except where llama.cpp changed a layout that the HF-convention code
+needs undone:
 
 * ``llama`` arch (Mixtral): llama.cpp's converter permutes the rows of Q and K so that
   ggml's interleaved ("normal") RoPE gives HF's rotate-half result; ``q_proj``/``k_proj``
@@ -32,11 +33,10 @@ from pathlib import Path
 from typing import Any, Self
 
 import torch
-from gguf import GGUFReader
-from gguf.gguf_reader import ReaderTensor
 
 from backend.engine.quant import GGUF_SUPPORTED_TYPES, QuantTensor, from_gguf
 from backend.errors import ModelError, UnsupportedModelError
+from backend.models.gguf_reader import SPLIT_NAME, GGUFFile, GGUFTensorInfo, open_gguf_set
 
 __all__ = ["SUPPORTED_ARCHITECTURES", "GGUFWeights", "open_gguf"]
 
@@ -111,7 +111,6 @@ _EXPERT_PROJ = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_dow
 # Old Mixtral GGUFs (before llama.cpp merged experts, early 2024): blk.N.ffn_gate.E.weight
 _OLD_EXPERT = re.compile(r"ffn_(gate|up|down)\.(\d+)\.weight")
 _BLK = re.compile(r"blk\.(\d+)\.(.+)")
-_SPLIT = re.compile(r"(.*)-(\d{5})-of-(\d{5})\.gguf")
 
 # Mixtral checkpoint names -> the names used here (llama arch only).
 _MIXTRAL_ALIASES = (
@@ -136,15 +135,16 @@ class _Entry:
 class GGUFWeights:
     """Tensors of one GGUF model (one file or a split set) under HF names. See the module doc."""
 
-    def __init__(self, files: list[Path], readers: list[GGUFReader]):
+    def __init__(self, files: list[Path], readers: list[GGUFFile]):
         self.files = tuple(files)
         self._readers = readers
-        self._tensors: dict[str, tuple[ReaderTensor, Path]] = {}
-        for path, reader in zip(files, readers):
+        self._tensors: dict[str, tuple[GGUFTensorInfo, GGUFFile]] = {}
+        for reader in readers:
             for t in reader.tensors:
                 if t.name in self._tensors:
-                    raise ModelError(f"GGUF tensor '{t.name}' appears twice ({self._tensors[t.name][1]} and {path}).")
-                self._tensors[t.name] = (t, path)
+                    raise ModelError(f"GGUF tensor '{t.name}' appears twice ({self._tensors[t.name][1].path} and "
+                                     f"{reader.path}).")
+                self._tensors[t.name] = (t, reader)
         self._metadata: dict[str, Any] | None = None
         self.architecture = self._scalar("general.architecture")
         if not isinstance(self.architecture, str):
@@ -161,21 +161,15 @@ class GGUFWeights:
 
     # ---- metadata ----------------------------------------------------------------------
 
-    def _field(self, key: str):
-        return self._readers[0].fields.get(key)
-
     def _scalar(self, key: str, default: Any = None) -> Any:
-        f = self._field(key)
-        return default if f is None else f.contents()
+        return self._readers[0].get(key, default)
 
     @property
     def metadata(self) -> dict[str, Any]:
         """GGUF key -> Python value (str, int, float, bool or list) from the first file."""
         if self._metadata is None:
             # Decoded lazily: the tokenizer arrays hold ~10^5 strings.
-            self._metadata = {
-                k: f.contents() for k, f in self._readers[0].fields.items() if not k.startswith("GGUF.")
-            }
+            self._metadata = self._readers[0].metadata
         return self._metadata
 
     def _arch_int(self, key: str, layer: int | None) -> int | None:
@@ -201,7 +195,7 @@ class GGUFWeights:
             prefix = f"model.layers.{layer}."
             base, _, kind = rest.rpartition(".")
             if base in _EXPERT_PROJ and kind in ("weight", "bias"):
-                n_expert = int(t.shape[-1])  # ggml ne is reversed: the expert dim is last
+                n_expert = int(t.ne[-1])  # ggml ne is reversed: the expert dim is last
                 proj = _EXPERT_PROJ[base]
                 for e in range(n_expert):
                     self._map[f"{prefix}mlp.experts.{e}.{proj}.{kind}"] = _Entry(name, expert=e, layer=layer)
@@ -238,8 +232,8 @@ class GGUFWeights:
 
     def _check_types(self) -> None:
         used = {e.gguf for e in self._map.values()} | {e.extra for e in self._map.values() if e.extra}
-        bad = [(n, self._tensors[n][0].tensor_type) for n in sorted(used)
-               if self._tensors[n][0].tensor_type not in GGUF_SUPPORTED_TYPES]
+        bad = [(n, self._tensors[n][0].ggml_type) for n in sorted(used)
+               if self._tensors[n][0].ggml_type not in GGUF_SUPPORTED_TYPES]
         if bad:
             types = sorted({t.name for _, t in bad})
             raise UnsupportedModelError(
@@ -284,12 +278,12 @@ class GGUFWeights:
 
     def tensor_format(self, name: str) -> str:
         """Storage format of the tensor behind `name`: ``q4_k``, ``q8_0``, ``f32``, ``bf16``, ..."""
-        return self._tensors[self._entry(name).gguf][0].tensor_type.name.lower()
+        return self._tensors[self._entry(name).gguf][0].type_name
 
     def get_gguf(self, gguf_name: str) -> QuantTensor | torch.Tensor:
         """A tensor by its GGUF name, as stored (merged experts stay [E, out, in])."""
-        t, _ = self._tensors[gguf_name]
-        return from_gguf(t.data, t.tensor_type, tuple(int(d) for d in reversed(t.shape.tolist())), name=gguf_name)
+        t, reader = self._tensors[gguf_name]
+        return from_gguf(reader.tensor_bytes(t), t.ggml_type, t.shape, name=gguf_name)
 
     def get(self, name: str) -> QuantTensor | torch.Tensor:
         """The tensor HF calls `name`: a QuantTensor for block types, else a torch tensor.
@@ -352,7 +346,9 @@ class GGUFWeights:
     # ---- lifetime ----------------------------------------------------------------------
 
     def close(self) -> None:
-        """Drop this object's references to the mappings (tensors handed out keep theirs)."""
+        """Release the mappings (tensors handed out keep theirs, which outlive this object)."""
+        for reader in self._readers:
+            reader.close()
         self._readers = []
         self._tensors = {}
         self._map = {}
@@ -372,48 +368,6 @@ class GGUFWeights:
 # --------------------------------------------------------------------------------------
 
 
-def _split_set(path: Path) -> list[Path]:
-    """All files of a split GGUF (name-0000k-of-0000N.gguf), or just `path`."""
-    m = _SPLIT.fullmatch(path.name)
-    if not m:
-        return [path]
-    stem, count = m.group(1), int(m.group(3))
-    parts = [path.with_name(f"{stem}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
-    missing = [p.name for p in parts if not p.is_file()]
-    if missing:
-        raise ModelError(
-            f"Split GGUF {parts[0].name} is incomplete: missing {', '.join(missing)}.",
-            f"Download all {count} parts into {path.parent}.",
-        )
-    return parts
-
-
-def _read(path: Path) -> GGUFReader:
-    try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            magic = f.read(4)
-    except OSError as e:
-        raise ModelError(f"Cannot read {path}: {e.strerror or e}.") from None
-    if magic != b"GGUF":
-        raise ModelError(f"{path} is not a GGUF file (it does not start with the GGUF magic).",
-                         "Point at a .gguf model file.")
-    try:
-        reader = GGUFReader(path, "r")
-    except Exception as e:  # noqa: BLE001 - any parse failure of the header is a broken file, not a bug here
-        raise ModelError(f"{path} is truncated or corrupt: {e}.",
-                         "Download the file again (a partial download looks like this).") from None
-    if reader.byte_order != "I":
-        # torch cannot view byte-swapped arrays; such files come from s390x builds only.
-        raise UnsupportedModelError(f"{path} is a big-endian GGUF.", "Use the little-endian file of this model.")
-    for t in reader.tensors:
-        end = t.data_offset + t.n_bytes
-        if end > size or t.data.nbytes != t.n_bytes:
-            raise ModelError(f"{path} is truncated: tensor '{t.name}' ends at byte {end} of {size}.",
-                             "Download the file again (a partial download looks like this).")
-    return reader
-
-
 def open_gguf(path: str | Path) -> GGUFWeights:
     """Open a GGUF model for reading weights; `path` may be any part of a split set.
 
@@ -424,7 +378,7 @@ def open_gguf(path: str | Path) -> GGUFWeights:
     path = Path(path).expanduser()
     if path.is_dir():
         candidates = sorted(p for p in path.glob("*.gguf") if not p.name.startswith("mmproj"))
-        firsts = [p for p in candidates if not _SPLIT.fullmatch(p.name) or "-00001-of-" in p.name]
+        firsts = [p for p in candidates if not SPLIT_NAME.match(p.name) or "-00001-of-" in p.name]
         if len(firsts) != 1:
             raise ModelError(
                 f"{path} holds {len(firsts) or 'no'} GGUF model{'s' if len(firsts) != 1 else ''}.",
@@ -433,12 +387,10 @@ def open_gguf(path: str | Path) -> GGUFWeights:
         path = firsts[0]
     if not path.exists():
         raise ModelError(f"No such file: {path}.")
-    files = _split_set(path)
-    readers = [_read(p) for p in files]
-    if len(files) > 1:
-        expected = readers[0].fields.get("split.tensors.count")
-        total = sum(len(r.tensors) for r in readers)
-        if expected is not None and int(expected.contents()) != total:
-            raise ModelError(f"Split GGUF {files[0].name} should hold {expected.contents()} tensors but its "
-                             f"parts hold {total}.", "Download the parts again.")
+    # Every part is parsed and checked: header, tensor directory, each tensor within the file
+    # (a partial download fails here, not at the first read of a missing page), the set's
+    # split.* keys and tensor count. Big-endian files are refused (UnsupportedModelError):
+    # torch cannot view byte-swapped data.
+    readers = open_gguf_set(path)
+    files = [r.path for r in readers]
     return GGUFWeights(files, readers)

@@ -530,8 +530,10 @@ def from_gguf(
 ) -> QuantTensor | torch.Tensor:
     """A GGUF tensor's bytes as a QuantTensor (or a plain torch tensor for F32/F16/BF16).
 
-    `data` is what ``GGUFReader`` gives (``ReaderTensor.data``): for block types uint8 of
-    shape ``[..., bytes_per_row]``, for F32/F16 the float array; nothing is copied.
+    `data` is the tensor's bytes as stored (uint8, any shape: ``GGUFFile.tensor_bytes`` of
+    backend.models.gguf_reader gives them as a view of the file's mapping) or what gguf-py's
+    ``GGUFReader`` gives (``ReaderTensor.data``: for block types uint8 of shape
+    ``[..., bytes_per_row]``, for F32/F16 the float array); nothing is copied.
     `shape` is the logical shape in torch order (outermost first, i.e. the reverse of the
     GGUF ``ne``); by default it follows from `data`'s shape. `name` goes into errors.
     """

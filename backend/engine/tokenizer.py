@@ -22,9 +22,7 @@ from __future__ import annotations
 
 import base64
 import json
-import mmap
 import re
-import struct
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -35,6 +33,11 @@ import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 
 from backend.errors import ModelError, UnsupportedModelError
+from backend.models.gguf_reader import GGUF_MAGIC
+
+# A GGUF's key/values come from the project's one GGUF reader; ``read_gguf_metadata`` is the
+# name this module has always offered for it.
+from backend.models.gguf_reader import read_metadata as read_gguf_metadata
 
 # Token types stored in tokenizer.ggml.token_type (llama.cpp's llama_token_type).
 GGUF_NORMAL, GGUF_UNKNOWN, GGUF_CONTROL, GGUF_USER_DEFINED, GGUF_UNUSED, GGUF_BYTE = 1, 2, 3, 4, 5, 6
@@ -688,111 +691,15 @@ def _add_gguf_added_tokens(backend: tokenizers.Tokenizer, tokens: list[str], typ
         backend.add_tokens(added)
 
 
-# -- GGUF metadata ----------------------------------------------------------------------------
-
-_GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
-_GGUF_STRING, _GGUF_ARRAY = 8, 9
+# -- small helpers ----------------------------------------------------------------------------
 
 
 def _is_gguf(path: Path) -> bool:
     try:
         with path.open("rb") as f:
-            return f.read(4) == b"GGUF"
+            return f.read(4) == GGUF_MAGIC
     except OSError:
         return False
-
-
-def read_gguf_metadata(path: str | Path) -> dict[str, Any]:
-    """The key/value metadata of a GGUF file (not its tensors).
-
-    A small reader of our own: gguf.GGUFReader also indexes every tensor and builds one numpy
-    view per array element, which takes over ten seconds for a 160k-token vocabulary.
-    """
-    path = Path(path)
-    try:
-        with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-            return _parse_gguf_kv(buf, path)
-    except (OSError, ValueError) as exc:
-        raise ModelError(f"{path} cannot be read as GGUF: {exc}", "The file is damaged or incomplete; download it again.") from exc
-
-
-def _parse_gguf_kv(buf: Any, path: Path) -> dict[str, Any]:
-    import numpy as np
-
-    if buf[:4] != b"GGUF":
-        raise ValueError("no GGUF magic")
-    order = "<"
-    (version,) = struct.unpack_from("<I", buf, 4)
-    if version & 0xFFFF == 0:  # a big-endian file reads as a huge little-endian version
-        order = ">"
-        (version,) = struct.unpack_from(">I", buf, 4)
-    if version < 2:
-        raise ValueError(f"GGUF version {version} is too old")
-    _, n_kv = struct.unpack_from(order + "QQ", buf, 8)
-    pos = 24
-    size = len(buf)
-
-    def need(n: int) -> None:
-        if pos + n > size:
-            raise ValueError("truncated metadata")
-
-    def read_string() -> str:
-        nonlocal pos
-        need(8)
-        (n,) = struct.unpack_from(order + "Q", buf, pos)
-        need(8 + n)
-        s = bytes(buf[pos + 8 : pos + 8 + n]).decode("utf-8", errors="replace")
-        pos += 8 + n
-        return s
-
-    def read_value(kind: int) -> Any:
-        nonlocal pos
-        if kind == _GGUF_STRING:
-            return read_string()
-        if kind in _GGUF_SCALARS:
-            fmt = order + _GGUF_SCALARS[kind]
-            need(struct.calcsize(fmt))
-            (value,) = struct.unpack_from(fmt, buf, pos)
-            pos += struct.calcsize(fmt)
-            return value
-        if kind == _GGUF_ARRAY:
-            need(12)
-            sub, count = struct.unpack_from(order + "IQ", buf, pos)
-            pos += 12
-            if sub in _GGUF_SCALARS:
-                dtype = np.dtype(_GGUF_SCALARS[sub]).newbyteorder(order)
-                need(dtype.itemsize * count)
-                values = np.frombuffer(buf, dtype=dtype, count=count, offset=pos).tolist()
-                pos += dtype.itemsize * count
-                return values
-            need(8 * count)  # every element takes at least 8 bytes; guards a corrupt count
-            if sub == _GGUF_STRING:
-                # The vocabulary and merges are hundreds of thousands of strings: one tight loop.
-                unpack = struct.Struct(order + "Q").unpack_from
-                strings = []
-                p = pos
-                for _ in range(count):
-                    (n,) = unpack(buf, p)
-                    strings.append(buf[p + 8 : p + 8 + n].decode("utf-8", errors="replace"))
-                    p += 8 + n
-                    if p > size:
-                        raise ValueError("truncated metadata")
-                pos = p
-                return strings
-            return [read_value(sub) for _ in range(count)]
-        raise ValueError(f"unknown metadata value type {kind}")
-
-    meta: dict[str, Any] = {}
-    for _ in range(n_kv):
-        key = read_string()
-        need(4)
-        (kind,) = struct.unpack_from(order + "I", buf, pos)
-        pos += 4
-        meta[key] = read_value(kind)
-    return meta
-
-
-# -- small helpers ----------------------------------------------------------------------------
 
 
 @lru_cache(maxsize=1)

@@ -1,10 +1,12 @@
-"""What a GGUF says about itself, read by ggml's own GGUF parser before llama.cpp loads it.
+"""What a GGUF says about itself, read before llama.cpp loads it.
 
 The backend checks the Plan against the file (the same MoE layers and expert count, override
 patterns that match real tensors) before asking llama.cpp to place hundreds of gigabytes.
-ggml's reader is the one llama.cpp will use, so a file it rejects is rejected for the same
-reason, and it reads a 150k-token vocabulary's header in about 0.1 s (gguf-py's GGUFReader
-takes tens of seconds for the same file).
+The header is read by the project's GGUF reader (``backend.models.gguf_reader``), the one
+the inspector and the engine use: it reads a 150k-token vocabulary's header in well under a
+second, and checks what ggml's own reader checks (magic, version, sizes, alignment, each
+tensor inside the file) without loading llama.cpp's libraries. Tensors of ggml types newer
+than the installed gguf-py are let through here: llama.cpp may know them, and says so if not.
 """
 
 from __future__ import annotations
@@ -15,14 +17,10 @@ from pathlib import Path
 from typing import Any
 
 from backend.errors import ModelError
-from backend.llamacpp import log
-from backend.llamacpp.library import _GGUFInitParams, ggml
-from backend.models.gguf_files import SPLIT_NAME, split_parts
+from backend.models.gguf_reader import GGUF_MAGIC, SPLIT_NAME, GGUFError, open_gguf_set
 from backend.plan.llamacpp import EXPERT_TENSORS
 
-GGUF_MAGIC = b"GGUF"
 _EXPERT_TENSOR = re.compile(rf"^blk\.(\d+)\.{EXPERT_TENSORS}\.")
-_REDOWNLOAD = "The file is damaged or incomplete; download it again."
 
 
 @dataclass(frozen=True)
@@ -103,23 +101,18 @@ def resolve_gguf(model_path: str | Path) -> Path:
 
 def read_header(model_path: str | Path) -> GGUFHeader:
     path = resolve_gguf(model_path)
-    files = tuple(split_parts(path))
-    values: dict[str, Any] = {}
-    names: list[str] = []
-    g = ggml()
-    for i, part in enumerate(files):
-        with log.capture() as captured:
-            ctx = g.gguf_init_from_file(str(part).encode(), _GGUFInitParams(True, None))
-        if not ctx:
-            reason = captured.failure() or "ggml's GGUF reader refused it"
-            raise ModelError(f"{part} cannot be read as GGUF: {reason}.", _REDOWNLOAD)
-        try:
-            if i == 0:
-                for key_id in range(g.gguf_get_n_kv(ctx)):
-                    value = g.gguf_value(ctx, key_id)
-                    if value is not None:
-                        values[g.gguf_get_key(ctx, key_id).decode("utf-8", errors="replace")] = value
-            names += [g.gguf_get_tensor_name(ctx, t).decode("utf-8", errors="replace") for t in range(g.gguf_get_n_tensors(ctx))]
-        finally:
-            g.gguf_free(ctx)
-    return GGUFHeader(path, files, values, tuple(names))
+    try:
+        files = open_gguf_set(path, allow_unknown_types=True)
+    except GGUFError as exc:
+        if not exc.damaged:
+            raise  # not GGUF, unreadable, big-endian, version 1: the reader's own words
+        # Worded as llama.cpp's own refusal of a damaged file is (session.load_error).
+        raise ModelError(f"{exc.path} is damaged or incomplete: {exc.problem}.", "Download the file again.") from None
+    try:
+        first = files[0]
+        values = {key: first[key] for key, field in first.fields.items() if not field.is_array}
+        names = tuple(t.name for g in files for t in g.tensors)
+    finally:
+        for g in files:
+            g.close()
+    return GGUFHeader(path, tuple(g.path for g in files), values, names)

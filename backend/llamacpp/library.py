@@ -2,11 +2,10 @@
 
 ``llama_cpp.llama_cpp`` binds llama.h through ctypes. What the backend needs beyond llama.h
 lives in ggml (the CPU buffer type for tensor overrides, the backend/device registry for
-``doctor`` and for buffer-type names such as "CUDA0") and in ggml's GGUF reader (tensor names
-and metadata in a fraction of a second, read by the same parser llama.cpp will use). Those
-are declared here once, against the libraries llama-cpp-python already loaded, so both sides
-share one copy of ggml's global state (a second copy would have its own CPU buffer type,
-which llama.cpp would not recognise as the CPU).
+``doctor`` and for buffer-type names such as "CUDA0"). Those are declared here once, against
+the libraries llama-cpp-python already loaded, so both sides share one copy of ggml's global
+state (a second copy would have its own CPU buffer type, which llama.cpp would not recognise
+as the CPU).
 """
 
 from __future__ import annotations
@@ -28,22 +27,8 @@ INSTALL_HINT = (
 # ggml_backend_dev_type
 DEVICE_TYPES = {0: "CPU", 1: "GPU", 2: "IGPU", 3: "ACCEL"}
 
-# gguf_type (gguf.h): scalar types, their ctypes, and the two composite ones.
-_GGUF_SCALARS = {
-    0: ctypes.c_uint8, 1: ctypes.c_int8, 2: ctypes.c_uint16, 3: ctypes.c_int16, 4: ctypes.c_uint32,
-    5: ctypes.c_int32, 6: ctypes.c_float, 7: ctypes.c_bool, 10: ctypes.c_uint64, 11: ctypes.c_int64,
-    12: ctypes.c_double,
-}
-GGUF_STRING, GGUF_ARRAY = 8, 9
-
-
 class LlamaCppUnavailable(HybridMoeError):
     """llama-cpp-python is missing or its libraries cannot be loaded."""
-
-
-class _GGUFInitParams(ctypes.Structure):
-    # struct gguf_init_params { bool no_alloc; struct ggml_context ** ctx; }
-    _fields_ = [("no_alloc", ctypes.c_bool), ("ctx", ctypes.c_void_p)]
 
 
 _init_lock = threading.Lock()
@@ -117,16 +102,6 @@ class Ggml:
         self.dev_type = _symbol("ggml_backend_dev_type", ctypes.c_int, [vp])
         self.dev_buffer_type = _symbol("ggml_backend_dev_buffer_type", vp, [vp])
         self.dev_memory = _symbol("ggml_backend_dev_memory", None, [vp, ctypes.POINTER(sz), ctypes.POINTER(sz)])
-        # gguf.h
-        self.gguf_init_from_file = _symbol("gguf_init_from_file", vp, [cp, _GGUFInitParams])
-        self.gguf_free = _symbol("gguf_free", None, [vp])
-        self.gguf_get_n_kv = _symbol("gguf_get_n_kv", ctypes.c_int64, [vp])
-        self.gguf_get_key = _symbol("gguf_get_key", cp, [vp, ctypes.c_int64])
-        self.gguf_get_kv_type = _symbol("gguf_get_kv_type", ctypes.c_int, [vp, ctypes.c_int64])
-        self.gguf_get_val_str = _symbol("gguf_get_val_str", cp, [vp, ctypes.c_int64])
-        self.gguf_get_val_data = _symbol("gguf_get_val_data", vp, [vp, ctypes.c_int64])
-        self.gguf_get_n_tensors = _symbol("gguf_get_n_tensors", ctypes.c_int64, [vp])
-        self.gguf_get_tensor_name = _symbol("gguf_get_tensor_name", cp, [vp, ctypes.c_int64])
 
     def devices(self) -> list[dict]:
         """Every device ggml registered: name, description, kind, its buffer type's name and
@@ -160,16 +135,6 @@ class Ggml:
             if dev["buffer_type_handle"] and dev["buffer_type"] not in types:
                 types[dev["buffer_type"]] = dev["buffer_type_handle"]
         return types
-
-    def gguf_value(self, ctx: int, key_id: int):
-        """One metadata value; arrays are not read (only what the backend needs is)."""
-        kind = self.gguf_get_kv_type(ctx, key_id)
-        if kind == GGUF_STRING:
-            return _text(self.gguf_get_val_str(ctx, key_id))
-        scalar = _GGUF_SCALARS.get(kind)
-        if scalar is None:
-            return None
-        return ctypes.cast(self.gguf_get_val_data(ctx, key_id), ctypes.POINTER(scalar)).contents.value
 
 
 @lru_cache(maxsize=1)
