@@ -8,8 +8,6 @@ turn), sample, detokenize without splitting characters, stop on end tokens or st
 
 from __future__ import annotations
 
-import resource
-import sys
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -19,20 +17,34 @@ import torch
 from backend.engine.chat_template import ChatTemplate
 from backend.engine.kv_cache import CacheRewindError
 from backend.engine.model import MoeTransformer, build_model
-from backend.engine.sampling import Sampler, SamplingParams, StopStringMatcher
+from backend.engine.sampling import SamplingParams
 from backend.engine.tokenizer import Tokenizer, load_tokenizer
 from backend.engine.weights import open_weights
 from backend.errors import ModelError, UsageError
+from backend.generation import (
+    Prefilled,
+    common_prefix,
+    host_peak_rss,
+    max_new_tokens,
+    stream,
+)
 from backend.models import inspect_model
 from backend.plan.plan import Plan
-from backend.session import CancelToken, Done, Message, Progress, ProgressCallback, Stats, TextPiece
+from backend.session import (
+    CancelToken,
+    Done,
+    Message,
+    Progress,
+    ProgressCallback,
+    TextPiece,
+)
 
 
 class EngineBackend:
     name = "engine"
 
     def load(self, model_path, plan: Plan, on_progress: ProgressCallback | None = None,
-             cancel: CancelToken | None = None, *, device: str | None = None) -> "EngineSession":
+             cancel: CancelToken | None = None, *, device: str | None = None) -> EngineSession:
         model = inspect_model(model_path)
         if model.kind == "config":
             raise ModelError(f"{model_path} is a config.json without weights", "Download the model first (`hybridmoe pull`).")
@@ -83,66 +95,23 @@ class EngineSession:
     def generate(self, messages: Sequence[Message], sampling: SamplingParams,
                  cancel: CancelToken | None = None) -> Iterator[TextPiece | Done]:
         ids = self.prompt_ids(messages)
-        if len(ids) >= self.context:
-            raise ModelError(
-                f"the prompt is {len(ids)} tokens, the context holds {self.context}",
-                "Shorten the conversation, or plan a longer context (`hybridmoe plan --context N`).",
-            )
-        budget = self.context - len(ids)
-        max_new = min(sampling.max_tokens, budget) if sampling.max_tokens else budget
+        max_new = max_new_tokens(len(ids), self.context, sampling)
         started = time.perf_counter()
-        logits, prefilled = self._prefill(ids)
-        prefill_s = time.perf_counter() - started
-
-        sampler = Sampler(sampling)
-        detok = self.tokenizer.detokenizer()
-        stops = StopStringMatcher([*sampling.stop, *self.template.stop_strings])
-        context_ids = list(ids)
-        generated: list[int] = []
-        text: list[str] = []
-        reason = "length"
-        first_token_at = None
-        while True:
-            if cancel is not None and cancel.cancelled:
-                reason = "cancelled"
-                break
-            token = sampler.sample(logits[-1], context_ids)
-            if first_token_at is None:
-                first_token_at = time.perf_counter()
-            if token in self.tokenizer.stop_ids:
-                reason = "stop"
-                break
-            generated.append(token)
-            context_ids.append(token)
-            piece = stops.feed(detok.feed(token))
-            if piece:
-                text.append(piece)
-                yield TextPiece(piece, (token,))
-            if stops.stopped:
-                reason = "stop"
-                break
-            if len(generated) >= max_new:
-                break
-            logits = self._forward([token], len(self._cached))
-        if not stops.stopped:
-            tail = stops.feed(detok.flush()) + stops.flush()
-            if tail:
-                text.append(tail)
-                yield TextPiece(tail, ())
-        finished = time.perf_counter()
-        decode_tokens = max(len(generated) - 1, 0)
-        decode_s = finished - first_token_at if first_token_at else 0.0
-        stats = Stats(
-            prompt_tokens=len(ids),
-            generated_tokens=len(generated),
-            time_to_first_token_s=(first_token_at - started) if first_token_at else None,
-            prefill_tokens_per_s=prefilled / prefill_s if prefilled and prefill_s > 0 else None,
-            decode_tokens_per_s=decode_tokens / decode_s if decode_tokens and decode_s > 0 else None,
-            main_device_expert_share=self.model.stats.main_share(),
-            peak_memory_bytes=peak_memory(self.model.device),
+        logits, computed = self._prefill(ids)
+        prefilled = Prefilled(ids, logits[-1], computed, started, time.perf_counter() - started)
+        yield from stream(
+            prefilled,
+            sampling,
+            detokenizer=self.tokenizer.detokenizer(),
+            stop_strings=self.template.stop_strings,
+            is_stop=self.tokenizer.stop_ids.__contains__,
+            forward=lambda token: self._forward([token], len(self._cached))[-1],
+            max_new=max_new,
+            cancel=cancel,
             backend="engine",
+            expert_share=self.model.stats.main_share,
+            peak_memory=lambda: peak_memory(self.model.device),
         )
-        yield Done(reason, "".join(text), tuple(generated), stats)
 
     def _forward(self, tokens: list[int], start: int, *, last_only: bool = True) -> torch.Tensor:
         logits = self.model(torch.tensor(tokens, dtype=torch.long), start, last_only=last_only)
@@ -174,19 +143,8 @@ class EngineSession:
         self._cached = []
 
 
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def peak_memory(device: torch.device) -> dict[str, int]:
-    # ru_maxrss is KiB on Linux and bytes on macOS.
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
-    peaks = {"host": rss}
+    peaks = {"host": host_peak_rss()}
     if device.type == "cuda":
         peaks[str(device)] = torch.cuda.max_memory_allocated(device)
     return peaks

@@ -26,8 +26,6 @@ numbers of the two backends compare; llama_perf_context would exclude sampling a
 
 from __future__ import annotations
 
-import resource
-import sys
 import time
 import weakref
 from collections.abc import Iterator, Sequence
@@ -37,16 +35,36 @@ import numpy as np
 import torch
 
 from backend.engine.chat_template import ChatTemplate
-from backend.engine.sampling import Sampler, SamplingParams, StopStringMatcher
+from backend.engine.sampling import SamplingParams
 from backend.errors import ModelError, UnsupportedModelError
+from backend.generation import (
+    Prefilled,
+    common_prefix,
+    host_peak_rss,
+    max_new_tokens,
+    stream,
+)
 from backend.llamacpp import log
 from backend.llamacpp.header import GGUFHeader, read_header
 from backend.llamacpp.library import ggml, llama
 from backend.llamacpp.params import build as build_params
-from backend.llamacpp.placement import OverrideArray, PlacementReport, check_plan, overrides_from_plan
+from backend.llamacpp.placement import (
+    OverrideArray,
+    PlacementReport,
+    check_plan,
+    overrides_from_plan,
+)
 from backend.llamacpp.vocab import Vocab
 from backend.plan.plan import Plan
-from backend.session import Cancelled, CancelToken, Done, Message, Progress, ProgressCallback, Stats, TextPiece
+from backend.session import (
+    Cancelled,
+    CancelToken,
+    Done,
+    Message,
+    Progress,
+    ProgressCallback,
+    TextPiece,
+)
 
 # llama_decode's return codes
 _DECODE_NO_SLOT, _DECODE_ABORTED = 1, 2
@@ -166,66 +184,23 @@ class LlamaCppSession:
         if self.ctx is None:
             raise ModelError("this llama.cpp session is closed", "Load the model again.")
         ids = self.prompt_ids(messages)
-        if len(ids) >= self.context:
-            raise ModelError(
-                f"the prompt is {len(ids)} tokens, the context holds {self.context}",
-                "Shorten the conversation, or plan a longer context (`hybridmoe plan --context N`).",
-            )
-        budget = self.context - len(ids)
-        max_new = min(sampling.max_tokens, budget) if sampling.max_tokens else budget
+        max_new = max_new_tokens(len(ids), self.context, sampling)
         started = time.perf_counter()
-        logits, prefilled = self._prefill(ids, cancel)
-        prefill_s = time.perf_counter() - started
-
-        sampler = Sampler(sampling)
-        detok = self.vocab.detokenizer()
-        stops = StopStringMatcher([*sampling.stop, *self.template.stop_strings])
-        context_ids = list(ids)
-        generated: list[int] = []
-        text: list[str] = []
-        reason = "length"
-        first_token_at = None
-        while True:
-            if logits is None or (cancel is not None and cancel.cancelled):
-                reason = "cancelled"
-                break
-            token = sampler.sample(logits, context_ids)
-            if first_token_at is None:
-                first_token_at = time.perf_counter()
-            if self.vocab.is_stop(token):
-                reason = "stop"
-                break
-            generated.append(token)
-            context_ids.append(token)
-            piece = stops.feed(detok.feed(token))
-            if piece:
-                text.append(piece)
-                yield TextPiece(piece, (token,))
-            if stops.stopped:
-                reason = "stop"
-                break
-            if len(generated) >= max_new:
-                break
-            logits = self._decode([token], len(self._cached))
-        if not stops.stopped:
-            tail = stops.feed(detok.flush()) + stops.flush()
-            if tail:
-                text.append(tail)
-                yield TextPiece(tail, ())
-        finished = time.perf_counter()
-        decode_tokens = max(len(generated) - 1, 0)
-        decode_s = finished - first_token_at if first_token_at else 0.0
-        stats = Stats(
-            prompt_tokens=len(ids),
-            generated_tokens=len(generated),
-            time_to_first_token_s=(first_token_at - started) if first_token_at else None,
-            prefill_tokens_per_s=prefilled / prefill_s if prefilled and logits is not None and prefill_s > 0 else None,
-            decode_tokens_per_s=decode_tokens / decode_s if decode_tokens and decode_s > 0 else None,
-            main_device_expert_share=self.placement.main_device_share(),
-            peak_memory_bytes=peak_memory(),
+        logits, computed = self._prefill(ids, cancel)
+        prefilled = Prefilled(ids, logits, computed, started, time.perf_counter() - started)
+        yield from stream(
+            prefilled,
+            sampling,
+            detokenizer=self.vocab.detokenizer(),
+            stop_strings=self.template.stop_strings,
+            is_stop=self.vocab.is_stop,
+            forward=lambda token: self._decode([token], len(self._cached)),
+            max_new=max_new,
+            cancel=cancel,
             backend="llamacpp",
+            expert_share=self.placement.main_device_share,
+            peak_memory=peak_memory,
         )
-        yield Done(reason, "".join(text), tuple(generated), stats)
 
     def close(self) -> None:
         self._finalizer()
@@ -317,20 +292,7 @@ def _free(bindings, model, ctx, batch) -> None:
         bindings.llama_model_free(model)
 
 
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """Length of the shared start of two token lists. (The engine's session has the same
-    helper; importing it would pull in the engine's model code, and the fallback must work
-    where that cannot load.)"""
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def peak_memory() -> dict[str, int]:
-    # ru_maxrss is KiB on Linux and bytes on macOS (as the engine reports it). GPU memory is
-    # not included: ggml reports only a device's current free memory, not this process's peak.
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
-    return {"host": rss}
+    # GPU memory is not included: ggml reports only a device's current free memory, not
+    # this process's peak.
+    return {"host": host_peak_rss()}

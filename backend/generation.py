@@ -1,0 +1,127 @@
+"""The token loop both backends share: sample, stop, detokenize, stream events, measure.
+
+A backend prefills the prompt its own way, then hands this loop the last logits and a
+`forward(token) -> logits` step; everything a user sees (which token ends a turn, how stop
+strings cut, what the statistics mean) is then the same whichever backend runs.
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from backend.engine.sampling import Sampler, SamplingParams, StopStringMatcher
+from backend.errors import ModelError
+from backend.session import CancelToken, Done, Stats, TextPiece
+
+
+def max_new_tokens(prompt_tokens: int, context: int, sampling: SamplingParams) -> int:
+    """Tokens that may be generated after the prompt: max_tokens, capped by the context."""
+    if prompt_tokens >= context:
+        raise ModelError(
+            f"the prompt is {prompt_tokens} tokens, the context holds {context}",
+            "Shorten the conversation, or plan a longer context (`hybridmoe plan --context N`).",
+        )
+    budget = context - prompt_tokens
+    return min(sampling.max_tokens, budget) if sampling.max_tokens else budget
+
+
+@dataclass(frozen=True)
+class Prefilled:
+    """What the backend's prefill produced: the prompt, its last logits (None: cancelled),
+    how many tokens it computed and when it started and took."""
+
+    ids: Sequence[int]
+    logits: torch.Tensor | None
+    computed: int
+    started: float
+    seconds: float
+
+
+def stream(
+    prefilled: Prefilled,
+    sampling: SamplingParams,
+    *,
+    detokenizer,
+    stop_strings: Sequence[str],
+    is_stop: Callable[[int], bool],
+    forward: Callable[[int], torch.Tensor | None],
+    max_new: int,
+    cancel: CancelToken | None,
+    backend: str,
+    expert_share: Callable[[], float | None],
+    peak_memory: Callable[[], dict[str, int]],
+) -> Iterator[TextPiece | Done]:
+    """forward(token) runs one token at the next position and returns its logits [vocab]
+    (None when the backend aborted on cancel)."""
+    sampler = Sampler(sampling)
+    stops = StopStringMatcher([*sampling.stop, *stop_strings])
+    context_ids = list(prefilled.ids)
+    logits = prefilled.logits
+    generated: list[int] = []
+    text: list[str] = []
+    reason = "length"
+    first_token_at = None
+    while True:
+        if logits is None or (cancel is not None and cancel.cancelled):
+            reason = "cancelled"
+            break
+        token = sampler.sample(logits, context_ids)
+        if first_token_at is None:
+            first_token_at = time.perf_counter()
+        if is_stop(token):
+            reason = "stop"
+            break
+        generated.append(token)
+        context_ids.append(token)
+        piece = stops.feed(detokenizer.feed(token))
+        if piece:
+            text.append(piece)
+            yield TextPiece(piece, (token,))
+        if stops.stopped:
+            reason = "stop"
+            break
+        if len(generated) >= max_new:
+            break
+        logits = forward(token)
+    if not stops.stopped:
+        tail = stops.feed(detokenizer.flush()) + stops.flush()
+        if tail:
+            text.append(tail)
+            yield TextPiece(tail, ())
+    decode_tokens = max(len(generated) - 1, 0)
+    decode_s = time.perf_counter() - first_token_at if first_token_at else 0.0
+    stats = Stats(
+        prompt_tokens=len(prefilled.ids),
+        generated_tokens=len(generated),
+        time_to_first_token_s=(first_token_at - prefilled.started) if first_token_at else None,
+        prefill_tokens_per_s=(
+            prefilled.computed / prefilled.seconds
+            if prefilled.computed and prefilled.logits is not None and prefilled.seconds > 0 else None
+        ),
+        decode_tokens_per_s=decode_tokens / decode_s if decode_tokens and decode_s > 0 else None,
+        main_device_expert_share=expert_share(),
+        peak_memory_bytes=peak_memory(),
+        backend=backend,
+    )
+    yield Done(reason, "".join(text), tuple(generated), stats)
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the shared start of two token lists: what a backend's cache can keep."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def host_peak_rss() -> int:
+    """This process's peak resident memory in bytes (ru_maxrss is KiB on Linux, bytes on macOS)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
