@@ -26,13 +26,15 @@ def cmd_doctor(args) -> int:
     from app.render import hardware_text
     from backend import settings
     from backend.hardware import detect
+    from backend.llamacpp import system_info, system_summary
 
     store = settings.load().model_store_path
     profile = detect(measure_bandwidth=not args.no_bandwidth, model_dir=store)
+    llama_cpp = system_info()
     if args.json:
-        _print_json(profile.to_dict())
+        _print_json({**profile.to_dict(), "llama_cpp": llama_cpp})
     else:
-        print(hardware_text(profile))
+        print(hardware_text(profile, extra=[("llama.cpp", system_summary(llama_cpp))]))
     return EXIT_OK
 
 
@@ -179,6 +181,23 @@ def cmd_models(args) -> int:
     return EXIT_OK
 
 
+def cmd_bench_kernels(args) -> int:
+    """The native CPU expert kernels on one MoE layer vs memory bandwidth, kt-kernel, PyTorch."""
+    from backend.bench import kernels
+
+    return kernels.main(args)
+
+
+def cmd_bench_generate(args) -> int:
+    """The engine against llama.cpp end to end, same file, same threads, same prompt ids."""
+    from backend.bench import generate
+
+    summary = generate.measure(args.model, prompt_tokens=args.prompt_tokens, gen_tokens=args.gen_tokens,
+                               threads=args.threads, repeats=args.repeats)
+    print(json.dumps(summary, indent=1) if args.json else generate.table(summary))
+    return EXIT_OK
+
+
 def resolve_hardware(args):
     """This machine, a preset, or a TOML description; then the command-line overrides."""
     from backend.hardware import detect
@@ -202,6 +221,21 @@ def resolve_hardware(args):
     )
 
 
+def _cmd_tui(args) -> int:
+    from app.tui import run
+
+    return run()
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("hybridmoe")
+    except PackageNotFoundError:  # running from a source tree that was never installed
+        return "unknown (not installed)"
+
+
 # ---- parser ---------------------------------------------------------------------------------
 
 
@@ -211,41 +245,35 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"hybridmoe: error: {message}\n")
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number")
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} must be 1 or more")
-    return value
+def _number(kind, minimum, *, inclusive=True):
+    """An argparse type: `kind` (int or float) at least (or, not inclusive, above) `minimum`."""
+    name = "a whole number" if kind is int else "a number"
+    bound = f"{minimum} or more" if inclusive else f"above {minimum}"
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {name}")
+        if value < minimum or (value == minimum and not inclusive):
+            raise argparse.ArgumentTypeError(f"{text!r} must be {bound}")
+        return value
+
+    return parse
 
 
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number")
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be 0 or more")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number")
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be positive")
-    return value
+_positive_int = _number(int, 1)
+_non_negative_int = _number(int, 0)
+_positive_float = _number(float, 0, inclusive=False)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="hybridmoe",
-        description="Run giant Mixture-of-Experts models on one workstation: GPU + CPU expert offload.",
+        description="Run giant Mixture-of-Experts models on one workstation: GPU + CPU expert offload. "
+        "With no command: the terminal UI (the setup wizard on first run, then the chat).",
     )
+    parser.add_argument("--version", action="version", version=f"hybridmoe {_version()}")
     sub = parser.add_subparsers(dest="command", parser_class=_Parser, metavar="COMMAND")
 
     p = sub.add_parser("doctor", help="show what this machine has (CPU, RAM, GPUs, disk)")
@@ -305,6 +333,31 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--catalogue", action="store_true", help="the catalogue, and what fits this machine")
     p.set_defaults(func=cmd_models)
 
+    p = sub.add_parser("bench", help="benchmarks (timed runs, not tests)")
+    bench = p.add_subparsers(dest="bench_command", parser_class=_Parser, metavar="BENCHMARK", required=True)
+    p = bench.add_parser("kernels", help="native CPU expert kernels on one MoE layer: latency, GB/s, "
+                         "share of host memory bandwidth, vs kt-kernel and the PyTorch path")
+    p.add_argument("--shapes", nargs="+", choices=["qwen3-30b-a3b", "deepseek-v3"], help="default: both")
+    p.add_argument("--formats", nargs="+", help="default: q4_0 q4_k q8_0 int4_g32")
+    p.add_argument("--tokens", nargs="+", type=_positive_int, help="tokens per call (default: 1 8 64 512)")
+    p.add_argument("--threads", type=_positive_int, help="CPU threads (default: one per physical core)")
+    p.add_argument("--seconds", type=_positive_float, default=2.0, help="time budget per measurement (default 2)")
+    p.add_argument("--deepseek-experts", type=_positive_int, default=64,
+                   help="experts in the DeepSeek-V3 layer (default 64 of 256, to fit in RAM)")
+    p.add_argument("--no-peer", nargs="+", choices=["kt-kernel", "torch"], help="skip these comparisons")
+    p.add_argument("--switch", action="store_true", help="measure the decode/prefill switch point instead")
+    p.add_argument("--json", metavar="FILE", help="also write the results to FILE")
+    p.set_defaults(func=cmd_bench_kernels)
+    p = bench.add_parser("generate", help="end-to-end prefill and decode tokens/s and peak RAM: the engine "
+                         "and llama.cpp on the same GGUF, each in its own process")
+    p.add_argument("model", help="a .gguf file")
+    p.add_argument("--prompt-tokens", type=_positive_int, default=512)
+    p.add_argument("--gen-tokens", type=_positive_int, default=64)
+    p.add_argument("--threads", type=_positive_int, help="CPU threads (default: one per physical core)")
+    p.add_argument("--repeats", type=_positive_int, default=3)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_bench_generate)
+
     from app import headless
 
     headless.add_parser(sub)
@@ -337,8 +390,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
-        parser.print_help()
-        return EXIT_OK
+        if not (sys.stdin.isatty() and sys.stdout.isatty()):  # a pipe or a script: the UI needs a terminal
+            parser.print_help()
+            return EXIT_OK
+        args.func = _cmd_tui
     try:
         return args.func(args)
     except HybridMoeError as e:

@@ -70,11 +70,17 @@ class _StderrProgress:
 
 
 def cmd_run(args) -> int:
-    from backend.backends import load_session
-    from backend.engine.sampling import SamplingParams
+    from backend.hub.catalogue import model_path
     from backend.models import inspect_model
 
+    # Usage errors and a wrong model name first: they need no torch, which takes seconds to import.
     prompt = read_prompt(args.prompt)
+    path = model_path(args.model)  # a path, or a name `hybridmoe models` lists
+    model = inspect_model(path)
+
+    from backend.backends import load_session
+    from backend.engine.sampling import SamplingParams
+
     sampling = SamplingParams(
         temperature=args.temperature,
         top_k=args.top_k,
@@ -85,14 +91,19 @@ def cmd_run(args) -> int:
         max_tokens=args.max_tokens,
         stop=tuple(args.stop or ()),
     )
-    model = inspect_model(args.model)
     plan = load_plan(args, model)
     interactive = sys.stderr.isatty() and not args.json
     progress = _StderrProgress(interactive)
     cancel = CancelToken()
-    previous = signal.signal(signal.SIGINT, lambda *_: cancel.cancel())
+
+    def on_sigint(signum, frame):
+        if cancel.cancelled:  # the second Ctrl-C: stop now (a long prompt's prefill does not check)
+            raise KeyboardInterrupt
+        cancel.cancel()
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
     try:
-        session = load_session(args.backend, args.model, plan, progress, cancel, on_fallback=_say_fallback)
+        session = load_session(args.backend, path, plan, progress, cancel, on_fallback=_say_fallback)
         progress.done()
         if args.record_stats and not hasattr(session, "save_expert_stats"):
             raise UsageError("--record-stats needs the embedded engine; llama.cpp does not report expert activations",
@@ -145,7 +156,8 @@ def add_parser(sub) -> None:
     from backend.plan.workload import BACKENDS
 
     p = sub.add_parser("run", help="answer one prompt (headless): the answer to stdout, progress to stderr")
-    p.add_argument("-m", "--model", required=True, help="a model directory or a .gguf file")
+    p.add_argument("-m", "--model", required=True,
+                   help="a model directory, a .gguf file, or a local model's name as `hybridmoe models` lists it")
     p.add_argument("-p", "--prompt", help="the prompt; '-' (or none, with a pipe) reads standard input")
     p.add_argument("--system", help="a system prompt")
     p.add_argument("--max-tokens", type=int, default=512, help="stop after this many tokens (default 512)")

@@ -1,0 +1,7 @@
+"""The Textual terminal UI: `hybridmoe` with no arguments. See app/tui/app.py."""
+
+
+def run() -> int:
+    from app.tui.app import run as run_app
+
+    return run_app()

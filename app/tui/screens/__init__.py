@@ -1,0 +1,1 @@
+"""Screens of the terminal UI: the setup wizard, chat, models, plan, hardware, and dialogs."""

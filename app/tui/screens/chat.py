@@ -1,0 +1,424 @@
+"""The chat: load the chosen model with progress, then talk to it.
+
+Generation runs in a thread worker that posts each ``TextPiece`` as a ``Streamed`` message
+and the final ``Done`` as ``Answered``; the screen appends pieces to the answer's Markdown
+stream in arrival order (message queues keep it) and renders the whole text once at the
+end. Esc sets the cancel token; the backend then ends with ``Done("cancelled")`` and the
+text generated so far stays, in the view and in the history.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from textual import work
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Vertical, VerticalScroll
+from textual.message import Message
+from textual.screen import Screen
+from textual.widgets import Footer, Label, ProgressBar, Static
+
+from app.history import Conversation, title_for
+from app.tui.screens.chat_settings import ChatSettingsScreen, sampling_params
+from app.tui.screens.conversations import ConversationsScreen
+from app.tui.widgets.chat_message import ChatMessage, code_blocks
+from app.tui.widgets.prompt import PromptInput
+from app.tui.widgets.status_line import StatusLine
+from app.tui.widgets.nav_bar import NavBar
+from app.tui.workers import ReportsWorkerErrors, WorkerFailed
+from backend.errors import PlanError
+from backend.plan import Plan, Workload
+from backend.session import Cancelled, CancelToken, Done, Message as ChatTurn, Progress, TextPiece
+
+FINISH_NOTES = {"stop": "", "length": "stopped at the token limit", "cancelled": "stopped", "error": "failed"}
+
+
+class ChatScreen(ReportsWorkerErrors, Screen):
+    # Short descriptions for the footer, the full names (tooltips) for the command palette.
+    BINDINGS = [
+        Binding("escape", "stop", "Stop", tooltip="Stop generating (keeps the text)"),
+        Binding("ctrl+r", "regenerate", "Retry", tooltip="Regenerate the last answer"),
+        Binding("ctrl+n", "new_chat", "New", tooltip="New conversation"),
+        Binding("ctrl+o", "conversations", "History", tooltip="Conversations: reopen or delete"),
+        Binding("ctrl+s", "settings", "Settings", tooltip="System prompt and sampling settings"),
+        Binding("ctrl+t", "copy_answer", "Copy", tooltip="Copy the last answer"),
+        Binding("ctrl+b", "copy_code", "Code", tooltip="Copy the last code block"),
+        Binding("ctrl+l", "reload", "Reload", tooltip="Reload the model"),
+    ]
+
+    # ---- messages from the workers ---------------------------------------------------------------
+
+    class LoadProgressed(Message):
+        def __init__(self, progress: Progress):
+            super().__init__()
+            self.progress = progress
+
+    class Loaded(Message):
+        def __init__(self, target: tuple, session, path: Path, plan: Plan):
+            super().__init__()
+            self.target, self.session, self.path, self.plan = target, session, path, plan
+
+    class LoadStopped(Message):
+        def __init__(self, message: str):
+            super().__init__()
+            self.message = message
+
+    class Streamed(Message):
+        def __init__(self, text: str, tokens: int):
+            super().__init__()
+            self.text, self.tokens = text, tokens
+
+    class Answered(Message):
+        def __init__(self, done: Done):
+            super().__init__()
+            self.done = done
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.session = None
+        self.loaded_target: tuple | None = None
+        self.loading_target: tuple | None = None
+        self.failed_target: tuple | None = None  # not retried on its own (Ctrl+L does)
+        self.load_cancel = CancelToken()
+        self.model_path: Path | None = None
+        self.plan: Plan | None = None
+        self.generating = False
+        self.cancel = CancelToken()
+        self.answer: ChatMessage | None = None
+        self.conversation: Conversation | None = None
+        self.system_prompt = ""
+        self.context_used = 0
+        self._t0 = 0.0
+        self._first_token_s: float | None = None
+        self._tokens = 0
+
+    def compose(self) -> ComposeResult:
+        yield NavBar("chat")
+        with Vertical(id="load-panel"):
+            yield Label("", id="load-title")
+            yield ProgressBar(total=None, show_eta=False, id="load-bar")
+        yield VerticalScroll(id="conversation")
+        yield StatusLine(id="status")
+        yield PromptInput(id="prompt", placeholder="Message (Enter sends, Shift+Enter or Ctrl+J: new line)")
+        yield Footer(compact=True)
+
+    def on_mount(self) -> None:
+        self.system_prompt = self.app.state.system_prompt
+        self.query_one("#conversation", VerticalScroll).anchor()
+        self.query_one("#load-panel").display = False
+        self.query_one(PromptInput).focus()
+
+    def on_screen_resume(self) -> None:
+        self.ensure_loaded()
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        if action == "stop":
+            return self.generating or self.loading_target is not None
+        if action == "regenerate":
+            return None if self.generating or not self._last("assistant") else True
+        if action == "reload":  # hidden while answering: the footer needs the room for Stop
+            return not self.generating
+        return True
+
+    # ---- loading -----------------------------------------------------------------------------------
+
+    def ensure_loaded(self) -> None:
+        """Load the App's current model and plan unless they are loaded (or loading) already."""
+        target = (self.app.model, self.app.plan)
+        status = self.query_one(StatusLine)
+        if not self.app.model:
+            status.say("No model chosen yet: F6 runs the setup, F3 picks a model on disk.")
+            return
+        if target in (self.loaded_target, self.loading_target, self.failed_target):
+            return
+        self.load(target)
+
+    def load(self, target: tuple) -> None:
+        self.loading_target = target
+        self.load_cancel = CancelToken()
+        panel = self.query_one("#load-panel")
+        panel.display = True
+        self.query_one("#load-title", Label).update(f"Loading {Path(target[0]).name} …  (Esc cancels)")
+        self.query_one("#load-bar", ProgressBar).update(total=None, progress=0)
+        self.query_one(StatusLine).say("loading")
+        self.refresh_bindings()
+        self._load(target, self.app.hardware, self.app.settings, self.load_cancel)
+
+    @work(thread=True, exclusive=True, exit_on_error=False, group="load")
+    def _load(self, target: tuple, hardware, settings, cancel: CancelToken) -> None:
+        services = self.app.services
+        model_text, plan = target
+        path = services.resolve_model(model_text)
+        if plan is None:
+            plan = self._plan_for(services, path, hardware, settings)
+        try:
+            session = services.load_session(
+                path, plan, lambda p: self.post_message(self.LoadProgressed(p)), cancel,
+                on_notice=lambda text: self.app.call_from_thread(self.notify, text, timeout=10),
+            )
+        except Cancelled as stopped:
+            self.post_message(self.LoadStopped(stopped.what))
+            return
+        self.post_message(self.Loaded(target, session, Path(path), plan))
+
+    def _plan_for(self, services, path: Path, hardware, settings) -> Plan:
+        """The saved plan of this model, or one made now from the settings' workload."""
+        saved = services.plan_path(path)
+        if saved.exists():
+            return Plan.load(saved)
+        self.post_message(self.LoadProgressed(Progress("plan", 0, None, message="planning the layout")))
+        if hardware is None:
+            hardware = services.detect_hardware(measure_bandwidth=False)
+        model = services.inspect_model(path)
+        workload = Workload(context=min(settings.context, model.spec.max_context), users=settings.users,
+                           kv_dtype=settings.kv_dtype, backend=settings.backend)
+        plan = services.make_plan(model.spec, model.inventory, hardware, workload)
+        if not plan.fits:
+            raise PlanError(f"{model.spec.name} does not fit this machine: {plan.reason}",
+                            "Open the Plan screen (F4) to change the context or the layout, then save it.")
+        return plan
+
+    def on_chat_screen_load_progressed(self, event: LoadProgressed) -> None:
+        p = event.progress
+        bar = self.query_one("#load-bar", ProgressBar)
+        if p.total:
+            bar.update(total=p.total, progress=p.done)
+        if p.message:
+            self.query_one(StatusLine).say("loading", p.message)
+
+    async def on_chat_screen_loaded(self, event: Loaded) -> None:
+        if event.target != self.loading_target:  # a load that was superseded: not wanted any more
+            event.session.close()
+            return
+        if self.session is not None:
+            self.session.close()
+        self.session, self.model_path, self.plan = event.session, event.path, event.plan
+        self.loaded_target, self.loading_target = event.target, None
+        self.query_one("#load-panel").display = False
+        status = self.query_one(StatusLine)
+        status.model_name = self.model_name
+        status.say("ready", f"context {event.plan.workload.context:,} tokens",
+                   "CPU only" if event.plan.main_device == "cpu" else "")
+        self.refresh_bindings()
+        self.query_one(PromptInput).focus()
+
+    def on_chat_screen_load_stopped(self, event: LoadStopped) -> None:
+        self.loading_target = None
+        self.query_one("#load-panel").display = False
+        self.query_one(StatusLine).say(f"{event.message}; Ctrl+L loads it again")
+        self.refresh_bindings()
+
+    @property
+    def model_name(self) -> str:
+        return self.plan.model if self.plan else (self.model_path.name if self.model_path else "")
+
+    def action_reload(self) -> None:
+        if self.generating:
+            self.notify("Stop the answer first (Esc).", severity="warning")
+            return
+        if self.app.model:
+            self.loaded_target = self.failed_target = None
+            self.load((self.app.model, self.app.plan))
+
+    # ---- sending and generating ------------------------------------------------------------------
+
+    async def on_prompt_input_submitted(self, event: PromptInput.Submitted) -> None:
+        event.stop()
+        if self.session is None:
+            self.notify("The model is not loaded yet; your message is kept.", severity="warning")
+            return
+        if self.generating:
+            self.notify("Still answering: Esc stops it.", severity="warning")
+            return
+        event.prompt.clear()
+        await self._add_user_message(event.text)
+        await self._start_answer()
+
+    async def _add_user_message(self, text: str) -> None:
+        history = self.app.history
+        if self.conversation is None:
+            self.conversation = history.create(str(self.model_path), self.system_prompt, title_for(text))
+        stored = history.add(self.conversation.id, "user", text)
+        log = self.query_one("#conversation", VerticalScroll)
+        await log.mount(ChatMessage("user", text, message_id=stored.id))
+        log.anchor()  # whoever sends wants to see the answer, even after scrolling up
+
+    def _turns(self) -> list[ChatTurn]:
+        turns = [ChatTurn("system", self.system_prompt)] if self.system_prompt.strip() else []
+        turns += [ChatTurn(m.role, m.text) for m in self.query(ChatMessage)]
+        return turns
+
+    async def _start_answer(self) -> None:
+        turns = self._turns()
+        self.answer = ChatMessage("assistant", author=self.model_name)
+        await self.query_one("#conversation", VerticalScroll).mount(self.answer)
+        self.answer.begin_stream()
+        self.generating = True
+        self.cancel = CancelToken()
+        self._t0, self._first_token_s, self._tokens = time.monotonic(), None, 0
+        self.query_one(StatusLine).show_live(0, 0.0, None)
+        self.refresh_bindings()
+        self._generate(self.session, turns, dict(self.app.state.sampling), self.cancel)
+
+    @work(thread=True, exclusive=True, exit_on_error=False, group="generate")
+    def _generate(self, session, turns: list[ChatTurn], sampling_values: dict, cancel: CancelToken) -> None:
+        sampling = sampling_params(sampling_values)  # here, not on the UI thread: its module imports torch
+        for event in session.generate(turns, sampling, cancel):
+            if isinstance(event, TextPiece):
+                self.post_message(self.Streamed(event.text, len(event.token_ids)))
+            elif isinstance(event, Done):
+                self.post_message(self.Answered(event))
+
+    async def on_chat_screen_streamed(self, event: Streamed) -> None:
+        if self.answer is None:
+            return
+        now = time.monotonic()
+        if self._first_token_s is None:
+            self._first_token_s = now - self._t0
+        self._tokens += event.tokens
+        await self.answer.append(event.text)
+        self.query_one(StatusLine).show_live(self._tokens, now - self._t0 - self._first_token_s, self._first_token_s)
+
+    async def on_chat_screen_answered(self, event: Answered) -> None:
+        done, answer = event.done, self.answer
+        if answer is None:
+            return
+        if done.text and done.text != answer.text:
+            answer.pieces = [done.text]  # the backend's text is the record
+        await self._finish_answer(done.reason, stats=done.stats)
+
+    async def _finish_answer(self, reason: str, stats=None) -> None:
+        answer = self.answer
+        self.answer = None  # pieces still queued after this point have no answer to go to
+        await answer.end_stream(FINISH_NOTES.get(reason, reason))
+        if self.conversation is not None:
+            stored = self.app.history.add(self.conversation.id, "assistant", answer.text, finish_reason=reason,
+                                          stats=_stats_dict(stats) if stats else None)
+            answer.message_id = stored.id
+        status = self.query_one(StatusLine)
+        if stats is not None:
+            self.context_used = stats.prompt_tokens + stats.generated_tokens
+            status.show_stats(stats, self.plan.workload.context if self.plan else None,
+                              self.plan.main_device if self.plan else "cpu", self.context_used)
+        else:
+            status.say(FINISH_NOTES.get(reason, reason))
+        self.generating = False
+        self.refresh_bindings()
+
+    async def on_worker_failed(self, event: WorkerFailed) -> None:
+        # The App shows the dialog (the message bubbles on); here the screen gets usable again.
+        if event.worker.group == "generate" and self.answer is not None:
+            await self._finish_answer("error")
+        elif event.worker.group == "load":
+            self.failed_target, self.loading_target = self.loading_target, None
+            self.query_one("#load-panel").display = False
+            self.query_one(StatusLine).say("the model did not load; Ctrl+L tries again")
+            self.refresh_bindings()
+
+    def action_stop(self) -> None:
+        if self.generating:
+            self.cancel.cancel()
+        elif self.loading_target is not None:
+            self.load_cancel.cancel()
+
+    async def action_regenerate(self) -> None:
+        last = self._last("assistant")
+        if self.generating or self.session is None or last is None or self._last_message() is not last:
+            return
+        if last.message_id is not None:
+            self.app.history.delete_message(last.message_id)
+        await last.remove()
+        await self._start_answer()
+
+    def _last(self, role: str) -> ChatMessage | None:
+        found = [m for m in self.query(ChatMessage) if m.role == role]
+        return found[-1] if found else None
+
+    def _last_message(self) -> ChatMessage | None:
+        found = list(self.query(ChatMessage))
+        return found[-1] if found else None
+
+    # ---- conversations -----------------------------------------------------------------------------
+
+    async def action_new_chat(self) -> None:
+        if self.generating:
+            self.notify("Stop the answer first (Esc).", severity="warning")
+            return
+        self.conversation = None
+        self.system_prompt = self.app.state.system_prompt
+        await self.query_one("#conversation", VerticalScroll).remove_children()
+        self.refresh_bindings()
+        self.query_one(PromptInput).focus()
+
+    def action_conversations(self) -> None:
+        if self.generating:
+            self.notify("Stop the answer first (Esc).", severity="warning")
+            return
+        self.app.push_screen(ConversationsScreen(self.app.history), self._open_conversation)
+
+    async def _open_conversation(self, conversation_id: int | None) -> None:
+        if conversation_id is None:
+            return
+        await self.open_conversation(conversation_id)
+
+    async def open_conversation(self, conversation_id: int) -> None:
+        history = self.app.history
+        conversation = history.get(conversation_id)
+        if conversation is None:
+            return
+        self.conversation = conversation
+        self.system_prompt = conversation.system_prompt
+        log = self.query_one("#conversation", VerticalScroll)
+        await log.remove_children()
+        author = Path(conversation.model).name
+        await log.mount_all([
+            ChatMessage(m.role, m.content, author=author if m.role == "assistant" else "",
+                        note=FINISH_NOTES.get(m.finish_reason or "stop", ""), message_id=m.id)
+            for m in history.messages(conversation_id)
+        ])
+        log.anchor()
+        self.refresh_bindings()
+
+    def action_settings(self) -> None:
+        def saved(result) -> None:
+            if result is None:
+                return
+            system_prompt, sampling = result
+            self.system_prompt = system_prompt
+            self.app.update_state(system_prompt=system_prompt, sampling=sampling)
+            if self.conversation is not None:
+                self.app.history.update(self.conversation.id, system_prompt=system_prompt)
+            self.notify("Chat settings saved.")
+
+        self.app.push_screen(ChatSettingsScreen(self.system_prompt, self.app.state.sampling), saved)
+
+    # ---- copying -----------------------------------------------------------------------------------
+
+    def action_copy_answer(self) -> None:
+        last = self._last("assistant")
+        if last is None:
+            self.notify("No answer to copy yet.", severity="warning")
+            return
+        self.app.copy_text(last.text, "answer")
+
+    def action_copy_code(self) -> None:
+        for message in reversed(list(self.query(ChatMessage))):
+            blocks = code_blocks(message.text)
+            if blocks:
+                self.app.copy_text(blocks[-1], "code block")
+                return
+        self.notify("No code block in this conversation.", severity="warning")
+
+    def on_unmount(self) -> None:
+        self.cancel.cancel()
+        self.load_cancel.cancel()
+        if self.session is not None:
+            self.session.close()
+
+
+def _stats_dict(stats) -> dict:
+    from dataclasses import asdict
+
+    return asdict(stats)

@@ -1,0 +1,97 @@
+"""System prompt and sampling settings of the chat, checked by SamplingParams itself."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Grid, Horizontal, Vertical
+from textual.screen import ModalScreen
+from textual.widgets import Button, Input, Label, Static, TextArea
+
+from backend.errors import HybridMoeError
+
+# (field, label, Input type); empty max_tokens / seed mean "until the model stops" / "random".
+FIELDS = (
+    ("temperature", "Temperature (0 = greedy)", "number"),
+    ("top_p", "Top-p (1 = off)", "number"),
+    ("top_k", "Top-k (0 = off)", "integer"),
+    ("min_p", "Min-p (0 = off)", "number"),
+    ("repetition_penalty", "Repetition penalty (1 = off)", "number"),
+    ("max_tokens", "Max tokens (empty: until it stops)", "integer"),
+    ("seed", "Seed (empty: random)", "integer"),
+)
+INTEGER_FIELDS = {name for name, _, kind in FIELDS if kind == "integer"}
+
+
+def sampling_params(values: dict[str, Any]):
+    """backend.engine.sampling.SamplingParams from stored settings; raises UsageError for
+    values it refuses. Imported here, not at the top: the module imports torch (seconds),
+    which the app loads with the model, not at start."""
+    from backend.engine.sampling import SamplingParams
+
+    known = {name for name, _, _ in FIELDS}
+    return SamplingParams(**{k: v for k, v in values.items() if k in known and v is not None})
+
+
+class ChatSettingsScreen(ModalScreen[tuple[str, dict[str, Any]] | None]):
+    """Dismisses with (system prompt, sampling values), or None when cancelled."""
+
+    BINDINGS = [Binding("escape", "cancel", "Cancel"), Binding("ctrl+s", "save", "Save")]
+
+    def __init__(self, system_prompt: str, sampling: dict[str, Any]):
+        super().__init__(classes="dialog")
+        self.system_prompt = system_prompt
+        self.sampling = sampling
+
+    def compose(self) -> ComposeResult:
+        with Vertical(classes="dialog-box wide"):
+            yield Label("Chat settings", classes="dialog-title")
+            yield Label("System prompt (this conversation and new ones)")
+            yield TextArea(self.system_prompt, id="system-prompt", soft_wrap=True)
+            with Grid(id="sampling-grid"):
+                for name, label, kind in FIELDS:
+                    value = self.sampling.get(name)
+                    yield Label(label)
+                    yield Input("" if value is None else str(value), type=kind, id=f"sampling-{name}", compact=True)
+            yield Static("", id="settings-error")
+            with Horizontal(classes="dialog-buttons"):
+                yield Button("Save", variant="primary", id="save")
+                yield Button("Cancel", id="cancel")
+
+    def on_button_pressed(self, event: Button.Pressed) -> None:
+        event.stop()
+        if event.button.id == "save":
+            self.action_save()
+        else:
+            self.dismiss(None)
+
+    def action_cancel(self) -> None:
+        self.dismiss(None)
+
+    def action_save(self) -> None:
+        values: dict[str, Any] = {}
+        for name, _, _ in FIELDS:
+            text = self.query_one(f"#sampling-{name}", Input).value.strip()
+            if not text:
+                values[name] = None
+                continue
+            try:
+                values[name] = int(text) if name in INTEGER_FIELDS else float(text)
+            except ValueError:
+                self._refuse(f"{name.replace('_', ' ')}: {text!r} is not a number")
+                return
+        for required in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
+            if values[required] is None:
+                self._refuse(f"{required.replace('_', ' ')} needs a value")
+                return
+        try:
+            sampling_params(values)
+        except HybridMoeError as error:
+            self._refuse(error.what)
+            return
+        self.dismiss((self.query_one("#system-prompt", TextArea).text, values))
+
+    def _refuse(self, message: str) -> None:
+        self.query_one("#settings-error", Static).update(message)

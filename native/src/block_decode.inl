@@ -1,0 +1,132 @@
+// Portable decoding of one row segment of any stored format to fp32, the plain statement of
+// every layout in formats.h. Included *inside* each ISA translation unit's own namespace
+// (never compiled as shared inline code, see kernel_table.h), so the compiler may vectorize
+// it with that unit's instruction set and nothing leaks between units.
+//
+// The float operations follow ggml's reference dequantizers (and backend/engine/quant.py),
+// so for the GGUF formats the values are the ones the PyTorch reference sees.
+
+// Q6_K: the 256 six-bit values of a super-block, minus 32, in element order.
+static inline void q6k_values(const uint8_t* blk, int8_t q[256]) {
+    for (int h = 0; h < 2; ++h) {
+        const uint8_t* ql = blk + 64 * h;
+        const uint8_t* qh = blk + 128 + 32 * h;
+        int8_t* o = q + 128 * h;
+        for (int l = 0; l < 32; ++l) {
+            o[l] = int8_t(((ql[l] & 0x0F) | (((qh[l] >> 0) & 3) << 4)) - 32);
+            o[l + 32] = int8_t(((ql[l + 32] & 0x0F) | (((qh[l] >> 2) & 3) << 4)) - 32);
+            o[l + 64] = int8_t(((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32);
+            o[l + 96] = int8_t(((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32);
+        }
+    }
+}
+
+// Dequantize block `b` of a row (block index along K) into dst[0 .. block). `row` and
+// `srow` are the row's data and (split formats) scale pointers.
+static inline void dequant_block(Format fmt, const uint8_t* row, const uint8_t* srow, int64_t b, float* dst) {
+    switch (fmt) {
+        case FMT_Q8_0: {
+            const uint8_t* p = row + b * 34;
+            const float d = fp16_to_f32(load_u16(p));
+            for (int i = 0; i < 32; ++i) dst[i] = float(int8_t(p[2 + i])) * d;
+            return;
+        }
+        case FMT_Q4_0: {
+            const uint8_t* p = row + b * 18;
+            const float d = fp16_to_f32(load_u16(p));
+            for (int j = 0; j < 16; ++j) {
+                dst[j] = d * float(int(p[2 + j] & 0x0F) - 8);
+                dst[j + 16] = d * float(int(p[2 + j] >> 4) - 8);
+            }
+            return;
+        }
+        case FMT_Q4_K:
+        case FMT_Q5_K: {
+            const bool five = fmt == FMT_Q5_K;
+            const uint8_t* p = row + b * (five ? 176 : 144);
+            const float d = fp16_to_f32(load_u16(p));
+            const float dmin = fp16_to_f32(load_u16(p + 2));
+            uint8_t sc[8], mn[8];
+            k_scales_mins(p + 4, sc, mn);
+            const uint8_t* qh = p + 16;
+            const uint8_t* qs = p + (five ? 48 : 16);
+            for (int j = 0; j < 8; ++j) {
+                const float dl = d * float(sc[j]);
+                const float ml = dmin * float(mn[j]);
+                const uint8_t* chunk = qs + 32 * (j / 2);
+                const int shift = 4 * (j & 1);
+                for (int l = 0; l < 32; ++l) {
+                    int q = (chunk[l] >> shift) & 0x0F;
+                    if (five) q |= ((qh[l] >> j) & 1) << 4;
+                    dst[32 * j + l] = dl * float(q) - ml;
+                }
+            }
+            return;
+        }
+        case FMT_Q6_K: {
+            const uint8_t* p = row + b * 210;
+            const float d = fp16_to_f32(load_u16(p + 208));
+            int8_t q[256];
+            q6k_values(p, q);
+            for (int i = 0; i < 256; ++i) dst[i] = d * float(int8_t(p[192 + i / 16])) * float(q[i]);
+            return;
+        }
+        case FMT_MXFP4: {
+            const uint8_t* p = row + b * 17;
+            const float d = e8m0_half(p[0]);
+            for (int j = 0; j < 16; ++j) {
+                dst[j] = d * float(kMxfp4GridX2[p[1 + j] & 0x0F]);
+                dst[j + 16] = d * float(kMxfp4GridX2[p[1 + j] >> 4]);
+            }
+            return;
+        }
+        case FMT_MXFP4_HF: {
+            const uint8_t* p = row + b * 16;
+            const float d = e8m0_half(srow[b]);
+            for (int j = 0; j < 16; ++j) {
+                dst[2 * j] = d * float(kMxfp4GridX2[p[j] & 0x0F]);
+                dst[2 * j + 1] = d * float(kMxfp4GridX2[p[j] >> 4]);
+            }
+            return;
+        }
+        case FMT_INT4_G32: {
+            const uint8_t* p = row + b * 16;
+            const float d = bf16_to_f32(load_u16(srow + 2 * b));
+            for (int j = 0; j < 16; ++j) {
+                dst[2 * j] = float(int(p[j] & 0x0F) - 8) * d;
+                dst[2 * j + 1] = float(int(p[j] >> 4) - 8) * d;
+            }
+            return;
+        }
+        case FMT_BF16:
+            dst[0] = bf16_to_f32(load_u16(row + 2 * b));
+            return;
+        case FMT_F16:
+            dst[0] = fp16_to_f32(load_u16(row + 2 * b));
+            return;
+        case FMT_F32:
+            std::memcpy(dst, row + 4 * b, 4);
+            return;
+        default:
+            return;
+    }
+}
+
+// Columns k0 .. k0+kc-1 of row r (k0, kc multiples of the block) to fp32.
+static inline void dequant_row_portable(Format fmt, const MatrixRef& w, int64_t r, int64_t k0, int kc, float* dst) {
+    if (unsigned(fmt) >= unsigned(FMT_COUNT)) return;
+    const int blk = kFormats[fmt].block;
+    const uint8_t* row = w.row(r);
+    const uint8_t* srow = w.scales ? w.scale_row(r) : nullptr;
+    if (blk == 1) {  // float formats: a tight loop the compiler vectorizes
+        if (fmt == FMT_F32) {
+            std::memcpy(dst, row + 4 * k0, size_t(kc) * 4);
+        } else if (fmt == FMT_BF16) {
+            for (int i = 0; i < kc; ++i) dst[i] = bf16_to_f32(load_u16(row + 2 * (k0 + i)));
+        } else {
+            for (int i = 0; i < kc; ++i) dst[i] = fp16_to_f32(load_u16(row + 2 * (k0 + i)));
+        }
+        return;
+    }
+    for (int64_t b = k0 / blk; b < (k0 + kc) / blk; ++b) dequant_block(fmt, row, srow, b, dst + (b * blk - k0));
+}

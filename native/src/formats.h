@@ -1,0 +1,162 @@
+// Stored weight formats the kernels read in place, and how one matrix of them is addressed.
+//
+// Every format is a sequence of blocks along the input dimension K of each row (GGUF ne[0],
+// the int4 group, the MXFP4 block); a row of an [out, in] matrix is K / block blocks. The
+// kernels never copy weights: a MatrixRef points into the mmap'd checkpoint (or any host
+// buffer) and says how far apart rows are, so per-expert tensors, slices of a merged
+// [E, out, in] tensor and the rows of an interleaved gate/up matrix all look the same.
+//
+// Layouts (bytes of one block, in order):
+//   q8_0   d:fp16 | q[32]:int8                                   value = d * q
+//   q4_0   d:fp16 | qs[16]  element j in the low nibble of qs[j], element 16+j in the
+//          high nibble                                           value = d * (nib - 8)
+//   q4_k   d:fp16 | dmin:fp16 | scales[12] (eight 6-bit scales + eight 6-bit mins) |
+//          qs[128]: 32-byte chunk c holds sub-block 2c in the low nibbles and 2c+1 in the
+//          high nibbles                                          value = d*sc*nib - dmin*m
+//   q5_k   as q4_k plus qh[32] before qs: bit j of qh[l] is the fifth bit of element l of
+//          sub-block j
+//   q6_k   ql[128] | qh[64] | scales[16]:int8 | d:fp16; two halves of 128, quarters of 32
+//          take low/high nibbles of ql[0:32]/ql[32:64] and 2-bit pairs of qh (see
+//          kernels_scalar.cpp)                                    value = d*sc16*(q6 - 32)
+//   mxfp4  e:e8m0 | qs[16] (GGUF: element j low nibble, 16+j high) value = e2m1(nib)*2^(e-127)
+//   mxfp4_hf  blocks [out, K/32, 16] + scales [out, K/32] in separate arrays; in each byte
+//          the low nibble is the even element, the high nibble the odd one
+//   int4_g32  compressed-tensors: int32 words [out, K/8] (element i of a word in bits
+//          4i..4i+3, stored as q + 8) + bf16 scales [out, K/32] in a separate array; per
+//          byte: even element low nibble, odd element high nibble
+//   bf16, f16, f32  plain rows
+//
+// The two "pairs interleaved in a byte" layouts (mxfp4_hf, int4_g32) are read exactly like
+// their GGUF cousins (q4_0, mxfp4): the activations are quantized in a permuted order
+// instead (even elements of each 32-block first, then odd ones), so the low nibbles of the
+// 16 bytes meet activations 0..15 of the permuted block and the high nibbles 16..31.
+// Permuting activations costs nothing per weight; permuting weights would cost a copy.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+
+namespace hmoe {
+
+enum Format : int {
+    FMT_Q8_0 = 0,
+    FMT_Q4_0,
+    FMT_Q4_K,
+    FMT_Q5_K,
+    FMT_Q6_K,
+    FMT_MXFP4,     // GGUF block layout
+    FMT_MXFP4_HF,  // GPT-OSS safetensors layout (separate scales, interleaved nibbles)
+    FMT_INT4_G32,  // compressed-tensors pack-quantized, group 32, bf16 scales
+    FMT_BF16,
+    FMT_F16,
+    FMT_F32,
+    FMT_COUNT
+};
+
+struct FormatInfo {
+    const char* name;
+    int block;            // weights per block along K
+    int block_bytes;      // bytes per block in the data array (separate scales excluded)
+    int scale_bytes;      // bytes per block in the separate scale array (0: none)
+    bool deinterleave;    // activations are quantized in the permuted (even, odd) order
+    bool float_acts;      // decode reads fp32 activations (float formats) instead of Q8
+};
+
+// Indexed by Format. Q8 activation blocks are 32 wide for every quantized format (K-quant
+// super-blocks of 256 are eight of them), which is why every quantized K must be a
+// multiple of 32 (of 256 for the K-quants, which the format itself requires).
+static constexpr FormatInfo kFormats[FMT_COUNT] = {
+    {"q8_0", 32, 34, 0, false, false},
+    {"q4_0", 32, 18, 0, false, false},
+    {"q4_k", 256, 144, 0, false, false},
+    {"q5_k", 256, 176, 0, false, false},
+    {"q6_k", 256, 210, 0, false, false},
+    {"mxfp4", 32, 17, 0, false, false},
+    {"mxfp4_hf", 32, 16, 1, true, false},
+    {"int4_g32", 32, 16, 2, true, false},
+    {"bf16", 1, 2, 0, false, true},
+    {"f16", 1, 2, 0, false, true},
+    {"f32", 1, 4, 0, false, true},
+};
+
+// One [rows, K] weight matrix: where row 0 starts and how far apart rows are, in bytes.
+struct MatrixRef {
+    const uint8_t* data = nullptr;
+    const uint8_t* scales = nullptr;  // split-scale formats only (mxfp4_hf, int4_g32)
+    int64_t row_stride = 0;
+    int64_t scale_row_stride = 0;
+
+    const uint8_t* row(int64_t r) const { return data + r * row_stride; }
+    const uint8_t* scale_row(int64_t r) const { return scales + r * scale_row_stride; }
+};
+
+// Q8 activations for one token (or one intermediate row): K int8 values in blocks of 32,
+// the scale d of each block, and s = d * sum(q) of each block (formats with an offset or a
+// min subtract it once per block instead of once per weight).
+struct Q8Row {
+    const int8_t* q;
+    const float* d;
+    const float* s;
+};
+
+// ---- scalar conversions (internal linkage: every translation unit, whatever its -m
+// flags, gets its own copy, so no AVX-512 instruction can leak into a portable path
+// through a merged inline function) ----
+
+static inline float f32_from_bits(uint32_t u) {
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint32_t bits_from_f32(float f) {
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    return u;
+}
+
+static inline float bf16_to_f32(uint16_t h) { return f32_from_bits(uint32_t(h) << 16); }
+
+// IEEE half to float without F16C (portable path; the SIMD paths use vcvtph2ps).
+static inline float fp16_to_f32(uint16_t h) {
+    const uint32_t sign = uint32_t(h & 0x8000) << 16;
+    const uint32_t exp = (h >> 10) & 0x1F;
+    const uint32_t man = h & 0x3FF;
+    if (exp == 0x1F) return f32_from_bits(sign | 0x7F800000u | (man << 13));  // inf / nan
+    if (exp != 0) return f32_from_bits(sign | ((exp + 112) << 23) | (man << 13));
+    if (man == 0) return f32_from_bits(sign);
+    // Subnormal half: value = man * 2^-24, exact in float.
+    float v = float(man) * (1.0f / 16777216.0f);
+    return (h & 0x8000) ? -v : v;
+}
+
+static inline uint16_t load_u16(const uint8_t* p) {
+    uint16_t v;
+    std::memcpy(&v, p, 2);
+    return v;
+}
+
+// e8m0 scale for MXFP4 with the e2m1 grid doubled to integers (see kMxfp4GridX2):
+// 2^(e-128), built from bits so that it is exact also for the denormal e = 0, 1.
+static inline float e8m0_half(uint8_t e) {
+    if (e < 2) return f32_from_bits(0x00200000u << e);
+    return f32_from_bits(uint32_t(e - 1) << 23);
+}
+
+// e2m1 values times two, so that they are int8 and the dot product stays in integers.
+static constexpr int8_t kMxfp4GridX2[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+// Q4_K / Q5_K: the eight 6-bit scales and mins packed into 12 bytes (sub-blocks 0-3 take
+// the low 6 bits of bytes 0-3 / 4-7; sub-blocks 4-7 take a nibble of bytes 8-11 plus the
+// top two bits of bytes 0-3 / 4-7).
+static inline void k_scales_mins(const uint8_t* s, uint8_t sc[8], uint8_t mn[8]) {
+    for (int j = 0; j < 4; ++j) {
+        sc[j] = s[j] & 63;
+        mn[j] = s[j + 4] & 63;
+        sc[j + 4] = uint8_t((s[j + 8] & 0x0F) | ((s[j] >> 6) << 4));
+        mn[j + 4] = uint8_t((s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4));
+    }
+}
+
+}  // namespace hmoe

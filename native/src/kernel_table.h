@@ -1,0 +1,57 @@
+// The per-ISA kernel set. Each instruction-set variant is its own translation unit compiled
+// with its own -m flags (kernels_scalar.cpp, kernels_avx2.cpp, kernels_avx512.cpp) and
+// exports exactly one function returning its table; dispatch.cpp picks one at load time
+// from what the CPU supports. Nothing else in the extension is compiled with ISA flags.
+#pragma once
+
+#include <cstdint>
+
+#include "formats.h"
+
+namespace hmoe {
+
+// Decode: out[t * ldo + r] = dot(row row0 + r of w, acts[t]) for r < nrows, t < ntok
+// (ntok <= kMaxGemvTokens). Weights are decoded once per block and used for all ntok
+// tokens. K is the row length in weights.
+using GemvQ8Fn = void (*)(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t K, const Q8Row* acts, int ntok,
+                          float* out, int64_t ldo);
+// The same for float formats, with fp32 activations (x[t] points at K floats).
+using GemvF32Fn = void (*)(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t K, const float* const* x, int ntok,
+                           float* out, int64_t ldo);
+// Prefill: dequantize rows row0 .. row0+nrows-1 (nrows <= panel), columns k0 .. k0+kc-1
+// (multiples of the format's block) into a k-major panel dst[k * panel + r]; rows past
+// nrows are zero. tmp holds panel * (kc + 16) floats of scratch.
+using DequantPanelFn = void (*)(Format fmt, const MatrixRef& w, int64_t row0, int nrows, int64_t k0, int kc, float* dst,
+                                float* tmp);
+// Prefill: C[i * ldc + p * panel + j] += sum_k a[i][k] * W[p][k * panel + j] for i < m tokens,
+// p < npanels, j < panel. a[i] points at the token's k0-th activation; W panels are
+// consecutive blocks of kc * panel floats.
+using GemmPanelsFn = void (*)(const float* const* a, int m, const float* w, int npanels, int kc, float* c, int64_t ldc);
+// Activations to Q8 blocks of 32 (K a multiple of 32), optionally in the permuted order.
+using QuantizeFn = void (*)(const float* x, int64_t K, bool deinterleave, int8_t* q, float* d, float* s);
+// h[i] = silu(g[i]) * u[i]
+using SiluMulFn = void (*)(const float* g, const float* u, float* h, int64_t n);
+// GPT-OSS: g = min(g, limit), u = clamp(u, -limit, limit), h = (u + 1) * g * sigmoid(alpha g)
+using GptOssGluFn = void (*)(const float* g, const float* u, float* h, int64_t n, float alpha, float limit);
+
+constexpr int kMaxGemvTokens = 4;
+
+struct KernelTable {
+    const char* name;  // "avx512_vnni", "avx2", "scalar"
+    int panel;         // rows per prefill panel (one or two vector widths)
+    QuantizeFn quantize;
+    GemvQ8Fn gemv_q8[FMT_COUNT];     // null for float formats
+    GemvF32Fn gemv_f32[FMT_COUNT];   // null for quantized formats
+    DequantPanelFn dequant_panel;    // all formats
+    GemmPanelsFn gemm_panels;
+    SiluMulFn silu_mul;
+    GptOssGluFn gptoss_glu;
+};
+
+const KernelTable* kernels_scalar();
+#if defined(HMOE_HAVE_X86_VARIANTS)
+const KernelTable* kernels_avx2();
+const KernelTable* kernels_avx512();
+#endif
+
+}  // namespace hmoe

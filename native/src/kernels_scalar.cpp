@@ -1,0 +1,141 @@
+// The portable kernel set: plain C++ for any CPU (aarch64, x86-64 without AVX2), and the
+// reading of every format that the SIMD variants are tested against. Compiled with the
+// baseline flags only. The arithmetic is deliberately simple: dequantize a block to fp32,
+// dot it with the dequantized Q8 activations; no integer tricks to get wrong.
+#include <cmath>
+
+#include "kernel_table.h"
+
+namespace hmoe {
+namespace scalar_isa {
+
+#include "block_decode.inl"
+
+constexpr int kPanel = 8;
+
+// Position of element e of a 32-block in the (possibly permuted) Q8 activation block.
+static inline int act_pos(int e, bool deint) { return deint ? ((e & 1) ? 16 + (e >> 1) : (e >> 1)) : e; }
+
+static void gemv_q8(Format fmt, const MatrixRef& w, int64_t row0, int64_t nrows, int64_t K, const Q8Row* acts, int ntok,
+                    float* out, int64_t ldo) {
+    const int blk = kFormats[fmt].block;
+    const bool deint = kFormats[fmt].deinterleave;
+    float wf[256];
+    for (int64_t r = 0; r < nrows; ++r) {
+        const uint8_t* row = w.row(row0 + r);
+        const uint8_t* srow = w.scales ? w.scale_row(row0 + r) : nullptr;
+        double acc[kMaxGemvTokens] = {0, 0, 0, 0};
+        for (int64_t b = 0; b < K / blk; ++b) {
+            dequant_block(fmt, row, srow, b, wf);
+            for (int t = 0; t < ntok; ++t) {
+                for (int j = 0; j < blk / 32; ++j) {  // each 32-wide activation block
+                    const int64_t ab = b * (blk / 32) + j;
+                    const int8_t* q = acts[t].q + 32 * ab;
+                    float s = 0.f;
+                    for (int e = 0; e < 32; ++e) s += wf[32 * j + e] * float(q[act_pos(e, deint)]);
+                    acc[t] += double(s) * double(acts[t].d[ab]);
+                }
+            }
+        }
+        for (int t = 0; t < ntok; ++t) out[t * ldo + r] = float(acc[t]);
+    }
+}
+
+template <Format F>
+static void gemv_q8_fmt(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t K, const Q8Row* acts, int ntok,
+                        float* out, int64_t ldo) {
+    gemv_q8(F, w, row0, nrows, K, acts, ntok, out, ldo);
+}
+
+template <Format F>
+static void gemv_f32_fmt(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t K, const float* const* x, int ntok,
+                         float* out, int64_t ldo) {
+    float wf[256];
+    for (int64_t r = 0; r < nrows; ++r) {
+        float acc[kMaxGemvTokens] = {0, 0, 0, 0};
+        for (int64_t k0 = 0; k0 < K; k0 += 256) {
+            const int kc = int(K - k0 < 256 ? K - k0 : 256);
+            dequant_row_portable(F, w, row0 + r, k0, kc, wf);
+            for (int t = 0; t < ntok; ++t)
+                for (int i = 0; i < kc; ++i) acc[t] += wf[i] * x[t][k0 + i];
+        }
+        for (int t = 0; t < ntok; ++t) out[t * ldo + r] = acc[t];
+    }
+}
+
+static void dequant_panel(Format fmt, const MatrixRef& w, int64_t row0, int nrows, int64_t k0, int kc, float* dst,
+                          float* tmp) {
+    const int64_t ld = kc + 16;  // as the SIMD sets: rows of tmp staggered across cache sets
+    for (int r = 0; r < nrows; ++r) dequant_row_portable(fmt, w, row0 + r, k0, kc, tmp + r * ld);
+    for (int k = 0; k < kc; ++k) {
+        for (int r = 0; r < kPanel; ++r) dst[k * kPanel + r] = r < nrows ? tmp[r * ld + k] : 0.f;
+    }
+}
+
+static void gemm_panels(const float* const* a, int m, const float* w, int npanels, int kc, float* c, int64_t ldc) {
+    for (int i = 0; i < m; ++i) {
+        for (int p = 0; p < npanels; ++p) {
+            const float* wp = w + int64_t(p) * kc * kPanel;
+            float acc[kPanel] = {0};
+            for (int k = 0; k < kc; ++k) {
+                const float av = a[i][k];
+                for (int j = 0; j < kPanel; ++j) acc[j] += av * wp[k * kPanel + j];
+            }
+            float* crow = c + i * ldc + p * kPanel;
+            for (int j = 0; j < kPanel; ++j) crow[j] += acc[j];
+        }
+    }
+}
+
+static void quantize(const float* x, int64_t K, bool deint, int8_t* q, float* d, float* s) {
+    for (int64_t b = 0; b < K / 32; ++b) {
+        const float* xb = x + 32 * b;
+        float amax = 0.f;
+        for (int i = 0; i < 32; ++i) amax = std::fmax(amax, std::fabs(xb[i]));
+        const float db = amax / 127.f;
+        const float id = db > 0.f ? 1.f / db : 0.f;
+        int sum = 0;
+        for (int e = 0; e < 32; ++e) {
+            const int v = int(std::lrint(xb[e] * id));
+            q[32 * b + act_pos(e, deint)] = int8_t(v);
+            sum += v;
+        }
+        d[b] = db;
+        s[b] = db * float(sum);
+    }
+}
+
+static void silu_mul(const float* g, const float* u, float* h, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) h[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+}
+
+static void gptoss_glu(const float* g, const float* u, float* h, int64_t n, float alpha, float limit) {
+    for (int64_t i = 0; i < n; ++i) {
+        const float gc = std::fmin(g[i], limit);
+        const float uc = std::fmin(std::fmax(u[i], -limit), limit);
+        h[i] = (uc + 1.f) * (gc / (1.f + std::exp(-alpha * gc)));
+    }
+}
+
+}  // namespace scalar_isa
+
+const KernelTable* kernels_scalar() {
+    using namespace scalar_isa;
+    static const KernelTable table = {
+        "scalar",
+        kPanel,
+        quantize,
+        {gemv_q8_fmt<FMT_Q8_0>, gemv_q8_fmt<FMT_Q4_0>, gemv_q8_fmt<FMT_Q4_K>, gemv_q8_fmt<FMT_Q5_K>,
+         gemv_q8_fmt<FMT_Q6_K>, gemv_q8_fmt<FMT_MXFP4>, gemv_q8_fmt<FMT_MXFP4_HF>, gemv_q8_fmt<FMT_INT4_G32>, nullptr,
+         nullptr, nullptr},
+        {nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, gemv_f32_fmt<FMT_BF16>,
+         gemv_f32_fmt<FMT_F16>, gemv_f32_fmt<FMT_F32>},
+        dequant_panel,
+        gemm_panels,
+        silu_mul,
+        gptoss_glu,
+    };
+    return &table;
+}
+
+}  // namespace hmoe

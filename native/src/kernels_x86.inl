@@ -1,0 +1,808 @@
+// The x86 SIMD kernels, written once with 256-bit vectors and compiled twice:
+//   kernels_avx2.cpp    -mavx2 -mfma -mf16c           (Haswell / Zen 1 and later)
+//   kernels_avx512.cpp  + AVX-512 F/BW/VL/DQ/VNNI/BF16 (HMOE_AVX512: VNNI integer dots,
+//                       512-bit prefill GEMM with 32-row panels)
+// Each includer wraps this file in its own namespace, so the two builds never share a
+// symbol (an inline function compiled with AVX-512 flags must not be picked by the linker
+// for the AVX2 path).
+//
+// Decode GEMV, the memory-bound half. Every weight byte is loaded once, expanded to int8
+// in registers and multiplied with Q8 activations (blocks of 32) in integers, for up to
+// four tokens while the codes are in registers. Two integer tricks:
+//  * u8 x s8: vpmaddubsw multiplies unsigned by signed bytes and adds neighbours into
+//    int16, vpmaddwd by ones adds pairs into int32 (AVX-512 VNNI: vpdpbusd does both,
+//    without the int16 step). 4-bit codes are unsigned (0..15) and go in directly; their
+//    offset (-8 for q4_0 and int4) is taken out once per block as 8 * d_w * s_act, with
+//    s_act = d_act * sum(q_act) precomputed when the activations were quantized.
+//  * s8 x s8 (q8_0, MXFP4 after its table lookup, q6_k): vpsignb moves the weight's sign
+//    onto the activation, |w| goes in as the unsigned operand. Activations stay in
+//    [-127, 127], so no sign flip overflows and the int16 pairs cannot saturate
+//    (2 * 128 * 127 < 32768).
+// Eight blocks of 32 at a time (a K-quant super-block, or eight q4_0 / q8_0 / int4 /
+// MXFP4 blocks): the eight int32 dot vectors reduce to one vector of eight block sums with
+// a tree of vphaddd, and one multiply applies the eight (weight scale x activation scale)
+// products: the float work is one FMA per 256 weights instead of eight.
+//
+// Prefill, the compute-bound half: a panel of 16 weight rows (AVX-512: 32) is dequantized
+// to fp32 once, over whole rows, into k-major order, and a register-blocked fp32 GEMM runs
+// every token of the expert against it: 6 tokens x 16 rows of accumulators on AVX2
+// (12 ymm), 8 tokens x 32 rows on AVX-512 (16 zmm); each weight load feeds 6 or 8 FMAs,
+// each broadcast activation 2.
+
+#include <immintrin.h>
+
+#include "block_decode.inl"
+
+#if defined(HMOE_AVX512)
+constexpr int kPanel = 32;
+constexpr int kMr = 8;
+#else
+constexpr int kPanel = 16;
+constexpr int kMr = 6;
+#endif
+
+// Software prefetch distance of the decode GEMV, in bytes ahead of the weights being read.
+// The rows a work unit reads are one contiguous run, but the hardware stream prefetcher
+// stops at every 4 KiB page and has to re-detect the stream; asking for the bytes 1 KiB
+// ahead keeps misses in flight across those boundaries (a fixed distance: the right one
+// is "far enough to cover DRAM latency at one core's share of the bandwidth", ~1 KiB).
+constexpr int kPrefetchAhead = 1024;
+
+// Prefetch [p, p + bytes) (whole cache lines) into L1.
+static inline void prefetch_span(const uint8_t* p, int bytes) {
+    for (int i = 0; i < bytes; i += 64) _mm_prefetch(reinterpret_cast<const char*>(p + i), _MM_HINT_T0);
+}
+
+// ---- small helpers --------------------------------------------------------------------
+
+static inline float h2f(const uint8_t* p) { return _cvtsh_ss(load_u16(p)); }
+
+static inline __m256i load32(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
+
+static inline float hsum_ps(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+// acc + (per int32 lane) the sum of four u8 x s8 products.
+static inline __m256i dot_u8s8(__m256i acc, __m256i u, __m256i s) {
+#if defined(HMOE_AVX512)
+    return _mm256_dpbusd_epi32(acc, u, s);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+#endif
+}
+
+// Signed x signed through the unsigned-by-signed instruction: |w| * (a with w's sign).
+static inline __m256i dot_s8s8(__m256i acc, __m256i w, __m256i a) {
+    return dot_u8s8(acc, _mm256_sign_epi8(w, w), _mm256_sign_epi8(a, w));
+}
+
+// 16 bytes of packed nibbles -> 32 codes: low nibbles in bytes 0-15, high ones in 16-31
+// (the GGUF element order, and the permuted activation order of the interleaved formats).
+static inline __m256i nibbles32(const uint8_t* p) {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    const __m256i v = _mm256_set_m128i(_mm_srli_epi16(b, 4), b);  // the 16-bit shift leaks bits across
+    return _mm256_and_si256(v, _mm256_set1_epi8(0x0F));           // bytes; the mask drops them
+}
+
+// Eight int32x8 vectors -> one int32x8 whose lane j is the sum of all lanes of v[j].
+static inline __m256i hsum8(const __m256i v[8]) {
+    const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+    const __m256i b = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
+    // a = [v0 v1 v2 v3 (low 4 lanes) | v0 v1 v2 v3 (high 4 lanes)], partial sums per 128-bit half.
+    return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
+}
+
+// ---- decode: blocks of 32 (q8_0, q4_0, mxfp4, mxfp4_hf, int4_g32) ------------------------
+
+// One 32-weight block as int8 codes plus its scale. kUnsigned: codes are 0..15 with an
+// implicit -8 (q4_0, int4); otherwise signed values.
+template <Format F>
+struct Block32 {
+    static constexpr bool kUnsigned = F == FMT_Q4_0 || F == FMT_INT4_G32;
+    static inline __m256i codes(const uint8_t* row, int64_t b) {
+        if constexpr (F == FMT_Q8_0) {
+            return load32(row + b * 34 + 2);
+        } else if constexpr (F == FMT_Q4_0) {
+            return nibbles32(row + b * 18 + 2);
+        } else if constexpr (F == FMT_INT4_G32 || F == FMT_MXFP4_HF) {
+            const __m256i n = nibbles32(row + b * 16);
+            if constexpr (F == FMT_INT4_G32) return n;
+            return _mm256_shuffle_epi8(mxfp4_table(), n);
+        } else {  // FMT_MXFP4 (GGUF)
+            return _mm256_shuffle_epi8(mxfp4_table(), nibbles32(row + b * 17 + 1));
+        }
+    }
+    static inline float scale(const uint8_t* row, const uint8_t* srow, int64_t b) {
+        if constexpr (F == FMT_Q8_0) return h2f(row + b * 34);
+        if constexpr (F == FMT_Q4_0) return h2f(row + b * 18);
+        if constexpr (F == FMT_INT4_G32) return bf16_to_f32(load_u16(srow + 2 * b));
+        if constexpr (F == FMT_MXFP4_HF) return e8m0_half(srow[b]);
+        return e8m0_half(row[b * 17]);
+    }
+    // The e2m1 grid (doubled) as a byte table for vpshufb, the same in both 128-bit lanes.
+    static inline __m256i mxfp4_table() {
+        return _mm256_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12, 0, 1, 2, 3, 4, 6, 8, 12, 0, -1,
+                                -2, -3, -4, -6, -8, -12);
+    }
+};
+
+// The scales of blocks b .. b+7 as eight floats (one vector multiply applies them all).
+template <Format F>
+static inline __m256 scales8(const uint8_t* row, const uint8_t* srow, int64_t b) {
+    if constexpr (F == FMT_Q8_0 || F == FMT_Q4_0) {
+        constexpr int S = F == FMT_Q8_0 ? 34 : 18;  // fp16 d at the start of each block
+        const uint8_t* p = row + b * S;
+        const __m128i h = _mm_setr_epi16(short(load_u16(p)), short(load_u16(p + S)), short(load_u16(p + 2 * S)),
+                                         short(load_u16(p + 3 * S)), short(load_u16(p + 4 * S)),
+                                         short(load_u16(p + 5 * S)), short(load_u16(p + 6 * S)),
+                                         short(load_u16(p + 7 * S)));
+        return _mm256_cvtph_ps(h);
+    } else if constexpr (F == FMT_INT4_G32) {  // eight consecutive bf16: widen, shift into place
+        const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(srow + 2 * b));
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    } else {
+        __m256i e;
+        if constexpr (F == FMT_MXFP4_HF) {
+            e = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(srow + b)));
+        } else {  // GGUF MXFP4: the e8m0 byte heads each 17-byte block
+            const uint8_t* p = row + b * 17;
+            e = _mm256_setr_epi32(p[0], p[17], p[34], p[51], p[68], p[85], p[102], p[119]);
+        }
+        // e8m0_half: 2^(e-128) as float bits (e-1) << 23; e = 0, 1 are denormals 0x00200000 << e.
+        const __m256i normal = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
+        const __m256i denorm = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);
+        const __m256i is_denorm = _mm256_cmpgt_epi32(_mm256_set1_epi32(2), e);
+        return _mm256_castsi256_ps(_mm256_blendv_epi8(normal, denorm, is_denorm));
+    }
+}
+
+template <Format F, int N>
+static void gemv_b32_n(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t K, const Q8Row* acts, float* out,
+                       int64_t ldo) {
+    using B = Block32<F>;
+    constexpr int kBlockBytes = kFormats[F].block_bytes;
+    const int64_t nb = K / 32;
+    const int64_t nb8 = nb / 8 * 8;
+    for (int64_t r = 0; r < nrows; ++r) {
+        const uint8_t* row = w.row(row0 + r);
+        const uint8_t* srow = w.scales ? w.scale_row(row0 + r) : nullptr;
+        __m256 acc[N], corr[N];
+        for (int t = 0; t < N; ++t) acc[t] = corr[t] = _mm256_setzero_ps();
+        _mm_prefetch(reinterpret_cast<const char*>(w.row(row0 + r + 1)), _MM_HINT_T0);
+        // Eight blocks at a time: eight integer dot vectors reduce to one vector of eight
+        // block sums (hsum8), and a single FMA applies the eight (weight x activation)
+        // scales; the offset of unsigned codes is one more FMA with the activation sums.
+        for (int64_t b = 0; b < nb8; b += 8) {
+            prefetch_span(row + b * kBlockBytes + kPrefetchAhead, 8 * kBlockBytes);
+            __m256i q[8];
+            for (int j = 0; j < 8; ++j) q[j] = B::codes(row, b + j);
+            const __m256 dw = scales8<F>(row, srow, b);
+            for (int t = 0; t < N; ++t) {
+                const int8_t* a = acts[t].q + 32 * b;
+                __m256i v[8];
+                for (int j = 0; j < 8; ++j) {
+                    if constexpr (B::kUnsigned)
+                        v[j] = dot_u8s8(_mm256_setzero_si256(), q[j], load32(a + 32 * j));
+                    else
+                        v[j] = dot_s8s8(_mm256_setzero_si256(), q[j], load32(a + 32 * j));
+                }
+                acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_loadu_ps(acts[t].d + b)), _mm256_cvtepi32_ps(hsum8(v)),
+                                         acc[t]);
+                if constexpr (B::kUnsigned) corr[t] = _mm256_fmadd_ps(dw, _mm256_loadu_ps(acts[t].s + b), corr[t]);
+            }
+        }
+        float tail[N];
+        for (int t = 0; t < N; ++t) tail[t] = 0.f;
+        for (int64_t b = nb8; b < nb; ++b) {  // rows whose length is not a multiple of 256
+            const __m256i q = B::codes(row, b);
+            const float dw = B::scale(row, srow, b);
+            for (int t = 0; t < N; ++t) {
+                const __m256i a = load32(acts[t].q + 32 * b);
+                const __m256i isum = B::kUnsigned ? dot_u8s8(_mm256_setzero_si256(), q, a)
+                                                  : dot_s8s8(_mm256_setzero_si256(), q, a);
+                tail[t] += dw * acts[t].d[b] * hsum_ps(_mm256_cvtepi32_ps(isum));
+                if constexpr (B::kUnsigned) tail[t] -= 8.f * dw * acts[t].s[b];
+            }
+        }
+        for (int t = 0; t < N; ++t) {
+            __m256 v = acc[t];
+            if constexpr (B::kUnsigned) v = _mm256_fnmadd_ps(_mm256_set1_ps(8.f), corr[t], v);
+            out[t * ldo + r] = hsum_ps(v) + tail[t];
+        }
+    }
+}
+
+// ---- decode: K-quant super-blocks of 256 ------------------------------------------------
+
+// The eight 6-bit scales and mins of a Q4_K/Q5_K super-block as 32-bit words of four bytes
+// each (the bit layout of k_scales_mins, done on whole words).
+static inline void k_scales_mins_words(const uint8_t* s, uint32_t sc[2], uint32_t mn[2]) {
+    uint32_t w0, w1, w2;
+    std::memcpy(&w0, s, 4);
+    std::memcpy(&w1, s + 4, 4);
+    std::memcpy(&w2, s + 8, 4);
+    sc[0] = w0 & 0x3F3F3F3Fu;
+    mn[0] = w1 & 0x3F3F3F3Fu;
+    sc[1] = (w2 & 0x0F0F0F0Fu) | ((w0 >> 2) & 0x30303030u);         // top two bits of bytes 0-3
+    mn[1] = ((w2 >> 4) & 0x0F0F0F0Fu) | ((w1 >> 2) & 0x30303030u);  // go to bits 4-5
+}
+
+static inline __m256 u8x8_to_ps(const uint32_t w[2]) {
+    const __m128i b = _mm_set_epi32(0, 0, int(w[1]), int(w[0]));
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b));
+}
+
+// Q4_K / Q5_K: codes of sub-block j (0..7) of a super-block, 0..15 (or 0..31).
+template <bool kFive>
+static inline void kquant_codes(const uint8_t* blk, __m256i q[8]) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    const uint8_t* qs = blk + (kFive ? 48 : 16);
+    for (int c = 0; c < 4; ++c) {
+        const __m256i raw = load32(qs + 32 * c);
+        q[2 * c] = _mm256_and_si256(raw, m4);
+        q[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
+    }
+    if constexpr (kFive) {
+        // Bit j of qh[l] is the fifth bit of element l of sub-block j: test it with a
+        // one-bit mask per sub-block and turn the 0xFF / 0x00 result into 16 / 0.
+        const __m256i qh = load32(blk + 16);
+        const __m256i sixteen = _mm256_set1_epi8(16);
+        for (int j = 0; j < 8; ++j) {
+            const __m256i bit = _mm256_set1_epi8(char(1 << j));
+            const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(qh, bit), bit);
+            q[j] = _mm256_or_si256(q[j], _mm256_and_si256(set, sixteen));
+        }
+    }
+}
+
+template <bool kFive, int N>
+static void gemv_q45k_n(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t K, const Q8Row* acts, float* out,
+                        int64_t ldo) {
+    const int64_t nsb = K / 256;
+    const int bytes = kFive ? 176 : 144;
+    for (int64_t r = 0; r < nrows; ++r) {
+        const uint8_t* row = w.row(row0 + r);
+        __m256 acc[N], accm[N];
+        for (int t = 0; t < N; ++t) acc[t] = accm[t] = _mm256_setzero_ps();
+        _mm_prefetch(reinterpret_cast<const char*>(w.row(row0 + r + 1)), _MM_HINT_T0);
+        for (int64_t sb = 0; sb < nsb; ++sb) {
+            const uint8_t* blk = row + sb * bytes;
+            prefetch_span(blk + kPrefetchAhead, bytes);
+            uint32_t scw[2], mnw[2];
+            k_scales_mins_words(blk + 4, scw, mnw);
+            const __m256 dsc = _mm256_mul_ps(_mm256_set1_ps(h2f(blk)), u8x8_to_ps(scw));
+            const __m256 dmn = _mm256_mul_ps(_mm256_set1_ps(h2f(blk + 2)), u8x8_to_ps(mnw));
+            __m256i q[8];
+            kquant_codes<kFive>(blk, q);
+            for (int t = 0; t < N; ++t) {
+                const int8_t* a = acts[t].q + 256 * sb;
+                __m256i v[8];
+                for (int j = 0; j < 8; ++j) v[j] = dot_u8s8(_mm256_setzero_si256(), q[j], load32(a + 32 * j));
+                const __m256 da = _mm256_loadu_ps(acts[t].d + 8 * sb);
+                const __m256 sa = _mm256_loadu_ps(acts[t].s + 8 * sb);
+                // sum_j d*sc_j * d_act_j * isum_j  -  dmin*m_j * s_act_j
+                acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(dsc, da), _mm256_cvtepi32_ps(hsum8(v)), acc[t]);
+                accm[t] = _mm256_fmadd_ps(dmn, sa, accm[t]);
+            }
+        }
+        for (int t = 0; t < N; ++t) out[t * ldo + r] = hsum_ps(_mm256_sub_ps(acc[t], accm[t]));
+    }
+}
+
+// Q6_K: the 32 six-bit codes (0..63) of quarter j (0..7) of a super-block.
+static inline void q6k_codes(const uint8_t* blk, __m256i q[8]) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    const __m256i m3 = _mm256_set1_epi8(0x03);
+    for (int h = 0; h < 2; ++h) {
+        const __m256i ql0 = load32(blk + 64 * h);
+        const __m256i ql1 = load32(blk + 64 * h + 32);
+        const __m256i qh = load32(blk + 128 + 32 * h);
+        // Two high bits at bit 4 of each byte: (qh >> 2i) & 3, then << 4. The 16-bit
+        // shifts stay inside the byte because of the masks.
+        const __m256i h0 = _mm256_slli_epi16(_mm256_and_si256(qh, m3), 4);
+        const __m256i h1 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), m3), 4);
+        const __m256i h2 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), m3), 4);
+        const __m256i h3 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), m3), 4);
+        q[4 * h + 0] = _mm256_or_si256(_mm256_and_si256(ql0, m4), h0);
+        q[4 * h + 1] = _mm256_or_si256(_mm256_and_si256(ql1, m4), h1);
+        q[4 * h + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4), h2);
+        q[4 * h + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4), h3);
+    }
+}
+
+template <int N>
+static void gemv_q6k_n(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t K, const Q8Row* acts, float* out,
+                       int64_t ldo) {
+    const int64_t nsb = K / 256;
+    const __m256i c32 = _mm256_set1_epi8(32);
+    for (int64_t r = 0; r < nrows; ++r) {
+        const uint8_t* row = w.row(row0 + r);
+        __m256 acc[N];
+        for (int t = 0; t < N; ++t) acc[t] = _mm256_setzero_ps();
+        _mm_prefetch(reinterpret_cast<const char*>(w.row(row0 + r + 1)), _MM_HINT_T0);
+        for (int64_t sb = 0; sb < nsb; ++sb) {
+            const uint8_t* blk = row + sb * 210;
+            prefetch_span(blk + kPrefetchAhead, 210);
+            const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
+            __m256i q[8], scv[8];
+            q6k_codes(blk, q);
+            // The scale of elements 0-15 of quarter j in the low half, of 16-31 in the high
+            // half, as int16 for vpmaddwd (the sub-block scales apply in integers).
+            for (int j = 0; j < 8; ++j)
+                scv[j] = _mm256_set_m128i(_mm_set1_epi16(sc[2 * j + 1]), _mm_set1_epi16(sc[2 * j]));
+            for (int t = 0; t < N; ++t) {
+                const int8_t* a = acts[t].q + 256 * sb;
+                __m256i v[8];
+                for (int j = 0; j < 8; ++j) {
+                    const __m256i av = load32(a + 32 * j);
+                    // (code - 32) * a in int16 pairs: |.| <= 2 * 32 * 127, no saturation.
+                    const __m256i p =
+                        _mm256_sub_epi16(_mm256_maddubs_epi16(q[j], av), _mm256_maddubs_epi16(c32, av));
+                    v[j] = _mm256_madd_epi16(p, scv[j]);
+                }
+                const __m256 da = _mm256_loadu_ps(acts[t].d + 8 * sb);
+                acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(h2f(blk + 208)), da),
+                                         _mm256_cvtepi32_ps(hsum8(v)), acc[t]);
+            }
+        }
+        for (int t = 0; t < N; ++t) out[t * ldo + r] = hsum_ps(acc[t]);
+    }
+}
+
+// ---- decode dispatch on the token count (a compile-time N keeps accumulators in registers)
+
+template <template <int> class G>
+static void by_tokens(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t K, const Q8Row* acts, int ntok,
+                      float* out, int64_t ldo) {
+    switch (ntok) {
+        case 1: return G<1>::run(w, row0, nrows, K, acts, out, ldo);
+        case 2: return G<2>::run(w, row0, nrows, K, acts, out, ldo);
+        case 3: return G<3>::run(w, row0, nrows, K, acts, out, ldo);
+        default: return G<4>::run(w, row0, nrows, K, acts, out, ldo);
+    }
+}
+
+template <Format F>
+struct B32 {
+    template <int N>
+    struct G {
+        static void run(const MatrixRef& w, int64_t r0, int64_t n, int64_t K, const Q8Row* a, float* o, int64_t l) {
+            gemv_b32_n<F, N>(w, r0, n, K, a, o, l);
+        }
+    };
+};
+template <bool kFive>
+struct KQ {
+    template <int N>
+    struct G {
+        static void run(const MatrixRef& w, int64_t r0, int64_t n, int64_t K, const Q8Row* a, float* o, int64_t l) {
+            gemv_q45k_n<kFive, N>(w, r0, n, K, a, o, l);
+        }
+    };
+};
+template <int N>
+struct Q6G {
+    static void run(const MatrixRef& w, int64_t r0, int64_t n, int64_t K, const Q8Row* a, float* o, int64_t l) {
+        gemv_q6k_n<N>(w, r0, n, K, a, o, l);
+    }
+};
+
+template <Format F>
+static void gemv_q8_b32(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t K, const Q8Row* acts, int ntok,
+                        float* out, int64_t ldo) {
+    by_tokens<B32<F>::template G>(w, row0, nrows, K, acts, ntok, out, ldo);
+}
+static void gemv_q8_q4k(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t K, const Q8Row* acts, int ntok,
+                        float* out, int64_t ldo) {
+    by_tokens<KQ<false>::template G>(w, row0, nrows, K, acts, ntok, out, ldo);
+}
+static void gemv_q8_q5k(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t K, const Q8Row* acts, int ntok,
+                        float* out, int64_t ldo) {
+    by_tokens<KQ<true>::template G>(w, row0, nrows, K, acts, ntok, out, ldo);
+}
+static void gemv_q8_q6k(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t K, const Q8Row* acts, int ntok,
+                        float* out, int64_t ldo) {
+    by_tokens<Q6G>(w, row0, nrows, K, acts, ntok, out, ldo);
+}
+
+// ---- decode: float formats with fp32 activations ----------------------------------------
+
+template <Format F>
+static inline __m256 load8_as_ps(const uint8_t* row, int64_t k) {
+    if constexpr (F == FMT_F32) return _mm256_loadu_ps(reinterpret_cast<const float*>(row) + k);
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 2 * k));
+    if constexpr (F == FMT_F16) return _mm256_cvtph_ps(h);
+    // bf16 is the top half of an fp32: widen to 32 bits and shift into place.
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+template <Format F, int N>
+static void gemv_float_n(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t K, const float* const* x, float* out,
+                         int64_t ldo) {
+    const int64_t k16 = K / 16 * 16;
+    for (int64_t r = 0; r < nrows; ++r) {
+        const uint8_t* row = w.row(row0 + r);
+        __m256 acc[N][2];
+        for (int t = 0; t < N; ++t) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
+        int64_t k = 0;
+        for (; k < k16; k += 16) {
+            const __m256 w0 = load8_as_ps<F>(row, k), w1 = load8_as_ps<F>(row, k + 8);
+            for (int t = 0; t < N; ++t) {
+                acc[t][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x[t] + k), acc[t][0]);
+                acc[t][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x[t] + k + 8), acc[t][1]);
+            }
+        }
+        float wt[16];
+        const int tail = int(K - k);
+        if (tail) dequant_row_portable(F, w, row0 + r, k, tail, wt);
+        for (int t = 0; t < N; ++t) {
+            float v = hsum_ps(_mm256_add_ps(acc[t][0], acc[t][1]));
+            for (int i = 0; i < tail; ++i) v += wt[i] * x[t][k + i];
+            out[t * ldo + r] = v;
+        }
+    }
+}
+
+template <Format F>
+static void gemv_float(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t K, const float* const* x, int ntok,
+                       float* out, int64_t ldo) {
+    switch (ntok) {
+        case 1: return gemv_float_n<F, 1>(w, row0, nrows, K, x, out, ldo);
+        case 2: return gemv_float_n<F, 2>(w, row0, nrows, K, x, out, ldo);
+        case 3: return gemv_float_n<F, 3>(w, row0, nrows, K, x, out, ldo);
+        default: return gemv_float_n<F, 4>(w, row0, nrows, K, x, out, ldo);
+    }
+}
+
+// ---- prefill: dequantize to a k-major panel ------------------------------------------------
+
+// 32 int8 values (element order) times d, minus m, to 32 floats; d1 scales the second 16
+// (q6_k has a scale per 16; everyone else passes d1 = d).
+static inline void store32(float* dst, __m256i q, float d, float d1, float m) {
+    const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
+    const __m256 vd = _mm256_set1_ps(d), vd1 = _mm256_set1_ps(d1), vm = _mm256_set1_ps(m);
+    _mm256_storeu_ps(dst, _mm256_fmsub_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo)), vd, vm));
+    _mm256_storeu_ps(dst + 8, _mm256_fmsub_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8))), vd, vm));
+    _mm256_storeu_ps(dst + 16, _mm256_fmsub_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi)), vd1, vm));
+    _mm256_storeu_ps(dst + 24, _mm256_fmsub_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8))), vd1, vm));
+}
+
+// The interleaved formats' codes (low nibble = even element) back in element order.
+static inline __m256i interleave_nibbles(__m256i n) {
+    const __m128i lo = _mm256_castsi256_si128(n), hi = _mm256_extracti128_si256(n, 1);
+    return _mm256_set_m128i(_mm_unpackhi_epi8(lo, hi), _mm_unpacklo_epi8(lo, hi));
+}
+
+static void dequant_row_simd(Format fmt, const MatrixRef& w, int64_t r, int64_t k0, int kc, float* dst) {
+    const uint8_t* row = w.row(r);
+    const uint8_t* srow = w.scales ? w.scale_row(r) : nullptr;
+    switch (fmt) {
+        case FMT_Q8_0:
+        case FMT_Q4_0:
+        case FMT_INT4_G32:
+        case FMT_MXFP4:
+        case FMT_MXFP4_HF:
+            for (int64_t b = k0 / 32; b < (k0 + kc) / 32; ++b) {
+                float* o = dst + (b * 32 - k0);
+                switch (fmt) {
+                    case FMT_Q8_0: {
+                        const float d = Block32<FMT_Q8_0>::scale(row, srow, b);
+                        store32(o, Block32<FMT_Q8_0>::codes(row, b), d, d, 0.f);
+                        break;
+                    }
+                    case FMT_Q4_0: {
+                        const float d = Block32<FMT_Q4_0>::scale(row, srow, b);
+                        store32(o, Block32<FMT_Q4_0>::codes(row, b), d, d, 8.f * d);
+                        break;
+                    }
+                    case FMT_INT4_G32: {
+                        const float d = Block32<FMT_INT4_G32>::scale(row, srow, b);
+                        store32(o, interleave_nibbles(Block32<FMT_INT4_G32>::codes(row, b)), d, d, 8.f * d);
+                        break;
+                    }
+                    case FMT_MXFP4: {
+                        const float d = Block32<FMT_MXFP4>::scale(row, srow, b);
+                        store32(o, Block32<FMT_MXFP4>::codes(row, b), d, d, 0.f);
+                        break;
+                    }
+                    default: {
+                        const float d = Block32<FMT_MXFP4_HF>::scale(row, srow, b);
+                        store32(o, interleave_nibbles(Block32<FMT_MXFP4_HF>::codes(row, b)), d, d, 0.f);
+                        break;
+                    }
+                }
+            }
+            return;
+        case FMT_Q4_K:
+        case FMT_Q5_K: {
+            const bool five = fmt == FMT_Q5_K;
+            for (int64_t sb = k0 / 256; sb < (k0 + kc) / 256; ++sb) {
+                const uint8_t* blk = row + sb * (five ? 176 : 144);
+                const float d = h2f(blk), dmin = h2f(blk + 2);
+                uint8_t sc[8], mn[8];
+                k_scales_mins(blk + 4, sc, mn);
+                __m256i q[8];
+                if (five)
+                    kquant_codes<true>(blk, q);
+                else
+                    kquant_codes<false>(blk, q);
+                float* o = dst + (sb * 256 - k0);
+                for (int j = 0; j < 8; ++j) {
+                    const float dl = d * float(sc[j]);
+                    store32(o + 32 * j, q[j], dl, dl, dmin * float(mn[j]));
+                }
+            }
+            return;
+        }
+        case FMT_Q6_K:
+            for (int64_t sb = k0 / 256; sb < (k0 + kc) / 256; ++sb) {
+                const uint8_t* blk = row + sb * 210;
+                const float d = h2f(blk + 208);
+                const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
+                __m256i q[8];
+                q6k_codes(blk, q);
+                float* o = dst + (sb * 256 - k0);
+                for (int j = 0; j < 8; ++j)
+                    store32(o + 32 * j, _mm256_sub_epi8(q[j], _mm256_set1_epi8(32)), d * float(sc[2 * j]),
+                            d * float(sc[2 * j + 1]), 0.f);
+            }
+            return;
+        case FMT_BF16:
+        case FMT_F16:
+        case FMT_F32: {
+            int i = 0;
+            for (; i + 8 <= kc; i += 8) {
+                __m256 v;
+                if (fmt == FMT_BF16)
+                    v = load8_as_ps<FMT_BF16>(row, k0 + i);
+                else if (fmt == FMT_F16)
+                    v = load8_as_ps<FMT_F16>(row, k0 + i);
+                else
+                    v = load8_as_ps<FMT_F32>(row, k0 + i);
+                _mm256_storeu_ps(dst + i, v);
+            }
+            if (i < kc) dequant_row_portable(fmt, w, r, k0 + i, kc - i, dst + i);
+            return;
+        }
+        default:
+            dequant_row_portable(fmt, w, r, k0, kc, dst);
+    }
+}
+
+// 8 rows of 8 floats -> 8 columns (the classic unpack / shuffle / lane-swap transpose).
+static inline void transpose8(const float* src, int64_t lds, float* dst, int64_t ldd) {
+    __m256 r[8], t[8], s[8];
+    for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(src + i * lds);
+    for (int i = 0; i < 4; ++i) {
+        t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 2; ++i) {
+        s[4 * i + 0] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+        s[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+        s[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+        s[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+    }
+    for (int i = 0; i < 4; ++i) {
+        _mm256_storeu_ps(dst + i * ldd, _mm256_permute2f128_ps(s[i], s[i + 4], 0x20));
+        _mm256_storeu_ps(dst + (i + 4) * ldd, _mm256_permute2f128_ps(s[i], s[i + 4], 0x31));
+    }
+}
+
+static void dequant_panel(Format fmt, const MatrixRef& w, int64_t row0, int nrows, int64_t k0, int kc, float* dst,
+                          float* tmp) {
+    // Rows of tmp are kc + 16 floats apart: with a power-of-two stride (kc = 2048: 8 KiB) all
+    // rows would fall into the same L1 sets and the transpose's eight loads would evict one
+    // another; one extra cache line per row staggers them.
+    const int64_t ld = kc + 16;
+    for (int r = 0; r < nrows; ++r) dequant_row_simd(fmt, w, row0 + r, k0, kc, tmp + r * ld);
+    for (int r = nrows; r < kPanel; ++r) std::memset(tmp + r * ld, 0, size_t(kc) * 4);
+    const int k8 = kc / 8 * 8;
+    for (int k = 0; k < k8; k += 8)
+        for (int g = 0; g < kPanel / 8; ++g) transpose8(tmp + 8 * g * ld + k, ld, dst + int64_t(k) * kPanel + 8 * g, kPanel);
+    for (int k = k8; k < kc; ++k)
+        for (int r = 0; r < kPanel; ++r) dst[int64_t(k) * kPanel + r] = tmp[r * ld + k];
+}
+
+// ---- prefill: the register-blocked GEMM ----------------------------------------------------
+
+// The accumulators are named variables, not an array: GCC keeps an array of vectors in
+// memory when it cannot prove the loops fully unrolled, and a store per FMA halves the
+// kernel's speed. Rows beyond MR are compiled away by `if constexpr`.
+#define HMOE_ACC_ROW(i) VEC c##i##a = VZERO(), c##i##b = VZERO()
+#define HMOE_FMA_ROW(i)                                 \
+    if constexpr (MR > i) {                             \
+        const VEC av = VBCAST(a[i] + k);                \
+        c##i##a = VFMADD(av, w0, c##i##a);              \
+        c##i##b = VFMADD(av, w1, c##i##b);              \
+    }
+#define HMOE_STORE_ROW(i)                                                  \
+    if constexpr (MR > i) {                                                \
+        float* cr = c + i * ldc;                                           \
+        VSTORE(cr, VADD(VLOAD(cr), c##i##a));                              \
+        VSTORE(cr + VW, VADD(VLOAD(cr + VW), c##i##b));                    \
+    }
+
+#if defined(HMOE_AVX512)
+#define VEC __m512
+#define VZERO _mm512_setzero_ps
+#define VBCAST(p) _mm512_set1_ps(*(p))
+#define VFMADD _mm512_fmadd_ps
+#define VLOAD _mm512_loadu_ps
+#define VSTORE _mm512_storeu_ps
+#define VADD _mm512_add_ps
+constexpr int VW = 16;
+#else
+#define VEC __m256
+#define VZERO _mm256_setzero_ps
+#define VBCAST(p) _mm256_broadcast_ss(p)
+#define VFMADD _mm256_fmadd_ps
+#define VLOAD _mm256_loadu_ps
+#define VSTORE _mm256_storeu_ps
+#define VADD _mm256_add_ps
+constexpr int VW = 8;
+#endif
+
+// C[0..MR) x [0..2 VW) += A[0..MR) x [k] * W[k] x [0..2 VW): one panel, kMr <= 8 tokens.
+template <int MR>
+static inline void micro(const float* const* a, const float* w, int kc, float* c, int64_t ldc) {
+    HMOE_ACC_ROW(0); HMOE_ACC_ROW(1); HMOE_ACC_ROW(2); HMOE_ACC_ROW(3);
+    HMOE_ACC_ROW(4); HMOE_ACC_ROW(5); HMOE_ACC_ROW(6); HMOE_ACC_ROW(7);
+    for (int k = 0; k < kc; ++k) {
+        const VEC w0 = VLOAD(w + 2 * VW * k), w1 = VLOAD(w + 2 * VW * k + VW);
+        HMOE_FMA_ROW(0) HMOE_FMA_ROW(1) HMOE_FMA_ROW(2) HMOE_FMA_ROW(3)
+        HMOE_FMA_ROW(4) HMOE_FMA_ROW(5) HMOE_FMA_ROW(6) HMOE_FMA_ROW(7)
+    }
+    HMOE_STORE_ROW(0) HMOE_STORE_ROW(1) HMOE_STORE_ROW(2) HMOE_STORE_ROW(3)
+    HMOE_STORE_ROW(4) HMOE_STORE_ROW(5) HMOE_STORE_ROW(6) HMOE_STORE_ROW(7)
+}
+
+#undef HMOE_ACC_ROW
+#undef HMOE_FMA_ROW
+#undef HMOE_STORE_ROW
+#undef VEC
+#undef VZERO
+#undef VBCAST
+#undef VFMADD
+#undef VLOAD
+#undef VSTORE
+#undef VADD
+
+template <int MR>
+static void micro_panels(const float* const* a, const float* w, int npanels, int kc, float* c, int64_t ldc) {
+    for (int p = 0; p < npanels; ++p) micro<MR>(a, w + int64_t(p) * kc * kPanel, kc, c + p * kPanel, ldc);
+}
+
+static void gemm_panels(const float* const* a, int m, const float* w, int npanels, int kc, float* c, int64_t ldc) {
+    // Token groups outside, panels inside: the group's kMr activation rows (kMr x kc floats)
+    // stay in L1 while every panel of the block streams past them from L2.
+    int i = 0;
+    for (; i + kMr <= m; i += kMr) micro_panels<kMr>(a + i, w, npanels, kc, c + i * ldc, ldc);
+    switch (m - i) {
+        case 1: micro_panels<1>(a + i, w, npanels, kc, c + i * ldc, ldc); break;
+        case 2: micro_panels<2>(a + i, w, npanels, kc, c + i * ldc, ldc); break;
+        case 3: micro_panels<3>(a + i, w, npanels, kc, c + i * ldc, ldc); break;
+        case 4: micro_panels<4>(a + i, w, npanels, kc, c + i * ldc, ldc); break;
+        case 5: micro_panels<5>(a + i, w, npanels, kc, c + i * ldc, ldc); break;
+#if defined(HMOE_AVX512)
+        case 6: micro_panels<6>(a + i, w, npanels, kc, c + i * ldc, ldc); break;
+        case 7: micro_panels<7>(a + i, w, npanels, kc, c + i * ldc, ldc); break;
+#endif
+        default: break;
+    }
+}
+
+// ---- activations ----------------------------------------------------------------------------
+
+static void quantize(const float* x, int64_t K, bool deint, int8_t* q, float* d, float* s) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    // Byte order after the two packs, fixed by one dword permute: packs work per 128-bit half.
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    // Even elements of each 16 first, then odd ones (within each 128-bit half) ...
+    const __m256i evens_odds = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15, 0, 2, 4, 6, 8, 10,
+                                                12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+    for (int64_t b = 0; b < K / 32; ++b) {
+        __m256 v[4];
+        __m256 amax = _mm256_setzero_ps();
+        for (int i = 0; i < 4; ++i) {
+            v[i] = _mm256_loadu_ps(x + 32 * b + 8 * i);
+            amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
+        }
+        __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+        m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+        m = _mm_max_ss(m, _mm_movehdup_ps(m));
+        const float db = _mm_cvtss_f32(m) / 127.f;
+        const __m256 id = _mm256_set1_ps(db > 0.f ? 1.f / db : 0.f);
+        __m256i iv[4];
+        for (int i = 0; i < 4; ++i) iv[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], id));  // round to nearest even
+        const __m256i sum32 = _mm256_add_epi32(_mm256_add_epi32(iv[0], iv[1]), _mm256_add_epi32(iv[2], iv[3]));
+        const __m256i p16 = _mm256_packs_epi16(_mm256_packs_epi32(iv[0], iv[1]), _mm256_packs_epi32(iv[2], iv[3]));
+        __m256i q8 = _mm256_permutevar8x32_epi32(p16, order);
+        if (deint) {
+            // ... then the 8-byte groups as [even 0-15, even 16-31, odd 0-15, odd 16-31].
+            q8 = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(q8, evens_odds), 0xD8);
+        }
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 32 * b), q8);
+        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum32), _mm256_extracti128_si256(sum32, 1));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+        d[b] = db;
+        s[b] = db * float(_mm_cvtsi128_si32(s4));
+    }
+}
+
+// e^x for x in about [-87, 88]: 2^n * e^r with n = round(x / ln 2), |r| <= ln2 / 2 split off
+// in two steps (Cody-Waite: ln 2 as a short high part plus a correction, so n * ln2_hi
+// is exact), then a degree-6 Taylor polynomial (relative error < 2e-7 on that range).
+static inline __m256 exp_ps(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.f / 720.f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+    // 2^n by building the exponent field directly (n is in [-126, 127] after the clamp).
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+static inline float exp_scalar(float x) {
+    float v[8] = {x, 0, 0, 0, 0, 0, 0, 0};
+    _mm256_storeu_ps(v, exp_ps(_mm256_loadu_ps(v)));
+    return v[0];
+}
+
+static void silu_mul(const float* g, const float* u, float* h, int64_t n) {
+    const __m256 one = _mm256_set1_ps(1.f);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 gv = _mm256_loadu_ps(g + i);
+        const __m256 sig = _mm256_div_ps(gv, _mm256_add_ps(one, exp_ps(_mm256_sub_ps(_mm256_setzero_ps(), gv))));
+        _mm256_storeu_ps(h + i, _mm256_mul_ps(sig, _mm256_loadu_ps(u + i)));
+    }
+    for (; i < n; ++i) h[i] = g[i] / (1.f + exp_scalar(-g[i])) * u[i];
+}
+
+static void gptoss_glu(const float* g, const float* u, float* h, int64_t n, float alpha, float limit) {
+    const __m256 one = _mm256_set1_ps(1.f), lim = _mm256_set1_ps(limit), nlim = _mm256_set1_ps(-limit);
+    const __m256 nalpha = _mm256_set1_ps(-alpha);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 gv = _mm256_min_ps(_mm256_loadu_ps(g + i), lim);
+        const __m256 uv = _mm256_min_ps(_mm256_max_ps(_mm256_loadu_ps(u + i), nlim), lim);
+        const __m256 glu = _mm256_div_ps(gv, _mm256_add_ps(one, exp_ps(_mm256_mul_ps(nalpha, gv))));
+        _mm256_storeu_ps(h + i, _mm256_mul_ps(_mm256_add_ps(uv, one), glu));
+    }
+    for (; i < n; ++i) {
+        const float gc = g[i] < limit ? g[i] : limit;
+        const float uc = u[i] < -limit ? -limit : (u[i] > limit ? limit : u[i]);
+        h[i] = (uc + 1.f) * (gc / (1.f + exp_scalar(-alpha * gc)));
+    }
+}
+
+static const KernelTable* make_table(const char* name) {
+    static const KernelTable table = {
+        name,
+        kPanel,
+        quantize,
+        {gemv_q8_b32<FMT_Q8_0>, gemv_q8_b32<FMT_Q4_0>, gemv_q8_q4k, gemv_q8_q5k, gemv_q8_q6k, gemv_q8_b32<FMT_MXFP4>,
+         gemv_q8_b32<FMT_MXFP4_HF>, gemv_q8_b32<FMT_INT4_G32>, nullptr, nullptr, nullptr},
+        {nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, gemv_float<FMT_BF16>,
+         gemv_float<FMT_F16>, gemv_float<FMT_F32>},
+        dequant_panel,
+        gemm_panels,
+        silu_mul,
+        gptoss_glu,
+    };
+    return &table;
+}

@@ -1,0 +1,296 @@
+// Python bindings: backend.engine._native.
+//
+// The Python side (backend/engine/native_experts.py) describes a layer's experts by
+// addresses into tensors it keeps alive (the mmap'd checkpoint views), so no weight byte
+// is copied or converted at load. forward() releases the GIL for the whole computation:
+// the Python thread that drives the GPU keeps running while the CPU experts are computed.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/pair.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "dispatch.h"
+#include "moe_layer.h"
+#include "thread_pool.h"
+#include "topology.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace hmoe {
+namespace {
+
+int env_int(const char* name, int fallback) {
+    const char* v = std::getenv(name);
+    if (!v || !*v) return fallback;
+    char* end = nullptr;
+    const long x = std::strtol(v, &end, 10);
+    return (end && *end == '\0') ? int(x) : fallback;
+}
+
+// The process-wide pool, created on first use (importing the module starts no thread).
+std::mutex g_exec_mutex;
+std::unique_ptr<Executor> g_exec;
+int g_requested_threads = -1;
+int g_simulated_nodes = 0;  // tests: regroup the cores into this many nodes
+
+Executor& executor() {
+    std::lock_guard<std::mutex> lock(g_exec_mutex);
+    if (!g_exec) {
+        const int threads = g_requested_threads >= 0 ? g_requested_threads : env_int("HYBRIDMOE_CPU_THREADS", 0);
+        Topology topo = detect_topology();
+        if (g_simulated_nodes > 0) topo = split_into_nodes(topo, g_simulated_nodes);
+        g_exec = std::make_unique<Executor>(topo, threads, env_int("HYBRIDMOE_PIN", 1) != 0,
+                                            env_int("HYBRIDMOE_SPIN_US", 50));
+    }
+    return *g_exec;
+}
+
+Format parse_format(const std::string& name) {
+    for (int i = 0; i < FMT_COUNT; ++i)
+        if (name == kFormats[i].name) return Format(i);
+    throw nb::value_error(("unsupported format for the native kernels: " + name).c_str());
+}
+
+bool is_bf16(const nb::dlpack::dtype& d) {
+    return d.code == uint8_t(nb::dlpack::dtype_code::Bfloat) && d.bits == 16 && d.lanes == 1;
+}
+
+using I64Array = nb::ndarray<const int64_t, nb::c_contig, nb::device::cpu>;
+using F32Array = nb::ndarray<const float, nb::c_contig, nb::device::cpu>;
+
+// refs: int64 [E, 3, 4] = (data address, scale address, row stride, scale row stride) of
+// gate, up, down; biases: int64 [E, 3] fp32 addresses (0: none).
+MoELayer make_layer(const std::string& format, const std::string& down_format, int64_t hidden, int64_t inter, I64Array refs,
+                     nb::ndarray<const uint8_t, nb::ndim<1>, nb::c_contig, nb::device::cpu> cpu, const std::string& act,
+                     float alpha, float limit, I64Array biases) {
+    const Format fmt = parse_format(format);
+    const Format dfmt = parse_format(down_format.empty() ? format : down_format);
+    const FormatInfo& f = kFormats[fmt];
+    const FormatInfo& fd = kFormats[dfmt];
+    if (refs.ndim() != 3 || refs.shape(1) != 3 || refs.shape(2) != 4)
+        throw nb::value_error("refs must be int64 [E, 3, 4]");
+    const int64_t E = int64_t(refs.shape(0));
+    if (int64_t(cpu.shape(0)) != E) throw nb::value_error("cpu mask must have one entry per expert");
+    if (biases.ndim() != 2 || int64_t(biases.shape(0)) != E || biases.shape(1) != 3)
+        throw nb::value_error("biases must be int64 [E, 3]");
+    if (hidden <= 0 || inter <= 0) throw nb::value_error("hidden and intermediate sizes must be positive");
+    // Rows are whole blocks (K of gate/up is the hidden size, K of down the intermediate one).
+    if (hidden % f.block || inter % fd.block)
+        throw nb::value_error(("formats " + std::string(f.name) + "/" + fd.name + " need hidden size a multiple of " +
+                               std::to_string(f.block) + " and intermediate size a multiple of " +
+                               std::to_string(fd.block)).c_str());
+    Activation a;
+    if (act == "silu")
+        a = Activation::SwiGLU;
+    else if (act == "gpt_oss")
+        a = Activation::GptOss;
+    else
+        throw nb::value_error(("unsupported activation: " + act).c_str());
+
+    const int64_t* r = refs.data();
+    const int64_t* b = biases.data();
+    std::vector<ExpertWeights> experts(static_cast<size_t>(E));
+    std::vector<uint8_t> mask(static_cast<size_t>(E));
+    for (int64_t e = 0; e < E; ++e) {
+        mask[size_t(e)] = cpu.data()[e] ? 1 : 0;
+        if (!mask[size_t(e)]) continue;
+        MatrixRef* m[3] = {&experts[size_t(e)].gate, &experts[size_t(e)].up, &experts[size_t(e)].down};
+        for (int j = 0; j < 3; ++j) {
+            const int64_t* q = r + (e * 3 + j) * 4;
+            *m[j] = MatrixRef{reinterpret_cast<const uint8_t*>(q[0]), reinterpret_cast<const uint8_t*>(q[1]), q[2], q[3]};
+            if (!q[0] || (kFormats[j == 2 ? dfmt : fmt].scale_bytes && !q[1]))
+                throw nb::value_error(("expert " + std::to_string(e) + ": missing weight address").c_str());
+        }
+        experts[size_t(e)].gate_bias = reinterpret_cast<const float*>(b[e * 3 + 0]);
+        experts[size_t(e)].up_bias = reinterpret_cast<const float*>(b[e * 3 + 1]);
+        experts[size_t(e)].down_bias = reinterpret_cast<const float*>(b[e * 3 + 2]);
+    }
+    return MoELayer(fmt, dfmt, hidden, inter, std::move(experts), std::move(mask), a, alpha, limit);
+}
+
+void layer_forward(const MoELayer& layer, nb::ndarray<nb::ndim<2>, nb::c_contig, nb::device::cpu> x,
+                   nb::ndarray<const int64_t, nb::ndim<2>, nb::c_contig, nb::device::cpu> ids, F32Array weights,
+                   nb::ndarray<float, nb::ndim<2>, nb::c_contig, nb::device::cpu> out, int regime, int prefill_min_tokens) {
+    const int64_t T = int64_t(x.shape(0));
+    const bool bf16 = is_bf16(x.dtype());
+    if (!bf16 && x.dtype() != nb::dtype<float>()) throw nb::type_error("x must be float32 or bfloat16");
+    if (int64_t(x.shape(1)) != layer.hidden()) throw nb::value_error("x has the wrong hidden size");
+    if (int64_t(ids.shape(0)) != T) throw nb::value_error("topk_ids must have one row per token");
+    const int k = int(ids.shape(1));
+    if (weights.ndim() != 2 || int64_t(weights.shape(0)) != T || int(weights.shape(1)) != k)
+        throw nb::value_error("topk_weights must have the shape of topk_ids");
+    if (int64_t(out.shape(0)) != T || int64_t(out.shape(1)) != layer.hidden())
+        throw nb::value_error("out must be float32 [T, hidden]");
+    if (regime < 0 || regime > 2) throw nb::value_error("regime must be 0 (auto), 1 (decode) or 2 (prefill)");
+    const KernelTable& kt = *current_table();
+    const int threshold = prefill_min_tokens > 0 ? prefill_min_tokens : default_prefill_min_tokens(kt);
+    Executor& exec = executor();
+    const void* xp = x.data();
+    const int64_t* idp = ids.data();
+    const float* wp = weights.data();
+    float* op = out.data();
+    nb::gil_scoped_release release;
+    layer.forward(exec, kt, xp, bf16, T, idp, wp, k, op, Regime(regime), threshold);
+}
+
+// A native probe of host read bandwidth with the kernels' own threads: each thread sums
+// its slice of a buffer far larger than the caches. Best of `passes`, bytes per second.
+struct ProbeCtx {
+    const uint64_t* data;
+    int64_t words;
+    int total_threads;
+    std::vector<int> base;  // first global thread index of each node
+    std::vector<uint64_t> sink;
+};
+
+void probe_phase(void* ctx, int node, int worker) {
+    auto& c = *static_cast<ProbeCtx*>(ctx);
+    const int id = c.base[size_t(node)] + worker;
+    const int64_t per = (c.words / c.total_threads) & ~int64_t(7);
+    const uint64_t* p = c.data + per * id;
+    const int64_t n = id == c.total_threads - 1 ? c.words - per * id : per;
+    uint64_t s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+    int64_t i = 0;
+    for (; i + 4 <= n; i += 4) {
+        s0 += p[i];
+        s1 += p[i + 1];
+        s2 += p[i + 2];
+        s3 += p[i + 3];
+    }
+    for (; i < n; ++i) s0 += p[i];
+    c.sink[size_t(id)] = s0 + s1 + s2 + s3;
+}
+
+double measure_read_bandwidth(int64_t nbytes, int passes) {
+    Executor& exec = executor();
+    std::vector<uint64_t> buf(size_t(std::max<int64_t>(nbytes / 8, 1024)));
+    ProbeCtx c{buf.data(), int64_t(buf.size()), exec.threads(), {}, std::vector<uint64_t>(size_t(exec.threads()))};
+    for (int n = 0, acc = 0; n < exec.nodes(); ++n) {
+        c.base.push_back(acc);
+        acc += exec.threads_on(n);
+    }
+    {
+        nb::gil_scoped_release release;
+        // Fault the pages in from the threads that will read them (first touch places them).
+        for (size_t i = 0; i < buf.size(); i += 512) buf[i] = i;
+        exec.run(probe_phase, &c);
+    }
+    double best = 1e30;
+    for (int i = 0; i < std::max(1, passes); ++i) {
+        nb::gil_scoped_release release;
+        const auto t0 = std::chrono::steady_clock::now();
+        exec.run(probe_phase, &c);
+        const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        best = std::min(best, s);
+    }
+    return double(buf.size()) * 8.0 / best;
+}
+
+}  // namespace
+}  // namespace hmoe
+
+NB_MODULE(_native, m) {
+    using namespace hmoe;
+    m.doc() = "Native CPU kernels for quantized MoE experts (see native/ in the source tree).";
+
+    m.def("isa", [] { return std::string(current_table()->name); },
+          "The kernel set in use: 'avx512_vnni', 'avx2' or 'scalar'.");
+    m.def(
+        "set_isa",
+        [](const std::string& name) {
+            if (name.empty()) return use_table(nullptr);
+            for (const KernelTable* t : supported_tables())
+                if (name == t->name) return use_table(t);
+            throw nb::value_error(("kernel set not supported on this CPU: " + name).c_str());
+        },
+        "name", "Use another supported kernel set ('' restores the automatic choice); for tests and benchmarks.");
+    m.def(
+        "isa_info",
+        [] {
+            nb::dict d;
+            d["isa"] = std::string(current_table()->name);
+            d["note"] = active_isa().note;
+            std::vector<std::string> names;
+            for (const KernelTable* t : supported_tables()) names.push_back(t->name);
+            d["supported"] = names;
+            Executor& ex = executor();
+            d["threads"] = ex.threads();
+            d["numa_nodes"] = ex.nodes();
+            d["prefill_min_tokens"] = default_prefill_min_tokens(*current_table());
+            return d;
+        },
+        "The kernel set, why a better one was refused, the CPU's variants, threads and NUMA nodes.");
+    m.def("formats", [] {
+        std::vector<std::string> v;
+        for (const auto& f : kFormats) v.push_back(f.name);
+        return v;
+    });
+    m.def("self_test", [](const std::string& name) {
+        for (const KernelTable* t : supported_tables())
+            if (name == t->name) return self_test(t);
+        throw nb::value_error(("kernel set not supported on this CPU: " + name).c_str());
+    }, "Compare a kernel set with the portable one; '' when they agree.");
+    m.def("num_threads", [] { return executor().threads(); });
+    m.def(
+        "set_num_threads",
+        [](int n) {
+            std::lock_guard<std::mutex> lock(g_exec_mutex);
+            g_requested_threads = n;
+            g_exec.reset();  // the next call builds a pool of the new size
+        },
+        "n", "Threads for the CPU experts (0: one per physical core). Takes effect on the next call.");
+    m.def("physical_cores", [] { return detect_topology().physical_cores(); });
+    m.def(
+        "topology",
+        [](const std::string& sysfs_root, std::optional<std::vector<int>> allowed) {
+            const Topology t = detect_topology(sysfs_root.c_str(), allowed ? &*allowed : nullptr);
+            std::vector<std::pair<int, std::vector<int>>> nodes;
+            for (const auto& n : t.nodes) nodes.emplace_back(n.id, n.cpus);
+            return nodes;
+        },
+        "sysfs_root"_a = "/sys", "allowed"_a = nb::none(),
+        "[(NUMA node, [one logical CPU per physical core])] as the pool sees them.");
+    m.def(
+        "simulate_nodes",
+        [](int n) {
+            std::lock_guard<std::mutex> lock(g_exec_mutex);
+            g_simulated_nodes = n;
+            g_exec.reset();
+        },
+        "n", "Tests: regroup the cores into n NUMA nodes (0: the real topology) from the next call.");
+    m.def("measure_read_bandwidth", &measure_read_bandwidth, "nbytes"_a, "passes"_a = 3,
+          "Host read bandwidth (bytes/s) with the kernels' threads, best of `passes`.");
+
+    nb::class_<MoELayer>(m, "MoELayer")
+        .def("__init__",
+             [](MoELayer* self, const std::string& format, const std::string& down_format, int64_t hidden, int64_t inter, I64Array refs,
+                nb::ndarray<const uint8_t, nb::ndim<1>, nb::c_contig, nb::device::cpu> cpu, const std::string& act,
+                float alpha, float limit, I64Array biases) {
+                 new (self) MoELayer(make_layer(format, down_format, hidden, inter, refs, cpu, act, alpha, limit, biases));
+                 // With several NUMA nodes, keep each expert's pages on the node that computes it.
+                 if (executor().nodes() > 1 && env_int("HYBRIDMOE_NUMA_BIND", 1)) self->bind_to_nodes(executor());
+             },
+             "format"_a, "down_format"_a, "hidden"_a, "intermediate"_a, "refs"_a, "cpu"_a, "activation"_a = "silu", "alpha"_a = 1.702f,
+             "limit"_a = 7.0f, "biases"_a)
+        .def("forward", &layer_forward, "x"_a, "topk_ids"_a, "topk_weights"_a, "out"_a, "regime"_a = 0,
+             "prefill_min_tokens"_a = 0, "out[T, H] = the weighted sum over the CPU-resident experts (GIL released).")
+        .def_prop_ro("format", [](const MoELayer& l) { return std::string(kFormats[l.format()].name); })
+        .def_prop_ro("down_format", [](const MoELayer& l) { return std::string(kFormats[l.down_format()].name); })
+        .def_prop_ro("hidden", &MoELayer::hidden)
+        .def_prop_ro("intermediate", &MoELayer::inter)
+        .def_prop_ro("n_experts", &MoELayer::n_experts)
+        .def_prop_ro("n_cpu_experts", &MoELayer::n_cpu_experts)
+        .def_prop_ro("expert_bytes", &MoELayer::expert_bytes, "Stored bytes of one expert's gate, up and down.");
+}

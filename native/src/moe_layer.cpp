@@ -1,0 +1,535 @@
+#include "moe_layer.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <memory>
+#include <mutex>
+
+#include "thread_pool.h"
+#include "topology.h"
+
+namespace hmoe {
+
+// The decode/prefill switch point, measured with `hybridmoe bench kernels --switch`: CPU
+// time per expert (both threads, best of 6) when each of a call's experts gets n tokens,
+// Qwen3-30B-A3B expert shapes (H 2048, I 768), AMD EPYC Zen 3, 2 cores, AVX2:
+//
+//   n                8     16     24     32     48     64
+//   q4_0   decode  1.47   2.78   3.68   4.48   6.46   8.83   ms
+//          prefill 2.85   3.20   4.35   5.09   6.31   8.13
+//   q4_k   decode  1.20   2.23   3.30   5.39   8.50  11.28
+//          prefill 2.28   2.95   4.61   5.78   7.84   8.33
+//   q8_0   decode  1.52   3.53   4.12   6.17   8.66  12.02
+//          prefill 2.59   3.34   4.59   6.41   7.87   9.94
+//   int4   decode  1.12   2.15   3.23   5.82   8.39   9.02
+//          prefill 2.54   3.39   4.61   6.60   8.58   8.75
+//
+// Decode costs a pass of integer dot products per four tokens (the weights stay in L2
+// between passes); prefill costs one dequantization of the expert plus an fp32 GEMM. On
+// AVX2 the integer path does about as many multiply-adds per instruction as the FMA
+// GEMM, so the crossover is late: 40 to 48 tokens per expert. (The machine was shared:
+// wall times were 1.5-3x these CPU times and the ratios moved by ~10 % between runs.)
+// AVX-512 doubles the GEMM's width but VNNI only merges two of the integer path's
+// instructions, which moves the crossover down; 32 there is an estimate, not measured
+// (no AVX-512 machine was at hand). The portable kernels dequantize a block per token
+// group in decode, so their prefill is cheaper from the first token.
+int default_prefill_min_tokens(const KernelTable& kt) {
+    if (std::strcmp(kt.name, "scalar") == 0) return 1;
+    if (std::strncmp(kt.name, "avx512", 6) == 0) return 32;
+    return 40;
+}
+
+namespace {
+
+// Columns dequantized at a time in the prefill regime: whole rows up to this length (a
+// multiple of every block size). Gate and up panels of 16 rows x 4096 columns (AVX2) are
+// 512 KB of fp32, about one core's L2.
+constexpr int kMaxKc = 4096;
+
+// Per-thread scratch, kept between calls (the pool threads are persistent), grown on demand.
+struct Scratch {
+    std::vector<float> f[6];
+    std::vector<const float*> ptrs;
+    float* get(int slot, size_t n) {
+        if (f[slot].size() < n) f[slot].resize(n);
+        return f[slot].data();
+    }
+};
+thread_local Scratch tls;
+
+struct Entry {
+    int64_t e;      // expert id
+    int64_t begin;  // first pair (token, weight) of this expert
+    int64_t n;      // number of pairs (tokens)
+    bool prefill;
+    int node;
+};
+
+struct Unit {
+    int32_t entry;
+    int32_t r0;
+    int32_t rows;
+};
+
+// Buffers shared by one call's threads; one call runs at a time (the pool runs one phase at
+// a time), so they live here and only grow.
+struct Workspace {
+    std::vector<float> xf;       // x as fp32 when it came as bf16, [T, H]
+    std::vector<int8_t> xq;      // Q8 of x, [T, H]
+    std::vector<float> xd, xs;   // [T, H / 32]
+    std::vector<uint8_t> need_q; // tokens whose x must be quantized
+    std::vector<float> hf;       // fp32 intermediate per pair, [P, I] (prefill and float formats)
+    std::vector<int8_t> hq;      // Q8 intermediate per pair, [P, I] (decode)
+    std::vector<float> hd, hs;   // [P, I / 32]
+    std::vector<float> node_out; // partial outputs of nodes 1.., [(nodes - 1), T, H]
+    std::vector<int64_t> pair_tok;
+    std::vector<float> pair_w;
+    std::vector<int64_t> counts;
+    std::vector<Entry> entries;
+    std::vector<std::vector<Unit>> units_b;       // per node
+    std::vector<std::vector<int32_t>> entries_of; // per node: entries in that node's down phase
+};
+
+std::mutex g_call_mutex;
+Workspace g_ws;
+
+template <class V>
+typename V::value_type* grow(V& v, size_t n) {
+    if (v.size() < n) v.resize(n);
+    return v.data();
+}
+
+struct Call {
+    const KernelTable* kt;
+    Format fmt, fmt_dn;         // gate/up, down
+    bool deint, float_fmt;      // gate/up: activation order, fp32 activations
+    bool deint_dn, float_dn;    // down: the same for the intermediate
+    int64_t T, H, I;
+    const std::vector<ExpertWeights>* experts;
+    Activation act;
+    float alpha, limit;
+    const void* x;
+    bool x_bf16;
+    const float* x32;  // fp32 rows of x (x itself, or ws.xf)
+    Workspace* ws;
+    float* out;
+    int nodes;
+    int rows_c;  // H rows per down-phase unit
+    int64_t a_units;
+    std::unique_ptr<std::atomic<int64_t>[]> next;  // per node (phase A uses slot 0)
+
+    float* out_of(int node) const {
+        return node == 0 ? out : ws->node_out.data() + int64_t(node - 1) * T * H;
+    }
+    Q8Row x_q8(int64_t tok) const {
+        return {ws->xq.data() + tok * H, ws->xd.data() + tok * (H / 32), ws->xs.data() + tok * (H / 32)};
+    }
+    Q8Row h_q8(int64_t pair) const {
+        return {ws->hq.data() + pair * I, ws->hd.data() + pair * (I / 32), ws->hs.data() + pair * (I / 32)};
+    }
+};
+
+// ---- phase A: activations to fp32 and Q8, once per token --------------------------------
+
+void phase_prepare(void* ctx, int, int) {
+    Call& c = *static_cast<Call*>(ctx);
+    Workspace& ws = *c.ws;
+    constexpr int64_t kChunk = 4;
+    for (;;) {
+        const int64_t u = c.next[0].fetch_add(1, std::memory_order_relaxed);
+        if (u >= c.a_units) return;
+        for (int64_t t = u * kChunk; t < std::min(c.T, (u + 1) * kChunk); ++t) {
+            if (c.x_bf16) {
+                const uint16_t* src = static_cast<const uint16_t*>(c.x) + t * c.H;
+                float* dst = ws.xf.data() + t * c.H;
+                for (int64_t i = 0; i < c.H; ++i) dst[i] = bf16_to_f32(src[i]);
+            }
+            if (ws.need_q[size_t(t)]) {
+                const Q8Row q = c.x_q8(t);
+                c.kt->quantize(c.x32 + t * c.H, c.H, c.deint, const_cast<int8_t*>(q.q), const_cast<float*>(q.d),
+                               const_cast<float*>(q.s));
+            }
+        }
+    }
+}
+
+// ---- phase B: gate and up, the activation, the intermediate ------------------------------
+
+// Biases, the gated activation, then store the intermediate rows r0 .. r0+rc of one pair:
+// fp32 for the prefill regime and float formats, Q8 (in the format's activation order)
+// for the decode regime.
+void finish_intermediate(const Call& c, const ExpertWeights& w, bool prefill, int64_t pair, int r0, int rc, float* g,
+                         float* u) {
+    if (w.gate_bias)
+        for (int i = 0; i < rc; ++i) g[i] += w.gate_bias[r0 + i];
+    if (w.up_bias)
+        for (int i = 0; i < rc; ++i) u[i] += w.up_bias[r0 + i];
+    const bool store_f32 = prefill || c.float_dn;
+    float* h = store_f32 ? c.ws->hf.data() + pair * c.I + r0 : g;  // in place is fine: elementwise
+    if (c.act == Activation::GptOss)
+        c.kt->gptoss_glu(g, u, h, rc, c.alpha, c.limit);
+    else
+        c.kt->silu_mul(g, u, h, rc);
+    if (!store_f32) {
+        const Q8Row q = c.h_q8(pair);
+        c.kt->quantize(h, rc, c.deint_dn, const_cast<int8_t*>(q.q) + r0, const_cast<float*>(q.d) + r0 / 32,
+                       const_cast<float*>(q.s) + r0 / 32);
+    }
+}
+
+void decode_gate_up(const Call& c, const Entry& en, int r0, int rc) {
+    const ExpertWeights& w = (*c.experts)[size_t(en.e)];
+    float* G = tls.get(0, size_t(en.n) * rc);
+    float* U = tls.get(1, size_t(en.n) * rc);
+    // All token groups through gate, then all through up: each matrix's rows are read from
+    // memory once and stay in L2 for the next group of four tokens (interleaving gate and
+    // up per group would need both in L2 at once, more than a core's L2 for large H).
+    for (int mi = 0; mi < 2; ++mi) {
+        const MatrixRef& m = mi == 0 ? w.gate : w.up;
+        float* Y = mi == 0 ? G : U;
+        for (int64_t i = 0; i < en.n; i += kMaxGemvTokens) {
+            const int nt = int(std::min<int64_t>(kMaxGemvTokens, en.n - i));
+            if (c.float_fmt) {
+                const float* xs[kMaxGemvTokens];
+                for (int t = 0; t < nt; ++t) xs[t] = c.x32 + c.ws->pair_tok[size_t(en.begin + i + t)] * c.H;
+                c.kt->gemv_f32[c.fmt](m, r0, rc, c.H, xs, nt, Y + i * rc, rc);
+            } else {
+                Q8Row acts[kMaxGemvTokens];
+                for (int t = 0; t < nt; ++t) acts[t] = c.x_q8(c.ws->pair_tok[size_t(en.begin + i + t)]);
+                c.kt->gemv_q8[c.fmt](m, r0, rc, c.H, acts, nt, Y + i * rc, rc);
+            }
+        }
+    }
+    for (int64_t t = 0; t < en.n; ++t) finish_intermediate(c, w, false, en.begin + t, r0, rc, G + t * rc, U + t * rc);
+}
+
+// C[m, npanels * P] += A[m, K] W^T for rows r0 .. r0+rc of the `nmats` matrices (their
+// panels side by side in C). Each panel's rows are dequantized over the whole of K (up to
+// kMaxKc columns at a time) into k-major panels, then every token runs against them.
+//
+// Whole rows, not short column chunks: the rows of a panel are one contiguous run of the
+// stored matrix, which the hardware prefetchers stream at full speed; sixteen segments of
+// a few cache lines at a stride of a row each were mostly cache misses waited for one by
+// one (measured: dequantizing took half as long as the GEMM at 32 tokens per expert with
+// 256-column chunks, a fifth with whole rows).
+void prefill_gemm(const Call& c, Format fmt, const MatrixRef* mats, int nmats, int64_t r0, int rc, int64_t K,
+                  const float* const* a, int m, float* C, int64_t ldc) {
+    const int P = c.kt->panel;
+    const int np = (rc + P - 1) / P;
+    const int kc_max = int(std::min<int64_t>(K, kMaxKc));
+    float* W = tls.get(2, size_t(nmats) * np * kc_max * P);
+    float* tmp = tls.get(3, size_t(P) * (kc_max + 16));
+    if (tls.ptrs.size() < size_t(m)) tls.ptrs.resize(size_t(m));
+    const float** ak = tls.ptrs.data();
+    for (int64_t k0 = 0; k0 < K; k0 += kc_max) {
+        const int kc = int(std::min<int64_t>(kc_max, K - k0));
+        for (int mi = 0; mi < nmats; ++mi)
+            for (int p = 0; p < np; ++p)
+                c.kt->dequant_panel(fmt, mats[mi], r0 + int64_t(p) * P, std::min(P, rc - p * P), k0, kc,
+                                    W + (int64_t(mi) * np + p) * kc * P, tmp);
+        for (int i = 0; i < m; ++i) ak[i] = a[i] + k0;
+        c.kt->gemm_panels(ak, m, W, nmats * np, kc, C, ldc);
+    }
+}
+
+void prefill_gate_up(const Call& c, const Entry& en, int r0, int rc) {
+    const ExpertWeights& w = (*c.experts)[size_t(en.e)];
+    const int P = c.kt->panel;
+    const int64_t cols = int64_t((rc + P - 1) / P) * P;  // gate panels, then up panels
+    const int m = int(en.n);
+    float* C = tls.get(4, size_t(m) * 2 * cols);
+    std::fill(C, C + size_t(m) * 2 * cols, 0.f);
+    std::vector<const float*> a(static_cast<size_t>(m));  // m can exceed the scratch pointer array's use below
+    for (int i = 0; i < m; ++i) a[size_t(i)] = c.x32 + c.ws->pair_tok[size_t(en.begin + i)] * c.H;
+    const MatrixRef mats[2] = {w.gate, w.up};
+    prefill_gemm(c, c.fmt, mats, 2, r0, rc, c.H, a.data(), m, C, 2 * cols);
+    for (int i = 0; i < m; ++i)
+        finish_intermediate(c, w, true, en.begin + i, r0, rc, C + int64_t(i) * 2 * cols, C + int64_t(i) * 2 * cols + cols);
+}
+
+void phase_gate_up(void* ctx, int node, int) {
+    Call& c = *static_cast<Call*>(ctx);
+    const std::vector<Unit>& units = c.ws->units_b[size_t(node)];
+    for (;;) {
+        const int64_t u = c.next[node].fetch_add(1, std::memory_order_relaxed);
+        if (u >= int64_t(units.size())) return;
+        const Unit& unit = units[size_t(u)];
+        const Entry& en = c.ws->entries[size_t(unit.entry)];
+        if (en.prefill)
+            prefill_gate_up(c, en, unit.r0, unit.rows);
+        else
+            decode_gate_up(c, en, unit.r0, unit.rows);
+    }
+}
+
+// ---- phase C: down, weighted into the output ------------------------------------------
+
+void accumulate(const Call& c, float* out, const ExpertWeights& w, int64_t pair, int r0, int rc, const float* y) {
+    float* o = out + c.ws->pair_tok[size_t(pair)] * c.H + r0;
+    const float wt = c.ws->pair_w[size_t(pair)];
+    if (w.down_bias) {
+        const float* b = w.down_bias + r0;
+        for (int j = 0; j < rc; ++j) o[j] += wt * (y[j] + b[j]);
+    } else {
+        for (int j = 0; j < rc; ++j) o[j] += wt * y[j];
+    }
+}
+
+void down_rows(const Call& c, int node, int r0, int rc) {
+    float* out = c.out_of(node);
+    for (int64_t t = 0; t < c.T; ++t) std::fill(out + t * c.H + r0, out + t * c.H + r0 + rc, 0.f);
+    for (int32_t ei : c.ws->entries_of[size_t(node)]) {
+        const Entry& en = c.ws->entries[size_t(ei)];
+        const ExpertWeights& w = (*c.experts)[size_t(en.e)];
+        if (en.prefill) {
+            const int P = c.kt->panel;
+            const int64_t cols = int64_t((rc + P - 1) / P) * P;
+            const int m = int(en.n);
+            float* C = tls.get(5, size_t(m) * cols);
+            std::fill(C, C + size_t(m) * cols, 0.f);
+            std::vector<const float*> a(static_cast<size_t>(m));
+            for (int i = 0; i < m; ++i) a[size_t(i)] = c.ws->hf.data() + (en.begin + i) * c.I;
+            prefill_gemm(c, c.fmt_dn, &w.down, 1, r0, rc, c.I, a.data(), m, C, cols);
+            for (int i = 0; i < m; ++i) accumulate(c, out, w, en.begin + i, r0, rc, C + int64_t(i) * cols);
+            continue;
+        }
+        float* Y = tls.get(0, size_t(kMaxGemvTokens) * rc);
+        for (int64_t i = 0; i < en.n; i += kMaxGemvTokens) {
+            const int nt = int(std::min<int64_t>(kMaxGemvTokens, en.n - i));
+            if (c.float_dn) {
+                const float* hs[kMaxGemvTokens];
+                for (int t = 0; t < nt; ++t) hs[t] = c.ws->hf.data() + (en.begin + i + t) * c.I;
+                c.kt->gemv_f32[c.fmt_dn](w.down, r0, rc, c.I, hs, nt, Y, rc);
+            } else {
+                Q8Row acts[kMaxGemvTokens];
+                for (int t = 0; t < nt; ++t) acts[t] = c.h_q8(en.begin + i + t);
+                c.kt->gemv_q8[c.fmt_dn](w.down, r0, rc, c.I, acts, nt, Y, rc);
+            }
+            for (int t = 0; t < nt; ++t) accumulate(c, out, w, en.begin + i + t, r0, rc, Y + t * rc);
+        }
+    }
+}
+
+void phase_down(void* ctx, int node, int) {
+    Call& c = *static_cast<Call*>(ctx);
+    if (c.ws->entries_of[size_t(node)].empty()) return;  // nothing on this node: its output stays unused
+    const int64_t n_units = (c.H + c.rows_c - 1) / c.rows_c;
+    for (;;) {
+        const int64_t u = c.next[node].fetch_add(1, std::memory_order_relaxed);
+        if (u >= n_units) return;
+        const int r0 = int(u * c.rows_c);
+        down_rows(c, node, r0, int(std::min<int64_t>(c.rows_c, c.H - r0)));
+    }
+}
+
+// ---- phase D (more than one node): add the other nodes' partial outputs ----------------
+
+void phase_reduce(void* ctx, int, int) {
+    Call& c = *static_cast<Call*>(ctx);
+    for (;;) {
+        const int64_t t = c.next[0].fetch_add(1, std::memory_order_relaxed);
+        if (t >= c.T) return;
+        float* o = c.out + t * c.H;
+        for (int n = 1; n < c.nodes; ++n) {
+            if (c.ws->entries_of[size_t(n)].empty()) continue;
+            const float* p = c.out_of(n) + t * c.H;
+            for (int64_t i = 0; i < c.H; ++i) o[i] += p[i];
+        }
+    }
+}
+
+void reset_counters(Call& c) {
+    for (int n = 0; n < std::max(1, c.nodes); ++n) c.next[n].store(0, std::memory_order_relaxed);
+}
+
+}  // namespace
+
+// ---- the layer -----------------------------------------------------------------------
+
+MoELayer::MoELayer(Format fmt, Format down_fmt, int64_t hidden, int64_t inter, std::vector<ExpertWeights> experts, std::vector<uint8_t> cpu,
+                   Activation act, float alpha, float limit)
+    : fmt_(fmt), down_fmt_(down_fmt), H_(hidden), I_(inter), experts_(std::move(experts)), cpu_(std::move(cpu)), act_(act), alpha_(alpha),
+      limit_(limit) {
+    cpu_.resize(experts_.size(), 0);
+    rank_.assign(experts_.size(), 0);
+    int r = 0;
+    for (size_t e = 0; e < experts_.size(); ++e)
+        if (cpu_[e]) rank_[e] = r++;
+}
+
+int64_t MoELayer::n_cpu_experts() const {
+    return int64_t(std::count(cpu_.begin(), cpu_.end(), uint8_t(1)));
+}
+
+int MoELayer::node_of(int64_t e, int n_nodes) const {
+    return n_nodes <= 1 ? 0 : rank_[size_t(e)] % n_nodes;
+}
+
+int64_t MoELayer::expert_bytes() const {
+    auto bytes = [](Format fmt, int64_t rows, int64_t K) {
+        const FormatInfo& f = kFormats[fmt];
+        return rows * (K / f.block) * (f.block_bytes + f.scale_bytes);
+    };
+    return 2 * bytes(fmt_, I_, H_) + bytes(down_fmt_, H_, I_);
+}
+
+int MoELayer::bind_to_nodes(const Executor& exec) {
+    if (exec.nodes() <= 1) return 0;
+    int bound = 0;
+    auto bind = [&](const MatrixRef& m, int64_t rows, int node) {
+        if (m.data) bound += bind_memory_to_node(m.data, size_t(rows * m.row_stride), node);
+        if (m.scales) bound += bind_memory_to_node(m.scales, size_t(rows * m.scale_row_stride), node);
+    };
+    for (size_t e = 0; e < experts_.size(); ++e) {
+        if (!cpu_[e]) continue;
+        const int node = exec.node_id(node_of(int64_t(e), exec.nodes()));
+        bind(experts_[e].gate, I_, node);
+        bind(experts_[e].up, I_, node);
+        bind(experts_[e].down, H_, node);
+    }
+    return bound;
+}
+
+void MoELayer::forward(Executor& exec, const KernelTable& kt, const void* x, bool x_bf16, int64_t T, const int64_t* ids,
+                       const float* weights, int k, float* out, Regime regime, int prefill_min_tokens) const {
+    if (T <= 0) return;
+    std::lock_guard<std::mutex> lock(g_call_mutex);
+    Workspace& ws = g_ws;
+    const int64_t E = n_experts();
+    const int nodes = exec.nodes();
+    const FormatInfo& fi = kFormats[fmt_];
+    const FormatInfo& fd = kFormats[down_fmt_];
+
+    // Route: pairs grouped by expert (tokens ascending within an expert), CPU experts only.
+    ws.counts.assign(size_t(E), 0);
+    int64_t P = 0;
+    for (int64_t i = 0; i < T * k; ++i)
+        if (is_cpu(ids[i])) {
+            ++ws.counts[size_t(ids[i])];
+            ++P;
+        }
+    if (P == 0) {
+        std::fill(out, out + T * H_, 0.f);
+        return;
+    }
+    grow(ws.pair_tok, size_t(P));
+    grow(ws.pair_w, size_t(P));
+    ws.entries.clear();
+    std::vector<int64_t> cursor(static_cast<size_t>(E), 0);
+    for (int64_t e = 0, begin = 0; e < E; ++e) {
+        const int64_t n = ws.counts[size_t(e)];
+        if (!n) continue;
+        cursor[size_t(e)] = begin;
+        const bool prefill = regime == Regime::Prefill || (regime == Regime::Auto && n >= prefill_min_tokens);
+        ws.entries.push_back(Entry{e, begin, n, prefill, node_of(e, nodes)});
+        begin += n;
+    }
+    for (int64_t i = 0; i < T * k; ++i) {
+        const int64_t e = ids[i];
+        if (!is_cpu(e)) continue;
+        const int64_t p = cursor[size_t(e)]++;
+        ws.pair_tok[size_t(p)] = i / k;
+        ws.pair_w[size_t(p)] = weights[i];
+    }
+
+    // Which tokens need Q8 activations (those of decode-regime experts, quantized formats).
+    ws.need_q.assign(size_t(T), 0);
+    bool any_decode = false, any_prefill = false;
+    for (const Entry& en : ws.entries) {
+        any_decode |= !en.prefill;
+        any_prefill |= en.prefill;
+        if (!en.prefill && !fi.float_acts)
+            for (int64_t i = 0; i < en.n; ++i) ws.need_q[size_t(ws.pair_tok[size_t(en.begin + i)])] = 1;
+    }
+
+    Call c;
+    c.kt = &kt;
+    c.fmt = fmt_;
+    c.fmt_dn = down_fmt_;
+    c.deint = fi.deinterleave;
+    c.float_fmt = fi.float_acts;
+    c.deint_dn = fd.deinterleave;
+    c.float_dn = fd.float_acts;
+    c.T = T;
+    c.H = H_;
+    c.I = I_;
+    c.experts = &experts_;
+    c.act = act_;
+    c.alpha = alpha_;
+    c.limit = limit_;
+    c.x = x;
+    c.x_bf16 = x_bf16;
+    c.ws = &ws;
+    c.out = out;
+    c.nodes = nodes;
+    c.next.reset(new std::atomic<int64_t>[size_t(std::max(1, nodes))]);
+    if (x_bf16) grow(ws.xf, size_t(T * H_));
+    c.x32 = x_bf16 ? ws.xf.data() : static_cast<const float*>(x);
+    if (!fi.float_acts && any_decode) {
+        grow(ws.xq, size_t(T * H_));
+        grow(ws.xd, size_t(T * H_ / 32));
+        grow(ws.xs, size_t(T * H_ / 32));
+    }
+    if (!fd.float_acts && any_decode) {
+        grow(ws.hq, size_t(P * I_));
+        grow(ws.hd, size_t(P * I_ / 32));
+        grow(ws.hs, size_t(P * I_ / 32));
+    }
+    if (any_prefill || fd.float_acts) grow(ws.hf, size_t(P * I_));
+    if (nodes > 1) grow(ws.node_out, size_t(int64_t(nodes - 1) * T * H_));
+
+    // Work units. Phase B: (expert, rows) with prefill units first, so that the long ones
+    // start early and the short decode units fill the gaps at the end. Decode rows come in
+    // multiples of 32 (one Q8 block of the intermediate per 32 rows).
+    const int threads = exec.threads();
+    ws.units_b.assign(size_t(nodes), {});
+    ws.entries_of.assign(size_t(nodes), {});
+    // Decode units: 64 rows when there are enough units to go round and 64 rows of one
+    // matrix stay well inside L2 (reused by every group of four tokens), else 32.
+    int64_t decode_rows_total = 0;
+    for (const Entry& en : ws.entries)
+        if (!en.prefill) decode_rows_total += I_;
+    const int64_t row_bytes = H_ / fi.block * (fi.block_bytes + fi.scale_bytes);
+    const int decode_rows = (decode_rows_total / 64 >= 8 * threads && 64 * row_bytes <= 256 * 1024) ? 64 : 32;
+    for (int pass = 0; pass < 2; ++pass) {
+        for (size_t ei = 0; ei < ws.entries.size(); ++ei) {
+            const Entry& en = ws.entries[ei];
+            if (en.prefill != (pass == 0)) continue;
+            // A prefill unit is one panel of gate rows and one of up rows (dequantized over
+            // all of H, see prefill_gemm): many small units keep the threads balanced.
+            const int step = en.prefill ? kt.panel : decode_rows;
+            for (int64_t r0 = 0; r0 < I_; r0 += step)
+                ws.units_b[size_t(en.node)].push_back(
+                    Unit{int32_t(ei), int32_t(r0), int32_t(std::min<int64_t>(step, I_ - r0))});
+        }
+    }
+    for (size_t ei = 0; ei < ws.entries.size(); ++ei) ws.entries_of[size_t(ws.entries[ei].node)].push_back(int32_t(ei));
+    // Phase C units: rows of H, sized so that each thread gets a few (a unit covers every
+    // expert of its node, so units never write the same output element).
+    {
+        const int per_node_threads = std::max(1, threads / std::max(1, nodes));
+        const int align = std::max(32, kt.panel);
+        int rows = int(H_ / (4 * per_node_threads));
+        rows = std::max(align, std::min(64, rows / align * align));
+        c.rows_c = rows;
+    }
+
+    c.a_units = (T + 3) / 4;
+    if (x_bf16 || any_decode) {
+        reset_counters(c);
+        exec.run(phase_prepare, &c);
+    }
+    reset_counters(c);
+    exec.run(phase_gate_up, &c);
+    reset_counters(c);
+    exec.run(phase_down, &c);
+    if (nodes > 1) {
+        // Node 0 may have had no experts: its output rows were then never zeroed.
+        if (ws.entries_of[0].empty()) std::fill(out, out + T * H_, 0.f);
+        reset_counters(c);
+        exec.run(phase_reduce, &c);
+    }
+}
+
+}  // namespace hmoe

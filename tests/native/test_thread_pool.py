@@ -1,0 +1,123 @@
+"""The native kernels' threads: which cores they take, NUMA grouping, the GIL, determinism."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from backend.bench.synthetic_experts import make_host_experts, random_routing
+from backend.engine import native_experts
+
+pytestmark = pytest.mark.skipif(not native_experts.available(), reason="native extension not built")
+_native = native_experts._native
+
+
+def fake_sysfs(root, cpus: dict[int, tuple[int, int]], nodes: dict[int, str]) -> str:
+    """cpus: logical cpu -> (package, core id); nodes: node -> cpulist text."""
+    for cpu, (pkg, core) in cpus.items():
+        d = root / "devices/system/cpu" / f"cpu{cpu}" / "topology"
+        d.mkdir(parents=True)
+        (d / "physical_package_id").write_text(f"{pkg}\n")
+        (d / "core_id").write_text(f"{core}\n")
+    node_dir = root / "devices/system/node"
+    node_dir.mkdir(parents=True)
+    (node_dir / "online").write_text(",".join(str(n) for n in nodes) + "\n")
+    for n, cpulist in nodes.items():
+        (node_dir / f"node{n}").mkdir()
+        (node_dir / f"node{n}" / "cpulist").write_text(cpulist + "\n")
+    return str(root)
+
+
+def test_one_thread_per_physical_core_grouped_by_node(tmp_path):
+    # Two sockets = two nodes, two cores each, SMT siblings cpu i and i + 4.
+    cpus = {i: (i % 4 // 2, i % 2) for i in range(8)}
+    root = fake_sysfs(tmp_path, cpus, {0: "0-1,4-5", 1: "2-3,6-7"})
+    assert _native.topology(root, list(range(8))) == [(0, [0, 1]), (1, [2, 3])]
+    # The affinity mask decides which sibling represents a core, and drops cores.
+    assert _native.topology(root, [5, 2, 3, 6]) == [(0, [5]), (1, [2, 3])]
+
+
+def test_without_numa_information_all_cores_are_one_node(tmp_path):
+    cpus = {i: (0, i) for i in range(3)}
+    for cpu, (pkg, core) in cpus.items():
+        d = tmp_path / "devices/system/cpu" / f"cpu{cpu}" / "topology"
+        d.mkdir(parents=True)
+        (d / "physical_package_id").write_text(f"{pkg}\n")
+        (d / "core_id").write_text(f"{core}\n")
+    assert _native.topology(str(tmp_path), [0, 1, 2]) == [(0, [0, 1, 2])]
+
+
+def _layer(seed=8, E=9, H=256, I=256, fmt="q4_k"):
+    rng = np.random.default_rng(seed)
+    experts = make_host_experts(rng, fmt, E, H, I, range(E))
+    ids, w = random_routing(rng, 40, E, 4)
+    return native_experts.native_for(experts), torch.randn(40, H), ids, w
+
+
+@pytest.fixture
+def restore_pool():
+    yield
+    _native.simulate_nodes(0)
+    _native.set_num_threads(0)
+
+
+def test_result_does_not_depend_on_the_thread_count(restore_pool):
+    """Every output element is summed by one thread in a fixed order (units never share an
+    output element): bit-identical results whatever the number of threads."""
+    native, x, ids, w = _layer()
+    for regime in ("decode", "prefill"):
+        outs = []
+        for threads in (1, 2):
+            _native.set_num_threads(threads)
+            outs.append(native.forward(x, ids, w, regime=regime))
+        assert torch.equal(outs[0], outs[1]), regime
+
+
+def test_multi_node_split_matches_one_node(restore_pool):
+    """Experts spread over two (simulated) nodes, each with its own pool and partial output."""
+    native, x, ids, w = _layer(seed=9, fmt="q8_0")
+    for regime in ("decode", "prefill"):
+        _native.simulate_nodes(0)
+        one = native.forward(x, ids, w, regime=regime)
+        _native.simulate_nodes(2)
+        assert _native.isa_info()["numa_nodes"] == 2
+        two = native.forward(x, ids, w, regime=regime)
+        # Each node sums its own experts, then the partial outputs are added: the same
+        # terms in another order, equal to rounding.
+        assert torch.allclose(one, two, rtol=1e-5, atol=1e-5), regime
+
+
+def _count_for(seconds: float, stop=None) -> tuple[int, float]:
+    ticks, t0 = 0, time.perf_counter()
+    while (stop is None and time.perf_counter() - t0 < seconds) or (stop is not None and not stop.is_set()):
+        ticks += 1  # pure Python: runs only while this thread holds the GIL
+    return ticks, time.perf_counter() - t0
+
+
+def test_the_call_releases_the_gil():
+    """While one Python thread is in the kernels, another keeps running Python code."""
+    native, _, _, _ = _layer(seed=10, E=16, H=1024, I=1024, fmt="q8_0")
+    x = torch.randn(256, 1024)
+    ids, w = random_routing(np.random.default_rng(0), 256, 16, 8)
+    native.forward(x, ids, w)  # warm up
+    ticks, elapsed = _count_for(0.2)
+    rate = ticks / elapsed  # loop iterations per second with the GIL to itself
+
+    done = threading.Event()
+
+    def work():
+        for _ in range(3):
+            native.forward(x, ids, w)
+        done.set()
+
+    th = threading.Thread(target=work)
+    th.start()
+    ticks, elapsed = _count_for(0, stop=done)
+    th.join()
+    # With the GIL held for the calls, this loop would run only between them (a small
+    # fraction of the time); released, it shares the cores with the kernel threads.
+    assert elapsed > 0.01 and ticks / elapsed > 0.2 * rate, (ticks, elapsed, rate)

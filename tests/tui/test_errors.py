@@ -1,0 +1,69 @@
+"""Failures of backend work end in a dialog that says what to do; the app keeps running."""
+
+from __future__ import annotations
+
+from app.tui.app import HybridMoeApp
+from app.tui.screens.chat import ChatScreen
+from app.tui.screens.dialogs import ErrorDialog
+from app.tui.screens.setup import SetupScreen
+from backend.errors import HybridMoeError
+from backend.settings import Settings, state_dir
+from tests.tui.helpers import text_of, until, until_screen
+
+
+async def test_a_backend_error_is_a_dialog_with_the_hint(services):
+    services.detect_error = HybridMoeError("cannot read /sys/devices", "Run it outside the sandbox.")
+    app = HybridMoeApp(services)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await until_screen(pilot, app, ErrorDialog)
+        dialog = app.screen
+        assert text_of(dialog.query_one("#error-message")) == "cannot read /sys/devices"
+        assert text_of(dialog.query_one("#error-hint")) == "Run it outside the sandbox."
+        await pilot.press("enter")
+        await until(pilot, lambda: isinstance(app.screen, SetupScreen))
+        assert app.is_running
+        # and the work can be tried again once the cause is gone
+        services.detect_error = None
+        app.screen._detect(False, app.settings)
+        await until(pilot, lambda: not app.screen.query_one("#hardware-next").disabled)
+
+
+async def test_a_bug_is_reported_briefly_and_logged(services):
+    services.detect_error = RuntimeError("index out of range somewhere")
+    app = HybridMoeApp(services)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await until_screen(pilot, app, ErrorDialog)
+        assert "RuntimeError: index out of range somewhere" in text_of(app.screen.query_one("#error-message"))
+        assert "errors.log" in text_of(app.screen.query_one("#error-hint"))
+    log = (state_dir() / "errors.log").read_text()
+    assert "Traceback" in log and "index out of range somewhere" in log
+
+
+async def test_a_model_that_does_not_fit_says_so_when_loading(configured):
+    from backend.hardware.overrides import apply_overrides
+    from backend.hardware.presets import preset
+    from tests.tui.fakes import this_machine
+    from backend.units import GiB
+
+    configured.hardware = this_machine(apply_overrides(preset("cpu-only"), ram=4 * GiB))  # Qwen3-30B needs ~60 GB
+    app = HybridMoeApp(configured)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await until_screen(pilot, app, ErrorDialog)
+        assert "does not fit this machine" in text_of(app.screen.query_one("#error-message"))
+        assert "Plan screen" in text_of(app.screen.query_one("#error-hint"))
+        await pilot.press("escape")
+        chat = app.screen
+        assert isinstance(chat, ChatScreen) and chat.session is None and chat.loading_target is None
+
+
+async def test_a_broken_settings_file_is_reported_and_defaults_are_used(services):
+    from backend.settings import settings_path
+
+    settings_path().parent.mkdir(parents=True, exist_ok=True)
+    settings_path().write_text("context = 'lots'\n")
+    app = HybridMoeApp(services)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await until_screen(pilot, app, ErrorDialog)
+        assert "context must be a int" in text_of(app.screen.query_one("#error-message"))
+        assert app.settings == Settings()
+

@@ -1,0 +1,120 @@
+"""`hybridmoe run` as scripts use it: the installed command, a tiny real model, pipes (so
+stderr is not a terminal and stays quiet), exit codes, and Ctrl-C.
+
+The runs that load the model start together in one fixture: each spends most of its time
+importing torch, and two cores do two of those at once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+import pytest
+
+PROMPT = "Hello!"
+
+
+def command(*args) -> list[str]:
+    exe = shutil.which("hybridmoe")
+    return [*([exe] if exe else [sys.executable, "-m", "app.cli"]), *map(str, args)]
+
+
+def start(*args, env, stdin=subprocess.DEVNULL) -> subprocess.Popen:
+    return subprocess.Popen(command(*args), stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env=env, text=True)
+
+
+@pytest.fixture(scope="module")
+def env(tiny_model, tmp_path_factory):
+    home = tmp_path_factory.mktemp("headless-home")
+    env = dict(os.environ)
+    for var in ("XDG_CONFIG_HOME", "XDG_DATA_HOME", "XDG_STATE_HOME", "XDG_CACHE_HOME"):
+        env[var] = str(home / var.lower())
+    env["HF_HOME"] = str(home / "hf")
+    env["HF_HUB_OFFLINE"] = "1"
+    env.pop("HYBRIDMOE_CONFIG", None)
+    return env
+
+
+SYSTEM = "Answer in French."
+# Greedy (so two runs agree), with every sampling flag given: they must be accepted and passed on.
+FLAGS = ("--max-tokens", "12", "--temperature", "0", "--top-k", "5", "--top-p", "0.9", "--min-p", "0.01",
+         "--repetition-penalty", "1.1", "--seed", "7", "--context", "256", "--system", SYSTEM)
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_model, env):
+    """All the runs at once: the same prompt with -p and --json and on standard input
+    (``-p -``) as plain text, two that fail, and a long generation for the Ctrl-C test
+    (left running)."""
+    procs = {
+        "json": start("run", "-m", tiny_model, *FLAGS, "-p", PROMPT, "--json", "--backend", "engine", env=env),
+        "stdin": start("run", "-m", tiny_model, *FLAGS, "-p", "-", env=env, stdin=subprocess.PIPE),
+        "usage": start("run", "-p", "hi", env=env),  # exit 2, before any model is read
+        "missing": start("run", "-m", "/no/such/model", "-p", "hi", env=env),
+    }
+    long_run = start("run", "-m", tiny_model, "-p", PROMPT, "--temperature", "0", "--max-tokens", "100000",
+                     "--context", "4096", env=env)
+    procs["stdin"].stdin.write(PROMPT)
+    procs["stdin"].stdin.close()
+    procs["stdin"].stdin = None  # written and closed: communicate() has nothing to send
+    results = {}
+    for name, proc in procs.items():
+        out, err = proc.communicate(timeout=240)
+        results[name] = (proc.returncode, out, err)
+    results["long"] = long_run
+    yield results
+    long_run.kill()
+
+
+def test_json_is_one_object_and_stderr_is_quiet(runs):
+    code, out, err = runs["json"]
+    assert code == 0, err
+    assert err == ""  # not a terminal: no progress, no statistics
+    answer = json.loads(out)
+    assert set(answer) >= {"model", "backend", "text", "token_ids", "finish_reason", "stats"}
+    assert answer["backend"] == "engine" and answer["finish_reason"] in ("stop", "length")
+    assert 1 <= len(answer["token_ids"]) <= 12
+    assert answer["stats"]["generated_tokens"] == len(answer["token_ids"])
+
+
+def test_the_system_prompt_is_part_of_the_prompt(runs, tiny_model):
+    from backend.engine.chat_template import ChatTemplate
+    from backend.engine.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(tiny_model)
+    text = ChatTemplate.for_tokenizer(tokenizer).render(
+        [{"role": "system", "content": SYSTEM}, {"role": "user", "content": PROMPT}], add_generation_prompt=True)
+    assert json.loads(runs["json"][1])["stats"]["prompt_tokens"] == len(tokenizer.encode_prompt(text))
+
+
+def test_the_prompt_from_stdin_gives_the_same_answer_as_text(runs):
+    code, out, err = runs["stdin"]
+    assert code == 0, err
+    assert err == ""
+    text = json.loads(runs["json"][1])["text"]
+    assert out == text + ("" if text.endswith("\n") else "\n")
+
+
+@pytest.mark.parametrize("run,code,needle", [("usage", 2, "-m/--model"), ("missing", 1, "does not exist")])
+def test_errors_exit_with_one_line_and_the_right_code(runs, run, code, needle):
+    returncode, out, err = runs[run]
+    assert returncode == code, err
+    assert needle in err and "Traceback" not in err
+    assert out == ""
+
+
+def test_ctrl_c_stops_generation_keeps_the_text_and_exits_130(runs):
+    proc = runs["long"]
+    first = proc.stdout.read(1)  # generation has started once the first character is out
+    assert first, proc.stderr.read()
+    proc.send_signal(signal.SIGINT)
+    rest, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err
+    assert (first + rest).strip()  # what was generated stays on stdout

@@ -1,0 +1,69 @@
+"""The layout of the main screens, as SVG snapshots (pytest-textual-snapshot).
+
+`pytest tests/tui/test_snapshots.py --snapshot-update` accepts new ones after a deliberate
+change; look at them first (they open in a browser). Everything on these screens is made
+deterministic by the fakes: the hardware, the scripted answer and its statistics.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("pytest_textual_snapshot")
+
+from app.tui.app import HybridMoeApp  # noqa: E402
+from app.tui.screens.chat import ChatScreen  # noqa: E402
+from app.tui.screens.models import ModelsScreen  # noqa: E402
+from app.tui.screens.plan import PlanScreen  # noqa: E402
+from app.tui.screens.setup import SetupScreen  # noqa: E402
+from app.tui.widgets.chat_message import ChatMessage  # noqa: E402
+from app.tui.widgets.plan_editor import PlanEditor  # noqa: E402
+from app.tui.widgets.prompt import PromptInput  # noqa: E402
+from tests.tui.helpers import until  # noqa: E402
+
+
+def test_setup_hardware_step(snap_compare, services):
+    async def ready(pilot):
+        app = pilot.app
+        await until(pilot, lambda: isinstance(app.screen, SetupScreen) and app.screen.catalogue is not None)
+        await pilot.pause()
+
+    assert snap_compare(HybridMoeApp(services), terminal_size=(80, 24), run_before=ready)
+
+
+def test_chat_with_an_answer(snap_compare, configured):
+    async def answered(pilot):
+        app = pilot.app
+        await until(pilot, lambda: isinstance(app.screen, ChatScreen) and app.screen.session is not None)
+        chat = app.screen
+        prompt = chat.query_one(PromptInput)
+        prompt.cursor_blink = False  # a blinking cursor makes two screenshots differ
+        prompt.text = "Show me some code"
+        await pilot.press("enter")
+        await until(pilot, lambda: len(chat.query(ChatMessage)) == 2 and not chat.generating)
+        await pilot.pause()
+
+    assert snap_compare(HybridMoeApp(configured), terminal_size=(100, 30), run_before=answered)
+
+
+def test_plan_screen(snap_compare, configured):
+    async def planned(pilot):
+        app = pilot.app
+        await until(pilot, lambda: isinstance(app.screen, ChatScreen) and app.screen.session is not None)
+        await pilot.press("f4")
+        await until(pilot, lambda: isinstance(app.screen, PlanScreen) and app.screen.query(PlanEditor)
+                    and app.screen.query_one(PlanEditor).plan is not None)
+        await pilot.pause()
+
+    assert snap_compare(HybridMoeApp(configured), terminal_size=(120, 40), run_before=planned)
+
+
+def test_models_screen(snap_compare, configured):
+    async def listed(pilot):
+        app = pilot.app
+        await until(pilot, lambda: isinstance(app.screen, ChatScreen))
+        await pilot.press("f3")
+        await until(pilot, lambda: isinstance(app.screen, ModelsScreen) and app.screen.catalogue is not None)
+        await pilot.pause()
+
+    assert snap_compare(HybridMoeApp(configured), terminal_size=(120, 30), run_before=listed)
