@@ -95,7 +95,8 @@ class History:
         now = _now()
         with self._db:
             cur = self._db.execute(
-                "INSERT INTO conversations (title, model, system_prompt, created_at, updated_at) VALUES (?, ?, ?, ?, ?)",
+                "INSERT INTO conversations (title, model, system_prompt, created_at, updated_at) "
+                "VALUES (?, ?, ?, ?, ?)",
                 (title, model, system_prompt, now, now),
             )
         return Conversation(cur.lastrowid, title, model, system_prompt, now, now)

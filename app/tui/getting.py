@@ -38,7 +38,8 @@ def variants(entry, convert_quants: tuple[str, ...]) -> list[Variant]:
     """Every variant of a catalogue entry with its size and where it comes from."""
     out = []
     ck = entry.checkpoint_size()
-    out.append(Variant("checkpoint", f"checkpoint ({entry.spec.expert_format}), {fmt_bytes(ck.bytes)} from {entry.repo}",
+    out.append(Variant("checkpoint",
+                       f"checkpoint ({entry.spec.expert_format}), {fmt_bytes(ck.bytes)} from {entry.repo}",
                        job_for(entry, "checkpoint", convert_quants)))
     for q in entry.quants:
         size = entry.quant_size(q)
@@ -57,7 +58,8 @@ def parse_typed(text: str, catalogue, convert_quants: tuple[str, ...]) -> Job | 
     if path.exists():
         return path
     if text.startswith(("/", "~", ".")):
-        raise UsageError(f"{text} does not exist.", "Check the path, or type a Hub repository such as Qwen/Qwen3-30B-A3B.")
+        raise UsageError(f"{text} does not exist.",
+                         "Check the path, or type a Hub repository such as Qwen/Qwen3-30B-A3B.")
     repo, _, quant = text.partition(":")
     if repo.count("/") == 1 and all(repo.split("/")):
         return Job(repo=repo, quant=quant or None)

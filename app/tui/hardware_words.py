@@ -58,7 +58,8 @@ def warnings(hw: HardwareProfile, smallest_model_bytes: int | None = None) -> li
         room = mem.usable_bytes + sum(g.total_bytes or 0 for g in hw.served_gpus)
         if room < smallest_model_bytes:
             out.append(f"Memory ({fmt_bytes(room)} with the GPUs) is smaller than any model in the catalogue "
-                       f"(the smallest needs {fmt_bytes(smallest_model_bytes)}); a smaller model on disk may still run.")
+                       f"(the smallest needs {fmt_bytes(smallest_model_bytes)}); "
+                       "a smaller model on disk may still run.")
     return out
 
 

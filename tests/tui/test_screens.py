@@ -11,7 +11,6 @@ from app.tui.screens.dialogs import ChoiceDialog, ConfirmDialog, TextScreen
 from app.tui.screens.hardware import HardwareScreen
 from app.tui.screens.models import ModelsScreen
 from app.tui.screens.plan import PlanScreen
-from app.tui.screens.transfer import TransferScreen
 from app.tui.widgets.plan_editor import PlanEditor
 from backend import settings as settings_module
 from backend.hub.local import LocalModel

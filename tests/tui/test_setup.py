@@ -63,7 +63,7 @@ async def test_wizard_from_hardware_to_a_chat_answer(services, tmp_path):
         await pilot.pause()
         assert editor.plan.workload.context == 8192
         assert editor.plan.kv_bytes_per_conversation < first.kv_bytes_per_conversation
-        await pilot.click("#layout-save")
+        await pilot.press("ctrl+s")  # Save and load (the button is below the picture)
 
         # 5 Load, then the chat answers
         await until(pilot, lambda: isinstance(app.screen, ChatScreen) and app.screen.session is not None,

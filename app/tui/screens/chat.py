@@ -18,7 +18,7 @@ from textual.binding import Binding
 from textual.containers import Vertical, VerticalScroll
 from textual.message import Message
 from textual.screen import Screen
-from textual.widgets import Footer, Label, ProgressBar, Static
+from textual.widgets import Footer, Label, ProgressBar
 
 from app.history import Conversation, title_for
 from app.tui.screens.chat_settings import ChatSettingsScreen, sampling_params

@@ -49,7 +49,7 @@ class ChatSettingsScreen(ModalScreen[tuple[str, dict[str, Any]] | None]):
         with Vertical(classes="dialog-box wide"):
             yield Label("Chat settings", classes="dialog-title")
             yield Label("System prompt (this conversation and new ones)")
-            yield TextArea(self.system_prompt, id="system-prompt", soft_wrap=True)
+            yield TextArea(self.system_prompt, id="system-prompt", soft_wrap=True, compact=True)
             with Grid(id="sampling-grid"):
                 for name, label, kind in FIELDS:
                     value = self.sampling.get(name)
@@ -57,8 +57,8 @@ class ChatSettingsScreen(ModalScreen[tuple[str, dict[str, Any]] | None]):
                     yield Input("" if value is None else str(value), type=kind, id=f"sampling-{name}", compact=True)
             yield Static("", id="settings-error")
             with Horizontal(classes="dialog-buttons"):
-                yield Button("Save", variant="primary", id="save")
-                yield Button("Cancel", id="cancel")
+                yield Button("Save", variant="primary", id="save", compact=True)
+                yield Button("Cancel", id="cancel", compact=True)
 
     def on_button_pressed(self, event: Button.Pressed) -> None:
         event.stop()

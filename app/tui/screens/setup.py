@@ -89,7 +89,7 @@ class SetupScreen(ReportsWorkerErrors, Screen):
                 yield Label("Choose a model — fastest on this machine first", classes="section-title")
                 yield DataTable(id="setup-choices", cursor_type="row", zebra_stripes=True)
                 yield Static("Ranking the catalogue for this machine …", id="setup-choices-note", markup=False)
-                yield Input(placeholder="…or type a Hub repo (org/name, org/name:Q4_K_M), a catalogue name or a local path",
+                yield Input(placeholder="…or a Hub repo (org/name[:QUANT]), a catalogue name or a local path",
                             id="setup-typed")
                 with Horizontal(classes="buttons"):
                     yield Button("Back", id="model-back")
@@ -209,7 +209,8 @@ class SetupScreen(ReportsWorkerErrors, Screen):
         self.query_one("#setup-choices-note", Static).update(
             f"{fits} catalogue model(s) fit this machine; {len(event.local)} usable model(s) on disk. "
             "Speeds are the planner's upper bounds." if self.rows else
-            "Nothing in the catalogue fits this machine and no model is on disk: type a smaller model's repository below."
+            "Nothing in the catalogue fits this machine and no model is on disk: "
+            "type a smaller model's repository below."
         )
 
     # ---- 2 model ---------------------------------------------------------------------------------

@@ -38,7 +38,10 @@ class Job:
     model: LocalModel | None = None
 
     def label(self) -> str:
-        what = self.repo + (f" {self.quant}" if self.quant else "") if self.repo else (self.model.name if self.model else "?")
+        if self.repo:
+            what = self.repo + (f" {self.quant}" if self.quant else "")
+        else:
+            what = self.model.name if self.model else "?"
         return what + (f" → GGUF {self.convert_to.upper()}" if self.convert_to else "")
 
 
