@@ -219,7 +219,7 @@ def run(
                     lat, best = _time(torch_call, min(seconds, 1.0), 1, 3)
                     rows.append(Row(label, fmt, T, "pytorch reference", lat, nbytes, app_bw, best_s=best))
                     out(format_rows(rows[-1:], header=False))
-            del experts, native
+            experts = native = None  # free the layer before kt-kernel builds its own copy
             if "kt-kernel" in peers:
                 from backend.bench.kt_kernel_peer import supported_formats
 

@@ -35,8 +35,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from backend.engine import native_experts
-from backend.engine.experts import ExpertActivation, HostExperts, ResidentExperts, experts_forward
 from backend.bench.synthetic_experts import (
     ALL_FORMATS,
     FLOAT_FORMATS,
@@ -44,6 +42,8 @@ from backend.bench.synthetic_experts import (
     make_host_experts,
     random_routing,
 )
+from backend.engine import native_experts
+from backend.engine.experts import ExpertActivation, HostExperts, ResidentExperts, experts_forward
 
 pytestmark = pytest.mark.skipif(not native_experts.available(), reason="native extension not built")
 
@@ -252,8 +252,8 @@ def test_simd_kernels_agree_with_the_portable_ones(name):
 
 def test_unsupported_storage_falls_back():
     """fp8 blocks have no native kernel: the engine gets None and runs the reference."""
-    from backend.engine.quant import from_fp8_block
     from backend.bench.synthetic_experts import DictWeights
+    from backend.engine.quant import from_fp8_block
 
     E, H, I = 3, 128, 128
     w = torch.randn(E, 2 * I, H).to(torch.float8_e4m3fn)
