@@ -217,7 +217,7 @@ def _split_expressions(data: dict) -> tuple[str, ...] | None:
             regexes.append(pattern["Regex"])
         elif kind == "ByteLevel":
             if n.get("use_regex", True):
-                regexes.append(engine_tokenizer._GPT2)
+                regexes.append(engine_tokenizer.GPT2_SPLIT)
         elif kind == "Digits":
             regexes.append(r"\p{N}" if n.get("individual_digits") else r"\p{N}+")
         elif kind != "Sequence":
@@ -229,7 +229,7 @@ def _pre_name(data: dict, family: str, directory: Path) -> str:
     regexes = _split_expressions(data)
     # One table of what each llama.cpp pre-tokenizer name means, shared with the engine's
     # GGUF tokenizer reader, so that the two directions cannot drift apart.
-    table = engine_tokenizer._BPE_PRE
+    table = engine_tokenizer.BPE_PRE_TOKENIZERS
     ignore_merges = bool((data.get("model") or {}).get("ignore_merges"))
     candidates = [name for name, pre in table.items() if regexes is not None and pre.regexes == regexes]
     if not candidates:

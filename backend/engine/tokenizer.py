@@ -12,7 +12,7 @@
   ``tokenizers.Tokenizer``: byte-level BPE with the GGUF's merges and the pre-tokenizer its
   ``tokenizer.ggml.pre`` names ("gpt2" models), or SentencePiece-style BPE with byte fallback
   ("llama" models). The regexes are the ones the original tokenizer.json files use; llama.cpp
-  carries hand-adapted copies of the same expressions (see ``_BPE_PRE``).
+  carries hand-adapted copies of the same expressions (see ``BPE_PRE_TOKENIZERS``).
 
 The result is one ``Tokenizer`` whatever the source, plus ``IncrementalDetokenizer`` for
 streaming text out one token at a time.
@@ -521,7 +521,7 @@ class _PreTokenizer:
 # The split expressions of each pre-tokenizer, as the model's original tokenizer.json writes
 # them; llama.cpp's llama-vocab.cpp holds the same list (some rewritten for its regex engine,
 # e.g. case-insensitive groups spelled out). Names map as in llama.cpp's load_vocab.
-_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 _LLAMA3 = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 _QWEN2 = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 _QWEN35 = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
@@ -569,14 +569,14 @@ _DEEPSEEK_LLM = (
     r"\p{N}+",
 )
 _DEEPSEEK_CODER = ("[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", "[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+", r"\p{N}")
-_FALCON = (r"[\p{P}\$\+<=>\^~\|`]+", _GPT2, "[0-9][0-9][0-9]")
-_DEFAULT = (r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", "[0-9][0-9][0-9]")
+_FALCON = (r"[\p{P}\$\+<=>\^~\|`]+", GPT2_SPLIT, "[0-9][0-9][0-9]")
+_DEFAULT = (r"[\p{P}\$\+<=>\^~\|]+", GPT2_SPLIT, r"\p{N}+", "[0-9][0-9][0-9]")
 
-_BPE_PRE: dict[str, _PreTokenizer] = {}
+BPE_PRE_TOKENIZERS: dict[str, _PreTokenizer] = {}
 for _names, _pre in (
     (("default",), _PreTokenizer(_DEFAULT)),
-    (("gpt-2", "phi-2", "mpt", "olmo", "jais", "trillion", "granite-docling", "exaone4"), _PreTokenizer((_GPT2,))),
-    (("starcoder", "refact", "command-r", "smollm", "codeshell", "exaone", "minerva-7b", "mellum2"), _PreTokenizer((r"\p{N}", _GPT2))),
+    (("gpt-2", "phi-2", "mpt", "olmo", "jais", "trillion", "granite-docling", "exaone4"), _PreTokenizer((GPT2_SPLIT,))),
+    (("starcoder", "refact", "command-r", "smollm", "codeshell", "exaone", "minerva-7b", "mellum2"), _PreTokenizer((r"\p{N}", GPT2_SPLIT))),
     (("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2"), _PreTokenizer((_LLAMA3,), ignore_merges=True, add_bos=True)),
     (("falcon",), _PreTokenizer(_FALCON)),
     (("dbrx", "smaug-bpe"), _PreTokenizer((_LLAMA3,))),
@@ -592,15 +592,15 @@ for _names, _pre in (
     (("kimi-k2",), _PreTokenizer((_KIMI_K2,))),
 ):
     for _name in _names:
-        _BPE_PRE[_name] = _pre
+        BPE_PRE_TOKENIZERS[_name] = _pre
 
-SUPPORTED_GGUF_PRE_TOKENIZERS = frozenset(_BPE_PRE)
+SUPPORTED_GGUF_PRE_TOKENIZERS = frozenset(BPE_PRE_TOKENIZERS)
 
 
 def _gguf_byte_level_bpe(
     path: Path, tokens: list[str], types: list[int], merges: list[str], pre: str
 ) -> tuple[tokenizers.Tokenizer, dict[str, bool]]:
-    spec = _BPE_PRE.get(pre)
+    spec = BPE_PRE_TOKENIZERS.get(pre)
     if spec is None:
         raise UnsupportedModelError(
             f"{path}: the embedded engine does not know the pre-tokenizer {pre!r} (tokenizer.ggml.pre)",
