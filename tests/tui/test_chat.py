@@ -19,7 +19,7 @@ from app.tui.widgets.prompt import PromptInput
 from app.tui.widgets.status_line import StatusLine
 from backend import settings as settings_module
 from textual.widgets import Input, Markdown, TextArea
-from tests.tui.fakes import ANSWER, FakeBackend
+from tests.tui.fakes import ANSWER, FakeBackend, local_model
 from tests.tui.helpers import text_of, until, until_screen
 
 LONG = [f"word{i} " for i in range(400)]
@@ -98,7 +98,7 @@ async def test_answer_streams_in_full_with_stats_and_can_be_regenerated_and_copi
     assert [m.role for m in history.messages(history.conversations()[0].id)] == ["user", "assistant"]
 
 
-async def test_escape_stops_and_keeps_the_partial_answer(configured):
+async def test_escape_stops_and_keeps_the_partial_answer(configured, tmp_path):
     configured.backend = FakeBackend(script=LONG, delay=0.02)
     app = HybridMoeApp(configured)
     async with app.run_test(size=(120, 40)) as pilot:
@@ -111,9 +111,20 @@ async def test_escape_stops_and_keeps_the_partial_answer(configured):
         assert "".join(LONG).startswith(answer.text) and answer.text
         assert answer.query_one(Markdown).source == answer.text
         assert "stopped" in str(answer.query_one(".message-author").content)
+
+        # choosing another model while an answer streams: the answer stops, then it loads
+        other = local_model(tmp_path / "other", "olmoe-1b-7b")
+        second = await _ask(pilot, chat, "Again")
+        await until(pilot, lambda: len(second.pieces) >= 1)
+        app.open_chat(str(other.path))
+        await until(pilot, lambda: chat.session is configured.backend.sessions[-1]
+                    and len(configured.backend.sessions) == 2, what="the other model")
+        assert configured.backend.loads[-1][0] == other.path and configured.backend.sessions[0].closed
+        assert second.text and len(second.pieces) < len(LONG)
     stored = _history().messages(_history().conversations()[0].id)
-    assert [m.role for m in stored] == ["user", "assistant"]
+    assert [m.role for m in stored] == ["user", "assistant", "user", "assistant"]
     assert stored[1].content == answer.text and stored[1].finish_reason == "cancelled"
+    assert stored[3].finish_reason == "cancelled"
 
 
 async def test_history_is_kept_and_reopened(configured):

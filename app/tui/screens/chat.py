@@ -133,6 +133,9 @@ class ChatScreen(ReportsWorkerErrors, Screen):
             return
         if target in (self.loaded_target, self.loading_target, self.failed_target):
             return
+        if self.generating:  # the answer stops first; the new model loads when it has (_finish_answer)
+            self.cancel.cancel()
+            return
         self.load(target)
 
     def load(self, target: tuple) -> None:
@@ -306,6 +309,7 @@ class ChatScreen(ReportsWorkerErrors, Screen):
             status.say(FINISH_NOTES.get(reason, reason))
         self.generating = False
         self.refresh_bindings()
+        self.ensure_loaded()  # another model may have been chosen meanwhile
 
     async def on_worker_failed(self, event: WorkerFailed) -> None:
         # The App shows the dialog (the message bubbles on); here the screen gets usable again.
