@@ -201,42 +201,33 @@ def _fail(source: _Source, parameter: str, problem: str, hint: str) -> HardwareD
     return HardwareDescriptionError(f"{source.at(parameter)}: {problem}", hint)
 
 
-def _size(
-    values: dict[str, Any], parameter: str, source: _Source, label: str, minimum: int = _MIN_SENSIBLE_MEMORY
-) -> int | None:
+def _quantity(values, parameter, source, label, parse, fmt, unit: str, bare: str, minimum: float):
+    """A size or rate from a description: parsed, above zero, and not a bare number that was
+    surely meant with a unit (a "96" for GPU memory is 96 bytes, not 96 GiB)."""
     value = values.get(parameter)
     if value is None:
         return None
     try:
-        size = parse_bytes(value)
+        quantity = parse(value)
     except UnitError as error:
         raise _fail(source, parameter, f"{label}: {error.what}", error.hint or "") from None
-    if size <= 0:
-        raise _fail(source, parameter, f"{label} must be more than 0", f"Give the {label} with a unit, e.g. \"96GiB\".")
-    if size < minimum:
+    if quantity <= 0:
+        raise _fail(source, parameter, f"{label} must be more than 0", f"Give the {label} with a unit, e.g. \"{unit}\".")
+    if quantity < minimum:
         raise _fail(
-            source, parameter, f"{label} {value!r} is only {fmt_bytes(size)}",
-            f"A bare number is bytes; write the unit, e.g. \"{value}GiB\".",
+            source, parameter, f"{label} {value!r} is only {fmt(quantity)}",
+            f"A bare number is {bare}; write the unit, e.g. \"{value}{unit.lstrip('0123456789.')}\".",
         )
-    return size
+    return quantity
+
+
+def _size(values: dict[str, Any], parameter: str, source: _Source, label: str,
+          minimum: int = _MIN_SENSIBLE_MEMORY) -> int | None:
+    return _quantity(values, parameter, source, label, parse_bytes, fmt_bytes, "96GiB", "bytes", minimum)
 
 
 def _rate(values: dict[str, Any], parameter: str, source: _Source, label: str) -> float | None:
-    value = values.get(parameter)
-    if value is None:
-        return None
-    try:
-        rate = parse_rate(value)
-    except UnitError as error:
-        raise _fail(source, parameter, f"{label}: {error.what}", error.hint or "") from None
-    if rate <= 0:
-        raise _fail(source, parameter, f"{label} must be more than 0", f"Give the {label} with a unit, e.g. \"1229GB/s\".")
-    if rate < _MIN_SENSIBLE_RATE:
-        raise _fail(
-            source, parameter, f"{label} {value!r} is only {fmt_rate(rate)}",
-            f"A bare number is bytes/s; write the unit, e.g. \"{value}GB/s\".",
-        )
-    return rate
+    return _quantity(values, parameter, source, label, parse_rate, fmt_rate, "1229GB/s", "bytes/s", _MIN_SENSIBLE_RATE)
 
 
 def _count(values: dict[str, Any], parameter: str, source: _Source, label: str, minimum: int) -> int | None:
