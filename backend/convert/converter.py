@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from backend.convert import kquants
-from backend.convert.encode import encode, int4_to_q4_0, tensor_bytes
+from backend.convert.encode import encode, int4_to_q4_0, mxfp4_to_gguf, tensor_bytes
 from backend.convert.gguf_file import (
     TensorSlot,
     check_free_space,
@@ -37,8 +37,8 @@ from backend.convert.gguf_file import (
     write_gguf,
 )
 from backend.convert.hparams import gguf_arch, write_hparams
-from backend.convert.tensor_plan import OutTensor, Piece, plan_tensors
-from backend.convert.tensor_types import FILE_TYPES, QUANTS, is_int4_copy, storage_type
+from backend.convert.tensor_plan import OutTensor, Piece, mtp_layers, plan_tensors
+from backend.convert.tensor_types import FILE_TYPES, QUANTS, exact_copy_type, storage_type
 from backend.convert.vocab import vocab_from_hf
 from backend.engine.quant import QuantTensor
 from backend.engine.weights import SafetensorsWeights, WeightSource, text_model_weights
@@ -95,7 +95,8 @@ def to_gguf(model_dir: str | Path, out_path: str | Path, quant: str = "q8_0",
     config = spec.config
 
     weights = text_model_weights(SafetensorsWeights(model_dir))
-    plan = plan_tensors(weights, arch, config, spec.num_layers, location=str(model_dir))
+    n_mtp = mtp_layers(weights, arch, config, spec.num_layers, location=str(model_dir))
+    plan = plan_tensors(weights, arch, config, spec.num_layers, location=str(model_dir), n_mtp=n_mtp)
     del weights
     embd = next((t for t in plan if t.name == "token_embd.weight"), None)
     if embd is None:
@@ -120,7 +121,7 @@ def to_gguf(model_dir: str | Path, out_path: str | Path, quant: str = "q8_0",
         writer.add_file_type(FILE_TYPES[quant])
         if any(q not in (Q.F32, Q.F16, Q.BF16) for q in types.values()):
             writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-        write_hparams(writer, spec.family, config, spec.num_layers, source_name)
+        write_hparams(writer, spec.family, config, spec.num_layers, source_name, n_mtp=n_mtp)
         vocab.write(writer)
 
     try:
@@ -137,7 +138,9 @@ def _via_llama_quantizer(out_path: Path, arch: str, metadata, slots: list[Tensor
                          types: dict[str, Q], on_progress: ProgressCallback | None,
                          cancel: CancelToken | None) -> Path:
     """Q4_K_M: a BF16 intermediate next to the target, then llama.cpp's quantizer; both
-    files are checked for room up front and the intermediate is always removed."""
+    files are checked for room up front and the intermediate is always removed. Tensors
+    copied exactly from the checkpoint (int4 -> Q4_0, MXFP4) are named to the quantizer as
+    already in their final type, so that it keeps them rather than re-quantizing them."""
     final = _q4_k_m_estimate(plan, types)
     check_free_space(out_path.parent, padded_size(slots) + final,
                      f"{out_path.name} (Q4_K_M, with its BF16 intermediate)")
@@ -145,8 +148,8 @@ def _via_llama_quantizer(out_path: Path, arch: str, metadata, slots: list[Tensor
     tmp = temporary_path(out_path)
     try:
         write_gguf(intermediate, arch, metadata, slots, on_progress=on_progress, cancel=cancel)
-        kquants.quantize(intermediate, tmp, "q4_k_m", expected_bytes=final,
-                         allow_requantize=any(is_int4_copy(t) for t in plan),
+        keep = {t.name: types[t.name] for t in plan if exact_copy_type(t) is not None}
+        kquants.quantize(intermediate, tmp, "q4_k_m", expected_bytes=final, keep=keep,
                          on_progress=on_progress, cancel=cancel)
         tmp.replace(out_path)
     except OSError as exc:
@@ -161,7 +164,7 @@ def _via_llama_quantizer(out_path: Path, arch: str, metadata, slots: list[Tensor
 def _q4_k_m_estimate(plan: list[OutTensor], types: dict[str, Q]) -> int:
     total = 0
     for t in plan:
-        if types[t.name] in (Q.F32,) or t.row % 256:
+        if types[t.name] in (Q.F32,) or t.row % 256 or exact_copy_type(t) is not None:
             total += tensor_bytes(types[t.name], t.shape)
         else:
             total += int(t.n_weights * kquants.Q4_K_M_BITS / 8)
@@ -212,7 +215,10 @@ def _ordered_map(fn, items, pool: ThreadPoolExecutor) -> Iterator[np.ndarray]:
 
 def _encode_piece(piece: Piece, qtype: Q, t: OutTensor) -> np.ndarray:
     if isinstance(piece, QuantTensor):
-        if qtype == Q.Q4_0 and is_int4_copy(t):
+        copy = exact_copy_type(t)
+        if qtype == copy == Q.Q4_0:
             return int4_to_q4_0(piece)
+        if qtype == copy == Q.MXFP4:
+            return mxfp4_to_gguf(piece)
         piece = piece.dequantize(torch.float32)
     return encode(piece, qtype)

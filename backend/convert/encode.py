@@ -12,6 +12,11 @@ releases the GIL), which scales with the cores where torch's own intra-op thread
 without re-quantizing: both store a 4-bit code q in 0..15 for the value (q - 8) × scale,
 with one scale per 32 weights (or per 64/128, which covers whole Q4_0 blocks), so only the
 nibble order and the scale's float format change.
+
+``mxfp4_to_gguf`` re-packs GPT-OSS's MXFP4 (safetensors ``_blocks`` / ``_scales``) into GGML's
+MXFP4 blocks, also without re-quantizing: both store 32 e2m1 codes and one e8m0 exponent
+byte per block, and GGML's decoder (doubled e2m1 values times half the scale) gives the same
+numbers from the same exponent byte, so the byte is copied and only the nibble order changes.
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ from backend.engine.quant import QuantTensor
 Q = GGMLQuantizationType
 
 ENCODABLE = frozenset({Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0})
+# Written only by copying blocks that are already in that format (int4_to_q4_0, mxfp4_to_gguf).
+COPIED = frozenset({Q.Q4_0, Q.MXFP4})
 
 
 def row_bytes(qtype: GGMLQuantizationType, n: int) -> int:
@@ -92,3 +99,19 @@ def int4_to_q4_0(q: QuantTensor) -> np.ndarray:
     scale = scale.repeat_interleave(group // 32, dim=1).reshape(-1, 1).to(torch.float16)
     out = torch.cat((scale.view(torch.uint8), nibbles), dim=1)
     return out.numpy().reshape(*lead, cols // 32 * 18)
+
+
+def mxfp4_to_gguf(q: QuantTensor) -> np.ndarray:
+    """GPT-OSS MXFP4 (HF layout) as GGML MXFP4 bytes, bit-exact: uint8 [..., rows, in/32 * 17].
+
+    HF: ``blocks [..., G, 16]``, byte j holding elements 2j (low nibble) and 2j+1 (high);
+    ``scales [..., G]``, the e8m0 exponent. GGML block: the exponent byte, then 16 bytes, byte
+    j holding elements j (low nibble) and j+16 (high), as in every 32-weight GGML type.
+    """
+    if q.format != "mxfp4" or q.layout != "hf":
+        raise ValueError(f"not a GPT-OSS MXFP4 tensor: {q!r}")
+    blocks, scales = q.parts["blocks"], q.parts["scales"]
+    codes = torch.stack((blocks & 0x0F, blocks >> 4), dim=-1).reshape(*blocks.shape[:-1], 32)
+    nibbles = codes[..., :16] | (codes[..., 16:] << 4)
+    out = torch.cat((scales.unsqueeze(-1), nibbles), dim=-1)  # [..., G, 17]
+    return out.reshape(*out.shape[:-2], out.shape[-2] * 17).numpy()

@@ -10,6 +10,7 @@ that loads and then computes something else.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import Any
 
@@ -25,7 +26,17 @@ ARCHITECTURES = {
     "qwen2_moe": "qwen2moe",
     "mixtral": "llama",
     "olmoe": "olmoe",
+    "glm4_moe": "glm4moe",
+    "gpt_oss": "gpt-oss",
 }
+
+# transformers' defaults where a family's config may leave a value out.
+_RMS_EPS_DEFAULT = {"glm4_moe": 1e-5, "gpt_oss": 1e-5}
+_ROPE_DEFAULTS = {"glm4_moe": dict(default_partial=0.5), "gpt_oss": dict(default_theta=150000.0)}
+# Families whose llama.cpp graph rotates only the first rope.dimension_count dims of a head.
+_PARTIAL_ROTARY = frozenset({"glm4_moe"})
+
+log = logging.getLogger(__name__)
 
 _USE_GGUF = "Use a GGUF published for this model, or run the checkpoint with the embedded engine."
 
@@ -42,26 +53,32 @@ def gguf_arch(family: str, source: str) -> str:
 
 
 def write_hparams(writer: gguf.GGUFWriter, family: str, config: Mapping[str, Any], n_layers: int,
-                  source: str) -> None:
-    """Write the architecture keys of `config` (a text config) for `family`."""
+                  source: str, n_mtp: int = 0) -> None:
+    """Write the architecture keys of `config` (a text config) for `family`; `n_mtp` NextN
+    layers kept after the `n_layers` decoder layers count as blocks too (glm4moe)."""
     cfg = HFConfig(dict(config), source)
-    w = _Keys(writer, cfg, source)
+    w = _Keys(writer, cfg, source, family)
     # MLA in llama.cpp's absorbed form has one shared "KV head" (see _deepseek2).
-    w.common(n_layers, head_count_kv=1 if family == "deepseek" else None)
+    w.common(n_layers + n_mtp, head_count_kv=1 if family == "deepseek" else None)
+    if family == "glm4_moe":
+        _glm4moe(w, cfg, n_mtp)
+        return
     {
         "deepseek": _deepseek2,
         "qwen3_moe": _qwen3moe,
         "qwen2_moe": _qwen2moe,
         "mixtral": _mixtral,
         "olmoe": _olmoe,
+        "gpt_oss": _gpt_oss,
     }[family](w, cfg)
 
 
 class _Keys:
-    def __init__(self, writer: gguf.GGUFWriter, cfg: HFConfig, source: str):
+    def __init__(self, writer: gguf.GGUFWriter, cfg: HFConfig, source: str, family: str):
         self.writer = writer
         self.cfg = cfg
         self.source = source
+        self.family = family
 
     def refuse(self, what: str) -> UnsupportedModelError:
         return UnsupportedModelError(f"{self.source}: {what}", _USE_GGUF)
@@ -75,7 +92,7 @@ class _Keys:
             wr.add_feed_forward_length(int(c.get("intermediate_size")))
         wr.add_head_count(int(c.require("num_attention_heads")))
         wr.add_head_count_kv(head_count_kv or int(c.get("num_key_value_heads") or c.require("num_attention_heads")))
-        wr.add_layer_norm_rms_eps(float(c.get("rms_norm_eps", 1e-6)))
+        wr.add_layer_norm_rms_eps(float(c.get("rms_norm_eps", _RMS_EPS_DEFAULT.get(self.family, 1e-6))))
         wr.add_vocab_size(int(c.require("vocab_size")))
         n_experts = c.n_routed_experts()
         wr.add_expert_count(n_experts)
@@ -83,10 +100,10 @@ class _Keys:
         self.rope()
 
     def rope(self) -> None:
-        rope = self.cfg.rope()
+        rope = self.cfg.rope(**_ROPE_DEFAULTS.get(self.family, {}))
         wr = self.writer
         wr.add_rope_freq_base(rope.theta)
-        if rope.partial_rotary_factor != 1.0:
+        if rope.partial_rotary_factor != 1.0 and self.family not in _PARTIAL_ROTARY:
             raise self.refuse(f"partial rotary embeddings (factor {rope.partial_rotary_factor}) are not "
                               "supported by this converter.")
         if rope.kind == "default":
@@ -201,3 +218,85 @@ def _olmoe(w: _Keys, c: HFConfig) -> None:
     wr.add_rope_dimension_count(hidden // heads)
     if c.get("clip_qkv"):
         wr.add_clamp_kqv(float(c.get("clip_qkv")))
+
+
+def _head_dim(c: HFConfig) -> int:
+    return int(c.get("head_dim") or int(c.require("hidden_size")) // int(c.require("num_attention_heads")))
+
+
+def _glm4moe(w: _Keys, c: HFConfig, n_mtp: int) -> None:
+    """GLM-4.5 / 4.6: DeepSeek-V3-style routing (sigmoid scores, correction bias, scaled and
+    normalised top-k) with one shared expert, the first layers dense, NEOX rotary on part of
+    each head (llama.cpp's glm4moe rope type rotates dims i and i + n_rot/2 of the first
+    n_rot, which is transformers' rotate-half on the partial slice: no Q/K permutation)."""
+    wr = w.writer
+    if str(c.get("hidden_act", "silu")) != "silu":
+        raise w.refuse(f"hidden_act {c.get('hidden_act')!r}: llama.cpp's glm4moe graph uses SiLU.")
+    n_group, topk_group = int(c.get("n_group", 1)), int(c.get("topk_group", 1))
+    if n_group > 1 and topk_group < n_group:
+        raise w.refuse(f"group-limited routing (n_group {n_group}, topk_group {topk_group}): llama.cpp's "
+                       "glm4moe graph picks the top-k experts among all of them.")
+    n_shared = int(c.get("n_shared_experts", 1))
+    if n_shared < 1:
+        raise w.refuse("llama.cpp's glm4moe graph always adds a shared expert; this model has none.")
+    head_dim = _head_dim(c)
+    partial = c.rope(default_partial=0.5).partial_rotary_factor
+    wr.add_key_length(head_dim)
+    wr.add_value_length(head_dim)
+    wr.add_rope_dimension_count(int(head_dim * partial))
+    wr.add_leading_dense_block_count(int(c.get("first_k_dense_replace", 1)))
+    wr.add_expert_feed_forward_length(int(c.require("moe_intermediate_size")))
+    wr.add_expert_shared_count(n_shared)
+    wr.add_expert_weights_scale(float(c.get("routed_scaling_factor", 1.0)))
+    wr.add_expert_weights_norm(bool(c.get("norm_topk_prob", True)))
+    wr.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    # The NextN layers kept as the last blocks (llama.cpp skips them when generating; a
+    # checkpoint without them is written with 0, whatever its config announces).
+    wr.add_nextn_predict_layers(n_mtp)
+
+
+def _gpt_oss(w: _Keys, c: HFConfig) -> None:
+    """GPT-OSS. llama.cpp builds in what this family does not store: the clamped SwiGLU
+    (alpha 1.702, limit 7), softmax over the top-k router logits, sinks, and sliding windows
+    on a period of layers (``attention.sliding_window_pattern``, 2 unless written)."""
+    wr = w.writer
+    alpha, limit = float(c.get("swiglu_alpha", 1.702)), float(c.get("swiglu_limit", 7.0))
+    if abs(alpha - 1.702) > 1e-6 or abs(limit - 7.0) > 1e-6:
+        raise w.refuse(f"swiglu_alpha {alpha} / swiglu_limit {limit}: llama.cpp's gpt-oss graph has 1.702 and "
+                       "7.0 built in.")
+    if c.get("tie_word_embeddings", False):
+        raise w.refuse("tied embeddings: llama.cpp's gpt-oss graph needs its own output head.")
+    head_dim = _head_dim(c)
+    wr.add_key_length(head_dim)
+    wr.add_value_length(head_dim)
+    wr.add_rope_dimension_count(head_dim)
+    wr.add_expert_feed_forward_length(int(c.require("intermediate_size")))
+    n_layers = int(c.require("num_hidden_layers"))
+    types = c.get("layer_types")
+    if types is None:  # transformers' default: even layers slide
+        types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n_layers)]
+    sliding = [t == "sliding_attention" for t in types]
+    if any(sliding):
+        wr.add_sliding_window(int(c.require("sliding_window")))
+    wr.add_sliding_window_pattern(_swa_period(w, sliding))
+    # YaRN: a config with "truncate": false (the published GPT-OSS ones) asks for the ramp
+    # between fractional correction dims; ggml always rounds them outwards (floor / ceil), as
+    # truncate=true does, and has no key to say otherwise. llama.cpp's own converter writes
+    # these models the same way (every published GPT-OSS GGUF runs so): the difference moves
+    # the frequencies at the ramp's two ends a little (dims 8..18 of 64 for gpt-oss-20b/120b),
+    # so the file is written as llama.cpp runs it, and the engine reads it back alike.
+    rope = c.rope(default_theta=150000.0)
+    if rope.kind == "yarn" and rope.get("truncate", True) is False:
+        log.warning("%s: YaRN 'truncate: false' is written as llama.cpp computes it (truncated correction "
+                    "range); logits differ slightly from transformers'", w.source)
+
+
+def _swa_period(w: _Keys, sliding: list[bool]) -> int:
+    """llama.cpp's sliding_window_pattern p for per-layer sliding flags: layer i slides when
+    i % p < p - 1 (p = 0: every layer; 1: none). A layout no period gives is refused."""
+    n = len(sliding)
+    for period in (0, *range(1, n + 1)):
+        if all(s == (period == 0 or i % period < period - 1) for i, s in enumerate(sliding)):
+            return period
+    raise w.refuse("its sliding-window layers (layer_types) follow no fixed period, which llama.cpp's "
+                   "gpt-oss graph cannot represent.")

@@ -6,17 +6,25 @@ process: the call blocks in C for minutes with no way to interrupt it, and a chi
 stopped on cancel (and cannot take the app down with it if llama.cpp aborts). Progress is
 the output file's growth against the estimated size.
 
-Run as ``python -m backend.convert.kquants SRC DST FTYPE [--allow-requantize]``.
+Tensors the converter copied exactly from the checkpoint (Kimi's int4 as Q4_0, GPT-OSS's
+MXFP4) are passed as tensor-type overrides naming their present type: llama.cpp then leaves
+them as they are (a tensor already in its target type is copied), where its Q4_K_M mix would
+re-quantize them onto the K-quant grid. Requantizing stays disabled, so a quantized tensor
+that is not named makes the quantizer fail rather than silently lose precision.
+
+Run as ``python -m backend.convert.kquants SRC DST FTYPE [--keep TYPE=REGEX ...]``.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from backend.errors import HybridMoeError, UnsupportedModelError
 from backend.session import CancelToken, Progress, ProgressCallback
@@ -37,18 +45,24 @@ def available() -> bool:
     return True
 
 
-def quantize(src: Path, dst: Path, mix: str, *, expected_bytes: int, allow_requantize: bool = False,
+def quantize(src: Path, dst: Path, mix: str, *, expected_bytes: int, keep: dict[str, Any] | None = None,
              on_progress: ProgressCallback | None = None, cancel: CancelToken | None = None,
              stage: str = "quantize") -> None:
-    """Quantize the GGUF `src` into `dst` with llama.cpp's `mix` (e.g. "q4_k_m")."""
+    """Quantize the GGUF `src` into `dst` with llama.cpp's `mix` (e.g. "q4_k_m"); `keep` maps
+    tensor names to the GGML type (gguf.GGMLQuantizationType) they are already in and keep."""
     if not available():
         raise UnsupportedModelError(
             f"--quant {mix} needs llama.cpp's quantizer, from llama-cpp-python, which is not installed.",
             "Install it (pip install llama-cpp-python), or choose --quant q4_0 or q8_0.",
         )
     cmd = [sys.executable, "-m", "backend.convert.kquants", str(src), str(dst), mix]
-    if allow_requantize:
-        cmd.append("--allow-requantize")
+    by_type: dict[int, list[str]] = {}
+    for name, qtype in (keep or {}).items():
+        by_type.setdefault(int(qtype), []).append(name)
+    for qtype, names in sorted(by_type.items()):
+        # One anchored alternation of the exact names per type (llama.cpp matches with
+        # std::regex_search, so anchors keep blk.1 from matching blk.11).
+        cmd += ["--keep", f"{qtype}=^(?:{'|'.join(re.escape(n) for n in sorted(names))})$"]
     with tempfile.TemporaryFile() as log:
         # Its own session: a terminal's Ctrl-C reaches only us, and we stop the child
         # through `cancel` (terminating it), rather than it dying mid-write with an error.
@@ -86,15 +100,23 @@ def _stop(proc: subprocess.Popen) -> None:
 
 
 def _main(argv: list[str]) -> int:
+    import ctypes
+
     import llama_cpp
 
     src, dst, mix = argv[:3]
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = getattr(llama_cpp, FTYPES[mix])
     params.nthread = os.cpu_count() or 1
-    # Int4 experts copied from the checkpoint arrive as Q4_0; llama.cpp refuses to re-quantize
-    # an already quantized tensor unless told to.
-    params.allow_requantize = "--allow-requantize" in argv
+    keep = [argv[i + 1].split("=", 1) for i in range(3, len(argv) - 1) if argv[i] == "--keep"]
+    if keep:
+        # A null-pattern entry ends the array, as llama.cpp expects.
+        overrides = (llama_cpp.llama_model_tensor_override * (len(keep) + 1))()
+        for i, (qtype, pattern) in enumerate(keep):
+            overrides[i].pattern = pattern.encode()
+            overrides[i].type = int(qtype)
+        overrides[len(keep)].pattern = None
+        params.tt_overrides = ctypes.cast(overrides, ctypes.POINTER(llama_cpp.llama_model_tensor_override))
     rc = llama_cpp.llama_model_quantize(src.encode(), dst.encode(), params)
     return 0 if rc == 0 else 1
 

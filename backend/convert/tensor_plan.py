@@ -10,12 +10,21 @@ it, the layouts llama.cpp wants differently from the checkpoint:
 * ``deepseek2`` (DeepSeek-V2/V3, Kimi K2.x): MLA's ``kv_b_proj`` is split into ``attn_k_b``
   (transposed, per head ``[kv_lora, nope]``) and ``attn_v_b`` (``[v, kv_lora]``), the layout
   current llama.cpp requires for its absorbed-MLA attention with the compressed cache;
-* DeepSeek's router bias ``e_score_correction_bias`` is ``blk.N.exp_probs_b.bias``.
+* DeepSeek's and GLM's router bias ``e_score_correction_bias`` is ``blk.N.exp_probs_b.bias``;
+* ``gpt-oss``: the fused expert tensors (``mlp.experts.gate_up_proj`` with gate and up
+  interleaved row by row, ``down_proj``, and their biases) are split into
+  ``ffn_{gate,up,down}_exps`` and their ``.bias`` tensors, de-interleaved; MXFP4 blocks stay
+  MXFP4 blocks (rows are whole blocks, so selecting every other row needs no re-encoding);
+  the float layout transformers writes (``[E, in, out]``, for ``x @ W``) is transposed back
+  to ``[E, out, in]``; the attention sinks are ``blk.N.attn_sinks.weight``;
+* ``glm4moe``: the NextN (MTP) layers after the decoder stack are kept as further blocks,
+  their extra tensors under ``blk.N.nextn.*``, as llama.cpp's converter keeps them (its
+  loader expects them when ``nextn_predict_layers`` is set; see ``mtp_layers``).
 
 Each ``OutTensor`` reads its data as a sequence of pieces (consecutive slices along its
 first dimension: one expert, or a block of rows) so that memory stays bounded by one piece
-whatever the tensor's size. Tensors llama.cpp does not use (MTP layers, vision towers,
-rotary caches) are left out.
+whatever the tensor's size. Tensors llama.cpp does not use (MTP layers of the families whose
+llama.cpp graph has no place for them, vision towers, rotary caches) are left out.
 """
 
 from __future__ import annotations
@@ -41,6 +50,10 @@ _EXPERT = re.compile(
 )
 _PROJ = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
+# GPT-OSS fused experts: model.layers.N.mlp.experts.{gate_up_proj,down_proj}[_bias]
+_FUSED = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)(_bias)?")
+# llama.cpp architectures whose GGUF keeps the NextN / MTP layers as extra blocks.
+KEEPS_MTP = frozenset({"glm4moe"})
 _SKIPPED = re.compile(r".*(rotary_emb\.inv_freq|\.rotary_emb\..*)$")
 
 
@@ -141,34 +154,77 @@ def _role(gguf_name: str, n_dims: int) -> str:
     return "matrix"
 
 
+def mtp_layers(source: Any, arch: str, config: dict[str, Any], n_layers: int, *, location: str) -> int:
+    """How many NextN / MTP layers (``model.layers.N`` for N >= `n_layers`) the GGUF keeps.
+
+    Only architectures in ``KEEPS_MTP`` keep them, and only what the checkpoint holds:
+    transformers' save_pretrained and many finetunes drop them although the config still
+    announces ``num_nextn_predict_layers``, and such a file is written without (its
+    ``nextn_predict_layers`` says 0). A layer held in part would make llama.cpp refuse the
+    file, so it is reported as a damaged checkpoint instead.
+    """
+    if arch not in KEEPS_MTP:
+        return 0
+    announced = int(config.get("num_nextn_predict_layers") or 0)
+    by_layer: dict[int, set[str]] = {}
+    for name in source.keys():
+        m = _LAYER.match(name)
+        if m:
+            by_layer.setdefault(int(m.group(1)), set()).add(name[m.end():])
+    extra = sorted(i for i in by_layer if i >= n_layers)
+    if not extra:
+        return 0
+    if extra != list(range(n_layers, n_layers + announced)):
+        raise ModelError(
+            f"{location}: the checkpoint holds layers {extra[0]}..{extra[-1]} after its {n_layers} decoder "
+            f"layers, but config.json announces {announced} NextN layer(s).",
+            "The checkpoint does not match its config.json; download it again.",
+        )
+    # A NextN layer is a decoder layer (like the last one) plus its merge projection and norms.
+    needed = by_layer.get(n_layers - 1, set()) | {"eh_proj.weight", "enorm.weight", "hnorm.weight"}
+    for i in extra:
+        missing = sorted(needed - by_layer[i])
+        if missing:
+            raise ModelError(f"{location}: NextN layer {i} is incomplete (no model.layers.{i}.{missing[0]}).",
+                             "The checkpoint is incomplete; download it again.")
+    return len(extra)
+
+
 def plan_tensors(source: Any, arch: str, config: dict[str, Any], n_layers: int, *,
-                 location: str) -> list[OutTensor]:
+                 location: str, n_mtp: int = 0) -> list[OutTensor]:
     """The GGUF tensors of the text model in `source` (a WeightSource with plain HF names).
 
-    `config` is the text config, `n_layers` the decoder layers kept (MTP layers beyond are
-    dropped, as llama.cpp's converter does).
+    `config` is the text config, `n_layers` the decoder layers, `n_mtp` the NextN layers after
+    them that are kept (``mtp_layers``); layers beyond are dropped, as llama.cpp's converter
+    does for architectures whose graph has no place for them.
     """
     arch_enum = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch)
-    names = gguf.get_tensor_name_map(arch_enum, n_layers)
+    kept_layers = n_layers + n_mtp
+    names = gguf.get_tensor_name_map(arch_enum, kept_layers)
     tie = bool(config.get("tie_word_embeddings", False))
     n_head = int(config["num_attention_heads"])
     n_kv_head = int(config.get("num_key_value_heads") or n_head)
 
     out: list[OutTensor] = []
     experts: dict[tuple[int, str], dict[int, str]] = {}
+    fused: dict[int, dict[str, str]] = {}
     unknown: list[str] = []
     for hf in sorted(source.keys(), key=_natural):
         if not hf.startswith(("model.", "lm_head.")) or _SKIPPED.match(hf):
             continue  # vision towers, projectors, rotary caches: not part of the text model
         m = _LAYER.match(hf)
         layer = int(m.group(1)) if m else None
-        if layer is not None and layer >= n_layers:
-            continue  # MTP / NextN layers
+        if layer is not None and layer >= kept_layers:
+            continue  # MTP / NextN layers llama.cpp has no use for
         if hf == "lm_head.weight" and tie:
             continue
         e = _EXPERT.fullmatch(hf)
         if e:
             experts.setdefault((int(e.group(1)), _PROJ[e.group(3)]), {})[int(e.group(2))] = hf
+            continue
+        f = _FUSED.fullmatch(hf) if arch == "gpt-oss" else None
+        if f:
+            fused.setdefault(int(f.group(1)), {})[f.group(2) + (f.group(3) or "")] = hf
             continue
         t = source.get(hf)
         shape, fmt = tuple(int(d) for d in t.shape), _format(t)
@@ -192,6 +248,8 @@ def plan_tensors(source: Any, arch: str, config: dict[str, Any], n_layers: int, 
         if gguf_name is None:
             unknown.append(hf)
             continue
+        if hf.endswith("self_attn.sinks"):
+            gguf_name += ".weight"  # llama.cpp loads the sinks as blk.N.attn_sinks.weight
         read = _row_pieces(hf)
         if arch == "llama" and hf.endswith(("self_attn.q_proj.weight", "self_attn.k_proj.weight")):
             heads = n_head if ".q_proj." in hf else n_kv_head
@@ -205,6 +263,9 @@ def plan_tensors(source: Any, arch: str, config: dict[str, Any], n_layers: int, 
             "The checkpoint holds parts this converter does not know; use a GGUF published for this model.",
         )
     out.extend(_merged_experts(source, experts, location))
+    hidden = int(config["hidden_size"])
+    for layer, parts in sorted(fused.items()):
+        out.extend(_split_fused_experts(source, layer, parts, hidden, location))
     out.sort(key=lambda t: (-1 if t.layer is None and t.name.startswith("token_embd") else
                             (t.layer if t.layer is not None else 1 << 30), t.name))
     return out
@@ -224,6 +285,71 @@ def _merged_experts(source: Any, experts: dict[tuple[int, str], dict[int, str]],
         out.append(OutTensor(f"blk.{layer}.ffn_{proj}_exps.weight", (n, *shape), "experts", tuple(ordered),
                              _format(first), _expert_pieces(ordered), layer))
     return out
+
+
+def _split_fused_experts(source: Any, layer: int, parts: dict[str, str], hidden: int,
+                         location: str) -> list[OutTensor]:
+    """GPT-OSS: one layer's fused experts as llama.cpp's separate gate / up / down tensors.
+
+    ``gate_up_proj`` interleaves the two projections by output row (gate rows 0, 2, 4, ...,
+    up rows 1, 3, 5, ...; the bias likewise), which is how GPT-OSS computes them; llama.cpp
+    wants them apart. MXFP4 tensors arrive ``[E, out, in]`` and float ones ``[E, in, out]``
+    (transformers keeps them for ``x @ W``); both leave as ``[E, out, in]``.
+    """
+    prefix = f"model.layers.{layer}.mlp.experts"
+    for key in ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias"):
+        if key not in parts:
+            raise ModelError(f"{location}: layer {layer} has no {prefix}.{key}.",
+                             "The checkpoint is incomplete; download it again.")
+    gate_up, down = source.get(parts["gate_up_proj"]), source.get(parts["down_proj"])
+    stored_for_x_at_w = isinstance(gate_up, torch.Tensor)
+    n, a, b = (int(d) for d in gate_up.shape)
+    two_i = b if stored_for_x_at_w else a
+    inner = two_i // 2
+    want_gu = (n, hidden, two_i) if stored_for_x_at_w else (n, two_i, hidden)
+    want_down = (n, inner, hidden) if stored_for_x_at_w else (n, hidden, inner)
+    for name, t, want in ((parts["gate_up_proj"], gate_up, want_gu), (parts["down_proj"], down, want_down)):
+        if tuple(int(d) for d in t.shape) != want or two_i % 2:
+            raise ModelError(f"{location}: {name} has shape {tuple(t.shape)}, expected {list(want)} "
+                             f"from hidden_size {hidden}.",
+                             "The checkpoint does not match its config.json; download it again.")
+
+    def rows(name: str, parity: int) -> Callable[[Any], Iterator[Piece]]:
+        def read(src: Any) -> Iterator[Piece]:
+            t = src.get(name)
+            for e in range(n):
+                w = t[e].t() if stored_for_x_at_w else t[e]  # [2I, H]
+                # MXFP4 rows are whole blocks: a row gather keeps them as they are.
+                yield w[parity::2] if isinstance(w, torch.Tensor) else w[torch.arange(parity, two_i, 2)]
+        return read
+
+    def down_rows(src: Any) -> Iterator[Piece]:
+        t = src.get(parts["down_proj"])
+        for e in range(n):
+            yield t[e].t() if stored_for_x_at_w else t[e]
+
+    def bias(name: str, parity: int | None) -> Callable[[Any], Iterator[Piece]]:
+        def read(src: Any) -> Iterator[Piece]:
+            t = src.get(name)
+            yield t if parity is None else t[:, parity::2]
+        return read
+
+    fmt = _format(gate_up)
+    blk = f"blk.{layer}"
+    gu_name, down_name = parts["gate_up_proj"], parts["down_proj"]
+    gu_bias, down_bias = parts["gate_up_proj_bias"], parts["down_proj_bias"]
+    return [
+        OutTensor(f"{blk}.ffn_gate_exps.weight", (n, inner, hidden), "experts", (gu_name,), fmt,
+                  rows(gu_name, 0), layer),
+        OutTensor(f"{blk}.ffn_up_exps.weight", (n, inner, hidden), "experts", (gu_name,), fmt,
+                  rows(gu_name, 1), layer),
+        OutTensor(f"{blk}.ffn_down_exps.weight", (n, hidden, inner), "experts", (down_name,), _format(down),
+                  down_rows, layer),
+        OutTensor(f"{blk}.ffn_gate_exps.bias", (n, inner), "vector", (gu_bias,), "float", bias(gu_bias, 0), layer),
+        OutTensor(f"{blk}.ffn_up_exps.bias", (n, inner), "vector", (gu_bias,), "float", bias(gu_bias, 1), layer),
+        OutTensor(f"{blk}.ffn_down_exps.bias", (n, hidden), "vector", (down_bias,), "float",
+                  bias(down_bias, None), layer),
+    ]
 
 
 def _natural(name: str) -> tuple:

@@ -12,7 +12,16 @@ The rules follow llama.cpp's (convert_hf_to_gguf.py and llama-quantize):
   Q4_K_M mix (Q6_K for half the down projections, attention V and the head);
 * checkpoint weights already in compressed-tensors int4 (Kimi K2.x experts) are copied into
   Q4_0 whatever the target: it is the same 4-bit grid, so the copy is exact, and widening
-  them would add bytes, not precision.
+  them would add bytes, not precision;
+* GPT-OSS experts released in MXFP4 stay MXFP4 (GGML has the type; the blocks are repacked
+  bit for bit) whatever the target, for the same reason and one more: the model was trained
+  for that grid (quantization-aware), so Q8_0 or BF16 would only double or quadruple the
+  bytes, and Q4_0 / Q4_K would re-quantize onto another 4-bit grid and lose precision at the
+  same size. ``--quant`` then chooses the type of everything else (attention, embeddings,
+  head), as llama.cpp's own converter does. A float (BF16) GPT-OSS checkpoint has no such
+  grid to keep: its experts take the requested type like any other family's. Under
+  ``q4_k_m`` the copies are handed to llama.cpp's quantizer as "keep this type", so they
+  stay exact there too.
 """
 
 from __future__ import annotations
@@ -45,11 +54,26 @@ def is_int4_copy(t: OutTensor) -> bool:
     return group % 32 == 0 and fits(Q.Q4_0, t.row)
 
 
+def is_mxfp4_copy(t: OutTensor) -> bool:
+    """Whether `t` is GPT-OSS MXFP4 (32-weight blocks, as GGML's MXFP4), kept as it is."""
+    return t.source_format == "mxfp4" and fits(Q.MXFP4, t.row)
+
+
+def exact_copy_type(t: OutTensor) -> GGMLQuantizationType | None:
+    """The GGML type `t` is copied into without re-quantizing, or None if it is encoded."""
+    if is_int4_copy(t):
+        return Q.Q4_0
+    if is_mxfp4_copy(t):
+        return Q.MXFP4
+    return None
+
+
 def storage_type(t: OutTensor, quant: str) -> GGMLQuantizationType:
     if t.role in ("vector", "router"):
         return Q.F32
-    if is_int4_copy(t):
-        return Q.Q4_0
+    copy = exact_copy_type(t)
+    if copy is not None:
+        return copy
     want = _BULK[quant]
     if quant == "q4_0" and t.role == "output":
         want = Q.Q8_0

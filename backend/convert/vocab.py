@@ -34,6 +34,17 @@ T = gguf.TokenType
 # End-of-turn tokens (llama.cpp matches these texts itself; naming the one a model uses
 # lets every reader stop there without guessing).
 _EOT_TEXTS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<|return|>", "<|end_of_turn|>", "<end_of_turn>")
+# Families whose turns end differently (as llama.cpp's converter writes them):
+# * GLM-4.5 ends an assistant turn by starting the next one: <|user|> is its end of turn and
+#   <|observation|> (a tool result follows) its end of message; [gMASK] opens every prompt
+#   (the chat template writes it; no BOS is added).
+# * GPT-OSS (harmony) ends every message with <|end|>, including the reasoning ("analysis")
+#   ones the answer follows; only <|return|> (the EOS) and <|call|> end the turn, so no EOT
+#   is named, and <|end|> must not become one.
+_FAMILY_SPECIALS = {
+    "glm4_moe": {"eot": ("<|user|>",), "eom": ("<|observation|>",), "bos": ("[gMASK]",)},
+    "gpt_oss": {"eot": ()},
+}
 
 # Which of the names sharing one set of split expressions each family's models are known
 # under in llama.cpp (the names differ in BOS handling and in what llama.cpp's own regex
@@ -59,7 +70,7 @@ class GGUFVocab:
     types: list[int]
     merges: list[str] = field(default_factory=list)
     scores: list[float] = field(default_factory=list)
-    special_ids: dict[str, int] = field(default_factory=dict)  # bos, eos, eot, pad, unk
+    special_ids: dict[str, int] = field(default_factory=dict)  # bos, eos, eot, eom, pad, unk
     add_bos: bool = False
     add_eos: bool = False
     add_space_prefix: bool | None = None
@@ -78,6 +89,7 @@ class GGUFVocab:
             "bos": writer.add_bos_token_id,
             "eos": writer.add_eos_token_id,
             "eot": writer.add_eot_token_id,
+            "eom": writer.add_eom_token_id,
             "pad": writer.add_pad_token_id,
             "unk": writer.add_unk_token_id,
         }
@@ -132,15 +144,19 @@ def vocab_from_hf(directory: Path, family: str, vocab_size: int) -> GGUFVocab:
             types.append(T.NORMAL)
 
     special_ids: dict[str, int] = {}
+    family_specials = _FAMILY_SPECIALS.get(family, {})
     if tok.bos_id is not None:
         special_ids["bos"] = tok.bos_id
     if tok.eos_id is not None:
         special_ids["eos"] = tok.eos_id
-    for text in _EOT_TEXTS:
-        eot = tok.added_tokens.get(text)
-        if eot is not None:
-            special_ids["eot"] = eot
-            break
+    for key, default in (("eot", _EOT_TEXTS), ("eom", ()), ("bos", ())):
+        if key in special_ids:
+            continue
+        for text in family_specials.get(key, default):
+            token_id = tok.added_tokens.get(text)
+            if token_id is not None:
+                special_ids[key] = token_id
+                break
     pad = _config_token_id(directory, "pad_token", backend)
     if pad is not None:
         special_ids["pad"] = pad

@@ -54,6 +54,16 @@ CHATML = (
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
+# Short stand-ins for GLM-4.5's and GPT-OSS's (harmony) templates, with their control tokens:
+# what is checked is that the checkpoint's template reaches the GGUF unchanged.
+GLM_TEMPLATE = (
+    "[gMASK]<sop>{%- for message in messages %}<|{{ message.role }}|>\n{{ message.content }}{%- endfor %}"
+    "{%- if add_generation_prompt %}<|assistant|>\n{%- endif %}"
+)
+HARMONY_TEMPLATE = (
+    "{%- for message in messages %}<|start|>{{ message.role }}<|message|>{{ message.content }}<|end|>{%- endfor %}"
+    "{%- if add_generation_prompt %}<|start|>assistant{%- endif %}"
+)
 MISTRAL_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}{% if message.role == 'user' %}"
     "{{ '[INST] ' + message.content + ' [/INST]' }}{% else %}{{ message.content + eos_token }}{% endif %}{% endfor %}"
@@ -81,19 +91,41 @@ FAMILIES: dict[str, tuple[str, dict]] = {
         hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=512,
         rope_theta=1e6, sliding_window=None)),
+    "glm4_moe": ("Glm4MoeForCausalLM", dict(
+        hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, n_routed_experts=8, num_experts_per_tok=2,
+        n_group=1, topk_group=1, first_k_dense_replace=1, n_shared_experts=1, routed_scaling_factor=2.5,
+        norm_topk_prob=True, attention_bias=True, use_qk_norm=True, partial_rotary_factor=0.5,
+        max_position_embeddings=512, rope_theta=1e6, tie_word_embeddings=False)),
+    "gpt_oss": ("GptOssForCausalLM", dict(
+        hidden_size=64, intermediate_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, num_local_experts=8, num_experts_per_tok=2, sliding_window=4, max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        # The published configs say "truncate": false, which ggml's YaRN cannot do (see
+        # backend.convert.hparams._gpt_oss); this one asks for what ggml computes, so that the
+        # comparison checks the file's contents rather than that known difference.
+        rope_scaling={"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 512,
+                      "beta_fast": 32.0, "beta_slow": 1.0, "truncate": True, "rope_theta": 150000.0})),
 }
 
+# Each family's tokenizer: its split expression (the one its published tokenizer.json holds,
+# as the engine's pre-tokenizer table spells it), special tokens, and tokenizer_config entries.
+GLM_SPECIALS = ["<|endoftext|>", "[MASK]", "[gMASK]", "[sMASK]", "<sop>", "<eop>", "<|system|>", "<|user|>",
+                "<|assistant|>", "<|observation|>"]
+HARMONY_SPECIALS = ["<|startoftext|>", "<|endoftext|>", "<|return|>", "<|constrain|>", "<|channel|>",
+                    "<|start|>", "<|end|>", "<|message|>", "<|call|>"]
 
-def train_byte_level_bpe(vocab_size: int = 400) -> Tokenizer:
+
+def train_byte_level_bpe(vocab_size: int = 400, split: str = QWEN2_SPLIT,
+                         specials: tuple[str, ...] = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")) -> Tokenizer:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated"),
+        pre_tokenizers.Split(Regex(split), behavior="isolated"),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
     ])
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-                                  show_progress=False)
+                                  special_tokens=list(specials), show_progress=False)
     tok.train_from_iterator(CORPUS * 3, trainer)
     tok.add_tokens([AddedToken("<think>", special=False, normalized=False)])
     return tok
@@ -137,7 +169,9 @@ def _randomise(model: torch.nn.Module, seed: int) -> None:
                 # experts this alike, such a flip moves the output a little instead of
                 # sending the continuation elsewhere. (A swapped expert still shows: the
                 # per-expert part is large, and test_engine_reads... compares every expert.)
-                scale = p.shape[-1] ** -0.5
+                # GPT-OSS keeps its fused experts [E, in, out] (the other families [E, out, in]).
+                fan_in = p.shape[1] if model.config.model_type == "gpt_oss" else p.shape[-1]
+                scale = fan_in ** -0.5
                 common = torch.randn(p.shape[1:], generator=g)
                 p.copy_(scale * (common + 0.25 * torch.randn(p.shape, generator=g)))
             elif name.endswith(("lm_head.weight", "embed_tokens.weight")):
@@ -162,13 +196,23 @@ def build_checkpoint(directory: Path, family: str, *, seed: int = 0, dtype=torch
                      overrides: dict | None = None) -> Checkpoint:
     import transformers
 
+    from backend.engine.tokenizer import _GPT4O, _LLAMA3
+
     sentencepiece = family == "mixtral"
-    tok = train_sentencepiece_bpe() if sentencepiece else train_byte_level_bpe()
+    if sentencepiece:
+        tok = train_sentencepiece_bpe()
+    elif family == "glm4_moe":
+        tok = train_byte_level_bpe(split=_LLAMA3, specials=tuple(GLM_SPECIALS))
+    elif family == "gpt_oss":
+        tok = train_byte_level_bpe(split=_GPT4O, specials=tuple(HARMONY_SPECIALS))
+    else:
+        tok = train_byte_level_bpe()
     vocab = tok.get_vocab_size(with_added_tokens=True)
     arch, kwargs = FAMILIES[family]
     cls = getattr(transformers, arch)
+    eos = {"glm4_moe": "<|endoftext|>", "gpt_oss": "<|return|>"}.get(family, "<|im_end|>")
     ids = (dict(bos_token_id=1, eos_token_id=2) if sentencepiece
-           else dict(bos_token_id=None, eos_token_id=tok.token_to_id("<|im_end|>")))
+           else dict(bos_token_id=None, eos_token_id=tok.token_to_id(eos)))
     config = cls.config_class(vocab_size=vocab, **ids, **{**kwargs, **(overrides or {})})
     torch.manual_seed(seed)
     model = cls(config)
@@ -180,6 +224,14 @@ def build_checkpoint(directory: Path, family: str, *, seed: int = 0, dtype=torch
         write_tokenizer(directory, tok, {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
                                          "add_bos_token": True, "add_eos_token": False,
                                          "chat_template": MISTRAL_TEMPLATE})
+    elif family == "glm4_moe":
+        # As GLM-4.5 ships it: no BOS token configured, the template writes [gMASK]<sop>.
+        write_tokenizer(directory, tok, {"eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>"})
+        (directory / "chat_template.jinja").write_text(GLM_TEMPLATE, encoding="utf-8")
+    elif family == "gpt_oss":
+        write_tokenizer(directory, tok, {"bos_token": "<|startoftext|>", "eos_token": "<|return|>",
+                                         "pad_token": "<|endoftext|>", "add_bos_token": False})
+        (directory / "chat_template.jinja").write_text(HARMONY_TEMPLATE, encoding="utf-8")
     else:
         write_tokenizer(directory, tok, {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "bos_token": None,
                                          "add_bos_token": False})
@@ -198,6 +250,8 @@ ALL_EXPERTS = {
     "qwen3_moe": dict(num_experts_per_tok=8),
     "deepseek_v3": dict(num_experts_per_tok=8, n_group=1, topk_group=1),
     "mixtral": dict(num_experts_per_tok=8),
+    "glm4_moe": dict(num_experts_per_tok=8),
+    "gpt_oss": dict(num_experts_per_tok=8),
 }
 
 

@@ -22,10 +22,8 @@ PROMPT = [5, 77, 123, 9, 250, 31, 64, 199, 12, 88, 140, 3]
 STEPS = 16
 
 
-
-
 @pytest.mark.parametrize("quant", ["q8_0", "q4_0"])
-@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "glm4_moe", "gpt_oss"])
 def test_engine_matches_llama_cpp_on_the_same_file(family, quant, converted):
     path = converted(family, quant, all_experts=True)
     spec = inspect_model(path).spec

@@ -66,17 +66,35 @@ def test_unsupported_architecture(tmp_path):
         "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 100}))
     with pytest.raises(UnsupportedModelError, match="LlamaForCausalLM"):
         to_gguf(dense, tmp_path / "out.gguf", "q8_0")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["llama"]
 
-    oss = tmp_path / "gpt-oss"
-    oss.mkdir()
-    (oss / "config.json").write_text(json.dumps({
-        "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "hidden_size": 64,
-        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-        "vocab_size": 100, "num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32,
-        "max_position_embeddings": 128}))
-    with pytest.raises(UnsupportedModelError, match="gpt_oss"):
-        to_gguf(oss, tmp_path / "out.gguf", "q8_0")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["gpt-oss", "llama"]
+
+def test_unsupported_family_lists_the_supported_ones():
+    from backend.convert.hparams import gguf_arch
+
+    with pytest.raises(UnsupportedModelError) as info:
+        gguf_arch("qwen3_next", "somewhere/config.json")
+    message = str(info.value)
+    assert "qwen3_next" in message
+    for family in ("deepseek", "glm4_moe", "gpt_oss", "mixtral", "olmoe", "qwen2_moe", "qwen3_moe"):
+        assert family in message
+
+
+@pytest.mark.parametrize(("family", "edit", "match"), [
+    # llama.cpp's glm4moe graph takes the top-k over all experts.
+    ("glm4_moe", {"n_group": 4, "topk_group": 2}, "group-limited routing"),
+    # ... and its gpt-oss graph slides on a fixed period of layers.
+    ("gpt_oss", {"layer_types": ["full_attention", "sliding_attention", "sliding_attention"]}, "period"),
+    ("gpt_oss", {"swiglu_limit": 5.0}, "swiglu"),
+])
+def test_glm_and_gpt_oss_configs_llama_cpp_cannot_represent(family, edit, match, checkpoints, tmp_path):
+    ck = shutil.copytree(checkpoints(family).path, tmp_path / "ck")
+    config = json.loads((ck / "config.json").read_text())
+    config.update(edit)
+    (ck / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedModelError, match=match):
+        to_gguf(ck, tmp_path / "out.gguf", "q8_0")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
 
 
 def test_config_llama_cpp_cannot_represent_is_refused(checkpoints, tmp_path):

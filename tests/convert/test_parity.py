@@ -12,6 +12,7 @@ itself is bounded separately.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -36,7 +37,7 @@ STEPS = 16
 
 # (family, quant): max |logit difference| allowed between llama.cpp and the reference, over
 # the prompt positions; logits are of order 10. Measured values are about half these
-# (DeepSeek's three layers with grouped sigmoid routing amplify rounding more).
+# (DeepSeek's and GLM's sigmoid routing with a scaling factor amplifies rounding more).
 CASES = {
     ("qwen3_moe", "bf16"): 0.2,
     ("qwen3_moe", "q8_0"): 0.5,
@@ -49,7 +50,51 @@ CASES = {
     ("mixtral", "bf16"): 0.2,
     ("mixtral", "q8_0"): 0.5,
     ("mixtral", "q4_k_m"): 0.5,
+    ("glm4_moe", "bf16"): 0.2,
+    ("glm4_moe", "q8_0"): 0.8,
+    ("glm4_moe", "q4_0"): 0.8,
+    ("glm4_moe", "q4_k_m"): 0.8,
+    ("gpt_oss", "bf16"): 0.3,
+    ("gpt_oss", "q8_0"): 0.6,
+    ("gpt_oss", "q4_0"): 0.6,
 }
+
+# Text in each family's own control tokens, which llama.cpp must keep whole as HF does.
+FAMILY_SAMPLES = {
+    "glm4_moe": ["[gMASK]<sop><|system|>\nBe brief.<|user|>\nHi there<|assistant|>\n"],
+    "gpt_oss": ["<|start|>user<|message|>Hi there<|end|><|start|>assistant<|channel|>final<|message|>"],
+}
+
+
+FUSED = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)(_bias)?")
+
+
+def gguf_tensor_as_hf(g, name: str) -> torch.Tensor | None:
+    """Checkpoint tensor `name` rebuilt from the GGUF read by the engine (float32), or None.
+
+    GPT-OSS's fused experts are rebuilt from llama.cpp's separate ones: gate and up
+    interleaved by row again, and transposed back to transformers' [E, in, out]."""
+    from backend.engine.weights import dense
+
+    if name in g:
+        return dense(g.get(name), torch.float32).clone()
+    m = FUSED.fullmatch(name)
+    if not m:
+        return None
+    prefix, proj, is_bias = m.groups()
+    kind = "bias" if is_bias else "weight"
+    per_expert = []
+    for e in range(10**6):
+        if f"{prefix}.{e}.down_proj.{kind}" not in g:
+            break
+        if proj == "down_proj":
+            w = dense(g.get(f"{prefix}.{e}.down_proj.{kind}"), torch.float32)
+        else:
+            gate = dense(g.get(f"{prefix}.{e}.gate_proj.{kind}"), torch.float32)
+            up = dense(g.get(f"{prefix}.{e}.up_proj.{kind}"), torch.float32)
+            w = torch.stack((gate, up), dim=1).reshape(2 * gate.shape[0], *gate.shape[1:])
+        per_expert.append(w if is_bias else w.t())
+    return torch.stack(per_expert) if per_expert else None
 
 
 def dequantized_reference(checkpoint, gguf_path: Path, tmp: Path) -> torch.nn.Module:
@@ -58,12 +103,12 @@ def dequantized_reference(checkpoint, gguf_path: Path, tmp: Path) -> torch.nn.Mo
     from safetensors import safe_open
 
     from backend.engine.gguf_weights import open_gguf
-    from backend.engine.weights import dense
 
     state = {}
     with safe_open(str(checkpoint.path / "model.safetensors"), "pt") as f, open_gguf(gguf_path) as g:
         for name in f.keys():
-            state[name] = dense(g.get(name), torch.float32).clone() if name in g else f.get_tensor(name).float()
+            from_gguf = gguf_tensor_as_hf(g, name)
+            state[name] = from_gguf if from_gguf is not None else f.get_tensor(name).float()
     tmp.mkdir()
     shutil.copy(checkpoint.path / "config.json", tmp / "config.json")
     save_file(state, str(tmp / "model.safetensors"))
@@ -121,7 +166,7 @@ def test_quantization_error_is_bounded(family, quant, bound, checkpoints, conver
     assert 0 < worst < bound
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "glm4_moe", "gpt_oss"])
 def test_tokenization_matches_hf(family, checkpoints, converted):
     """llama.cpp's tokenizer, from the GGUF's metadata, splits text as the HF tokenizer does."""
     import llama_cpp
@@ -131,7 +176,7 @@ def test_tokenization_matches_hf(family, checkpoints, converted):
     hf = Tokenizer.from_file(str(ck.path / "tokenizer.json"))
     llm = llama_cpp.Llama(model_path=str(converted(family, "bf16")), vocab_only=True, verbose=False)
     try:
-        for text in SAMPLES:
+        for text in SAMPLES + FAMILY_SAMPLES.get(family, []):
             expected = hf.encode(text, add_special_tokens=False).ids
             got = llm.tokenize(text.encode("utf-8"), add_bos=False, special=True)
             assert got == expected, text
@@ -168,18 +213,77 @@ def test_metadata(checkpoints, converted):
     assert spm["llama.expert_count"] == 8
 
 
+def test_glm_metadata(checkpoints, converted):
+    """GLM-4.5's keys as llama.cpp's glm4moe loader reads them; its turn tokens and template."""
+    from backend.engine.tokenizer import read_gguf_metadata
+    from tests.convert.conftest import GLM_TEMPLATE
+
+    meta = read_gguf_metadata(converted("glm4_moe", "bf16"))
+    cfg = checkpoints("glm4_moe").model.config
+    tokens = meta["tokenizer.ggml.tokens"]
+    assert meta["general.architecture"] == "glm4moe"
+    # transformers' save_pretrained writes no NextN layer although the config announces one:
+    # the file has none, and says so (test_glm_nextn_layer covers a checkpoint with it).
+    assert cfg.num_nextn_predict_layers == 1
+    assert meta["glm4moe.block_count"] == cfg.num_hidden_layers and meta["glm4moe.nextn_predict_layers"] == 0
+    assert meta["glm4moe.rope.dimension_count"] == cfg.head_dim // 2  # partial_rotary_factor 0.5
+    assert meta["glm4moe.attention.key_length"] == meta["glm4moe.attention.value_length"] == cfg.head_dim
+    assert meta["glm4moe.leading_dense_block_count"] == 1
+    assert meta["glm4moe.expert_shared_count"] == 1
+    assert meta["glm4moe.expert_feed_forward_length"] == cfg.moe_intermediate_size
+    assert meta["glm4moe.expert_gating_func"] == 2  # sigmoid
+    assert meta["glm4moe.expert_weights_scale"] == pytest.approx(2.5)
+    assert meta["glm4moe.expert_weights_norm"] is True
+    assert meta["tokenizer.ggml.pre"] == "glm4"
+    assert tokens[meta["tokenizer.ggml.eos_token_id"]] == "<|endoftext|>"
+    assert tokens[meta["tokenizer.ggml.eot_token_id"]] == "<|user|>"
+    assert tokens[meta["tokenizer.ggml.eom_token_id"]] == "<|observation|>"
+    assert tokens[meta["tokenizer.ggml.bos_token_id"]] == "[gMASK]"
+    assert meta["tokenizer.ggml.add_bos_token"] is False
+    assert meta["tokenizer.chat_template"] == GLM_TEMPLATE
+
+
+def test_gpt_oss_metadata(checkpoints, converted):
+    """GPT-OSS's keys as llama.cpp's gpt-oss loader reads them; harmony's tokens and template."""
+    from backend.engine.tokenizer import read_gguf_metadata
+    from tests.convert.conftest import HARMONY_TEMPLATE
+
+    meta = read_gguf_metadata(converted("gpt_oss", "bf16"))
+    cfg = checkpoints("gpt_oss").model.config
+    tokens = meta["tokenizer.ggml.tokens"]
+    assert meta["general.architecture"] == "gpt-oss"
+    assert meta["gpt-oss.attention.sliding_window"] == 4
+    assert meta["gpt-oss.attention.sliding_window_pattern"] == 2  # even layers slide
+    assert meta["gpt-oss.expert_feed_forward_length"] == cfg.intermediate_size
+    assert meta["gpt-oss.attention.key_length"] == 16
+    assert meta["gpt-oss.rope.scaling.type"] == "yarn"
+    assert meta["gpt-oss.rope.scaling.factor"] == pytest.approx(8.0)
+    assert meta["gpt-oss.rope.scaling.original_context_length"] == 512
+    assert meta["gpt-oss.rope.freq_base"] == pytest.approx(150000.0)
+    assert meta["tokenizer.ggml.pre"] == "gpt-4o"
+    assert tokens[meta["tokenizer.ggml.eos_token_id"]] == "<|return|>"
+    assert tokens[meta["tokenizer.ggml.bos_token_id"]] == "<|startoftext|>"
+    # <|end|> closes every harmony message, the reasoning ones too: it must not end the turn.
+    assert "tokenizer.ggml.eot_token_id" not in meta
+    assert meta["tokenizer.chat_template"] == HARMONY_TEMPLATE
+
+
 def test_engine_reads_the_gguf_like_the_checkpoint(checkpoints, converted):
-    """The engine's GGUF reader returns the checkpoint's tensors (bf16: bit for bit), including
-    the un-permuted Mixtral Q/K and DeepSeek's kv_b_proj rebuilt from attn_k_b/attn_v_b."""
+    """The engine's GGUF reader returns the checkpoint's tensors (bf16: bit for bit), every one
+    of them, including the un-permuted Mixtral Q/K, DeepSeek's kv_b_proj rebuilt from
+    attn_k_b/attn_v_b, and GPT-OSS's experts and biases (de-interleaved in the file)."""
     from safetensors import safe_open
 
     from backend.engine.gguf_weights import open_gguf
-    from backend.engine.weights import dense
 
-    for family in ("mixtral", "deepseek_v3"):
+    for family in ("mixtral", "deepseek_v3", "glm4_moe", "gpt_oss"):
         ck = checkpoints(family)
+        checked = 0
         with safe_open(str(ck.path / "model.safetensors"), "pt") as f, open_gguf(converted(family, "bf16")) as g:
             for name in f.keys():
-                if name not in g:
+                rebuilt = gguf_tensor_as_hf(g, name)  # GPT-OSS' fused experts: re-fused
+                if rebuilt is None:
                     continue
-                assert torch.equal(dense(g.get(name), torch.float32), f.get_tensor(name).float()), name
+                assert torch.equal(rebuilt, f.get_tensor(name).float()), name
+                checked += 1
+            assert checked == len(list(f.keys())), family

@@ -76,12 +76,14 @@ def expected_tensors(s: ModelSpec) -> Iterator[TensorShape]:
 
 def config_from_gguf(metadata: Mapping[str, Any], *, source: str,
                      tensor_shapes: Mapping[str, tuple[int, ...]] | None = None) -> dict[str, Any]:
-    cfg, _ = gguf_to_config(metadata, source, tensor_shapes, GGUF_ARCHS[0], GGUF_KEYS)
+    cfg, f = gguf_to_config(metadata, source, tensor_shapes, GGUF_ARCHS[0], GGUF_KEYS)
+    # llama.cpp's rule: layer i slides when i % p < p - 1, with p the sliding_window_pattern
+    # key (newer files) or 2 (the published models alternate, even layers sliding).
+    period = f.int("attention.sliding_window_pattern", default=2)
     cfg.update(
         architectures=["GptOssForCausalLM"],
         model_type="gpt_oss",
-        # llama.cpp hard-codes the alternation (swa pattern 2: even layers slide).
-        layer_types=["sliding_attention" if i % 2 == 0 else "full_attention"
+        layer_types=["sliding_attention" if period == 0 or i % period < period - 1 else "full_attention"
                      for i in range(cfg["num_hidden_layers"])],
         attention_bias=True,
     )
