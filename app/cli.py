@@ -359,8 +359,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_bench_generate)
 
     from app import headless
+    from app.server import cli as server_cli
 
     headless.add_parser(sub)
+    server_cli.add_parser(sub)
     return parser
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from backend.engine.sampling import Sampler, SamplingParams, StopStringMatcher
-from backend.errors import ModelError
+from backend.errors import ModelError, UsageError
 from backend.session import CancelToken, Done, Stats, TextPiece
 
 
@@ -110,6 +110,15 @@ def stream(
         backend=backend,
     )
     yield Done(reason, "".join(text), tuple(generated), stats)
+
+
+def raw_prompt_ids(tokenizer, prompt: str) -> list[int]:
+    """Ids of a prompt taken as it is (no chat template), with the model's BOS as a rendered
+    chat prompt would have it; special tokens written in the text are recognised."""
+    ids = tokenizer.encode_prompt(prompt)
+    if not ids:  # nothing to continue from: no logits to sample the first token from
+        raise UsageError("the prompt is empty", "Give some text to continue.")
+    return ids
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

@@ -2,6 +2,7 @@
 
     Backend.load(model_path, plan, on_progress, cancel) -> Session
     Session.generate(messages, sampling, cancel) -> Iterator[Event]
+    Session.complete(prompt, sampling, cancel) -> Iterator[Event]   (raw text, no chat template)
 
 The app (TUI, headless, server) calls only these verbs and consumes only these events.
 """
@@ -97,6 +98,8 @@ Event = Union[TextPiece, Done]
 
 class Session(Protocol):
     def generate(self, messages: Sequence[Message], sampling, cancel: CancelToken | None = None) -> Iterator[Event]: ...
+
+    def complete(self, prompt: str, sampling, cancel: CancelToken | None = None) -> Iterator[Event]: ...
 
     def close(self) -> None: ...
 

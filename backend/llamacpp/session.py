@@ -42,6 +42,7 @@ from backend.generation import (
     common_prefix,
     host_peak_rss,
     max_new_tokens,
+    raw_prompt_ids,
     stream,
 )
 from backend.llamacpp import log
@@ -181,9 +182,21 @@ class LlamaCppSession:
 
     def generate(self, messages: Sequence[Message], sampling: SamplingParams,
                  cancel: CancelToken | None = None) -> Iterator[TextPiece | Done]:
+        self._check_open()
+        yield from self._generate(self.prompt_ids(messages), self.template.stop_strings, sampling, cancel)
+
+    def complete(self, prompt: str, sampling: SamplingParams,
+                 cancel: CancelToken | None = None) -> Iterator[TextPiece | Done]:
+        """The continuation of ``prompt`` taken as it is, without the chat template."""
+        self._check_open()
+        yield from self._generate(raw_prompt_ids(self.vocab, prompt), (), sampling, cancel)
+
+    def _check_open(self) -> None:
         if self.ctx is None:
             raise ModelError("this llama.cpp session is closed", "Load the model again.")
-        ids = self.prompt_ids(messages)
+
+    def _generate(self, ids: list[int], stop_strings: Sequence[str], sampling: SamplingParams,
+                  cancel: CancelToken | None) -> Iterator[TextPiece | Done]:
         max_new = max_new_tokens(len(ids), self.context, sampling)
         started = time.perf_counter()
         logits, computed = self._prefill(ids, cancel)
@@ -192,7 +205,7 @@ class LlamaCppSession:
             prefilled,
             sampling,
             detokenizer=self.vocab.detokenizer(),
-            stop_strings=self.template.stop_strings,
+            stop_strings=stop_strings,
             is_stop=self.vocab.is_stop,
             forward=lambda token: self._decode([token], len(self._cached)),
             max_new=max_new,

@@ -1,0 +1,127 @@
+"""`hybridmoe serve`: the loaded model behind an OpenAI-compatible API until Ctrl-C.
+
+The address is checked and the port bound before the model loads (minutes, for a large one),
+so a port in use or a public address without an API key fails at once. Loading shows the same
+progress as `hybridmoe run`; then one line per request goes to stderr. Ctrl-C (or SIGTERM)
+cancels the generations in progress, lets their responses end, and exits 0: stopping is the
+normal end of a server, not a failure. A second Ctrl-C exits at once (130).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+
+from app.server.runner import DEFAULT_HOST, DEFAULT_PORT
+
+API_KEY_VARIABLE = "HYBRIDMOE_API_KEY"
+
+
+def model_id(model_argument: str, path: Path) -> str:
+    """The name clients see: a catalogue name as given, else the file or directory name."""
+    if not Path(model_argument).expanduser().exists():
+        return model_argument
+    return path.name.removesuffix(".gguf")
+
+
+def cmd_serve(args) -> int:
+    from app.headless import _say_fallback, _StderrProgress, load_plan
+    from app.server.runner import bind_socket, check_exposure
+    from backend.hub.catalogue import model_path
+    from backend.models import inspect_model
+    from backend.session import CancelToken
+
+    api_key = args.api_key or os.environ.get(API_KEY_VARIABLE) or None
+    check_exposure(args.host, api_key, how_to_set_key=f"Pass --api-key KEY or set {API_KEY_VARIABLE}")
+    path = model_path(args.model)  # a path, or a name `hybridmoe models` lists
+    model = inspect_model(path)
+    plan = load_plan(args, model)
+    sock = bind_socket(args.host, args.port)
+    try:
+        return _load_and_serve(args, path, model_id(args.model, Path(path)), plan, api_key, sock,
+                               _StderrProgress(sys.stderr.isatty()), _say_fallback, CancelToken())
+    finally:
+        sock.close()  # closed by the server once it runs; here when loading failed
+
+
+def _load_and_serve(args, path, name, plan, api_key, sock, progress, on_fallback, cancel) -> int:
+    from app.server.http import ServerOptions
+    from app.server.runner import ApiServer
+    from app.server.shared_session import SharedSession
+    from backend.backends import load_session
+
+    stop = threading.Event()
+
+    def on_signal(signum, frame):
+        if stop.is_set() or cancel.cancelled:  # the second one: stop now
+            raise KeyboardInterrupt
+        cancel.cancel()  # a load in progress stops
+        stop.set()
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        session = load_session(args.backend, path, plan, progress, cancel, on_fallback=on_fallback)
+        progress.done()
+        shared = SharedSession(session)
+        options = ServerOptions(model_id=name, api_key=api_key, max_queue=args.max_queue,
+                                max_tokens_limit=args.max_tokens_limit)
+        server = ApiServer(shared, options, args.host, args.port, sock=sock,
+                           on_finished=lambda record: print(record.line(), file=sys.stderr, flush=True))
+        try:
+            server.start()
+            key_note = "; clients must send 'Authorization: Bearer <key>'" if api_key else ""
+            print(f"Serving {name} at {server.url}/v1 (OpenAI API){key_note}. Ctrl-C stops.",
+                  file=sys.stderr, flush=True)
+            while not stop.wait(0.5):
+                if not server.running:  # the server thread died: a bug, reported as such
+                    raise RuntimeError("the API server stopped unexpectedly")
+            print("hybridmoe: stopping the server ...", file=sys.stderr, flush=True)
+        finally:
+            server.stop()
+            shared.close()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    print(f"hybridmoe: server stopped after {server.activity.finished_count} requests", file=sys.stderr)
+    return 0
+
+
+def _port(text: str) -> int:
+    import argparse
+
+    from app.cli import _non_negative_int
+
+    port = _non_negative_int(text)
+    if port > 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a TCP port (0 to 65535)")
+    return port
+
+
+def add_parser(sub) -> None:
+    from app.cli import _non_negative_int, _positive_int
+    from backend.plan.workload import BACKENDS
+
+    p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API (Ctrl-C stops)")
+    p.add_argument("-m", "--model", required=True,
+                   help="a model directory, a .gguf file, or a local model's name as `hybridmoe models` lists it")
+    p.add_argument("--plan", help="a saved plan (hybridmoe plan --save FILE); default: plan for this machine now")
+    p.add_argument("--context", type=_positive_int, default=4096,
+                   help="context length when no --plan is given (default 4096)")
+    p.add_argument("--backend", choices=list(BACKENDS), default="auto",
+                   help="auto (default): the embedded engine, or llama.cpp when the engine cannot serve the model")
+    p.add_argument("--host", default=DEFAULT_HOST,
+                   help=f"address to listen on (default {DEFAULT_HOST}: this machine only); "
+                   "any other needs an API key")
+    p.add_argument("--port", type=_port, default=DEFAULT_PORT,
+                   help=f"TCP port (default {DEFAULT_PORT}; 0: any free port)")
+    p.add_argument("--api-key", help=f"require 'Authorization: Bearer KEY' (or set {API_KEY_VARIABLE}, "
+                   "which other users cannot see in the process list)")
+    p.add_argument("--max-queue", type=_non_negative_int, default=8,
+                   help="requests that may wait while one is answered; more are refused with 429 (default 8)")
+    p.add_argument("--max-tokens-limit", type=_positive_int, default=4096,
+                   help="the most tokens a request may ask for, and what it gets when it asks for none "
+                   "(default 4096)")
+    p.set_defaults(func=cmd_serve)

@@ -1,0 +1,159 @@
+"""One loaded session, many users: generations take turns in a fair first-come queue.
+
+A session decodes one sequence at a time and keeps the cache of the last prompt, so two
+generations must never interleave. ``SharedSession`` puts a FIFO queue in front of it: each
+generation waits until those that arrived earlier have finished. The API server's requests
+and the TUI's chat go through the same instance, so a chat message sent while the server is
+busy waits its turn like any request.
+
+The queue is bounded per call (``max_waiting``), so the server can refuse at once, with an
+estimate of when to come back, instead of letting clients pile up; a generation cancelled
+while it waits leaves the queue.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from backend.errors import HybridMoeError, ModelError
+from backend.session import Cancelled, CancelToken, Done, Event, Message, Session, Stats
+
+# How often a waiting generation looks at its cancel token: a client that went away leaves
+# the queue within this time.
+_CANCEL_POLL_S = 0.05
+# Durations of the last generations, for the estimate of how long the queue takes.
+_RECENT = 16
+# The estimate before any generation has finished.
+_DEFAULT_DURATION_S = 2.0
+
+
+class QueueFull(HybridMoeError):
+    """Too many generations are waiting; ``retry_after_s`` estimates when there is room."""
+
+    def __init__(self, waiting: int, retry_after_s: int):
+        super().__init__(f"the model is busy: {waiting} requests are waiting",
+                         f"Try again in {retry_after_s} s.")
+        self.waiting = waiting
+        self.retry_after_s = retry_after_s
+
+
+@dataclass(frozen=True)
+class QueueCounts:
+    waiting: int
+    running: int  # 0 or 1
+    completed: int  # generations that have finished, however they ended
+
+
+class SharedSession:
+    """Wraps a Session; ``generate`` and ``complete`` are the Session's, taken in turns."""
+
+    def __init__(self, session: Session):
+        self.session = session
+        self._changed = threading.Condition()
+        self._waiting: deque[object] = deque()  # tickets in arrival order
+        self._running = False
+        self._completed = 0
+        self._durations: deque[float] = deque(maxlen=_RECENT)
+        self.closed = False
+
+    # ---- the Session protocol, in turns ---------------------------------------------------------
+
+    def generate(self, messages: Sequence[Message], sampling, cancel: CancelToken | None = None) -> Iterator[Event]:
+        """Waits its turn, then the session's events; cancelled while waiting, it ends as a
+        generation cancelled before its first token does: ``Done("cancelled")``."""
+        return self._in_turn(lambda session: session.generate(messages, sampling, cancel), cancel)
+
+    def complete(self, prompt: str, sampling, cancel: CancelToken | None = None) -> Iterator[Event]:
+        return self._in_turn(lambda session: session.complete(prompt, sampling, cancel), cancel)
+
+    def close(self) -> None:
+        """Closes the session (whoever loaded it decides when); waiting and later turns are
+        refused. A generation in progress finishes first: the session closes when it ends,
+        so that the caller (the TUI's thread) never waits for it."""
+        with self._changed:
+            self.closed = True
+            self._changed.notify_all()
+            in_use = self._running
+        if not in_use:
+            self.session.close()
+
+    def _in_turn(self, events: Callable[[Session], Iterator[Event]], cancel: CancelToken | None) -> Iterator[Event]:
+        try:
+            self._acquire(cancel, None)
+        except Cancelled:
+            yield Done("cancelled", "", (), Stats(0, 0, None, None, None))
+            return
+        started = time.monotonic()
+        try:
+            yield from events(self.session)
+        finally:
+            self._release(started)
+
+    # ---- turns ------------------------------------------------------------------------------------
+
+    @contextmanager
+    def turn(self, cancel: CancelToken | None = None, *, max_waiting: int | None = None) -> Iterator[Session]:
+        """Wait until it is this caller's turn, then hold the session until the block ends.
+
+        Raises ``QueueFull`` at once when ``max_waiting`` generations are already waiting
+        behind a running one, ``Cancelled`` when ``cancel`` is set while waiting, and
+        ``ModelError`` when the session was closed.
+        """
+        self._acquire(cancel, max_waiting)
+        started = time.monotonic()
+        try:
+            yield self.session
+        finally:
+            self._release(started)
+
+    def _acquire(self, cancel: CancelToken | None, max_waiting: int | None) -> None:
+        ticket = object()
+        with self._changed:
+            self._check_open()
+            busy = self._running or self._waiting
+            if max_waiting is not None and busy and len(self._waiting) >= max_waiting:
+                raise QueueFull(len(self._waiting), self._retry_after_s())
+            self._waiting.append(ticket)
+            try:
+                while self._running or self._waiting[0] is not ticket:
+                    if cancel is not None and cancel.cancelled:
+                        raise Cancelled("waiting for the model was cancelled")
+                    self._check_open()
+                    self._changed.wait(_CANCEL_POLL_S)
+                self._check_open()
+            except BaseException:
+                self._waiting.remove(ticket)
+                self._changed.notify_all()  # the one behind may now be first
+                raise
+            self._waiting.popleft()
+            self._running = True
+
+    def _release(self, started: float) -> None:
+        with self._changed:
+            self._running = False
+            self._completed += 1
+            self._durations.append(time.monotonic() - started)
+            self._changed.notify_all()
+            closing = self.closed
+        if closing:  # closed while this turn ran: now nobody uses the session
+            self.session.close()
+
+    def counts(self) -> QueueCounts:
+        with self._changed:
+            return QueueCounts(len(self._waiting), int(self._running), self._completed)
+
+    def _retry_after_s(self) -> int:
+        """Seconds until the queue has drained, from the recent generations' durations."""
+        mean = sum(self._durations) / len(self._durations) if self._durations else _DEFAULT_DURATION_S
+        ahead = len(self._waiting) + int(self._running)
+        return max(1, math.ceil(ahead * mean))
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise ModelError("the model was unloaded", "Load it again.")
