@@ -19,7 +19,8 @@ EXIT_CANCELLED = 130
 
 
 def read_prompt(prompt: str | None) -> str:
-    """-p TEXT, or `-p -` / no -p with piped stdin: the prompt from standard input."""
+    """-p TEXT (or TEXT as an argument), or `-p -` / `-` / none with piped stdin: the prompt
+    from standard input."""
     if prompt is not None and prompt != "-":
         return prompt
     if prompt is None and sys.stdin.isatty():
@@ -74,7 +75,9 @@ def cmd_run(args) -> int:
     from backend.models import inspect_model
 
     # Usage errors and a wrong model name first: they need no torch, which takes seconds to import.
-    prompt = read_prompt(args.prompt)
+    if args.prompt is not None and args.text is not None:
+        raise UsageError("the prompt is given twice (-p and as an argument)", "Give it once.")
+    prompt = read_prompt(args.prompt if args.prompt is not None else args.text)
     path = model_path(args.model)  # a path, or a name `hybridmoe models` lists
     model = inspect_model(path)
 
@@ -159,6 +162,8 @@ def add_parser(sub) -> None:
     p.add_argument("-m", "--model", required=True,
                    help="a model directory, a .gguf file, or a local model's name as `hybridmoe models` lists it")
     p.add_argument("-p", "--prompt", help="the prompt; '-' (or none, with a pipe) reads standard input")
+    # As `cat -` reads standard input: `echo question | hybridmoe run -m MODEL -`.
+    p.add_argument("text", nargs="?", metavar="PROMPT", help="the prompt, as -p takes it ('-': standard input)")
     p.add_argument("--system", help="a system prompt")
     p.add_argument("--max-tokens", type=int, default=512, help="stop after this many tokens (default 512)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")

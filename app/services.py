@@ -12,17 +12,44 @@ never from the UI thread, except the few documented as fast.
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import os
 import re
-from collections.abc import Callable
+import tempfile
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from backend import settings as settings_module
+from backend.errors import ModelError
 from backend.hardware.profile import HardwareProfile
 from backend.hub.local import LocalModel
-from backend.plan import Plan, Workload
+from backend.plan import ExpertStats, Plan, Workload
 from backend.session import CancelToken, ProgressCallback, Session
 from backend.settings import Settings
+
+log = logging.getLogger(__name__)
+
+BANDWIDTH_UNKNOWN = "memory.bandwidth_measured_bytes_per_s"
+
+
+class _Turns:
+    """Model work in this process (loading a model, an answer, a benchmark) and the memory
+    bandwidth probe take turns. A probe beside an answer would measure a machine busy with
+    the model, and it runs on the thread pool that computes the model's CPU experts; it
+    must never change that pool (or torch's) under a running model either.
+
+    One per process, not per Services: the machine is one, whoever asks."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.holder = ""  # what holds the turn, for "waiting for ..." messages
+
+
+_TURNS = _Turns()
+_WAIT_POLL_S = 0.05  # how often a waiting turn looks at its cancel token
 
 
 class Services:
@@ -52,10 +79,48 @@ class Services:
 
     # ---- hardware, models, catalogue ---------------------------------------------------------
 
-    def detect_hardware(self, measure_bandwidth: bool) -> HardwareProfile:
+    def detect_hardware(self, measure_bandwidth: bool, *, wait: bool = False,
+                        on_wait: Callable[[str], None] | None = None) -> HardwareProfile:
+        """This machine. The bandwidth probe takes its turn with model work: while a model
+        loads, answers or is benchmarked, it is skipped (the profile says why), or with
+        ``wait`` it waits for that work to end (``on_wait`` hears what it waits for)."""
         from backend.hardware import detect
 
-        return detect(measure_bandwidth=measure_bandwidth, model_dir=self.load_settings().model_store_path)
+        store = self.load_settings().model_store_path
+        if not measure_bandwidth:
+            return detect(measure_bandwidth=False, model_dir=store)
+        with self.model_turn("measuring the memory bandwidth", wait=wait, on_wait=on_wait) as busy_with:
+            if busy_with:
+                profile = detect(measure_bandwidth=False, model_dir=store)
+                why = (f"not measured: the model was busy ({busy_with}); "
+                       "Ctrl+D on the Hardware screen measures it when the model is idle")
+                return dataclasses.replace(profile, unknown={**profile.unknown, BANDWIDTH_UNKNOWN: why})
+            return detect(measure_bandwidth=True, model_dir=store)
+
+    @contextmanager
+    def model_turn(self, what: str, *, wait: bool = True, cancel: CancelToken | None = None,
+                   on_wait: Callable[[str], None] | None = None) -> Iterator[str]:
+        """Hold this process's turn for model work (``what``: a few words) in a ``with``.
+
+        Yields "" once the turn is held. When other work holds it: with ``wait`` False,
+        yields what holds it, without the turn; else ``on_wait`` hears what holds it, the
+        call waits, and a ``cancel`` meanwhile raises Cancelled."""
+        if not _TURNS.lock.acquire(blocking=False):
+            holder = _TURNS.holder or "other work"
+            if not wait:
+                yield holder
+                return
+            if on_wait is not None:
+                on_wait(holder)
+            while not _TURNS.lock.acquire(timeout=_WAIT_POLL_S):
+                if cancel is not None:
+                    cancel.raise_if_cancelled(what)
+        _TURNS.holder = what
+        try:
+            yield ""
+        finally:
+            _TURNS.holder = ""
+            _TURNS.lock.release()
 
     def list_local_models(self) -> list[LocalModel]:
         from backend.hub import list_local_models
@@ -152,6 +217,68 @@ class Services:
         from app.model_files import delete_model_files
 
         return delete_model_files(model)
+
+    # ---- what the model did: expert usage, benchmarks ----------------------------------------
+
+    def expert_stats_path(self, model_path: str | Path) -> Path:
+        """The usage file of a model: how often each routed expert was chosen, summed over
+        every chat that recorded it (counts only, never text); one JSON per model path."""
+        key = os.path.abspath(Path(model_path).expanduser())
+        return self.data_dir() / "expert-stats" / f"{_slug(key)}.json"
+
+    def expert_counts(self, session) -> ExpertStats | None:
+        """Everything the session's model has counted since it was loaded; None for a
+        backend that does not count (llama.cpp)."""
+        save = getattr(session, "save_expert_stats", None)
+        if save is None:
+            return None
+        # The session writes the planner's file format; reading it back keeps the app on
+        # the Session's public verbs.
+        with tempfile.TemporaryDirectory(prefix="hybridmoe-stats-") as tmp:
+            path = Path(tmp) / "counts.json"
+            save(path)
+            return ExpertStats.load(path)
+
+    def add_expert_counts(self, model_path: str | Path, counts: ExpertStats) -> Path:
+        """Add ``counts`` to the model's usage file (created on first use)."""
+        path = self.expert_stats_path(model_path)
+        if path.exists():
+            try:
+                counts = ExpertStats.load(path).merged(counts)
+            except ModelError as error:
+                # Damaged, or another model's (the files at this path were replaced): what it
+                # held cannot be added to; keep it aside, start again.
+                log.warning("setting aside %s: %s", path, error.what)
+                path.replace(path.with_suffix(".json.damaged"))
+        counts.save(path)
+        return path
+
+    # Sizes of the benchmark, as `hybridmoe bench generate` has them by default.
+    bench_sizes = {"prompt_tokens": 512, "gen_tokens": 64, "repeats": 3}
+
+    def bench_backends(self, model_path: str | Path) -> tuple[str, ...]:
+        """The engine always; llama.cpp too for a GGUF file, when llama-cpp-python is installed."""
+        import importlib.util
+
+        path = Path(model_path)
+        if path.suffix == ".gguf" and importlib.util.find_spec("llama_cpp") is not None:
+            return ("engine", "llamacpp")
+        return ("engine",)
+
+    def benchmark(self, model_path: str | Path, on_progress: ProgressCallback | None,
+                  cancel: CancelToken | None) -> dict:
+        """`hybridmoe bench generate`: prefill and decode tokens/s of each backend, each in a
+        process of its own; the summary ``bench_table`` prints."""
+        from backend.bench.generate import measure
+
+        with self.model_turn("a benchmark", cancel=cancel):
+            return measure(str(model_path), backends=self.bench_backends(model_path), on_progress=on_progress,
+                           cancel=cancel, **self.bench_sizes)
+
+    def bench_table(self, summary: dict) -> str:
+        from backend.bench.generate import table
+
+        return table(summary)
 
     # ---- running -----------------------------------------------------------------------------
 

@@ -12,19 +12,22 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from textual.app import App
+from textual.app import App, SystemCommand
 from textual.binding import Binding
 
 from app.history import History
 from app.services import Services
 from app.state import AppState, load_state, save_state
+from app.tui.api_server import ChatModelServer
 from app.tui.commands import ActionsProvider
 from app.tui.errors import report_for
+from app.tui.screens.benchmark import BenchmarkScreen, open_benchmark
 from app.tui.screens.chat import ChatScreen
 from app.tui.screens.dialogs import ErrorDialog
 from app.tui.screens.hardware import HardwareScreen
 from app.tui.screens.models import ModelsScreen
 from app.tui.screens.plan import PlanScreen
+from app.tui.screens.server import ServerScreen
 from app.tui.screens.setup import SetupScreen
 from app.tui.workers import ReportsWorkerErrors, WorkerFailed
 from backend.errors import HybridMoeError
@@ -53,6 +56,8 @@ class HybridMoeApp(ReportsWorkerErrors, App[None]):
         Binding("f5", "switch_mode('hardware')", "Hardware", show=False, priority=True,
                 tooltip="Hardware: what this machine has"),
         Binding("f6", "switch_mode('setup')", "Setup", show=False, priority=True, tooltip="Setup wizard"),
+        Binding("f7", "api_server", "Server", show=False, priority=True,
+                tooltip="API server: serve the chat's model over the OpenAI API"),
     ]
 
     def __init__(self, services: Services | None = None):
@@ -66,6 +71,7 @@ class HybridMoeApp(ReportsWorkerErrors, App[None]):
         self.plan: Plan | None = None  # its plan; None: the chat makes one from the settings
         self.plan_target = ""  # the model the Plan screen shows, when not the chat's
         self.plan_target_downloaded = True  # False: a catalogue model's config.json, nothing to run yet
+        self.api_server = ChatModelServer()  # the chat's model over the OpenAI API (F7)
 
     def on_mount(self) -> None:
         problems: list[HybridMoeError] = []
@@ -180,7 +186,19 @@ class HybridMoeApp(ReportsWorkerErrors, App[None]):
     def on_worker_failed(self, event: WorkerFailed) -> None:
         self.show_error(event.error)
 
+    def get_system_commands(self, screen):
+        yield from super().get_system_commands(screen)
+        # From every screen, not only the Hardware one (whose "b" key does the same).
+        if not isinstance(screen, (HardwareScreen, BenchmarkScreen)):
+            yield SystemCommand("Benchmark the model", "Prefill and decode tokens/s of the chat's model "
+                                "(Hardware screen: b)", lambda: open_benchmark(self))
+
+    def action_api_server(self) -> None:
+        if not isinstance(self.screen, ServerScreen):
+            self.push_screen(ServerScreen(self.api_server))
+
     def on_unmount(self) -> None:
+        self.api_server.stop()
         if self.history is not None:
             self.history.close()
 

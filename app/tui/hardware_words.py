@@ -26,6 +26,9 @@ def summary_lines(hw: HardwareProfile) -> list[str]:
     if bandwidth:
         how = "measured" if bandwidth == mem.bandwidth_measured_bytes_per_s else "theoretical"
         lines.append(f"Memory bandwidth: {fmt_rate(bandwidth)} ({how}); it sets the speed of the experts on the CPU")
+    skipped = hw.unknown.get("memory.bandwidth_measured_bytes_per_s", "")
+    if skipped.startswith("not measured"):  # the model was busy: say so, with how to measure it
+        lines.append(f"Memory bandwidth {skipped}")
     served = hw.served_gpus
     if served:
         names = sorted({g.name for g in served})

@@ -119,21 +119,28 @@ def run_worker(backend: str, model: str, prompt_tokens: int, gen_tokens: int, th
 
 
 def measure(model: str, *, prompt_tokens: int = 512, gen_tokens: int = 64, threads: int | None = None,
-            repeats: int = 3, backends=BACKENDS) -> dict:
-    """Run every backend in its own process; return their results and the engine/llama.cpp ratios."""
+            repeats: int = 3, backends=BACKENDS, on_progress=None, cancel=None) -> dict:
+    """Run every backend in its own process; return their results and the engine/llama.cpp ratios.
+
+    ``on_progress`` (a backend.session.ProgressCallback) hears which backend starts;
+    ``cancel`` (a CancelToken) kills the running worker and raises ``Cancelled``."""
     import psutil
+
+    from backend.session import Progress
 
     threads = threads or psutil.cpu_count(logical=False) or 1
     results = {}
-    for backend in backends:
+    for i, backend in enumerate(backends):
+        if on_progress is not None:
+            on_progress(Progress("bench", i, len(backends), unit="backends", message=f"measuring {backend}"))
         cmd = [sys.executable, "-m", "backend.bench.generate", "--worker", backend, model,
                "--prompt-tokens", str(prompt_tokens), "--gen-tokens", str(gen_tokens),
                "--threads", str(threads), "--repeats", str(repeats)]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode != 0:
-            results[backend] = {"error": proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "failed"}
+        returncode, stdout, stderr = _run_worker(cmd, cancel)
+        if returncode != 0:
+            results[backend] = {"error": stderr.strip().splitlines()[-1] if stderr.strip() else "failed"}
             continue
-        r = json.loads(proc.stdout.strip().splitlines()[-1])
+        r = json.loads(stdout.strip().splitlines()[-1])
         r["prefill_median"] = statistics.median(r["prefill"])
         r["decode_median"] = statistics.median(r["decode"])
         results[backend] = r
@@ -145,6 +152,20 @@ def measure(model: str, *, prompt_tokens: int = 512, gen_tokens: int = 64, threa
         summary["prefill_ratio"] = e["prefill_median"] / l["prefill_median"]
         summary["same_greedy_tokens"] = e["tokens"] == l["tokens"]
     return summary
+
+
+def _run_worker(cmd: list[str], cancel) -> tuple[int, str, str]:
+    """subprocess.run, except that a cancel kills the worker (a long benchmark must stop when asked)."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    while True:
+        try:
+            stdout, stderr = proc.communicate(timeout=0.1)  # retrying after a timeout loses no output
+            return proc.returncode, stdout, stderr
+        except subprocess.TimeoutExpired:
+            if cancel is not None and cancel.cancelled:
+                proc.kill()
+                proc.communicate()
+                cancel.raise_if_cancelled("the benchmark")
 
 
 def table(summary: dict) -> str:

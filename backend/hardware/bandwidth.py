@@ -3,15 +3,29 @@
 Decode speed with experts in host RAM is bounded by how fast the CPU cores can stream
 weights from DRAM, and the datasheet figure (``memory.theoretical_host_bandwidth``) is
 often far from what a machine delivers: missing DIMMs, one DIMM per two channels, a VM.
-This probe reads a buffer far larger than the last-level cache with one thread per
-physical core and keeps the best of a few passes (the best pass is the one least
-disturbed by other work). It takes about half a second and is skipped when the caller
-opts out.
+This probe reads a buffer far larger than the last-level cache from many threads at once
+and keeps the best of a few passes (the best pass is the one least disturbed by other
+work). It takes about half a second and is skipped when the caller opts out.
+
+Two implementations, neither of which touches process-wide settings:
+
+* the native extension's probe (``backend.engine._native.measure_read_bandwidth``), run on
+  the thread pool that computes the CPU experts, so it measures what the experts get;
+* a portable one where the extension was not built: numpy sums from Python threads (numpy
+  releases the GIL while it sums).
+
+PyTorch is deliberately not used. Its thread count is process-wide (OpenMP, MKL and its
+own pools): a probe that set it from a worker thread while a model generated on another
+thread would resize the pools under the running model. The app once exited with a
+segmentation fault while this probe (then torch-based) ran beside a loaded model; nothing
+here needs torch, so nothing here can do that. Not importing torch also keeps
+``hybridmoe doctor`` fast.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 __all__ = ["probe_buffer_bytes", "probe_threads", "measure_host_read_bandwidth"]
@@ -51,50 +65,88 @@ def measure_host_read_bandwidth(
     threads: int | None = None,
     passes: int = 3,
 ) -> float:
-    """Best-of-``passes`` read bandwidth in bytes/s, summing a float32 buffer.
+    """Best-of-``passes`` read bandwidth in bytes/s.
 
-    ``buffer_bytes`` defaults to ``probe_buffer_bytes(l3_bytes, available_bytes)`` and
-    ``threads`` to ``probe_threads(None)``. Raises on failure (no torch and no numpy, or out
-    of memory); ``detect()`` turns that into an ``unknown`` entry.
+    ``buffer_bytes`` defaults to ``probe_buffer_bytes(l3_bytes, available_bytes)``.
+    ``threads`` (default ``probe_threads(None)``) is the thread count of the portable probe;
+    the native probe runs on the experts' own pool, whose size is the kernels' business
+    (``HYBRIDMOE_CPU_THREADS``, else one thread per physical core) and is not changed here:
+    resizing it would pull it from under a model using it. Raises on failure (out of
+    memory, say); ``detect()`` turns that into an ``unknown`` entry.
     """
     if passes < 1:
         raise ValueError("passes must be at least 1")
     size = buffer_bytes if buffer_bytes is not None else probe_buffer_bytes(l3_bytes, available_bytes)
-    elements = max(size // 4, 1)
-    threads = threads or probe_threads(None)
-    try:
-        import torch
-    except ImportError:
-        return _measure_with_numpy(elements, passes)
+    size = max(int(size), 8)
+    native = _native_module()
+    if native is not None:
+        return float(native.measure_read_bandwidth(size, passes))
+    return _measure_with_numpy(size // 4, threads or probe_threads(None), passes)
 
-    previous_threads = torch.get_num_threads()
-    torch.set_num_threads(threads)
+
+def _native_module():
+    """The extension, or None where it was not built (a source tree never installed)."""
     try:
-        # Writing every element first makes the kernel back the buffer with real pages;
-        # reading untouched memory would read the shared zero page and measure the cache.
-        buffer = torch.ones(elements, dtype=torch.float32)
-        buffer.sum()  # warm up the thread pool and the code path, not timed
+        # backend.engine's __init__ imports nothing, so this loads the extension alone, not torch.
+        from backend.engine import _native
+    except ImportError:
+        return None
+    return _native if hasattr(_native, "measure_read_bandwidth") else None
+
+
+def _measure_with_numpy(elements: int, threads: int, passes: int) -> float:
+    """Each thread sums its own slice of one float32 buffer; a pass is timed from the
+    moment all threads start to the moment the last one finishes."""
+    import numpy as np
+
+    # Written in full (ones, not zeros) so the kernel backs it with real pages; untouched
+    # memory would read the shared zero page and measure the cache.
+    buffer = np.ones(max(elements, threads), dtype=np.float32)
+    slices = np.array_split(buffer, threads)
+    if threads == 1:
+        slices[0].sum()  # warm up: page-table walks and the code path, not timed
         best = float("inf")
         for _ in range(passes):
             start = time.perf_counter()
-            buffer.sum()
+            slices[0].sum()
             best = min(best, time.perf_counter() - start)
-        del buffer
-    finally:
-        # The thread count is process-wide; leave it as the caller had it.
-        torch.set_num_threads(previous_threads)
-    return elements * 4 / best
+        return buffer.nbytes / best
 
+    # One more party than threads: the timing thread releases them all at once and waits
+    # for all of them at the end.
+    start_line, finish_line = threading.Barrier(threads + 1), threading.Barrier(threads + 1)
+    failures: list[BaseException] = []
 
-def _measure_with_numpy(elements: int, passes: int) -> float:
-    """Single-threaded fallback: an underestimate on many-channel servers, said by the caller."""
-    import numpy as np
+    def read(part) -> None:
+        try:
+            for _ in range(passes + 1):  # the first round is the warm-up
+                start_line.wait()
+                part.sum()
+                finish_line.wait()
+        except threading.BrokenBarrierError:
+            pass
+        except BaseException as error:  # MemoryError in a thread: reported by the caller
+            failures.append(error)
+            start_line.abort()
+            finish_line.abort()
 
-    buffer = np.ones(elements, dtype=np.float32)
-    buffer.sum()
+    workers = [threading.Thread(target=read, args=(part,), name=f"bandwidth-probe-{i}", daemon=True)
+               for i, part in enumerate(slices)]
+    for worker in workers:
+        worker.start()
     best = float("inf")
-    for _ in range(passes):
-        start = time.perf_counter()
-        buffer.sum()
-        best = min(best, time.perf_counter() - start)
-    return elements * 4 / best
+    try:
+        for round_ in range(passes + 1):
+            start_line.wait()
+            start = time.perf_counter()
+            finish_line.wait()
+            if round_:
+                best = min(best, time.perf_counter() - start)
+    except threading.BrokenBarrierError:
+        pass
+    finally:
+        for worker in workers:
+            worker.join()
+    if failures:
+        raise failures[0]
+    return buffer.nbytes / best

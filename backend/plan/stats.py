@@ -45,6 +45,47 @@ class ExpertStats:
         pairs.sort(key=lambda p: (-p[0], p[1], p[2]))
         return pairs
 
+    def merged(self, other: "ExpertStats") -> "ExpertStats":
+        """These counts plus ``other``'s: the same model's usage recorded in another session.
+        Layers only one of them has are kept as they are."""
+        self._check_same_shape(other)
+        layers = {layer: list(counts) for layer, counts in self.layers.items()}
+        for layer, counts in other.layers.items():
+            mine = layers.setdefault(layer, [0] * self.n_experts)
+            layers[layer] = [a + b for a, b in zip(mine, counts, strict=True)]
+        return ExpertStats(model=self.model or other.model, n_experts=self.n_experts,
+                           tokens=self.tokens + other.tokens, layers=layers)
+
+    def since(self, earlier: "ExpertStats | None") -> "ExpertStats":
+        """What was counted after ``earlier``, an older snapshot of the same running count
+        (None: nothing before). A recorder only ever adds, so no difference is negative."""
+        if earlier is None:
+            return ExpertStats(model=self.model, n_experts=self.n_experts, tokens=self.tokens,
+                               layers={layer: list(counts) for layer, counts in self.layers.items()})
+        self._check_same_shape(earlier)
+        layers = {}
+        for layer, counts in self.layers.items():
+            before = earlier.layers.get(layer, [0] * self.n_experts)
+            delta = [a - b for a, b in zip(counts, before, strict=True)]
+            if any(d < 0 for d in delta):
+                raise ValueError(f"layer {layer}: the earlier snapshot counts more than this one; "
+                                 "they are not snapshots of the same recording")
+            layers[layer] = delta
+        return ExpertStats(model=self.model, n_experts=self.n_experts, tokens=self.tokens - earlier.tokens,
+                           layers=layers)
+
+    @property
+    def activations(self) -> int:
+        return sum(sum(counts) for counts in self.layers.values())
+
+    def _check_same_shape(self, other: "ExpertStats") -> None:
+        if other.n_experts != self.n_experts:
+            raise ModelError(
+                f"expert statistics of {other.model or 'a model'} count {other.n_experts} experts per layer, "
+                f"those of {self.model or 'this model'} {self.n_experts}: they are not the same model's",
+                "Record statistics for this model in a file of its own.",
+            )
+
     def to_dict(self) -> dict:
         return {
             "format": FORMAT,

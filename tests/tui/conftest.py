@@ -13,26 +13,10 @@ from tests.tui.fakes import FakeServices, local_model
 
 
 @pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory):
-    """A tiny real Qwen3-MoE checkpoint with a byte-level BPE tokenizer and a chat template,
-    built with the engine and tokenizer tests' helpers (a few seconds, once per session)."""
-    import tests.engine.conftest as engine_helpers
-    from backend.engine import tokenizer as tokenizer_module
-    from tests.text.conftest import QWEN_TEMPLATE, train_byte_level_bpe, write_hf_dir
-
-    out = tmp_path_factory.mktemp("tiny-qwen3-moe")
-    tokenizer = train_byte_level_bpe(tokenizer_module._QWEN2)
-    family, kwargs = engine_helpers.FAMILIES["qwen3_moe"]
-    # make_checkpoint reads its sizes from FAMILIES: give it this tokenizer's vocabulary for
-    # the duration of the call only (the engine tests share the table).
-    engine_helpers.FAMILIES["qwen3_moe"] = (family, {**kwargs, "vocab_size": tokenizer.get_vocab_size()})
-    try:
-        engine_helpers.make_checkpoint("qwen3_moe", out)
-    finally:
-        engine_helpers.FAMILIES["qwen3_moe"] = (family, kwargs)
-    write_hf_dir(out, tokenizer, {"eos_token": "<|im_end|>", "bos_token": None, "add_bos_token": False,
-                                  "chat_template": QWEN_TEMPLATE})
-    return out
+def tiny_model(tiny_chat_model):
+    """A tiny real Qwen3-MoE checkpoint with a byte-level BPE tokenizer and a chat template
+    (tests/conftest.py builds it once per session, for every package that runs it)."""
+    return tiny_chat_model
 
 
 @pytest.fixture(autouse=True)

@@ -159,7 +159,7 @@ class FakeServices(Services):
         self.detect_calls = 0
         self.deleted: list[LocalModel] = []
 
-    def detect_hardware(self, measure_bandwidth: bool):
+    def detect_hardware(self, measure_bandwidth: bool, *, wait: bool = False, on_wait=None):
         self.detect_calls += 1
         if self.detect_error is not None:
             raise self.detect_error

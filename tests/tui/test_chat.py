@@ -18,7 +18,7 @@ from app.tui.widgets.chat_message import ChatMessage
 from app.tui.widgets.prompt import PromptInput
 from app.tui.widgets.status_line import StatusLine
 from backend import settings as settings_module
-from textual.widgets import Input, Markdown, TextArea
+from textual.widgets import Checkbox, Input, Markdown, TextArea
 from tests.tui.fakes import ANSWER, FakeBackend, local_model
 from tests.tui.helpers import text_of, until, until_screen
 
@@ -173,14 +173,21 @@ async def test_system_prompt_and_sampling_settings(configured):
         assert "top_p" in text_of(dialog.query_one("#settings-error"))
         dialog.query_one("#sampling-top_p", Input).value = "0.9"
         dialog.query_one("#sampling-temperature", Input).value = "0"
+        # Recording the expert usage: off by default, and it says that it keeps no text
+        record = dialog.query_one("#record-usage", Checkbox)
+        assert record.value is False
+        assert "No prompt, answer or other text is kept" in text_of(dialog.query_one("#record-usage-help"))
+        record.value = True
         await pilot.press("ctrl+s")  # ... or the key
         await until(pilot, lambda: isinstance(app.screen, ChatScreen), what="the dialog to close")
+        assert app.settings.record_stats
         await _ask(pilot, chat, "Hi")
         await _answered(pilot, chat)
         turns = configured.backend.sessions[0].calls[0]
         assert [(t.role, t.content) for t in turns] == [("system", "Be brief."), ("user", "Hi")]
     state = load_state(settings_module.data_dir())
     assert state.system_prompt == "Be brief." and state.sampling["temperature"] == 0 and state.sampling["top_p"] == 0.9
+    assert settings_module.load().record_stats  # a preference: in settings.toml
 
 
 async def test_every_action_is_in_the_command_palette(configured):

@@ -50,19 +50,21 @@ FLAGS = ("--max-tokens", "12", "--temperature", "0", "--top-k", "5", "--top-p", 
 @pytest.fixture(scope="module")
 def runs(tiny_model, env):
     """All the runs at once: the same prompt with -p and --json and on standard input
-    (``-p -``) as plain text, two that fail, and a long generation for the Ctrl-C test
+    (``-p -`` and ``-``) as plain text, two that fail, and a long generation for the Ctrl-C test
     (left running)."""
     procs = {
         "json": start("run", "-m", tiny_model, *FLAGS, "-p", PROMPT, "--json", "--backend", "engine", env=env),
         "stdin": start("run", "-m", tiny_model, *FLAGS, "-p", "-", env=env, stdin=subprocess.PIPE),
+        "dash": start("run", "-m", tiny_model, *FLAGS, "-", env=env, stdin=subprocess.PIPE),  # as `cat -`
         "usage": start("run", "-p", "hi", env=env),  # exit 2, before any model is read
         "missing": start("run", "-m", "/no/such/model", "-p", "hi", env=env),
     }
     long_run = start("run", "-m", tiny_model, "-p", PROMPT, "--temperature", "0", "--max-tokens", "100000",
                      "--context", "4096", env=env)
-    procs["stdin"].stdin.write(PROMPT)
-    procs["stdin"].stdin.close()
-    procs["stdin"].stdin = None  # written and closed: communicate() has nothing to send
+    for name in ("stdin", "dash"):
+        procs[name].stdin.write(PROMPT)
+        procs[name].stdin.close()
+        procs[name].stdin = None  # written and closed: communicate() has nothing to send
     results = {}
     for name, proc in procs.items():
         out, err = proc.communicate(timeout=240)
@@ -93,8 +95,9 @@ def test_the_system_prompt_is_part_of_the_prompt(runs, tiny_model):
     assert json.loads(runs["json"][1])["stats"]["prompt_tokens"] == len(tokenizer.encode_prompt(text))
 
 
-def test_the_prompt_from_stdin_gives_the_same_answer_as_text(runs):
-    code, out, err = runs["stdin"]
+@pytest.mark.parametrize("run", ["stdin", "dash"])
+def test_the_prompt_from_stdin_gives_the_same_answer_as_text(runs, run):
+    code, out, err = runs[run]
     assert code == 0, err
     assert err == ""
     text = json.loads(runs["json"][1])["text"]

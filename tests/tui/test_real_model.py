@@ -36,3 +36,58 @@ async def test_chat_with_a_tiny_real_model(tiny_model):
         assert messages[1].stats["backend"] == "engine" and messages[1].stats["generated_tokens"] >= 1
         status = text_of(chat.query_one(StatusLine))
         assert "first token" in status and "context" in status and "CPU only" in status
+
+
+async def test_a_new_user_goes_from_the_wizard_to_an_answer(tiny_model):
+    """No settings at all: the wizard opens; a model on disk, typed as a path, is planned,
+    saved, loaded by the embedded engine, and answers."""
+    from textual.widgets import Button, Input
+
+    from app.tui.screens.setup import SetupScreen
+    from app.tui.widgets.plan_editor import PlanEditor
+    from backend import settings as settings_module
+    from backend.plan import Plan
+
+    services = Services()
+    app = HybridMoeApp(services)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await until(pilot, lambda: isinstance(app.screen, SetupScreen), what="the wizard")
+        setup = app.screen
+        next_button = setup.query_one("#hardware-next", Button)
+        # The real detection, bandwidth probe included (a new user's settings measure it).
+        await until(pilot, lambda: not next_button.disabled, timeout=60, what="the hardware")
+        # The choices follow (the catalogue ranked for this machine); their warnings may move the button.
+        await until(pilot, lambda: setup.catalogue is not None, timeout=60, what="the choices")
+        await pilot.pause()
+        await pilot.click("#hardware-next")
+        await until(pilot, lambda: setup.step == "model", timeout=30, what="step 2")
+        typed = setup.query_one("#setup-typed", Input)
+        typed.value = str(tiny_model)
+        typed.focus()
+        await pilot.press("enter")
+        await until(pilot, lambda: setup.step == "layout" and setup.query(PlanEditor)
+                    and setup.query_one(PlanEditor).plan is not None, timeout=30, what="the layout")
+        editor = setup.query_one(PlanEditor)
+        assert editor.plan.fits and editor.plan.main_device == "cpu"
+        editor.query_one("#plan-context", Input).value = "512"
+        await pilot.pause()
+        assert editor.plan.workload.context == 512
+        await pilot.press("ctrl+s")  # Save and load
+
+        await until(pilot, lambda: isinstance(app.screen, ChatScreen) and app.screen.session is not None,
+                    timeout=120, what="the engine to load the model")
+        chat = app.screen
+        chat.query_one(PromptInput).text = "Hello!"
+        await pilot.press("enter")
+        await until(pilot, lambda: len(chat.query(ChatMessage)) == 2 and not chat.generating, timeout=120,
+                    what="the answer")
+        answer = chat.query(ChatMessage).last()
+        assert answer.role == "assistant"
+        assert "context" in text_of(chat.query_one(StatusLine))
+        stored = app.history.messages(app.history.conversations()[0].id)
+        assert [m.role for m in stored] == ["user", "assistant"] and stored[1].content == answer.text
+        assert stored[1].stats["backend"] == "engine" and stored[1].stats["generated_tokens"] >= 1
+
+    saved = settings_module.load()
+    assert saved.default_model == str(tiny_model) and saved.context == 512
+    assert Plan.load(services.plan_path(tiny_model)).workload.context == 512

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import io
+
 from textual.widgets import DataTable, Input, Select
 
 from app.state import load_state
@@ -189,3 +191,163 @@ def test_hardware_warnings_in_plain_words():
     assert "No GPU" in said and "no AVX2" in said and "Container memory limit" in said
     assert "smaller than any model" in said
     assert any(line.startswith("GPUs: none") for line in summary_lines(old_cpu))
+
+
+# ---- the footer at 80 columns ---------------------------------------------------------------
+
+
+def _footer_problems(app, width: int) -> list[str]:
+    """Keys the footer cuts off, or hides under the command palette's key (docked right)."""
+    from textual.widgets import Footer
+    from textual.widgets._footer import FooterKey
+
+    keys = list(app.screen.query_one(Footer).query(FooterKey))
+    palette = [k for k in keys if k.action == "app.command_palette" or k.has_class("-command-palette")]
+    limit = min([k.region.x for k in palette] + [width])
+    return [f"{k.key_display} {k.description} at {k.region.x}..{k.region.right}" for k in keys
+            if k not in palette and (k.region.right > limit or not k.region.width)]
+
+
+async def test_every_main_screen_shows_its_keys_at_80_columns(configured):
+    from app.tui.widgets.prompt import PromptInput
+
+    configured.backend.delay = 0.2  # an answer long enough to look at the footer while it streams
+    app = HybridMoeApp(configured)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await _chat_loaded(pilot, app)
+        chat = app.screen
+        chat.query_one(PromptInput).text = "Hi"
+        await pilot.press("enter")
+        await until(pilot, lambda: chat.generating and chat.answer is not None and chat.answer.text, what="streaming")
+        await pilot.pause()
+        seen = {"chat, answering": (_footer_problems(app, 80), chat.query_one("Footer").query("FooterKey"))}
+        assert "Stop" in [k.description for k in seen["chat, answering"][1]]
+        await until(pilot, lambda: not chat.generating, timeout=10, what="the answer")
+        await pilot.pause()
+        keys = [k.description for k in chat.query_one("Footer").query("FooterKey")]
+        assert {"Retry", "New", "History", "Settings", "Copy"} <= set(keys), keys
+        problems = {"chat, answered": _footer_problems(app, 80), "chat, answering": seen["chat, answering"][0]}
+        for key, screen_class in (("f3", ModelsScreen), ("f4", PlanScreen), ("f5", HardwareScreen)):
+            await pilot.press(key)
+            await until(pilot, lambda wanted=screen_class: isinstance(app.screen, wanted))
+            if screen_class is PlanScreen:  # its keys must stay when a workload field has the focus
+                await until(pilot, lambda: app.screen.query(PlanEditor) and app.screen.query_one(PlanEditor).plan)
+                app.screen.query_one("#plan-context", Input).focus()
+            await pilot.pause()
+            problems[screen_class.__name__] = _footer_problems(app, 80)
+            shown = {k.description for k in app.screen.query_one("Footer").query("FooterKey")}
+            essential = {ModelsScreen: {"Pull", "Convert", "Delete", "Plan", "Inspect"},
+                         PlanScreen: {"Save", "Export", "Measure", "Re-plan"},
+                         HardwareScreen: {"Measure", "Benchmark"}}[screen_class]
+            assert essential <= shown, (screen_class.__name__, shown)
+        assert not any(problems.values()), problems
+
+
+# ---- re-planning from the recorded usage (fake model boundary; tests/tui/test_usage.py runs
+# the real engine) --------------------------------------------------------------------------------
+
+
+def _plain(renderable) -> str:
+    from rich.console import Console
+
+    console = Console(width=100, record=True, file=io.StringIO())
+    console.print(renderable)
+    return console.export_text()
+
+
+def _small_gpu():
+    """One 24 GiB GPU: some of a 30B MoE's experts fit on it, not all."""
+    from backend.hardware.overrides import apply_overrides
+    from backend.hardware.presets import preset
+    from backend.units import GiB
+    from tests.tui.fakes import this_machine
+
+    return this_machine(apply_overrides(preset("4x RTX PRO 6000"), gpus=1, gpu_memory=24 * GiB, ram=128 * GiB))
+
+
+def _skewed_usage(model_path: str, path):
+    """Counts that favour the eight highest-numbered experts of every layer."""
+    from backend.models import inspect_model
+    from backend.plan import ExpertStats
+
+    spec = inspect_model(model_path).spec
+    n = spec.n_routed_experts
+    stats = ExpertStats(model=spec.name, n_experts=n, tokens=5000,
+                        layers={layer: [1000 if e >= n - 8 else 1 for e in range(n)] for layer in spec.moe_layers})
+    stats.save(path)
+    return stats
+
+
+async def test_replan_from_usage_compares_and_saves(configured):
+    from app.tui.screens.replan import ReplanDialog, gpu_share
+
+    configured.hardware = _small_gpu()
+    app = HybridMoeApp(configured)
+    async with app.run_test(size=(100, 40)) as pilot:
+        await _chat_loaded(pilot, app)
+        await pilot.press("f4")
+        await until(pilot, lambda: isinstance(app.screen, PlanScreen) and app.screen.query(PlanEditor)
+                    and app.screen.query_one(PlanEditor).plan is not None, what="the plan")
+        plan_screen = app.screen
+        current = plan_screen.query_one(PlanEditor).plan
+        stats = _skewed_usage(app.model, configured.expert_stats_path(app.model))
+
+        await pilot.press("ctrl+r")
+        dialog = await until_screen(pilot, app, ReplanDialog)
+        proposed = dialog.proposed
+        assert proposed.workload.strategy == "frequency"
+        assert proposed.workload.stats_file == str(configured.expert_stats_path(app.model))
+        # The experts used most go to the GPU: it serves far more of the recorded choices.
+        assert gpu_share(current, stats) < 0.1 and gpu_share(proposed, stats) > 0.9
+        shown = _plain(dialog.query_one("#replan-table").content)
+        assert "Your expert choices on the GPU" in shown
+        assert f"{gpu_share(current, stats):.0%}" in shown and f"{gpu_share(proposed, stats):.0%}" in shown
+        assert "5,000 tokens" in text_of(dialog.query_one("#replan-recorded"))
+        await pilot.click("#replan-use")
+        await until(pilot, lambda: app.screen is plan_screen, what="the dialog to close")
+
+        saved = Plan.load(configured.plan_path(app.model))
+        assert saved.workload.strategy == "frequency" and saved.gpu_experts == proposed.gpu_experts
+        assert app.plan == saved
+        editor = plan_screen.query_one(PlanEditor)
+        assert editor.plan == saved and editor.query_one("#plan-strategy", Select).value == "frequency"
+
+        await pilot.press("f2")  # the chat loads the model with the new plan
+        await until(pilot, lambda: len(configured.backend.loads) == 2, what="the reload")
+        assert configured.backend.loads[-1][1] == saved
+
+
+async def test_replan_without_recorded_usage_says_how_to_record_it(configured):
+    from app.tui.screens.dialogs import ErrorDialog
+
+    app = HybridMoeApp(configured)
+    async with app.run_test(size=(100, 40)) as pilot:
+        await _chat_loaded(pilot, app)
+        await pilot.press("f4")
+        await until(pilot, lambda: isinstance(app.screen, PlanScreen) and app.screen.query(PlanEditor)
+                    and app.screen.query_one(PlanEditor).plan is not None, what="the plan")
+        await pilot.press("ctrl+r")
+        dialog = await until_screen(pilot, app, ErrorDialog)
+        assert "no expert usage" in text_of(dialog.query_one("#error-message"))
+        assert "Record which experts" in text_of(dialog.query_one("#error-hint"))
+    assert not configured.plan_path(app.model).exists()
+
+
+async def test_the_benchmark_is_offered_from_every_screen(configured):
+    from app.tui.screens.benchmark import BenchmarkScreen
+
+    app = HybridMoeApp(configured)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await _chat_loaded(pilot, app)
+        await pilot.press("ctrl+p")
+        await pilot.pause()
+        await pilot.press(*"benchmark the model")
+        await pilot.pause(0.3)
+        await pilot.press("enter")
+        bench = await until_screen(pilot, app, BenchmarkScreen)
+        await until(pilot, lambda: not bench.query_one("#bench-start").disabled, what="the model to be looked at")
+        about = text_of(bench.query_one("#bench-about"))
+        assert "the embedded engine" in about and "unloaded" in about and "512-token prompt" in about
+        await pilot.press("escape")
+        await until(pilot, lambda: isinstance(app.screen, ChatScreen), what="the dialog to close")
+        assert app.screen.session is not None  # not started: the chat kept its model

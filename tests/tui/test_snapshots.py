@@ -43,7 +43,7 @@ def test_chat_with_an_answer(snap_compare, configured):
         await until(pilot, lambda: len(chat.query(ChatMessage)) == 2 and not chat.generating)
         await pilot.pause()
 
-    assert snap_compare(HybridMoeApp(configured), terminal_size=(100, 30), run_before=answered)
+    assert snap_compare(HybridMoeApp(configured), terminal_size=(80, 24), run_before=answered)
 
 
 def test_plan_screen(snap_compare, configured):
@@ -66,4 +66,55 @@ def test_models_screen(snap_compare, configured):
         await until(pilot, lambda: isinstance(app.screen, ModelsScreen) and app.screen.catalogue is not None)
         await pilot.pause()
 
-    assert snap_compare(HybridMoeApp(configured), terminal_size=(120, 30), run_before=listed)
+    assert snap_compare(HybridMoeApp(configured), terminal_size=(80, 24), run_before=listed)
+
+
+def test_plan_screen_at_80_columns(snap_compare, configured):
+    async def planned(pilot):
+        app = pilot.app
+        await until(pilot, lambda: isinstance(app.screen, ChatScreen) and app.screen.session is not None)
+        await pilot.press("f4")
+        await until(pilot, lambda: isinstance(app.screen, PlanScreen) and app.screen.query(PlanEditor)
+                    and app.screen.query_one(PlanEditor).plan is not None)
+        await pilot.pause()
+
+    assert snap_compare(HybridMoeApp(configured), terminal_size=(80, 24), run_before=planned)
+
+
+def test_hardware_screen(snap_compare, configured, monkeypatch):
+    from rich.text import Text
+
+    from app.tui.screens import hardware
+
+    # The live memory figures are this machine's and change every second: fixed ones here.
+    monkeypatch.setattr(hardware, "memory_text", lambda: Text("RAM   (live figures)"))
+
+    async def shown(pilot):
+        app = pilot.app
+        await until(pilot, lambda: isinstance(app.screen, ChatScreen))
+        await pilot.press("f5")
+        await until(pilot, lambda: isinstance(app.screen, hardware.HardwareScreen)
+                    and "GPUs" in str(app.screen.query_one("#hardware-summary").content))
+        await pilot.pause()
+
+    assert snap_compare(HybridMoeApp(configured), terminal_size=(80, 24), run_before=shown)
+
+
+def test_replan_from_usage_dialog(snap_compare, configured):
+    from app.tui.screens.replan import ReplanDialog
+    from tests.tui.test_screens import _skewed_usage, _small_gpu
+
+    configured.hardware = _small_gpu()
+
+    async def compared(pilot):
+        app = pilot.app
+        await until(pilot, lambda: isinstance(app.screen, ChatScreen) and app.screen.session is not None)
+        _skewed_usage(app.model, configured.expert_stats_path(app.model))
+        await pilot.press("f4")
+        await until(pilot, lambda: isinstance(app.screen, PlanScreen) and app.screen.query(PlanEditor)
+                    and app.screen.query_one(PlanEditor).plan is not None)
+        await pilot.press("ctrl+r")
+        await until(pilot, lambda: isinstance(app.screen, ReplanDialog))
+        await pilot.pause()
+
+    assert snap_compare(HybridMoeApp(configured), terminal_size=(80, 24), run_before=compared)

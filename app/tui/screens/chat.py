@@ -10,6 +10,7 @@ text generated so far stays, in the view and in the history.
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from textual import work
@@ -21,15 +22,15 @@ from textual.screen import Screen
 from textual.widgets import Footer, Label, ProgressBar
 
 from app.history import Conversation, title_for
-from app.tui.screens.chat_settings import ChatSettingsScreen, sampling_params
+from app.tui.screens.chat_settings import ChatSettings, ChatSettingsScreen, sampling_params
 from app.tui.screens.conversations import ConversationsScreen
 from app.tui.widgets.chat_message import ChatMessage, code_blocks
 from app.tui.widgets.prompt import PromptInput
 from app.tui.widgets.status_line import StatusLine
 from app.tui.widgets.nav_bar import NavBar
 from app.tui.workers import ReportsWorkerErrors, WorkerFailed
-from backend.errors import PlanError
-from backend.plan import Plan, Workload
+from backend.errors import HybridMoeError, PlanError
+from backend.plan import ExpertStats, Plan, Workload
 from backend.session import Cancelled, CancelToken, Done, Message as ChatTurn, Progress, TextPiece
 
 FINISH_NOTES = {"stop": "", "length": "stopped at the token limit", "cancelled": "stopped", "error": "failed"}
@@ -37,15 +38,17 @@ FINISH_NOTES = {"stop": "", "length": "stopped at the token limit", "cancelled":
 
 class ChatScreen(ReportsWorkerErrors, Screen):
     # Short descriptions for the footer, the full names (tooltips) for the command palette.
+    # The footer shows what a conversation needs at 80 columns; copying a code block and
+    # reloading are in the palette (Ctrl+P), and the status line names Ctrl+L when a load failed.
     BINDINGS = [
         Binding("escape", "stop", "Stop", tooltip="Stop generating (keeps the text)"),
         Binding("ctrl+r", "regenerate", "Retry", tooltip="Regenerate the last answer"),
         Binding("ctrl+n", "new_chat", "New", tooltip="New conversation"),
         Binding("ctrl+o", "conversations", "History", tooltip="Conversations: reopen or delete"),
-        Binding("ctrl+s", "settings", "Settings", tooltip="System prompt and sampling settings"),
+        Binding("ctrl+s", "settings", "Settings", tooltip="Chat settings: system prompt, sampling, usage recording"),
         Binding("ctrl+t", "copy_answer", "Copy", tooltip="Copy the last answer"),
-        Binding("ctrl+b", "copy_code", "Code", tooltip="Copy the last code block"),
-        Binding("ctrl+l", "reload", "Reload", tooltip="Reload the model"),
+        Binding("ctrl+b", "copy_code", "Code", show=False, tooltip="Copy the last code block"),
+        Binding("ctrl+l", "reload", "Reload", show=False, tooltip="Reload the model"),
     ]
 
     # ---- messages from the workers ---------------------------------------------------------------
@@ -71,13 +74,26 @@ class ChatScreen(ReportsWorkerErrors, Screen):
             self.text, self.tokens = text, tokens
 
     class Answered(Message):
-        def __init__(self, done: Done):
+        """The answer ended; ``done`` is None when it was stopped before it had its turn."""
+
+        def __init__(self, done: Done | None):
             super().__init__()
             self.done = done
+
+    class UsageNotRecorded(Message):
+        def __init__(self, error: HybridMoeError):
+            super().__init__()
+            self.error = error
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         self.session = None
+        # The session as the backend made it: ``session`` may become a wrapper around it
+        # (the API server's shared queue), and only the backend's own one counts experts.
+        self.loaded_session = None
+        # What the loaded model had counted when its usage was last accounted for; touched
+        # only by the generate worker (one at a time) and by a load (never during an answer).
+        self._counted: ExpertStats | None = None
         self.loaded_target: tuple | None = None
         self.loading_target: tuple | None = None
         self.failed_target: tuple | None = None  # not retried on its own (Ctrl+L does)
@@ -116,8 +132,8 @@ class ChatScreen(ReportsWorkerErrors, Screen):
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         if action == "stop":
             return self.generating or self.loading_target is not None
-        if action == "regenerate":
-            return None if self.generating or not self._last("assistant") else True
+        if action == "regenerate":  # hidden while answering: the footer needs the room for Stop
+            return not self.generating and self._last("assistant") is not None
         if action == "reload":  # hidden while answering: the footer needs the room for Stop
             return not self.generating
         return True
@@ -156,11 +172,16 @@ class ChatScreen(ReportsWorkerErrors, Screen):
         path = services.resolve_model(model_text)
         if plan is None:
             plan = self._plan_for(services, path, hardware, settings)
+
+        def waiting(what: str) -> None:
+            self.post_message(self.LoadProgressed(Progress("wait", 0, None, message=f"waiting for {what} to end")))
+
         try:
-            session = services.load_session(
-                path, plan, lambda p: self.post_message(self.LoadProgressed(p)), cancel,
-                on_notice=lambda text: self.app.call_from_thread(self.notify, text, timeout=10),
-            )
+            with services.model_turn("loading the model", cancel=cancel, on_wait=waiting):
+                session = services.load_session(
+                    path, plan, lambda p: self.post_message(self.LoadProgressed(p)), cancel,
+                    on_notice=lambda text: self.app.call_from_thread(self.notify, text, timeout=10),
+                )
         except Cancelled as stopped:
             self.post_message(self.LoadStopped(stopped.what))
             return
@@ -198,6 +219,7 @@ class ChatScreen(ReportsWorkerErrors, Screen):
         if self.session is not None:
             self.session.close()
         self.session, self.model_path, self.plan = event.session, event.path, event.plan
+        self.loaded_session, self._counted = event.session, None
         self.loaded_target, self.loading_target = event.target, None
         self.query_one("#load-panel").display = False
         status = self.query_one(StatusLine)
@@ -206,6 +228,28 @@ class ChatScreen(ReportsWorkerErrors, Screen):
                    "CPU only" if event.plan.main_device == "cpu" else "")
         self.refresh_bindings()
         self.query_one(PromptInput).focus()
+        if self.app.settings.record_stats and not hasattr(event.session, "save_expert_stats"):
+            self.notify("llama.cpp does not report which experts it uses: usage is not recorded with this model.",
+                        severity="warning", timeout=10)
+
+    def unload(self, why: str) -> str:
+        """Close the model to free its memory for ``why`` (a few words: "for the benchmark").
+        Returns why it cannot, or "" when done; the chat loads the model again when shown."""
+        if self.generating:
+            return "the chat is answering: stop it (Esc) or let it finish first"
+        server = getattr(self.app, "api_server", None)
+        if server is not None and server.running:
+            return "the API server is serving this model: stop it first (F7)"
+        if self.loading_target is not None:
+            self.load_cancel.cancel()
+        if self.session is not None:
+            self.session.close()
+            self.session = self.loaded_session = None
+            self._counted = None
+            self.loaded_target = None
+            self.query_one(StatusLine).say(f"unloaded {why}; it loads again when you come back to the chat")
+            self.refresh_bindings()
+        return ""
 
     def on_chat_screen_load_stopped(self, event: LoadStopped) -> None:
         self.loading_target = None
@@ -263,16 +307,51 @@ class ChatScreen(ReportsWorkerErrors, Screen):
         self._t0, self._first_token_s, self._tokens = time.monotonic(), None, 0
         self.query_one(StatusLine).show_live(0, 0.0, None)
         self.refresh_bindings()
-        self._generate(self.session, turns, dict(self.app.state.sampling), self.cancel)
+        self._generate(self.session, turns, dict(self.app.state.sampling), self.cancel,
+                       self.loaded_session, self.model_path, self.app.settings.record_stats)
 
     @work(thread=True, exclusive=True, exit_on_error=False, group="generate")
-    def _generate(self, session, turns: list[ChatTurn], sampling_values: dict, cancel: CancelToken) -> None:
+    def _generate(self, session, turns: list[ChatTurn], sampling_values: dict, cancel: CancelToken,
+                  counter, model_path: Path, record_usage: bool) -> None:
+        services = self.app.services
         sampling = sampling_params(sampling_values)  # here, not on the UI thread: its module imports torch
-        for event in session.generate(turns, sampling, cancel):
-            if isinstance(event, TextPiece):
-                self.post_message(self.Streamed(event.text, len(event.token_ids)))
-            elif isinstance(event, Done):
-                self.post_message(self.Answered(event))
+        done = None
+        try:
+            with services.model_turn("an answer", cancel=cancel):
+                for event in session.generate(turns, sampling, cancel):
+                    if isinstance(event, TextPiece):
+                        self.post_message(self.Streamed(event.text, len(event.token_ids)))
+                    elif isinstance(event, Done):
+                        done = event
+                self._account_usage(services, counter, model_path, record_usage)
+        except Cancelled:  # stopped while it waited for its turn (a bandwidth measurement, say)
+            pass
+        self.post_message(self.Answered(done))
+
+    def _account_usage(self, services, counter, model_path: Path, record: bool) -> None:
+        """Add what the model counted since the last answer to its usage file, when the
+        user records usage. The count runs in the engine whether or not it is recorded, so
+        the new part is measured against the last snapshot either way: turning recording
+        on later does not sweep in earlier answers."""
+        try:
+            counts = services.expert_counts(counter)
+            if counts is None:  # llama.cpp: nothing counted (said when the model loaded)
+                return
+            try:
+                new = counts.since(self._counted)
+            except ValueError:  # the engine started counting afresh since: all it has is new
+                new = counts
+            self._counted = counts
+            if record and new.activations:
+                services.add_expert_counts(model_path, new)
+        except (OSError, HybridMoeError) as error:  # the answer stands; the recording failed
+            what = error.what if isinstance(error, HybridMoeError) else str(error)
+            self.post_message(self.UsageNotRecorded(HybridMoeError(
+                f"the expert usage of this answer was not recorded: {what}",
+                "Check the free space of the data directory; turn recording off in the chat settings (Ctrl+S).")))
+
+    def on_chat_screen_usage_not_recorded(self, event: UsageNotRecorded) -> None:
+        self.app.show_error(event.error)
 
     async def on_chat_screen_streamed(self, event: Streamed) -> None:
         if self.answer is None:
@@ -287,6 +366,9 @@ class ChatScreen(ReportsWorkerErrors, Screen):
     async def on_chat_screen_answered(self, event: Answered) -> None:
         done, answer = event.done, self.answer
         if answer is None:
+            return
+        if done is None:
+            await self._finish_answer("cancelled")
             return
         if done.text and done.text != answer.text:
             answer.pieces = [done.text]  # the backend's text is the record
@@ -386,17 +468,20 @@ class ChatScreen(ReportsWorkerErrors, Screen):
         self.refresh_bindings()
 
     def action_settings(self) -> None:
-        def saved(result) -> None:
+        def saved(result: ChatSettings | None) -> None:
             if result is None:
                 return
-            system_prompt, sampling = result
-            self.system_prompt = system_prompt
-            self.app.update_state(system_prompt=system_prompt, sampling=sampling)
+            self.system_prompt = result.system_prompt
+            self.app.update_state(system_prompt=result.system_prompt, sampling=result.sampling)
             if self.conversation is not None:
-                self.app.history.update(self.conversation.id, system_prompt=system_prompt)
-            self.notify("Chat settings saved.")
+                self.app.history.update(self.conversation.id, system_prompt=result.system_prompt)
+            if result.record_usage != self.app.settings.record_stats:
+                self.app.set_settings(replace(self.app.settings, record_stats=result.record_usage))
+            self.notify("Chat settings saved." + (
+                " Expert usage is recorded from the next answer on." if result.record_usage else ""))
 
-        self.app.push_screen(ChatSettingsScreen(self.system_prompt, self.app.state.sampling), saved)
+        self.app.push_screen(ChatSettingsScreen(self.system_prompt, self.app.state.sampling,
+                                                self.app.settings.record_stats), saved)
 
     # ---- copying -----------------------------------------------------------------------------------
 

@@ -1,14 +1,17 @@
-"""System prompt and sampling settings of the chat, checked by SamplingParams itself."""
+"""The chat's settings: the system prompt, sampling (checked by SamplingParams itself), and
+whether the chat records which experts the model uses, for re-planning.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Grid, Horizontal, Vertical
 from textual.screen import ModalScreen
-from textual.widgets import Button, Input, Label, Static, TextArea
+from textual.widgets import Button, Checkbox, Input, Label, Static, TextArea
 
 from backend.errors import HybridMoeError
 
@@ -24,6 +27,20 @@ FIELDS = (
 )
 INTEGER_FIELDS = {name for name, _, kind in FIELDS if kind == "integer"}
 
+# What recording usage means, where the switch is: it must be clear that no text is kept.
+RECORD_USAGE_HELP = (
+    "Counts only: how often the model chose each of its experts, added up per model. No prompt, "
+    "answer or other text is kept. The Plan screen (F4, Ctrl+R) uses the counts to put the experts "
+    "you use most on the GPU. Embedded engine only (llama.cpp does not report its experts)."
+)
+
+
+@dataclass(frozen=True)
+class ChatSettings:
+    system_prompt: str
+    sampling: dict[str, Any]
+    record_usage: bool
+
 
 def sampling_params(values: dict[str, Any]):
     """backend.engine.sampling.SamplingParams from stored settings; raises UsageError for
@@ -35,15 +52,16 @@ def sampling_params(values: dict[str, Any]):
     return SamplingParams(**{k: v for k, v in values.items() if k in known and v is not None})
 
 
-class ChatSettingsScreen(ModalScreen[tuple[str, dict[str, Any]] | None]):
-    """Dismisses with (system prompt, sampling values), or None when cancelled."""
+class ChatSettingsScreen(ModalScreen[ChatSettings | None]):
+    """Dismisses with the new ChatSettings, or None when cancelled."""
 
     BINDINGS = [Binding("escape", "cancel", "Cancel"), Binding("ctrl+s", "save", "Save")]
 
-    def __init__(self, system_prompt: str, sampling: dict[str, Any]):
+    def __init__(self, system_prompt: str, sampling: dict[str, Any], record_usage: bool = False):
         super().__init__(classes="dialog")
         self.system_prompt = system_prompt
         self.sampling = sampling
+        self.record_usage = record_usage
 
     def compose(self) -> ComposeResult:
         with Vertical(classes="dialog-box wide"):
@@ -55,6 +73,9 @@ class ChatSettingsScreen(ModalScreen[tuple[str, dict[str, Any]] | None]):
                     value = self.sampling.get(name)
                     yield Label(label)
                     yield Input("" if value is None else str(value), type=kind, id=f"sampling-{name}", compact=True)
+            yield Checkbox("Record which experts the model uses (for re-planning)", self.record_usage,
+                           id="record-usage", compact=True)
+            yield Static(RECORD_USAGE_HELP, id="record-usage-help")
             yield Static("", id="settings-error")
             with Horizontal(classes="dialog-buttons"):
                 yield Button("Save", variant="primary", id="save", compact=True)
@@ -91,7 +112,8 @@ class ChatSettingsScreen(ModalScreen[tuple[str, dict[str, Any]] | None]):
         except HybridMoeError as error:
             self._refuse(error.what)
             return
-        self.dismiss((self.query_one("#system-prompt", TextArea).text, values))
+        self.dismiss(ChatSettings(self.query_one("#system-prompt", TextArea).text, values,
+                                  self.query_one("#record-usage", Checkbox).value))
 
     def _refuse(self, message: str) -> None:
         self.query_one("#settings-error", Static).update(message)

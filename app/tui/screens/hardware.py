@@ -1,4 +1,5 @@
-"""What this machine has (the doctor's report, in plain words first) and its memory, live."""
+"""What this machine has (the doctor's report, in plain words first) and its memory, live;
+measuring it again (with the memory bandwidth), and benchmarking the chat's model on it."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from textual.widgets import Footer, Label, Static
 
 from app.render import hardware_text
 from app.tui.hardware_words import summary_lines, warnings
+from app.tui.screens.benchmark import open_benchmark
 from app.tui.widgets.nav_bar import NavBar
 from app.tui.workers import ReportsWorkerErrors
 from backend.units import fmt_bytes
@@ -47,12 +49,22 @@ def memory_text() -> Text:
 
 
 class HardwareScreen(ReportsWorkerErrors, Screen):
-    BINDINGS = [Binding("ctrl+d", "detect", "Detect again (with bandwidth)")]
+    BINDINGS = [
+        Binding("ctrl+d", "detect", "Measure", tooltip="Detect this machine again, with its memory bandwidth"),
+        Binding("b", "benchmark", "Benchmark", tooltip="Benchmark the model: prefill and decode tokens/s"),
+    ]
 
     class Detected(Message):
         def __init__(self, hardware):
             super().__init__()
             self.hardware = hardware
+
+    class Waiting(Message):
+        """The measurement waits for model work (an answer, a load) to end."""
+
+        def __init__(self, what: str):
+            super().__init__()
+            self.what = what
 
     def compose(self) -> ComposeResult:
         yield NavBar("hardware")
@@ -78,11 +90,23 @@ class HardwareScreen(ReportsWorkerErrors, Screen):
 
     def action_detect(self) -> None:
         self.query_one("#hardware-summary", Static).update("Detecting (and measuring the memory bandwidth) …")
-        self._detect(True)
+        self._detect(True, wait=True)
+
+    def action_benchmark(self) -> None:
+        open_benchmark(self.app)
 
     @work(thread=True, exclusive=True, exit_on_error=False, group="detect")
-    def _detect(self, measure_bandwidth: bool) -> None:
-        self.post_message(self.Detected(self.app.services.detect_hardware(measure_bandwidth=measure_bandwidth)))
+    def _detect(self, measure_bandwidth: bool, wait: bool = False) -> None:
+        # Asked for (Ctrl+D), the measurement waits for an answer to end; on the way past it
+        # is skipped, and the profile says so.
+        hardware = self.app.services.detect_hardware(
+            measure_bandwidth=measure_bandwidth, wait=wait, on_wait=lambda what: self.post_message(self.Waiting(what)))
+        self.post_message(self.Detected(hardware))
+
+    def on_hardware_screen_waiting(self, event: Waiting) -> None:
+        self.query_one("#hardware-summary", Static).update(
+            f"The memory bandwidth is measured when {event.what} has ended: measuring beside it would "
+            "measure a busy machine …")
 
     def on_hardware_screen_detected(self, event: Detected) -> None:
         self.app.hardware = event.hardware

@@ -26,6 +26,8 @@ from backend.units import fmt_bytes
 
 
 class ModelsScreen(ReportsWorkerErrors, Screen):
+    # The footer shows what is done to a model, within 80 columns; the folder list's upkeep
+    # (removing a folder, listing again) is in the command palette (Ctrl+P).
     BINDINGS = [
         Binding("enter", "use", "Use in chat", show=True),
         Binding("p", "pull", "Pull", tooltip="Download the selected catalogue model"),
@@ -34,8 +36,8 @@ class ModelsScreen(ReportsWorkerErrors, Screen):
         Binding("v", "plan", "Plan", tooltip="Plan the selected model (also one not downloaded yet)"),
         Binding("i", "inspect", "Inspect", tooltip="What the selected model is made of"),
         Binding("a", "add_folder", "Add folder", tooltip="Search a folder for models"),
-        Binding("x", "remove_folder", "Remove folder", tooltip="Stop searching a folder (its models stay)"),
-        Binding("r", "refresh", "Refresh"),
+        Binding("x", "remove_folder", "Remove folder", show=False, tooltip="Stop searching a folder (its models stay)"),
+        Binding("r", "refresh", "Refresh", show=False, tooltip="Look for models again"),
     ]
 
     class Listed(Message):

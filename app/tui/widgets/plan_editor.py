@@ -49,7 +49,6 @@ class PlanEditor(Widget):
 
     def compose(self) -> ComposeResult:
         wl = self.workload
-        strategies = [s for s in STRATEGIES if s != "frequency" or wl.stats_file]
         with Horizontal(id="plan-fields"):
             with Vertical(classes="field"):
                 yield Label("Context")
@@ -65,7 +64,7 @@ class PlanEditor(Widget):
                              compact=True)
             with Vertical(classes="field"):
                 yield Label("Strategy")
-                yield Select([(s, s) for s in strategies], value=wl.strategy, allow_blank=False,
+                yield Select(_strategy_options(wl), value=wl.strategy, allow_blank=False,
                              id="plan-strategy", compact=True)
             with Vertical(classes="field"):
                 yield Label("Backend")
@@ -117,6 +116,18 @@ class PlanEditor(Widget):
             return
         self.replan(workload)
 
+    def use_workload(self, workload: Workload) -> None:
+        """Show the fields of ``workload`` (a re-plan from usage, say) and plan for it."""
+        strategy = self.query_one("#plan-strategy", Select)
+        with self.prevent(Input.Changed, Select.Changed):  # one plan for all the fields, not one each
+            strategy.set_options(_strategy_options(workload))
+            strategy.value = workload.strategy
+            self.query_one("#plan-context", Input).value = str(workload.context)
+            self.query_one("#plan-users", Input).value = str(workload.users)
+            self.query_one("#plan-kv", Select).value = workload.kv_dtype
+            self.query_one("#plan-backend", Select).value = workload.backend
+        self.replan(workload)
+
     def replan(self, workload: Workload) -> None:
         try:
             plan = self.services.make_plan(self.model.spec, self.model.inventory, self.hardware, workload)
@@ -136,3 +147,8 @@ class PlanEditor(Widget):
         error.update(message)
         error.display = True
         self.post_message(self.Changed(None, message))
+
+
+def _strategy_options(workload: Workload) -> list[tuple[str, str]]:
+    """"frequency" needs a statistics file: offered only when the workload names one."""
+    return [(s, s) for s in STRATEGIES if s != "frequency" or workload.stats_file]

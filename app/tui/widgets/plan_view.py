@@ -169,7 +169,9 @@ class PlanView(Widget):
 
     def show(self, plan: Plan) -> None:
         self.plan = plan
-        if self.is_mounted:  # else on_mount draws it
+        # Not mounted yet: on_mount draws it. Mounted without its parts: it is being removed
+        # (the screen closed as the plan came), and there is nothing to draw on.
+        if self.is_mounted and self.query("#plan-verdict"):
             self._render_plan(plan)
 
     def _render_plan(self, plan: Plan) -> None:
