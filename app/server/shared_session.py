@@ -18,7 +18,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 
 from backend.errors import HybridMoeError, ModelError
@@ -53,8 +53,13 @@ class QueueCounts:
 class SharedSession:
     """Wraps a Session; ``generate`` and ``complete`` are the Session's, taken in turns."""
 
-    def __init__(self, session: Session):
+    def __init__(self, session: Session, *, hold: Callable[[CancelToken | None], AbstractContextManager] | None = None):
+        """``hold(cancel)``: a context the running generation also holds once its turn in the
+        queue has come (the TUI's process-wide turn for model work, so that a bandwidth
+        measurement or a benchmark never runs beside an API request). Taken after the queue,
+        always in that order, so the two can never wait on each other."""
         self.session = session
+        self._hold = hold
         self._changed = threading.Condition()
         self._waiting: deque[object] = deque()  # tickets in arrival order
         self._running = False
@@ -85,15 +90,10 @@ class SharedSession:
 
     def _in_turn(self, events: Callable[[Session], Iterator[Event]], cancel: CancelToken | None) -> Iterator[Event]:
         try:
-            self._acquire(cancel, None)
-        except Cancelled:
+            with self.turn(cancel) as session:
+                yield from events(session)
+        except Cancelled:  # while it waited: nothing was generated
             yield Done("cancelled", "", (), Stats(0, 0, None, None, None))
-            return
-        started = time.monotonic()
-        try:
-            yield from events(self.session)
-        finally:
-            self._release(started)
 
     # ---- turns ------------------------------------------------------------------------------------
 
@@ -108,7 +108,8 @@ class SharedSession:
         self._acquire(cancel, max_waiting)
         started = time.monotonic()
         try:
-            yield self.session
+            with self._hold(cancel) if self._hold is not None else nullcontext():
+                yield self.session
         finally:
             self._release(started)
 

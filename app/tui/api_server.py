@@ -49,7 +49,9 @@ class ChatModelServer:
         check_exposure(host, api_key, how_to_set_key="Enter an API key")
         from app.server.http import ServerOptions  # here: the HTTP layer's imports are slow
 
-        shared = chat.session if isinstance(chat.session, SharedSession) else SharedSession(chat.session)
+        services = chat.app.services
+        shared = chat.session if isinstance(chat.session, SharedSession) else SharedSession(
+            chat.session, hold=lambda cancel: services.model_turn("an answer", cancel=cancel))
         server = ApiServer(shared, ServerOptions(model_id=chat.model_name or "model", api_key=api_key), host, port)
         server.start()
         chat.session = shared

@@ -232,3 +232,27 @@ def test_closing_while_a_turn_runs_closes_the_session_when_it_ends():
     blocking.gate.set()
     holder.join(10)
     assert closed == [True]
+
+
+def test_a_running_turn_holds_the_process_turn_and_waiters_do_not():
+    """Behind the TUI the shared session also takes the process's turn for model work, once
+    its queue turn has come: a bandwidth probe meanwhile is told the model is busy, and a
+    chat answer waiting in the queue holds nothing (so the two locks can never deadlock)."""
+    from app.services import Services
+
+    services = Services()
+    blocking = BlockingSession()
+    shared = SharedSession(blocking, hold=lambda cancel: services.model_turn("an answer", cancel=cancel))
+    first = threading.Thread(target=lambda: list(shared.generate([Message("user", "first")], None)))
+    second = threading.Thread(target=lambda: list(shared.generate([Message("user", "second")], None)))
+    first.start()
+    until(lambda: blocking.started == ["first"], what="the first answer to run")
+    second.start()
+    until(lambda: shared.counts().waiting == 1, what="the second answer to wait")
+    with services.model_turn("measuring the memory bandwidth", wait=False) as busy_with:
+        assert busy_with == "an answer"
+    blocking.gate.set()
+    first.join(10)
+    second.join(10)
+    with services.model_turn("measuring the memory bandwidth", wait=False) as busy_with:
+        assert busy_with == ""  # both answers ended: the turn is free again

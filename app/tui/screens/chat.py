@@ -10,6 +10,7 @@ text generated so far stays, in the view and in the history.
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from textual.screen import Screen
 from textual.widgets import Footer, Label, ProgressBar
 
 from app.history import Conversation, title_for
+from app.server.shared_session import SharedSession
 from app.tui.screens.chat_settings import ChatSettings, ChatSettingsScreen, sampling_params
 from app.tui.screens.conversations import ConversationsScreen
 from app.tui.widgets.chat_message import ChatMessage, code_blocks
@@ -317,7 +319,10 @@ class ChatScreen(ReportsWorkerErrors, Screen):
         sampling = sampling_params(sampling_values)  # here, not on the UI thread: its module imports torch
         done = None
         try:
-            with services.model_turn("an answer", cancel=cancel):
+            # Behind the API server's queue the shared session takes the turn itself, once the
+            # queue has come round to this answer (taking it here first would invert the order).
+            shared = isinstance(session, SharedSession)
+            with nullcontext() if shared else services.model_turn("an answer", cancel=cancel):
                 for event in session.generate(turns, sampling, cancel):
                     if isinstance(event, TextPiece):
                         self.post_message(self.Streamed(event.text, len(event.token_ids)))
