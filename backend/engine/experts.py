@@ -1,8 +1,9 @@
 """Routed experts: where they are stored, where they run, and the reference computation.
 
 A placement ``{layer: expert ids}`` names the experts of each MoE layer that live on the
-main device (a missing layer: none). Those are materialised there once, dequantized, with
-gate and up fused into one matrix (``ResidentExperts``). All others stay in host memory in
+main device (a missing layer: none). Those are materialised there once, dequantized to the
+compute dtype or requantized to weight-only int8 (as the Plan chose), with gate and up fused
+into one matrix (``ResidentExperts``). All others stay in host memory in
 their stored form, mmap'd and possibly quantized (``HostExperts``), and are computed on the
 CPU by ``cpu_experts_forward``, which dequantizes each needed expert per call: the plain
 PyTorch reference the native kernels (``native_experts``) are tested against and fall
@@ -30,6 +31,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from backend.engine.int8_weights import Int8Weight, quantize_int8
 from backend.engine.layers import activation
 from backend.engine.weights import WeightSource, dense, missing_tensor, require
 
@@ -92,9 +94,9 @@ class ExpertActivation:
         return self.act(gate) * up
 
 
-def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+def _linear(x: torch.Tensor, w: torch.Tensor | Int8Weight, b: torch.Tensor | None) -> torch.Tensor:
     # Expert biases (GPT-OSS) are added after the product is rounded, as the reference does.
-    y = F.linear(x, w)
+    y = w.linear(x) if isinstance(w, Int8Weight) else F.linear(x, w)
     return y if b is None else y + b
 
 
@@ -170,11 +172,19 @@ class ExpertStore:
         """Expert e as [out, in] matrices in `dtype` on `device` (dequantizing as needed).
 
         A float tensor already in `dtype` on the CPU comes back as the stored view itself."""
-        parts = {role: dense(t, dtype, device) for role, t in self.stored(e).items()}
-        if self.transposed:
-            parts["gate_up"], parts["down"] = parts["gate_up"].t(), parts["down"].t()
-        m = ExpertMatrices(**parts)
-        return m.fused(interleave) if fused else m
+        return matrices_of(self.stored(e), dtype, device, transposed=self.transposed, fused=fused,
+                           interleave=interleave)
+
+
+def matrices_of(stored: dict[str, Any], dtype: torch.dtype, device: torch.device | str | None, *,
+                transposed: bool = False, fused: bool = False, interleave: bool = False) -> ExpertMatrices:
+    """One expert's stored objects (``ExpertStore.stored``, or copies of them on another device)
+    as [out, in] matrices in `dtype` on `device`, dequantized where they are."""
+    parts = {role: dense(t, dtype, device) for role, t in stored.items()}
+    if transposed:
+        parts["gate_up"], parts["down"] = parts["gate_up"].t(), parts["down"].t()
+    m = ExpertMatrices(**parts)
+    return m.fused(interleave) if fused else m
 
 
 # --- where the experts run ------------------------------------------------------------
@@ -191,6 +201,7 @@ class ExpertGroup:
         self.holds = torch.zeros(n_experts + 1, dtype=torch.bool, device=self.device)  # last: id -1
         if self.ids:
             self.holds[list(self.ids)] = True
+        self.holds_host = self.holds if self.device.type == "cpu" else self.holds.cpu()
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -200,11 +211,59 @@ class ExpertGroup:
 
 
 class ResidentExperts(ExpertGroup):
-    """Experts materialised once on the main device (dequantized, gate and up fused)."""
+    """Experts materialised once on the main device, gate and up fused, in one of two forms:
+    ``"dense"`` (the compute dtype) or ``"int8"`` (weight-only, one scale per output row; see
+    ``int8_weights``). Each part of all the group's experts is one stacked tensor, so the
+    group's memory is exactly ``nbytes`` (what the Plan counts), in a few allocations."""
 
-    def __init__(self, store: ExpertStore, ids: Collection[int], dtype: torch.dtype, device, act: ExpertActivation):
+    FORMS = ("dense", "int8")
+
+    def __init__(self, store: ExpertStore, ids: Collection[int], dtype: torch.dtype, device, act: ExpertActivation,
+                 *, form: str = "dense"):
         super().__init__(ids, store.n_experts, device, act)
-        self._matrices = {e: store.matrices(e, dtype, device, fused=True, interleave=act.interleaved) for e in self.ids}
+        if form not in self.FORMS:
+            raise ValueError(f"resident expert form {form!r}; expected one of {self.FORMS}")
+        self.form = form
+        self.slot = {e: j for j, e in enumerate(self.ids)}  # expert id -> index in the stacks
+        self._parts: dict[str, torch.Tensor] = {}
+        n = len(self.ids)
+        for j, e in enumerate(self.ids):
+            # Quantized from float32 so that int8 rounds the checkpoint's numbers once.
+            m = store.matrices(e, torch.float32 if form == "int8" else dtype, self.device, fused=True,
+                               interleave=act.interleaved)
+            for name, t in self._expert_parts(m, dtype).items():
+                if name not in self._parts:
+                    self._parts[name] = torch.empty((n, *t.shape), dtype=t.dtype, device=self.device)
+                self._parts[name][j].copy_(t)
+        self._matrices = {e: self._view(j) for e, j in self.slot.items()}
+
+    def _expert_parts(self, m: ExpertMatrices, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        parts: dict[str, torch.Tensor] = {}
+        for role in ("gate_up", "down"):
+            w = getattr(m, role)
+            if self.form == "int8":
+                q = quantize_int8(w, dtype)
+                parts[role], parts[f"{role}_scale"] = q.q, q.scale
+            else:
+                parts[role] = w
+        for role in ("gate_up_bias", "down_bias"):
+            if getattr(m, role) is not None:
+                parts[role] = getattr(m, role).to(dtype)
+        return parts
+
+    def _view(self, j: int) -> ExpertMatrices:
+        p = {name: t[j] for name, t in self._parts.items()}
+        if self.form == "int8":
+            gate_up, down = Int8Weight(p["gate_up"], p["gate_up_scale"]), Int8Weight(p["down"], p["down_scale"])
+        else:
+            gate_up, down = p["gate_up"], p["down"]
+        return ExpertMatrices(down=down, gate_up=gate_up, gate_up_bias=p.get("gate_up_bias"),
+                              down_bias=p.get("down_bias"))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the group holds on its device."""
+        return sum(t.numel() * t.element_size() for t in self._parts.values())
 
     def weights_of(self, e: int) -> ExpertMatrices:
         return self._matrices[e]
@@ -222,7 +281,51 @@ class HostExperts(ExpertGroup):
         return self.store.matrices(e, self.dtype, "cpu")
 
 
-def experts_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, experts: ExpertGroup) -> torch.Tensor:
+def routed_groups(topk_ids: torch.Tensor, topk_weights: torch.Tensor, experts: ExpertGroup,
+                  host_ids: torch.Tensor | None = None):
+    """(expert id, token indices, routing weights) for each expert of `experts` that the
+    (token, slot) pairs reach, in ascending expert id; pairs of other experts (or id -1) are
+    left out. topk_ids [T, k] int64 and topk_weights [T, k] on the group's device.
+
+    `host_ids`: the same ids already in host memory. The grouping is then worked out on the
+    host and only the token indices go to the device, so the host never waits for the device
+    (grouping on a GPU needs its counts back on the host, a wait for all queued work)."""
+    if not len(experts):
+        return
+    k = topk_ids.shape[1]
+    if host_ids is None:
+        flat, holds = topk_ids.reshape(-1), experts.holds
+    else:
+        flat, holds = host_ids.reshape(-1), experts.holds_host
+    pairs = holds[flat].nonzero().squeeze(1)
+    if pairs.numel() == 0:
+        return
+    ids = flat[pairs]
+    order = torch.argsort(ids, stable=True)
+    pairs, ids = pairs[order], ids[order]
+    counts = torch.bincount(ids, minlength=experts.n_experts).tolist()
+    if pairs.device != topk_weights.device:
+        pairs = pairs.pin_memory().to(topk_weights.device, non_blocking=True)
+    tokens = pairs // k
+    weights = topk_weights.reshape(-1)[pairs]
+    start = 0
+    for e, count in enumerate(counts):
+        if not count:
+            continue
+        yield e, tokens[start : start + count], weights[start : start + count]
+        start += count
+
+
+def add_expert_output(out: torch.Tensor, x: torch.Tensor, tokens: torch.Tensor, weights: torch.Tensor,
+                      m: ExpertMatrices, act: ExpertActivation) -> None:
+    """out[tokens] += weights * expert(x[tokens]), in float32."""
+    y = expert_mlp(x[tokens], m, act)
+    # The product keeps the router's dtype promotion (bf16 x float32 weights -> float32).
+    out.index_add_(0, tokens, (y * weights[:, None]).float())
+
+
+def experts_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, experts: ExpertGroup,
+                    host_ids: torch.Tensor | None = None) -> torch.Tensor:
     """Sum over the (token, slot) pairs routed to an expert of `experts` of
     weight * expert(x[token]); pairs of other experts (or id -1) contribute nothing.
 
@@ -230,31 +333,11 @@ def experts_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
     Returns [T, H] in float32: the k contributions of a token (and the main-device and CPU
     halves) are summed in float32 and rounded once by the caller, as transformers' default
     (grouped) experts path does. Loops over the experts actually hit, each over all its
-    tokens at once.
+    tokens at once. `host_ids`: see ``routed_groups``.
     """
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    if not len(experts):
-        return out
-    k = topk_ids.shape[1]
-    flat = topk_ids.reshape(-1)
-    pairs = experts.holds[flat].nonzero().squeeze(1)
-    if pairs.numel() == 0:
-        return out
-    ids = flat[pairs]
-    order = torch.argsort(ids, stable=True)
-    pairs, ids = pairs[order], ids[order]
-    counts = torch.bincount(ids, minlength=experts.n_experts).tolist()
-    tokens = pairs // k
-    weights = topk_weights.reshape(-1)[pairs]
-    start = 0
-    for e, count in enumerate(counts):
-        if not count:
-            continue
-        tok = tokens[start : start + count]
-        y = expert_mlp(x[tok], experts.weights_of(e), experts.act)
-        # The product keeps the router's dtype promotion (bf16 x float32 weights -> float32).
-        out.index_add_(0, tok, (y * weights[start : start + count, None]).float())
-        start += count
+    for e, tokens, weights in routed_groups(topk_ids, topk_weights, experts, host_ids):
+        add_expert_output(out, x, tokens, weights, experts.weights_of(e), experts.act)
     return out
 
 

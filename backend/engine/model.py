@@ -10,7 +10,7 @@ routed experts they have. ``Build`` carries what those builders share.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -20,8 +20,10 @@ from torch import nn
 from backend.engine.attention import Attention
 from backend.engine.experts import ExpertActivation, ExpertStore, HostExperts, ResidentExperts
 from backend.engine.hf_config import HFConfig, family_of, text_config
+from backend.engine.hybrid import HybridOptions, attach
 from backend.engine.kv_cache import KVCache, SlidingKVCache, check_span
 from backend.engine.layers import GatedMLP, Linear, RMSNorm
+from backend.engine.native_linear import native_linear
 from backend.engine.loader import Loader
 from backend.engine.mla import MLAttention
 from backend.engine.moe import MoE
@@ -51,7 +53,7 @@ class MoeTransformer(nn.Module):
     """
 
     def __init__(self, *, family: str, config: HFConfig, embed: torch.Tensor, layers: list[DecoderLayer],
-                 norm: RMSNorm, lm_head: torch.Tensor, recorder: ExpertRecorder, placement: dict[int, tuple[int, ...]],
+                 norm: RMSNorm, lm_head: nn.Module, recorder: ExpertRecorder, placement: dict[int, tuple[int, ...]],
                  device: torch.device, dtype: torch.dtype, max_context: int):
         super().__init__()
         self.family = family
@@ -59,7 +61,7 @@ class MoeTransformer(nn.Module):
         self.register_buffer("embed", embed, persistent=False)
         self.layers = nn.ModuleList(layers)
         self.norm = norm
-        self.register_buffer("lm_head", lm_head, persistent=False)
+        self.lm_head = lm_head
         self.stats = recorder
         self.placement = placement
         self.device = device
@@ -67,6 +69,19 @@ class MoeTransformer(nn.Module):
         self.max_context = max_context
         self.length = 0  # positions the cache holds
         self._rings = [m for m in self.modules() if isinstance(m, SlidingKVCache)]
+        # Pipeline over several devices: layer index -> the device its stage runs on, for
+        # each layer that starts a stage after the first (empty on one device).
+        self.boundaries: dict[int, torch.device] = {}
+        self.scheduler = None  # the hybrid.HybridScheduler shared by the MoE layers, if any
+
+    def _pipelined(self, x: torch.Tensor, start_pos: int) -> torch.Tensor:
+        """The layers of a model split across devices: hidden states move at stage boundaries."""
+        for i, layer in enumerate(self.layers):
+            device = self.boundaries.get(i)
+            if device is not None:
+                x = x.to(device, non_blocking=True)
+            x = layer(x, start_pos)
+        return x
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, start_pos: int = 0, *, last_only: bool = False) -> torch.Tensor:
@@ -79,11 +94,14 @@ class MoeTransformer(nn.Module):
         for ring in self._rings:
             ring.check_rewind(start_pos)
         x = F.embedding(ids, self.embed)
-        for layer in self.layers:
-            x = layer(x, start_pos)
+        if self.boundaries:
+            x = self._pipelined(x, start_pos)
+        else:
+            for layer in self.layers:
+                x = layer(x, start_pos)
         if last_only:
             x = x[-1:]
-        logits = F.linear(self.norm(x), self.lm_head).float()
+        logits = self.lm_head(self.norm(x)).float()
         self.length = start_pos + ids.shape[0]
         self.stats.add_tokens(ids.shape[0])
         return logits.unsqueeze(0) if batched else logits
@@ -113,7 +131,13 @@ class Build:
         self.hidden = int(config.require("hidden_size"))
         self.eps = float(config.get("rms_norm_eps", rms_eps_default))
         self.round_norm_before_weight = round_norm_before_weight
+        self.resident_form = "dense"  # or "int8": how main-device experts are held (ResidentExperts)
         self._memo: dict[str, Any] = {}
+
+    def on(self, device: torch.device) -> None:
+        """Build what follows (a pipeline stage's layers, the head) on `device`."""
+        self.device = device
+        self.load.device = device
 
     def memo(self, key: str, factory: Callable[[], Any]) -> Any:
         if key not in self._memo:
@@ -131,7 +155,7 @@ class Build:
             return Rotary(params, rotary_dim, self.max_context,
                           int(self.config.get("max_position_embeddings", self.max_context)),
                           layout=layout, float32_math=float32_math, device=self.device)
-        return self.memo(f"rotary/{rotary_dim}/{layout}", make)
+        return self.memo(f"rotary/{rotary_dim}/{layout}/{self.device}", make)
 
     def gqa(self, i: int, *, n_heads: int, n_kv_heads: int, head_dim: int, rotary: Rotary,
             window: int | None = None, qk_norm: str | None = None, clip_qkv: float | None = None,
@@ -171,7 +195,7 @@ class Build:
         bad = [e for e in on_main if not 0 <= e < n_experts]
         if bad:
             raise ValueError(f"placement for layer {i} names experts {sorted(bad)}; the layer has {n_experts}")
-        main = ResidentExperts(store, on_main, self.dtype, self.device, act)
+        main = ResidentExperts(store, on_main, self.dtype, self.device, act, form=self.resident_form)
         host = HostExperts(store, set(range(n_experts)) - on_main, self.dtype, act)
         return main, host
 
@@ -207,6 +231,9 @@ def build_model(
     dtype: torch.dtype | None = None,
     name: str | None = None,
     on_progress: Callable[[int, int], None] | None = None,
+    pipeline: Sequence[tuple[torch.device | str, Collection[int]]] | None = None,
+    resident_form: str = "dense",
+    hybrid: HybridOptions | None = None,
 ) -> MoeTransformer:
     """Build the model a config.json describes from `weights`.
 
@@ -219,6 +246,14 @@ def build_model(
         conversation can be rewound that far without a new prefill (CacheRewindError beyond).
     dtype: compute dtype (default: float32 for a float32 checkpoint, else bfloat16).
     on_progress: called with (layers built, total layers).
+    pipeline: (device, layers) stages in order, each layer in one of them (the Plan's split
+        across GPUs); a layer's attention, cache, dense or shared weights and main-device
+        experts live on its stage's device, the embedding on the first, the head on the last.
+        Default: every layer on `device`.
+    resident_form: "dense" (compute dtype) or "int8" main-device experts, as the Plan chose.
+    hybrid: run the MoE layers through ``hybrid.HybridScheduler`` with these options. Default:
+        with default options when any layer is on a GPU; never on a CPU-only model (pass
+        options to run the scheduler there anyway, as the tests do).
     """
     config = text_config(config)
     family = family_of(config)
@@ -227,7 +262,7 @@ def build_model(
     weights = text_model_weights(weights)
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(device)
+    device = _device(device)
     if dtype is None:
         dtype = _default_dtype(require(weights, "model.embed_tokens.weight"))
     placement = {int(k): tuple(sorted(int(e) for e in v)) for k, v in (placement or {}).items()}
@@ -239,12 +274,16 @@ def build_model(
         raise ValueError(f"placement names layers {stray}, which have no routed experts (MoE layers: {moe_layers})")
     recorder = ExpertRecorder(name or str(config.get("_name_or_path") or family), cfg.n_routed_experts(),
                               moe_layers, placement)
+    stage_of = _stages(pipeline, n_layers, device)
+    device = stage_of[0][0]
     b = Build(cfg, weights, placement, device, dtype, max_context, recorder, moe_layers=moe_layers,
               sliding_rewind=sliding_rewind, **module.BUILD_OPTIONS)
+    b.resident_form = resident_form
     vocab = int(cfg.require("vocab_size"))
     embed = b.load.tensor("model.embed_tokens.weight", (vocab, b.hidden))
     layers = []
     for i in range(n_layers):
+        b.on(stage_of[i][0])
         layers.append(DecoderLayer(
             b.norm(f"model.layers.{i}.input_layernorm.weight"),
             module.attention(b, i),
@@ -255,10 +294,46 @@ def build_model(
             on_progress(i + 1, n_layers)
     norm = b.norm("model.norm.weight")
     if "lm_head.weight" in weights:
-        lm_head = b.load.tensor("lm_head.weight", (vocab, b.hidden))
+        lm_head = b.load.linear("lm_head", vocab, b.hidden, bias=False)
     elif cfg.get("tie_word_embeddings", False):
-        lm_head = embed
+        # The head reads the embedding table: in its stored form on a CPU main device, else
+        # the embedding's own materialised tensor (no second copy).
+        stored = require(weights, "model.embed_tokens.weight", (vocab, b.hidden))
+        lm_head = native_linear(stored, None, b.device) or Linear(embed.to(b.device))
     else:
         raise missing_tensor(weights, "lm_head.weight")
-    return MoeTransformer(family=family, config=cfg, embed=embed, layers=layers, norm=norm, lm_head=lm_head,
-                          recorder=recorder, placement=placement, device=device, dtype=dtype, max_context=max_context)
+    model = MoeTransformer(family=family, config=cfg, embed=embed, layers=layers, norm=norm, lm_head=lm_head,
+                           recorder=recorder, placement=placement, device=device, dtype=dtype, max_context=max_context)
+    model.boundaries = {i: stage_of[i][0] for i in range(1, n_layers) if stage_of[i][1] != stage_of[i - 1][1]}
+    if hybrid is None and any(d.type != "cpu" for d, _ in stage_of):
+        hybrid = HybridOptions()
+    if hybrid is not None:
+        model.scheduler = attach(model, hybrid)
+    return model
+
+
+def _stages(pipeline, n_layers: int, device: torch.device) -> list[tuple[torch.device, int]]:
+    """(device, stage index) of every layer; one stage on `device` without a pipeline."""
+    if not pipeline:
+        return [(device, 0)] * n_layers
+    found: dict[int, tuple[torch.device, int]] = {}
+    for stage, (dev, layers) in enumerate(pipeline):
+        for layer in layers:
+            if layer in found or not 0 <= layer < n_layers:
+                raise ValueError(f"pipeline: layer {layer} is out of range or in two stages")
+            found[layer] = (_device(dev), stage)
+    missing = sorted(set(range(n_layers)) - set(found))
+    if missing:
+        raise ValueError(f"pipeline: layers {missing} are in no stage")
+    out = [found[i] for i in range(n_layers)]
+    if any(out[i][1] < out[i - 1][1] for i in range(1, n_layers)):
+        raise ValueError("pipeline: stages must hold consecutive runs of layers, in order")
+    return out
+
+
+def _device(d: torch.device | str) -> torch.device:
+    """A CUDA device with its index (what tensors report), other devices as given."""
+    d = torch.device(d)
+    if d.type == "cuda" and d.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return d

@@ -1,10 +1,17 @@
 """The MoE feed-forward block: router, routed experts split by placement, shared experts.
 
 The router runs on the main device. Its choices go to the CPU once (the CPU experts and the
-activation counts need them there); the main-device experts are launched first so that on
-a GPU they run while the CPU computes its half. The CPU half runs in the native kernels
-when they are built and read the layer's storage (``native_experts.try_forward``), else in
-the PyTorch reference ``cpu_experts_forward``. The two partial sums are then added.
+activation counts need them there). The CPU half runs in the native kernels when they are
+built and read the layer's storage (``native_experts.try_forward``), else in the PyTorch
+reference ``cpu_experts_forward``. The two float32 partial sums are then added, rounded to
+the model dtype once, and the shared experts added.
+
+That is the whole of ``forward`` when the main device is the CPU. With a GPU main device a
+``hybrid.HybridScheduler`` is attached (``scheduler``) and runs the same steps overlapped:
+the CPU half on a worker thread while the GPU computes its experts and the shared ones, or,
+for long prompts, the CPU-resident experts streamed to the GPU (``expert_streaming``). It
+uses the pieces below (``cpu_part``, ``shared_part``, ``combine``), so every path does the
+same arithmetic.
 """
 
 from __future__ import annotations
@@ -13,7 +20,12 @@ import torch
 from torch import nn
 
 from backend.engine import native_experts
-from backend.engine.experts import HostExperts, ResidentExperts, cpu_experts_forward, experts_forward
+from backend.engine.experts import (
+    HostExperts,
+    ResidentExperts,
+    cpu_experts_forward,
+    experts_forward,
+)
 from backend.engine.layers import GatedMLP, Linear
 from backend.engine.stats import ExpertRecorder
 
@@ -37,27 +49,44 @@ class MoE(nn.Module):
         self.shared = shared
         self.shared_gate = shared_gate  # Qwen2-MoE: sigmoid gate on the shared expert
         self.recorder = recorder
+        self.scheduler = None  # a hybrid.HybridScheduler when the main device is not the CPU
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.scheduler is not None:
+            return self.scheduler.forward(self, x)
         topk_ids, topk_weights = self.router(x)
         ids_cpu = topk_ids.cpu()
+        self.record(ids_cpu)
+        # Both halves return float32 partial sums; the sum is rounded to the model dtype once.
+        main = experts_forward(x, topk_ids, topk_weights, self.main) if len(self.main) else None
+        part = None
+        if len(self.host):
+            part = self.cpu_part(x.cpu(), ids_cpu, topk_weights.cpu()).to(x.device)
+        return self.combine(x, main, part, self.shared_part(x))
+
+    def record(self, ids_cpu: torch.Tensor) -> None:
         if self.recorder is not None:
             self.recorder.record(self.layer, ids_cpu)
-        # Both halves return float32 partial sums; the sum is rounded to the model dtype once.
-        routed = None
-        if len(self.main):
-            routed = experts_forward(x, topk_ids, topk_weights, self.main)
-        if len(self.host):
-            x_cpu, weights_cpu = x.cpu(), topk_weights.cpu()
-            part = native_experts.try_forward(x_cpu, ids_cpu, weights_cpu, self.host)
-            if part is None:
-                part = cpu_experts_forward(x_cpu, ids_cpu, weights_cpu, self.host)
-            part = part.to(x.device)
-            routed = part if routed is None else routed + part
+
+    def cpu_part(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        """The float32 partial sum over the CPU-resident experts (all arguments on the CPU)."""
+        part = native_experts.try_forward(x, topk_ids, topk_weights, self.host)
+        if part is None:
+            part = cpu_experts_forward(x, topk_ids, topk_weights, self.host)
+        return part
+
+    def shared_part(self, x: torch.Tensor) -> torch.Tensor | None:
+        if self.shared is None:
+            return None
+        shared = self.shared(x)
+        if self.shared_gate is not None:
+            shared = torch.sigmoid(self.shared_gate(x)) * shared
+        return shared
+
+    @staticmethod
+    def combine(x: torch.Tensor, main: torch.Tensor | None, part: torch.Tensor | None,
+                shared: torch.Tensor | None) -> torch.Tensor:
+        """main + part in float32, rounded to x's dtype once, plus the shared experts."""
+        routed = main if part is None else part if main is None else main + part
         routed = torch.zeros_like(x) if routed is None else routed.to(x.dtype)
-        if self.shared is not None:
-            shared = self.shared(x)
-            if self.shared_gate is not None:
-                shared = torch.sigmoid(self.shared_gate(x)) * shared
-            routed = routed + shared
-        return routed
+        return routed if shared is None else routed + shared

@@ -17,6 +17,7 @@ import torch
 from backend.engine.chat_template import ChatTemplate
 from backend.engine.kv_cache import CacheRewindError
 from backend.engine.model import MoeTransformer, build_model
+from backend.engine.plan_layout import build_kwargs
 from backend.engine.sampling import SamplingParams
 from backend.engine.tokenizer import Tokenizer, load_tokenizer
 from backend.engine.weights import open_weights
@@ -26,6 +27,7 @@ from backend.generation import (
     common_prefix,
     host_peak_rss,
     max_new_tokens,
+    raw_prompt_ids,
     stream,
 )
 from backend.models import inspect_model
@@ -73,6 +75,7 @@ class EngineBackend:
             max_context=plan.workload.context,
             name=spec.name,
             on_progress=progress,
+            **build_kwargs(plan, device),
         )
         return EngineSession(net, tokenizer, ChatTemplate.for_tokenizer(tokenizer), plan, Path(model_path))
 
@@ -94,7 +97,15 @@ class EngineSession:
 
     def generate(self, messages: Sequence[Message], sampling: SamplingParams,
                  cancel: CancelToken | None = None) -> Iterator[TextPiece | Done]:
-        ids = self.prompt_ids(messages)
+        yield from self._generate(self.prompt_ids(messages), self.template.stop_strings, sampling, cancel)
+
+    def complete(self, prompt: str, sampling: SamplingParams,
+                 cancel: CancelToken | None = None) -> Iterator[TextPiece | Done]:
+        """The continuation of ``prompt`` taken as it is, without the chat template."""
+        yield from self._generate(raw_prompt_ids(self.tokenizer, prompt), (), sampling, cancel)
+
+    def _generate(self, ids: list[int], stop_strings: Sequence[str], sampling: SamplingParams,
+                  cancel: CancelToken | None) -> Iterator[TextPiece | Done]:
         max_new = max_new_tokens(len(ids), self.context, sampling)
         started = time.perf_counter()
         logits, computed = self._prefill(ids)
@@ -103,7 +114,7 @@ class EngineSession:
             prefilled,
             sampling,
             detokenizer=self.tokenizer.detokenizer(),
-            stop_strings=self.template.stop_strings,
+            stop_strings=stop_strings,
             is_stop=self.tokenizer.stop_ids.__contains__,
             forward=lambda token: self._forward([token], len(self._cached))[-1],
             max_new=max_new,
@@ -139,6 +150,8 @@ class EngineSession:
         self.model.stats.save(path)
 
     def close(self) -> None:
+        if self.model is not None and self.model.scheduler is not None:
+            self.model.scheduler.close()  # its CPU-expert and copier threads
         self.model = None
         self._cached = []
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from backend.hardware.profile import GPU
 from backend.models.spec import ModelSpec
 
@@ -40,6 +42,12 @@ def activation_bytes(spec: ModelSpec, chunk_tokens: int, bytes_per_element: int 
     return int(chunk_tokens * per_token + 4 * spec.vocab_size)
 
 
+def expert_scratch_bytes(spec: ModelSpec) -> int:
+    """GPU scratch for one routed expert widened for a matmul: a streamed expert dequantized
+    (float32, then the compute dtype) or an int8 expert widened for a prompt's GEMM."""
+    return spec.params_per_expert * (4 + 2)
+
+
 def gpu_budget(gpu: GPU, described: bool, activations: int) -> int:
     """What may be placed on a card: measured free memory less reserves, or the sizing rule."""
     if described:
@@ -51,3 +59,52 @@ def gpu_budget(gpu: GPU, described: bool, activations: int) -> int:
 def host_reserve(usable_bytes: int | None) -> int:
     """RAM kept for the OS, page cache and the app: 5 % of what is usable, at least 4 GiB."""
     return int(max(HOST_MIN_RESERVE, HOST_RESERVE_SHARE * (usable_bytes or 0)))
+
+
+# ---- routed experts held on a GPU (the engine's ResidentExperts) -----------------------
+
+# How the engine can hold a routed expert on a GPU: dense in the compute dtype, or weight-only
+# int8 with one scale per output row in the compute dtype.
+RESIDENT_FORMS = ("dense", "int8")
+
+
+def compute_dtype_bytes(spec: ModelSpec) -> int:
+    """Bytes of one element of the engine's compute dtype for this model: float32 for a float32
+    checkpoint (as the engine chooses from the embedding's dtype), else bfloat16."""
+    return 4 if spec.other_format in ("f32", "fp32") else 2
+
+
+def resident_expert_bytes(spec: ModelSpec, form: str) -> int:
+    """Bytes one routed expert takes on a GPU in `form`, exactly as the engine holds it:
+    gate and up fused [2I, H] and down [H, I], plus per-row scales for int8 (2I + H of them)
+    and GPT-OSS' expert biases (2I + H), both in the compute dtype."""
+    if form not in RESIDENT_FORMS:
+        raise ValueError(f"resident expert form {form!r}; expected one of {RESIDENT_FORMS}")
+    h, i = spec.hidden_size, spec.moe_intermediate_size
+    elem = compute_dtype_bytes(spec)
+    rows = 2 * i + h
+    weights = 3 * h * i * (1 if form == "int8" else elem)
+    scales = rows * elem if form == "int8" else 0
+    biases = rows * elem if spec.family == "gpt_oss" else 0
+    return weights + scales + biases
+
+
+def resident_form_name(spec: ModelSpec, form: str) -> str:
+    """What the Plan shows: "int8", or the compute dtype ("bf16", "f32") for the dense form."""
+    if form == "int8":
+        return "int8"
+    return "f32" if compute_dtype_bytes(spec) == 4 else "bf16"
+
+
+# ---- the prefill reserve: one layer's experts streamed in their stored form -------------
+
+# The engine's streaming buffer starts every stored tensor of an expert at a multiple of this
+# (backend.engine.expert_streaming.ALIGN); an expert has at most ten stored tensors (gate, up,
+# down, each with its scales, and biases), so a slot needs at most this much beyond its bytes.
+STREAM_SLOT_ALIGN = 256
+STREAM_SLOT_OVERHEAD = 10 * STREAM_SLOT_ALIGN
+
+
+def prefill_reserve_bytes(n_experts: int, stored_bytes_per_expert: float) -> int:
+    """GPU memory for streaming one MoE layer's experts in their stored form (SIZING.md section 3)."""
+    return int(n_experts * (math.ceil(stored_bytes_per_expert) + STREAM_SLOT_OVERHEAD))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 # Theoretical per-core throughput for expert matmuls on the CPU, by the best ISA present
@@ -38,6 +39,19 @@ def prefill_crossover_tokens(bits_per_weight: float, cpu_flops_per_s: float | No
     if not cpu_flops_per_s or not pcie_bytes_per_s:
         return None
     return (bits_per_weight / 8) * cpu_flops_per_s / (2 * pcie_bytes_per_s)
+
+
+def prefill_stream_min_tokens(crossover_tokens_per_expert: float | None, n_experts: int, k: int) -> int | None:
+    """Prompt tokens per forward call from which the engine streams a layer's CPU experts to the GPU.
+
+    The copy must start before the router has run (layer n+1 is copied while layer n
+    computes), so the choice is made on the call's token count T, before routing: T tokens
+    route T·k pairs, T·k/E per expert on average, and streaming pays once that reaches the
+    per-expert crossover, i.e. from T = crossover · E / k.
+    """
+    if crossover_tokens_per_expert is None or n_experts < 1 or k < 1:
+        return None
+    return max(1, math.ceil(crossover_tokens_per_expert * n_experts / k))
 
 
 @dataclass(frozen=True)

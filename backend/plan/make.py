@@ -3,6 +3,11 @@
 Order of placement on each GPU (section 3): always-read weights of its layers, the KV
 cache of its layers for users × context, the activation scratch, the prefill reserve, then
 routed experts until the budget is spent. Everything else stays in host RAM (section 4).
+
+Routed experts are counted in two forms: as stored (host RAM, the decode reads of CPU
+experts, and the prefill reserve, which streams them as stored) and as the engine holds
+them on a GPU (``budget.resident_expert_bytes``): dense in the compute dtype when every
+routed expert fits that way, else weight-only int8, which fits twice as many.
 """
 
 from __future__ import annotations
@@ -16,7 +21,13 @@ from backend.models.inventory import TensorClass, TensorInventory
 from backend.models.spec import ModelSpec
 from backend.plan import budget as B
 from backend.plan import placement
-from backend.plan.estimate import cpu_flops, decode_step, experts_touched, prefill_crossover_tokens
+from backend.plan.estimate import (
+    cpu_flops,
+    decode_step,
+    experts_touched,
+    prefill_crossover_tokens,
+    prefill_stream_min_tokens,
+)
 from backend.plan.llamacpp import translate
 from backend.plan.plan import DevicePlan, Plan
 from backend.plan.serving import recommend
@@ -54,6 +65,9 @@ class _Planner:
         self.E, self.k = spec.n_routed_experts, spec.experts_per_token
         self.moe = set(spec.moe_layers)
         self.bpe = {layer: inventory.bytes_per_expert(layer) for layer in spec.moe_layers}
+        # Bytes per expert on a GPU, by form; self.gbpe is the chosen form's (set in plan()).
+        self.resident = {form: float(B.resident_expert_bytes(spec, form)) for form in B.RESIDENT_FORMS}
+        self.gbpe = {layer: self.resident["dense"] for layer in spec.moe_layers}
         cls = inventory.bytes_by_class
         n_dense = len(spec.dense_layers) or 1
         n_moe = len(spec.moe_layers) or 1
@@ -93,36 +107,40 @@ class _Planner:
         budgets = [B.gpu_budget(g, self.hw.described, activations) for g in gpus]
         runs = placement.split_layers(spec.num_layers, budgets)
         moe_by_card = [[layer for layer in run if layer in self.moe] for run in runs]
-        card_classes, avail, reserves = [], [], []
+        card_classes, lefts, avail, reserves = [], [], [], []
         for c, run in enumerate(runs):
             parts = {
                 "always_read": sum(self.fixed_bytes(layer) for layer in run)
                 + (self.embedding if c == 0 else 0)
                 + (self.lm_head if c == len(runs) - 1 else 0),
                 "kv_cache": sum(self.kv_layer(layer, wl.users) for layer in run),
-                # The sizing rule for described cards already covers activations.
-                "activations": 0 if self.hw.described else activations,
+                # The sizing rule for described cards already covers activations (and the
+                # scratch of one expert widened on the card).
+                "activations": 0 if self.hw.described else activations + B.expert_scratch_bytes(spec),
             }
-            left = budgets[c] - sum(parts.values())
-            layer_bytes = max((self.E * self.bpe[layer] for layer in moe_by_card[c]), default=0)
-            all_experts = sum(self.E * self.bpe[layer] for layer in moe_by_card[c])
+            lefts.append(budgets[c] - sum(parts.values()))
+            card_classes.append(parts)
+        form = self._resident_form(lefts, moe_by_card)
+        self.gbpe = {layer: self.resident[form] for layer in spec.moe_layers}
+        for c, left in enumerate(lefts):
+            layer_bytes = max((B.prefill_reserve_bytes(self.E, self.bpe[layer]) for layer in moe_by_card[c]), default=0)
+            all_experts = sum(self.E * self.gbpe[layer] for layer in moe_by_card[c])
             want_reserve = wl.prefill_reserve == "on" or (
                 wl.prefill_reserve == "auto" and all_experts > left and layer_bytes <= left
             )
             reserves.append(int(layer_bytes) if want_reserve and layer_bytes else 0)
             avail.append(left - reserves[-1])
-            card_classes.append(parts)
 
         if not gpus:
             gpu_experts: dict[int, tuple[int, ...]] = {layer: () for layer in spec.moe_layers}
         elif wl.strategy == "frequency":
-            gpu_experts = placement.frequency(avail, moe_by_card, self.bpe, self.stats)
+            gpu_experts = placement.frequency(avail, moe_by_card, self.gbpe, self.stats)
         else:
-            gpu_experts = placement.uniform(avail, moe_by_card, self.bpe, self.E, self.stats)
+            gpu_experts = placement.uniform(avail, moe_by_card, self.gbpe, self.E, self.stats)
 
         devices = []
         for c, g in enumerate(gpus):
-            experts = sum(len(gpu_experts[layer]) * self.bpe[layer] for layer in moe_by_card[c])
+            experts = sum(len(gpu_experts[layer]) * self.gbpe[layer] for layer in moe_by_card[c])
             by_class = {k: int(v) for k, v in card_classes[c].items()}
             by_class["prefill_reserve"] = reserves[c]
             by_class["routed_experts"] = int(experts)
@@ -135,12 +153,14 @@ class _Planner:
                     bytes_by_class=by_class,
                     layers=runs[c],
                     bandwidth_bytes_per_s=g.memory_bandwidth_bytes_per_s,
+                    torch_device=f"cuda:{g.index}",
                 )
             )
 
         routed_total = self.inv.routed_expert_bytes
-        gpu_routed = int(sum(len(ids) * self.bpe[layer] for layer, ids in gpu_experts.items()))
-        host_routed = routed_total - gpu_routed
+        gpu_routed = int(sum(len(ids) * self.gbpe[layer] for layer, ids in gpu_experts.items()))
+        # Host RAM holds the stored form of every expert not on a GPU.
+        host_routed = routed_total - int(sum(len(ids) * self.bpe[layer] for layer, ids in gpu_experts.items()))
         host_parts = {"routed_experts": host_routed}
         host_parts["kv_cache"] = 0
         if not gpus:
@@ -156,6 +176,7 @@ class _Planner:
                 used_bytes=int(sum(host_parts.values())),
                 bytes_by_class={k: int(v) for k, v in host_parts.items()},
                 bandwidth_bytes_per_s=self.hw.memory.bandwidth_bytes_per_s,
+                torch_device="cpu",
             )
         )
 
@@ -185,6 +206,15 @@ class _Planner:
         bw_source = self._bandwidth_source()
         pcie = next((g.pcie_bandwidth_bytes_per_s for g in gpus if g.pcie_bandwidth_bytes_per_s), None)
         crossover = prefill_crossover_tokens(self.inv.expert_bits_per_weight, cpu_flops(threads, features), pcie)
+        # Streaming needs the reserve on the GPUs it runs on; without one prefill stays on the CPU.
+        stream_min = prefill_stream_min_tokens(crossover, self.E, self.k) if any(reserves) else None
+        if stream_min is not None and stream_min > wl.prefill_chunk:
+            # The engine decides per forward call, and the session feeds prompts in chunks.
+            self.warnings.append(
+                f"Streamed prefill pays from {stream_min} tokens per forward call, more than the "
+                f"{wl.prefill_chunk}-token prefill chunk: prompts will not stream unless the chunk is "
+                f"at least {stream_min} tokens."
+            )
 
         llama = translate(
             spec,
@@ -232,6 +262,9 @@ class _Planner:
                 multi.tokens_per_s_per_user * wl.users if multi.tokens_per_s_per_user else None
             ),
             prefill_crossover_tokens=crossover,
+            prefill_stream_min_tokens=stream_min,
+            gpu_expert_format=B.resident_form_name(spec, form),
+            gpu_bytes_per_expert=dict(self.gbpe),
             llama_cpp=llama,
             fits=fits,
             reason=reason,
@@ -240,6 +273,14 @@ class _Planner:
             serving=serving,
             warnings=tuple(self.warnings),
         )
+
+    def _resident_form(self, lefts, moe_by_card) -> str:
+        """"dense" when every card holds all its layers' routed experts that way, else "int8"."""
+        if self.wl.gpu_expert_form != "auto":
+            return self.wl.gpu_expert_form
+        dense = self.resident["dense"]
+        fits = all(len(layers) * self.E * dense <= left for left, layers in zip(lefts, moe_by_card) if layers)
+        return "dense" if fits else "int8"
 
     def _cpu_share(self, layer: int, gpu_ids) -> float:
         """Share of a layer's activations computed on the CPU: measured when stats exist."""
@@ -259,7 +300,7 @@ class _Planner:
                 b = sum(
                     self.fixed_bytes(layer)
                     + self.kv_layer(layer, users)
-                    + (touched * (1 - self._cpu_share(layer, gpu_experts[layer])) * self.bpe[layer] if layer in self.moe else 0)
+                    + (touched * (1 - self._cpu_share(layer, gpu_experts[layer])) * self.gbpe[layer] if layer in self.moe else 0)
                     for layer in run
                 )
                 if c == len(runs) - 1:

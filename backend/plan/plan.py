@@ -32,6 +32,12 @@ class DevicePlan:
     bytes_by_class: dict[str, int]  # tensor class -> bytes, plus "kv_cache", "prefill_reserve", "activations"
     layers: tuple[int, ...] = ()  # decoder layers whose always-read weights live here (GPUs)
     bandwidth_bytes_per_s: float | None = None
+    torch_device: str | None = None  # what the engine builds on: "cuda:0", "cpu"
+
+    @property
+    def engine_device(self) -> str:
+        """The torch device string (plans saved before ``torch_device`` existed: from the name)."""
+        return self.torch_device or self.name.split()[0]
 
     @property
     def free_bytes(self) -> int:
@@ -82,6 +88,15 @@ class Plan:
     serving: dict[str, Any] | None = None
     warnings: tuple[str, ...] = ()
     format: str = field(default=PLAN_FORMAT)
+    # How routed experts are held on the GPUs ("bf16"/"f32": dense in the compute dtype,
+    # "int8": weight-only with per-row scales) and the bytes each then takes there, per MoE
+    # layer: what the GPU budgets above count (bytes_per_expert is the stored form, which
+    # host RAM and the prefill reserve count).
+    gpu_expert_format: str = "bf16"
+    gpu_bytes_per_expert: dict[int, float] = field(default_factory=dict)
+    # Prompt tokens per forward call from which the engine streams CPU experts to the GPU
+    # for prefill (from prefill_crossover_tokens; None: no prefill reserve, no streaming).
+    prefill_stream_min_tokens: int | None = None
 
     @property
     def gpu_expert_count(self) -> int:
@@ -91,6 +106,15 @@ class Plan:
         """Main-device experts per MoE layer, as the engine consumes them."""
         return {layer: frozenset(ids) for layer, ids in self.gpu_experts.items()}
 
+    def pipeline(self) -> list[tuple[str, tuple[int, ...]]]:
+        """(torch device, decoder layers) of each GPU in layer order: the engine's stages."""
+        return [(d.engine_device, tuple(d.layers)) for d in self.devices if d.kind == "gpu" and d.layers]
+
+    @property
+    def resident_form(self) -> str:
+        """The engine's name for gpu_expert_format: "int8" or "dense"."""
+        return "int8" if self.gpu_expert_format == "int8" else "dense"
+
     # ---- serialisation -------------------------------------------------------------------
 
     def to_dict(self) -> dict[str, Any]:
@@ -99,6 +123,7 @@ class Plan:
         d["gpu_experts"] = {str(k): list(v) for k, v in sorted(self.gpu_experts.items())}
         d["gpu_experts_per_layer"] = {str(k): len(v) for k, v in sorted(self.gpu_experts.items())}
         d["bytes_per_expert"] = {str(k): v for k, v in sorted(self.bytes_per_expert.items())}
+        d["gpu_bytes_per_expert"] = {str(k): v for k, v in sorted(self.gpu_bytes_per_expert.items())}
         for dev, dd in zip(self.devices, d["devices"]):
             dd["free_bytes"] = dev.free_bytes
         return d
@@ -120,6 +145,7 @@ class Plan:
         )
         kw["gpu_experts"] = {int(k): tuple(int(e) for e in v) for k, v in d["gpu_experts"].items()}
         kw["bytes_per_expert"] = {int(k): float(v) for k, v in d["bytes_per_expert"].items()}
+        kw["gpu_bytes_per_expert"] = {int(k): float(v) for k, v in d.get("gpu_bytes_per_expert", {}).items()}
         for name in ("moe_layers", "suggestions", "warnings"):
             kw[name] = tuple(d.get(name, ()))
         return cls(**kw)

@@ -12,6 +12,9 @@ KV_BYTES_PER_ELEMENT = {"bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "q8_0": 34 / 32}
 STRATEGIES = ("uniform", "frequency", "cpu-only")
 BACKENDS = ("auto", "engine", "llamacpp")
 PREFILL_RESERVE = ("auto", "on", "off")
+# How routed experts are held on a GPU: "auto" (dense when every routed expert fits that way,
+# else int8, which fits twice as many), "dense" (the compute dtype) or "int8" (weight-only).
+GPU_EXPERT_FORMS = ("auto", "dense", "int8")
 
 
 @dataclass(frozen=True)
@@ -28,6 +31,7 @@ class Workload:
     prefill_chunk: int = 2048
     # Per-user decode speed below which one workstation is not enough (SIZING.md section 7).
     target_tokens_per_s: float = 5.0
+    gpu_expert_form: str = "auto"
 
     def __post_init__(self):
         if self.context < 1:
@@ -49,6 +53,8 @@ class Workload:
             raise UsageError(f"prefill reserve must be one of {', '.join(PREFILL_RESERVE)}, got {self.prefill_reserve!r}")
         if self.prefill_chunk < 1:
             raise UsageError(f"prefill chunk must be at least 1 token, got {self.prefill_chunk}")
+        if self.gpu_expert_form not in GPU_EXPERT_FORMS:
+            raise UsageError(f"GPU expert form must be one of {', '.join(GPU_EXPERT_FORMS)}, got {self.gpu_expert_form!r}")
         if self.target_tokens_per_s <= 0:
             raise UsageError(f"target speed must be positive, got {self.target_tokens_per_s}")
 

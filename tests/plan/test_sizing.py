@@ -8,7 +8,11 @@ import pytest
 from backend.hardware.profile import CPU, GPU, HardwareProfile, Memory
 from backend.models import inspect_model
 from backend.plan import Workload, make
-from backend.plan.budget import described_gpu_budget
+from backend.plan.budget import (
+    described_gpu_budget,
+    prefill_reserve_bytes,
+    resident_expert_bytes,
+)
 from backend.plan.estimate import experts_touched, prefill_crossover_tokens
 
 CONFIGS = Path(__file__).resolve().parents[2].parent / "shared" / "configs"
@@ -83,9 +87,16 @@ def test_gpu_placement_order_and_uniform_counts(kimi):
     assert len(counts) == 1 and 0 < counts.pop() < 384
     for dev in plan.devices[:-1]:
         assert dev.used_bytes <= dev.budget_bytes
-        assert dev.bytes_by_class["prefill_reserve"] == pytest.approx(384 * 44_040_192 * 4.5 / 8, rel=1e-6)
-    # Host holds exactly the routed experts not on a GPU.
-    assert plan.host_routed_expert_bytes + plan.gpu_routed_expert_bytes == plan.routed_expert_bytes_total
+        # One layer of experts as stored (~9.5 GB for Kimi K2), plus slot alignment.
+        assert dev.bytes_by_class["prefill_reserve"] == prefill_reserve_bytes(384, 44_040_192 * 4.5 / 8)
+        assert dev.bytes_by_class["prefill_reserve"] == pytest.approx(384 * 44_040_192 * 4.5 / 8, rel=1e-3)
+    # Not all of Kimi's experts fit in bf16 on four cards: GPU experts are int8 there.
+    assert plan.gpu_expert_format == "int8"
+    assert plan.gpu_bytes_per_expert[1] == 44_040_192 + (2 * 2048 + 7168) * 2
+    assert plan.gpu_routed_expert_bytes == plan.gpu_expert_count * plan.gpu_bytes_per_expert[1]
+    # Host holds exactly the routed experts not on a GPU, as stored.
+    stored_on_gpu = sum(len(ids) * plan.bytes_per_expert[layer] for layer, ids in plan.gpu_experts.items())
+    assert plan.host_routed_expert_bytes + stored_on_gpu == pytest.approx(plan.routed_expert_bytes_total)
     host = plan.devices[-1]
     assert host.bytes_by_class["routed_experts"] == plan.host_routed_expert_bytes
     # Pipeline: every layer is on exactly one card.
@@ -162,7 +173,8 @@ def test_frequency_strategy_places_the_most_used_pairs(tmp_path):
         stats.record(layer, [e for e in hot for _ in range(100 if layer == 0 else 1)])
     path = tmp_path / "stats.json"
     stats.save(path)
-    bpe = model.inventory.bytes_per_expert(spec.moe_layers[0])
+    # 20 experts do not hold every expert in bf16, so the plan keeps them as int8 on the card.
+    bpe = resident_expert_bytes(spec, "int8")
     probe = make(spec, model.inventory, epyc_host(gpus=[h200()]), Workload(context=4096, prefill_reserve="off"))
     fixed = probe.devices[0].bytes_by_class
     # Room for exactly 20 experts beyond the always-read weights and cache.
@@ -171,6 +183,7 @@ def test_frequency_strategy_places_the_most_used_pairs(tmp_path):
     plan = make(spec, model.inventory, epyc_host(gpus=[h200(reported=reported)]), wl)
     assert plan.gpu_experts[0] == tuple(range(10))
     assert plan.gpu_expert_count == 20
+    assert plan.gpu_expert_format == "int8"
     # The hot layer's CPU share is 0 by the statistics, so host reads fall accordingly.
     uniform = make(spec, model.inventory, epyc_host(gpus=[h200(reported=reported)]),
                    replace(wl, strategy="uniform", stats_file=None))

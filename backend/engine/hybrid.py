@@ -1,0 +1,251 @@
+"""Hybrid execution of the MoE layers: the CPU experts overlapped with the GPU's work.
+
+Per MoE layer, for a decode step or a short prompt (``HybridScheduler._overlapped``):
+
+1. the router runs on the device; the hidden states, expert ids and routing weights are
+   copied into a pinned host slot without blocking, and a marker is issued after the copies;
+2. the CPU half is handed to the worker: one long-lived thread that waits for the marker,
+   runs the layer's CPU experts in the native kernels (which release the GIL) and writes
+   the float32 result into the slot;
+3. meanwhile this thread issues the shared experts and, once the ids have reached the host
+   (needed to count activations and to loop over the GPU experts hit, grouped on the host so
+   that nothing waits for the device), the GPU experts;
+4. when the worker is done, the result goes back to the device without blocking and is
+   added, in the order the CPU-only path adds it (``MoE.combine``).
+
+The only waits are the ones the data needs: the worker waits for its inputs, this thread
+for the ids and for the CPU result. Two host slots alternate between consecutive MoE layers,
+so a slot is never rewritten while the asynchronous copy of its result to the device may
+still be queued.
+
+Prompts of at least ``HybridOptions.stream_min_tokens`` tokens (the threshold the Plan
+derives from the prefill crossover, SIZING.md section 6) take the other path: the layer's
+CPU-resident experts are streamed over PCIe into a reserved device buffer and the whole
+layer runs on the device (``expert_streaming``).
+
+No CUDA graphs (yet): the decode step returns to the host at every MoE layer (its CPU
+experts need the ids), so a graph could only cover the stretches between (attention,
+router, shared experts), and the attention takes its position as a Python int with shapes
+that grow with the cache; capturing it needs static-shape attention first.
+
+Both threads (the CPU-expert worker and each streamer's copier) are daemon threads that
+every wait of theirs can be woken from (``streams``): ``HybridScheduler.close`` stops them,
+and so does garbage collection or interpreter exit for a scheduler nobody closed.
+
+``attach`` installs one scheduler on every MoE layer of a model. A CPU main device does not
+get one unless asked (the tests do, to run this code with the CPU standing in for the
+GPU): there the plain synchronous ``MoE.forward`` is the fastest path and has no threads,
+copies or markers at all.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import torch
+
+from backend.engine.expert_streaming import ExpertStreamer
+from backend.engine.experts import experts_forward
+from backend.engine.moe import MoE
+from backend.engine.streams import Edge, Marker, Worker, close_at_exit
+
+
+@dataclass(frozen=True)
+class HybridOptions:
+    """How MoE layers share their work between the device and the CPU.
+
+    stream_min_tokens: forward calls of at least this many tokens stream each layer's
+        CPU-resident experts to the device and run the layer there (None: never).
+    stream_reserve_bytes: the device buffer for streamed experts, per device (its string,
+        e.g. "cuda:0"); 0: that device does not stream; a device not named gets a buffer for
+        one layer's CPU experts.
+    """
+
+    stream_min_tokens: int | None = None
+    stream_reserve_bytes: Mapping[str, int] = field(default_factory=dict)
+
+
+def options_from_plan(plan) -> HybridOptions:
+    """The Plan's prefill threshold and per-GPU prefill reserves (no reserve: no streaming)."""
+    reserves = {d.engine_device: int(d.bytes_by_class.get("prefill_reserve", 0)) for d in plan.devices if d.kind == "gpu"}
+    threshold = plan.prefill_stream_min_tokens if any(reserves.values()) else None
+    return HybridOptions(stream_min_tokens=threshold, stream_reserve_bytes=reserves)
+
+
+class CpuExpertWorker:
+    """The one thread that runs CPU experts for the scheduler, in the order it is given them."""
+
+    def __init__(self):
+        self._thread = Worker("hybridmoe-cpu-experts")
+        close_at_exit(self)
+
+    def submit(self, fn, *args) -> Future:
+        return self._thread.submit(_in_inference_mode, fn, *args)
+
+    @property
+    def thread(self):
+        return self._thread.thread
+
+    def close(self, timeout: float | None = 10.0) -> bool:
+        """Cancel the jobs not started; wait at most `timeout` seconds for the running one."""
+        return self._thread.close(timeout)
+
+
+def _in_inference_mode(fn, *args):
+    # Inference mode is per thread; the slots are inference tensors written in place here.
+    with torch.inference_mode():
+        return fn(*args)
+
+
+class HostSlot:
+    """Pinned host buffers for one MoE layer's exchange with the CPU experts."""
+
+    def __init__(self, edge: Edge, rows: int, hidden: int, k: int, x_dtype: torch.dtype, weights_dtype: torch.dtype):
+        self.rows, self.hidden, self.k = rows, hidden, k
+        self.x_dtype, self.weights_dtype = x_dtype, weights_dtype
+        self._x = edge.host_buffer((rows, hidden), x_dtype)
+        self._ids = edge.host_buffer((rows, k), torch.int64)
+        self._weights = edge.host_buffer((rows, k), weights_dtype)
+        self._out = edge.host_buffer((rows, hidden), torch.float32)
+        self.x = self.ids = self.weights = self.out = None
+
+    def fits(self, n: int, hidden: int, k: int, x_dtype: torch.dtype, weights_dtype: torch.dtype) -> bool:
+        return (n <= self.rows and hidden == self.hidden and k == self.k and x_dtype == self.x_dtype
+                and weights_dtype == self.weights_dtype)
+
+    def fill(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
+        """Copy a layer's inputs in, without blocking (the caller marks when they are done)."""
+        n = x.shape[0]
+        self.x, self.ids, self.weights, self.out = self._x[:n], self._ids[:n], self._weights[:n], self._out[:n]
+        self.x.copy_(x, non_blocking=True)
+        self.ids.copy_(topk_ids, non_blocking=True)
+        self.weights.copy_(topk_weights, non_blocking=True)
+
+
+class HostStaging:
+    """Two host slots used by consecutive MoE layers in turn (grown when a call needs more rows)."""
+
+    def __init__(self, edge: Edge):
+        self.edge = edge
+        self._slots: list[HostSlot | None] = [None, None]
+        self._turn = 0
+
+    def take(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> HostSlot:
+        i, self._turn = self._turn, 1 - self._turn
+        n, hidden = x.shape
+        k = topk_ids.shape[1]
+        slot = self._slots[i]
+        if slot is None or not slot.fits(n, hidden, k, x.dtype, topk_weights.dtype):
+            # Replacing a slot frees its pinned memory only after copies queued from it are done
+            # (PyTorch's pinned allocator records their streams).
+            rows = max(n, slot.rows if slot is not None else 0)
+            slot = self._slots[i] = HostSlot(self.edge, rows, hidden, k, x.dtype, topk_weights.dtype)
+        slot.fill(x, topk_ids, topk_weights)
+        return slot
+
+
+class HybridScheduler:
+    """Runs MoE layers with the CPU experts overlapped with the device, or streamed to it."""
+
+    def __init__(self, options: HybridOptions, streamers: dict[torch.device, ExpertStreamer]):
+        self.options = options
+        self.worker = CpuExpertWorker()
+        self._edges: dict[torch.device, Edge] = {}
+        self._staging: HostStaging | None = None
+        self.streamers = streamers
+        self.calls = {"overlapped": 0, "streamed": 0}  # MoE layer calls by path, for tests and benchmarks
+
+    def edge(self, device: torch.device) -> Edge:
+        got = self._edges.get(device)
+        if got is None:
+            got = self._edges[device] = Edge(device)
+        return got
+
+    def forward(self, moe: MoE, x: torch.Tensor) -> torch.Tensor:
+        streamer = self.streamers.get(x.device)
+        threshold = self.options.stream_min_tokens
+        if streamer is not None and threshold is not None and x.shape[0] >= threshold and streamer.covers(moe.layer):
+            self.calls["streamed"] += 1
+            return self._streamed(moe, x, streamer)
+        self.calls["overlapped"] += 1
+        return self._overlapped(moe, x)
+
+    def _overlapped(self, moe: MoE, x: torch.Tensor) -> torch.Tensor:
+        edge = self.edge(x.device)
+        if self._staging is None:
+            self._staging = HostStaging(edge)  # host buffers serve every device of a pipeline
+        topk_ids, topk_weights = moe.router(x)
+        slot = self._staging.take(x, topk_ids, topk_weights)
+        inputs = edge.mark()
+        job = self.worker.submit(_cpu_half, moe, slot, inputs) if len(moe.host) else None
+        try:
+            shared = moe.shared_part(x)
+            inputs.wait()
+            moe.record(slot.ids)
+            main = experts_forward(x, topk_ids, topk_weights, moe.main, slot.ids) if len(moe.main) else None
+            part = None
+            if job is not None:
+                job.result()
+                part = edge.to_device(slot.out)
+        finally:
+            if job is not None and not job.done():
+                # This thread failed first: let the worker finish with the slot before anyone reuses it.
+                with contextlib.suppress(BaseException):  # this thread's own error is the one to raise
+                    job.result()
+        return moe.combine(x, main, part, shared)
+
+    def _streamed(self, moe: MoE, x: torch.Tensor, streamer: ExpertStreamer) -> torch.Tensor:
+        # Entering first starts the copy of this layer (unless the previous one already did)
+        # and of the next; the router and the shared experts then run while it is under way.
+        with streamer.layer(moe) as streamed:
+            topk_ids, topk_weights = moe.router(x)
+            shared = moe.shared_part(x)
+            host_ids = topk_ids.cpu()
+            moe.record(host_ids)
+            main = experts_forward(x, topk_ids, topk_weights, moe.main, host_ids) if len(moe.main) else None
+            part = streamed.forward(x, topk_ids, topk_weights, host_ids)
+        return moe.combine(x, main, part, shared)
+
+    def close(self, timeout: float | None = 10.0) -> bool:
+        """Stop the scheduler's threads (safe to call again). True if they have stopped; a
+        thread still finishing a job after `timeout` seconds is a daemon and ends with it."""
+        stopped = [streamer.close(timeout) for streamer in self.streamers.values()]
+        stopped.append(self.worker.close(timeout))
+        return all(stopped)
+
+
+def _cpu_half(moe: MoE, slot: HostSlot, inputs: Marker) -> None:
+    inputs.wait()
+    slot.out.copy_(moe.cpu_part(slot.x, slot.ids, slot.weights))
+
+
+def attach(model: torch.nn.Module, options: HybridOptions) -> HybridScheduler:
+    """Install one scheduler on every MoE layer of `model`; each device of a pipeline gets a
+    streamer over its own MoE layers when streaming is on."""
+    moes = [m for m in model.modules() if isinstance(m, MoE)]
+    streamers: dict[torch.device, ExpertStreamer] = {}
+    if options.stream_min_tokens is not None:
+        by_device: dict[torch.device, list[MoE]] = {}
+        for moe in moes:
+            by_device.setdefault(moe.main.device, []).append(moe)
+        for device, layers in by_device.items():
+            reserve = options.stream_reserve_bytes.get(str(device))
+            if any(len(m.host) for m in layers) and reserve != 0:
+                streamers[device] = ExpertStreamer(Edge(device), layers, reserve)
+    scheduler = HybridScheduler(options, streamers)
+    for moe in moes:
+        moe.scheduler = scheduler
+    return scheduler
+
+
+def detach(model: torch.nn.Module) -> None:
+    """Back to the plain synchronous path (and stop the scheduler's threads)."""
+    schedulers = {id(m.scheduler): m.scheduler for m in model.modules() if isinstance(m, MoE) and m.scheduler}
+    for m in model.modules():
+        if isinstance(m, MoE):
+            m.scheduler = None
+    for s in schedulers.values():
+        s.close()

@@ -1,0 +1,544 @@
+#!/usr/bin/env python
+"""Hybrid execution on a GPU machine, checked and measured in one run (issue 8).
+
+    python scripts/gpu_check.py [--json FILE] [--layers 8] [--experts 64] [--budget 280]
+
+Sections, each guarded (a failure is reported and the next section runs):
+
+1. environment: torch, CUDA devices, the native CPU kernels in use;
+2. parity: tiny float32 checkpoints of several families, logits of the hybrid engine
+   (GPU main device; CPU experts overlapped, streamed prefill, int8 GPU experts, and a
+   pipeline when there are two GPUs) against the CPU-only engine;
+3. bandwidth: host-to-device (pinned and pageable) and device-to-host copy rates, and the
+   streamed-prefill threshold they give (SIZING.md section 6);
+4. speed: a mid-size random Qwen3-MoE checkpoint in bf16 (hidden 2048, 64 experts of 768,
+   top 8; 8 layers: 4.8 GB of experts): decode tokens/s CPU-only and with 0, 25, 50, 100 %
+   of the experts on the GPU (100 % also as int8), 4K-token prefill tokens/s CPU-only, with
+   the CPU experts computed on the CPU (0 %), and streamed to the GPU (0 %, 50 %); then the
+   issue's targets: decode at 0 % at least CPU-only decode plus the saved attention time,
+   decode rising with the GPU share, streamed prefill at least 3x the CPU-expert prefill.
+
+Prints a table and writes JSON (to --json, default $OUT/gpu_check.json or ./gpu_check.json).
+Without CUDA (a CPU-only machine) the GPU sections are skipped with a message and parity
+runs with the CPU standing in for the GPU; `--cpu-speed` also runs a small speed section
+there, to exercise its code. Nothing is installed; everything is written under a temporary
+directory and removed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch
+
+GB = 1e9
+
+
+class Report:
+    def __init__(self, deadline: float):
+        self.deadline = deadline
+        self.data: dict = {"sections": {}}
+        self.lines: list[str] = []
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def say(self, line: str = "") -> None:
+        print(line, flush=True)
+        self.lines.append(line)
+
+    def run(self, name: str, fn, *args) -> None:
+        self.say(f"\n== {name} ==")
+        started = time.monotonic()
+        try:
+            result = fn(self, *args)
+            self.data["sections"][name] = {"status": "ok", **(result or {})}
+        except Skip as why:
+            self.say(f"skipped: {why}")
+            self.data["sections"][name] = {"status": "skipped", "reason": str(why)}
+        except Exception as err:  # noqa: BLE001 - every section is guarded: report it and go on
+            self.say(f"FAILED: {type(err).__name__}: {err}")
+            traceback.print_exc()
+            self.data["sections"][name] = {"status": "failed", "error": f"{type(err).__name__}: {err}",
+                                           "traceback": traceback.format_exc()}
+        self.say(f"({time.monotonic() - started:.1f} s)")
+
+
+class Skip(Exception):
+    pass
+
+
+def cuda() -> bool:
+    return torch.cuda.is_available()
+
+
+# ---- 1. environment ---------------------------------------------------------------------
+
+
+def environment(r: Report) -> dict:
+    from backend.engine import native_experts
+
+    info = {"python": sys.version.split()[0], "torch": torch.__version__, "cuda": cuda(),
+            "cpu_count": os.cpu_count(), "native": native_experts.isa(),
+            "torch_threads": torch.get_num_threads()}
+    if cuda():
+        info["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        info["cuda_version"] = torch.version.cuda
+        info["int8_op_on_cuda"] = _int8_op_on_cuda()
+    for k, v in info.items():
+        r.say(f"{k:16} {v}")
+    if not native_experts.available():
+        r.say("note: the native CPU kernels are not built: CPU experts run the PyTorch reference "
+              "(slow); build them with `pip install -e . --no-build-isolation` for real figures")
+    if not cuda():
+        r.say("note: no CUDA device: GPU sections are skipped; parity runs with the CPU standing in")
+    return info
+
+
+def _int8_op_on_cuda() -> str:
+    try:
+        x = torch.randn(2, 64, device="cuda", dtype=torch.bfloat16)
+        w = torch.randint(-127, 128, (32, 64), device="cuda", dtype=torch.int8)
+        s = torch.rand(32, device="cuda", dtype=torch.bfloat16)
+        torch._weight_int8pack_mm(x, w, s)
+        torch.cuda.synchronize()
+        return "yes"
+    except Exception as err:  # noqa: BLE001 - informational: whichever way the op fails
+        return f"no ({type(err).__name__})"
+
+
+# ---- checkpoints ------------------------------------------------------------------------
+
+
+def tiny_checkpoint(family: str, out: Path) -> Path:
+    """A tiny float32 checkpoint: written by transformers (the tests' writer) when it is
+    installed, else (qwen3_moe only) straight to safetensors."""
+    try:
+        from tests.engine.conftest import make_checkpoint
+    except ImportError:
+        if family != "qwen3_moe":
+            raise Skip("transformers is not installed") from None
+        return write_qwen3_moe(out, layers=3, experts=8, hidden=64, inter=32, heads=4, kv_heads=2, head_dim=16,
+                               vocab=256, dtype=torch.float32, scale=0.15)
+    return make_checkpoint(family, out, torch.float32)
+
+
+def write_qwen3_moe(out: Path, *, layers: int, experts: int, hidden: int, inter: int, heads: int, kv_heads: int,
+                    head_dim: int, vocab: int, dtype: torch.dtype, scale: float = 0.02, k: int = 8) -> Path:
+    """A random Qwen3-MoE checkpoint, one safetensors shard per layer. Tensors are drawn from
+    one pool of random numbers at random offsets (fast; every tensor has its own memory)."""
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator().manual_seed(0)
+    pool = (torch.randn(1 << 24, generator=g) * scale).to(dtype)
+
+    def rand(*shape):
+        n = 1
+        for s in shape:
+            n *= s
+        parts, left = [], n
+        while left:
+            take = min(left, pool.numel() // 2)
+            start = int(torch.randint(0, pool.numel() - take, (1,), generator=g))
+            parts.append(pool[start : start + take])
+            left -= take
+        return torch.cat(parts).reshape(shape).clone()
+
+    def ones(n):
+        return torch.ones(n, dtype=dtype)
+
+    weight_map = {}
+
+    def save(tensors, name):
+        save_file(tensors, str(out / name), metadata={"format": "pt"})
+        weight_map.update({key: name for key in tensors})
+
+    save({"model.embed_tokens.weight": rand(vocab, hidden), "lm_head.weight": rand(vocab, hidden),
+          "model.norm.weight": ones(hidden)}, "model-embed.safetensors")
+    for i in range(layers):
+        p = f"model.layers.{i}"
+        t = {f"{p}.input_layernorm.weight": ones(hidden), f"{p}.post_attention_layernorm.weight": ones(hidden),
+             f"{p}.self_attn.q_proj.weight": rand(heads * head_dim, hidden),
+             f"{p}.self_attn.k_proj.weight": rand(kv_heads * head_dim, hidden),
+             f"{p}.self_attn.v_proj.weight": rand(kv_heads * head_dim, hidden),
+             f"{p}.self_attn.o_proj.weight": rand(hidden, heads * head_dim),
+             f"{p}.self_attn.q_norm.weight": ones(head_dim), f"{p}.self_attn.k_norm.weight": ones(head_dim),
+             f"{p}.mlp.gate.weight": rand(experts, hidden)}
+        for e in range(experts):
+            t[f"{p}.mlp.experts.{e}.gate_proj.weight"] = rand(inter, hidden)
+            t[f"{p}.mlp.experts.{e}.up_proj.weight"] = rand(inter, hidden)
+            t[f"{p}.mlp.experts.{e}.down_proj.weight"] = rand(hidden, inter)
+        save(t, f"model-{i:05d}.safetensors")
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (out / "config.json").write_text(json.dumps({
+        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": hidden,
+        "intermediate_size": 4 * hidden, "moe_intermediate_size": inter, "num_hidden_layers": layers,
+        "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim,
+        "num_experts": experts, "num_experts_per_tok": k if experts >= k else 2, "norm_topk_prob": True,
+        "vocab_size": vocab, "max_position_embeddings": 32768, "rope_theta": 1e6, "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False, "torch_dtype": str(dtype).split(".")[-1]}))
+    return out
+
+
+def build(path: Path, **kwargs):
+    from backend.engine.model import build_model
+    from backend.engine.weights import open_weights
+
+    config = json.loads((path / "config.json").read_text())
+    return build_model(config, open_weights(path), **kwargs)
+
+
+def moe_layers_of(model) -> list:
+    from backend.engine.moe import MoE
+
+    return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+def run_tokens(model, ids: torch.Tensor, prefill: int, chunk: int) -> torch.Tensor:
+    steps = [model(ids[:, p : min(p + chunk, prefill)], p) for p in range(0, prefill, chunk)]
+    steps += [model(ids[:, t : t + 1], t) for t in range(prefill, ids.shape[1])]
+    return torch.cat([s.float().cpu() for s in steps], dim=1)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).abs().max() / b.float().abs().max())
+
+
+# ---- 2. parity --------------------------------------------------------------------------
+
+
+def parity(r: Report, work: Path) -> dict:
+    from backend.engine.hybrid import HybridOptions
+
+    device = "cuda" if cuda() else "cpu"
+    where = "GPU" if cuda() else "CPU standing in for the GPU"
+    results, failures = [], 0
+    for family in ("qwen3_moe", "deepseek_v3", "gpt_oss", "qwen2_moe"):
+        if r.left() < 60:
+            r.say(f"{family}: skipped, time budget spent")
+            continue
+        try:
+            path = tiny_checkpoint(family, work / f"tiny-{family}")
+        except Skip as why:
+            r.say(f"{family}: skipped ({why})")
+            continue
+        ids = torch.randint(0, 256, (1, 24), generator=torch.Generator().manual_seed(1))
+        reference = build(path, device="cpu", max_context=64)
+        layers = [m.layer for m in moe_layers_of(reference)]
+        n = reference.stats.n_experts
+        expected = run_tokens(reference, ids, prefill=16, chunk=8)
+        half = {layer: list(range(0, n, 2)) for layer in layers}
+        everything = {layer: list(range(n)) for layer in layers}
+        cases = [
+            ("overlapped, 0% on GPU", {}, {"hybrid": HybridOptions()}),
+            ("overlapped, 50% on GPU", half, {"hybrid": HybridOptions()}),
+            ("all experts on GPU", everything, {"hybrid": HybridOptions()}),
+            ("streamed prefill, 0%", {}, {"hybrid": HybridOptions(stream_min_tokens=8)}),
+            ("streamed prefill, 50%", half, {"hybrid": HybridOptions(stream_min_tokens=8)}),
+            ("int8 GPU experts, 50%", half, {"hybrid": HybridOptions(), "resident_form": "int8"}),
+        ]
+        if cuda() and torch.cuda.device_count() >= 2:
+            n_layers = len(reference.layers)
+            cut = n_layers // 2
+            stages = [("cuda:0", tuple(range(cut))), ("cuda:1", tuple(range(cut, n_layers)))]
+            cases.append(("pipeline over 2 GPUs, 50%", half,
+                          {"hybrid": HybridOptions(stream_min_tokens=8), "pipeline": stages}))
+        for name, placement, kwargs in cases:
+            want = expected
+            tolerance = 1e-4
+            if kwargs.get("resident_form") == "int8":
+                # The same int8 weights on the CPU: the hybrid path must reproduce them.
+                want = run_tokens(build(path, device="cpu", max_context=64, placement=placement,
+                                        resident_form="int8"), ids, prefill=16, chunk=8)
+            try:
+                model = build(path, device=device, max_context=64, placement=placement, **kwargs)
+                got = run_tokens(model, ids, prefill=16, chunk=8)
+                err = rel_err(got, want)
+                ok = err < tolerance
+                calls = dict(model.scheduler.calls) if model.scheduler else {}
+                model.scheduler and model.scheduler.close()
+                results.append({"family": family, "case": name, "rel_err": err, "ok": ok, "calls": calls})
+                r.say(f"{family:12} {name:28} rel err {err:.2e}  {'ok' if ok else 'MISMATCH'}  {calls}")
+                failures += not ok
+            except Exception as err:  # noqa: BLE001 - one case failing must not hide the others
+                failures += 1
+                results.append({"family": family, "case": name, "error": f"{type(err).__name__}: {err}"})
+                r.say(f"{family:12} {name:28} FAILED: {type(err).__name__}: {err}")
+                traceback.print_exc()
+    r.say(f"parity ({where}): {len(results) - failures} of {len(results)} cases agree with the CPU-only engine")
+    return {"where": where, "cases": results, "failures": failures}
+
+
+# ---- 3. bandwidth -----------------------------------------------------------------------
+
+
+def bandwidth(r: Report) -> dict:
+    if not cuda():
+        raise Skip("no CUDA device")
+    size = 1 << 30
+    dev = torch.empty(size, dtype=torch.uint8, device="cuda")
+    out = {}
+    for name, host in (("h2d_pinned", torch.empty(size, dtype=torch.uint8, pin_memory=True)),
+                       ("h2d_pageable", torch.empty(size, dtype=torch.uint8))):
+        host.fill_(1)
+        dev.copy_(host, non_blocking=True)
+        torch.cuda.synchronize()
+        rates = []
+        for _ in range(4):
+            t = time.perf_counter()
+            dev.copy_(host, non_blocking=True)
+            torch.cuda.synchronize()
+            rates.append(size / (time.perf_counter() - t))
+        out[name] = max(rates)
+        if name == "h2d_pinned":
+            t = time.perf_counter()
+            host.copy_(dev, non_blocking=True)
+            torch.cuda.synchronize()
+            out["d2h_pinned"] = size / (time.perf_counter() - t)
+    for k, v in out.items():
+        r.say(f"{k:14} {v / GB:7.1f} GB/s")
+    from backend.hardware import detect
+    from backend.plan.estimate import (
+        cpu_flops,
+        prefill_crossover_tokens,
+        prefill_stream_min_tokens,
+    )
+
+    hw = detect(measure_bandwidth=False)
+    flops = cpu_flops(hw.cpu.physical_cores, hw.cpu.features)
+    theory = next((g.pcie_bandwidth_bytes_per_s for g in hw.gpus if g.pcie_bandwidth_bytes_per_s), None)
+    for label, bw in (("theoretical PCIe", theory), ("measured pinned", out["h2d_pinned"])):
+        cross = prefill_crossover_tokens(16, flops, bw)  # bf16 experts
+        thr = prefill_stream_min_tokens(cross, 64, 8)
+        r.say(f"crossover ({label}{'' if bw is None else f', {bw / GB:.1f} GB/s'}): "
+              f"{'unknown' if cross is None else f'{cross:.0f} tokens per expert'}, "
+              f"stream prompts from {thr} tokens (bf16, 64 experts, top 8)")
+        out[f"stream_min_tokens_{label.split()[0]}"] = thr
+    out["cpu_flops_assumed"] = flops
+    return out
+
+
+# ---- 4. speed ---------------------------------------------------------------------------
+
+
+def speed(r: Report, work: Path, args) -> dict:
+    on_gpu = cuda()
+    if not on_gpu and not args.cpu_speed:
+        raise Skip("no CUDA device (pass --cpu-speed to exercise this section on the CPU with a small model)")
+    from backend.engine.hybrid import HybridOptions
+
+    device = "cuda" if on_gpu else "cpu"
+    if on_gpu:
+        dims = dict(layers=args.layers, experts=args.experts, hidden=2048, inter=768, heads=32, kv_heads=4,
+                    head_dim=128, vocab=16384)
+        prompt, decode_n = args.prompt, 32
+    else:  # exercising the code on a CPU-only machine: tiny and quick, the figures mean nothing
+        dims = dict(layers=2, experts=16, hidden=256, inter=128, heads=4, kv_heads=2, head_dim=64, vocab=2048)
+        prompt, decode_n = 256, 8
+    t = time.monotonic()
+    path = write_qwen3_moe(work / "mid", dtype=torch.bfloat16, **dims)
+    expert_gb = dims["layers"] * dims["experts"] * 3 * dims["hidden"] * dims["inter"] * 2 / GB
+    r.say(f"checkpoint: {dims['layers']} layers x {dims['experts']} experts (hidden {dims['hidden']}, "
+          f"moe_intermediate {dims['inter']}), {expert_gb:.2f} GB of bf16 experts, written in "
+          f"{time.monotonic() - t:.1f} s")
+    vocab, n, chunk = dims["vocab"], dims["experts"], 2048
+    ids = torch.randint(0, vocab, (1, prompt + decode_n + 8), generator=torch.Generator().manual_seed(0))
+    stream_min = min(1024, prompt)  # every 2048-token chunk streams in the streamed runs
+    rows: dict[str, dict] = {}
+
+    def measure(label: str, *, prefill: bool, **kwargs) -> None:
+        if r.left() < 20:
+            r.say(f"{label}: skipped, time budget spent")
+            return
+        model = build(path, max_context=prompt + decode_n + 16, **kwargs)
+        busy = _time_cpu_experts(model)
+        model(ids[:, :8], 0)  # warm up kernels and allocators
+        row = {}
+        if prefill:
+            busy.clear()
+            sync()
+            t0 = time.perf_counter()
+            for p in range(0, prompt, chunk):
+                model(ids[:, p : min(p + chunk, prompt)], p, last_only=True)
+            sync()
+            row["prefill_tok_s"] = prompt / (time.perf_counter() - t0)
+            if busy:
+                row["prefill_cpu_experts_s"] = sum(busy)
+            start = prompt
+        else:
+            model(ids[:, 8:64], 8, last_only=True)
+            start = 64
+        for i in range(4):  # warm-up decode steps
+            model(ids[:, start + i : start + i + 1], start + i)
+        busy.clear()
+        t0 = time.perf_counter()
+        for i in range(4, decode_n):
+            logits = model(ids[:, start + i : start + i + 1], start + i)
+            int(logits[0, -1].argmax())  # the token the next step would need: a real sync
+        step = (time.perf_counter() - t0) / (decode_n - 4)
+        row["decode_tok_s"] = 1 / step
+        row["cpu_experts_ms_per_token"] = 1000 * sum(busy) / (decode_n - 4)
+        if model.scheduler is not None:
+            row["calls"] = dict(model.scheduler.calls)
+            model.scheduler.close()
+        rows[label] = row
+        r.say(f"{label:34} " + "  ".join(f"{k} {v:,.1f}" if isinstance(v, float) else f"{k} {v}"
+                                          for k, v in row.items()))
+        del model
+        if on_gpu:
+            torch.cuda.empty_cache()
+
+    measure("cpu-only", prefill=True, device="cpu")
+    for share in (0, 25, 50, 100):
+        placement = _share(path, n, share)
+        if share == 0:
+            measure("hybrid 0% GPU, CPU-expert prefill", prefill=True, device=device, placement=placement,
+                    hybrid=HybridOptions())
+        # Prefill here streams the CPU experts (at 100 % there are none left to stream).
+        measure(f"hybrid {share}% GPU", prefill=share in (0, 50, 100), device=device, placement=placement,
+                hybrid=HybridOptions(stream_min_tokens=stream_min))
+    measure("hybrid 100% GPU, int8", prefill=False, device=device, placement=_share(path, n, 100),
+            resident_form="int8")
+    return {"dims": dims, "prompt_tokens": prompt, "rows": rows, "targets": targets(r, rows),
+            "crossover": measured_crossover(r, rows, dims, prompt)}
+
+
+def measured_crossover(r: Report, rows: dict, dims: dict, prompt: int) -> dict:
+    """The prefill crossover from this machine's figures instead of the Plan's theoretical ones:
+    the CPU experts' achieved flop rate in the CPU-expert prefill, and the measured pinned
+    host-to-device rate (SIZING.md section 6: (bits/8) · F_cpu / (2 · B_pcie))."""
+    from backend.plan.estimate import prefill_stream_min_tokens
+
+    row = rows.get("hybrid 0% GPU, CPU-expert prefill") or rows.get("cpu-only") or {}
+    busy = row.get("prefill_cpu_experts_s")
+    bw = r.data["sections"].get("bandwidth", {}).get("h2d_pinned")
+    if not busy or not bw:
+        return {}
+    k = 8 if dims["experts"] >= 8 else 2
+    flop = 2 * 3 * dims["hidden"] * dims["inter"] * k * dims["layers"] * prompt
+    f_cpu = flop / busy
+    crossover = (16 / 8) * f_cpu / (2 * bw)
+    threshold = prefill_stream_min_tokens(crossover, dims["experts"], k)
+    r.say(f"measured: CPU experts {f_cpu / 1e12:.2f} TFLOP/s in prefill, H2D {bw / GB:.1f} GB/s -> crossover "
+          f"{crossover:.0f} tokens per expert, stream prompts from {threshold} tokens")
+    return {"cpu_expert_flops": f_cpu, "h2d_bytes_per_s": bw, "crossover_tokens_per_expert": crossover,
+            "stream_min_tokens": threshold}
+
+
+def _share(path: Path, n: int, percent: int) -> dict[int, list[int]]:
+    config = json.loads((path / "config.json").read_text())
+    count = round(n * percent / 100)
+    return {layer: list(range(count)) for layer in range(config["num_hidden_layers"])}
+
+
+def _time_cpu_experts(model) -> list[float]:
+    """Seconds spent in each CPU-half call (on whichever thread runs it)."""
+    busy: list[float] = []
+    for moe in moe_layers_of(model):
+        inner = moe.cpu_part
+
+        def timed(*args, _inner=inner):
+            t = time.perf_counter()
+            try:
+                return _inner(*args)
+            finally:
+                busy.append(time.perf_counter() - t)
+
+        moe.cpu_part = timed
+    return busy
+
+
+def sync() -> None:
+    if cuda():
+        torch.cuda.synchronize()
+
+
+def targets(r: Report, rows: dict) -> dict:
+    out = {}
+    cpu, h0 = rows.get("cpu-only"), rows.get("hybrid 0% GPU")
+    h100 = rows.get("hybrid 100% GPU")
+    if cpu and h0 and h100:
+        # CPU-only decode plus the saved attention time: the CPU experts' time per token plus
+        # the GPU's time for everything else (bounded above by the all-on-GPU step).
+        t_target = cpu["cpu_experts_ms_per_token"] / 1000 + 1 / h100["decode_tok_s"]
+        out["decode_0pct_vs_cpu_only"] = h0["decode_tok_s"] / cpu["decode_tok_s"]
+        out["decode_0pct_target_tok_s"] = 1 / t_target
+        out["decode_0pct_meets_target"] = h0["decode_tok_s"] >= 1 / t_target
+    shares = [rows.get(f"hybrid {share}% GPU") for share in (0, 25, 50, 100)]
+    if all(shares):
+        speeds = [s["decode_tok_s"] for s in shares]
+        out["decode_by_share"] = speeds
+        # 3 % slack: timing noise between neighbouring shares is not a fall.
+        out["decode_rises_with_share"] = all(b >= a * 0.97 for a, b in itertools.pairwise(speeds))
+    cpu_prefill = rows.get("hybrid 0% GPU, CPU-expert prefill", {}).get("prefill_tok_s")
+    streamed = (h0 or {}).get("prefill_tok_s")
+    if cpu_prefill and streamed:
+        out["prefill_streamed_over_cpu_experts"] = streamed / cpu_prefill
+        out["prefill_meets_3x"] = streamed >= 3 * cpu_prefill
+    for k, v in out.items():
+        r.say(f"target {k:36} {v if not isinstance(v, float) else f'{v:.2f}'}")
+    return out
+
+
+# ---- main -------------------------------------------------------------------------------
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--json", help="where to write the results (default $OUT/gpu_check.json or ./gpu_check.json)")
+    p.add_argument("--layers", type=int, default=8, help="layers of the mid-size model")
+    p.add_argument("--experts", type=int, default=64, help="routed experts per layer of the mid-size model")
+    p.add_argument("--prompt", type=int, default=4096, help="prompt tokens for the prefill figures")
+    p.add_argument("--budget", type=float, default=280, help="seconds for the whole run (sections skip when spent)")
+    p.add_argument("--cpu-speed", action="store_true", help="run a small speed section on a machine without CUDA")
+    args = p.parse_args(argv)
+    report = Report(time.monotonic() + args.budget)
+    work = Path(tempfile.mkdtemp(prefix="hybridmoe-gpu-check-"))
+    try:
+        report.run("environment", environment)
+        report.run("parity", parity, work)
+        report.run("bandwidth", bandwidth)
+        report.run("speed", speed, work, args)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    summary(report)
+    default_dir = os.environ.get("OUT") or "."
+    out = Path(args.json or Path(default_dir) / "gpu_check.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report.data, indent=1, default=str))
+    print(f"\nresults written to {out}")
+    statuses = [s["status"] for s in report.data["sections"].values()]
+    parity_failures = report.data["sections"].get("parity", {}).get("failures", 0)
+    return 1 if "failed" in statuses or parity_failures else 0
+
+
+def summary(r: Report) -> None:
+    r.say("\n== summary ==")
+    for name, s in r.data["sections"].items():
+        r.say(f"{name:12} {s['status']}" + (f": {s.get('reason') or s.get('error')}" if s["status"] != "ok" else ""))
+    rows = r.data["sections"].get("speed", {}).get("rows")
+    if rows:
+        r.say(f"\n{'configuration':36} {'decode tok/s':>12} {'prefill tok/s':>14} {'CPU experts ms/tok':>19}")
+        for label, row in rows.items():
+            pre = row.get("prefill_tok_s")
+            r.say(f"{label:36} {row['decode_tok_s']:12.1f} {'' if pre is None else f'{pre:14.1f}':>14} "
+                  f"{row['cpu_experts_ms_per_token']:19.2f}")
+        r.say("prefill: hybrid rows stream the CPU experts to the GPU, except 'CPU-expert prefill'; "
+              "CPU experts ms/tok: time in the CPU half per decoded token")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
