@@ -18,6 +18,8 @@ from torch import nn
 
 from backend.engine.kv_cache import KVCache, SlidingKVCache, causal_mask
 from backend.engine.layers import Linear, RMSNorm
+from backend.engine.native_attention import decode_attention
+from backend.engine.native_linear import NativeLinear
 from backend.engine.rope import Rotary
 
 # Upper bound on score elements materialised at once by eager_attention (per query chunk).
@@ -77,6 +79,10 @@ def attend(
     """Causal (optionally windowed) attention of the new queries over the returned keys."""
     n_q, n_keys = q.shape[2], k.shape[2]
     if key_positions is None and window is None and n_q == 1:
+        if sinks is None:
+            out = decode_attention(q, k, v, scale)
+            if out is not None:
+                return out
         mask, causal = None, False  # one query at the end sees every key
     elif key_positions is None and window is None and start_pos == 0:
         mask, causal = None, True  # square causal: let the kernel build it
@@ -88,9 +94,16 @@ def attend(
             q_pos = torch.arange(n_q, device=q.device)
             mask = causal_mask(q_pos, None, n_keys, None)
         return eager_attention(q, k, v, mask, scale, sinks)
-    return F.scaled_dot_product_attention(
+    dtype = q.dtype
+    if q.device.type == "cpu" and dtype != torch.float32:
+        # PyTorch's reduced-precision attention kernels on CPUs without bf16 arithmetic run
+        # about 8x slower than fp32 ones (2.7 ms against 0.34 ms for one decode query over
+        # 260 keys, 32 heads, measured): attend in fp32 and round the result once.
+        q, k, v = q.float(), k.float(), v.float()
+    out = F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=k.shape[1] != q.shape[1]
     )
+    return out.to(dtype)
 
 
 class Attention(nn.Module):
@@ -115,6 +128,8 @@ class Attention(nn.Module):
     ):
         super().__init__()
         self.q, self.k, self.v, self.o = q, k, v, o
+        # On a CPU main device the three projections run as one native call.
+        self.qkv = NativeLinear.fused(q, k, v) if all(isinstance(m, NativeLinear) for m in (q, k, v)) else None
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
         self.rotary = rotary
         self.cache = cache
@@ -127,7 +142,10 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, start_pos: int) -> torch.Tensor:
         n = x.shape[0]
-        q, k, v = self.q(x), self.k(x), self.v(x)
+        if self.qkv is not None:
+            q, k, v = self.qkv(x).split((self.q.out_features, self.k.out_features, self.v.out_features), dim=-1)
+        else:
+            q, k, v = self.q(x), self.k(x), self.v(x)
         if self.q_norm is not None and not self.norm_per_head:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.clip_qkv is not None:

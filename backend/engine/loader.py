@@ -2,7 +2,8 @@
 
 Everything here is read in full for every token (attention, norms, routers, shared
 experts, dense layers, embeddings, head), so it is materialised once on the main device in
-the compute dtype. Names are the checkpoint's HF names; shapes are checked against the
+the compute dtype; except that on a CPU main device the projections run through the native
+kernels (``native_linear``), which read the stored matrix in place. Names are the checkpoint's HF names; shapes are checked against the
 config so that a mismatched checkpoint fails at load with the tensor named.
 """
 
@@ -10,7 +11,10 @@ from __future__ import annotations
 
 import torch
 
+from torch import nn
+
 from backend.engine.layers import GatedMLP, Linear, RMSNorm
+from backend.engine.native_linear import native_linear
 from backend.engine.weights import WeightSource, dense, require
 
 
@@ -29,13 +33,22 @@ class Loader:
     def optional(self, name: str, shape: tuple[int, ...] | None = None, dtype: torch.dtype | None = None):
         return self.tensor(name, shape, dtype) if self.has(name) else None
 
-    def linear(self, prefix: str, out_features: int, in_features: int, *, bias: bool | None = None) -> Linear:
+    def linear(self, prefix: str, out_features: int, in_features: int, *, bias: bool | None = None) -> nn.Module:
         """`prefix`.weight [out, in] and, when `bias` is True (or None and present), `prefix`.bias."""
-        w = self.tensor(f"{prefix}.weight", (out_features, in_features))
         if bias is None:
             bias = self.has(f"{prefix}.bias")
         b = self.tensor(f"{prefix}.bias", (out_features,)) if bias else None
-        return Linear(w, b)
+        return self.projection(require(self.weights, f"{prefix}.weight", (out_features, in_features)), b)
+
+    def projection(self, stored, bias: torch.Tensor | None = None) -> nn.Module:
+        """y = x W^T (+ b) for a stored [out, in] matrix: natively on a CPU main device (in its
+        stored form, or dequantized once when the kernels do not read that form), else as a
+        tensor in the compute dtype on the main device."""
+        native = native_linear(stored, bias, self.device)
+        if native is not None:
+            return native
+        w = dense(stored, self.dtype, self.device)
+        return native_linear(w.contiguous(), bias, self.device) or Linear(w, bias)
 
     def norm(self, name: str, dim: int, eps: float, *, round_before_weight: bool = True) -> RMSNorm:
         return RMSNorm(self.tensor(name, (dim,)), eps, round_before_weight=round_before_weight)

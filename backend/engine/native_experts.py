@@ -99,19 +99,19 @@ def native_format(w: Any) -> str | None:
 def _row_major(t: torch.Tensor, inner_dims: int, what: str) -> None:
     """Raise unless the last `inner_dims` dims of `t` are one contiguous run per row."""
     if t.device.type != "cpu":
-        raise _Unsupported(f"{what} is not in host memory")
+        raise Unsupported(f"{what} is not in host memory")
     expect = 1
     for d in range(t.dim() - 1, t.dim() - 1 - inner_dims, -1):
         if t.shape[d] != 1 and t.stride(d) != expect:
-            raise _Unsupported(f"{what} rows are not contiguous")
+            raise Unsupported(f"{what} rows are not contiguous")
         expect *= t.shape[d]
 
 
-class _Unsupported(Exception):
-    pass
+class Unsupported(Exception):
+    """The native kernels cannot read this storage (the message says why)."""
 
 
-def _matrix(w: Any, fmt: str, rows: int, start: int = 0, step: int = 1) -> tuple[list[int], list[torch.Tensor]]:
+def matrix_ref(w: Any, fmt: str, rows: int, start: int = 0, step: int = 1) -> tuple[list[int], list[torch.Tensor]]:
     """(data address, scale address, row stride, scale row stride) of rows start, start+step, ...
     of the 2-D stored matrix `w`, and the tensors those addresses point into."""
     if isinstance(w, torch.Tensor):
@@ -123,7 +123,7 @@ def _matrix(w: Any, fmt: str, rows: int, start: int = 0, step: int = 1) -> tuple
     else:
         parts = [(w.parts["data"], 1)]
     if w.shape[0] < start + (rows - 1) * step + 1:
-        raise _Unsupported("matrix has fewer rows than the layer needs")
+        raise Unsupported("matrix has fewer rows than the layer needs")
     out = [0, 0, 0, 0]
     keep = []
     for i, (t, inner) in enumerate(parts):
@@ -147,14 +147,14 @@ class NativeExperts:
     def __init__(self, experts: HostExperts):
         store = experts.store
         if store.transposed:
-            raise _Unsupported("float GPT-OSS experts stored as x @ W are not read natively")
+            raise Unsupported("float GPT-OSS experts stored as x @ W are not read natively")
         H, I, E = store.hidden, store.intermediate, store.n_experts
         interleave = experts.act.interleaved
         act = experts.act.kind
         if act in ("silu", "swish"):
             act = "silu"
         elif act != "gpt_oss":
-            raise _Unsupported(f"activation {act!r}")
+            raise Unsupported(f"activation {act!r}")
         self.hidden, self.intermediate, self.n_experts = H, I, E
         refs = torch.zeros((E, 3, 4), dtype=torch.int64)
         biases = torch.zeros((E, 3), dtype=torch.int64)
@@ -167,22 +167,22 @@ class NativeExperts:
                 gu = parts["gate_up"]
                 fmt = native_format(gu)
                 g_at, u_at, step = ((0, 1, 2) if interleave else (0, I, 1))
-                gate = _matrix(gu, fmt, I, g_at, step) if fmt else None
-                up = _matrix(gu, fmt, I, u_at, step) if fmt else None
+                gate = matrix_ref(gu, fmt, I, g_at, step) if fmt else None
+                up = matrix_ref(gu, fmt, I, u_at, step) if fmt else None
                 gub = parts.get("gate_up_bias")
                 gb, ub = _bias(gub, g_at, step, I), _bias(gub, u_at, step, I)
             else:
                 fmt = native_format(parts["gate"])
                 if fmt != native_format(parts["up"]):
-                    raise _Unsupported("gate and up are stored in different formats")
-                gate = _matrix(parts["gate"], fmt, I) if fmt else None
-                up = _matrix(parts["up"], fmt, I) if fmt else None
+                    raise Unsupported("gate and up are stored in different formats")
+                gate = matrix_ref(parts["gate"], fmt, I) if fmt else None
+                up = matrix_ref(parts["up"], fmt, I) if fmt else None
                 gb, ub = _bias(parts.get("gate_bias"), 0, 1, I), _bias(parts.get("up_bias"), 0, 1, I)
             dfmt = native_format(parts["down"])
             if fmt is None or dfmt is None:
                 what = parts.get("gate_up", parts.get("gate")) if fmt is None else parts["down"]
-                raise _Unsupported(f"stored as {_describe(what)}")
-            down = _matrix(parts["down"], dfmt, H)
+                raise Unsupported(f"stored as {_describe(what)}")
+            down = matrix_ref(parts["down"], dfmt, H)
             db = _bias(parts.get("down_bias"), 0, 1, H)
             formats.add((fmt, dfmt))
             for j, (ref, kept) in enumerate((gate, up, down)):
@@ -194,13 +194,13 @@ class NativeExperts:
                     keep.append(b)
             cpu[e] = 1
         if len(formats) > 1:
-            raise _Unsupported(f"experts of one layer stored in several formats: {sorted(formats)}")
+            raise Unsupported(f"experts of one layer stored in several formats: {sorted(formats)}")
         self.format, self.down_format = formats.pop() if formats else ("f32", "f32")
         try:
             self.layer = _native.MoELayer(self.format, self.down_format, H, I, refs, cpu.numpy(), act,
                                           float(experts.act.alpha), float(experts.act.limit), biases)
         except ValueError as err:
-            raise _Unsupported(str(err)) from None
+            raise Unsupported(str(err)) from None
         self._keep = keep  # the layer reads these tensors' memory: keep them alive with it
 
     @property
@@ -240,9 +240,9 @@ def native_for(experts: HostExperts) -> NativeExperts | None:
     native = None
     try:
         if _native is None:
-            raise _Unsupported(isa())
+            raise Unsupported(isa())
         native = NativeExperts(experts)
-    except _Unsupported as err:
+    except Unsupported as err:
         _reasons[experts] = str(err)
     _built[experts] = native
     return native

@@ -3,6 +3,10 @@
 Every router returns ``(topk_ids [T, k] int64, topk_weights [T, k])``; the weights keep the
 dtype the reference keeps (float32 for DeepSeek/GLM/Mixtral, the model dtype for
 Qwen/OLMoE/GPT-OSS) because the expert outputs are multiplied by them before rounding.
+
+Router logits in the model dtype are computed in float32 and rounded once, which is what
+a reduced-precision matmul does too; on a CPU that avoids PyTorch's bf16 GEMV, which runs
+at a fraction of the fp32 one there (see ``native_linear``).
 """
 
 from __future__ import annotations
@@ -12,19 +16,24 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def _cpu_float(t: torch.Tensor) -> torch.Tensor:
+    """A router weight as the router computes with it: float32 on the CPU (small: experts x hidden)."""
+    return t.float() if t.device.type == "cpu" else t
+
+
 class SoftmaxTopK(nn.Module):
     """softmax over all experts, top k, optionally renormalised (Qwen2/3-MoE, OLMoE, Mixtral)."""
 
     def __init__(self, weight: torch.Tensor, k: int, *, normalize: bool, float32_weights: bool = False):
         super().__init__()
-        self.register_buffer("weight", weight, persistent=False)
+        self.register_buffer("weight", _cpu_float(weight), persistent=False)
         self.k = k
         self.normalize = normalize
         # Mixtral keeps its routing weights in float32; the others round to the logits' dtype.
         self.float32_weights = float32_weights
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = F.linear(x, self.weight)
+        logits = F.linear(x.to(self.weight.dtype), self.weight).to(x.dtype)
         probs = F.softmax(logits, dim=-1, dtype=torch.float32)
         weights, ids = torch.topk(probs, self.k, dim=-1)
         if self.normalize:
@@ -117,11 +126,11 @@ class TopKSoftmax(nn.Module):
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor, k: int):
         super().__init__()
-        self.register_buffer("weight", weight, persistent=False)
-        self.register_buffer("bias", bias, persistent=False)
+        self.register_buffer("weight", _cpu_float(weight), persistent=False)
+        self.register_buffer("bias", _cpu_float(bias), persistent=False)
         self.k = k
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = F.linear(x, self.weight, self.bias)
+        logits = F.linear(x.to(self.weight.dtype), self.weight, self.bias).to(x.dtype)
         top, ids = torch.topk(logits, self.k, dim=-1)
         return ids, F.softmax(top, dim=-1, dtype=top.dtype)

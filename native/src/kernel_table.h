@@ -34,6 +34,16 @@ using SiluMulFn = void (*)(const float* g, const float* u, float* h, int64_t n);
 // GPT-OSS: g = min(g, limit), u = clamp(u, -limit, limit), h = (u + 1) * g * sigmoid(alpha g)
 using GptOssGluFn = void (*)(const float* g, const float* u, float* h, int64_t n, float alpha, float limit);
 
+// Decode attention, one KV head over a run of positions (see attention_decode.cpp): for
+// query heads g < group (q[g * D], already scaled) and positions s < n (key row k + s * ldk,
+// value row v + s * ldv, D and Dv elements, bf16 when kv_bf16 else fp32):
+//   m[g] = max_s q_g . k_s,  l[g] = sum_s e^(q_g . k_s - m[g]),
+//   acc[g * Dv + j] = sum_s e^(q_g . k_s - m[g]) v_s[j]
+// scores holds group * n floats of scratch.
+using AttendRunFn = void (*)(const float* q, int group, int64_t D, int64_t Dv, const void* k, const void* v,
+                             bool kv_bf16, int64_t ldk, int64_t ldv, int64_t n, float* scores, float* m, float* l,
+                             float* acc);
+
 constexpr int kMaxGemvTokens = 4;
 
 struct KernelTable {
@@ -46,6 +56,7 @@ struct KernelTable {
     GemmPanelsFn gemm_panels;
     SiluMulFn silu_mul;
     GptOssGluFn gptoss_glu;
+    AttendRunFn attend_run;
 };
 
 const KernelTable* kernels_scalar();

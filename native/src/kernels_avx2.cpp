@@ -3,6 +3,8 @@
 // only after __builtin_cpu_supports said yes.
 #include <immintrin.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstring>
 
 #include "kernel_table.h"

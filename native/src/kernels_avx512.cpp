@@ -4,6 +4,8 @@
 // this translation unit only; dispatch.cpp requires all of them at run time.
 #include <immintrin.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstring>
 
 #include "kernel_table.h"

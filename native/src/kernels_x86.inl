@@ -790,6 +790,157 @@ static void gptoss_glu(const float* g, const float* u, float* h, int64_t n, floa
     }
 }
 
+// ---- decode attention -------------------------------------------------------------------
+
+template <bool BF16>
+static inline __m256 kv8(const void* base, int64_t i) {
+    if constexpr (BF16) {
+        const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(base) + i));
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    } else {
+        return _mm256_loadu_ps(static_cast<const float*>(base) + i);
+    }
+}
+
+template <bool BF16>
+static inline float kv1(const void* base, int64_t i) {
+    if constexpr (BF16) return bf16_to_f32(static_cast<const uint16_t*>(base)[i]);
+    else return static_cast<const float*>(base)[i];
+}
+
+// Two positions per step: 2 x G independent accumulator chains, enough to cover the FMA
+// latency (with one position the G chains waited on each other's latency, measured 2x slower).
+template <bool BF16, int G>
+static void attend_scores(const float* q, int64_t D, const void* k, int64_t ldk, int64_t n, float* sc, int64_t ld_sc) {
+    const int64_t D8 = D / 8 * 8;
+    int64_t s = 0;
+    for (; s + 2 <= n; s += 2) {
+        const int64_t r0 = s * ldk, r1 = r0 + ldk;
+        __m256 a[G], b[G];
+        for (int j = 0; j < G; ++j) a[j] = b[j] = _mm256_setzero_ps();
+        for (int64_t d = 0; d < D8; d += 8) {
+            const __m256 k0 = kv8<BF16>(k, r0 + d), k1 = kv8<BF16>(k, r1 + d);
+            for (int j = 0; j < G; ++j) {
+                const __m256 qv = _mm256_loadu_ps(q + j * D + d);
+                a[j] = _mm256_fmadd_ps(qv, k0, a[j]);
+                b[j] = _mm256_fmadd_ps(qv, k1, b[j]);
+            }
+        }
+        for (int j = 0; j < G; ++j) {
+            float d0 = hsum_ps(a[j]), d1 = hsum_ps(b[j]);
+            for (int64_t d = D8; d < D; ++d) {
+                d0 += q[j * D + d] * kv1<BF16>(k, r0 + d);
+                d1 += q[j * D + d] * kv1<BF16>(k, r1 + d);
+            }
+            sc[j * ld_sc + s] = d0;
+            sc[j * ld_sc + s + 1] = d1;
+        }
+    }
+    for (; s < n; ++s) {
+        const int64_t row = s * ldk;
+        __m256 a[G];
+        for (int j = 0; j < G; ++j) a[j] = _mm256_setzero_ps();
+        for (int64_t d = 0; d < D8; d += 8) {
+            const __m256 kv = kv8<BF16>(k, row + d);
+            for (int j = 0; j < G; ++j) a[j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + j * D + d), kv, a[j]);
+        }
+        for (int j = 0; j < G; ++j) {
+            float dot = hsum_ps(a[j]);
+            for (int64_t d = D8; d < D; ++d) dot += q[j * D + d] * kv1<BF16>(k, row + d);
+            sc[j * ld_sc + s] = dot;
+        }
+    }
+}
+
+// P V for G <= 2 heads: 32 value columns (one cache line of a bf16 row) x G heads of
+// accumulators while the positions stream past, so every row segment read is a whole line.
+template <bool BF16, int G>
+static void attend_values(const float* p, int64_t ld_p, int64_t Dv, const void* v, int64_t ldv, int64_t n, float* acc) {
+    int64_t j0 = 0;
+    for (; j0 + 32 <= Dv; j0 += 32) {
+        __m256 a[G][4];
+        for (int j = 0; j < G; ++j)
+            for (int c = 0; c < 4; ++c) a[j][c] = _mm256_setzero_ps();
+        for (int64_t s = 0; s < n; ++s) {
+            const int64_t row = s * ldv + j0;
+            const __m256 v0 = kv8<BF16>(v, row), v1 = kv8<BF16>(v, row + 8), v2 = kv8<BF16>(v, row + 16),
+                         v3 = kv8<BF16>(v, row + 24);
+            for (int j = 0; j < G; ++j) {
+                const __m256 w = _mm256_broadcast_ss(p + j * ld_p + s);
+                a[j][0] = _mm256_fmadd_ps(w, v0, a[j][0]);
+                a[j][1] = _mm256_fmadd_ps(w, v1, a[j][1]);
+                a[j][2] = _mm256_fmadd_ps(w, v2, a[j][2]);
+                a[j][3] = _mm256_fmadd_ps(w, v3, a[j][3]);
+            }
+        }
+        for (int j = 0; j < G; ++j)
+            for (int c = 0; c < 4; ++c) _mm256_storeu_ps(acc + j * Dv + j0 + 8 * c, a[j][c]);
+    }
+    for (; j0 + 8 <= Dv; j0 += 8) {
+        __m256 a[G];
+        for (int j = 0; j < G; ++j) a[j] = _mm256_setzero_ps();
+        for (int64_t s = 0; s < n; ++s) {
+            const __m256 vv = kv8<BF16>(v, s * ldv + j0);
+            for (int j = 0; j < G; ++j) a[j] = _mm256_fmadd_ps(_mm256_broadcast_ss(p + j * ld_p + s), vv, a[j]);
+        }
+        for (int j = 0; j < G; ++j) _mm256_storeu_ps(acc + j * Dv + j0, a[j]);
+    }
+    for (; j0 < Dv; ++j0)
+        for (int j = 0; j < G; ++j) {
+            float t = 0.f;
+            for (int64_t s = 0; s < n; ++s) t += p[j * ld_p + s] * kv1<BF16>(v, s * ldv + j0);
+            acc[j * Dv + j0] = t;
+        }
+}
+
+template <bool BF16>
+static void attend_run_t(const float* q, int group, int64_t D, int64_t Dv, const void* k, const void* v, int64_t ldk,
+                         int64_t ldv, int64_t n, float* scores, float* m, float* l, float* acc) {
+    for (int g0 = 0; g0 < group; g0 += 4) {
+        const float* qb = q + int64_t(g0) * D;
+        float* sb = scores + int64_t(g0) * n;
+        switch (std::min(4, group - g0)) {
+            case 4: attend_scores<BF16, 4>(qb, D, k, ldk, n, sb, n); break;
+            case 3: attend_scores<BF16, 3>(qb, D, k, ldk, n, sb, n); break;
+            case 2: attend_scores<BF16, 2>(qb, D, k, ldk, n, sb, n); break;
+            default: attend_scores<BF16, 1>(qb, D, k, ldk, n, sb, n); break;
+        }
+    }
+    for (int g = 0; g < group; ++g) {
+        float* sc = scores + int64_t(g) * n;
+        float mx = -INFINITY;
+        for (int64_t s = 0; s < n; ++s) mx = std::max(mx, sc[s]);
+        const __m256 vmx = _mm256_set1_ps(mx);
+        __m256 vsum = _mm256_setzero_ps();
+        int64_t s = 0;
+        for (; s + 8 <= n; s += 8) {
+            const __m256 e = exp_ps(_mm256_sub_ps(_mm256_loadu_ps(sc + s), vmx));
+            _mm256_storeu_ps(sc + s, e);
+            vsum = _mm256_add_ps(vsum, e);
+        }
+        float sum = hsum_ps(vsum);
+        for (; s < n; ++s) sum += (sc[s] = exp_scalar(sc[s] - mx));
+        m[g] = mx;
+        l[g] = sum;
+    }
+    for (int g0 = 0; g0 < group; g0 += 2) {
+        const float* pb = scores + int64_t(g0) * n;
+        float* ab = acc + int64_t(g0) * Dv;
+        if (group - g0 >= 2)
+            attend_values<BF16, 2>(pb, n, Dv, v, ldv, n, ab);
+        else
+            attend_values<BF16, 1>(pb, n, Dv, v, ldv, n, ab);
+    }
+}
+
+static void attend_run(const float* q, int group, int64_t D, int64_t Dv, const void* k, const void* v, bool kv_bf16,
+                       int64_t ldk, int64_t ldv, int64_t n, float* scores, float* m, float* l, float* acc) {
+    if (kv_bf16)
+        attend_run_t<true>(q, group, D, Dv, k, v, ldk, ldv, n, scores, m, l, acc);
+    else
+        attend_run_t<false>(q, group, D, Dv, k, v, ldk, ldv, n, scores, m, l, acc);
+}
+
 static const KernelTable* make_table(const char* name) {
     static const KernelTable table = {
         name,
@@ -803,6 +954,7 @@ static const KernelTable* make_table(const char* name) {
         gemm_panels,
         silu_mul,
         gptoss_glu,
+        attend_run,
     };
     return &table;
 }

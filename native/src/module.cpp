@@ -20,6 +20,8 @@
 #include <string>
 #include <vector>
 
+#include "attention_decode.h"
+#include "dense_linear.h"
 #include "dispatch.h"
 #include "moe_layer.h"
 #include "thread_pool.h"
@@ -145,6 +147,80 @@ void layer_forward(const MoELayer& layer, nb::ndarray<nb::ndim<2>, nb::c_contig,
     layer.forward(exec, kt, xp, bf16, T, idp, wp, k, op, Regime(regime), threshold);
 }
 
+// parts: [(rows, (data address, scale address, row stride, scale row stride))], each a
+// [rows, cols] matrix; the outputs side by side.
+DenseLinear make_dense(const std::string& format, int64_t cols,
+                       const std::vector<std::pair<int64_t, std::vector<int64_t>>>& parts) {
+    const Format fmt = parse_format(format);
+    const FormatInfo& f = kFormats[fmt];
+    if (cols <= 0 || parts.empty()) throw nb::value_error("a projection needs columns and at least one matrix");
+    if (cols % f.block || (!f.float_acts && cols % 32))
+        throw nb::value_error((std::string(f.name) + " rows must be a multiple of " + std::to_string(std::max(f.block, 32)) +
+                               " long").c_str());
+    std::vector<DensePart> out;
+    for (const auto& [rows, ref] : parts) {
+        if (rows <= 0) throw nb::value_error("a matrix needs rows");
+        if (ref.size() != 4) throw nb::value_error("ref must be (data, scales, row stride, scale row stride)");
+        if (!ref[0] || (f.scale_bytes && !ref[1])) throw nb::value_error("missing weight address");
+        out.push_back(DensePart{MatrixRef{reinterpret_cast<const uint8_t*>(ref[0]), reinterpret_cast<const uint8_t*>(ref[1]),
+                                          ref[2], ref[3]},
+                                rows});
+    }
+    return DenseLinear(fmt, cols, std::move(out));
+}
+
+void dense_forward(const DenseLinear& lin, nb::ndarray<nb::ndim<2>, nb::c_contig, nb::device::cpu> x,
+                   nb::ndarray<float, nb::ndim<2>, nb::c_contig, nb::device::cpu> out, int prefill_min_tokens) {
+    const int64_t T = int64_t(x.shape(0));
+    const bool bf16 = is_bf16(x.dtype());
+    if (!bf16 && x.dtype() != nb::dtype<float>()) throw nb::type_error("x must be float32 or bfloat16");
+    if (int64_t(x.shape(1)) != lin.cols()) throw nb::value_error("x has the wrong number of columns");
+    if (int64_t(out.shape(0)) != T || int64_t(out.shape(1)) != lin.rows())
+        throw nb::value_error("out must be float32 [T, rows]");
+    const KernelTable& kt = *current_table();
+    const int threshold = prefill_min_tokens > 0 ? prefill_min_tokens : dense_prefill_min_tokens(kt);
+    Executor& exec = executor();
+    const void* xp = x.data();
+    float* op = out.data();
+    nb::gil_scoped_release release;
+    lin.forward(exec, kt, xp, bf16, T, op, threshold);
+}
+
+// q [Hq, D] fp32; k, v [Hkv, >= S, D] views of the cache (bf16 or fp32, rows contiguous);
+// out [Hq, Dv] fp32.
+void attend_decode_py(nb::ndarray<const float, nb::ndim<2>, nb::c_contig, nb::device::cpu> q,
+                      nb::ndarray<nb::ndim<3>, nb::device::cpu> k, nb::ndarray<nb::ndim<3>, nb::device::cpu> v,
+                      int64_t length, float scale, nb::ndarray<float, nb::ndim<2>, nb::c_contig, nb::device::cpu> out) {
+    const bool bf16 = is_bf16(k.dtype());
+    if (!bf16 && k.dtype() != nb::dtype<float>()) throw nb::type_error("the cache must be float32 or bfloat16");
+    if (k.dtype() != v.dtype()) throw nb::type_error("keys and values must have one dtype");
+    DecodeAttention a;
+    a.Hq = int64_t(q.shape(0));
+    a.D = int64_t(q.shape(1));
+    a.Hkv = int64_t(k.shape(0));
+    a.Dv = int64_t(v.shape(2));
+    a.S = length;
+    if (a.Hkv <= 0 || a.Hq % a.Hkv || int64_t(v.shape(0)) != a.Hkv) throw nb::value_error("query heads must be a multiple of KV heads");
+    if (int64_t(k.shape(2)) != a.D) throw nb::value_error("keys and queries differ in head size");
+    if (length <= 0 || length > int64_t(k.shape(1)) || length > int64_t(v.shape(1))) throw nb::value_error("length out of range");
+    if (k.stride(2) != 1 || v.stride(2) != 1) throw nb::value_error("cache rows must be contiguous");
+    if (int64_t(out.shape(0)) != a.Hq || int64_t(out.shape(1)) != a.Dv) throw nb::value_error("out must be float32 [Hq, Dv]");
+    a.q = q.data();
+    a.k = k.data();
+    a.v = v.data();
+    a.kv_bf16 = bf16;
+    a.k_head = k.stride(0);
+    a.k_pos = k.stride(1);
+    a.v_head = v.stride(0);
+    a.v_pos = v.stride(1);
+    a.scale = scale;
+    a.out = out.data();
+    const KernelTable& kt = *current_table();
+    Executor& exec = executor();
+    nb::gil_scoped_release release;
+    attend_decode(exec, kt, a);
+}
+
 // A native probe of host read bandwidth with the kernels' own threads: each thread sums
 // its slice of a buffer far larger than the caches. Best of `passes`, bytes per second.
 struct ProbeCtx {
@@ -229,6 +305,7 @@ NB_MODULE(_native, m) {
             d["threads"] = ex.threads();
             d["numa_nodes"] = ex.nodes();
             d["prefill_min_tokens"] = default_prefill_min_tokens(*current_table());
+            d["dense_prefill_min_tokens"] = dense_prefill_min_tokens(*current_table());
             return d;
         },
         "The kernel set, why a better one was refused, the CPU's variants, threads and NUMA nodes.");
@@ -272,6 +349,23 @@ NB_MODULE(_native, m) {
         "n", "Tests: regroup the cores into n NUMA nodes (0: the real topology) from the next call.");
     m.def("measure_read_bandwidth", &measure_read_bandwidth, "nbytes"_a, "passes"_a = 3,
           "Host read bandwidth (bytes/s) with the kernels' threads, best of `passes`.");
+
+    m.def("attend_decode", &attend_decode_py, "q"_a, "k"_a, "v"_a, "length"_a, "scale"_a, "out"_a,
+          "out[Hq, Dv] = softmax(scale q k^T) v over the first `length` cache positions (one query per head).");
+
+    nb::class_<DenseLinear>(m, "DenseLinear")
+        .def("__init__",
+             [](DenseLinear* self, const std::string& format, int64_t cols,
+                const std::vector<std::pair<int64_t, std::vector<int64_t>>>& parts) {
+                 new (self) DenseLinear(make_dense(format, cols, parts));
+             },
+             "format"_a, "cols"_a, "parts"_a)
+        .def("forward", &dense_forward, "x"_a, "out"_a, "prefill_min_tokens"_a = 0,
+             "out[T, rows] = x[T, cols] W^T in float32 (GIL released).")
+        .def_prop_ro("format", [](const DenseLinear& l) { return std::string(kFormats[l.format()].name); })
+        .def_prop_ro("rows", &DenseLinear::rows)
+        .def_prop_ro("cols", &DenseLinear::cols)
+        .def_prop_ro("bytes", &DenseLinear::bytes, "Stored bytes of the matrix (what one token reads).");
 
     nb::class_<MoELayer>(m, "MoELayer")
         .def("__init__",

@@ -139,6 +139,9 @@ int Executor::threads() const {
 }
 
 void Executor::run(PhaseFn fn, void* ctx) {
+    // Callers on different Python threads (the MoE layers, the dense projections) take turns:
+    // a pool runs one phase at a time.
+    std::lock_guard<std::mutex> lock(run_mutex_);
     for (auto& p : pools_) p->start(fn, ctx);
     fn(ctx, 0, 0);  // the caller is worker 0 of node 0
     for (auto& p : pools_) p->wait();

@@ -79,6 +79,7 @@ public:
 private:
     std::vector<std::unique_ptr<NodePool>> pools_;
     std::vector<int> node_ids_;
+    std::mutex run_mutex_;
 };
 
 }  // namespace hmoe

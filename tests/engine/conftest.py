@@ -97,20 +97,6 @@ def make_checkpoint(family: str, out: Path, dtype: torch.dtype = torch.float32, 
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _reference_cpu_experts():
-    """The model code is checked against transformers through the PyTorch reference for the
-    CPU experts; the native kernels are checked against that reference in tests/native (and
-    end to end in test_placement.py, which turns them back on)."""
-    saved = os.environ.get("HYBRIDMOE_NATIVE")
-    os.environ["HYBRIDMOE_NATIVE"] = "0"
-    yield
-    if saved is None:
-        os.environ.pop("HYBRIDMOE_NATIVE", None)
-    else:
-        os.environ["HYBRIDMOE_NATIVE"] = saved
-
-
-@pytest.fixture(scope="session", autouse=True)
 def _one_thread():
     """These models are tiny: a thread pool only adds synchronisation (and on a busy machine
     its spinning threads slow the suite several times over)."""

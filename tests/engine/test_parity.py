@@ -53,22 +53,38 @@ def test_mla_absorbed_and_expanded_forms_agree(family, checkpoints):
 
 
 @pytest.mark.parametrize("family", FAMILY_NAMES)
-def test_bf16_greedy_matches_transformers_generate(family, checkpoints, references):
-    """32 greedy tokens from a bf16 checkpoint are the tokens transformers generates.
+def test_bf16_decode_is_as_accurate_as_transformers(family, checkpoints, references):
+    """Decoding a bf16 checkpoint step by step is at least as close to the fp32 truth as
+    transformers' own bf16 generate(), and never picks another token where the truth is sure.
 
-    MLA is held to its expanded form here: the absorbed form is the same function but rounds
-    differently in bf16, and a random tiny model has near-ties that any rounding change
-    flips; the next test bounds that difference instead.
+    Not bit-equality with transformers' bf16 tokens: on a CPU the engine attends in fp32
+    (PyTorch's bf16 attention kernels are ~8x slower there) and its projections accumulate
+    in fp32 in the native kernels, so it rounds differently, and a random tiny model has
+    near-ties that any rounding change flips. Measured here: the engine's error is within a
+    few percent of transformers' for six families and several times smaller for Mixtral
+    and GLM-4.5, where transformers' bf16 attention even picks a token the truth rejects.
+    Teacher-forced on transformers' greedy continuation, so all three see the same inputs.
     """
     path = checkpoints(family, torch.bfloat16)
     prompt = tokens(12, seed=5)
     ref = references(path, torch.bfloat16)
     with torch.no_grad():
-        expected = ref.generate(prompt, max_new_tokens=32, min_new_tokens=32, do_sample=False, pad_token_id=0)
+        out = ref.generate(prompt, max_new_tokens=32, min_new_tokens=32, do_sample=False, pad_token_id=0,
+                           output_logits=True, return_dict_in_generate=True)
+        seq = out.sequences
+        truth = references(path, torch.float32)(seq).logits[0, 11:-1].float()
+    theirs = torch.stack(out.logits)[:, 0].float()
     model = engine(path)
     assert model.dtype == torch.bfloat16
     model.set_mla_absorb(False)
-    assert greedy(model, prompt, 32) == expected[0, 12:].tolist()
+    steps = [model(prompt, 0, last_only=True)[0, -1]]
+    for i in range(12, 12 + 31):
+        steps.append(model(seq[:, i : i + 1], i)[0, -1])
+    ours = torch.stack(steps).float()
+    assert relative_error(ours, truth) <= 1.1 * relative_error(theirs, truth) + 0.01
+    top2 = truth.topk(2).values
+    sure = (top2[:, 0] - top2[:, 1]) > 0.1
+    assert torch.equal(ours.argmax(-1)[sure], truth.argmax(-1)[sure])
 
 
 @pytest.mark.parametrize("family", MLA_FAMILIES)

@@ -1,0 +1,29 @@
+"""Decode attention on the CPU through the native kernels (``native/src/attention_decode.cpp``).
+
+One new token per call attends over the whole cache: PyTorch's attention kernels are built
+for many queries and, over a bf16 cache on a CPU without bf16 arithmetic, spent more time
+per layer than the layer's projections (2.7 ms for 32 heads over 260 positions, measured).
+The kernel reads the cache in place (bf16 or fp32), each key and value row once per group
+of query heads sharing it, in float32.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from backend.engine import native_experts
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor | None:
+    """softmax(scale q k^T) v for one query per head, or None when the kernels cannot run it.
+
+    q [1, Hq, 1, D]; k, v [1, Hkv, S, D] (views of the cache: rows contiguous). Returns
+    [1, Hq, 1, Dv] in q's dtype."""
+    if not native_experts.enabled() or q.device.type != "cpu" or k.dtype != v.dtype:
+        return None
+    if k.dtype not in (torch.bfloat16, torch.float32) or k.stride(-1) != 1 or v.stride(-1) != 1:
+        return None
+    heads, dim = q.shape[1], q.shape[3]
+    out = torch.empty((heads, v.shape[3]), dtype=torch.float32)
+    native_experts._native.attend_decode(q.reshape(heads, dim).float().contiguous(), k[0], v[0], k.shape[2], scale, out)
+    return out.to(q.dtype).view(1, heads, 1, -1)

@@ -1,0 +1,91 @@
+#include "attention_decode.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <mutex>
+#include <vector>
+
+#include "thread_pool.h"
+
+namespace hmoe {
+namespace {
+
+// Positions per work unit: enough to amortise a unit, few enough that a short context
+// still splits into a unit per thread and a run's scores and key rows stay in L2.
+constexpr int64_t kRun = 256;
+
+struct Call {
+    const KernelTable* kt;
+    const DecodeAttention* a;
+    int group;
+    int64_t runs;   // per KV head
+    int64_t units;  // Hkv * runs
+    std::vector<float> q;  // scaled queries
+    std::vector<float> m, l, acc;  // per unit: [group], [group], [group * Dv]
+    std::atomic<int64_t> next{0};
+};
+
+thread_local std::vector<float> tls_scores;
+
+void phase_runs(void* ctx, int, int) {
+    Call& c = *static_cast<Call*>(ctx);
+    const DecodeAttention& a = *c.a;
+    const size_t esz = a.kv_bf16 ? 2 : 4;
+    for (;;) {
+        const int64_t u = c.next.fetch_add(1, std::memory_order_relaxed);
+        if (u >= c.units) return;
+        const int64_t h = u / c.runs, s0 = (u % c.runs) * kRun;
+        const int64_t n = std::min(kRun, a.S - s0);
+        if (tls_scores.size() < size_t(c.group * n)) tls_scores.resize(size_t(c.group * n));
+        const auto* kb = static_cast<const uint8_t*>(a.k) + size_t(h * a.k_head + s0 * a.k_pos) * esz;
+        const auto* vb = static_cast<const uint8_t*>(a.v) + size_t(h * a.v_head + s0 * a.v_pos) * esz;
+        c.kt->attend_run(c.q.data() + h * c.group * a.D, c.group, a.D, a.Dv, kb, vb, a.kv_bf16, a.k_pos, a.v_pos, n,
+                         tls_scores.data(), c.m.data() + u * c.group, c.l.data() + u * c.group,
+                         c.acc.data() + u * c.group * a.Dv);
+    }
+}
+
+std::mutex g_mutex;  // the scratch of one call
+
+}  // namespace
+
+void attend_decode(Executor& exec, const KernelTable& kt, const DecodeAttention& a) {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    Call c;
+    c.kt = &kt;
+    c.a = &a;
+    c.group = int(a.Hq / a.Hkv);
+    c.runs = (a.S + kRun - 1) / kRun;
+    c.units = a.Hkv * c.runs;
+    c.q.resize(size_t(a.Hq * a.D));
+    for (int64_t i = 0; i < a.Hq * a.D; ++i) c.q[size_t(i)] = a.q[i] * a.scale;
+    c.m.resize(size_t(c.units * c.group));
+    c.l.resize(size_t(c.units * c.group));
+    c.acc.resize(size_t(c.units * c.group * a.Dv));
+    if (c.units == 1) {
+        phase_runs(&c, 0, 0);  // one unit: not worth waking the pool
+    } else {
+        exec.run(phase_runs, &c);
+    }
+    // Merge the runs of each query head: rescale each by e^(m_run - max).
+    for (int64_t h = 0; h < a.Hkv; ++h)
+        for (int g = 0; g < c.group; ++g) {
+            float mx = -INFINITY;
+            for (int64_t r = 0; r < c.runs; ++r) mx = std::max(mx, c.m[size_t((h * c.runs + r) * c.group + g)]);
+            float* o = a.out + (h * c.group + g) * a.Dv;
+            std::fill(o, o + a.Dv, 0.f);
+            float denom = 0.f;
+            for (int64_t r = 0; r < c.runs; ++r) {
+                const int64_t u = h * c.runs + r;
+                const float w = std::exp(c.m[size_t(u * c.group + g)] - mx);
+                denom += w * c.l[size_t(u * c.group + g)];
+                const float* acc = c.acc.data() + (u * c.group + g) * a.Dv;
+                for (int64_t j = 0; j < a.Dv; ++j) o[j] += w * acc[j];
+            }
+            const float inv = 1.f / denom;
+            for (int64_t j = 0; j < a.Dv; ++j) o[j] *= inv;
+        }
+}
+
+}  // namespace hmoe

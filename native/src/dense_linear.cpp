@@ -1,0 +1,243 @@
+#include "dense_linear.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <mutex>
+#include <vector>
+
+#include "thread_pool.h"
+
+namespace hmoe {
+
+// The GEMV/GEMM switch point for a whole matrix: the GEMV path costs a pass of integer dot
+// products over the weights per four tokens, the GEMM path one dequantization plus the fp32
+// GEMM. CPU time of one thread for a 4096 x 2048 matrix, ms (AMD EPYC Zen 3, AVX2):
+//
+//   T            8      16     24     32     48     64
+//   q4_0  gemv  2.61   4.96   7.70  10.36  16.04  20.86
+//         gemm  5.24   7.28   9.08  11.63  15.07  14.61
+//   q8_0  gemv  2.59   4.99   7.90  11.08  14.82  21.39
+//         gemm  4.63   5.75   7.29  10.12  11.97  19.97
+//   q4_k  gemv  3.21   6.20   9.18  11.83  15.21  20.78
+//         gemm  5.50   7.57   9.26  11.44  13.87  19.49
+//   q6_k  gemv  4.24   8.17  10.63  16.88  25.25  29.09
+//         gemm  5.59   6.07   7.99  11.88  14.81  17.69
+//   bf16  gemv  4.16   6.83  11.08  14.58  17.79  21.79
+//         gemm  5.30   8.33   9.98  11.13  15.92  18.86
+//
+// The paths meet at about 24 tokens (16 for q6_k, whose GEMV unpacks the most bits per
+// weight). AVX-512 widens the GEMM more than VNNI speeds the GEMV, so it switches earlier
+// there (an estimate: no AVX-512 machine was at hand). The portable kernels dequantize a
+// block per token group in the GEMV, so their GEMM is cheaper from the first token.
+int dense_prefill_min_tokens(const KernelTable& kt) {
+    if (std::strcmp(kt.name, "scalar") == 0) return 1;
+    if (std::strncmp(kt.name, "avx512", 6) == 0) return 16;
+    return 24;
+}
+
+namespace {
+
+constexpr int kMaxKc = 4096;  // columns dequantized at a time (as in moe_layer.cpp)
+
+struct Workspace {
+    std::vector<float> xf;     // x as fp32 when it came as bf16
+    std::vector<int8_t> xq;    // Q8 of x
+    std::vector<float> xd, xs;
+};
+std::mutex g_mutex;  // one call at a time uses the workspace
+Workspace g_ws;
+
+struct Scratch {
+    std::vector<float> w, tmp, c, y;
+    std::vector<const float*> a;
+};
+thread_local Scratch tls;
+
+template <class V>
+typename V::value_type* grow(V& v, size_t n) {
+    if (v.size() < n) v.resize(n);
+    return v.data();
+}
+
+// A run of rows of one part; its output columns start at `col`.
+struct Unit {
+    const MatrixRef* w;
+    int64_t r0, col;
+    int rows;
+};
+
+struct Call {
+    const KernelTable* kt;
+    Format fmt;
+    const FormatInfo* fi;
+    std::vector<Unit> work;
+    int64_t N, K, T;
+    const void* x;
+    bool x_bf16;
+    bool quantize;  // the GEMV path of a quantized format reads Q8 activations
+    const float* x32;
+    float* out;
+    int unit_rows;  // the most rows of a unit
+    std::atomic<int64_t> next{0};
+
+    Q8Row q8(int64_t t) const {
+        return {g_ws.xq.data() + t * K, g_ws.xd.data() + t * (K / 32), g_ws.xs.data() + t * (K / 32)};
+    }
+};
+
+void prepare_token(const Call& c, int64_t t) {
+    if (c.x_bf16) {
+        const uint16_t* src = static_cast<const uint16_t*>(c.x) + t * c.K;
+        float* dst = g_ws.xf.data() + t * c.K;
+        for (int64_t i = 0; i < c.K; ++i) dst[i] = bf16_to_f32(src[i]);
+    }
+    if (c.quantize) {
+        const Q8Row q = c.q8(t);
+        c.kt->quantize(c.x32 + t * c.K, c.K, c.fi->deinterleave, const_cast<int8_t*>(q.q), const_cast<float*>(q.d),
+                       const_cast<float*>(q.s));
+    }
+}
+
+void phase_prepare(void* ctx, int, int) {
+    Call& c = *static_cast<Call*>(ctx);
+    for (;;) {
+        const int64_t t = c.next.fetch_add(1, std::memory_order_relaxed);
+        if (t >= c.T) return;
+        prepare_token(c, t);
+    }
+}
+
+// GEMV: each unit is a run of rows, computed for every token in groups of four while the
+// rows stay in the core's L2.
+void phase_gemv(void* ctx, int, int) {
+    Call& c = *static_cast<Call*>(ctx);
+    for (;;) {
+        const int64_t u = c.next.fetch_add(1, std::memory_order_relaxed);
+        if (u >= int64_t(c.work.size())) return;
+        const Unit& w = c.work[size_t(u)];
+        for (int64_t t0 = 0; t0 < c.T; t0 += kMaxGemvTokens) {
+            const int nt = int(std::min<int64_t>(kMaxGemvTokens, c.T - t0));
+            float* y = c.out + t0 * c.N + w.col;
+            if (c.fi->float_acts) {
+                const float* xs[kMaxGemvTokens];
+                for (int t = 0; t < nt; ++t) xs[t] = c.x32 + (t0 + t) * c.K;
+                c.kt->gemv_f32[c.fmt](*w.w, w.r0, w.rows, c.K, xs, nt, y, c.N);
+            } else {
+                Q8Row acts[kMaxGemvTokens];
+                for (int t = 0; t < nt; ++t) acts[t] = c.q8(t0 + t);
+                c.kt->gemv_q8[c.fmt](*w.w, w.r0, w.rows, c.K, acts, nt, y, c.N);
+            }
+        }
+    }
+}
+
+// GEMM: each unit is a few panels of rows, dequantized to fp32 over K (in chunks of up to
+// kMaxKc columns) and multiplied with every token; results go through a small buffer so
+// that a partial last panel never writes past its rows.
+void phase_gemm(void* ctx, int, int) {
+    Call& c = *static_cast<Call*>(ctx);
+    const int P = c.kt->panel;
+    const int kc_max = int(std::min<int64_t>(c.K, kMaxKc));
+    const int np_max = c.unit_rows / P;
+    float* W = grow(tls.w, size_t(np_max) * kc_max * P);
+    float* tmp = grow(tls.tmp, size_t(P) * (kc_max + 16));
+    const int64_t ldc = int64_t(np_max) * P;
+    float* C = grow(tls.c, size_t(c.T) * ldc);
+    const float** a = grow(tls.a, size_t(c.T));
+    for (;;) {
+        const int64_t u = c.next.fetch_add(1, std::memory_order_relaxed);
+        if (u >= int64_t(c.work.size())) return;
+        const Unit& w = c.work[size_t(u)];
+        const int rc = w.rows;
+        const int np = (rc + P - 1) / P;
+        std::fill(C, C + size_t(c.T) * ldc, 0.f);
+        for (int64_t k0 = 0; k0 < c.K; k0 += kc_max) {
+            const int kc = int(std::min<int64_t>(kc_max, c.K - k0));
+            for (int p = 0; p < np; ++p)
+                c.kt->dequant_panel(c.fmt, *w.w, w.r0 + int64_t(p) * P, std::min(P, rc - p * P), k0, kc,
+                                    W + int64_t(p) * kc * P, tmp);
+            for (int64_t t = 0; t < c.T; ++t) a[t] = c.x32 + t * c.K + k0;
+            c.kt->gemm_panels(a, int(c.T), W, np, kc, C, ldc);
+        }
+        for (int64_t t = 0; t < c.T; ++t) std::memcpy(c.out + t * c.N + w.col, C + t * ldc, size_t(rc) * 4);
+    }
+}
+
+}  // namespace
+
+DenseLinear::DenseLinear(Format fmt, int64_t cols, std::vector<DensePart> parts)
+    : fmt_(fmt), rows_(0), cols_(cols), parts_(std::move(parts)) {
+    for (const DensePart& p : parts_) rows_ += p.rows;
+}
+
+namespace {
+// Each part's rows in runs of `unit_rows` (a part's last run may be shorter).
+void split(Call& c, const std::vector<DensePart>& parts, int unit_rows) {
+    c.unit_rows = unit_rows;
+    c.work.clear();
+    int64_t col = 0;
+    for (const DensePart& p : parts) {
+        for (int64_t r0 = 0; r0 < p.rows; r0 += unit_rows)
+            c.work.push_back(Unit{&p.w, r0, col + r0, int(std::min<int64_t>(unit_rows, p.rows - r0))});
+        col += p.rows;
+    }
+}
+}  // namespace
+
+int64_t DenseLinear::bytes() const {
+    const FormatInfo& f = kFormats[fmt_];
+    return rows_ * (cols_ / f.block) * (f.block_bytes + f.scale_bytes);
+}
+
+void DenseLinear::forward(Executor& exec, const KernelTable& kt, const void* x, bool x_bf16, int64_t T, float* out,
+                          int prefill_min_tokens) const {
+    if (T <= 0) return;
+    std::lock_guard<std::mutex> lock(g_mutex);
+    Call c;
+    c.kt = &kt;
+    c.fmt = fmt_;
+    c.fi = &kFormats[fmt_];
+    c.N = rows_;
+    c.K = cols_;
+    c.T = T;
+    c.x = x;
+    c.x_bf16 = x_bf16;
+    c.out = out;
+    const bool gemm = T >= prefill_min_tokens;
+    if (x_bf16) grow(g_ws.xf, size_t(T * cols_));
+    c.x32 = x_bf16 ? g_ws.xf.data() : static_cast<const float*>(x);
+    c.quantize = !gemm && !c.fi->float_acts;
+    if (c.quantize) {
+        grow(g_ws.xq, size_t(T * cols_));
+        grow(g_ws.xd, size_t(T * cols_ / 32));
+        grow(g_ws.xs, size_t(T * cols_ / 32));
+    }
+    // Activations to fp32 / Q8: inline for a few tokens (a phase costs a wake-up), else in parallel.
+    if (x_bf16 || c.quantize) {
+        if (T <= 4) {
+            for (int64_t t = 0; t < T; ++t) prepare_token(c, t);
+        } else {
+            c.next.store(0, std::memory_order_relaxed);
+            exec.run(phase_prepare, &c);
+        }
+    }
+    const int threads = exec.threads();
+    if (!gemm) {
+        // Units of 32 or 64 rows (64 when there are enough to keep every thread busy).
+        split(c, parts_, (rows_ / 64 >= 8 * threads) ? 64 : 32);
+        c.next.store(0, std::memory_order_relaxed);
+        exec.run(phase_gemv, &c);
+        return;
+    }
+    // Two panels per unit keep the dequantized rows (2 x kc x panel floats) within L2 and
+    // reuse each group of activation rows twice; one panel when that leaves too few units.
+    const int P = kt.panel;
+    int panels = 2;
+    if ((rows_ + 2 * P - 1) / (2 * P) < 4 * threads) panels = 1;
+    split(c, parts_, panels * P);
+    c.next.store(0, std::memory_order_relaxed);
+    exec.run(phase_gemm, &c);
+}
+
+}  // namespace hmoe

@@ -1,0 +1,53 @@
+// One dense projection y = x W^T read from the stored matrix in place: the attention
+// projections, shared experts, dense MLPs and the LM head when the main device is the CPU.
+//
+// They are read in full for every token, so on the CPU they are as bandwidth-bound as the
+// routed experts: the same kernels serve them (Q8 activations and integer dot products for
+// few tokens; dequantized panels and an fp32 GEMM for many), with the rows split across
+// the pool's threads. Nothing is copied or converted at load: a 4-bit projection stays
+// 4-bit in memory, where a dequantized copy would be four times larger and slower to read.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "formats.h"
+#include "kernel_table.h"
+
+namespace hmoe {
+
+class Executor;
+
+// One stored matrix of a projection; several (the query, key and value projections, or a
+// gate and an up projection) can be computed in one call, their outputs side by side, so
+// that the activations are converted once and the pool is woken once.
+struct DensePart {
+    MatrixRef w;
+    int64_t rows;
+};
+
+class DenseLinear {
+public:
+    DenseLinear(Format fmt, int64_t cols, std::vector<DensePart> parts);
+
+    // x [T, cols] (fp32, or bf16 when x_bf16) -> out [T, rows] fp32 (overwritten; the parts'
+    // rows one after the other). Up to
+    // prefill_min_tokens - 1 tokens take the GEMV path, more the GEMM path.
+    void forward(Executor& exec, const KernelTable& kt, const void* x, bool x_bf16, int64_t T, float* out,
+                 int prefill_min_tokens) const;
+
+    Format format() const { return fmt_; }
+    int64_t rows() const { return rows_; }
+    int64_t cols() const { return cols_; }
+    int64_t bytes() const;  // stored bytes: what one token reads
+
+private:
+    Format fmt_;
+    int64_t rows_, cols_;
+    std::vector<DensePart> parts_;
+};
+
+// Token count from which a dense projection takes the GEMM path (measured, see the .cpp).
+int dense_prefill_min_tokens(const KernelTable& kt);
+
+}  // namespace hmoe

@@ -1,0 +1,53 @@
+"""Native decode attention (one query per head over the cache) against PyTorch's SDPA in fp32."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from backend.engine import native_experts
+from backend.engine.native_attention import decode_attention
+
+pytestmark = pytest.mark.skipif(not native_experts.available(), reason="native extension not built")
+
+_native = native_experts._native
+ISAS = list(_native.isa_info()["supported"]) if _native else []
+
+
+@pytest.fixture(params=ISAS)
+def isa(request):
+    _native.set_isa(request.param)
+    yield request.param
+    _native.set_isa("")
+
+
+# (query heads, KV heads, head size, positions): grouped 8:1 as Qwen3, 3:1 with a head size
+# that is not a multiple of the vector width, one position, several runs of 256 with a
+# partial last one, multi-head (1:1).
+SHAPES = [(32, 4, 128, 260), (12, 4, 72, 600), (8, 8, 64, 1), (4, 1, 128, 1000), (6, 6, 16, 257)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_matches_sdpa(isa, shape, dtype):
+    hq, hkv, d, s = shape
+    g = torch.Generator().manual_seed(s)
+    cache_k = torch.randn(1, hkv, s + 37, d, generator=g).to(dtype)  # a cache longer than its use
+    cache_v = torch.randn(1, hkv, s + 37, d, generator=g).to(dtype)
+    q = (3 * torch.randn(1, hq, 1, d, generator=g)).to(dtype)  # sharp softmax: the max matters
+    k, v = cache_k[:, :, :s], cache_v[:, :, :s]
+    out = decode_attention(q, k, v, d**-0.5)
+    ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), scale=d**-0.5, enable_gqa=hq != hkv)
+    assert out.shape == (1, hq, 1, d) and out.dtype == dtype
+    err = float((out.float() - ref).norm() / ref.norm())
+    # fp32: summation order only; bf16: the result is rounded to bf16 once (2^-9 relative).
+    assert err < (1e-5 if dtype == torch.float32 else 4e-3)
+
+
+def test_not_taken_when_disabled_or_not_on_the_cpu(monkeypatch):
+    q, k = torch.randn(1, 2, 1, 8), torch.randn(1, 2, 5, 8)
+    assert decode_attention(q, k, k, 1.0) is not None
+    assert decode_attention(q, k.transpose(-1, -2).contiguous().transpose(-1, -2), k, 1.0) is None  # strided rows
+    monkeypatch.setenv("HYBRIDMOE_NATIVE", "0")
+    assert decode_attention(q, k, k, 1.0) is None

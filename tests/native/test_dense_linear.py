@@ -1,0 +1,113 @@
+"""Native dense projections (``NativeLinear``) against the PyTorch reference.
+
+Every format the kernels read, both paths (GEMV on Q8 activations for few tokens, GEMM on
+dequantized panels for many) and every kernel set this CPU runs, on shapes whose rows do
+not fill whole work units. As for the experts (see test_native_experts.py): the GEMM path
+and the float formats must equal fp32 math on the dequantized matrix to 1e-5; the GEMV path
+of quantized formats must equal the same math on Q8-rounded activations to 5e-3.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from backend.bench.synthetic_experts import ALL_FORMATS, FLOAT_FORMATS, block_of, random_matrix
+from backend.engine import native_experts
+from backend.engine.loader import Loader
+from backend.engine.native_linear import NativeLinear
+from backend.engine.weights import dense
+
+from .test_native_experts import q8, rel_err
+
+pytestmark = pytest.mark.skipif(not native_experts.available(), reason="native extension not built")
+
+_native = native_experts._native
+ISAS = list(_native.isa_info()["supported"]) if _native else []
+
+
+@pytest.fixture(params=ISAS)
+def isa(request):
+    _native.set_isa(request.param)
+    yield request.param
+    _native.set_isa("")
+
+
+def matrix(fmt: str, seed: int):
+    block = block_of(fmt)
+    cols = {256: 512, 32: 160}.get(block, 72)
+    rows = 77  # not a multiple of any unit or panel
+    return random_matrix(np.random.default_rng(seed), fmt, (rows, cols))
+
+
+def as_float(w) -> torch.Tensor:
+    return dense(w, torch.float32, "cpu")
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 5, 23, 24, 64, 300])
+@pytest.mark.parametrize("fmt", ALL_FORMATS)
+def test_matches_reference(isa, fmt, tokens):
+    w = matrix(fmt, seed=tokens)
+    lin = NativeLinear(w)
+    x = torch.randn(tokens, lin.in_features, generator=torch.Generator().manual_seed(tokens))
+    ref_w = as_float(w)
+    out = lin(x)
+    assert out.dtype == torch.float32 and out.shape == (tokens, lin.out_features)
+    gemv = tokens < _native.isa_info()["dense_prefill_min_tokens"]
+    if fmt in FLOAT_FORMATS or not gemv:
+        assert rel_err(out, F.linear(x, ref_w)) < 1e-5
+    else:
+        assert rel_err(out, F.linear(q8(x), ref_w)) < 5e-3
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "bf16"])
+def test_both_paths_agree_on_any_token_count(fmt):
+    w = matrix(fmt, seed=7)
+    lin = NativeLinear(w)
+    x = torch.randn(40, lin.in_features)
+    gemv, gemm = torch.empty(40, lin.out_features), torch.empty(40, lin.out_features)
+    lin.native.forward(x, gemv, 1_000_000)
+    lin.native.forward(x, gemm, 1)
+    assert rel_err(gemv, gemm) < (1e-5 if fmt == "bf16" else 2e-2)
+
+
+def test_bias_batch_dims_and_bf16_activations():
+    w = matrix("q8_0", seed=3)
+    bias = torch.randn(w.shape[0])
+    lin = NativeLinear(w, bias)
+    x = torch.randn(2, 30, w.shape[1]).to(torch.bfloat16)  # 60 tokens: the GEMM path
+    out = lin(x)
+    assert out.shape == (2, 30, w.shape[0]) and out.dtype == torch.bfloat16
+    ref = (F.linear(x.float(), as_float(w)) + bias).to(torch.bfloat16)
+    assert rel_err(out.float(), ref.float()) < 1e-2  # one bf16 rounding apart
+
+
+def test_reads_the_stored_matrix_in_place():
+    w = torch.randn(64, 96).to(torch.bfloat16)
+    lin = NativeLinear(w)
+    x = torch.randn(1, 96)
+    before = lin(x)
+    w.mul_(2)  # the kernels read w's own memory: no copy was made
+    assert rel_err(lin(x), 2 * before) < 1e-2
+
+
+def test_loader_uses_the_kernels_on_the_cpu_only():
+    stored = matrix("q4_0", seed=1)
+    loader = Loader({"p.weight": stored}, torch.device("cpu"), torch.bfloat16)
+    assert isinstance(loader.linear("p", *stored.shape), NativeLinear)
+    meta = Loader({"p.weight": stored}, torch.device("meta"), torch.bfloat16)
+    assert not isinstance(meta.linear("p", *stored.shape), NativeLinear)
+
+
+def test_storage_the_kernels_cannot_read_is_materialised_once(monkeypatch):
+    # A transposed view has no contiguous rows: it is copied once, then read natively.
+    w = torch.randn(96, 64).t()
+    loader = Loader({"p.weight": w}, torch.device("cpu"), torch.float32)
+    lin = loader.linear("p", 64, 96)
+    x = torch.randn(3, 96)
+    assert isinstance(lin, NativeLinear)
+    assert rel_err(lin(x), x @ w.t()) < 1e-5
+    monkeypatch.setenv("HYBRIDMOE_NATIVE", "0")
+    assert not isinstance(loader.linear("p", 64, 96), NativeLinear)
