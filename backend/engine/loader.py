@@ -10,7 +10,6 @@ config so that a mismatched checkpoint fails at load with the tensor named.
 from __future__ import annotations
 
 import torch
-
 from torch import nn
 
 from backend.engine.layers import GatedMLP, Linear, RMSNorm

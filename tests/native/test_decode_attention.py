@@ -12,14 +12,7 @@ from backend.engine.native_attention import decode_attention
 pytestmark = pytest.mark.skipif(not native_experts.available(), reason="native extension not built")
 
 _native = native_experts._native
-ISAS = list(_native.isa_info()["supported"]) if _native else []
 
-
-@pytest.fixture(params=ISAS)
-def isa(request):
-    _native.set_isa(request.param)
-    yield request.param
-    _native.set_isa("")
 
 
 # (query heads, KV heads, head size, positions): grouped 8:1 as Qwen3, 3:1 with a head size

@@ -14,7 +14,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from backend.bench.synthetic_experts import ALL_FORMATS, FLOAT_FORMATS, block_of, random_matrix
+from backend.bench.synthetic_experts import (
+    ALL_FORMATS,
+    FLOAT_FORMATS,
+    block_of,
+    random_matrix,
+)
 from backend.engine import native_experts
 from backend.engine.loader import Loader
 from backend.engine.native_linear import NativeLinear
@@ -25,14 +30,7 @@ from .test_native_experts import q8, rel_err
 pytestmark = pytest.mark.skipif(not native_experts.available(), reason="native extension not built")
 
 _native = native_experts._native
-ISAS = list(_native.isa_info()["supported"]) if _native else []
 
-
-@pytest.fixture(params=ISAS)
-def isa(request):
-    _native.set_isa(request.param)
-    yield request.param
-    _native.set_isa("")
 
 
 def matrix(fmt: str, seed: int):

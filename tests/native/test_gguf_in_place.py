@@ -9,7 +9,13 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 from backend.engine import native_experts
-from backend.engine.experts import ExpertActivation, ExpertStore, HostExperts, ResidentExperts, experts_forward
+from backend.engine.experts import (
+    ExpertActivation,
+    ExpertStore,
+    HostExperts,
+    ResidentExperts,
+    experts_forward,
+)
 from backend.engine.gguf_weights import open_gguf
 from tests.quant.tiny_gguf import rand, write_gguf
 

@@ -43,20 +43,19 @@ from backend.bench.synthetic_experts import (
     random_routing,
 )
 from backend.engine import native_experts
-from backend.engine.experts import ExpertActivation, HostExperts, ResidentExperts, experts_forward
+from backend.engine.experts import (
+    ExpertActivation,
+    HostExperts,
+    ResidentExperts,
+    experts_forward,
+)
+from tests.native.conftest import ISAS
 
 pytestmark = pytest.mark.skipif(not native_experts.available(), reason="native extension not built")
 
 _native = native_experts._native
-ISAS = list(_native.isa_info()["supported"]) if _native else []
 EXACT_TOL, EMULATION_TOL, DECODE_BOUND = 1e-5, 5e-3, 1e-1
 
-
-@pytest.fixture(params=ISAS)
-def isa(request):
-    _native.set_isa(request.param)
-    yield request.param
-    _native.set_isa("")
 
 
 @pytest.fixture(autouse=True, scope="module")
