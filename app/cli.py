@@ -26,15 +26,18 @@ def cmd_doctor(args) -> int:
     from app.render import hardware_text
     from backend import settings
     from backend.hardware import detect
+    from backend.engine import native_experts
     from backend.llamacpp import system_info, system_summary
 
     store = settings.load().model_store_path
     profile = detect(measure_bandwidth=not args.no_bandwidth, model_dir=store)
     llama_cpp = system_info()
     if args.json:
-        _print_json({**profile.to_dict(), "llama_cpp": llama_cpp})
+        kernels = native_experts.isa_info() if native_experts.enabled() else {"isa": None, "note": native_experts.summary()}
+        _print_json({**profile.to_dict(), "llama_cpp": llama_cpp, "cpu_kernels": kernels})
     else:
-        print(hardware_text(profile, extra=[("llama.cpp", system_summary(llama_cpp))]))
+        print(hardware_text(profile, extra=[("CPU kernels", native_experts.summary()),
+                                            ("llama.cpp", system_summary(llama_cpp))]))
     return EXIT_OK
 
 

@@ -45,6 +45,7 @@ __all__ = [
     "cpu_experts_forward",
     "isa",
     "native_format",
+    "summary",
     "try_forward",
     "unsupported_reason",
 ]
@@ -72,6 +73,18 @@ def isa_info() -> dict[str, Any]:
     if _native is None:
         return {"isa": None, "note": _IMPORT_ERROR or "not built"}
     return dict(_native.isa_info())
+
+
+def summary() -> str:
+    """One line for `hybridmoe doctor`: the kernel set in use, its threads, and why a better
+    one was not used; or why the CPU experts run on the PyTorch reference."""
+    if not enabled():
+        why = "turned off by HYBRIDMOE_NATIVE" if _native is not None else isa()
+        return f"PyTorch reference ({why}): CPU experts and projections run far slower"
+    info = isa_info()
+    nodes = info["numa_nodes"]
+    line = f"{info['isa']}, {info['threads']} threads" + (f" on {nodes} NUMA nodes" if nodes > 1 else "")
+    return line + (f" ({info['note']})" if info.get("note") else "")
 
 
 def enabled() -> bool:
