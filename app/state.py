@@ -11,14 +11,14 @@ to start would cost more.
 from __future__ import annotations
 
 import logging
-import os
-import tempfile
 import tomllib
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
 import tomli_w
+
+from backend.files import write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -54,11 +54,11 @@ class AppState:
     system_prompt: str = ""
     sampling: dict[str, Any] = field(default_factory=lambda: dict(DEFAULT_SAMPLING))
 
-    def with_obtained(self, path: str | Path) -> "AppState":
+    def with_obtained(self, path: str | Path) -> AppState:
         path = str(path)
         return self if path in self.obtained else replace(self, obtained=(*self.obtained, path))
 
-    def without_obtained(self, path: str | Path) -> "AppState":
+    def without_obtained(self, path: str | Path) -> AppState:
         return replace(self, obtained=tuple(p for p in self.obtained if p != str(path)))
 
     def to_dict(self) -> dict[str, Any]:
@@ -68,7 +68,7 @@ class AppState:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "AppState":
+    def from_dict(cls, d: dict[str, Any]) -> AppState:
         setup_names = {f.name for f in fields(SetupProgress)}
         setup = SetupProgress(**{k: str(v) for k, v in dict(d.get("setup") or {}).items() if k in setup_names})
         if setup.step and setup.step not in SETUP_STEPS:
@@ -101,10 +101,4 @@ def load_state(data_dir: Path) -> AppState:
 
 
 def save_state(data_dir: Path, state: AppState) -> Path:
-    path = state_path(data_dir)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(fd, "wb") as f:
-        tomli_w.dump(state.to_dict(), f)
-    os.replace(tmp, path)
-    return path
+    return write_atomic(state_path(data_dir), tomli_w.dumps(state.to_dict()))

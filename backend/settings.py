@@ -8,7 +8,6 @@ settings file itself.
 from __future__ import annotations
 
 import os
-import tempfile
 import tomllib
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -17,6 +16,7 @@ import platformdirs
 import tomli_w
 
 from backend.errors import UsageError
+from backend.files import write_atomic
 
 APP = "hybridmoe"
 
@@ -62,13 +62,7 @@ class Settings:
         return Path(self.model_store).expanduser() if self.model_store else default_model_store()
 
     def save(self, path: Path | None = None) -> Path:
-        path = path or settings_path()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        with os.fdopen(fd, "wb") as f:
-            tomli_w.dump(asdict(self), f)
-        os.replace(tmp, path)
-        return path
+        return write_atomic(path or settings_path(), tomli_w.dumps(asdict(self)))
 
 
 def load(path: Path | None = None) -> Settings:

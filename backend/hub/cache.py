@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import os
 import re
-import tempfile
 from pathlib import Path
 
 from huggingface_hub.file_download import repo_folder_name
 
+from backend.files import write_atomic
 from backend.hub.selection import RepoFile
 
 COMMIT_HASH = re.compile(r"^[0-9a-f]{40}$")
@@ -114,7 +114,4 @@ def write_ref(cache_dir: Path, repo_id: str, revision: str, commit: str) -> None
             return
     except OSError:
         pass
-    fd, tmp = tempfile.mkstemp(dir=ref.parent, prefix=f".{ref.name}.", suffix=".tmp")
-    with os.fdopen(fd, "w") as fh:
-        fh.write(commit)
-    os.replace(tmp, ref)
+    write_atomic(ref, commit)

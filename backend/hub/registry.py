@@ -12,13 +12,13 @@ directory.
 from __future__ import annotations
 
 import os
-import tempfile
 import tomllib
 from pathlib import Path
 
 import tomli_w
 
 from backend.errors import UsageError
+from backend.files import write_atomic
 from backend.settings import data_dir
 
 
@@ -69,9 +69,4 @@ def remove_dir(directory: str | os.PathLike[str]) -> Path:
 
 
 def _write(dirs: list[Path]) -> None:
-    path = registry_path()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(fd, "wb") as f:
-        tomli_w.dump({"directories": [str(d) for d in dirs]}, f)
-    os.replace(tmp, path)
+    write_atomic(registry_path(), tomli_w.dumps({"directories": [str(d) for d in dirs]}))

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 import tomllib
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
@@ -18,6 +17,7 @@ from typing import Any
 import tomli_w
 
 from backend.errors import UsageError
+from backend.files import write_atomic
 from backend.plan.workload import Workload
 
 PLAN_FORMAT = "hybridmoe-plan/1"
@@ -129,7 +129,7 @@ class Plan:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "Plan":
+    def from_dict(cls, d: dict[str, Any]) -> Plan:
         if d.get("format") != PLAN_FORMAT:
             raise UsageError(f"not a hybridmoe plan (format {d.get('format')!r}, expected {PLAN_FORMAT!r})")
         dev_names = {f.name for f in fields(DevicePlan)}
@@ -157,15 +157,10 @@ class Plan:
             text = tomli_w.dumps(_drop_none(self.to_dict()))
         else:
             text = json.dumps(self.to_dict(), indent=1)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-        return path
+        return write_atomic(path, text)
 
     @classmethod
-    def load(cls, path: str | os.PathLike) -> "Plan":
+    def load(cls, path: str | os.PathLike) -> Plan:
         path = Path(path)
         try:
             raw = path.read_bytes()

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from backend.errors import ModelError, UsageError
+from backend.files import write_atomic
 
 FORMAT = "hybridmoe-expert-stats/1"
 
@@ -45,7 +45,7 @@ class ExpertStats:
         pairs.sort(key=lambda p: (-p[0], p[1], p[2]))
         return pairs
 
-    def merged(self, other: "ExpertStats") -> "ExpertStats":
+    def merged(self, other: ExpertStats) -> ExpertStats:
         """These counts plus ``other``'s: the same model's usage recorded in another session.
         Layers only one of them has are kept as they are."""
         self._check_same_shape(other)
@@ -56,7 +56,7 @@ class ExpertStats:
         return ExpertStats(model=self.model or other.model, n_experts=self.n_experts,
                            tokens=self.tokens + other.tokens, layers=layers)
 
-    def since(self, earlier: "ExpertStats | None") -> "ExpertStats":
+    def since(self, earlier: ExpertStats | None) -> ExpertStats:
         """What was counted after ``earlier``, an older snapshot of the same running count
         (None: nothing before). A recorder only ever adds, so no difference is negative."""
         if earlier is None:
@@ -78,7 +78,7 @@ class ExpertStats:
     def activations(self) -> int:
         return sum(sum(counts) for counts in self.layers.values())
 
-    def _check_same_shape(self, other: "ExpertStats") -> None:
+    def _check_same_shape(self, other: ExpertStats) -> None:
         if other.n_experts != self.n_experts:
             raise ModelError(
                 f"expert statistics of {other.model or 'a model'} count {other.n_experts} experts per layer, "
@@ -96,16 +96,10 @@ class ExpertStats:
         }
 
     def save(self, path: str | os.PathLike) -> None:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        # Write to a temporary name and rename so a crash never leaves a half-written file.
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            json.dump(self.to_dict(), f)
-        os.replace(tmp, path)
+        write_atomic(path, json.dumps(self.to_dict()))
 
     @classmethod
-    def load(cls, path: str | os.PathLike) -> "ExpertStats":
+    def load(cls, path: str | os.PathLike) -> ExpertStats:
         path = Path(path)
         try:
             d = json.loads(path.read_text())
