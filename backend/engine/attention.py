@@ -129,7 +129,7 @@ class Attention(nn.Module):
         super().__init__()
         self.q, self.k, self.v, self.o = q, k, v, o
         # On a CPU main device the three projections run as one native call.
-        self.qkv = NativeLinear.fused(q, k, v) if all(isinstance(m, NativeLinear) for m in (q, k, v)) else None
+        self.qkv = NativeLinear.fused(q, k, v)
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
         self.rotary = rotary
         self.cache = cache

@@ -79,8 +79,7 @@ class GatedMLP(nn.Module):
         self.gate, self.up, self.down = gate, up, down
         self.act = activation(act)
         # On a CPU main device gate and up run as one native call.
-        both = isinstance(gate, NativeLinear) and isinstance(up, NativeLinear)
-        self.gate_up = NativeLinear.fused(gate, up) if both else None
+        self.gate_up = NativeLinear.fused(gate, up)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is not None:

@@ -54,9 +54,11 @@ class NativeLinear(nn.Module):
         self.out_features, self.in_features = sum(p[0] for p in parts), cols
 
     @classmethod
-    def fused(cls, *linears: NativeLinear) -> NativeLinear | None:
+    def fused(cls, *linears: nn.Module) -> NativeLinear | None:
         """One projection computing `linears` together (outputs concatenated), or None when
-        they cannot be (formats or widths differ)."""
+        they cannot be (not all native, or formats or widths differ)."""
+        if not all(isinstance(lin, NativeLinear) for lin in linears):
+            return None
         stored = [m for lin in linears for m in lin._stored]
         biases = [lin.bias if lin.bias is not None else torch.zeros(lin.out_features) for lin in linears]
         any_bias = any(lin.bias is not None for lin in linears)
