@@ -17,7 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from backend.engine import native_experts
 from backend.engine.attention import Attention
+from backend.engine.cpu_decode import DecodeStep
 from backend.engine.experts import ExpertActivation, ExpertStore, HostExperts, ResidentExperts
 from backend.engine.hf_config import HFConfig, family_of, text_config
 from backend.engine.hybrid import HybridOptions, attach
@@ -73,6 +75,10 @@ class MoeTransformer(nn.Module):
         # each layer that starts a stage after the first (empty on one device).
         self.boundaries: dict[int, torch.device] = {}
         self.scheduler = None  # the hybrid.HybridScheduler shared by the MoE layers, if any
+        # One-token calls on a CPU main device take the native path (``cpu_decode``) when it
+        # covers the model; False keeps the layer-by-layer path (what the tests compare with).
+        self.native_decode = True
+        self._decode_step: DecodeStep | None | bool = False  # False: not built yet
 
     def _pipelined(self, x: torch.Tensor, start_pos: int) -> torch.Tensor:
         """The layers of a model split across devices: hidden states move at stage boundaries."""
@@ -94,6 +100,12 @@ class MoeTransformer(nn.Module):
         for ring in self._rings:
             ring.check_rewind(start_pos)
         x = F.embedding(ids, self.embed)
+        step = self._native_decode() if ids.shape[0] == 1 else None
+        if step is not None:
+            logits = self.lm_head(step(x, start_pos))
+            self.length = start_pos + 1
+            self.stats.add_tokens(1)
+            return logits.unsqueeze(0) if batched else logits
         if self.boundaries:
             x = self._pipelined(x, start_pos)
         else:
@@ -105,6 +117,14 @@ class MoeTransformer(nn.Module):
         self.length = start_pos + ids.shape[0]
         self.stats.add_tokens(ids.shape[0])
         return logits.unsqueeze(0) if batched else logits
+
+    def _native_decode(self) -> DecodeStep | None:
+        """The native one-token path on a CPU main device (``cpu_decode``), built on first use."""
+        if not self.native_decode or not native_experts.enabled():
+            return None
+        if self._decode_step is False:
+            self._decode_step = DecodeStep.build(self)
+        return self._decode_step
 
     def set_mla_absorb(self, absorb: bool | None) -> None:
         """Force MLA's absorbed (True) or expanded (False) form, or let it choose (None)."""

@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "attention_decode.h"
+#include "decode_ops.h"
 #include "dense_linear.h"
 #include "dispatch.h"
 #include "moe_layer.h"
@@ -221,6 +222,69 @@ void attend_decode_py(nb::ndarray<const float, nb::ndim<2>, nb::c_contig, nb::de
     attend_decode(exec, kt, a);
 }
 
+// ---- the small decode steps (decode_ops.h); tensors are float32 unless said --------------
+
+using F32In = nb::ndarray<const float, nb::c_contig, nb::device::cpu>;
+using F32Out = nb::ndarray<float, nb::c_contig, nb::device::cpu>;
+using I64Out = nb::ndarray<int64_t, nb::c_contig, nb::device::cpu>;
+
+void rms_norm_py(F32In x, F32In w, float eps, F32Out out) {
+    const int64_t n = int64_t(w.size());
+    if (n <= 0 || x.ndim() < 1 || int64_t(x.shape(x.ndim() - 1)) != n) throw nb::value_error("x rows must be as long as w");
+    if (out.size() != x.size()) throw nb::value_error("out must have x's shape");
+    rms_norm(x.data(), w.data(), eps, int64_t(x.size()) / n, n, out.data());
+}
+
+// qkv [Hq*D + Hkv*D + Hkv*Dv]; cos, sin [positions, rotary_dim / 2]; caches [Hkv, capacity, D].
+void rope_store_py(F32In qkv, int64_t n_heads, int64_t n_kv_heads, std::optional<F32In> q_norm, std::optional<F32In> k_norm,
+                   float eps, F32In cos, F32In sin, bool pairs, nb::ndarray<nb::ndim<3>, nb::device::cpu> k_cache,
+                   nb::ndarray<nb::ndim<3>, nb::device::cpu> v_cache, int64_t pos, F32Out q_out) {
+    RopeStore a;
+    a.Hq = n_heads;
+    a.Hkv = n_kv_heads;
+    a.D = int64_t(k_cache.shape(2));
+    a.Dv = int64_t(v_cache.shape(2));
+    const bool bf16 = is_bf16(k_cache.dtype());
+    if (!bf16 && k_cache.dtype() != nb::dtype<float>()) throw nb::type_error("the cache must be float32 or bfloat16");
+    if (k_cache.dtype() != v_cache.dtype()) throw nb::type_error("keys and values must have one dtype");
+    if (a.Hkv <= 0 || a.Hq % a.Hkv || int64_t(k_cache.shape(0)) != a.Hkv || int64_t(v_cache.shape(0)) != a.Hkv)
+        throw nb::value_error("the caches must hold n_kv_heads heads, a divisor of n_heads");
+    if (a.D > kMaxHeadDim || a.Dv > kMaxHeadDim) throw nb::value_error("head size over 1024");
+    if (int64_t(qkv.size()) != a.Hq * a.D + a.Hkv * (a.D + a.Dv)) throw nb::value_error("qkv has the wrong size");
+    if (int64_t(q_out.size()) != a.Hq * a.D) throw nb::value_error("q_out must hold n_heads * head_dim floats");
+    if (cos.ndim() != 2 || sin.ndim() != 2 || cos.shape(1) != sin.shape(1)) throw nb::value_error("cos and sin must be [positions, rotary_dim / 2]");
+    a.rotary_dim = 2 * int64_t(cos.shape(1));
+    if (a.rotary_dim > a.D) throw nb::value_error("rotary_dim exceeds the head size");
+    if (pos < 0 || pos >= int64_t(cos.shape(0)) || pos >= int64_t(sin.shape(0)) || pos >= int64_t(k_cache.shape(1)) ||
+        pos >= int64_t(v_cache.shape(1)))
+        throw nb::value_error("position out of range");
+    if (k_cache.stride(2) != 1 || v_cache.stride(2) != 1) throw nb::value_error("cache rows must be contiguous");
+    for (const auto* w : {&q_norm, &k_norm})
+        if (*w && int64_t((*w)->size()) != a.D) throw nb::value_error("q/k norm weights must have head_dim entries");
+    a.qkv = qkv.data();
+    a.q_norm = q_norm ? q_norm->data() : nullptr;
+    a.k_norm = k_norm ? k_norm->data() : nullptr;
+    a.eps = eps;
+    a.cos = cos.data() + pos * int64_t(cos.shape(1));
+    a.sin = sin.data() + pos * int64_t(sin.shape(1));
+    a.pairs = pairs;
+    a.k_cache = k_cache.data();
+    a.v_cache = v_cache.data();
+    a.cache_bf16 = bf16;
+    a.k_head = k_cache.stride(0);
+    a.k_pos = k_cache.stride(1);
+    a.v_head = v_cache.stride(0);
+    a.v_pos = v_cache.stride(1);
+    a.pos = pos;
+    a.q_out = q_out.data();
+    rope_store(a);
+}
+
+void check_route(F32In logits, int k, I64Out ids, F32Out weights) {
+    if (k <= 0 || int64_t(k) > int64_t(logits.size())) throw nb::value_error("k must be between 1 and the number of experts");
+    if (int64_t(ids.size()) != k || int64_t(weights.size()) != k) throw nb::value_error("ids and weights must hold k entries");
+}
+
 // A native probe of host read bandwidth with the kernels' own threads: each thread sums
 // its slice of a buffer far larger than the caches. Best of `passes`, bytes per second.
 struct ProbeCtx {
@@ -352,6 +416,41 @@ NB_MODULE(_native, m) {
 
     m.def("attend_decode", &attend_decode_py, "q"_a, "k"_a, "v"_a, "length"_a, "scale"_a, "out"_a,
           "out[Hq, Dv] = softmax(scale q k^T) v over the first `length` cache positions (one query per head).");
+
+    m.def("rms_norm", &rms_norm_py, "x"_a, "w"_a, "eps"_a, "out"_a,
+          "out = x / sqrt(mean(x^2) + eps) * w over the last axis, float32 (out may be x).");
+    m.def("rope_store", &rope_store_py, "qkv"_a, "n_heads"_a, "n_kv_heads"_a, "q_norm"_a.none(), "k_norm"_a.none(),
+          "eps"_a, "cos"_a, "sin"_a, "pairs"_a, "k_cache"_a, "v_cache"_a, "pos"_a, "q_out"_a,
+          "One token's q|k|v: per-head q/k RMSNorm, the rotary embedding at `pos`, k and v written to the cache, q to q_out.");
+    m.def(
+        "softmax_topk",
+        [](F32In logits, int k, bool normalize, I64Out ids, F32Out weights) {
+            check_route(logits, k, ids, weights);
+            softmax_topk(logits.data(), int64_t(logits.size()), k, normalize, ids.data(), weights.data());
+        },
+        "logits"_a, "k"_a, "normalize"_a, "ids"_a, "weights"_a, "Softmax over all experts, the top k, optionally renormalised.");
+    m.def(
+        "sigmoid_group_topk",
+        [](F32In logits, std::optional<F32In> bias, int k, int n_group, int topk_group, bool normalize, float scaling,
+           I64Out ids, F32Out weights) {
+            check_route(logits, k, ids, weights);
+            const int64_t E = int64_t(logits.size());
+            if (bias && int64_t(bias->size()) != E) throw nb::value_error("bias must have one entry per expert");
+            if (n_group < 1 || E % n_group || (n_group > 1 && E / n_group < 2) || topk_group < 1 || topk_group > n_group ||
+                int64_t(k) > int64_t(topk_group) * (E / n_group))
+                throw nb::value_error("n_group must divide the experts into groups of two or more, and topk_group of them hold k");
+            sigmoid_group_topk(logits.data(), bias ? bias->data() : nullptr, E, k, n_group, topk_group, normalize, scaling,
+                               ids.data(), weights.data());
+        },
+        "logits"_a, "bias"_a.none(), "k"_a, "n_group"_a, "topk_group"_a, "normalize"_a, "scaling"_a, "ids"_a, "weights"_a,
+        "DeepSeek-V3 routing: sigmoid scores, the best groups by their two best biased scores, the top k in them.");
+    m.def(
+        "topk_softmax",
+        [](F32In logits, int k, I64Out ids, F32Out weights) {
+            check_route(logits, k, ids, weights);
+            topk_softmax(logits.data(), int64_t(logits.size()), k, ids.data(), weights.data());
+        },
+        "logits"_a, "k"_a, "ids"_a, "weights"_a, "GPT-OSS routing: the top k logits, softmax over them.");
 
     nb::class_<DenseLinear>(m, "DenseLinear")
         .def("__init__",

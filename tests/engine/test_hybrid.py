@@ -30,6 +30,15 @@ def _run(model, ids: torch.Tensor, prefill: int, chunk: int | None = None) -> to
     return torch.cat(steps, dim=1)
 
 
+def _layer_path(path, **kwargs):
+    """The synchronous reference without a scheduler, one token at a time through the layers
+    (the native one-token path of ``cpu_decode`` computes in float32 throughout instead, so
+    it is not bit-comparable with the scheduler's layer-by-layer arithmetic)."""
+    model = engine(path, **kwargs)
+    model.native_decode = False
+    return model
+
+
 def _close(got: torch.Tensor, expected: torch.Tensor) -> bool:
     """Equal up to float32 summation order: what moving a matrix to other memory may change."""
     return relative_error(got, expected) < 1e-6
@@ -52,7 +61,7 @@ def test_overlapped_decode_equals_the_cpu_only_path(family, checkpoints):
     path = checkpoints(family)
     ids = tokens(16, seed=11)
     for name, placement in _placements(engine(path)).items():
-        expected = _run(engine(path, placement=placement), ids, prefill=10)
+        expected = _run(_layer_path(path, placement=placement), ids, prefill=10)
         model = engine(path, placement=placement, hybrid=HybridOptions())
         assert model.scheduler is not None
         got = _run(model, ids, prefill=10)
@@ -86,7 +95,7 @@ def test_streamed_prefill_equals_the_cpu_only_path(family, checkpoints):
     path = checkpoints(family)
     ids = tokens(20, seed=3)
     for name, placement in _placements(engine(path)).items():
-        expected = _run(engine(path, placement=placement), ids, prefill=16, chunk=8)
+        expected = _run(_layer_path(path, placement=placement), ids, prefill=16, chunk=8)
         model = engine(path, placement=placement, hybrid=HybridOptions(stream_min_tokens=8))
         got = _run(model, ids, prefill=16, chunk=8)
         assert _close(got, expected), name
@@ -133,7 +142,7 @@ def test_a_ring_of_one_layer_overlaps_without_deadlock(checkpoints):
     path = checkpoints("deepseek_v2")
     ids = tokens(28, seed=5)
     placement = {2: [0, 1, 2]}  # layer 1: 8 CPU experts, layer 2: 5
-    expected = _run(engine(path, placement=placement), ids, prefill=24, chunk=8)
+    expected = _run(_layer_path(path, placement=placement), ids, prefill=24, chunk=8)
     probe = engine(path, placement=placement)
     moe1 = _moe_layers(probe)[0]
     slot = SlotLayout(moe1.host.store.stored(0)).nbytes
@@ -154,7 +163,7 @@ def test_a_forward_call_that_fails_midway_leaves_the_ring_usable(checkpoints):
     slots nobody releases: the next long prompt streams and is right."""
     path = checkpoints("qwen2_moe")
     ids = tokens(16, seed=9)
-    expected = _run(engine(path), ids, prefill=16, chunk=8)
+    expected = _run(_layer_path(path), ids, prefill=16, chunk=8)
     # The ring holds one layer: the slots of a prefetched layer nobody uses are all there is.
     model = engine(path, hybrid=HybridOptions(stream_min_tokens=8))
     first = _moe_layers(model)[0]
@@ -183,7 +192,7 @@ def test_native_cpu_experts_in_the_scheduler(checkpoints, monkeypatch):
     path = checkpoints("qwen3_moe")
     ids = tokens(20, seed=4)
     placement = {2: [1, 5]}
-    expected = _run(engine(path, placement=placement), ids, prefill=16, chunk=8)
+    expected = _run(_layer_path(path, placement=placement), ids, prefill=16, chunk=8)
     overlapped = engine(path, placement=placement, hybrid=HybridOptions())
     assert torch.equal(_run(overlapped, ids, prefill=16, chunk=8), expected)
     streamed = engine(path, placement=placement, hybrid=HybridOptions(stream_min_tokens=8))
@@ -197,7 +206,7 @@ def test_pipeline_stages_move_hidden_states_at_the_boundaries(family, checkpoint
     device, hidden states cross at the boundary, and nothing else changes."""
     path = checkpoints(family)
     ids = tokens(20, seed=6)
-    expected = _run(engine(path, placement={1: [0, 3]}), ids, prefill=16, chunk=8)
+    expected = _run(_layer_path(path, placement={1: [0, 3]}), ids, prefill=16, chunk=8)
     stages = [("cpu", (0, 1)), ("cpu", (2,))]
     plain = engine(path, placement={1: [0, 3]}, pipeline=stages)
     assert plain.boundaries == {2: torch.device("cpu")}
@@ -299,7 +308,7 @@ def test_a_layer_left_open_is_given_up_by_the_next_call(checkpoints):
     the layer it prefetched waits for them: the next call gives them up and streams."""
     path = checkpoints("qwen2_moe")
     ids = tokens(16, seed=9)
-    expected = _run(engine(path), ids, prefill=16, chunk=8)
+    expected = _run(_layer_path(path), ids, prefill=16, chunk=8)
     model, streamer, moes = _streaming(path)
     streamer.layer(moes[0])  # never left
     assert _close(_run(model, ids, prefill=16, chunk=8), expected)
@@ -312,7 +321,7 @@ def test_a_layer_call_that_fails_midway_gives_up_what_it_started(checkpoints, mo
     slots (n is nobody's to leave, and the slots n+1 took would never be released)."""
     path = checkpoints("qwen2_moe")
     ids = tokens(16, seed=9)
-    expected = _run(engine(path), ids, prefill=16, chunk=8)
+    expected = _run(_layer_path(path), ids, prefill=16, chunk=8)
     model, streamer, moes = _streaming(path)
     submit, calls = streamer._copier.submit, []
 

@@ -1,0 +1,148 @@
+#include "decode_ops.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace hmoe {
+namespace {
+
+float sum_squares(const float* x, int64_t n) {
+    // Eight partial sums: the compiler vectorises them, and they round like PyTorch's
+    // vectorised reduction rather than like one long serial sum.
+    float s[8] = {};
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int j = 0; j < 8; ++j) s[j] += x[i + j] * x[i + j];
+    float total = ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
+    for (; i < n; ++i) total += x[i] * x[i];
+    return total;
+}
+
+void norm_row(const float* x, const float* w, float eps, int64_t n, float* out) {
+    const float inv = 1.f / std::sqrt(sum_squares(x, n) / float(n) + eps);
+    for (int64_t i = 0; i < n; ++i) out[i] = x[i] * inv * w[i];
+}
+
+uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    if ((u & 0x7F800000u) == 0x7F800000u && (u & 0x007FFFFFu)) return uint16_t((u >> 16) | 0x40);  // quiet NaN
+    u += 0x7FFFu + ((u >> 16) & 1u);  // round to nearest even
+    return uint16_t(u >> 16);
+}
+
+// Normalise (when w) and rotate one head in place.
+void head(float* h, const float* w, float eps, const RopeStore& a) {
+    if (w) norm_row(h, w, eps, a.D, h);
+    const int64_t half = a.rotary_dim / 2;
+    float rot[kMaxHeadDim];
+    if (a.pairs) {
+        for (int64_t i = 0; i < half; ++i) {
+            const float x1 = h[2 * i], x2 = h[2 * i + 1];
+            rot[i] = x1 * a.cos[i] - x2 * a.sin[i];
+            rot[half + i] = x2 * a.cos[i] + x1 * a.sin[i];
+        }
+    } else {
+        for (int64_t i = 0; i < half; ++i) {
+            const float x1 = h[i], x2 = h[half + i];
+            rot[i] = x1 * a.cos[i] - x2 * a.sin[i];
+            rot[half + i] = x2 * a.cos[i] + x1 * a.sin[i];
+        }
+    }
+    std::memcpy(h, rot, size_t(a.rotary_dim) * 4);
+}
+
+void store(void* cache, bool bf16, int64_t at, const float* src, int64_t n) {
+    if (bf16) {
+        uint16_t* dst = static_cast<uint16_t*>(cache) + at;
+        for (int64_t i = 0; i < n; ++i) dst[i] = f32_to_bf16(src[i]);
+    } else {
+        std::memcpy(static_cast<float*>(cache) + at, src, size_t(n) * 4);
+    }
+}
+
+// The k largest of v[0..E) by value (ties: the lower index first), in descending order.
+void top_k(const float* v, int64_t E, int k, int64_t* ids) {
+    std::vector<int64_t> order(static_cast<size_t>(E));
+    for (int64_t i = 0; i < E; ++i) order[size_t(i)] = i;
+    std::partial_sort(order.begin(), order.begin() + k, order.end(), [v](int64_t a, int64_t b) {
+        return v[a] > v[b] || (v[a] == v[b] && a < b);
+    });
+    std::copy(order.begin(), order.begin() + k, ids);
+}
+
+}  // namespace
+
+void rms_norm(const float* x, const float* w, float eps, int64_t rows, int64_t n, float* out) {
+    for (int64_t r = 0; r < rows; ++r) norm_row(x + r * n, w, eps, n, out + r * n);
+}
+
+void rope_store(const RopeStore& a) {
+    float buf[kMaxHeadDim];
+    for (int64_t h = 0; h < a.Hq; ++h) {
+        float* q = a.q_out + h * a.D;
+        std::memcpy(q, a.qkv + h * a.D, size_t(a.D) * 4);
+        head(q, a.q_norm, a.eps, a);
+    }
+    const float* k = a.qkv + a.Hq * a.D;
+    const float* v = k + a.Hkv * a.D;
+    for (int64_t h = 0; h < a.Hkv; ++h) {
+        std::memcpy(buf, k + h * a.D, size_t(a.D) * 4);
+        head(buf, a.k_norm, a.eps, a);
+        store(a.k_cache, a.cache_bf16, h * a.k_head + a.pos * a.k_pos, buf, a.D);
+        store(a.v_cache, a.cache_bf16, h * a.v_head + a.pos * a.v_pos, v + h * a.Dv, a.Dv);
+    }
+}
+
+void softmax_topk(const float* logits, int64_t E, int k, bool normalize, int64_t* ids, float* weights) {
+    const float mx = *std::max_element(logits, logits + E);
+    float denom = 0.f;
+    for (int64_t e = 0; e < E; ++e) denom += std::exp(logits[e] - mx);
+    top_k(logits, E, k, ids);  // softmax keeps the order
+    float sum = 0.f;
+    for (int i = 0; i < k; ++i) sum += weights[i] = std::exp(logits[ids[i]] - mx) / denom;
+    if (normalize)
+        for (int i = 0; i < k; ++i) weights[i] /= sum;
+}
+
+void sigmoid_group_topk(const float* logits, const float* bias, int64_t E, int k, int n_group, int topk_group,
+                        bool normalize, float scaling, int64_t* ids, float* weights) {
+    std::vector<float> score(static_cast<size_t>(E)), choice(static_cast<size_t>(E));
+    for (int64_t e = 0; e < E; ++e) {
+        score[size_t(e)] = 1.f / (1.f + std::exp(-logits[e]));
+        choice[size_t(e)] = bias ? score[size_t(e)] + bias[e] : score[size_t(e)];
+    }
+    if (n_group > 1 && topk_group < n_group) {
+        const int64_t per = E / n_group;
+        std::vector<float> group(static_cast<size_t>(n_group));
+        for (int g = 0; g < n_group; ++g) {
+            const float* c = choice.data() + g * per;
+            int64_t best[2];
+            top_k(c, per, 2, best);
+            group[size_t(g)] = c[best[0]] + c[best[1]];
+        }
+        std::vector<int64_t> keep(static_cast<size_t>(topk_group));
+        top_k(group.data(), n_group, topk_group, keep.data());
+        std::vector<char> eligible(size_t(n_group), 0);
+        for (int64_t g : keep) eligible[size_t(g)] = 1;
+        for (int64_t e = 0; e < E; ++e)
+            if (!eligible[size_t(e / per)]) choice[size_t(e)] = -std::numeric_limits<float>::infinity();
+    }
+    top_k(choice.data(), E, k, ids);
+    float sum = 0.f;
+    for (int i = 0; i < k; ++i) sum += weights[i] = score[size_t(ids[i])];
+    for (int i = 0; i < k; ++i) weights[i] = (normalize ? weights[i] / (sum + 1e-20f) : weights[i]) * scaling;
+}
+
+void topk_softmax(const float* logits, int64_t E, int k, int64_t* ids, float* weights) {
+    top_k(logits, E, k, ids);
+    const float mx = logits[ids[0]];
+    float sum = 0.f;
+    for (int i = 0; i < k; ++i) sum += weights[i] = std::exp(logits[ids[i]] - mx);
+    for (int i = 0; i < k; ++i) weights[i] /= sum;
+}
+
+}  // namespace hmoe

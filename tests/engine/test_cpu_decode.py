@@ -1,0 +1,67 @@
+"""The native one-token path on a CPU main device (backend/engine/cpu_decode.py) against the
+layer-by-layer path of the same model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from backend.engine import native_experts
+from backend.engine.cpu_decode import DecodeStep
+from tests.engine.conftest import FAMILY_NAMES, engine, relative_error, tokens
+
+pytestmark = pytest.mark.skipif(not native_experts.available(), reason="native extension not built")
+
+# Which blocks run natively on the tiny fp32 checkpoints: grouped-query attention without
+# sinks, clipping or whole-projection q/k norms; every router but DeepSeek-V2's; GPT-OSS'
+# experts in transformers' fp32 layout are not read natively (its GGUF/MXFP4 ones are).
+NATIVE_ATTENTION = {"qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe"}
+NO_NATIVE_STEP = {"gpt_oss"}
+
+
+def _decode(model, ids: torch.Tensor, prefill: int) -> torch.Tensor:
+    model(ids[:, :prefill], 0)
+    return torch.cat([model(ids[:, t : t + 1], t) for t in range(prefill, ids.shape[1])], dim=1)
+
+
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_native_decode_matches_the_layer_path(family, checkpoints):
+    model = engine(checkpoints(family), sliding_rewind=2)
+    ids = tokens(24, seed=5)
+    native = _decode(model, ids, 8)
+    step = model._decode_step
+    if family in NO_NATIVE_STEP:
+        assert step is None
+        return
+    assert isinstance(step, DecodeStep)
+    assert all((s.attn is not None) == (family in NATIVE_ATTENTION) for s in step.layers)
+    counts = {layer: c.clone() for layer, c in model.stats.counts.items()}
+    model.native_decode = False  # the layer-by-layer path from here on
+    model.stats.reset()
+    reference = _decode(model, ids, 8)
+    assert relative_error(native, reference) < 1e-5
+    # The same experts were counted.
+    model.stats.reset()
+    model.native_decode = True
+    _decode(model, ids, 8)
+    assert all(torch.equal(model.stats.counts[layer], counts[layer]) for layer in counts)
+
+
+def test_not_used_with_the_kernels_switched_off(checkpoints, monkeypatch):
+    model = engine(checkpoints("qwen3_moe"))
+    monkeypatch.setenv("HYBRIDMOE_NATIVE", "0")
+    assert model._native_decode() is None
+    monkeypatch.delenv("HYBRIDMOE_NATIVE")
+    assert isinstance(model._native_decode(), DecodeStep)
+
+
+def test_rewinding_overwrites_what_the_native_step_wrote(checkpoints):
+    """A second continuation from an earlier position sees none of the first one."""
+    model = engine(checkpoints("qwen3_moe"))
+    ids = tokens(20, seed=7)
+    first = _decode(model, ids, 10)
+    other = ids.clone()
+    other[:, 12:] = (other[:, 12:] + 1) % 256
+    _decode(model, other, 10)  # positions 12.. now hold the other continuation
+    again = torch.cat([model(ids[:, t : t + 1], t) for t in range(12, 20)], dim=1)
+    assert relative_error(again, first[:, 2:]) < 1e-6

@@ -1,0 +1,115 @@
+"""The small native decode steps (native/src/decode_ops.cpp) against the engine's PyTorch modules."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from backend.engine import native_experts
+from backend.engine.hf_config import RopeParams
+from backend.engine.layers import RMSNorm
+from backend.engine.rope import Rotary
+from backend.engine.routing import SigmoidGroupedTopK, SoftmaxTopK, TopKSoftmax
+
+pytestmark = pytest.mark.skipif(not native_experts.available(), reason="native extension not built")
+
+_native = native_experts._native
+
+
+@pytest.mark.parametrize("shape", [(1, 2048), (3, 128), (5, 7)])
+def test_rms_norm_matches_the_module(shape):
+    g = torch.Generator().manual_seed(shape[-1])
+    x, w = 3 * torch.randn(*shape, generator=g), torch.rand(shape[-1], generator=g) + 0.5
+    out = torch.empty_like(x)
+    _native.rms_norm(x, w, 1e-6, out)
+    torch.testing.assert_close(out, RMSNorm(w, 1e-6)(x), rtol=2e-6, atol=1e-6)
+    _native.rms_norm(x, w, 1e-6, x)  # in place
+    torch.testing.assert_close(x, out)
+
+
+def test_rms_norm_refuses_mismatched_shapes():
+    with pytest.raises(ValueError, match="as long as w"):
+        _native.rms_norm(torch.zeros(1, 8), torch.ones(4), 1e-6, torch.zeros(1, 8))
+
+
+# (query heads, KV heads, head size, rotary dims, layout): Qwen3 (full rotary, q/k norm),
+# GLM-4.5 (half the head rotates), DeepSeek's interleaved pairs.
+CASES = [(8, 2, 32, 32, "halves", True), (4, 2, 16, 8, "halves", True), (4, 4, 24, 24, "pairs", False)]
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", CASES)
+def test_rope_store_matches_norm_rotary_and_cache_write(case, cache_dtype):
+    hq, hkv, d, rd, layout, qk_norm = case
+    g = torch.Generator().manual_seed(d)
+    rotary = Rotary(RopeParams("default", 10000.0, 1.0, {}), rd, 64, 64, layout=layout)
+    q_w, k_w = (torch.rand(d, generator=g) + 0.5 for _ in range(2))
+    qkv = torch.randn(1, hq * d + 2 * hkv * d, generator=g)
+    k_cache, v_cache = torch.zeros(hkv, 64, d, dtype=cache_dtype), torch.zeros(hkv, 64, d, dtype=cache_dtype)
+    pos = 37
+    q_out = torch.empty(hq, d)
+    _native.rope_store(qkv, hq, hkv, q_w if qk_norm else None, k_w if qk_norm else None, 1e-6, rotary.cos,
+                       rotary.sin, layout == "pairs", k_cache, v_cache, pos, q_out)
+
+    q, k, v = qkv[0].split((hq * d, hkv * d, hkv * d))
+    q, k, v = q.view(1, hq, 1, d), k.view(1, hkv, 1, d), v.view(hkv, d)
+    if qk_norm:
+        q, k = RMSNorm(q_w, 1e-6)(q), RMSNorm(k_w, 1e-6)(k)
+    cos, sin = rotary.tables(pos, 1, torch.float32)
+    q, k = rotary.apply(q, cos, sin), rotary.apply(k, cos, sin)
+    torch.testing.assert_close(q_out, q.view(hq, d), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(k_cache[:, pos], k.view(hkv, d).to(cache_dtype), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(v_cache[:, pos], v.to(cache_dtype), rtol=0, atol=0)
+    others = torch.ones(64, dtype=torch.bool)
+    others[pos] = False
+    assert not k_cache[:, others].any() and not v_cache[:, others].any()  # nothing else written
+
+
+def test_rope_store_refuses_a_position_past_the_cache():
+    cos = torch.ones(8, 4)
+    with pytest.raises(ValueError, match="position out of range"):
+        _native.rope_store(torch.zeros(3 * 8), 1, 1, None, None, 1e-6, cos, cos, False, torch.zeros(1, 8, 8),
+                           torch.zeros(1, 8, 8), 8, torch.zeros(1, 8))
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_routers_choose_what_the_modules_choose(seed):
+    """Each router's module run on an identity projection (its logits are then the input)."""
+    g = torch.Generator().manual_seed(seed)
+    E, k = 16, 4
+    logits = 2 * torch.randn(1, E, generator=g)
+    eye = torch.eye(E)
+    bias = 0.3 * torch.randn(E, generator=g)
+
+    def native(fn, *args):
+        ids, w = torch.empty(1, k, dtype=torch.int64), torch.empty(1, k)
+        fn(logits, *args, ids, w)
+        order = ids[0].argsort()
+        return ids[0][order], w[0][order]
+
+    def reference(router):
+        ids, w = router(logits)
+        order = ids[0].argsort()
+        return ids[0][order], w[0].float()[order]
+
+    for normalize in (True, False):
+        ours = native(_native.softmax_topk, k, normalize)
+        ref = reference(SoftmaxTopK(eye, k, normalize=normalize, float32_weights=True))
+        assert torch.equal(ours[0], ref[0])
+        torch.testing.assert_close(ours[1], ref[1])
+        ours = native(_native.sigmoid_group_topk, bias, k, 4, 2, normalize, 2.5)
+        ref = reference(SigmoidGroupedTopK(eye, bias, k, n_group=4, topk_group=2, normalize=normalize, scaling=2.5))
+        assert torch.equal(ours[0], ref[0])
+        torch.testing.assert_close(ours[1], ref[1])
+    ours = native(_native.topk_softmax, k)
+    ref = reference(TopKSoftmax(eye, torch.zeros(E), k))
+    assert torch.equal(ours[0], ref[0])
+    torch.testing.assert_close(ours[1], ref[1])
+
+
+def test_router_arguments_are_checked():
+    ids, w = torch.empty(1, 2, dtype=torch.int64), torch.empty(1, 2)
+    with pytest.raises(ValueError, match="k must be"):
+        _native.softmax_topk(torch.zeros(1, 8), 9, True, ids, w)
+    with pytest.raises(ValueError, match="groups of two"):
+        _native.sigmoid_group_topk(torch.zeros(1, 8), None, 2, 3, 1, True, 1.0, ids, w)
