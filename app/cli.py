@@ -196,7 +196,7 @@ def cmd_bench_generate(args) -> int:
     from backend.bench import generate
 
     summary = generate.measure(args.model, prompt_tokens=args.prompt_tokens, gen_tokens=args.gen_tokens,
-                               threads=args.threads, repeats=args.repeats)
+                               threads=args.threads, repeats=args.repeats, rounds=args.rounds)
     print(json.dumps(summary, indent=1) if args.json else generate.table(summary))
     return EXIT_OK
 
@@ -357,7 +357,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-tokens", type=_positive_int, default=512)
     p.add_argument("--gen-tokens", type=_positive_int, default=64)
     p.add_argument("--threads", type=_positive_int, help="CPU threads (default: one per physical core)")
-    p.add_argument("--repeats", type=_positive_int, default=3)
+    p.add_argument("--repeats", type=_positive_int, default=2, help="timed passes per process (after an untimed one)")
+    p.add_argument("--rounds", type=_positive_int, default=2,
+                   help="processes per backend, the backends taking turns (a drifting machine slows both alike)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_bench_generate)
 

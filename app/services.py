@@ -254,7 +254,7 @@ class Services:
         return path
 
     # Sizes of the benchmark, as `hybridmoe bench generate` has them by default.
-    bench_sizes = {"prompt_tokens": 512, "gen_tokens": 64, "repeats": 3}
+    bench_sizes = {"prompt_tokens": 512, "gen_tokens": 64, "repeats": 2, "rounds": 2}
 
     def bench_backends(self, model_path: str | Path) -> tuple[str, ...]:
         """The engine always; llama.cpp too for a GGUF file, when llama-cpp-python is installed."""

@@ -2,10 +2,12 @@
 
 Each backend runs in a fresh process of its own (`python -m backend.bench.generate
 --worker ...`), so that its peak resident memory and its thread pool are its own; both get
-the same prompt token ids, the same thread count and greedy decoding. Reported: load time,
-peak RSS after load and at the end, prefill tokens/s on the prompt and decode tokens/s,
-medians over the repeats. A benchmark, not a test: timings on a shared machine are noisy,
-so compare the ratio printed at the end.
+the same prompt token ids, the same thread count and greedy decoding. Each worker runs one
+untimed pass first (page faults on the mapped file, lazily built kernels' state), then
+`repeats` timed ones; the backends take turns for `rounds` rounds, so that a machine whose
+speed drifts over minutes (a shared host) slows both alike. Reported: load time, peak RSS
+after load and at the end, prefill tokens/s on the prompt and decode tokens/s, medians over
+all timed passes. A benchmark, not a test: compare the ratio printed at the end.
 """
 
 from __future__ import annotations
@@ -61,11 +63,11 @@ def _run_engine(model: str, prompt_tokens: int, gen_tokens: int, threads: int, r
     ids = _prompt(net.config.require("vocab_size"), prompt_tokens)
     chunk = plan.workload.prefill_chunk
     prefill, decode, tokens = [], [], []
-    for _ in range(repeats):
+    for rep in range(repeats + 1):  # the first pass warms up, untimed
         t0 = time.perf_counter()
         for pos in range(0, len(ids), chunk):
             logits = net(torch.tensor(ids[pos : pos + chunk]), pos, last_only=True)
-        prefill.append(len(ids) / (time.perf_counter() - t0))
+        prefill_s = time.perf_counter() - t0
         tok = int(logits[-1].argmax())
         out = [tok]
         t0 = time.perf_counter()
@@ -73,7 +75,9 @@ def _run_engine(model: str, prompt_tokens: int, gen_tokens: int, threads: int, r
             logits = net(torch.tensor([tok]), len(ids) + i, last_only=True)
             tok = int(logits[-1].argmax())
             out.append(tok)
-        decode.append((gen_tokens - 1) / (time.perf_counter() - t0))
+        if rep:
+            prefill.append(len(ids) / prefill_s)
+            decode.append((gen_tokens - 1) / (time.perf_counter() - t0))
         tokens = out
     from backend.engine import native_experts
 
@@ -92,11 +96,11 @@ def _run_llamacpp(model: str, prompt_tokens: int, gen_tokens: int, threads: int,
     rss_load = _vm_hwm()
     ids = _prompt(llm.n_vocab(), prompt_tokens)
     prefill, decode, tokens = [], [], []
-    for _ in range(repeats):
+    for rep in range(repeats + 1):  # the first pass warms up, untimed
         llm.reset()
         t0 = time.perf_counter()
         llm.eval(ids)
-        prefill.append(len(ids) / (time.perf_counter() - t0))
+        prefill_s = time.perf_counter() - t0
         tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
         out = [tok]
         t0 = time.perf_counter()
@@ -104,7 +108,9 @@ def _run_llamacpp(model: str, prompt_tokens: int, gen_tokens: int, threads: int,
             llm.eval([tok])
             tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
             out.append(tok)
-        decode.append((gen_tokens - 1) / (time.perf_counter() - t0))
+        if rep:
+            prefill.append(len(ids) / prefill_s)
+            decode.append((gen_tokens - 1) / (time.perf_counter() - t0))
         tokens = out
     return {"load_s": load_s, "rss_after_load": rss_load, "prefill": prefill, "decode": decode, "tokens": tokens,
             "version": llama_cpp.__version__}
@@ -119,8 +125,9 @@ def run_worker(backend: str, model: str, prompt_tokens: int, gen_tokens: int, th
 
 
 def measure(model: str, *, prompt_tokens: int = 512, gen_tokens: int = 64, threads: int | None = None,
-            repeats: int = 3, backends=BACKENDS, on_progress=None, cancel=None) -> dict:
-    """Run every backend in its own process; return their results and the engine/llama.cpp ratios.
+            repeats: int = 2, rounds: int = 2, backends=BACKENDS, on_progress=None, cancel=None) -> dict:
+    """Run the backends in turn, each in its own process, `rounds` times; return their results
+    (timings of every round together) and the engine/llama.cpp ratios of the medians.
 
     ``on_progress`` (a backend.session.ProgressCallback) hears which backend starts;
     ``cancel`` (a CancelToken) kills the running worker and raises ``Cancelled``."""
@@ -129,10 +136,13 @@ def measure(model: str, *, prompt_tokens: int = 512, gen_tokens: int = 64, threa
     from backend.session import Progress
 
     threads = threads or psutil.cpu_count(logical=False) or 1
-    results = {}
-    for i, backend in enumerate(backends):
+    results: dict[str, dict] = {}
+    runs = [(r, b) for r in range(rounds) for b in backends]
+    for i, (r, backend) in enumerate(runs):
         if on_progress is not None:
-            on_progress(Progress("bench", i, len(backends), unit="backends", message=f"measuring {backend}"))
+            on_progress(Progress("bench", i, len(runs), unit="runs", message=f"measuring {backend}, round {r + 1}"))
+        if "error" in results.get(backend, {}):
+            continue
         cmd = [sys.executable, "-m", "backend.bench.generate", "--worker", backend, model,
                "--prompt-tokens", str(prompt_tokens), "--gen-tokens", str(gen_tokens),
                "--threads", str(threads), "--repeats", str(repeats)]
@@ -140,12 +150,20 @@ def measure(model: str, *, prompt_tokens: int = 512, gen_tokens: int = 64, threa
         if returncode != 0:
             results[backend] = {"error": stderr.strip().splitlines()[-1] if stderr.strip() else "failed"}
             continue
-        r = json.loads(stdout.strip().splitlines()[-1])
-        r["prefill_median"] = statistics.median(r["prefill"])
-        r["decode_median"] = statistics.median(r["decode"])
-        results[backend] = r
+        run = json.loads(stdout.strip().splitlines()[-1])
+        if backend not in results:
+            results[backend] = run
+        else:  # timings accumulate; load figures are the first round's, peaks the highest
+            kept = results[backend]
+            kept["prefill"] += run["prefill"]
+            kept["decode"] += run["decode"]
+            kept["rss_peak"] = max(kept["rss_peak"], run["rss_peak"])
+    for r in results.values():
+        if "error" not in r:
+            r["prefill_median"] = statistics.median(r["prefill"])
+            r["decode_median"] = statistics.median(r["decode"])
     summary = {"model": model, "prompt_tokens": prompt_tokens, "gen_tokens": gen_tokens, "threads": threads,
-               "repeats": repeats, "results": results}
+               "repeats": repeats, "rounds": rounds, "results": results}
     e, l = results.get("engine", {}), results.get("llamacpp", {})
     if "decode_median" in e and "decode_median" in l:
         summary["decode_ratio"] = e["decode_median"] / l["decode_median"]
@@ -171,7 +189,8 @@ def _run_worker(cmd: list[str], cancel) -> tuple[int, str, str]:
 def table(summary: dict) -> str:
     gib = 1 << 30
     lines = [f"{summary['model']}: {summary['prompt_tokens']}-token prompt, {summary['gen_tokens']} generated, "
-             f"{summary['threads']} threads, median of {summary['repeats']}",
+             f"{summary['threads']} threads, median of {summary['repeats']} passes x {summary.get('rounds', 1)} rounds "
+             "(backends in turn)",
              f"{'backend':10} {'load s':>7} {'RSS load':>9} {'RSS peak':>9} {'prefill tok/s':>14} {'decode tok/s':>13}"]
     for name, r in summary["results"].items():
         if "error" in r:
@@ -192,7 +211,8 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-tokens", type=int, default=512)
     p.add_argument("--gen-tokens", type=int, default=64)
     p.add_argument("--threads", type=int)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     if args.worker:
@@ -200,7 +220,7 @@ def main(argv=None) -> int:
                                     args.threads or 1, args.repeats)))
         return 0
     summary = measure(args.model, prompt_tokens=args.prompt_tokens, gen_tokens=args.gen_tokens,
-                      threads=args.threads, repeats=args.repeats)
+                      threads=args.threads, repeats=args.repeats, rounds=args.rounds)
     print(json.dumps(summary, indent=1) if args.json else table(summary))
     return 0
 

@@ -38,7 +38,7 @@ int dense_prefill_min_tokens(const KernelTable& kt) {
 
 namespace {
 
-constexpr int kMaxKc = 4096;  // columns dequantized at a time (as in moe_layer.cpp)
+constexpr int kMaxKc = 512;  // columns dequantized at a time (as in moe_layer.cpp)
 
 struct Workspace {
     std::vector<float> xf;     // x as fp32 when it came as bf16
@@ -233,8 +233,8 @@ void DenseLinear::forward(Executor& exec, const KernelTable& kt, const void* x, 
     // Two panels per unit keep the dequantized rows (2 x kc x panel floats) within L2 and
     // reuse each group of activation rows twice; one panel when that leaves too few units.
     const int P = kt.panel;
-    int panels = 2;
-    if ((rows_ + 2 * P - 1) / (2 * P) < 4 * threads) panels = 1;
+    int panels = 8;
+    while (panels > 1 && (rows_ + panels * P - 1) / (panels * P) < 4 * threads) panels /= 2;
     split(c, parts_, panels * P);
     c.next.store(0, std::memory_order_relaxed);
     exec.run(phase_gemm, &c);

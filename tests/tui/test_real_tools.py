@@ -165,7 +165,7 @@ def _bench_processes() -> list[psutil.Process]:
 async def test_benchmark_from_the_hardware_screen(tiny_model):
     _configure(tiny_model, max_tokens=8)
     services = Services()
-    services.bench_sizes = {"prompt_tokens": 16, "gen_tokens": 8, "repeats": 1}
+    services.bench_sizes = {"prompt_tokens": 16, "gen_tokens": 8, "repeats": 1, "rounds": 1}
     app = HybridMoeApp(services)
     async with app.run_test(size=(100, 40)) as pilot:
         chat = await _loaded(pilot, app)
