@@ -77,8 +77,7 @@ class _AttentionStep:
         return (type(attn) is Attention and attn.qkv is not None and isinstance(attn.o, NativeLinear)
                 and type(attn.cache) is KVCache and attn.sinks is None and attn.clip_qkv is None
                 and (attn.q_norm is None or attn.norm_per_head)
-                and attn.cache.k.dtype in (torch.float32, torch.bfloat16)
-                and attn.rotary.cos.device.type == "cpu")
+                and attn.cache.k.dtype in (torch.float32, torch.bfloat16))
 
     def __call__(self, h: torch.Tensor, pos: int) -> torch.Tensor:
         a = self.attn
@@ -207,6 +206,8 @@ class DecodeStep:
         self.layers = layers
         self.norm = _Norm(model.norm)
         self.out = torch.empty(1, model.norm.weight.shape[0])
+        # A head the kernels do not read is a PyTorch Linear in the model dtype.
+        self.head_dtype = None if isinstance(model.lm_head, NativeLinear) else model.dtype
 
     @classmethod
     def build(cls, model: nn.Module) -> DecodeStep | None:
@@ -221,9 +222,11 @@ class DecodeStep:
         return cls(model, layers)
 
     def __call__(self, x: torch.Tensor, pos: int) -> torch.Tensor:
-        """x: the token's embedding [1, H] -> the final-normed hidden state [1, H], float32."""
+        """x: the token's embedding [1, H] -> the final-normed hidden state [1, H], what the
+        LM head reads (float32 for a native head)."""
         x = x.float()  # a copy: the residual stream is updated in place
         dtype = self.model.dtype
         for step in self.layers:
             x = step(x, pos, dtype)
-        return self.norm(x, self.out)
+        h = self.norm(x, self.out)
+        return h if self.head_dtype is None else h.to(self.head_dtype)
