@@ -61,20 +61,25 @@ class _AttentionStep:
 
     def __init__(self, attn: Attention):
         self.attn = attn
-        self.qkv, self.o = attn.qkv, attn.o
+        # One fused call, or (q, k, v stored in different formats) three into one buffer.
+        self.projections = (attn.qkv,) if attn.qkv is not None else (attn.q, attn.k, attn.v)
+        self.o = attn.o
         self.q_norm = None if attn.q_norm is None else _f32(attn.q_norm.weight)
         self.k_norm = None if attn.k_norm is None else _f32(attn.k_norm.weight)
         self.eps = float(attn.q_norm.eps) if attn.q_norm is not None else 1e-6
         self.cos, self.sin = _f32(attn.rotary.cos), _f32(attn.rotary.sin)
         self.pairs = attn.rotary.layout == "pairs"
-        self.buf_qkv = torch.empty(1, self.qkv.out_features)
+        self.buf_qkv = torch.empty(sum(p.out_features for p in self.projections))
         self.buf_q = torch.empty(attn.n_heads, attn.head_dim)
         self.buf_att = torch.empty(attn.n_heads, attn.cache.v.shape[-1])
         self.buf_o = torch.empty(1, self.o.out_features)
 
     @staticmethod
     def supports(attn: nn.Module) -> bool:
-        return (type(attn) is Attention and attn.qkv is not None and isinstance(attn.o, NativeLinear)
+        if type(attn) is not Attention:
+            return False
+        native = attn.qkv is not None or all(isinstance(p, NativeLinear) for p in (attn.q, attn.k, attn.v))
+        return (native and isinstance(attn.o, NativeLinear)
                 and type(attn.cache) is KVCache and attn.sinks is None and attn.clip_qkv is None
                 and (attn.q_norm is None or attn.norm_per_head)
                 and attn.cache.k.dtype in (torch.float32, torch.bfloat16))
@@ -82,7 +87,10 @@ class _AttentionStep:
     def __call__(self, h: torch.Tensor, pos: int) -> torch.Tensor:
         a = self.attn
         cache = a.cache
-        qkv = _linear(self.qkv, h, self.buf_qkv)
+        qkv, at = self.buf_qkv, 0
+        for p in self.projections:
+            _linear(p, h, qkv[at : at + p.out_features].view(1, -1))
+            at += p.out_features
         k, v = cache.k[0], cache.v[0]
         _native.rope_store(qkv, a.n_heads, a.n_kv_heads, self.q_norm, self.k_norm, self.eps, self.cos, self.sin,
                            self.pairs, k, v, pos, self.buf_q)

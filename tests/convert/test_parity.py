@@ -59,6 +59,12 @@ CASES = {
     ("gpt_oss", "q4_0"): 0.6,
 }
 
+# The engine's own bounds where they differ from llama.cpp's: GPT-OSS decodes through the
+# layer path in bf16 (its attention has sinks and sliding windows, which the native decode
+# step leaves to PyTorch); measured 0.50 (q8_0) and 0.57 (q4_0). Elsewhere the engine is
+# within llama.cpp's bounds (measured 0.23-0.53).
+ENGINE_BOUNDS = {("gpt_oss", "q8_0"): 0.8, ("gpt_oss", "q4_0"): 0.8}
+
 # Text in each family's own control tokens, which llama.cpp must keep whole as HF does.
 FAMILY_SAMPLES = {
     "glm4_moe": ["[gMASK]<sop><|system|>\nBe brief.<|user|>\nHi there<|assistant|>\n"],
@@ -287,3 +293,33 @@ def test_engine_reads_the_gguf_like_the_checkpoint(checkpoints, converted):
                 assert torch.equal(rebuilt, f.get_tensor(name).float()), name
                 checked += 1
             assert checked == len(list(f.keys())), family
+
+
+@pytest.mark.parametrize(("family", "quant"), [case for case in CASES if case[1] != "bf16"])
+def test_engine_decodes_the_gguf_as_transformers_does(family, quant, checkpoints, converted, tmp_path):
+    """The engine on the quantized GGUF, one token per call after the first (its native CPU
+    decode path: norms, rotary, routers and the projections read in place, activations
+    rounded to 8 bits for quantized matmuls as llama.cpp does), against transformers running
+    the weights the file holds, with the tolerances llama.cpp gets in the same comparison."""
+    from backend.engine.model import build_model
+    from backend.engine.weights import open_weights
+    from backend.models import inspect_model
+
+    ck = checkpoints(family, True)  # every expert chosen: no rounding-flipped top-k
+    path = converted(family, quant, True)
+    net = build_model(inspect_model(path).spec.config, open_weights(path), max_context=64)
+    steps = [net(torch.tensor(PROMPT[:1]), 0)]
+    steps += [net(torch.tensor([t]), pos) for pos, t in enumerate(PROMPT[1:], start=1)]
+    ours = torch.cat(steps).float()
+    # GPT-OSS' attention (sinks, sliding windows) and DeepSeek's MLA keep the layer path; so
+    # do the tiny Mixtral's q4_k_m experts, which llama's recipe stores as q5_0 (rows of 64
+    # are no whole Q4_K super-block), a format the kernels do not read.
+    step = net._decode_step
+    if family not in ("gpt_oss", "deepseek_v3"):
+        assert step is not None and all(s.attn is not None for s in step.layers)
+    if (family, quant) != ("mixtral", "q4_k_m"):
+        assert step is not None and any(s.ffn is not None for s in step.layers)
+    reference = hf_logits(dequantized_reference(ck, path, tmp_path / "deq"), PROMPT)
+    diff = (ours - reference).abs().max().item()
+    print(f"{family} {quant}: engine vs transformers max |logit diff| {diff:.4f}")
+    assert diff < ENGINE_BOUNDS.get((family, quant), CASES[(family, quant)])
