@@ -102,7 +102,7 @@ class MoeTransformer(nn.Module):
         x = F.embedding(ids, self.embed)
         step = self._native_decode() if ids.shape[0] == 1 else None
         if step is not None:
-            logits = self.lm_head(step(x, start_pos)).float()
+            logits = step(x, start_pos)
             self.length = start_pos + 1
             self.stats.add_tokens(1)
             return logits.unsqueeze(0) if batched else logits

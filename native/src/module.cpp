@@ -70,6 +70,13 @@ bool is_bf16(const nb::dlpack::dtype& d) {
     return d.code == uint8_t(nb::dlpack::dtype_code::Bfloat) && d.bits == 16 && d.lanes == 1;
 }
 
+// A KV cache: bf16, or its bits as uint16 (how a NumPy view carries it: NumPy has no
+// bfloat16, and the decode step passes NumPy views because a torch tensor crosses into an
+// extension through DLPack, several microseconds an argument).
+bool is_bf16_cache(const nb::dlpack::dtype& d) {
+    return is_bf16(d) || (d.code == uint8_t(nb::dlpack::dtype_code::UInt) && d.bits == 16 && d.lanes == 1);
+}
+
 using I64Array = nb::ndarray<const int64_t, nb::c_contig, nb::device::cpu>;
 using F32Array = nb::ndarray<const float, nb::c_contig, nb::device::cpu>;
 
@@ -192,7 +199,7 @@ void dense_forward(const DenseLinear& lin, nb::ndarray<nb::ndim<2>, nb::c_contig
 void attend_decode_py(nb::ndarray<const float, nb::ndim<2>, nb::c_contig, nb::device::cpu> q,
                       nb::ndarray<nb::ndim<3>, nb::device::cpu> k, nb::ndarray<nb::ndim<3>, nb::device::cpu> v,
                       int64_t length, float scale, nb::ndarray<float, nb::ndim<2>, nb::c_contig, nb::device::cpu> out) {
-    const bool bf16 = is_bf16(k.dtype());
+    const bool bf16 = is_bf16_cache(k.dtype());
     if (!bf16 && k.dtype() != nb::dtype<float>()) throw nb::type_error("the cache must be float32 or bfloat16");
     if (k.dtype() != v.dtype()) throw nb::type_error("keys and values must have one dtype");
     DecodeAttention a;
@@ -244,7 +251,7 @@ void rope_store_py(F32In qkv, int64_t n_heads, int64_t n_kv_heads, std::optional
     a.Hkv = n_kv_heads;
     a.D = int64_t(k_cache.shape(2));
     a.Dv = int64_t(v_cache.shape(2));
-    const bool bf16 = is_bf16(k_cache.dtype());
+    const bool bf16 = is_bf16_cache(k_cache.dtype());
     if (!bf16 && k_cache.dtype() != nb::dtype<float>()) throw nb::type_error("the cache must be float32 or bfloat16");
     if (k_cache.dtype() != v_cache.dtype()) throw nb::type_error("keys and values must have one dtype");
     if (a.Hkv <= 0 || a.Hq % a.Hkv || int64_t(k_cache.shape(0)) != a.Hkv || int64_t(v_cache.shape(0)) != a.Hkv)
