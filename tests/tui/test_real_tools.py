@@ -5,6 +5,7 @@ bandwidth while an answer streams, and the benchmark."""
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import replace
 
 import psutil
@@ -101,7 +102,7 @@ async def test_usage_is_recorded_added_up_and_planned_from(tiny_model):
 
 
 async def test_measuring_the_bandwidth_waits_for_the_answer(tiny_model, monkeypatch):
-    # Greedy decoding of the random tiny model runs to the context limit: a few seconds.
+    # Greedy decoding of the random tiny model runs to the context limit (paced below).
     _configure(tiny_model, max_tokens=None, context=1024, measure_bandwidth=True)
     probes: list[bool] = []  # for each probe: was the model generating meanwhile?
     generating = threading.Event()
@@ -122,7 +123,12 @@ async def test_measuring_the_bandwidth_waits_for_the_answer(tiny_model, monkeypa
         def watched_generate(*args, **kwargs):
             generating.set()
             try:
-                yield from session_generate(*args, **kwargs)
+                for piece in session_generate(*args, **kwargs):
+                    # Paced: the answer must outlast the steps below however fast the
+                    # engine decodes (the native CPU decode step runs the tiny model at
+                    # hundreds of tokens a second).
+                    time.sleep(0.01)
+                    yield piece
             finally:
                 generating.clear()
 
