@@ -216,15 +216,15 @@ class _MoEStep:
 
 
 class _LayerStep:
-    def __init__(self, layer: nn.Module, hidden: int):
+    def __init__(self, layer: nn.Module, h: np.ndarray):
         self.layer = layer
+        self.h = h  # the normed input of a block (one buffer for all layers)
         self.attn_norm, self.ffn_norm = _Norm(layer.attn_norm), _Norm(layer.ffn_norm)
         self.attn = _AttentionStep(layer.attn) if _AttentionStep.supports(layer.attn) else None
         if _GatedStep.supports(layer.ffn):
             self.ffn = _GatedStep(layer.ffn)
         else:
             self.ffn = _MoEStep.build(layer.ffn)
-        self.h = np.empty((1, hidden), dtype=np.float32)
 
     def __call__(self, x: _Buffer, pos: int, dtype: torch.dtype) -> None:
         """Add the layer's two blocks to the residual stream x in place."""
@@ -246,10 +246,10 @@ class DecodeStep:
     def __init__(self, model: nn.Module):
         self.model = model
         hidden = model.norm.weight.shape[0]
-        self.layers = [_LayerStep(layer, hidden) for layer in model.layers]
-        self.norm = _Norm(model.norm)
         self.x = _Buffer(1, hidden)  # the residual stream
         self.h = _Buffer(1, hidden)
+        self.layers = [_LayerStep(layer, self.h.a) for layer in model.layers]
+        self.norm = _Norm(model.norm)
         # A head the kernels do not read is a PyTorch Linear in the model dtype.
         self.head = _Linear(model.lm_head) if isinstance(model.lm_head, NativeLinear) else None
 
