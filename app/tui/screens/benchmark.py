@@ -111,7 +111,8 @@ class BenchmarkScreen(ReportsWorkerErrors, ModalScreen[None]):
         self.query_one("#bench-about", Static).update(
             f"Measures prefill and decode tokens/s of {_name(self.path)} with {who}, each in a process of its "
             f"own: a {sizes['prompt_tokens']}-token prompt, {sizes['gen_tokens']} generated tokens, the median of "
-            f"{sizes['repeats']} runs, all experts on the CPU.{gguf_note} A large model takes minutes to load.\n"
+            f"{sizes['repeats'] * sizes.get('rounds', 1)} runs (the backends taking turns), all experts on the CPU."
+            f"{gguf_note} A large model takes minutes to load.\n"
             "The chat's copy of the model is unloaded first, to leave the memory to the benchmark; "
             "the chat loads it again when you go back to it."
         )
