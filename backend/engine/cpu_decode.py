@@ -172,10 +172,10 @@ class _GatedStep:
 class _MoEStep:
     """Router, the routed experts (all in host memory), shared experts."""
 
-    def __init__(self, moe: MoE, experts: native_experts.NativeExperts):
+    def __init__(self, moe: MoE, experts: native_experts.NativeExperts, choose: Callable):
         self.moe, self.layer = moe, experts.layer
         self.logits = _Linear(NativeLinear(moe.router.weight, getattr(moe.router, "bias", None)))
-        self.choose = _router(moe.router)
+        self.choose = choose
         self.shared = None if moe.shared is None else _GatedStep(moe.shared)
         self.shared_gate = None if moe.shared_gate is None else _Linear(moe.shared_gate)
         k = moe.router.k
@@ -189,7 +189,8 @@ class _MoEStep:
     def build(cls, moe: nn.Module) -> _MoEStep | None:
         if type(moe) is not MoE or moe.scheduler is not None or len(moe.main) or not len(moe.host):
             return None
-        if _router(moe.router) is None or moe.router.weight.dtype != torch.float32:
+        choose = _router(moe.router)
+        if choose is None or moe.router.weight.dtype != torch.float32:
             return None
         if moe.shared is not None and not _GatedStep.supports(moe.shared):
             return None
@@ -199,7 +200,7 @@ class _MoEStep:
         if experts is None:
             return None
         try:
-            return cls(moe, experts)
+            return cls(moe, experts, choose)
         except native_experts.Unsupported:
             return None
 

@@ -70,11 +70,15 @@ bool is_bf16(const nb::dlpack::dtype& d) {
     return d.code == uint8_t(nb::dlpack::dtype_code::Bfloat) && d.bits == 16 && d.lanes == 1;
 }
 
-// A KV cache: bf16, or its bits as uint16 (how a NumPy view carries it: NumPy has no
-// bfloat16, and the decode step passes NumPy views because a torch tensor crosses into an
-// extension through DLPack, several microseconds an argument).
-bool is_bf16_cache(const nb::dlpack::dtype& d) {
-    return is_bf16(d) || (d.code == uint8_t(nb::dlpack::dtype_code::UInt) && d.bits == 16 && d.lanes == 1);
+// Keys and values of a KV cache: whether they are bf16 (else float32; anything else is
+// refused). bf16 may come as its bits in uint16, which is how a NumPy view carries it: NumPy
+// has no bfloat16, and the decode step passes NumPy views because a torch tensor crosses into
+// an extension through DLPack, several microseconds an argument.
+bool cache_is_bf16(const nb::dlpack::dtype& k, const nb::dlpack::dtype& v) {
+    const bool bf16 = is_bf16(k) || (k.code == uint8_t(nb::dlpack::dtype_code::UInt) && k.bits == 16 && k.lanes == 1);
+    if (!bf16 && k != nb::dtype<float>()) throw nb::type_error("the cache must be float32 or bfloat16");
+    if (k != v) throw nb::type_error("keys and values must have one dtype");
+    return bf16;
 }
 
 using I64Array = nb::ndarray<const int64_t, nb::c_contig, nb::device::cpu>;
@@ -199,9 +203,7 @@ void dense_forward(const DenseLinear& lin, nb::ndarray<nb::ndim<2>, nb::c_contig
 void attend_decode_py(nb::ndarray<const float, nb::ndim<2>, nb::c_contig, nb::device::cpu> q,
                       nb::ndarray<nb::ndim<3>, nb::device::cpu> k, nb::ndarray<nb::ndim<3>, nb::device::cpu> v,
                       int64_t length, float scale, nb::ndarray<float, nb::ndim<2>, nb::c_contig, nb::device::cpu> out) {
-    const bool bf16 = is_bf16_cache(k.dtype());
-    if (!bf16 && k.dtype() != nb::dtype<float>()) throw nb::type_error("the cache must be float32 or bfloat16");
-    if (k.dtype() != v.dtype()) throw nb::type_error("keys and values must have one dtype");
+    const bool bf16 = cache_is_bf16(k.dtype(), v.dtype());
     DecodeAttention a;
     a.Hq = int64_t(q.shape(0));
     a.D = int64_t(q.shape(1));
@@ -231,11 +233,10 @@ void attend_decode_py(nb::ndarray<const float, nb::ndim<2>, nb::c_contig, nb::de
 
 // ---- the small decode steps (decode_ops.h); tensors are float32 unless said --------------
 
-using F32In = nb::ndarray<const float, nb::c_contig, nb::device::cpu>;
 using F32Out = nb::ndarray<float, nb::c_contig, nb::device::cpu>;
 using I64Out = nb::ndarray<int64_t, nb::c_contig, nb::device::cpu>;
 
-void rms_norm_py(F32In x, F32In w, float eps, F32Out out) {
+void rms_norm_py(F32Array x, F32Array w, float eps, F32Out out) {
     const int64_t n = int64_t(w.size());
     if (n <= 0 || x.ndim() < 1 || int64_t(x.shape(x.ndim() - 1)) != n) throw nb::value_error("x rows must be as long as w");
     if (out.size() != x.size()) throw nb::value_error("out must have x's shape");
@@ -243,17 +244,15 @@ void rms_norm_py(F32In x, F32In w, float eps, F32Out out) {
 }
 
 // qkv [Hq*D + Hkv*D + Hkv*Dv]; cos, sin [positions, rotary_dim / 2]; caches [Hkv, capacity, D].
-void rope_store_py(F32In qkv, int64_t n_heads, int64_t n_kv_heads, std::optional<F32In> q_norm, std::optional<F32In> k_norm,
-                   float eps, F32In cos, F32In sin, bool pairs, nb::ndarray<nb::ndim<3>, nb::device::cpu> k_cache,
+void rope_store_py(F32Array qkv, int64_t n_heads, int64_t n_kv_heads, std::optional<F32Array> q_norm, std::optional<F32Array> k_norm,
+                   float eps, F32Array cos, F32Array sin, bool pairs, nb::ndarray<nb::ndim<3>, nb::device::cpu> k_cache,
                    nb::ndarray<nb::ndim<3>, nb::device::cpu> v_cache, int64_t pos, F32Out q_out) {
     RopeStore a;
     a.Hq = n_heads;
     a.Hkv = n_kv_heads;
     a.D = int64_t(k_cache.shape(2));
     a.Dv = int64_t(v_cache.shape(2));
-    const bool bf16 = is_bf16_cache(k_cache.dtype());
-    if (!bf16 && k_cache.dtype() != nb::dtype<float>()) throw nb::type_error("the cache must be float32 or bfloat16");
-    if (k_cache.dtype() != v_cache.dtype()) throw nb::type_error("keys and values must have one dtype");
+    const bool bf16 = cache_is_bf16(k_cache.dtype(), v_cache.dtype());
     if (a.Hkv <= 0 || a.Hq % a.Hkv || int64_t(k_cache.shape(0)) != a.Hkv || int64_t(v_cache.shape(0)) != a.Hkv)
         throw nb::value_error("the caches must hold n_kv_heads heads, a divisor of n_heads");
     if (a.D > kMaxHeadDim || a.Dv > kMaxHeadDim) throw nb::value_error("head size over 1024");
@@ -287,7 +286,7 @@ void rope_store_py(F32In qkv, int64_t n_heads, int64_t n_kv_heads, std::optional
     rope_store(a);
 }
 
-void check_route(F32In logits, int k, I64Out ids, F32Out weights) {
+void check_route(F32Array logits, int k, I64Out ids, F32Out weights) {
     if (k <= 0 || int64_t(k) > int64_t(logits.size())) throw nb::value_error("k must be between 1 and the number of experts");
     if (int64_t(ids.size()) != k || int64_t(weights.size()) != k) throw nb::value_error("ids and weights must hold k entries");
 }
@@ -431,14 +430,14 @@ NB_MODULE(_native, m) {
           "One token's q|k|v: per-head q/k RMSNorm, the rotary embedding at `pos`, k and v written to the cache, q to q_out.");
     m.def(
         "softmax_topk",
-        [](F32In logits, int k, bool normalize, I64Out ids, F32Out weights) {
+        [](F32Array logits, int k, bool normalize, I64Out ids, F32Out weights) {
             check_route(logits, k, ids, weights);
             softmax_topk(logits.data(), int64_t(logits.size()), k, normalize, ids.data(), weights.data());
         },
         "logits"_a, "k"_a, "normalize"_a, "ids"_a, "weights"_a, "Softmax over all experts, the top k, optionally renormalised.");
     m.def(
         "sigmoid_group_topk",
-        [](F32In logits, std::optional<F32In> bias, int k, int n_group, int topk_group, bool normalize, float scaling,
+        [](F32Array logits, std::optional<F32Array> bias, int k, int n_group, int topk_group, bool normalize, float scaling,
            I64Out ids, F32Out weights) {
             check_route(logits, k, ids, weights);
             const int64_t E = int64_t(logits.size());
@@ -453,7 +452,7 @@ NB_MODULE(_native, m) {
         "DeepSeek-V3 routing: sigmoid scores, the best groups by their two best biased scores, the top k in them.");
     m.def(
         "topk_softmax",
-        [](F32In logits, int k, I64Out ids, F32Out weights) {
+        [](F32Array logits, int k, I64Out ids, F32Out weights) {
             check_route(logits, k, ids, weights);
             topk_softmax(logits.data(), int64_t(logits.size()), k, ids.data(), weights.data());
         },
