@@ -13,7 +13,11 @@ experts were last touched one full forward pass ago); larger T draws random dist
 experts per token. "GB/s" is the stored bytes of the distinct experts a call touched,
 divided by its latency (median of the repeats): for decode, what the kernels pull from
 memory; the ratio to the host read bandwidth probe (``measure_host_read_bandwidth``, the
-number ``hybridmoe doctor`` prints) says how close to memory speed they run.
+number ``hybridmoe doctor`` prints) says how close to memory speed they run. The probe runs
+before every measurement, so that on a shared machine it sees the same neighbours: "%BW med"
+is the median latency's GB/s over the probes' median, "%BW best" the fastest repeat's over
+the fastest probe (like with like). The layer is called the way the engine's decode step
+calls it: NumPy views, a preallocated output.
 
 Timed runs are not tests: nothing here runs under pytest.
 """
@@ -83,7 +87,8 @@ class Row:
     impl: str
     latency_s: float | None  # median of the repeats
     bytes_read: int = 0
-    host_bandwidth: float = 0.0
+    host_bandwidth: float = 0.0  # the probes' median, bytes/s
+    host_bandwidth_best: float = 0.0  # the fastest probe
     note: str = ""
     best_s: float | None = None  # the fastest repeat: what the code does when nothing else runs
 
@@ -97,7 +102,7 @@ class Row:
 
     @property
     def best_ratio(self) -> float | None:
-        return self.bytes_read / self.best_s / self.host_bandwidth if self.best_s and self.host_bandwidth else None
+        return self.bytes_read / self.best_s / self.host_bandwidth_best if self.best_s and self.host_bandwidth_best else None
 
     @property
     def tokens_per_s(self) -> float | None:
@@ -141,6 +146,11 @@ def host_bandwidth(threads: int, rounds: int = 3) -> tuple[float, float]:
     return app, native
 
 
+def _reference(probes: Sequence[float]) -> tuple[float, float]:
+    """(median, best) of the bandwidth probes so far."""
+    return float(np.median(probes)), max(probes)
+
+
 def _kt_peer(shape: Shape, E: int, fmt: str, tokens: Sequence[int], threads: int, seconds: float) -> dict[str, Any]:
     spec = dict(E=E, k=shape.top_k, H=shape.hidden, I=shape.inter, format=fmt, seed=SEED, tokens=list(tokens),
                 threads=threads, seconds=seconds, min_repeats=3, max_repeats=50)
@@ -176,6 +186,7 @@ def run(
         _native.set_num_threads(threads)
     threads = _native.num_threads()
     app_bw, native_bw = host_bandwidth(threads)
+    probes = [app_bw]
     out(f"native kernels: {native_experts.isa()}, {threads} threads; host read bandwidth: "
         f"{app_bw / 1e9:.2f} GB/s (app probe, the ratio's reference), {native_bw / 1e9:.2f} GB/s (native probe)")
     rows: list[Row] = []
@@ -183,9 +194,6 @@ def run(
         shape = SHAPES[shape_name]
         E = min(shape.experts, deepseek_experts) if shape_name == "deepseek-v3" else shape.experts
         for fmt in formats:
-            # The probe again between layers: the reference is the best bandwidth the
-            # machine showed during the run (on a shared machine it moves from minute to minute).
-            app_bw = max(app_bw, host_bandwidth(threads, rounds=1)[0])
             t0 = time.perf_counter()
             experts = make_layer(fmt, E, shape.hidden, shape.inter)
             native = native_experts.native_for(experts)
@@ -197,16 +205,21 @@ def run(
             out(f"\n{label}, {fmt}: {E} experts x {eb / 1e6:.1f} MB = {E * eb / 1e9:.2f} GB "
                 f"(built in {time.perf_counter() - t0:.0f} s)")
             for T in tokens:
+                # The probe again before each measurement: on a shared machine the bandwidth
+                # moves from minute to minute, and the ratio compares like with like.
+                probes.append(host_bandwidth(threads, rounds=1)[0])
                 x = torch.randn(T, shape.hidden)
                 nbytes = _distinct_bytes(T, E, shape.top_k, range(64), eb)
 
                 routes = [routing(T, E, shape.top_k, i) for i in range(64)]
+                views = [(ids.numpy(), w.numpy()) for ids, w in routes]
+                xn, out_n = x.numpy(), np.empty((T, shape.hidden), np.float32)
 
                 def native_call(i: int) -> None:
-                    native.forward(x, *routes[i % len(routes)])
+                    native.layer.forward(xn, *views[i % len(views)], out_n)
 
                 lat, best = _time(native_call, seconds, 5 if T < 512 else 3, 200)
-                rows.append(Row(label, fmt, T, f"hybridmoe ({native_experts.isa()})", lat, nbytes, app_bw, best_s=best))
+                rows.append(Row(label, fmt, T, f"hybridmoe ({native_experts.isa()})", lat, nbytes, *_reference(probes), best_s=best))
                 out(format_rows(rows[-1:], header=False))
                 # The reference dequantizes every expert it uses on every call (~0.01 GB/s):
                 # timed where that takes seconds, not minutes.
@@ -217,7 +230,7 @@ def run(
                         experts_forward(x, *routes[i % len(routes)], experts)
 
                     lat, best = _time(torch_call, min(seconds, 1.0), 1, 3)
-                    rows.append(Row(label, fmt, T, "pytorch reference", lat, nbytes, app_bw, best_s=best))
+                    rows.append(Row(label, fmt, T, "pytorch reference", lat, nbytes, *_reference(probes), best_s=best))
                     out(format_rows(rows[-1:], header=False))
             experts = native = None  # free the layer before kt-kernel builds its own copy
             if "kt-kernel" in peers:
@@ -238,12 +251,13 @@ def run(
                     for T in tokens:
                         nbytes = _distinct_bytes(T, E, shape.top_k, range(64), eb)
                         rows.append(Row(label, fmt, T, f"kt-kernel {res['method']} [{res['variant']}], "
-                                        f"{kt_threads} thr", res["latency"][str(T)], nbytes, app_bw,
+                                        f"{kt_threads} thr", res["latency"][str(T)], nbytes, *_reference(probes),
                                         best_s=res["best"][str(T)]))
                         out(format_rows(rows[-1:], header=False))
     for r in rows:
-        r.host_bandwidth = app_bw
-    out(f"\nhost read bandwidth, best probe of the run: {app_bw / 1e9:.2f} GB/s (the % columns below)")
+        r.host_bandwidth, r.host_bandwidth_best = float(np.median(probes)), max(probes)
+    out(f"\nhost read bandwidth over {len(probes)} probes of the run: median {np.median(probes) / 1e9:.2f} GB/s "
+        f"(%BW med), best {max(probes) / 1e9:.2f} GB/s (%BW best)")
     return rows
 
 
@@ -295,7 +309,7 @@ def switch_point(
 
 def format_rows(rows: Sequence[Row], header: bool = True) -> str:
     """ms: median and fastest repeat; tok/s and GB/s from the median; % of host BW: the
-    median's and the fastest repeat's share of the probe's bandwidth."""
+    median's share of the probes' median, the fastest repeat's of the fastest probe."""
     lines = []
     if header:
         lines.append(f"{'shape':<32} {'format':<9} {'T':>4}  {'implementation':<44} {'ms med':>9} {'ms best':>9} "

@@ -217,6 +217,7 @@ class Build:
             raise ValueError(f"placement for layer {i} names experts {sorted(bad)}; the layer has {n_experts}")
         main = ResidentExperts(store, on_main, self.dtype, self.device, act, form=self.resident_form)
         host = HostExperts(store, set(range(n_experts)) - on_main, self.dtype, act)
+        native_experts.prepare(host)
         return main, host
 
     def moe(self, i: int, prefix: str, router: nn.Module, n_experts: int, intermediate: int, *,

@@ -5,7 +5,11 @@
 [T, H] over the experts of ``experts`` (ids of other experts, and -1, contribute nothing).
 It computes them in one native call that releases the GIL, reading the stored bytes in
 place: the views of the mmap'd checkpoint that ``ExpertStore`` holds are handed to C++ as
-addresses, nothing is copied or converted at load (biases, a few KB, become float32).
+addresses (biases, a few KB, become float32). One exception, where it pays: q4_0,
+int4_g32 and q4_k experts are copied once, at load (``prepare``), into a row-interleaved
+layout whose integer GEMV runs at memory speed for a token and beats the fp32 GEMM for a
+prompt (``native/src/repack.h`` says why); the copy has the stored size (q4_k +2.8 %) and
+the source pages are released when they are a read-only file mapping (GGUF).
 
 ``try_forward`` is the engine's entry point: the native result when the extension is built
 and the layer's storage is one it reads (see ``native_format``), else ``None`` and the
@@ -45,6 +49,7 @@ __all__ = [
     "cpu_experts_forward",
     "isa",
     "native_format",
+    "prepare",
     "summary",
     "try_forward",
     "unsupported_reason",
@@ -157,12 +162,12 @@ def _bias(b: torch.Tensor | None, start: int, step: int, n: int) -> torch.Tensor
 class NativeExperts:
     """One layer's CPU experts described to the native kernels (built once, kept)."""
 
-    def __init__(self, experts: HostExperts):
+    def __init__(self, experts: HostExperts, *, interleave: bool = True):
         store = experts.store
         if store.transposed:
             raise Unsupported("float GPT-OSS experts stored as x @ W are not read natively")
         H, I, E = store.hidden, store.intermediate, store.n_experts
-        interleave = experts.act.interleaved
+        gate_up_alternate = experts.act.interleaved  # GPT-OSS: gate and up rows alternate in one matrix
         act = experts.act.kind
         if act in ("silu", "swish"):
             act = "silu"
@@ -179,7 +184,7 @@ class NativeExperts:
             if "gate_up" in parts:
                 gu = parts["gate_up"]
                 fmt = native_format(gu)
-                g_at, u_at, step = ((0, 1, 2) if interleave else (0, I, 1))
+                g_at, u_at, step = ((0, 1, 2) if gate_up_alternate else (0, I, 1))
                 gate = matrix_ref(gu, fmt, I, g_at, step) if fmt else None
                 up = matrix_ref(gu, fmt, I, u_at, step) if fmt else None
                 gub = parts.get("gate_up_bias")
@@ -211,7 +216,8 @@ class NativeExperts:
         self.format, self.down_format = formats.pop() if formats else ("f32", "f32")
         try:
             self.layer = _native.MoELayer(self.format, self.down_format, H, I, refs, cpu.numpy(), act,
-                                          float(experts.act.alpha), float(experts.act.limit), biases)
+                                          float(experts.act.alpha), float(experts.act.limit), biases,
+                                          interleave)
         except ValueError as err:
             raise Unsupported(str(err)) from None
         self._keep = keep  # the layer reads these tensors' memory: keep them alive with it
@@ -259,6 +265,13 @@ def native_for(experts: HostExperts) -> NativeExperts | None:
         _reasons[experts] = str(err)
     _built[experts] = native
     return native
+
+
+def prepare(experts: HostExperts) -> None:
+    """Build the native layer now (at model load, under its progress) rather than on the
+    first forward: for q4_0 / int4 experts that includes their interleaved copy."""
+    if enabled() and len(experts):
+        native_for(experts)
 
 
 def unsupported_reason(experts: HostExperts) -> str | None:

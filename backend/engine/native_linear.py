@@ -6,9 +6,11 @@ is a poor fit for them there: its bf16 matmul on CPUs without bf16 arithmetic ru
 fraction of the memory bandwidth (measured 2.9 GB/s for a 4096 x 2048 GEMV on the 2-core
 development machine, against 12.7 GB/s in fp32), and a quantized GGUF projection would have
 to be dequantized into a copy two to four times its size. ``NativeLinear`` reads the stored
-matrix in place, in its own format (Q4_0 stays 4.5 bits a weight in memory), with the same
-kernels as the experts: Q8 activations and integer dot products for a few tokens, dequantized
-panels and an fp32 GEMM for a prompt.
+matrix in its own format (Q4_0 stays 4.5 bits a weight in memory), with the same kernels as
+the experts: Q8 activations and integer dot products for a few tokens, dequantized panels
+and an fp32 GEMM for a prompt. In place, except q4_0 / int4_g32 / q4_k, which are copied
+once into the row-interleaved layout (``native/src/repack.h``) whose integer path wins at
+every token count.
 
 Numerics: float32 accumulation and one rounding to the compute dtype, like PyTorch's bf16
 matmul; quantized formats see Q8-rounded activations, like llama.cpp.
@@ -30,42 +32,42 @@ class NativeLinear(nn.Module):
     object); or, given several matrices of one format and width, their outputs side by side
     (``fused``)."""
 
-    def __init__(self, stored: Any, bias: torch.Tensor | None = None, *, more: tuple = ()):
+    def __init__(self, stored: Any, bias: torch.Tensor | None = None, *, interleave: bool = True):
         super().__init__()
-        matrices = (stored, *more)
         fmt = native_format(stored)
-        if fmt is None or any(native_format(m) != fmt for m in more):
-            raise Unsupported("storage the kernels do not read, or matrices in different formats")
-        cols = int(stored.shape[1])
-        if any(int(m.shape[1]) != cols for m in more):
-            raise Unsupported("matrices of different widths")
-        parts, keep = [], []
-        for m in matrices:
-            ref, kept = matrix_ref(m, fmt, int(m.shape[0]))
-            parts.append((int(m.shape[0]), ref))
-            keep.extend(kept)
+        if fmt is None:
+            raise Unsupported("storage the kernels do not read")
+        rows, cols = int(stored.shape[0]), int(stored.shape[1])
+        ref, keep = matrix_ref(stored, fmt, rows)
         try:
-            self.native = native_experts._native.DenseLinear(fmt, cols, parts)
+            native = native_experts._native.DenseLinear(fmt, cols, [(rows, ref)], interleave)
         except ValueError as err:
             raise Unsupported(str(err)) from None
-        self._keep = keep  # the kernels read these tensors' memory
-        self._stored = matrices
+        self._setup(native, bias, keep)
+
+    def _setup(self, native: Any, bias: torch.Tensor | None, keep: list) -> None:
+        self.native = native
+        self._keep = keep  # what the kernels read: the stored tensors, or the joined projections
         self.register_buffer("bias", None if bias is None else bias.float(), persistent=False)
-        self.out_features, self.in_features = sum(p[0] for p in parts), cols
+        self.out_features, self.in_features = int(native.rows), int(native.cols)
 
     @classmethod
     def fused(cls, *linears: nn.Module) -> NativeLinear | None:
-        """One projection computing `linears` together (outputs concatenated), or None when
-        they cannot be (not all native, or formats or widths differ)."""
+        """One projection computing `linears` together (outputs concatenated), reading their
+        matrices (no second copy), or None when they cannot be (not all native, or formats
+        or widths differ)."""
         if not all(isinstance(lin, NativeLinear) for lin in linears):
             return None
-        stored = [m for lin in linears for m in lin._stored]
+        try:
+            native = native_experts._native.DenseLinear.join([lin.native for lin in linears])
+        except ValueError:
+            return None
         biases = [lin.bias if lin.bias is not None else torch.zeros(lin.out_features) for lin in linears]
         any_bias = any(lin.bias is not None for lin in linears)
-        try:
-            return cls(stored[0], torch.cat(biases) if any_bias else None, more=tuple(stored[1:]))
-        except Unsupported:
-            return None
+        joined = cls.__new__(cls)
+        nn.Module.__init__(joined)
+        joined._setup(native, torch.cat(biases) if any_bias else None, list(linears))
+        return joined
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]

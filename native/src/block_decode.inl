@@ -112,9 +112,48 @@ static inline void dequant_block(Format fmt, const uint8_t* row, const uint8_t* 
     }
 }
 
+// Byte j (0..15) of row `lane`'s codes in a 144-byte block of the x8 layouts.
+static inline uint8_t x8_code_byte(const uint8_t* blk, int lane, int j) { return blk[16 + 32 * (j / 4) + 4 * lane + j % 4]; }
+
+// Block b of row r of an x8 matrix (q4_0 order, codes q + 8) into dst[0 .. 32).
+static inline void dequant_x8_block(Format fmt, const MatrixRef& w, int64_t r, int64_t b, float* dst) {
+    const uint8_t* blk = w.data + (r / 8) * w.row_stride + b * kX8BlockBytes;
+    const int lane = int(r % 8);
+    const uint16_t s = load_u16(blk + 2 * lane);
+    const float d = fmt == FMT_INT4_X8 ? bf16_to_f32(s) : fp16_to_f32(s);
+    for (int j = 0; j < 16; ++j) {
+        const uint8_t c = x8_code_byte(blk, lane, j);
+        dst[j] = d * float(int(c & 0x0F) - 8);
+        dst[j + 16] = d * float(int(c >> 4) - 8);
+    }
+}
+
+// Super-block sb of row r of a q4_kx8 matrix into dst[0 .. 256), as dequant_block does q4_k.
+static inline void dequant_q4kx8_block(const MatrixRef& w, int64_t r, int64_t sb, float* dst) {
+    const uint8_t* blk = w.data + (r / 8) * w.row_stride + sb * kQ4KX8Bytes;
+    const int lane = int(r % 8);
+    const float d = fp16_to_f32(load_u16(blk + 2 * lane)), dmin = fp16_to_f32(load_u16(blk + 16 + 2 * lane));
+    for (int j = 0; j < 8; ++j) {
+        const float dl = d * float(blk[32 + 8 * j + lane]);
+        const float ml = dmin * float(blk[96 + 8 * j + lane]);
+        for (int l = 0; l < 32; ++l) {
+            const uint8_t c = blk[160 + ((j / 2) * 8 + l / 4) * 32 + 4 * lane + l % 4];
+            dst[32 * j + l] = dl * float((c >> (4 * (j & 1))) & 0x0F) - ml;
+        }
+    }
+}
+
 // Columns k0 .. k0+kc-1 of row r (k0, kc multiples of the block) to fp32.
 static inline void dequant_row_portable(Format fmt, const MatrixRef& w, int64_t r, int64_t k0, int kc, float* dst) {
     if (unsigned(fmt) >= unsigned(FMT_COUNT)) return;
+    if (fmt == FMT_Q4_K_X8) {
+        for (int64_t sb = k0 / 256; sb < (k0 + kc) / 256; ++sb) dequant_q4kx8_block(w, r, sb, dst + (sb * 256 - k0));
+        return;
+    }
+    if (kFormats[fmt].row_group == 8) {
+        for (int64_t b = k0 / 32; b < (k0 + kc) / 32; ++b) dequant_x8_block(fmt, w, r, b, dst + (b * 32 - k0));
+        return;
+    }
     const int blk = kFormats[fmt].block;
     const uint8_t* row = w.row(r);
     const uint8_t* srow = w.scales ? w.scale_row(r) : nullptr;

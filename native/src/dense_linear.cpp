@@ -4,6 +4,7 @@
 #include <atomic>
 #include <cstring>
 #include <mutex>
+#include <stdexcept>
 #include <vector>
 
 #include "thread_pool.h"
@@ -30,8 +31,19 @@ namespace hmoe {
 // weight). AVX-512 widens the GEMM more than VNNI speeds the GEMV, so it switches earlier
 // there (an estimate: no AVX-512 machine was at hand). The portable kernels dequantize a
 // block per token group in the GEMV, so their GEMM is cheaper from the first token.
-int dense_prefill_min_tokens(const KernelTable& kt) {
+//
+// The row-interleaved copies (repack.h) have the faster GEMV at every count (CPU ms, both
+// threads, same matrix; "stored": the layout read in place):
+//
+//   T                       8      32     128     512
+//   q4_0x8  gemv          0.8     3.6    21.1    83.1
+//           gemm          1.9     8.9    29.8   123.9
+//   q4_0    stored gemm   4.8    14.3    37.1   128.3
+//   q4_kx8  gemv          0.9     5.3    27.4   118.2
+//           gemm          1.8     7.4    31.9   125.3
+int dense_prefill_min_tokens(const KernelTable& kt, Format fmt) {
     if (std::strcmp(kt.name, "scalar") == 0) return 1;
+    if (kFormats[fmt].row_group == 8) return kNeverPrefill;  // see prefill_min_tokens (moe_layer.cpp)
     if (std::strncmp(kt.name, "avx512", 6) == 0) return 16;
     return 24;
 }
@@ -184,6 +196,54 @@ void split(Call& c, const std::vector<DensePart>& parts, int unit_rows) {
     }
 }
 }  // namespace
+
+void DenseLinear::interleave(Executor& exec) {
+    const Format xfmt = interleaved_format(fmt_);
+    if (xfmt == FMT_COUNT) return;
+    int64_t total = 0;
+    for (const DensePart& p : parts_) {
+        if (p.rows % 8) return;
+        total += interleaved_bytes(xfmt, p.rows, cols_);
+    }
+    OwnedBytes block = allocate_pages(total);
+    // The sources in runs of 256 rows, one job each: enough jobs to share out among the threads.
+    size_t n_runs = 0;
+    for (const DensePart& p : parts_) n_runs += size_t((p.rows + 255) / 256);
+    std::vector<MatrixRef> runs;
+    runs.reserve(n_runs);  // the jobs point into it
+    std::vector<InterleaveJob> jobs;
+    uint8_t* d = block.get();
+    for (const DensePart& p : parts_) {
+        for (int64_t r0 = 0; r0 < p.rows; r0 += 256) {
+            MatrixRef m = p.w;
+            m.data += r0 * m.row_stride;
+            if (m.scales) m.scales += r0 * m.scale_row_stride;
+            runs.push_back(m);
+            jobs.push_back({fmt_, &runs.back(), std::min<int64_t>(256, p.rows - r0), cols_,
+                            d + interleaved_bytes(xfmt, r0, cols_), int(jobs.size()) % exec.nodes()});
+        }
+        d += interleaved_bytes(xfmt, p.rows, cols_);
+    }
+    interleave_all(exec, jobs);
+    d = block.get();
+    for (DensePart& p : parts_) {
+        p.w = MatrixRef{d, nullptr, interleaved_bytes(xfmt, 8, cols_), 0};
+        d += interleaved_bytes(xfmt, p.rows, cols_);
+    }
+    owned_ = std::move(block);
+    owned_bytes_ = total;
+    fmt_ = xfmt;
+}
+
+DenseLinear DenseLinear::join(const std::vector<const DenseLinear*>& lins) {
+    std::vector<DensePart> parts;
+    for (const DenseLinear* l : lins) {
+        if (l->fmt_ != lins[0]->fmt_ || l->cols_ != lins[0]->cols_)
+            throw std::invalid_argument("projections of different formats or widths cannot be joined");
+        parts.insert(parts.end(), l->parts_.begin(), l->parts_.end());
+    }
+    return DenseLinear(lins[0]->fmt_, lins[0]->cols_, std::move(parts));
+}
 
 int64_t DenseLinear::bytes() const {
     const FormatInfo& f = kFormats[fmt_];

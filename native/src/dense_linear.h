@@ -13,6 +13,7 @@
 
 #include "formats.h"
 #include "kernel_table.h"
+#include "repack.h"
 
 namespace hmoe {
 
@@ -29,6 +30,17 @@ struct DensePart {
 class DenseLinear {
 public:
     DenseLinear(Format fmt, int64_t cols, std::vector<DensePart> parts);
+    DenseLinear(DenseLinear&&) = default;
+    DenseLinear(const DenseLinear&) = delete;  // it may own a copy of its matrices
+
+    // q4_0 / int4_g32 / q4_k matrices (every part's rows a multiple of 8): replace them by one
+    // row-interleaved copy the projection owns (repack.h), made on the pool's threads.
+    void interleave(Executor& exec);
+    int64_t copied_bytes() const { return owned_bytes_; }
+
+    // One projection computing `parts` (same format and width) together, outputs side by
+    // side; it reads their matrices, which must outlive it.
+    static DenseLinear join(const std::vector<const DenseLinear*>& parts);
 
     // x [T, cols] (fp32, or bf16 when x_bf16) -> out [T, rows] fp32 (overwritten; the parts'
     // rows one after the other). Up to
@@ -45,9 +57,11 @@ private:
     Format fmt_;
     int64_t rows_, cols_;
     std::vector<DensePart> parts_;
+    OwnedBytes owned_;
+    int64_t owned_bytes_ = 0;
 };
 
-// Token count from which a dense projection takes the GEMM path (measured, see the .cpp).
-int dense_prefill_min_tokens(const KernelTable& kt);
+// Token count from which a dense projection of `fmt` takes the GEMM path (measured, see the .cpp).
+int dense_prefill_min_tokens(const KernelTable& kt, Format fmt);
 
 }  // namespace hmoe

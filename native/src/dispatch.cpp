@@ -1,5 +1,7 @@
 #include "dispatch.h"
 
+#include "repack.h"
+
 #include <atomic>
 #include <cmath>
 #include <cstdlib>
@@ -101,7 +103,7 @@ std::string self_test(const KernelTable* t) {
     if (t == ref) return "";
     std::mt19937 rng(1234);
     std::normal_distribution<float> normal(0.f, 1.f);
-    constexpr int K = 512, ROWS = 5, NT = 3;
+    constexpr int K = 512, NT = 3;
 
     // Activations: the quantizer itself, then shared Q8 inputs for the GEMV comparison.
     std::vector<float> x(size_t(NT) * K);
@@ -120,9 +122,18 @@ std::string self_test(const KernelTable* t) {
     for (int fi = 0; fi < FMT_COUNT; ++fi) {
         const Format fmt = Format(fi);
         const FormatInfo& f = kFormats[fmt];
-        std::vector<uint8_t> data, scales;
+        std::vector<uint8_t> data, scales, copy;
         MatrixRef w;
-        random_rows(fmt, ROWS, K, rng, data, scales, w);
+        int ROWS = 5;
+        if (f.row_group == 8) {  // the x8 layouts: interleave one group of random rows of their source format
+            const Format src = fmt == FMT_Q4_0_X8 ? FMT_Q4_0 : fmt == FMT_INT4_X8 ? FMT_INT4_G32 : FMT_Q4_K;
+            ROWS = 8;  // one group: fits the narrowest panel (the scalar one)
+            random_rows(src, ROWS, K, rng, data, scales, w);
+            copy.resize(size_t(interleaved_bytes(fmt, ROWS, K)));
+            w = interleave_rows(src, w, ROWS, K, copy.data());
+        } else {
+            random_rows(fmt, ROWS, K, rng, data, scales, w);
+        }
         const std::string what = std::string(t->name) + " " + f.name + ": ";
 
         // Decode.

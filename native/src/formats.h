@@ -25,6 +25,20 @@
 //          4i..4i+3, stored as q + 8) + bf16 scales [out, K/32] in a separate array; per
 //          byte: even element low nibble, odd element high nibble
 //   bf16, f16, f32  plain rows
+//   q4_0x8, int4_g32x8  row-interleaved copies of q4_0 / int4_g32 made at load (repack.h):
+//          rows in groups of 8; per group, K / 32 blocks of 144 bytes: the eight rows'
+//          scales (fp16 for q4_0x8, bf16 for int4_g32x8), then four chunks of 32 bytes,
+//          chunk c holding code bytes 4c .. 4c+3 of row r at bytes 4r .. 4r+3 (q4_0 nibble
+//          order: low nibble element j, high nibble element 16 + j; codes are q + 8). A
+//          32-bit lane is one row, so the decode GEMV accumulates eight rows per vector with
+//          no horizontal sums. MatrixRef.data is group 0 and row_stride the bytes from one
+//          group to the next; row counts and first rows are multiples of 8.
+//   q4_kx8  q4_k rows interleaved the same way, per group K / 256 super-blocks of 1184
+//          bytes: d[8] fp16 | dmin[8] fp16 | the 6-bit scales as bytes sc[sub-block j][row]
+//          (64) | mins m[j][row] (64) | 32 chunks of 32 bytes, chunk 8c + v holding bytes
+//          4v .. 4v+3 of the rows' 32-byte code chunk c (sub-block 2c in the low nibbles,
+//          2c + 1 in the high ones). The scales are unpacked at the copy: 148 bytes a row
+//          and super-block instead of 144 (+2.8 %), for a kernel without bit fiddling.
 //
 // The two "pairs interleaved in a byte" layouts (mxfp4_hf, int4_g32) are read exactly like
 // their GGUF cousins (q4_0, mxfp4): the activations are quantized in a permuted order
@@ -51,6 +65,9 @@ enum Format : int {
     FMT_BF16,
     FMT_F16,
     FMT_F32,
+    FMT_Q4_0_X8,   // q4_0 rows interleaved in groups of 8 (made at load)
+    FMT_INT4_X8,   // int4_g32 rows interleaved in groups of 8, bf16 scales (made at load)
+    FMT_Q4_K_X8,   // q4_k rows interleaved in groups of 8, scales unpacked (made at load)
     FMT_COUNT
 };
 
@@ -61,6 +78,7 @@ struct FormatInfo {
     int scale_bytes;      // bytes per block in the separate scale array (0: none)
     bool deinterleave;    // activations are quantized in the permuted (even, odd) order
     bool float_acts;      // decode reads fp32 activations (float formats) instead of Q8
+    int row_group = 1;    // rows stored interleaved in groups of this many (the x8 layouts)
 };
 
 // Indexed by Format. Q8 activation blocks are 32 wide for every quantized format (K-quant
@@ -78,7 +96,15 @@ static constexpr FormatInfo kFormats[FMT_COUNT] = {
     {"bf16", 1, 2, 0, false, true},
     {"f16", 1, 2, 0, false, true},
     {"f32", 1, 4, 0, false, true},
+    {"q4_0x8", 32, 18, 0, false, false, 8},
+    {"int4_g32x8", 32, 18, 0, false, false, 8},
+    {"q4_kx8", 256, 148, 0, false, false, 8},
 };
+
+// Bytes of one block of a group of eight rows in the x8 layouts: 32 columns of q4_0x8 /
+// int4_g32x8, a 256-column super-block of q4_kx8.
+constexpr int kX8BlockBytes = 144;
+constexpr int kQ4KX8Bytes = 1184;
 
 // One [rows, K] weight matrix: where row 0 starts and how far apart rows are, in bytes.
 struct MatrixRef {
@@ -87,7 +113,7 @@ struct MatrixRef {
     int64_t row_stride = 0;
     int64_t scale_row_stride = 0;
 
-    const uint8_t* row(int64_t r) const { return data + r * row_stride; }
+    const uint8_t* row(int64_t r) const { return data + r * row_stride; }  // not for the x8 layouts
     const uint8_t* scale_row(int64_t r) const { return scales + r * scale_row_stride; }
 };
 

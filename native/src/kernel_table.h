@@ -46,6 +46,9 @@ using AttendRunFn = void (*)(const float* q, int group, int64_t D, int64_t Dv, c
 
 constexpr int kMaxGemvTokens = 4;
 
+// A prefill switch point no call reaches: the GEMV path at every token count.
+constexpr int kNeverPrefill = 1 << 30;
+
 struct KernelTable {
     const char* name;  // "avx512_vnni", "avx2", "scalar"
     int panel;         // rows per prefill panel (one or two vector widths)

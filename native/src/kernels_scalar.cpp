@@ -22,11 +22,9 @@ static void gemv_q8(Format fmt, const MatrixRef& w, int64_t row0, int64_t nrows,
     const bool deint = kFormats[fmt].deinterleave;
     float wf[256];
     for (int64_t r = 0; r < nrows; ++r) {
-        const uint8_t* row = w.row(row0 + r);
-        const uint8_t* srow = w.scales ? w.scale_row(row0 + r) : nullptr;
         double acc[kMaxGemvTokens] = {0, 0, 0, 0};
         for (int64_t b = 0; b < K / blk; ++b) {
-            dequant_block(fmt, row, srow, b, wf);
+            dequant_row_portable(fmt, w, row0 + r, b * blk, blk, wf);
             for (int t = 0; t < ntok; ++t) {
                 for (int j = 0; j < blk / 32; ++j) {  // each 32-wide activation block
                     const int64_t ab = b * (blk / 32) + j;
@@ -153,9 +151,9 @@ const KernelTable* kernels_scalar() {
         quantize,
         {gemv_q8_fmt<FMT_Q8_0>, gemv_q8_fmt<FMT_Q4_0>, gemv_q8_fmt<FMT_Q4_K>, gemv_q8_fmt<FMT_Q5_K>,
          gemv_q8_fmt<FMT_Q6_K>, gemv_q8_fmt<FMT_MXFP4>, gemv_q8_fmt<FMT_MXFP4_HF>, gemv_q8_fmt<FMT_INT4_G32>, nullptr,
-         nullptr, nullptr},
+         nullptr, nullptr, gemv_q8_fmt<FMT_Q4_0_X8>, gemv_q8_fmt<FMT_INT4_X8>, gemv_q8_fmt<FMT_Q4_K_X8>},
         {nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, gemv_f32_fmt<FMT_BF16>,
-         gemv_f32_fmt<FMT_F16>, gemv_f32_fmt<FMT_F32>},
+         gemv_f32_fmt<FMT_F16>, gemv_f32_fmt<FMT_F32>, nullptr, nullptr, nullptr},
         dequant_panel,
         gemm_panels,
         silu_mul,

@@ -409,6 +409,157 @@ static void gemv_q8_q6k(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t
     by_tokens<Q6G>(w, row0, nrows, K, acts, ntok, out, ldo);
 }
 
+// ---- decode: the row-interleaved x8 layouts (q4_0x8, int4_g32x8) -------------------------
+
+// The eight rows' scales of one x8 block as floats.
+template <Format F>
+static inline __m256 x8_scales(const uint8_t* blk) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk));
+    if constexpr (F == FMT_INT4_X8) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    return _mm256_cvtph_ps(h);
+}
+
+// Eight rows at a time: a 32-bit lane of a code chunk is four code bytes of one row, so one
+// broadcast of four activation bytes multiplies all eight rows and every sum stays in its
+// row's lane. Per block and token: eight u8 x s8 products into int16 (at most
+// 8 * 2 * 15 * 127 = 30480, no overflow) and one widening to int32 (AVX-512 VNNI: eight
+// vpdpbusd straight into int32), then one FMA with the eight rows' scales. The q + 8
+// offset is taken out at the end as 8 * sum(d_w * s_act), as in gemv_b32_n.
+template <Format F, int N>
+static void gemv_x8_n(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t K, const Q8Row* acts, float* out,
+                      int64_t ldo) {
+    const int64_t nb = K / 32;
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    for (int64_t g = 0; g < nrows / 8; ++g) {
+        const uint8_t* blk = w.data + (row0 / 8 + g) * w.row_stride;
+        __m256 acc[N], corr[N];
+        for (int t = 0; t < N; ++t) acc[t] = corr[t] = _mm256_setzero_ps();
+        for (int64_t b = 0; b < nb; ++b, blk += kX8BlockBytes) {
+            prefetch_span(blk + kPrefetchAhead, kX8BlockBytes);
+            const __m256 dw = x8_scales<F>(blk);
+            __m256i lo[4], hi[4];
+            for (int c = 0; c < 4; ++c) {
+                const __m256i raw = load32(blk + 16 + 32 * c);
+                lo[c] = _mm256_and_si256(raw, m4);
+                hi[c] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
+            }
+            for (int t = 0; t < N; ++t) {
+                const int8_t* a = acts[t].q + 32 * b;
+                auto bcast4 = [](const int8_t* p) {
+                    int32_t v;
+                    std::memcpy(&v, p, 4);
+                    return _mm256_set1_epi32(v);
+                };
+#if defined(HMOE_AVX512)
+                __m256i s32 = _mm256_setzero_si256();
+                for (int c = 0; c < 4; ++c) {
+                    s32 = _mm256_dpbusd_epi32(s32, lo[c], bcast4(a + 4 * c));
+                    s32 = _mm256_dpbusd_epi32(s32, hi[c], bcast4(a + 16 + 4 * c));
+                }
+#else
+                __m256i s16 = _mm256_setzero_si256();
+                for (int c = 0; c < 4; ++c) {
+                    s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(lo[c], bcast4(a + 4 * c)));
+                    s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(hi[c], bcast4(a + 16 + 4 * c)));
+                }
+                const __m256i s32 = _mm256_madd_epi16(s16, _mm256_set1_epi16(1));
+#endif
+                acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(acts[t].d[b])), _mm256_cvtepi32_ps(s32), acc[t]);
+                corr[t] = _mm256_fmadd_ps(dw, _mm256_set1_ps(acts[t].s[b]), corr[t]);
+            }
+        }
+        for (int t = 0; t < N; ++t)
+            _mm256_storeu_ps(out + t * ldo + 8 * g, _mm256_fnmadd_ps(_mm256_set1_ps(8.f), corr[t], acc[t]));
+    }
+}
+
+// q4_kx8: the same eight-rows-per-vector scheme over q4_k super-blocks. A 32-byte code
+// chunk of a row holds two sub-blocks (low and high nibbles), each with its own scale and
+// min: per sub-block and token, eight u8 x s8 products into int16 (at most 16 * 15 * 127 =
+// 30480), one widening, and one FMA with (d * sc_j) of the eight rows times the
+// activation scale; the mins come off as dmin * m_j * s_act, per sub-block.
+template <int N>
+static void gemv_q4kx8_n(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t K, const Q8Row* acts, float* out,
+                         int64_t ldo) {
+    const int64_t nsb = K / 256;
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    auto bcast4 = [](const int8_t* p) {
+        int32_t v;
+        std::memcpy(&v, p, 4);
+        return _mm256_set1_epi32(v);
+    };
+    auto bytes8 = [](const uint8_t* p) {  // eight rows' u8 values as floats
+        return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+    };
+    for (int64_t g = 0; g < nrows / 8; ++g) {
+        const uint8_t* blk = w.data + (row0 / 8 + g) * w.row_stride;
+        __m256 acc[N], corr[N];
+        for (int t = 0; t < N; ++t) acc[t] = corr[t] = _mm256_setzero_ps();
+        for (int64_t sb = 0; sb < nsb; ++sb, blk += kQ4KX8Bytes) {
+            prefetch_span(blk + kPrefetchAhead, kQ4KX8Bytes);
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
+            const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16)));
+            for (int j = 0; j < 8; ++j) {
+                const __m256 mn = _mm256_mul_ps(dmin, bytes8(blk + 96 + 8 * j));
+                for (int t = 0; t < N; ++t) corr[t] = _mm256_fmadd_ps(mn, _mm256_set1_ps(acts[t].s[8 * sb + j]), corr[t]);
+            }
+            for (int c = 0; c < 4; ++c) {
+                __m256i lo16[N], hi16[N];
+                for (int t = 0; t < N; ++t) lo16[t] = hi16[t] = _mm256_setzero_si256();
+                for (int v = 0; v < 8; ++v) {
+                    const __m256i raw = load32(blk + 160 + (8 * c + v) * 32);
+                    const __m256i lo = _mm256_and_si256(raw, m4);
+                    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
+                    for (int t = 0; t < N; ++t) {
+                        const int8_t* a = acts[t].q + 256 * sb + 64 * c + 4 * v;
+                        lo16[t] = _mm256_add_epi16(lo16[t], _mm256_maddubs_epi16(lo, bcast4(a)));
+                        hi16[t] = _mm256_add_epi16(hi16[t], _mm256_maddubs_epi16(hi, bcast4(a + 32)));
+                    }
+                }
+                const __m256 sc_lo = _mm256_mul_ps(d, bytes8(blk + 32 + 8 * (2 * c)));
+                const __m256 sc_hi = _mm256_mul_ps(d, bytes8(blk + 32 + 8 * (2 * c + 1)));
+                const __m256i ones = _mm256_set1_epi16(1);
+                for (int t = 0; t < N; ++t) {
+                    const float* da = acts[t].d + 8 * sb + 2 * c;
+                    acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(sc_lo, _mm256_set1_ps(da[0])),
+                                             _mm256_cvtepi32_ps(_mm256_madd_epi16(lo16[t], ones)), acc[t]);
+                    acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(sc_hi, _mm256_set1_ps(da[1])),
+                                             _mm256_cvtepi32_ps(_mm256_madd_epi16(hi16[t], ones)), acc[t]);
+                }
+            }
+        }
+        for (int t = 0; t < N; ++t) _mm256_storeu_ps(out + t * ldo + 8 * g, _mm256_sub_ps(acc[t], corr[t]));
+    }
+}
+
+template <int N>
+struct Q4KX8G {
+    static void run(const MatrixRef& w, int64_t r0, int64_t n, int64_t K, const Q8Row* a, float* o, int64_t l) {
+        gemv_q4kx8_n<N>(w, r0, n, K, a, o, l);
+    }
+};
+
+static void gemv_q8_q4kx8(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t K, const Q8Row* acts, int ntok,
+                          float* out, int64_t ldo) {
+    by_tokens<Q4KX8G>(w, row0, nrows, K, acts, ntok, out, ldo);
+}
+
+template <Format F>
+struct X8 {
+    template <int N>
+    struct G {
+        static void run(const MatrixRef& w, int64_t r0, int64_t n, int64_t K, const Q8Row* a, float* o, int64_t l) {
+            gemv_x8_n<F, N>(w, r0, n, K, a, o, l);
+        }
+    };
+};
+
+template <Format F>
+static void gemv_q8_x8(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t K, const Q8Row* acts, int ntok,
+                       float* out, int64_t ldo) {
+    by_tokens<X8<F>::template G>(w, row0, nrows, K, acts, ntok, out, ldo);
+}
+
 // ---- decode: float formats with fp32 activations ----------------------------------------
 
 template <Format F>
@@ -593,8 +744,70 @@ static inline void transpose8(const float* src, int64_t lds, float* dst, int64_t
     }
 }
 
+// The x8 layouts are already row-interleaved: byte i of a code chunk's lanes is one column
+// of eight rows, so a shift, a mask and a convert give a k-major row of the panel directly
+// (no transpose).
+template <Format F>
+static void dequant_panel_x8(const MatrixRef& w, int64_t row0, int nrows, int64_t k0, int kc, float* dst) {
+    const __m256i m4 = _mm256_set1_epi32(0x0F);
+    for (int g = 0; g < kPanel / 8; ++g) {
+        if (8 * g >= nrows) {
+            for (int k = 0; k < kc; ++k) _mm256_storeu_ps(dst + int64_t(k) * kPanel + 8 * g, _mm256_setzero_ps());
+            continue;
+        }
+        const uint8_t* blk = w.data + (row0 / 8 + g) * w.row_stride + (k0 / 32) * kX8BlockBytes;
+        for (int b = 0; b < kc / 32; ++b, blk += kX8BlockBytes) {
+            const __m256 dw = x8_scales<F>(blk);
+            const __m256 off = _mm256_mul_ps(dw, _mm256_set1_ps(8.f));
+            float* o = dst + int64_t(32 * b) * kPanel + 8 * g;
+            for (int c = 0; c < 4; ++c) {
+                const __m256i raw = load32(blk + 16 + 32 * c);
+                for (int i = 0; i < 4; ++i) {
+                    const __m256i lo = _mm256_and_si256(_mm256_srli_epi32(raw, 8 * i), m4);
+                    const __m256i hi = _mm256_and_si256(_mm256_srli_epi32(raw, 8 * i + 4), m4);
+                    _mm256_storeu_ps(o + int64_t(4 * c + i) * kPanel, _mm256_fmsub_ps(_mm256_cvtepi32_ps(lo), dw, off));
+                    _mm256_storeu_ps(o + int64_t(16 + 4 * c + i) * kPanel, _mm256_fmsub_ps(_mm256_cvtepi32_ps(hi), dw, off));
+                }
+            }
+        }
+    }
+}
+
+static void dequant_panel_q4kx8(const MatrixRef& w, int64_t row0, int nrows, int64_t k0, int kc, float* dst) {
+    const __m256i m4 = _mm256_set1_epi32(0x0F);
+    for (int g = 0; g < kPanel / 8; ++g) {
+        if (8 * g >= nrows) {
+            for (int k = 0; k < kc; ++k) _mm256_storeu_ps(dst + int64_t(k) * kPanel + 8 * g, _mm256_setzero_ps());
+            continue;
+        }
+        const uint8_t* blk = w.data + (row0 / 8 + g) * w.row_stride + (k0 / 256) * kQ4KX8Bytes;
+        for (int sb = 0; sb < kc / 256; ++sb, blk += kQ4KX8Bytes) {
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
+            const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16)));
+            for (int j = 0; j < 8; ++j) {
+                auto bytes8 = [](const uint8_t* p) {
+                    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+                };
+                const __m256 dl = _mm256_mul_ps(d, bytes8(blk + 32 + 8 * j));
+                const __m256 ml = _mm256_mul_ps(dmin, bytes8(blk + 96 + 8 * j));
+                float* o = dst + int64_t(256 * sb + 32 * j) * kPanel + 8 * g;
+                for (int v = 0; v < 8; ++v) {
+                    const __m256i raw = _mm256_srli_epi32(load32(blk + 160 + (8 * (j / 2) + v) * 32), 4 * (j & 1));
+                    for (int i = 0; i < 4; ++i) {
+                        const __m256i q = _mm256_and_si256(_mm256_srli_epi32(raw, 8 * i), m4);
+                        _mm256_storeu_ps(o + int64_t(4 * v + i) * kPanel, _mm256_fmsub_ps(_mm256_cvtepi32_ps(q), dl, ml));
+                    }
+                }
+            }
+        }
+    }
+}
+
 static void dequant_panel(Format fmt, const MatrixRef& w, int64_t row0, int nrows, int64_t k0, int kc, float* dst,
                           float* tmp) {
+    if (fmt == FMT_Q4_K_X8) return dequant_panel_q4kx8(w, row0, nrows, k0, kc, dst);
+    if (fmt == FMT_Q4_0_X8) return dequant_panel_x8<FMT_Q4_0_X8>(w, row0, nrows, k0, kc, dst);
+    if (fmt == FMT_INT4_X8) return dequant_panel_x8<FMT_INT4_X8>(w, row0, nrows, k0, kc, dst);
     // Rows of tmp are kc + 16 floats apart: with a power-of-two stride (kc = 2048: 8 KiB) all
     // rows would fall into the same L1 sets and the transpose's eight loads would evict one
     // another; one extra cache line per row staggers them.
@@ -947,9 +1160,10 @@ static const KernelTable* make_table(const char* name) {
         kPanel,
         quantize,
         {gemv_q8_b32<FMT_Q8_0>, gemv_q8_b32<FMT_Q4_0>, gemv_q8_q4k, gemv_q8_q5k, gemv_q8_q6k, gemv_q8_b32<FMT_MXFP4>,
-         gemv_q8_b32<FMT_MXFP4_HF>, gemv_q8_b32<FMT_INT4_G32>, nullptr, nullptr, nullptr},
+         gemv_q8_b32<FMT_MXFP4_HF>, gemv_q8_b32<FMT_INT4_G32>, nullptr, nullptr, nullptr, gemv_q8_x8<FMT_Q4_0_X8>,
+         gemv_q8_x8<FMT_INT4_X8>, gemv_q8_q4kx8},
         {nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, gemv_float<FMT_BF16>,
-         gemv_float<FMT_F16>, gemv_float<FMT_F32>},
+         gemv_float<FMT_F16>, gemv_float<FMT_F32>, nullptr, nullptr, nullptr},
         dequant_panel,
         gemm_panels,
         silu_mul,

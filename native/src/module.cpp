@@ -25,6 +25,7 @@
 #include "dense_linear.h"
 #include "dispatch.h"
 #include "moe_layer.h"
+#include "repack.h"
 #include "thread_pool.h"
 #include "topology.h"
 
@@ -61,8 +62,8 @@ Executor& executor() {
 }
 
 Format parse_format(const std::string& name) {
-    for (int i = 0; i < FMT_COUNT; ++i)
-        if (name == kFormats[i].name) return Format(i);
+    for (int i = 0; i < FMT_COUNT; ++i)  // the x8 layouts are made here, never handed in
+        if (name == kFormats[i].name && kFormats[i].row_group == 1) return Format(i);
     throw nb::value_error(("unsupported format for the native kernels: " + name).c_str());
 }
 
@@ -149,7 +150,7 @@ void layer_forward(const MoELayer& layer, nb::ndarray<nb::ndim<2>, nb::c_contig,
         throw nb::value_error("out must be float32 [T, hidden]");
     if (regime < 0 || regime > 2) throw nb::value_error("regime must be 0 (auto), 1 (decode) or 2 (prefill)");
     const KernelTable& kt = *current_table();
-    const int threshold = prefill_min_tokens > 0 ? prefill_min_tokens : default_prefill_min_tokens(kt);
+    const int threshold = prefill_min_tokens > 0 ? prefill_min_tokens : default_prefill_min_tokens(kt, layer.format());
     Executor& exec = executor();
     const void* xp = x.data();
     const int64_t* idp = ids.data();
@@ -190,7 +191,7 @@ void dense_forward(const DenseLinear& lin, nb::ndarray<nb::ndim<2>, nb::c_contig
     if (int64_t(out.shape(0)) != T || int64_t(out.shape(1)) != lin.rows())
         throw nb::value_error("out must be float32 [T, rows]");
     const KernelTable& kt = *current_table();
-    const int threshold = prefill_min_tokens > 0 ? prefill_min_tokens : dense_prefill_min_tokens(kt);
+    const int threshold = prefill_min_tokens > 0 ? prefill_min_tokens : dense_prefill_min_tokens(kt, lin.format());
     Executor& exec = executor();
     const void* xp = x.data();
     float* op = out.data();
@@ -374,11 +375,24 @@ NB_MODULE(_native, m) {
             Executor& ex = executor();
             d["threads"] = ex.threads();
             d["numa_nodes"] = ex.nodes();
-            d["prefill_min_tokens"] = default_prefill_min_tokens(*current_table());
-            d["dense_prefill_min_tokens"] = dense_prefill_min_tokens(*current_table());
+            // The measured switch points by stored format, for the layout the kernels read it
+            // in (the x8 copy where one is made); None: the GEMV path at every count.
+            nb::dict experts, dense;
+            for (int i = 0; i < FMT_COUNT; ++i) {
+                const Format f = Format(i);
+                if (kFormats[f].row_group != 1 || kFormats[f].float_acts) continue;
+                const Format used = interleaved_format(f) == FMT_COUNT ? f : interleaved_format(f);
+                const int e = default_prefill_min_tokens(*current_table(), used);
+                const int l = dense_prefill_min_tokens(*current_table(), used);
+                experts[kFormats[f].name] = e >= kNeverPrefill ? nb::none() : nb::cast(e);
+                dense[kFormats[f].name] = l >= kNeverPrefill ? nb::none() : nb::cast(l);
+            }
+            d["prefill_min_tokens"] = experts;
+            d["dense_prefill_min_tokens"] = dense;
             return d;
         },
-        "The kernel set, why a better one was refused, the CPU's variants, threads and NUMA nodes.");
+        "The kernel set, why a better one was refused, the CPU's variants, threads, NUMA nodes and the "
+        "decode/prefill switch points by stored format.");
     m.def("formats", [] {
         std::vector<std::string> v;
         for (const auto& f : kFormats) v.push_back(f.name);
@@ -461,28 +475,53 @@ NB_MODULE(_native, m) {
     nb::class_<DenseLinear>(m, "DenseLinear")
         .def("__init__",
              [](DenseLinear* self, const std::string& format, int64_t cols,
-                const std::vector<std::pair<int64_t, std::vector<int64_t>>>& parts) {
+                const std::vector<std::pair<int64_t, std::vector<int64_t>>>& parts, bool interleave) {
                  new (self) DenseLinear(make_dense(format, cols, parts));
+                 if (interleave) {
+                     nb::gil_scoped_release release;
+                     self->interleave(executor());
+                 }
              },
-             "format"_a, "cols"_a, "parts"_a)
+             "format"_a, "cols"_a, "parts"_a, "interleave"_a = true,
+             "interleave: copy q4_0 / int4_g32 / q4_k matrices into the row-interleaved layout (see MoELayer).")
+        .def_static(
+            "join",
+            [](const std::vector<const DenseLinear*>& lins) {
+                if (lins.empty()) throw nb::value_error("nothing to join");
+                try {
+                    return DenseLinear::join(lins);
+                } catch (const std::invalid_argument& e) {
+                    throw nb::value_error(e.what());
+                }
+            },
+            "linears"_a, "One projection over the matrices of `linears` (kept alive by the caller), outputs side by side.")
         .def("forward", &dense_forward, "x"_a, "out"_a, "prefill_min_tokens"_a = 0,
              "out[T, rows] = x[T, cols] W^T in float32 (GIL released).")
         .def_prop_ro("format", [](const DenseLinear& l) { return std::string(kFormats[l.format()].name); })
         .def_prop_ro("rows", &DenseLinear::rows)
         .def_prop_ro("cols", &DenseLinear::cols)
-        .def_prop_ro("bytes", &DenseLinear::bytes, "Stored bytes of the matrix (what one token reads).");
+        .def_prop_ro("bytes", &DenseLinear::bytes, "Stored bytes of the matrix (what one token reads).")
+        .def_prop_ro("interleaved_bytes", &DenseLinear::copied_bytes, "Bytes of the row-interleaved copy it owns.")
+        .def_prop_ro("prefill_min_tokens", [](const DenseLinear& l) { return dense_prefill_min_tokens(*current_table(), l.format()); },
+                     "Tokens from which a call takes the GEMM path (the kernel set in use, the layout).");
 
     nb::class_<MoELayer>(m, "MoELayer")
         .def("__init__",
              [](MoELayer* self, const std::string& format, const std::string& down_format, int64_t hidden, int64_t inter, I64Array refs,
                 nb::ndarray<const uint8_t, nb::ndim<1>, nb::c_contig, nb::device::cpu> cpu, const std::string& act,
-                float alpha, float limit, I64Array biases) {
+                float alpha, float limit, I64Array biases, bool interleave) {
                  new (self) MoELayer(make_layer(format, down_format, hidden, inter, refs, cpu, act, alpha, limit, biases));
+                 if (interleave) {
+                     nb::gil_scoped_release release;
+                     self->interleave(executor());
+                 }
                  // With several NUMA nodes, keep each expert's pages on the node that computes it.
                  if (executor().nodes() > 1 && env_int("HYBRIDMOE_NUMA_BIND", 1)) self->bind_to_nodes(executor());
              },
              "format"_a, "down_format"_a, "hidden"_a, "intermediate"_a, "refs"_a, "cpu"_a, "activation"_a = "silu", "alpha"_a = 1.702f,
-             "limit"_a = 7.0f, "biases"_a)
+             "limit"_a = 7.0f, "biases"_a, "interleave"_a = true,
+             "interleave: copy q4_0 / int4_g32 / q4_k experts into the row-interleaved layout the integer GEMV reads fastest "
+             "(see repack.h); the source pages are released when they are a read-only file mapping.")
         .def("forward", &layer_forward, "x"_a, "topk_ids"_a, "topk_weights"_a, "out"_a, "regime"_a = 0,
              "prefill_min_tokens"_a = 0, "out[T, H] = the weighted sum over the CPU-resident experts (GIL released).")
         .def_prop_ro("format", [](const MoELayer& l) { return std::string(kFormats[l.format()].name); })
@@ -491,5 +530,8 @@ NB_MODULE(_native, m) {
         .def_prop_ro("intermediate", &MoELayer::inter)
         .def_prop_ro("n_experts", &MoELayer::n_experts)
         .def_prop_ro("n_cpu_experts", &MoELayer::n_cpu_experts)
-        .def_prop_ro("expert_bytes", &MoELayer::expert_bytes, "Stored bytes of one expert's gate, up and down.");
+        .def_prop_ro("expert_bytes", &MoELayer::expert_bytes, "Stored bytes of one expert's gate, up and down.")
+        .def_prop_ro("interleaved_bytes", &MoELayer::copied_bytes, "Bytes of the row-interleaved copies the layer owns.")
+        .def_prop_ro("prefill_min_tokens", [](const MoELayer& l) { return default_prefill_min_tokens(*current_table(), l.format()); },
+                     "Tokens per expert from which an expert takes the prefill regime (the kernel set in use, the layout).");
 }

@@ -6,6 +6,7 @@
 #include <memory>
 #include <mutex>
 
+#include "repack.h"
 #include "thread_pool.h"
 #include "topology.h"
 
@@ -34,8 +35,26 @@ namespace hmoe {
 // instructions, which moves the crossover down; 32 there is an estimate, not measured
 // (no AVX-512 machine was at hand). The portable kernels dequantize a block per token
 // group in decode, so their prefill is cheaper from the first token.
-int default_prefill_min_tokens(const KernelTable& kt) {
+//
+// The row-interleaved copies of q4_0, int4_g32 and q4_k (repack.h) change the picture: their
+// integer GEMV needs no horizontal sums, and it stays cheaper than dequantizing plus the
+// fp32 GEMM at every count measured (same machine and method; a 512-token prompt gives a
+// Qwen3-30B-A3B expert 32 tokens on average):
+//
+//   n                  32     64    128    256
+//   q4_0x8   decode  3.09   6.21  12.09  24.18   ms
+//            prefill 5.12  10.17  18.87  36.52
+//   int4x8   decode  3.26   6.60  12.92  23.28
+//            prefill 5.29   9.14  17.22  32.31
+//   q4_kx8   decode  4.30   8.31  17.07  27.35
+//            prefill 4.88   8.71  16.70  33.50
+//
+// so they never take the prefill regime (q4_kx8's two paths are even within the noise from
+// 64 tokens on). On AVX-512 the GEMM doubles its width, but VNNI also halves the integer
+// path's instructions: an estimate, not measured.
+int default_prefill_min_tokens(const KernelTable& kt, Format fmt) {
     if (std::strcmp(kt.name, "scalar") == 0) return 1;
+    if (kFormats[fmt].row_group == 8) return kNeverPrefill;
     if (std::strncmp(kt.name, "avx512", 6) == 0) return 32;
     return 40;
 }
@@ -374,19 +393,53 @@ int64_t MoELayer::expert_bytes() const {
     return 2 * bytes(fmt_, I_, H_) + bytes(down_fmt_, H_, I_);
 }
 
+namespace {
+// Bytes from the start of m to the end of its last row (or group of rows).
+int64_t span_bytes(Format fmt, const MatrixRef& m, int64_t rows) { return rows / kFormats[fmt].row_group * m.row_stride; }
+}  // namespace
+
+void MoELayer::interleave(Executor& exec) {
+    // Gate and up have I rows, down has H (multiples of 32 whenever the other matrices are
+    // quantized, but a float down projection allows any I).
+    const Format xfmt = I_ % 8 ? FMT_COUNT : interleaved_format(fmt_);
+    const Format xdfmt = H_ % 8 ? FMT_COUNT : interleaved_format(down_fmt_);
+    if (xfmt == FMT_COUNT && xdfmt == FMT_COUNT) return;
+    const int64_t gu_bytes = xfmt != FMT_COUNT ? interleaved_bytes(xfmt, I_, H_) : 0;
+    const int64_t per_expert = 2 * gu_bytes + (xdfmt != FMT_COUNT ? interleaved_bytes(xdfmt, H_, I_) : 0);
+    std::vector<InterleaveJob> jobs;
+    std::vector<OwnedBytes> blocks;  // one per expert, allocated before anything changes
+    for (int64_t e = 0; e < n_experts(); ++e) {
+        if (!cpu_[size_t(e)]) continue;
+        blocks.push_back(allocate_pages(per_expert));
+        uint8_t* d = blocks.back().get();
+        ExpertWeights& w = experts_[size_t(e)];
+        const int node = node_of(e, exec.nodes());
+        if (xfmt != FMT_COUNT) {
+            jobs.push_back({fmt_, &w.gate, I_, H_, d, node});
+            jobs.push_back({fmt_, &w.up, I_, H_, d + gu_bytes, node});
+        }
+        if (xdfmt != FMT_COUNT) jobs.push_back({down_fmt_, &w.down, H_, I_, d + 2 * gu_bytes, node});
+    }
+    interleave_all(exec, jobs);
+    owned_bytes_ += per_expert * int64_t(blocks.size());
+    for (auto& b : blocks) owned_.push_back(std::move(b));
+    if (xfmt != FMT_COUNT) fmt_ = xfmt;
+    if (xdfmt != FMT_COUNT) down_fmt_ = xdfmt;
+}
+
 int MoELayer::bind_to_nodes(const Executor& exec) {
     if (exec.nodes() <= 1) return 0;
     int bound = 0;
-    auto bind = [&](const MatrixRef& m, int64_t rows, int node) {
-        if (m.data) bound += bind_memory_to_node(m.data, size_t(rows * m.row_stride), node);
+    auto bind = [&](Format fmt, const MatrixRef& m, int64_t rows, int node) {
+        if (m.data) bound += bind_memory_to_node(m.data, size_t(span_bytes(fmt, m, rows)), node);
         if (m.scales) bound += bind_memory_to_node(m.scales, size_t(rows * m.scale_row_stride), node);
     };
     for (size_t e = 0; e < experts_.size(); ++e) {
         if (!cpu_[e]) continue;
         const int node = exec.node_id(node_of(int64_t(e), exec.nodes()));
-        bind(experts_[e].gate, I_, node);
-        bind(experts_[e].up, I_, node);
-        bind(experts_[e].down, H_, node);
+        bind(fmt_, experts_[e].gate, I_, node);
+        bind(fmt_, experts_[e].up, I_, node);
+        bind(down_fmt_, experts_[e].down, H_, node);
     }
     return bound;
 }
@@ -518,7 +571,10 @@ void MoELayer::forward(Executor& exec, const KernelTable& kt, const void* x, boo
     c.a_units = (T + 3) / 4;
     if (x_bf16 || any_decode) {
         reset_counters(c);
-        exec.run(phase_prepare, &c);
+        if (c.a_units == 1)
+            phase_prepare(&c, 0, 0);  // one unit of work: a phase would only add a wake-up
+        else
+            exec.run(phase_prepare, &c);
     }
     reset_counters(c);
     exec.run(phase_gate_up, &c);

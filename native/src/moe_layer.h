@@ -21,6 +21,7 @@
 
 #include "formats.h"
 #include "kernel_table.h"
+#include "repack.h"
 
 namespace hmoe {
 
@@ -45,11 +46,21 @@ public:
     // `down_fmt` (GGUF quant mixes such as Q4_K_M keep ffn_down in a wider type).
     MoELayer(Format fmt, Format down_fmt, int64_t hidden, int64_t inter, std::vector<ExpertWeights> experts, std::vector<uint8_t> cpu,
              Activation act, float alpha, float limit);
+    MoELayer(MoELayer&&) = default;
+    MoELayer(const MoELayer&) = delete;  // it may own its experts' copies
 
     // x [T, H] (fp32, or bf16 when x_bf16), ids [T, k] int64, weights [T, k] fp32, out [T, H]
     // fp32 (overwritten). Runs on `exec`'s threads and the calling thread.
     void forward(Executor& exec, const KernelTable& kt, const void* x, bool x_bf16, int64_t T, const int64_t* ids,
                  const float* weights, int k, float* out, Regime regime, int prefill_min_tokens) const;
+
+    // Replace the CPU experts' q4_0 / int4_g32 / q4_k matrices by row-interleaved copies (repack.h)
+    // that the layer owns, made on the pool's threads (each expert's by a thread of the node
+    // that computes it, so first touch places it there). Source pages that belong to a
+    // read-only file mapping are released afterwards (they stay in the page cache, from
+    // which the kernel can drop them), so the host does not hold the experts twice.
+    void interleave(Executor& exec);
+    int64_t copied_bytes() const { return owned_bytes_; }
 
     // Ask the kernel to keep each expert's bytes on the NUMA node whose threads compute it
     // (only meaningful with more than one node). Returns how many ranges were bound.
@@ -74,9 +85,12 @@ private:
     std::vector<int> rank_;  // rank of each CPU expert among the CPU experts (node assignment)
     Activation act_;
     float alpha_, limit_;
+    std::vector<OwnedBytes> owned_;  // the interleaved copies, one block per expert
+    int64_t owned_bytes_ = 0;
 };
 
-// The tokens-per-expert count from which the prefill regime is used (measured; see .cpp).
-int default_prefill_min_tokens(const KernelTable& kt);
+// The tokens-per-expert count from which experts stored as `fmt` take the prefill regime
+// (measured; see .cpp).
+int default_prefill_min_tokens(const KernelTable& kt, Format fmt);
 
 }  // namespace hmoe

@@ -12,6 +12,7 @@
 #if defined(__linux__)
 #include <pthread.h>
 #include <sched.h>
+#include <sys/mman.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
@@ -175,6 +176,39 @@ bool bind_memory_to_node(const void* addr, size_t len, int node) {
 #else
     (void)addr, (void)len, (void)node;
     return false;
+#endif
+}
+
+ReadOnlyFileMappings::ReadOnlyFileMappings() {
+#if defined(__linux__)
+    // Lines: "begin-end perms offset dev inode path"; inode 0 is anonymous memory.
+    std::ifstream maps("/proc/self/maps");
+    std::string line;
+    while (std::getline(maps, line)) {
+        unsigned long begin = 0, end = 0, offset = 0, inode = 0;
+        char perms[8] = {0}, dev[32] = {0};
+        if (std::sscanf(line.c_str(), "%lx-%lx %7s %lx %31s %lu", &begin, &end, perms, &offset, dev, &inode) != 6)
+            continue;
+        if (inode != 0 && perms[0] == 'r' && perms[1] == '-') ranges_.emplace_back(begin, end);
+    }
+    std::sort(ranges_.begin(), ranges_.end());
+#endif
+}
+
+size_t ReadOnlyFileMappings::release(const void* addr, size_t len) const {
+#if defined(__linux__)
+    const uintptr_t page = uintptr_t(sysconf(_SC_PAGESIZE));
+    const uintptr_t a = (reinterpret_cast<uintptr_t>(addr) + page - 1) & ~(page - 1);
+    const uintptr_t b = (reinterpret_cast<uintptr_t>(addr) + len) & ~(page - 1);
+    if (b <= a) return 0;
+    auto it = std::upper_bound(ranges_.begin(), ranges_.end(), std::make_pair(a, ~uintptr_t(0)));
+    if (it == ranges_.begin()) return 0;
+    --it;
+    if (a < it->first || b > it->second) return 0;  // not wholly inside one read-only file mapping
+    return madvise(reinterpret_cast<void*>(a), b - a, MADV_DONTNEED) == 0 ? size_t(b - a) : 0;
+#else
+    (void)addr, (void)len;
+    return 0;
 #endif
 }
 

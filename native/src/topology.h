@@ -6,6 +6,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 namespace hmoe {
@@ -33,5 +34,19 @@ bool pin_current_thread(int cpu);
 // Ask the kernel to keep [addr, addr + len) on `node` (mbind MPOL_PREFERRED, moving pages
 // already faulted in where the kernel allows it). Best effort: false when it could not.
 bool bind_memory_to_node(const void* addr, size_t len, int node);
+
+// The read-only file mappings of this process (/proc/self/maps at construction): their pages
+// are clean copies of the file, so dropping them loses nothing (the next access reads the
+// file, or the page cache, again). Writable mappings are never touched.
+class ReadOnlyFileMappings {
+public:
+    ReadOnlyFileMappings();
+    // Drop the whole pages of [addr, addr + len) that lie in one such mapping
+    // (madvise MADV_DONTNEED); returns the bytes dropped.
+    size_t release(const void* addr, size_t len) const;
+
+private:
+    std::vector<std::pair<uintptr_t, uintptr_t>> ranges_;  // [begin, end), ascending
+};
 
 }  // namespace hmoe

@@ -53,11 +53,48 @@ def test_matches_reference(isa, fmt, tokens):
     ref_w = as_float(w)
     out = lin(x)
     assert out.dtype == torch.float32 and out.shape == (tokens, lin.out_features)
-    gemv = tokens < _native.isa_info()["dense_prefill_min_tokens"]
+    gemv = tokens < lin.native.prefill_min_tokens
     if fmt in FLOAT_FORMATS or not gemv:
         assert rel_err(out, F.linear(x, ref_w)) < 1e-5
     else:
         assert rel_err(out, F.linear(q8(x), ref_w)) < 5e-3
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 64, 300])
+@pytest.mark.parametrize("fmt", ["q4_0", "int4_g32", "q4_k"])
+def test_interleaved_copy_agrees_with_the_stored_layout(isa, fmt, tokens):
+    """q4_0 / int4_g32 / q4_k matrices whose rows come in whole groups of 8 are copied into
+    the row-interleaved layout, whose integer GEMV serves every token count; the in-place
+    kernels on the same matrix give the same answer."""
+    cols = 512 if fmt == "q4_k" else 160
+    w = random_matrix(np.random.default_rng(tokens), fmt, (96, cols))
+    copied, stored = NativeLinear(w), NativeLinear(w, interleave=False)
+    assert copied.native.format == f"{fmt}x8" and copied.native.interleaved_bytes == copied.native.bytes
+    assert stored.native.format == fmt and stored.native.interleaved_bytes == 0
+    x = torch.randn(tokens, cols, generator=torch.Generator().manual_seed(tokens))
+    if isa != "scalar":  # the portable set computes a prompt with the GEMM, as it should
+        assert copied.native.prefill_min_tokens > 100_000
+    gemv_copied, gemv_stored = torch.empty(tokens, 96), torch.empty(tokens, 96)
+    copied.native.forward(x, gemv_copied, 1_000_000)  # both GEMVs, forced
+    stored.native.forward(x, gemv_stored, 1_000_000)
+    assert rel_err(gemv_copied, gemv_stored) < 1e-6
+    gemm_copied, gemm_stored = torch.empty(tokens, 96), torch.empty(tokens, 96)
+    copied.native.forward(x, gemm_copied, 1)  # and both GEMMs (dequantized panels)
+    stored.native.forward(x, gemm_stored, 1)
+    assert rel_err(gemm_copied, gemm_stored) < 1e-6
+    assert rel_err(gemm_copied, F.linear(x, as_float(w))) < 1e-5
+
+
+def test_fused_projection_reads_its_parts_copies():
+    """Joining interleaved projections (q, k, v) shares their copies: nothing is copied again."""
+    rng = np.random.default_rng(5)
+    parts = [NativeLinear(random_matrix(rng, "q4_0", (rows, 128))) for rows in (64, 16, 16)]
+    fused = NativeLinear.fused(*parts)
+    assert fused.native.format == "q4_0x8" and fused.native.interleaved_bytes == 0
+    assert fused.out_features == 96 and fused.in_features == 128
+    x = torch.randn(3, 128)
+    assert rel_err(fused(x), torch.cat([p(x) for p in parts], dim=-1)) < 1e-6
+    assert NativeLinear.fused(parts[0], NativeLinear(random_matrix(rng, "q8_0", (8, 128)))) is None
 
 
 @pytest.mark.parametrize("fmt", ["q4_0", "bf16"])

@@ -1,5 +1,6 @@
 """The native kernels on experts read from a real GGUF file: the bytes are used where the
-file's read-only mapping has them (nothing copied), in the layout llama.cpp wrote."""
+file's read-only mapping has them, in the layout llama.cpp wrote, except q4_0, which is
+copied once into the row-interleaved layout (and its pages in the mapping let go)."""
 
 from __future__ import annotations
 
@@ -45,6 +46,9 @@ def test_reads_the_mapping_in_place(gguf_experts):
     native = native_experts.native_for(experts)
     assert native is not None, native_experts.unsupported_reason(experts)
     assert (native.format, native.down_format) == ("q4_0", "q8_0")
+    # q4_0 gate/up are copied into the interleaved layout; q8_0 down is read where it lies.
+    assert (native.layer.format, native.layer.down_format) == ("q4_0x8", "q8_0")
+    assert native.layer.interleaved_bytes == len(experts.ids) * 2 * I * H // 32 * 18
     maps = [(r.data.ctypes.data, r.data.ctypes.data + r.data.nbytes) for r in gguf_experts._readers]
     assert native._keep and all(any(a <= t.data_ptr() < b for a, b in maps) for t in native._keep)
 
@@ -59,3 +63,41 @@ def test_reads_the_mapping_in_place(gguf_experts):
             got = native.forward(x, ids, w, regime=regime)
             err = float((got - expected).norm() / expected.norm())
             assert err < tol, (T_, regime, err)
+
+
+def _mapping_rss(path: str) -> int:
+    """Resident bytes of this process's mappings of `path` (/proc/self/smaps)."""
+    rss, inside = 0, False
+    for line in open("/proc/self/smaps"):
+        head = line.split()
+        if "-" in head[0] and len(head) >= 5 and ":" not in head[0]:
+            inside = len(head) >= 6 and head[5] == path
+        elif inside and head[0] == "Rss:":
+            rss += int(head[1]) * 1024
+    return rss
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/smaps"), reason="needs Linux /proc")
+def test_the_copy_lets_go_of_the_source_pages(tmp_path):
+    """After the interleaved copy, the q4_0 pages of the read-only mapping are dropped: the
+    process holds the experts once, not twice."""
+    rng = np.random.default_rng(2)
+    e, h, i = 8, 1024, 512  # gate/up: 8 x 2 x 288 KB, whole pages to drop
+    b = "blk.0."
+    tensors = {b + "ffn_gate_exps.weight": (rand(rng, e, i, h, scale=0.1), T.Q4_0),
+               b + "ffn_up_exps.weight": (rand(rng, e, i, h, scale=0.1), T.Q4_0),
+               b + "ffn_down_exps.weight": (rand(rng, e, h, i, scale=0.1), T.Q8_0)}
+    path = tmp_path / "experts.gguf"
+    write_gguf(path, "qwen3moe", tensors, {"qwen3moe.block_count": 1, "qwen3moe.expert_count": e})
+    weights = open_gguf(path)
+    store = ExpertStore(weights, "model.layers.0.mlp", e, h, i)
+    experts = HostExperts(store, range(e), torch.float32, ExpertActivation("silu"))
+    for ex in range(e):  # fault every expert page in, as reading the file at load would
+        for name in ("gate", "up", "down"):
+            store.stored(ex)[name].parts["data"].sum()
+    before = _mapping_rss(str(path))
+    native = native_experts.NativeExperts(experts)
+    after = _mapping_rss(str(path))
+    copied = native.layer.interleaved_bytes
+    assert copied == e * 2 * i * h // 32 * 18
+    assert before - after >= copied - 2 * e * 2 * 4096, (before, after, copied)  # all but partial pages at the ends

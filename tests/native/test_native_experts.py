@@ -128,7 +128,7 @@ def check(experts: HostExperts, x: torch.Tensor, ids: torch.Tensor, w: torch.Ten
         err = rel_err(out, ref)
         assert err < EXACT_TOL, f"{fmt} {regime}: relative error {err:.3g} (tolerance {EXACT_TOL})"
         return
-    threshold = _native.isa_info()["prefill_min_tokens"]
+    threshold = native.layer.prefill_min_tokens
     em = emulated(x, ids, w, res, (lambda n: True) if regime == "decode" else (lambda n: n < threshold))
     err, bound = rel_err(out, em), rel_err(out, ref)
     assert err < EMULATION_TOL, f"{fmt} {regime}: relative error {err:.3g} vs the q8 emulation"
@@ -149,6 +149,32 @@ def test_matches_reference(isa, fmt, regime):
         x = torch.from_numpy(rng.standard_normal((T, H)).astype(np.float32))
         ids, w = random_routing(rng, T, E, k, pad=0.1)
         check(experts, x, ids, w, regime, fmt)
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "int4_g32", "q4_k"])
+def test_interleaved_copy_agrees_with_the_stored_layout(isa, fmt):
+    """q4_0, int4_g32 and q4_k experts are copied at load into the row-interleaved x8 layout
+    (the fast integer GEMV); the kernels that read the stored layout in place (still used
+    where rows do not come in groups of 8) must give the same answer on the same layer, in
+    both regimes."""
+    rng = np.random.default_rng(zlib.crc32(fmt.encode()))
+    E, (H, I) = 11, ((512, 256) if fmt == "q4_k" else (256, 160))
+    experts = make_host_experts(rng, fmt, E, H, I, [0, 2, 3, 5, 6, 9, 10])
+    stored = native_experts.NativeExperts(experts, interleave=False)
+    copied = native_experts.NativeExperts(experts)
+    assert stored.layer.format == fmt and stored.layer.interleaved_bytes == 0
+    assert copied.layer.format == f"{fmt}x8" and copied.layer.down_format == f"{fmt}x8"
+    # The copy has the stored size; q4_k's unpacked scales take 148 bytes a super-block row, not 144.
+    assert copied.layer.interleaved_bytes == 7 * copied.expert_bytes
+    assert copied.expert_bytes * 144 == stored.expert_bytes * (148 if fmt == "q4_k" else 144)
+    for T, k in ((1, 8), (3, 2), (37, 6)):
+        x = torch.from_numpy(rng.standard_normal((T, H)).astype(np.float32))
+        ids, w = random_routing(rng, T, E, k, pad=0.1)
+        for regime in ("decode", "prefill"):
+            a, b = stored.forward(x, ids, w, regime=regime), copied.forward(x, ids, w, regime=regime)
+            err = rel_err(b, a)
+            assert err < 1e-6, f"{fmt} {regime} T={T}: {err:.3g}"
+    check(experts, x, ids, w, "decode", fmt)  # and native_for() takes the copy
 
 
 @pytest.mark.parametrize("fmt", ["q4_0", "q4_k", "int4_g32", "q8_0"])

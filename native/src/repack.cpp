@@ -1,0 +1,122 @@
+#include "repack.h"
+
+#include <atomic>
+#include <cstring>
+#include <new>
+
+#include "thread_pool.h"
+#include "topology.h"
+
+namespace hmoe {
+
+Format interleaved_format(Format fmt) {
+    if (fmt == FMT_Q4_0) return FMT_Q4_0_X8;
+    if (fmt == FMT_INT4_G32) return FMT_INT4_X8;
+    if (fmt == FMT_Q4_K) return FMT_Q4_K_X8;
+    return FMT_COUNT;
+}
+
+int64_t interleaved_bytes(Format xfmt, int64_t rows, int64_t K) {
+    if (xfmt == FMT_Q4_K_X8) return rows / 8 * (K / 256) * kQ4KX8Bytes;
+    return rows / 8 * (K / 32) * kX8BlockBytes;
+}
+
+namespace {
+
+MatrixRef interleave_q4k(const MatrixRef& src, int64_t rows, int64_t K, uint8_t* dst) {
+    const int64_t nsb = K / 256;
+    for (int64_t g = 0; g < rows / 8; ++g) {
+        for (int64_t sb = 0; sb < nsb; ++sb) {
+            uint8_t* o = dst + (g * nsb + sb) * kQ4KX8Bytes;
+            for (int lane = 0; lane < 8; ++lane) {
+                const uint8_t* blk = src.row(8 * g + lane) + sb * 144;
+                std::memcpy(o + 2 * lane, blk, 2);        // d
+                std::memcpy(o + 16 + 2 * lane, blk + 2, 2);  // dmin
+                uint8_t sc[8], mn[8];
+                k_scales_mins(blk + 4, sc, mn);
+                for (int j = 0; j < 8; ++j) {
+                    o[32 + 8 * j + lane] = sc[j];
+                    o[96 + 8 * j + lane] = mn[j];
+                }
+                for (int c = 0; c < 4; ++c)
+                    for (int v = 0; v < 8; ++v) std::memcpy(o + 160 + (8 * c + v) * 32 + 4 * lane, blk + 16 + 32 * c + 4 * v, 4);
+            }
+        }
+    }
+    return MatrixRef{dst, nullptr, nsb * kQ4KX8Bytes, 0};
+}
+
+}  // namespace
+
+MatrixRef interleave_rows(Format fmt, const MatrixRef& src, int64_t rows, int64_t K, uint8_t* dst) {
+    if (fmt == FMT_Q4_K) return interleave_q4k(src, rows, K, dst);
+    const int64_t nb = K / 32;
+    for (int64_t g = 0; g < rows / 8; ++g) {
+        for (int64_t b = 0; b < nb; ++b) {
+            uint8_t* o = dst + (g * nb + b) * kX8BlockBytes;
+            for (int lane = 0; lane < 8; ++lane) {
+                const int64_t r = 8 * g + lane;
+                uint8_t codes[16];  // q4_0 order: low nibble element j, high nibble element 16 + j
+                if (fmt == FMT_Q4_0) {
+                    const uint8_t* blk = src.row(r) + b * 18;
+                    std::memcpy(o + 2 * lane, blk, 2);
+                    std::memcpy(codes, blk + 2, 16);
+                } else {  // int4_g32: byte j holds elements 2j (low) and 2j + 1 (high)
+                    const uint8_t* blk = src.row(r) + b * 16;
+                    std::memcpy(o + 2 * lane, src.scale_row(r) + 2 * b, 2);
+                    auto nib = [blk](int e) { return (blk[e / 2] >> (4 * (e & 1))) & 0x0F; };
+                    for (int j = 0; j < 16; ++j) codes[j] = uint8_t(nib(j) | (nib(16 + j) << 4));
+                }
+                for (int j = 0; j < 16; ++j) o[16 + 32 * (j / 4) + 4 * lane + j % 4] = codes[j];
+            }
+        }
+    }
+    return MatrixRef{dst, nullptr, nb * kX8BlockBytes, 0};
+}
+
+OwnedBytes allocate_pages(int64_t bytes) {
+    auto* p = static_cast<uint8_t*>(std::aligned_alloc(4096, size_t((bytes + 4095) / 4096 * 4096)));
+    if (!p) throw std::bad_alloc();
+    return OwnedBytes(p);
+}
+
+namespace {
+
+struct JobsCtx {
+    std::vector<InterleaveJob>* jobs;
+    std::vector<std::vector<size_t>> of_node;
+    std::unique_ptr<std::atomic<size_t>[]> next;
+};
+
+void interleave_phase(void* ctx, int node, int) {
+    auto& c = *static_cast<JobsCtx*>(ctx);
+    const std::vector<size_t>& mine = c.of_node[size_t(node)];
+    for (;;) {
+        const size_t i = c.next[node].fetch_add(1, std::memory_order_relaxed);
+        if (i >= mine.size()) return;
+        InterleaveJob& j = (*c.jobs)[mine[i]];
+        *j.ref = interleave_rows(j.fmt, *j.ref, j.rows, j.K, j.dst);
+    }
+}
+
+}  // namespace
+
+void interleave_all(Executor& exec, std::vector<InterleaveJob>& jobs) {
+    if (jobs.empty()) return;
+    std::vector<MatrixRef> sources;
+    for (const InterleaveJob& j : jobs) sources.push_back(*j.ref);
+    const int nodes = exec.nodes();
+    JobsCtx c{&jobs, std::vector<std::vector<size_t>>(size_t(nodes)),
+              std::unique_ptr<std::atomic<size_t>[]>(new std::atomic<size_t>[size_t(nodes)])};
+    for (size_t i = 0; i < jobs.size(); ++i) c.of_node[size_t(std::min(std::max(jobs[i].node, 0), nodes - 1))].push_back(i);
+    for (int n = 0; n < nodes; ++n) c.next[n].store(0);
+    exec.run(interleave_phase, &c);
+    const ReadOnlyFileMappings files;
+    for (size_t i = 0; i < jobs.size(); ++i) {
+        const MatrixRef& m = sources[i];
+        files.release(m.data, size_t(jobs[i].rows * m.row_stride));
+        if (m.scales) files.release(m.scales, size_t(jobs[i].rows * m.scale_row_stride));
+    }
+}
+
+}  // namespace hmoe
