@@ -411,6 +411,18 @@ static void gemv_q8_q6k(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t
 
 // ---- decode: the row-interleaved x8 layouts (q4_0x8, int4_g32x8) -------------------------
 
+// Four activation bytes in every 32-bit lane.
+static inline __m256i bcast4(const int8_t* p) {
+    int32_t v;
+    std::memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+}
+
+// Eight rows' u8 values (q4_kx8 scales or mins) as floats.
+static inline __m256 rows8_u8_ps(const uint8_t* p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
 // The eight rows' scales of one x8 block as floats.
 template <Format F>
 static inline __m256 x8_scales(const uint8_t* blk) {
@@ -445,11 +457,6 @@ static void gemv_x8_n(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t K
             }
             for (int t = 0; t < N; ++t) {
                 const int8_t* a = acts[t].q + 32 * b;
-                auto bcast4 = [](const int8_t* p) {
-                    int32_t v;
-                    std::memcpy(&v, p, 4);
-                    return _mm256_set1_epi32(v);
-                };
 #if defined(HMOE_AVX512)
                 __m256i s32 = _mm256_setzero_si256();
                 for (int c = 0; c < 4; ++c) {
@@ -483,14 +490,6 @@ static void gemv_q4kx8_n(const MatrixRef& w, int64_t row0, int64_t nrows, int64_
                          int64_t ldo) {
     const int64_t nsb = K / 256;
     const __m256i m4 = _mm256_set1_epi8(0x0F);
-    auto bcast4 = [](const int8_t* p) {
-        int32_t v;
-        std::memcpy(&v, p, 4);
-        return _mm256_set1_epi32(v);
-    };
-    auto bytes8 = [](const uint8_t* p) {  // eight rows' u8 values as floats
-        return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-    };
     for (int64_t g = 0; g < nrows / 8; ++g) {
         const uint8_t* blk = w.data + (row0 / 8 + g) * w.row_stride;
         __m256 acc[N], corr[N];
@@ -500,7 +499,7 @@ static void gemv_q4kx8_n(const MatrixRef& w, int64_t row0, int64_t nrows, int64_
             const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
             const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16)));
             for (int j = 0; j < 8; ++j) {
-                const __m256 mn = _mm256_mul_ps(dmin, bytes8(blk + 96 + 8 * j));
+                const __m256 mn = _mm256_mul_ps(dmin, rows8_u8_ps(blk + 96 + 8 * j));
                 for (int t = 0; t < N; ++t) corr[t] = _mm256_fmadd_ps(mn, _mm256_set1_ps(acts[t].s[8 * sb + j]), corr[t]);
             }
             for (int c = 0; c < 4; ++c) {
@@ -516,8 +515,8 @@ static void gemv_q4kx8_n(const MatrixRef& w, int64_t row0, int64_t nrows, int64_
                         hi16[t] = _mm256_add_epi16(hi16[t], _mm256_maddubs_epi16(hi, bcast4(a + 32)));
                     }
                 }
-                const __m256 sc_lo = _mm256_mul_ps(d, bytes8(blk + 32 + 8 * (2 * c)));
-                const __m256 sc_hi = _mm256_mul_ps(d, bytes8(blk + 32 + 8 * (2 * c + 1)));
+                const __m256 sc_lo = _mm256_mul_ps(d, rows8_u8_ps(blk + 32 + 8 * (2 * c)));
+                const __m256 sc_hi = _mm256_mul_ps(d, rows8_u8_ps(blk + 32 + 8 * (2 * c + 1)));
                 const __m256i ones = _mm256_set1_epi16(1);
                 for (int t = 0; t < N; ++t) {
                     const float* da = acts[t].d + 8 * sb + 2 * c;
@@ -785,11 +784,8 @@ static void dequant_panel_q4kx8(const MatrixRef& w, int64_t row0, int nrows, int
             const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
             const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16)));
             for (int j = 0; j < 8; ++j) {
-                auto bytes8 = [](const uint8_t* p) {
-                    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-                };
-                const __m256 dl = _mm256_mul_ps(d, bytes8(blk + 32 + 8 * j));
-                const __m256 ml = _mm256_mul_ps(dmin, bytes8(blk + 96 + 8 * j));
+                const __m256 dl = _mm256_mul_ps(d, rows8_u8_ps(blk + 32 + 8 * j));
+                const __m256 ml = _mm256_mul_ps(dmin, rows8_u8_ps(blk + 96 + 8 * j));
                 float* o = dst + int64_t(256 * sb + 32 * j) * kPanel + 8 * g;
                 for (int v = 0; v < 8; ++v) {
                     const __m256i raw = _mm256_srli_epi32(load32(blk + 160 + (8 * (j / 2) + v) * 32), 4 * (j & 1));
