@@ -182,6 +182,8 @@ def run(
     """Time every (shape, format, T) through the native kernels and the peers; returns rows."""
     from backend.engine import _native
 
+    from backend.hardware.bandwidth import measure_host_read_bandwidth
+
     if threads:
         _native.set_num_threads(threads)
     threads = _native.num_threads()
@@ -207,7 +209,7 @@ def run(
             for T in tokens:
                 # The probe again before each measurement: on a shared machine the bandwidth
                 # moves from minute to minute, and the ratio compares like with like.
-                probes.append(host_bandwidth(threads, rounds=1)[0])
+                probes.append(measure_host_read_bandwidth(threads=threads, passes=5))
                 x = torch.randn(T, shape.hidden)
                 nbytes = _distinct_bytes(T, E, shape.top_k, range(64), eb)
 

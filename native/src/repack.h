@@ -5,7 +5,7 @@
 // 18-byte strides; with AVX2 that is more work per byte than a core can do while it streams
 // its share of the memory bandwidth (measured on a Zen 3 core: q4_0 13 GB/s from L2, the
 // core's DRAM share ~10). With eight rows interleaved four bytes at a time, a vector lane is
-// a row: no horizontal sums, the eight scales are one load, and the same core runs ~33 GB/s
+// a row: no horizontal sums, the eight scales are one load, and the same core runs 29-33 GB/s
 // from L2 (q4_k: 24 against 12), i.e. memory-bound again. The same integer path, four tokens
 // per pass over the weights, then also beats dequantizing into fp32 panels for a prompt
 // (moe_layer.cpp and dense_linear.cpp have the tables). The copy has the stored size (q4_k:
