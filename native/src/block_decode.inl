@@ -112,9 +112,6 @@ static inline void dequant_block(Format fmt, const uint8_t* row, const uint8_t* 
     }
 }
 
-// Byte j (0..15) of row `lane`'s codes in a 144-byte block of the x8 layouts.
-static inline uint8_t x8_code_byte(const uint8_t* blk, int lane, int j) { return blk[16 + 32 * (j / 4) + 4 * lane + j % 4]; }
-
 // Block b of row r of an x8 matrix (q4_0 order, codes q + 8) into dst[0 .. 32).
 static inline void dequant_x8_block(Format fmt, const MatrixRef& w, int64_t r, int64_t b, float* dst) {
     const uint8_t* blk = w.data + (r / 8) * w.row_stride + b * kX8BlockBytes;
@@ -122,7 +119,7 @@ static inline void dequant_x8_block(Format fmt, const MatrixRef& w, int64_t r, i
     const uint16_t s = load_u16(blk + 2 * lane);
     const float d = fmt == FMT_INT4_X8 ? bf16_to_f32(s) : fp16_to_f32(s);
     for (int j = 0; j < 16; ++j) {
-        const uint8_t c = x8_code_byte(blk, lane, j);
+        const uint8_t c = blk[x8_code_at(lane, j)];
         dst[j] = d * float(int(c & 0x0F) - 8);
         dst[j + 16] = d * float(int(c >> 4) - 8);
     }
@@ -134,10 +131,10 @@ static inline void dequant_q4kx8_block(const MatrixRef& w, int64_t r, int64_t sb
     const int lane = int(r % 8);
     const float d = fp16_to_f32(load_u16(blk + 2 * lane)), dmin = fp16_to_f32(load_u16(blk + 16 + 2 * lane));
     for (int j = 0; j < 8; ++j) {
-        const float dl = d * float(blk[32 + 8 * j + lane]);
-        const float ml = dmin * float(blk[96 + 8 * j + lane]);
+        const float dl = d * float(blk[q4kx8_scale_at(lane, j)]);
+        const float ml = dmin * float(blk[q4kx8_min_at(lane, j)]);
         for (int l = 0; l < 32; ++l) {
-            const uint8_t c = blk[160 + ((j / 2) * 8 + l / 4) * 32 + 4 * lane + l % 4];
+            const uint8_t c = blk[q4kx8_code_at(lane, j / 2, l)];
             dst[32 * j + l] = dl * float((c >> (4 * (j & 1))) & 0x0F) - ml;
         }
     }

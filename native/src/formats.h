@@ -106,6 +106,16 @@ static constexpr FormatInfo kFormats[FMT_COUNT] = {
 constexpr int kX8BlockBytes = 144;
 constexpr int kQ4KX8Bytes = 1184;
 
+// Where a row's bytes lie inside one such block (the layouts above; `lane` is the row within
+// its group): the copy writes and the portable decoder reads through these, the SIMD kernels
+// read whole 32-byte chunks at the same places.
+static inline int x8_code_at(int lane, int j) { return 16 + 32 * (j / 4) + 4 * lane + j % 4; }  // q4_0 code byte j
+static inline int q4kx8_scale_at(int lane, int j) { return 32 + 8 * j + lane; }                 // sc of sub-block j
+static inline int q4kx8_min_at(int lane, int j) { return 96 + 8 * j + lane; }                   // m of sub-block j
+static inline int q4kx8_code_at(int lane, int c, int l) {  // byte l of the row's code chunk c
+    return 160 + (8 * c + l / 4) * 32 + 4 * lane + l % 4;
+}
+
 // One [rows, K] weight matrix: where row 0 starts and how far apart rows are, in bytes.
 struct MatrixRef {
     const uint8_t* data = nullptr;

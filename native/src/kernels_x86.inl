@@ -59,6 +59,16 @@ static inline float h2f(const uint8_t* p) { return _cvtsh_ss(load_u16(p)); }
 
 static inline __m256i load32(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
 
+// Eight float, fp16 or bf16 values from row + k elements on, as floats.
+template <Format F>
+static inline __m256 load8_as_ps(const uint8_t* row, int64_t k) {
+    if constexpr (F == FMT_F32) return _mm256_loadu_ps(reinterpret_cast<const float*>(row) + k);
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 2 * k));
+    if constexpr (F == FMT_F16) return _mm256_cvtph_ps(h);
+    // bf16 is the top half of an fp32: widen to 32 bits and shift into place.
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
 static inline float hsum_ps(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -141,9 +151,8 @@ static inline __m256 scales8(const uint8_t* row, const uint8_t* srow, int64_t b)
                                          short(load_u16(p + 5 * S)), short(load_u16(p + 6 * S)),
                                          short(load_u16(p + 7 * S)));
         return _mm256_cvtph_ps(h);
-    } else if constexpr (F == FMT_INT4_G32) {  // eight consecutive bf16: widen, shift into place
-        const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(srow + 2 * b));
-        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    } else if constexpr (F == FMT_INT4_G32) {  // eight consecutive bf16
+        return load8_as_ps<FMT_BF16>(srow, b);
     } else {
         __m256i e;
         if constexpr (F == FMT_MXFP4_HF) {
@@ -423,12 +432,10 @@ static inline __m256 rows8_u8_ps(const uint8_t* p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 
-// The eight rows' scales of one x8 block as floats.
+// The eight rows' scales of one x8 block as floats (int4_g32x8 keeps the source's bf16).
 template <Format F>
 static inline __m256 x8_scales(const uint8_t* blk) {
-    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk));
-    if constexpr (F == FMT_INT4_X8) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-    return _mm256_cvtph_ps(h);
+    return load8_as_ps<F == FMT_INT4_X8 ? FMT_BF16 : FMT_F16>(blk, 0);
 }
 
 // Eight rows at a time: a 32-bit lane of a code chunk is four code bytes of one row, so one
@@ -496,8 +503,8 @@ static void gemv_q4kx8_n(const MatrixRef& w, int64_t row0, int64_t nrows, int64_
         for (int t = 0; t < N; ++t) acc[t] = corr[t] = _mm256_setzero_ps();
         for (int64_t sb = 0; sb < nsb; ++sb, blk += kQ4KX8Bytes) {
             prefetch_span(blk + kPrefetchAhead, kQ4KX8Bytes);
-            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
-            const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16)));
+            const __m256 d = load8_as_ps<FMT_F16>(blk, 0);
+            const __m256 dmin = load8_as_ps<FMT_F16>(blk + 16, 0);
             for (int j = 0; j < 8; ++j) {
                 const __m256 mn = _mm256_mul_ps(dmin, rows8_u8_ps(blk + 96 + 8 * j));
                 for (int t = 0; t < N; ++t) corr[t] = _mm256_fmadd_ps(mn, _mm256_set1_ps(acts[t].s[8 * sb + j]), corr[t]);
@@ -560,15 +567,6 @@ static void gemv_q8_x8(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t 
 }
 
 // ---- decode: float formats with fp32 activations ----------------------------------------
-
-template <Format F>
-static inline __m256 load8_as_ps(const uint8_t* row, int64_t k) {
-    if constexpr (F == FMT_F32) return _mm256_loadu_ps(reinterpret_cast<const float*>(row) + k);
-    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 2 * k));
-    if constexpr (F == FMT_F16) return _mm256_cvtph_ps(h);
-    // bf16 is the top half of an fp32: widen to 32 bits and shift into place.
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
 
 template <Format F, int N>
 static void gemv_float_n(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t K, const float* const* x, float* out,
@@ -781,8 +779,8 @@ static void dequant_panel_q4kx8(const MatrixRef& w, int64_t row0, int nrows, int
         }
         const uint8_t* blk = w.data + (row0 / 8 + g) * w.row_stride + (k0 / 256) * kQ4KX8Bytes;
         for (int sb = 0; sb < kc / 256; ++sb, blk += kQ4KX8Bytes) {
-            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
-            const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16)));
+            const __m256 d = load8_as_ps<FMT_F16>(blk, 0);
+            const __m256 dmin = load8_as_ps<FMT_F16>(blk + 16, 0);
             for (int j = 0; j < 8; ++j) {
                 const __m256 dl = _mm256_mul_ps(d, rows8_u8_ps(blk + 32 + 8 * j));
                 const __m256 ml = _mm256_mul_ps(dmin, rows8_u8_ps(blk + 96 + 8 * j));

@@ -35,11 +35,12 @@ MatrixRef interleave_q4k(const MatrixRef& src, int64_t rows, int64_t K, uint8_t*
                 uint8_t sc[8], mn[8];
                 k_scales_mins(blk + 4, sc, mn);
                 for (int j = 0; j < 8; ++j) {
-                    o[32 + 8 * j + lane] = sc[j];
-                    o[96 + 8 * j + lane] = mn[j];
+                    o[q4kx8_scale_at(lane, j)] = sc[j];
+                    o[q4kx8_min_at(lane, j)] = mn[j];
                 }
                 for (int c = 0; c < 4; ++c)
-                    for (int v = 0; v < 8; ++v) std::memcpy(o + 160 + (8 * c + v) * 32 + 4 * lane, blk + 16 + 32 * c + 4 * v, 4);
+                    for (int v = 0; v < 8; ++v)  // four bytes of a row lie together
+                        std::memcpy(o + q4kx8_code_at(lane, c, 4 * v), blk + 16 + 32 * c + 4 * v, 4);
             }
         }
     }
@@ -67,7 +68,7 @@ MatrixRef interleave_rows(Format fmt, const MatrixRef& src, int64_t rows, int64_
                     auto nib = [blk](int e) { return (blk[e / 2] >> (4 * (e & 1))) & 0x0F; };
                     for (int j = 0; j < 16; ++j) codes[j] = uint8_t(nib(j) | (nib(16 + j) << 4));
                 }
-                for (int j = 0; j < 16; ++j) o[16 + 32 * (j / 4) + 4 * lane + j % 4] = codes[j];
+                for (int j = 0; j < 16; ++j) o[x8_code_at(lane, j)] = codes[j];
             }
         }
     }
