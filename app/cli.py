@@ -11,12 +11,14 @@ import json
 import os
 import sys
 import traceback
+from dataclasses import replace
 from datetime import datetime
 
 from backend.errors import HybridMoeError
 from backend.plan.workload import BACKENDS, KV_BYTES_PER_ELEMENT, PREFILL_RESERVE, STRATEGIES
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_CANCELLED = 0, 1, 2, 130
+DEFAULT_PLAN_CONTEXT = 32768  # tokens per conversation when `plan` is given no --context
 
 
 # ---- commands -------------------------------------------------------------------------------
@@ -63,7 +65,7 @@ def cmd_plan(args) -> int:
     from backend.plan import Workload, make
 
     workload = Workload(
-        context=args.context,
+        context=args.context or DEFAULT_PLAN_CONTEXT,
         users=args.users,
         kv_dtype=args.kv_dtype,
         prefill_reserve=args.prefill_reserve,
@@ -73,6 +75,10 @@ def cmd_plan(args) -> int:
         target_tokens_per_s=args.target_speed,
     )
     model = inspect_model(model_path(args.model), expert_format=args.format)  # a bad name fails before the probe
+    if args.context is None:
+        # As `run` does: the default within what the model supports; a context asked for is
+        # planned as asked, so one beyond the model is refused, by `run` too.
+        workload = replace(workload, context=min(workload.context, model.spec.max_context))
     hardware = resolve_hardware(args)
     plan = make(model.spec, model.inventory, hardware, workload)
     if args.save:
@@ -120,31 +126,40 @@ def cmd_pull(args) -> int:
 
 
 def cmd_convert(args) -> int:
-    """A safetensors checkpoint to one GGUF file; Ctrl-C cancels and leaves no partial file."""
+    """A safetensors checkpoint to one GGUF file; Ctrl-C, SIGTERM and SIGHUP (the terminal
+    closed) cancel it, leave no partial file and exit 128 + the signal's number, as a shell
+    reports a process the signal ended (130, 143, 129)."""
     import signal
 
-    from app.convert_render import ConvertProgress
-    from backend.convert import default_output_path, to_gguf
-    from backend.session import CancelToken
-    from backend.units import fmt_bytes
+    from app.convert_render import ConvertProgress, stored_types_text
+    from backend.convert import default_output_path, stored_types, to_gguf
+    from backend.session import Cancelled, CancelToken
 
     out = args.out or default_output_path(args.model, args.quant)
     line = ConvertProgress(sys.stderr)
     cancel = CancelToken()
+    received: list[int] = []
 
-    def on_sigint(signum, frame):
-        if cancel.cancelled:  # the second Ctrl-C: stop now (the temporary file is still removed)
+    def on_signal(signum, frame):
+        if cancel.cancelled:  # a second signal: stop now (the temporary file is still removed)
             raise KeyboardInterrupt
+        received.append(signum)
         cancel.cancel()
         line.show("cancelling (Ctrl-C again to abort) ...")
 
-    previous = signal.signal(signal.SIGINT, on_sigint)
+    stopping = [signal.SIGINT, signal.SIGTERM] + ([signal.SIGHUP] if hasattr(signal, "SIGHUP") else [])
+    previous = {signum: signal.signal(signum, on_signal) for signum in stopping}
     try:
-        path = to_gguf(args.model, out, args.quant, on_progress=line, cancel=cancel)
+        path = to_gguf(args.model, out, args.quant, on_progress=line, cancel=cancel, overwrite=args.force)
+    except (Cancelled, KeyboardInterrupt) as stopped:
+        error = stopped if isinstance(stopped, Cancelled) else Cancelled("The conversion was cancelled")
+        error.exit_code = 128 + (received[0] if received else signal.SIGINT)
+        raise error from None
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
         line.done()
-    print(f"Wrote {path} ({fmt_bytes(path.stat().st_size)}, {args.quant.upper()})", file=sys.stderr)
+    print(stored_types_text(path, stored_types(path, args.quant)), file=sys.stderr)
     print(path)  # stdout: just the path, for scripts
     return EXIT_OK
 
@@ -300,7 +315,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cores", type=_positive_int, help="physical CPU cores")
     p.add_argument("--no-bandwidth", action="store_true", help="skip the host bandwidth probe on this machine")
     p.add_argument("--format", help="expert storage format to assume for a bare config.json")
-    p.add_argument("--context", type=_positive_int, default=32768, help="tokens per conversation (default 32768)")
+    p.add_argument("--context", type=_positive_int,
+                   help=f"tokens per conversation (default {DEFAULT_PLAN_CONTEXT}, or the model's maximum when that is less)")
     p.add_argument("--users", type=_positive_int, default=1, help="concurrent conversations (default 1)")
     p.add_argument("--kv-dtype", choices=list(KV_BYTES_PER_ELEMENT), default="bf16")
     p.add_argument("--prefill-reserve", choices=list(PREFILL_RESERVE), default="auto",
@@ -326,6 +342,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quant", choices=["bf16", "q8_0", "q4_0", "q4_k_m"], default="q8_0",
                    help="weight type (default q8_0); q4_k_m runs llama.cpp's quantizer on a bf16 intermediate")
     p.add_argument("--out", help="output file (default: <model folder>-<QUANT>.gguf next to the folder)")
+    p.add_argument("--force", action="store_true",
+                   help="replace the output file if it exists (never a file of the checkpoint itself)")
     p.set_defaults(func=cmd_convert)
 
     p = sub.add_parser("models", help="models on this machine; --catalogue: the models hybridmoe knows by name")
@@ -393,6 +411,18 @@ def _log_internal_error() -> str:
         return "(the log could not be written)"
 
 
+def _warn_about_settings() -> None:
+    """What is wrong in the settings file, said once; the command goes on with the defaults
+    for it (every later read of the file is silent)."""
+    from backend import settings
+
+    loaded = settings.read()
+    for problem in loaded.problems:
+        print(f"hybridmoe: warning: {problem}", file=sys.stderr)
+    if loaded.problems:
+        print(f"  {loaded.hint}", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -402,6 +432,8 @@ def main(argv: list[str] | None = None) -> int:
             return EXIT_OK
         args.func = _cmd_tui
     try:
+        if args.func is not _cmd_tui:  # the terminal UI shows it in a dialog
+            _warn_about_settings()
         return args.func(args)
     except HybridMoeError as e:
         print(f"hybridmoe: error: {e}", file=sys.stderr)

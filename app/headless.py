@@ -7,6 +7,7 @@ already printed.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import sys
@@ -16,6 +17,7 @@ from backend.errors import UsageError
 from backend.session import CancelToken, Done, Message, Progress, TextPiece
 
 EXIT_CANCELLED = 130
+DEFAULT_CONTEXT = 4096  # tokens, when neither --plan nor --context is given
 
 
 def read_prompt(prompt: str | None) -> str:
@@ -38,7 +40,9 @@ def load_plan(args, model):
 
     if args.plan:
         return Plan.load(args.plan)
-    context = min(args.context, model.spec.max_context)
+    # A context asked for is planned as asked, so one beyond the model is refused as `plan`
+    # refuses it; the default is lowered to what the model supports.
+    context = args.context if args.context is not None else min(DEFAULT_CONTEXT, model.spec.max_context)
     plan = make(model.spec, model.inventory, detect(measure_bandwidth=False), Workload(context=context, backend=args.backend))
     if not plan.fits:
         from backend.errors import PlanError
@@ -50,9 +54,45 @@ def load_plan(args, model):
     return plan
 
 
+def user_chat_template(path: str | None):
+    """--chat-template FILE, read and checked now (before a model loads, which takes minutes):
+    a context manager in which a model loads with the file's template instead of its own."""
+    if path is None:
+        return contextlib.nullcontext()
+    from backend.engine.chat_template import read_template_file, templates_replaced_by
+
+    return templates_replaced_by(*read_template_file(path))
+
+
+CHAT_TEMPLATE_HELP = ("a Jinja chat template file to use instead of the model's own (one with a mistake, say); "
+                      "it renders in the same sandbox")
+
+
 def _say_fallback(why) -> None:
     # Said whether or not stderr is a terminal: it explains why the run uses another backend.
     sys.stderr.write(f"hybridmoe: the embedded engine cannot serve this model, using llama.cpp instead: {why.what}\n")
+
+
+class _BackendChoice:
+    """Which backend serves the run (or `serve`) and why: in `run --json` always, and on stderr
+    (whether or not it is a terminal) whenever the command line did not decide it: a saved
+    plan's backend, or the fallback to llama.cpp."""
+
+    def __init__(self, args):
+        self.plan_file = args.plan
+        self.reason = (f"asked for with --backend {args.backend}" if args.backend != "auto"
+                       else "auto: the embedded engine serves this model")
+
+    def chosen(self, backend: str, reason: str) -> None:
+        from backend.backends import BACKEND_NAMES
+
+        self.reason = f"{reason} ({self.plan_file})" if self.plan_file else reason
+        sys.stderr.write(f"hybridmoe: backend: {BACKEND_NAMES[backend]}, because {self.reason}; "
+                         "choose another with --backend\n")
+
+    def fell_back(self, why) -> None:
+        self.reason = f"the embedded engine cannot serve this model: {why.what}"
+        _say_fallback(why)
 
 
 class _StderrProgress:
@@ -95,6 +135,7 @@ def cmd_run(args) -> int:
         stop=tuple(args.stop or ()),
     )
     plan = load_plan(args, model)
+    chat_template = user_chat_template(args.chat_template)
     interactive = sys.stderr.isatty() and not args.json
     progress = _StderrProgress(interactive)
     cancel = CancelToken()
@@ -104,9 +145,12 @@ def cmd_run(args) -> int:
             raise KeyboardInterrupt
         cancel.cancel()
 
+    backend_choice = _BackendChoice(args)
     previous = signal.signal(signal.SIGINT, on_sigint)
     try:
-        session = load_session(args.backend, path, plan, progress, cancel, on_fallback=_say_fallback)
+        with chat_template:
+            session = load_session(args.backend, path, plan, progress, cancel,
+                                   on_fallback=backend_choice.fell_back, on_choice=backend_choice.chosen)
         progress.done()
         if args.record_stats and not hasattr(session, "save_expert_stats"):
             raise UsageError("--record-stats needs the embedded engine; llama.cpp does not report expert activations",
@@ -129,6 +173,7 @@ def cmd_run(args) -> int:
             {
                 "model": model.spec.name,
                 "backend": done.stats.backend,
+                "backend_reason": backend_choice.reason,
                 "text": done.text,
                 "token_ids": list(done.token_ids),
                 "finish_reason": done.reason,
@@ -156,6 +201,7 @@ def cmd_run(args) -> int:
 
 
 def add_parser(sub) -> None:
+    from app.cli import _positive_int
     from backend.plan.workload import BACKENDS
 
     p = sub.add_parser("run", help="answer one prompt (headless): the answer to stdout, progress to stderr")
@@ -174,9 +220,12 @@ def add_parser(sub) -> None:
     p.add_argument("--seed", type=int)
     p.add_argument("--stop", action="append", help="a stop string (repeatable)")
     p.add_argument("--plan", help="a saved plan (hybridmoe plan --save FILE); default: plan for this machine now")
-    p.add_argument("--context", type=int, default=4096, help="context length when no --plan is given (default 4096)")
+    p.add_argument("--context", type=_positive_int,
+                   help=f"context length when no --plan is given (default {DEFAULT_CONTEXT}, or the model's maximum "
+                        "when that is less)")
     p.add_argument("--backend", choices=list(BACKENDS), default="auto",
                    help="auto (default): the embedded engine, or llama.cpp when the engine cannot serve the model")
+    p.add_argument("--chat-template", metavar="FILE", help=CHAT_TEMPLATE_HELP)
     p.add_argument("--record-stats", metavar="FILE", help="save per-expert activation counts for --strategy frequency")
     p.add_argument("--json", action="store_true", help="print one JSON object: text, token ids, stats")
     p.set_defaults(func=cmd_run)

@@ -57,7 +57,10 @@ def hardware_text(hw: HardwareProfile, extra: list[tuple[str, str]] | None = Non
     ]
     if mem.hugepages_total:
         rows.append(("huge pages", f"{mem.hugepages_total} × {fmt_bytes(mem.hugepage_size_bytes)}"))
-    rows.append(("bandwidth, measured", fmt_rate(mem.bandwidth_measured_bytes_per_s)))
+    measured = fmt_rate(mem.bandwidth_measured_bytes_per_s)
+    if mem.bandwidth_measured_bytes_per_s and mem.bandwidth_measured_note:
+        measured += f" ({mem.bandwidth_measured_note})"
+    rows.append(("bandwidth, measured", measured))
     theo = fmt_rate(mem.bandwidth_theoretical_bytes_per_s)
     rows.append(("bandwidth, theoretical", theo + (f" ({mem.bandwidth_note})" if mem.bandwidth_note else "")))
     out += _kv_lines(rows)

@@ -58,7 +58,12 @@ class Services:
     # ---- settings and where things live (fast: called on the UI thread) ------------------------
 
     def load_settings(self) -> Settings:
+        """The settings to use; never fails on a bad file (``read_settings`` says what is wrong)."""
         return settings_module.load()
+
+    def read_settings(self) -> settings_module.LoadedSettings:
+        """The settings and the problems of the settings file, for the App to show once."""
+        return settings_module.read()
 
     def save_settings(self, settings: Settings) -> None:
         settings.save()
@@ -196,8 +201,14 @@ class Services:
 
     def convert(self, model: LocalModel, quant: str, on_progress: ProgressCallback | None,
                 cancel: CancelToken | None) -> Path:
-        """A safetensors checkpoint -> one GGUF file in ``converted_dir()``; returns its path."""
-        from backend.convert import to_gguf
+        """A safetensors checkpoint -> one GGUF file in ``converted_dir()``; returns its path.
+
+        A file of that name written after every file of the checkpoint is a finished
+        conversion of it (files appear there only once complete): it is used as it is, rather
+        than spending hours to write it again (Resume after a conversion that ended). An older
+        one is never replaced unasked: the error says how to delete it first."""
+        from backend.convert import is_current_conversion, to_gguf
+        from backend.errors import HybridMoeError
         from backend.hub import registry
 
         out_dir = self.converted_dir()
@@ -205,6 +216,12 @@ class Services:
         registry.add_dir(out_dir)  # so `list_local_models` (and `hybridmoe models`) find the result
         stem = re.sub(r"[^A-Za-z0-9._-]+", "--", model.name).strip("-") or "model"
         out = out_dir / f"{stem}-{quant.upper()}.gguf"
+        if is_current_conversion(out, model.path):
+            log.info("%s is already converted to %s; using it", model.path, out)
+            return out
+        if out.exists():
+            raise HybridMoeError(f"{out} already exists, and is older than the checkpoint {model.path}.",
+                                 "Delete it in Models (select it, then d) to convert again, or use it as it is.")
         return to_gguf(model.path, out, quant=quant, on_progress=on_progress, cancel=cancel)
 
     def convert_quants(self) -> tuple[str, ...]:
@@ -288,11 +305,17 @@ class Services:
         back to llama.cpp when the engine cannot serve the model (``on_notice`` says so)."""
         from backend.backends import load_session
 
+        from backend.backends import BACKEND_NAMES
+
         def fallback(why) -> None:
             if on_notice is not None:
                 on_notice(f"The embedded engine cannot serve this model ({why.what}); using llama.cpp.")
 
-        return load_session("auto", model_path, plan, on_progress, cancel, on_fallback=fallback)
+        def chosen(backend: str, reason: str) -> None:  # the plan named the backend, not the user here
+            if on_notice is not None:
+                on_notice(f"Backend: {BACKEND_NAMES[backend]}, because {reason}.")
+
+        return load_session("auto", model_path, plan, on_progress, cancel, on_fallback=fallback, on_choice=chosen)
 
 
 def _slug(text: str) -> str:

@@ -5,6 +5,11 @@ serve the model (UnsupportedModelError: an architecture, GGUF type or tokenizer 
 telling the caller why through ``on_fallback``. Other failures (a damaged file, a plan for
 another model, a cancelled load) are not a reason to try another backend: they would fail
 there too, or the user asked to stop.
+
+``auto`` never picks llama.cpp where it is known to crash (an AMX CPU with a llama-cpp-python
+too old to keep its weights off the AMX buffer type, backend.llamacpp.model.crash_risk): a plan
+made for llama.cpp is then served by the engine, and a model only llama.cpp serves is refused
+with the reason. An explicit `--backend llamacpp` is refused there with the same reason.
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ from backend.plan.plan import Plan
 from backend.plan.workload import BACKENDS
 from backend.session import CancelToken, ProgressCallback, Session
 
+BACKEND_NAMES = {"engine": "the embedded engine", "llamacpp": "llama.cpp"}
+
 
 def load_session(
     choice: str,
@@ -24,13 +31,20 @@ def load_session(
     on_progress: ProgressCallback | None = None,
     cancel: CancelToken | None = None,
     on_fallback: Callable[[UnsupportedModelError], None] | None = None,
+    on_choice: Callable[[str, str], None] | None = None,
 ) -> Session:
     """A session on the chosen backend. ``auto`` follows the plan's own choice when it names
-    one (a plan made with `hybridmoe plan --backend llamacpp` stays on llama.cpp)."""
+    one (a plan made with `hybridmoe plan --backend llamacpp` stays on llama.cpp), and tells
+    ``on_choice(backend, reason)`` so, since nothing on the command line said it."""
     if choice not in BACKENDS:
         raise UsageError(f"unknown backend {choice!r}", f"Choose one of {', '.join(BACKENDS)}.")
-    if choice == "auto":
+    if choice == "auto" and plan.workload.backend != "auto":
         choice = plan.workload.backend
+        reason = f"the plan was made for {BACKEND_NAMES[choice]}"
+        if choice == "llamacpp" and (risk := _llamacpp_crash_risk()):
+            choice, reason = "engine", f"{reason}, but {risk}"
+        if on_choice is not None:
+            on_choice(choice, reason)
     if choice == "engine":
         return _engine().load(model_path, plan, on_progress, cancel)
     if choice == "llamacpp":
@@ -40,6 +54,8 @@ def load_session(
     except UnsupportedModelError as why:
         from backend.llamacpp import LlamaCppUnavailable
 
+        if risk := _llamacpp_crash_risk():
+            raise UnsupportedModelError(why.what, f"{why.hint or ''} The llama.cpp fallback is not used: {risk}.".strip()) from why
         if on_fallback is not None:
             on_fallback(why)
         try:
@@ -47,6 +63,15 @@ def load_session(
         except LlamaCppUnavailable as missing:
             hint = f"{why.hint or ''} The llama.cpp fallback is not available: {missing}".strip()
             raise UnsupportedModelError(why.what, hint) from why
+
+
+def _llamacpp_crash_risk() -> str | None:
+    from backend.llamacpp import LlamaCppUnavailable, crash_risk
+
+    try:
+        return crash_risk()
+    except LlamaCppUnavailable:
+        return None  # not installed: the load says so, with the way to install it
 
 
 def _engine():

@@ -3,22 +3,33 @@
 Locations follow the platform conventions through platformdirs (XDG on Linux, so
 XDG_CONFIG_HOME / XDG_DATA_HOME / XDG_STATE_HOME move them); HYBRIDMOE_CONFIG overrides the
 settings file itself.
+
+A settings file is written by hand, so it may be wrong: ``read`` never fails on one. Each
+unusable entry is named (file, key, what is wrong, what is used instead) and replaced by its
+default; the good entries are kept; a file that cannot be read or parsed gives all defaults.
 """
 
 from __future__ import annotations
 
 import os
 import tomllib
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
+from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 import platformdirs
 import tomli_w
 
-from backend.errors import UsageError
 from backend.files import write_atomic
 
 APP = "hybridmoe"
+
+# Beyond the context window of every released model (the longest are 10M tokens): a larger
+# number is a typo, and planning for it would only say that nothing fits.
+MAX_CONTEXT = 1 << 24
+MAX_USERS = 1024  # concurrent conversations on one workstation; more is a typo
 
 
 def config_dir() -> Path:
@@ -46,6 +57,18 @@ def default_model_store() -> Path:
     return Path(constants.HF_HUB_CACHE)
 
 
+def set_aside(path: Path, why: str) -> Path:
+    """Rename a file the app cannot use to ``NAME.<why>-<time>`` beside it, and return the new
+    path. The user's data is never deleted, and an earlier copy set aside is never replaced."""
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    target, n = path.with_name(f"{path.name}.{why}-{stamp}"), 1
+    while target.exists():
+        n += 1
+        target = path.with_name(f"{path.name}.{why}-{stamp}-{n}")
+    path.rename(target)
+    return target
+
+
 @dataclass(frozen=True)
 class Settings:
     model_store: str = ""  # empty: the Hugging Face hub cache
@@ -62,32 +85,79 @@ class Settings:
         return Path(self.model_store).expanduser() if self.model_store else default_model_store()
 
     def save(self, path: Path | None = None) -> Path:
-        return write_atomic(path or settings_path(), tomli_w.dumps(asdict(self)))
+        """Write the settings. A file there that does not read cleanly (a hand edit gone
+        wrong) is set aside first, not overwritten: what the person wrote stays readable."""
+        path = path or settings_path()
+        if path.is_file() and read(path).problems:
+            set_aside(path, "invalid")
+        return write_atomic(path, tomli_w.dumps(asdict(self)))
 
 
-def load(path: Path | None = None) -> Settings:
-    """Settings from the TOML file; defaults when it does not exist."""
+def _allowed_values() -> dict[str, tuple[Callable[[Any], bool], str]]:
+    """What a value may be beyond its type: a test, and the words that say what it must be."""
+    # Here, not at the top: backend.plan imports the model formats, which the history and
+    # the other light users of this module do not need.
+    from backend.plan.workload import BACKENDS, KV_BYTES_PER_ELEMENT
+
+    return {
+        "backend": (lambda v: v in BACKENDS, f"one of {', '.join(BACKENDS)}"),
+        "context": (lambda v: 1 <= v <= MAX_CONTEXT, f"a number of tokens from 1 to {MAX_CONTEXT}"),
+        "users": (lambda v: 1 <= v <= MAX_USERS, f"a number of conversations from 1 to {MAX_USERS}"),
+        "kv_dtype": (lambda v: v in KV_BYTES_PER_ELEMENT, f"one of {', '.join(KV_BYTES_PER_ELEMENT)}"),
+    }
+
+
+_TYPE_WORDS = {str: "a string", int: "a whole number", bool: "true or false"}
+
+
+@dataclass(frozen=True)
+class LoadedSettings:
+    settings: Settings
+    path: Path
+    # One line per problem: the file, the key, what is wrong, what is used instead.
+    problems: tuple[str, ...] = ()
+
+    @property
+    def hint(self) -> str:
+        return (f"Fix the file or delete it. Should the app save a setting first, it keeps this file "
+                f"beside the new one as {self.path.name}.invalid-<time>.")
+
+
+def read(path: Path | None = None) -> LoadedSettings:
+    """The settings from the TOML file (defaults when there is none), and what was wrong in it."""
     path = path or settings_path()
+    defaults = Settings()
     try:
         raw = path.read_bytes()
     except FileNotFoundError:
-        return Settings()
+        return LoadedSettings(defaults, path)
     except OSError as e:
-        raise UsageError(f"cannot read settings file {path}: {e.strerror}")
+        return LoadedSettings(defaults, path, (f"cannot read the settings file {path} ({e.strerror or e}); "
+                                               "using the default settings",))
     try:
         data = tomllib.loads(raw.decode())
     except (UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
-        raise UsageError(f"settings file {path} is not valid TOML: {e}", "Fix or delete it; defaults are used then.")
-    known = {f.name: f for f in fields(Settings)}
-    defaults = Settings()
-    values = {}
+        return LoadedSettings(defaults, path, (f"the settings file {path} is not valid TOML ({e}); "
+                                               "using the default settings",))
+    known = [f.name for f in fields(Settings)]
+    allowed_values = _allowed_values()
+    values: dict[str, Any] = {}
+    problems = []
     for key, value in data.items():
         if key not in known:
-            raise UsageError(f"settings file {path}: unknown key {key!r}", f"Known keys: {', '.join(known)}.")
-        expected = type(getattr(defaults, key))
-        if type(value) is not expected:
-            raise UsageError(
-                f"settings file {path}: {key} must be a {expected.__name__}, got {value!r}",
-            )
-        values[key] = value
-    return Settings(**values)
+            problems.append(f"{path}: unknown setting {key!r} ignored (the settings are {', '.join(known)})")
+            continue
+        default = getattr(defaults, key)
+        allowed, words = allowed_values.get(key, (lambda v: True, ""))
+        if type(value) is not type(default):
+            words = words or _TYPE_WORDS[type(default)]
+        elif allowed(value):
+            values[key] = value
+            continue
+        problems.append(f"{path}: {key} must be {words}, not {value!r}; using the default {default!r}")
+    return LoadedSettings(Settings(**values), path, tuple(problems))
+
+
+def load(path: Path | None = None) -> Settings:
+    """The settings to use, whatever the file holds (``read`` says what was wrong in it)."""
+    return read(path).settings

@@ -28,7 +28,7 @@ def model_id(model_argument: str, path: Path) -> str:
 
 
 def cmd_serve(args) -> int:
-    from app.headless import _say_fallback, _StderrProgress, load_plan
+    from app.headless import _BackendChoice, _StderrProgress, load_plan, user_chat_template
     from app.server.runner import bind_socket, check_exposure
     from backend.hub.catalogue import model_path
     from backend.models import inspect_model
@@ -39,15 +39,16 @@ def cmd_serve(args) -> int:
     path = model_path(args.model)  # a path, or a name `hybridmoe models` lists
     model = inspect_model(path)
     plan = load_plan(args, model)
+    chat_template = user_chat_template(args.chat_template)
     sock = bind_socket(args.host, args.port)
     try:
         return _load_and_serve(args, path, model_id(args.model, Path(path)), plan, api_key, sock,
-                               _StderrProgress(sys.stderr.isatty()), _say_fallback, CancelToken())
+                               _StderrProgress(sys.stderr.isatty()), _BackendChoice(args), CancelToken(), chat_template)
     finally:
         sock.close()  # closed by the server once it runs; here when loading failed
 
 
-def _load_and_serve(args, path, name, plan, api_key, sock, progress, on_fallback, cancel) -> int:
+def _load_and_serve(args, path, name, plan, api_key, sock, progress, backend_choice, cancel, chat_template) -> int:
     from app.server.http import ServerOptions
     from app.server.runner import ApiServer
     from app.server.shared_session import SharedSession
@@ -63,7 +64,9 @@ def _load_and_serve(args, path, name, plan, api_key, sock, progress, on_fallback
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        session = load_session(args.backend, path, plan, progress, cancel, on_fallback=on_fallback)
+        with chat_template:  # --chat-template FILE, or the model's own
+            session = load_session(args.backend, path, plan, progress, cancel, on_fallback=backend_choice.fell_back,
+                                   on_choice=backend_choice.chosen)
         progress.done()
         shared = SharedSession(session)
         options = ServerOptions(model_id=name, api_key=api_key, max_queue=args.max_queue,
@@ -102,16 +105,19 @@ def _port(text: str) -> int:
 
 def add_parser(sub) -> None:
     from app.cli import _non_negative_int, _positive_int
+    from app.headless import CHAT_TEMPLATE_HELP, DEFAULT_CONTEXT
     from backend.plan.workload import BACKENDS
 
     p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API (Ctrl-C stops)")
     p.add_argument("-m", "--model", required=True,
                    help="a model directory, a .gguf file, or a local model's name as `hybridmoe models` lists it")
     p.add_argument("--plan", help="a saved plan (hybridmoe plan --save FILE); default: plan for this machine now")
-    p.add_argument("--context", type=_positive_int, default=4096,
-                   help="context length when no --plan is given (default 4096)")
+    p.add_argument("--context", type=_positive_int,
+                   help=f"context length when no --plan is given (default {DEFAULT_CONTEXT}, or the model's maximum "
+                        "when that is less)")
     p.add_argument("--backend", choices=list(BACKENDS), default="auto",
                    help="auto (default): the embedded engine, or llama.cpp when the engine cannot serve the model")
+    p.add_argument("--chat-template", metavar="FILE", help=CHAT_TEMPLATE_HELP)
     p.add_argument("--host", default=DEFAULT_HOST,
                    help=f"address to listen on (default {DEFAULT_HOST}: this machine only); "
                    "any other needs an API key")

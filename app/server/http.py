@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -168,11 +168,17 @@ class _Api:
         if declared.isdigit() and int(declared) > limit:
             raise too_large  # refused before reading it
         chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise too_large
-            chunks.append(chunk)
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise too_large
+                chunks.append(chunk)
+        except ClientDisconnect:  # the body ended before its Content-Length: the client has gone
+            announced = f" of {int(declared):,}" if declared.isdigit() else ""
+            # Answered (to nobody, most likely) and recorded like any bad request: not an internal error.
+            raise ApiError(400, f"the request body ended after {size:,}{announced} bytes: the client closed the "
+                                "connection", code="incomplete_body")
         return parse_body(b"".join(chunks))
 
     # ---- generating ----------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import time
 import uuid
 from dataclasses import dataclass
@@ -78,7 +79,7 @@ class CompletionRequest(GenerationRequest):
 
 
 def parse_body(raw: bytes) -> dict:
-    """The request body as a JSON object."""
+    """The request body as a JSON object whose every text is Unicode."""
     try:
         # Decoded here: json.loads would guess UTF-16 or UTF-32 from the bytes; JSON over HTTP is UTF-8.
         body = json.loads(raw.decode("utf-8"))
@@ -87,9 +88,43 @@ def parse_body(raw: bytes) -> dict:
     except json.JSONDecodeError as error:
         raise bad_request(f"the request body is not valid JSON: {error.msg} at line {error.lineno} "
                           f"column {error.colno}")
+    except RecursionError:  # the parser recurses once per level of [ or {
+        raise bad_request("the request body is nested too deeply: no request of this API nests more than a few "
+                          "levels")
     if not isinstance(body, dict):
         raise bad_request(f"the request body must be a JSON object, not {_json_type(body)}")
+    _refuse_lone_surrogates(body)
     return body
+
+
+# A UTF-16 surrogate code point: JSON's "\ud800" escape gives one alone, which is not Unicode.
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _refuse_lone_surrogates(body: dict) -> None:
+    """A 400 naming the first field whose text holds a lone surrogate.
+
+    JSON lets a string escape half of a UTF-16 surrogate pair ("a\\ud800b"), and Python's parser
+    keeps it, but such text cannot be tokenized nor written back as UTF-8. It is refused rather
+    than replaced with U+FFFD: it comes from a client that split a pair (a bug the client should
+    hear about), and a silently altered prompt would give an answer to something not asked."""
+    todo: list[tuple[Any, str]] = [(body, "")]
+    while todo:  # without recursion: the nesting depth is the client's to choose
+        value, where = todo.pop()
+        if isinstance(value, str):
+            found = _SURROGATE.search(value)
+            if found:
+                raise bad_request(f"{where} holds a lone UTF-16 surrogate (\\u{ord(found.group()):04x} at character "
+                                  f"{found.start()}), which is not Unicode text: encode the text as UTF-8, or escape "
+                                  "both halves of a surrogate pair", where)
+        elif isinstance(value, dict):
+            for key in value:
+                if _SURROGATE.search(key):
+                    raise bad_request(f"a key in {where or 'the request body'} holds a lone UTF-16 surrogate, which "
+                                      "is not Unicode text", where or None)
+            todo.extend((item, f"{where}.{key}" if where else key) for key, item in reversed(value.items()))
+        elif isinstance(value, list):
+            todo.extend((item, f"{where}[{i}]") for i, item in reversed(list(enumerate(value))))
 
 
 def chat_request(body: dict, max_tokens_limit: int) -> ChatRequest:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import ipaddress
+import re
 import socket
 import threading
 import time
@@ -42,9 +43,44 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+# One label of a host name (RFC 1123, with the underscores some machine names have): letters,
+# digits and inner hyphens, at most 63.
+_HOST_LABEL = re.compile(r"(?!-)[A-Za-z0-9_-]{1,63}(?<!-)")
+
+
+def check_host(host: str) -> None:
+    """``host`` is an IP address or a host name this machine can resolve; a UsageError saying
+    which it is not, before anything else is said about it."""
+    try:
+        ipaddress.ip_address(host)
+        return
+    except ValueError:
+        pass
+    labels = host.removesuffix(".").split(".")
+    # The last label is never all digits (RFC 3696): "300.1.2.3" is a mistyped address, not a name.
+    if (not host or len(host) > 253 or not all(_HOST_LABEL.fullmatch(label) for label in labels)
+            or labels[-1].isdigit()):
+        raise UsageError(f"not an IP address or host name: {host!r}",
+                         f"Use an address of this machine, such as {DEFAULT_HOST} (this machine only) or 0.0.0.0 "
+                         "(every network), or its host name.")
+    _address_info(host, None)
+
+
+def _address_info(host: str, port: int | None) -> tuple:
+    """(family, type, proto, canonname, address) of the first address to listen on."""
+    try:
+        return socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as error:
+        where = host if port is None else f"{host}:{port}"
+        raise UsageError(f"cannot listen on {where}: the host is unknown ({error.strerror})",
+                         f"Use an address of this machine, such as {DEFAULT_HOST} or 0.0.0.0.")
+
+
 def check_exposure(host: str, api_key: str | None, *, how_to_set_key: str) -> None:
     """Other machines may only reach the server with an API key. ``how_to_set_key`` says it
-    in the caller's terms (a command-line option, a field of a form)."""
+    in the caller's terms (a command-line option, a field of a form). A host that is no
+    address at all is refused as such first."""
+    check_host(host)
     if not is_loopback(host) and not api_key:
         raise UsageError(
             f"the host {host} lets other machines reach the server, but no API key is set",
@@ -55,12 +91,7 @@ def check_exposure(host: str, api_key: str | None, *, how_to_set_key: str) -> No
 def bind_socket(host: str, port: int) -> socket.socket:
     """A listening TCP socket on ``host``:``port`` (port 0: any free port)."""
     where = f"{host}:{port}"
-    try:
-        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
-                                                              flags=socket.AI_PASSIVE)[0]
-    except socket.gaierror as error:
-        raise UsageError(f"cannot listen on {where}: the host is unknown ({error.strerror})",
-                         f"Use an address of this machine, such as {DEFAULT_HOST} or 0.0.0.0.")
+    family, kind, proto, _, address = _address_info(host, port)
     sock = socket.socket(family, kind, proto)
     try:
         # A server restarted at once may bind again while the old connections linger.

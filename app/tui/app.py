@@ -75,13 +75,15 @@ class HybridMoeApp(ReportsWorkerErrors, App[None]):
 
     def on_mount(self) -> None:
         problems: list[HybridMoeError] = []
-        try:
-            self.settings = self.services.load_settings()
-        except HybridMoeError as error:  # a broken settings file: say so, run on defaults
-            problems.append(error)
+        loaded = self.services.read_settings()  # a broken settings file: say so, run on defaults
+        self.settings = loaded.settings
+        if loaded.problems:
+            problems.append(HybridMoeError("\n".join(loaded.problems), loaded.hint))
         self.state = load_state(self.services.data_dir())
         try:
             self.history = History(self.services.data_dir() / "history.sqlite3")
+            if self.history.damage is not None:  # set aside, a new one started: say where it went
+                problems.append(self.history.damage)
         except HybridMoeError as error:
             problems.append(error)
             self.history = History(":memory:")

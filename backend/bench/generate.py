@@ -86,12 +86,14 @@ def _run_engine(model: str, prompt_tokens: int, gen_tokens: int, threads: int, r
 
 
 def _run_llamacpp(model: str, prompt_tokens: int, gen_tokens: int, threads: int, repeats: int) -> dict:
-    import llama_cpp
+    from importlib.metadata import version
+
     import numpy as np
 
+    from backend.llamacpp.model import RawModel
+
     t0 = time.perf_counter()
-    llm = llama_cpp.Llama(model_path=model, n_ctx=prompt_tokens + gen_tokens + 8, n_batch=2048, n_ubatch=512,
-                          n_threads=threads, n_threads_batch=threads, logits_all=False, verbose=False)
+    llm = RawModel(model, n_ctx=prompt_tokens + gen_tokens + 8, n_batch=2048, n_threads=threads)
     load_s = time.perf_counter() - t0
     rss_load = _vm_hwm()
     ids = _prompt(llm.n_vocab(), prompt_tokens)
@@ -99,21 +101,21 @@ def _run_llamacpp(model: str, prompt_tokens: int, gen_tokens: int, threads: int,
     for rep in range(repeats + 1):  # the first pass warms up, untimed
         llm.reset()
         t0 = time.perf_counter()
-        llm.eval(ids)
+        logits = llm.eval(ids)
         prefill_s = time.perf_counter() - t0
-        tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        tok = int(np.argmax(logits[-1]))
         out = [tok]
         t0 = time.perf_counter()
         for _ in range(gen_tokens - 1):
-            llm.eval([tok])
-            tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+            tok = int(np.argmax(llm.eval([tok])[-1]))
             out.append(tok)
         if rep:
             prefill.append(len(ids) / prefill_s)
             decode.append((gen_tokens - 1) / (time.perf_counter() - t0))
         tokens = out
+    llm.close()
     return {"load_s": load_s, "rss_after_load": rss_load, "prefill": prefill, "decode": decode, "tokens": tokens,
-            "version": llama_cpp.__version__}
+            "version": version("llama-cpp-python")}
 
 
 def run_worker(backend: str, model: str, prompt_tokens: int, gen_tokens: int, threads: int, repeats: int) -> dict:

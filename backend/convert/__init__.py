@@ -1,6 +1,8 @@
 """Hugging Face safetensors checkpoints to GGUF files (llama.cpp's format), quantized.
 
-    to_gguf(model_dir, out_path, quant="q8_0", on_progress=None, cancel=None) -> Path
+    to_gguf(model_dir, out_path, quant="q8_0", on_progress=None, cancel=None, overwrite=False) -> Path
+    stored_types(path, quant) -> StoredTypes   (which tensors took `quant`, which kept another type)
+    is_current_conversion(out_path, model_dir) -> bool   (written after every file of the checkpoint)
 
 ``quant`` is one of ``QUANTS``: "bf16", "q8_0", "q4_0" (encoded here) or "q4_k_m" (through
 llama.cpp's quantizer). See ``converter`` for the steps and the modules doing each.
@@ -13,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["QUANTS", "default_output_path", "to_gguf"]
+__all__ = ["QUANTS", "default_output_path", "is_current_conversion", "stored_types", "to_gguf"]
 
 
 def __getattr__(name: str) -> Any:
@@ -21,7 +23,7 @@ def __getattr__(name: str) -> Any:
         from backend.convert.tensor_types import QUANTS
 
         return QUANTS
-    if name in ("default_output_path", "to_gguf"):
+    if name in ("default_output_path", "is_current_conversion", "stored_types", "to_gguf"):
         from backend.convert import converter
 
         return getattr(converter, name)

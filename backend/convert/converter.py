@@ -6,7 +6,11 @@ family, damaged shards), plan the GGUF tensors (``tensor_plan``), choose each on
 (``tensor_types``), translate the config and the tokenizer into metadata (``hparams``,
 ``vocab``), check the free disk space, then stream every tensor through its encoder
 (``encode``) into the file (``gguf_file``). Q4_K_M goes through a BF16 intermediate and
-llama.cpp's quantizer (``kquants``).
+llama.cpp's quantizer (``kquants``). ``stored_types`` then says what the file holds.
+
+The output never replaces a file the conversion reads (whatever ``overwrite`` says: hours of
+download would be lost), nor any other existing file unless ``overwrite``. Partial files
+that a killed conversion of the same output left are removed before writing.
 
 Checkpoint tensors are read through the engine's ``WeightSource`` (fp8 blocks and int4 packs
 arrive as ``QuantTensor``). A fresh source is opened for each layer, so that the file mappings
@@ -21,6 +25,7 @@ import os
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import gguf
@@ -29,21 +34,17 @@ import torch
 
 from backend.convert import kquants
 from backend.convert.encode import encode, int4_to_q4_0, mxfp4_to_gguf, tensor_bytes
-from backend.convert.gguf_file import (
-    TensorSlot,
-    check_free_space,
-    padded_size,
-    temporary_path,
-    write_gguf,
-)
+from backend.convert.gguf_file import TensorSlot, check_free_space, padded_size, write_gguf
 from backend.convert.hparams import gguf_arch, write_hparams
 from backend.convert.tensor_plan import OutTensor, Piece, mtp_layers, plan_tensors
-from backend.convert.tensor_types import FILE_TYPES, QUANTS, exact_copy_type, storage_type
+from backend.convert.tensor_types import BLOCK_TYPES, FILE_TYPES, QUANTS, exact_copy_type, storage_type
 from backend.convert.vocab import vocab_from_hf
 from backend.engine.quant import QuantTensor
 from backend.engine.weights import SafetensorsWeights, WeightSource, text_model_weights
 from backend.errors import HybridMoeError, ModelError, UsageError
+from backend.files import partial_path, sweep_stale_partials
 from backend.models import inspect_model
+from backend.models.gguf_reader import open_gguf_file
 from backend.session import CancelToken, ProgressCallback
 
 log = logging.getLogger(__name__)
@@ -66,13 +67,15 @@ def default_output_path(model_dir: str | Path, quant: str, name: str | None = No
 
 
 def to_gguf(model_dir: str | Path, out_path: str | Path, quant: str = "q8_0",
-            on_progress: ProgressCallback | None = None, cancel: CancelToken | None = None) -> Path:
+            on_progress: ProgressCallback | None = None, cancel: CancelToken | None = None,
+            overwrite: bool = False) -> Path:
     """Convert the safetensors checkpoint in `model_dir` to the GGUF file `out_path`.
 
     `quant`: "bf16", "q8_0", "q4_0" or "q4_k_m". Progress events carry bytes written of the
     estimated total (stage "convert"; "quantize" for the second pass of q4_k_m). Raises
     ModelError / UnsupportedModelError for checkpoints that cannot be converted, Cancelled when
-    `cancel` fires, HybridMoeError for a full disk; no partial file is left in any case.
+    `cancel` fires, HybridMoeError for a full disk, UsageError when `out_path` exists (unless
+    `overwrite`) or is a file of the checkpoint (always); no partial file is left in any case.
     """
     quant = str(quant).lower()
     if quant not in QUANTS:
@@ -92,6 +95,7 @@ def to_gguf(model_dir: str | Path, out_path: str | Path, quant: str = "q8_0",
             f"{model_dir} is not a Hugging Face safetensors checkpoint: it holds {what}.",
             "Give the folder holding config.json and the *.safetensors shards (download them first).",
         )
+    _check_output(out_path, model_dir, overwrite)
     config = spec.config
 
     weights = text_model_weights(SafetensorsWeights(model_dir))
@@ -111,6 +115,7 @@ def to_gguf(model_dir: str | Path, out_path: str | Path, quant: str = "q8_0",
         )
 
     types = {t.name: storage_type(t, quant) for t in plan}
+    sweep_stale_partials(out_path)  # before the free-space check: they may be what fills the disk
     sources = _LayerSources(model_dir)
     pool = ThreadPoolExecutor(max_workers=WORKERS, thread_name_prefix="convert")
     slots = [_slot(t, types[t.name], sources, pool) for t in plan]
@@ -144,8 +149,8 @@ def _via_llama_quantizer(out_path: Path, arch: str, metadata, slots: list[Tensor
     final = _q4_k_m_estimate(plan, types)
     check_free_space(out_path.parent, padded_size(slots) + final,
                      f"{out_path.name} (Q4_K_M, with its BF16 intermediate)")
-    intermediate = out_path.with_name(f".{out_path.name}.bf16.partial")
-    tmp = temporary_path(out_path)
+    intermediate = partial_path(out_path.with_name(f"{out_path.name}.bf16"))
+    tmp = partial_path(out_path)
     try:
         write_gguf(intermediate, arch, metadata, slots, on_progress=on_progress, cancel=cancel)
         keep = {t.name: types[t.name] for t in plan if exact_copy_type(t) is not None}
@@ -159,6 +164,97 @@ def _via_llama_quantizer(out_path: Path, arch: str, metadata, slots: list[Tensor
         intermediate.unlink(missing_ok=True)
         tmp.unlink(missing_ok=True)
     return out_path
+
+
+def _check_output(out_path: Path, model_dir: Path, overwrite: bool) -> None:
+    """Refuse an `out_path` that is a folder, a file the conversion reads (under any name: a
+    symlink, a hard link, a relative path), or, unless `overwrite`, any existing file."""
+    if out_path.is_dir():
+        raise UsageError(f"The output {out_path} is a folder.", "Give the path of the .gguf file to write with --out.")
+    try:
+        existing = out_path.stat()
+    except FileNotFoundError:
+        if out_path.is_symlink():  # a dangling link: replacing it loses the link
+            existing = None
+        else:
+            return
+    except OSError as exc:
+        raise UsageError(f"The output {out_path} cannot be checked: {exc.strerror or exc}.",
+                         "Choose another --out.") from exc
+    if existing is not None and (existing.st_dev, existing.st_ino) in _checkpoint_files(model_dir):
+        raise UsageError(
+            f"The output {out_path} is a file of the checkpoint being converted ({model_dir}); "
+            "writing the GGUF file there would destroy the checkpoint.",
+            "Choose an output path that is not part of the checkpoint with --out (--force does not change this).",
+        )
+    if not overwrite:
+        raise UsageError(f"The output {out_path} already exists.",
+                         "Choose another path with --out, or add --force to replace it.")
+
+
+def _checkpoint_files(model_dir: Path) -> set[tuple[int, int]]:
+    """(device, inode) of every file in the checkpoint folder: the config, tokenizer, index
+    and shards the converter reads, whatever names (symlinks into a Hugging Face cache's
+    blobs, hard links) reach them."""
+    return {(st.st_dev, st.st_ino) for st in _checkpoint_stats(model_dir)}
+
+
+def _checkpoint_stats(model_dir: Path) -> Iterator[os.stat_result]:
+    """os.stat (through symlinks) of every file of the checkpoint: the folder's, recursively."""
+    paths = [model_dir] if model_dir.is_file() else (
+        Path(root) / name for root, _, names in os.walk(model_dir) for name in names)
+    for path in paths:
+        try:
+            yield path.stat()
+        except OSError:
+            continue  # a dangling link reads nothing
+
+
+def is_current_conversion(out_path: str | Path, model_dir: str | Path) -> bool:
+    """Whether `out_path` exists and was written after every file of the checkpoint in
+    `model_dir` (a finished conversion is complete: it is renamed into place at the end)."""
+    try:
+        written = Path(out_path).stat().st_mtime
+    except OSError:
+        return False
+    return all(written >= st.st_mtime for st in _checkpoint_stats(Path(model_dir)))
+
+
+@dataclass(frozen=True)
+class StoredTypes:
+    """The GGML types a converted file holds, against the quantization asked for.
+
+    ``by_type``: type name ("Q8_0", "F16", ...) -> tensor names, for every tensor.
+    ``kept``: the weight matrices whose rows are not whole blocks of the requested type
+    (``block`` weights), by the type they kept instead (llama.cpp's converter and quantizer
+    fall back the same way); ``rows``: their row lengths. Vectors and routers are F32 and
+    exact copies (int4 as Q4_0, MXFP4) keep their type by design: they are not counted there.
+    """
+
+    quant: str
+    by_type: dict[str, list[str]]
+    kept: dict[str, list[str]]
+    block: int
+    rows: tuple[int, ...]
+
+
+def stored_types(path: str | Path, quant: str) -> StoredTypes:
+    """Read the tensor directory of the converted `path` (no weights) and say which tensors
+    took `quant` and which kept another type, and why."""
+    quant = str(quant).lower()
+    block = gguf.GGML_QUANT_SIZES[BLOCK_TYPES[quant]][0]
+    by_type: dict[str, list[str]] = {}
+    kept: dict[str, list[str]] = {}
+    rows: set[int] = set()
+    with open_gguf_file(path) as g:
+        for t in g.tensors:
+            qtype = Q(t.ggml_type)
+            by_type.setdefault(qtype.name, []).append(t.name)
+            copied = qtype == Q.Q4_0 and quant != "q4_0"  # Kimi's int4, copied exactly
+            if len(t.ne) >= 2 and qtype not in (Q.F32, Q.MXFP4) and not copied and t.ne[0] % block:
+                kept.setdefault(qtype.name, []).append(t.name)
+                rows.add(int(t.ne[0]))
+    return StoredTypes(quant, by_type, kept, block, tuple(sorted(rows)))
 
 
 def _q4_k_m_estimate(plan: list[OutTensor], types: dict[str, Q]) -> int:

@@ -7,8 +7,9 @@ each tensor whole: a merged ``[E, out, in]`` expert tensor of a 1T-parameter mod
 several GB.
 
 The file is written under a hidden temporary name in the target directory (not ending in
-``.gguf``, so nothing mistakes it for a model) and renamed over the target only once every
-byte is written and flushed; on any error, cancel or Ctrl-C the temporary file is deleted.
+``.gguf``, so nothing mistakes it for a model; ``backend.files.partial_path``) and renamed
+over the target only once every byte is written and flushed; on any error, cancel or Ctrl-C
+the temporary file is deleted.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import gguf
 import numpy as np
 
 from backend.errors import HybridMoeError
+from backend.files import partial_path
 from backend.session import CancelToken, Progress, ProgressCallback
 from backend.units import fmt_bytes
 
@@ -42,10 +44,6 @@ class TensorSlot:
     qtype: gguf.GGMLQuantizationType
     nbytes: int
     pieces: Callable[[], Iterator[np.ndarray]]  # uint8 arrays whose bytes, in order, are the data
-
-
-def temporary_path(target: Path) -> Path:
-    return target.with_name(f".{target.name}.{os.getpid()}.partial")
 
 
 def padded_size(slots: Sequence[TensorSlot]) -> int:
@@ -86,7 +84,7 @@ def write_gguf(
         # A non-uint8 dtype tells GGUFWriter that `shape` is the logical shape.
         writer.add_tensor_info(s.name, s.shape, np.dtype(np.float32), s.nbytes, raw_dtype=s.qtype)
 
-    tmp = temporary_path(target)
+    tmp = partial_path(target)
     total = sum(s.nbytes for s in slots)
     done = 0
     last_report = 0.0

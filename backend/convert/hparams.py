@@ -155,7 +155,11 @@ def _deepseek2(w: _Keys, c: HFConfig) -> None:
     wr.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID if scoring == "sigmoid"
                               else gguf.ExpertGatingFuncType.SOFTMAX)
     n_group, topk_group = int(c.get("n_group", 1)), int(c.get("topk_group", 1))
-    if n_group > 1:
+    # A GGUF has no routing method: a group count > 1 is read as group-limited routing (by
+    # llama.cpp and the engine), so it is written only for the routers that limit groups; a
+    # V2 with topk_method "greedy" ignores its n_group.
+    limits_groups = c.get("topk_method", "noaux_tc" if v3 else "greedy") in ("group_limited_greedy", "noaux_tc")
+    if n_group > 1 and limits_groups:
         wr.add_expert_group_count(n_group)
         wr.add_expert_group_used_count(topk_group)
     rope = c.rope()

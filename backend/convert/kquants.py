@@ -80,6 +80,8 @@ def quantize(src: Path, dst: Path, mix: str, *, expected_bytes: int, keep: dict[
         except BaseException:
             _stop(proc)
             raise
+        if cancel is not None:  # a signal to the whole process group stops the child first
+            cancel.raise_if_cancelled("The quantization")
         if proc.returncode != 0:
             log.seek(0)
             tail = log.read()[-2000:].decode("utf-8", "replace").strip()

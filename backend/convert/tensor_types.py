@@ -45,6 +45,10 @@ FILE_TYPES = {
 
 _BULK = {"bf16": Q.BF16, "q8_0": Q.Q8_0, "q4_0": Q.Q4_0, "q4_k_m": Q.BF16}
 
+# The block type whose size decides, for each quantization, which rows can take it (Q4_K_M:
+# llama.cpp's K-quants, 256-weight super-blocks); other rows keep another type.
+BLOCK_TYPES = {"bf16": Q.BF16, "q8_0": Q.Q8_0, "q4_0": Q.Q4_0, "q4_k_m": Q.Q4_K}
+
 
 def is_int4_copy(t: OutTensor) -> bool:
     """Whether `t` is compressed-tensors int4 that maps onto Q4_0 blocks exactly."""

@@ -141,10 +141,18 @@ class EngineSession:
             return self._prefill_from(ids, 0), len(ids)
 
     def _prefill_from(self, ids: list[int], start: int) -> torch.Tensor:
-        logits = None
-        for pos in range(start, len(ids), self.chunk):
-            logits = self._forward(ids[pos : pos + self.chunk], pos)
-        return logits
+        """The prompt before its last token in chunks, then the last token on its own.
+
+        The last token always runs alone, as a reused prompt's last token must (the cache
+        holds everything before it): a token's logits depend on how many tokens share its
+        call (one token takes the decode kernels, with Q8-rounded activations and a float32
+        residual stream; a prompt chunk the dequantized GEMM), and near-tied expert choices
+        turn that rounding into a different answer. Computed the same way both times, a
+        cached prompt gives exactly the logits a fresh prefill gives."""
+        last = len(ids) - 1
+        for pos in range(start, last, self.chunk):
+            self._forward(ids[pos : min(pos + self.chunk, last)], pos)
+        return self._forward(ids[last:], last)
 
     def save_expert_stats(self, path) -> None:
         self.model.stats.save(path)

@@ -13,7 +13,13 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any, TypeVar
 
-from backend.hardware.bandwidth import measure_host_read_bandwidth, probe_buffer_bytes, probe_threads
+from backend.hardware.bandwidth import (
+    HOST_PROBES,
+    measure_host_read_bandwidth,
+    probe_buffer_bytes,
+    probe_threads,
+    probes_note,
+)
 from backend.hardware.cpu import detect_cpu
 from backend.hardware.disk import default_model_dir, detect_disk
 from backend.hardware.gpu import detect_gpus
@@ -65,7 +71,7 @@ def detect(
 ) -> HardwareProfile:
     """Profile this machine: CPU, host memory (with cgroup limit and bandwidth), GPUs, disk.
 
-    ``measure_bandwidth`` runs the ~0.5 s host read-bandwidth probe. ``model_dir`` is where
+    ``measure_bandwidth`` runs the ~1 s host read-bandwidth probe (the best of ``HOST_PROBES``). ``model_dir`` is where
     models will be stored (default: ``default_model_dir()``). ``proc_root``, ``sys_root``,
     ``dev_root`` and ``nvml`` (a pynvml-like module) let tests substitute fake trees and
     drivers.
@@ -88,8 +94,10 @@ def detect(
             measured = measure_host_read_bandwidth(
                 buffer_bytes=probe_buffer_bytes(cpu.l3_bytes, memory.available_bytes),
                 threads=probe_threads(cpu.physical_cores),
+                probes=HOST_PROBES,
             )
-            memory = dataclasses.replace(memory, bandwidth_measured_bytes_per_s=measured)
+            memory = dataclasses.replace(memory, bandwidth_measured_bytes_per_s=measured,
+                                         bandwidth_measured_note=probes_note(HOST_PROBES))
         except Exception as error:  # MemoryError, a broken torch: the probe is optional
             unknown["memory.bandwidth_measured_bytes_per_s"] = f"bandwidth probe failed: {type(error).__name__}: {error}"
 

@@ -5,7 +5,10 @@ weights from DRAM, and the datasheet figure (``memory.theoretical_host_bandwidth
 often far from what a machine delivers: missing DIMMs, one DIMM per two channels, a VM.
 This probe reads a buffer far larger than the last-level cache from many threads at once
 and keeps the best of a few passes (the best pass is the one least disturbed by other
-work). It takes about half a second and is skipped when the caller opts out.
+work). Passes run back to back, so a burst of other work (an indexer, a browser tab, a
+compile) can slow all of them; ``detect()`` therefore takes several probes a little apart
+(``HOST_PROBES``) and keeps the best, so that a decode bound computed from the figure is
+not one the engine then beats. It takes about a second and is skipped when the caller opts out.
 
 Two implementations, neither of which touches process-wide settings:
 
@@ -28,7 +31,7 @@ import os
 import threading
 import time
 
-__all__ = ["probe_buffer_bytes", "probe_threads", "measure_host_read_bandwidth"]
+__all__ = ["HOST_PROBES", "probe_buffer_bytes", "probe_threads", "measure_host_read_bandwidth", "probes_note"]
 
 MiB = 1024**2
 GiB = 1024**3
@@ -36,6 +39,14 @@ GiB = 1024**3
 MIN_BUFFER_BYTES = 256 * MiB
 # Enough to defeat even a 2×384 MiB L3 (4×), without taking seconds to allocate and fill.
 MAX_BUFFER_BYTES = 4 * GiB
+# What detect() takes: the best of this many probes, PROBE_PAUSE_S apart (three times one probe).
+HOST_PROBES = 3
+PROBE_PAUSE_S = 0.1
+
+
+def probes_note(probes: int, pause_s: float = PROBE_PAUSE_S) -> str:
+    """How a measured figure was obtained, for the places that show it."""
+    return f"best of {probes} probes {pause_s:g} s apart" if probes > 1 else "one probe"
 
 
 def probe_buffer_bytes(l3_bytes: int | None, available_bytes: int | None) -> int:
@@ -64,8 +75,11 @@ def measure_host_read_bandwidth(
     available_bytes: int | None = None,
     threads: int | None = None,
     passes: int = 3,
+    probes: int = 1,
+    pause_s: float = PROBE_PAUSE_S,
 ) -> float:
-    """Best-of-``passes`` read bandwidth in bytes/s.
+    """Best-of-``passes`` read bandwidth in bytes/s; with ``probes`` > 1, the best of that
+    many such probes, ``pause_s`` apart, so that they sample different moments.
 
     ``buffer_bytes`` defaults to ``probe_buffer_bytes(l3_bytes, available_bytes)``.
     ``threads`` (default ``probe_threads(None)``) is the thread count of the portable probe;
@@ -74,14 +88,22 @@ def measure_host_read_bandwidth(
     resizing it would pull it from under a model using it. Raises on failure (out of
     memory, say); ``detect()`` turns that into an ``unknown`` entry.
     """
-    if passes < 1:
-        raise ValueError("passes must be at least 1")
+    if passes < 1 or probes < 1:
+        raise ValueError("passes and probes must be at least 1")
     size = buffer_bytes if buffer_bytes is not None else probe_buffer_bytes(l3_bytes, available_bytes)
     size = max(int(size), 8)
     native = _native_module()
-    if native is not None:
-        return float(native.measure_read_bandwidth(size, passes))
-    return _measure_with_numpy(size // 4, threads or probe_threads(None), passes)
+
+    def probe() -> float:
+        if native is not None:
+            return float(native.measure_read_bandwidth(size, passes))
+        return _measure_with_numpy(size // 4, threads or probe_threads(None), passes)
+
+    best = probe()
+    for _ in range(probes - 1):
+        time.sleep(pause_s)
+        best = max(best, probe())
+    return best
 
 
 def _native_module():

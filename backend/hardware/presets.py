@@ -6,8 +6,9 @@ marketing figure, is what the planner budgets from (SIZING.md §3): an RTX PRO 6
 shows 97,887 MiB, an H200 NVL "141 GB" 140.4 GiB.
 
 A description file looks like this (every key but ``[host] ram`` is optional; a GPU model
-from ``GPU_MODELS`` supplies memory, bandwidth and link facts; a flat file may instead use
-``describe()``'s parameter names at the top level: ``gpu_count = 4``, ``host_ram = "768GiB"``)::
+from ``GPU_MODELS`` supplies memory, bandwidth and link facts; a flat file may instead give
+the same facts at the top level, under the names of ``FLAT_KEYS``: ``gpu_count = 4``,
+``ram = "768GiB"``, as the README's example does)::
 
     name = "lab box"
     [gpu]
@@ -41,7 +42,7 @@ from backend.hardware.memory import theoretical_host_bandwidth
 from backend.hardware.profile import CPU, GPU, HardwareProfile, Memory, NumaNode
 from backend.units import GiB, MiB, UnitError, fmt_bytes, fmt_rate, parse_bytes, parse_rate
 
-__all__ = ["GPUModel", "GPU_MODELS", "preset", "preset_names", "describe", "load_described"]
+__all__ = ["GPUModel", "GPU_MODELS", "FLAT_KEYS", "preset", "preset_names", "describe", "load_described"]
 
 
 @dataclass(frozen=True)
@@ -417,8 +418,13 @@ _TOML_KEYS: dict[tuple[str, str], str] = {
     ("host", "l3"): "l3",
     ("host", "features"): "features",
 }
-# A flat file may use describe()'s parameter names at the top level instead of the tables.
-_DESCRIBE_PARAMETERS = tuple(_TOML_KEYS.values())
+# A flat file gives the same facts at the top level: each under its parameter name
+# (``gpu_count``, ``host_ram``), and the [host] facts also under their table key
+# (``ram``, ``cpu``), as the README's example writes them.
+FLAT_KEYS: dict[str, str] = {
+    **{parameter: parameter for parameter in _TOML_KEYS.values()},
+    **{key: parameter for (table, key), parameter in _TOML_KEYS.items() if table == "host"},
+}
 _EXAMPLE = '[gpu]\nmodel = "RTX PRO 6000"\ncount = 4\n[host]\nram = "768GiB"\ncpu = "AMD EPYC 9355"\nsockets = 2'
 
 
@@ -500,14 +506,14 @@ def load_described(path: str | os.PathLike[str]) -> HardwareProfile:
                         f"Keys of [{top_key}]: {known}.",
                     )
                 take(_TOML_KEYS[(top_key, key)], top_key, key, value)
-        elif top_key in _DESCRIBE_PARAMETERS and not isinstance(top_value, dict):
-            take(top_key, "", top_key, top_value)
+        elif top_key in FLAT_KEYS and not isinstance(top_value, dict):
+            take(FLAT_KEYS[top_key], "", top_key, top_value)
         else:
             line = _line_of(text, "", top_key) or _line_of_table(text, top_key)
             raise HardwareDescriptionError(
                 f"{path}{':' + str(line) if line else ''}: unknown entry {top_key!r}",
-                "A description has the tables [gpu] and [host] (or describe()'s parameter names "
-                "at the top level: " + ", ".join(_DESCRIBE_PARAMETERS) + "). Example:\n" + _EXAMPLE,
+                "A description has the tables [gpu] and [host], or these keys at the top level: "
+                + ", ".join(FLAT_KEYS) + ". Example:\n" + _EXAMPLE,
             )
     if "name" not in values:
         values["name"] = path.stem

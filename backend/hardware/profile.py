@@ -41,6 +41,7 @@ class Memory:
     hugepages_total: int | None = None
     hugepage_size_bytes: int | None = None
     bandwidth_measured_bytes_per_s: float | None = None
+    bandwidth_measured_note: str | None = None  # how it was measured ("best of 3 probes 0.1 s apart")
     bandwidth_theoretical_bytes_per_s: float | None = None
     bandwidth_note: str | None = None  # how the theoretical figure was derived
 

@@ -20,6 +20,7 @@ from functools import cached_property, lru_cache
 from pathlib import Path
 
 from backend.errors import HybridMoeError, ModelError, UsageError
+from backend.hub.local import names_a_path
 from backend.units import parse_bytes
 
 CATALOGUE_FILE = "catalogue.toml"
@@ -271,7 +272,7 @@ def model_path(text: str) -> Path:
     a catalogue name ("kimi-k2.6", "moonshotai/Kimi-K2.6") -> its shipped config.json; a local
     model's name as ``hybridmoe models`` lists it -> its files."""
     path = Path(text).expanduser()
-    if path.exists():
+    if names_a_path(path):  # a broken or looping link too: inspect_model says what is wrong with it
         return path
     entry = load().find(text)
     if entry is not None:

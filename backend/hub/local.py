@@ -51,3 +51,13 @@ class LocalModel:
             "problem": self.problem,
             "note": self.note,
         }
+
+
+def names_a_path(path: Path) -> bool:
+    """Whether something on disk answers to ``path``: a file, a folder, or a symbolic link even
+    when it is broken or loops, and a path below a folder we may not search (opening it then
+    says why it cannot be used, rather than taking the text for a model name)."""
+    try:
+        return path.exists() or path.is_symlink()
+    except PermissionError:
+        return True

@@ -8,6 +8,8 @@ Modules, one concept each: library (the shared libraries and the ggml/gguf funct
 llama-cpp-python does not bind), log (llama.cpp's log, captured), header (the GGUF's metadata
 and tensor names), placement (the Plan's expert layout as tensor buffer-type overrides),
 params (the rest of the Plan as llama.cpp parameters), vocab (tokenizing and streaming text),
+model (the one way in: loading weights, kept off the AMX buffer type where it crashes; raw
+evaluation for tests and benchmarks), crash (a last word if llama.cpp crashes the process),
 session (loading and generating), capabilities (what the build can do).
 """
 
@@ -20,6 +22,8 @@ _EXPORTS = {
     "LlamaCppBackend": "backend.llamacpp.session",
     "LlamaCppSession": "backend.llamacpp.session",
     "LlamaCppUnavailable": "backend.llamacpp.library",
+    "RawModel": "backend.llamacpp.model",
+    "crash_risk": "backend.llamacpp.model",
     "system_info": "backend.llamacpp.capabilities",
     "system_summary": "backend.llamacpp.capabilities",
 }

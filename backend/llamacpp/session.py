@@ -48,6 +48,7 @@ from backend.generation import (
 from backend.llamacpp import log
 from backend.llamacpp.header import GGUFHeader, read_header
 from backend.llamacpp.library import ggml, llama
+from backend.llamacpp.model import load_model
 from backend.llamacpp.params import build as build_params
 from backend.llamacpp.placement import (
     OverrideArray,
@@ -92,7 +93,7 @@ class LlamaCppBackend:
         guarded = _Guarded(progress)
         params = build_params(b, plan, overrides, guarded)
         with log.capture() as captured:
-            model = b.llama_model_load_from_file(str(header.path).encode(), params.model)
+            model = load_model(header.path, params.model)
         if not model:
             if guarded.error is not None:
                 raise guarded.error

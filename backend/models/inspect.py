@@ -7,6 +7,7 @@ or any part of a split set), a directory holding one GGUF model, or a bare confi
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 from dataclasses import dataclass, replace
@@ -21,6 +22,7 @@ from backend.models.inventory import TensorClass, TensorInventory
 from backend.models.safetensors_files import TensorRecord, read_checkpoint
 from backend.models.spec import ModelSpec
 from backend.models.tensors import (
+    check_complete,
     classify_hf,
     gguf_storage_formats,
     inventory_from_config,
@@ -48,9 +50,49 @@ def inspect_model(path: str | os.PathLike[str], *, expert_format: str | None = N
     or for a bare config what the published checkpoint holds.
     """
     p = Path(path).expanduser()
+    try:
+        return _inspect_path(p, expert_format, other_format)
+    except OSError as exc:  # a folder or file we may not read: the user can fix that
+        raise _unreadable(exc, p) from exc
+
+
+def _unreadable(exc: OSError, given: Path) -> ModelError:
+    """The message for an OS error met while reading the model at ``given``."""
+    where = Path(exc.filename or given)
+    if isinstance(exc, PermissionError):
+        where = _denying_folder(where)
+        return ModelError(f"Cannot read {where}: permission denied.",
+                          f"Give your user read access to the model's folder and files (`ls -ld {where}` "
+                          "shows who may read it), or run as a user who may.")
+    return ModelError(f"Cannot read {where}: {exc.strerror or exc}.", "Check that the model's files are readable.")
+
+
+def _denying_folder(path: Path) -> Path:
+    """The first folder on the way to ``path`` that we may not list or enter, else ``path``:
+    the one whose permissions to change."""
+    for folder in (*reversed(path.parents), path):
+        if folder.is_dir() and not os.access(folder, os.R_OK | os.X_OK):
+            return folder
+    return path
+
+
+def _not_found(p: Path) -> ModelError:
+    """Why ``p`` cannot be opened: absent, a broken symbolic link, or a loop of links."""
+    hint = "Give a model folder (with config.json), a .gguf file or a config.json."
+    if p.is_symlink():
+        try:
+            os.stat(p)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                return ModelError(f"{p} is a loop of symbolic links: following it never reaches a file or folder.",
+                                  f"Point the link at the model (ln -sfn MODEL {p}), or give the model's own path.")
+        return ModelError(f"{p} is a symbolic link to {os.readlink(p)}, which does not exist.", hint)
+    return ModelError(f"{p} does not exist.", hint)
+
+
+def _inspect_path(p: Path, expert_format: str | None, other_format: str | None) -> InspectedModel:
     if not p.exists():
-        raise ModelError(f"{p} does not exist.",
-                         "Give a model folder (with config.json), a .gguf file or a config.json.")
+        raise _not_found(p)
     if p.is_dir():
         if (p / "config.json").is_file():
             return _inspect_checkpoint(p, expert_format, other_format)
@@ -122,6 +164,7 @@ def _inspect_checkpoint(directory: Path, expert_format: str | None, other_format
         return InspectedModel(spec, inventory, directory, "config", (config_path,))
     spec = _with_stored_float_formats(spec, records)
     inventory = inventory_from_records(records, spec, source="safetensors", files=[str(f) for f in files])
+    check_complete(spec, records, str(directory))
     inventory = _resized(spec, inventory, expert_format, other_format)
     return InspectedModel(spec, inventory, directory, "safetensors", tuple(files))
 

@@ -180,6 +180,62 @@ def _check_expert_layers(spec: ModelSpec, by_layer: Mapping[int, int], files: tu
     )
 
 
+def check_complete(spec: ModelSpec, records: Iterable[TensorRecord], where: str) -> None:
+    """Raise ``ModelError`` naming the first tensor the family's layout requires of a
+    checkpoint of this config that ``records`` (safetensors tensors) lack: the engine would
+    refuse the model at load, so inspecting and planning say it first."""
+    missing = missing_tensors(spec, (r.name for r in records))
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise ModelError(
+            f"{where} lacks tensor '{missing[0]}'{more}, which a {spec.family} checkpoint of this config holds.",
+            "The download is incomplete or does not match config.json; download it again "
+            "(`hybridmoe pull` resumes and checks every file).",
+        )
+
+
+def missing_tensors(spec: ModelSpec, names: Iterable[str]) -> list[str]:
+    """The tensors of ``family.expected_tensors(spec)`` absent from ``names``, in order.
+
+    Quantized weights count under the name of their weight (``X.weight_packed`` for
+    ``X.weight``, ``X_blocks`` for ``X``), fused experts (``experts.gate_up_proj``) stand for
+    the per-expert ones, and what servers and converters commonly drop is not required:
+    MTP/NextN layers and vision towers.
+    """
+    logical = set()
+    for name in names:
+        logical.add(name)
+        if name.endswith(".weight_packed"):
+            logical.add(name.removesuffix("_packed"))
+        elif name.endswith("_blocks"):
+            logical.add(name.removesuffix("_blocks"))
+    missing = []
+    for t in family_by_name(spec.family).expected_tensors(spec):
+        layer = classify_hf(t.name, spec.num_layers).layer
+        if t.role == "vision" or (layer is not None and layer >= spec.num_layers):
+            continue
+        for name in _each_expert(t):
+            if name not in logical and not _held_fused(name, logical):
+                missing.append(name)
+    return missing
+
+
+_PER_EXPERT = re.compile(r"^(?P<experts>.+\.experts)\.\d+\.")
+
+
+def _each_expert(t: TensorShape) -> Iterable[str]:
+    """The names an entry stands for: one per expert for ``experts.0.*`` with a count."""
+    if t.count > 1 and ".experts.0." in t.name:
+        return (t.name.replace(".experts.0.", f".experts.{e}.", 1) for e in range(t.count))
+    return (t.name,)
+
+
+def _held_fused(name: str, logical: set[str]) -> bool:
+    """A per-expert weight of a layer stored fused (all experts in one gate_up and one down tensor)."""
+    m = _PER_EXPERT.match(name)
+    return bool(m) and {f"{m['experts']}.gate_up_proj", f"{m['experts']}.down_proj"} <= logical
+
+
 def _expert_bits(spec: ModelSpec, routed_bytes: int) -> float:
     weights = spec.n_moe_layers * spec.n_routed_experts * spec.params_per_expert
     return 8 * routed_bytes / weights if weights else 0.0

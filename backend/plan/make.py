@@ -317,7 +317,7 @@ class _Planner:
         if m.bandwidth_theoretical_bytes_per_s:
             return "theoretical" + (f" ({m.bandwidth_note})" if m.bandwidth_note else "")
         if m.bandwidth_measured_bytes_per_s:
-            return "measured on this machine"
+            return "measured on this machine" + (f", {m.bandwidth_measured_note}" if m.bandwidth_measured_note else "")
         return "unknown"
 
     # ---- fit, suggestions, outgrown ------------------------------------------------------------

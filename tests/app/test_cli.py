@@ -162,3 +162,96 @@ def test_internal_errors_are_logged_not_shown(home, monkeypatch, capsys):
     assert "internal error: RuntimeError: kaboom" in err and "Traceback" not in err
     log = Path(home["XDG_STATE_HOME"]) / "hybridmoe" / "errors.log"
     assert "Traceback" in log.read_text()
+
+
+# ---- unreadable, looping and incomplete models; contexts beyond the model ---------------------
+
+
+def _without_root_privileges() -> list[str] | None:
+    """A command prefix under which chmod 000 denies reads: none needed for a normal user;
+    for root (as tests run here), root without its capabilities to override file
+    permissions (CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH). None when neither is possible."""
+    if os.geteuid() != 0:
+        return []
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        return None
+    prefix = [setpriv, "--bounding-set=-dac_override,-dac_read_search", "--"]
+    probe = subprocess.run([*prefix, "true"], capture_output=True)
+    return prefix if probe.returncode == 0 else None
+
+
+def test_an_unreadable_model_folder_says_permission_denied(home, tmp_path):
+    prefix = _without_root_privileges()
+    if prefix is None:
+        pytest.skip("running as root without setpriv: permissions cannot be denied here")
+    model = tmp_path / "model"
+    model.mkdir()
+    shutil.copy(KIMI, model / "config.json")
+    exe = shutil.which("hybridmoe")
+    cli = [exe] if exe else [sys.executable, "-m", "app.cli"]
+    model.chmod(0)
+    try:
+        for args in (["inspect", model], ["plan", model, "--hardware", "cpu-only"]):
+            r = subprocess.run([*prefix, *cli, *map(str, args)], capture_output=True, text=True, env=home, timeout=120)
+            assert_clean_error(r, 1)
+            assert "internal error" not in r.stderr
+            assert f"Cannot read {model}: permission denied" in r.stderr
+    finally:
+        model.chmod(0o755)
+
+
+def test_symbolic_links_that_lead_nowhere_are_named(home, tmp_path):
+    loop = tmp_path / "loop"
+    loop.symlink_to(tmp_path / "loop2")
+    (tmp_path / "loop2").symlink_to(loop)
+    dangling = tmp_path / "dangling"
+    dangling.symlink_to(tmp_path / "gone")
+    for args in (["inspect", loop], ["plan", loop], ["run", "-m", loop, "-p", "hello"]):
+        r = run(*args, env=home)
+        assert_clean_error(r, 1)
+        assert f"{loop} is a loop of symbolic links" in r.stderr
+    r = run("inspect", dangling, env=home)
+    assert_clean_error(r, 1)
+    assert f"{dangling} is a symbolic link to {tmp_path / 'gone'}, which does not exist" in r.stderr
+
+
+def test_a_context_beyond_the_model_is_refused_alike_by_plan_and_run(home, tmp_path):
+    """`run` once lowered an explicit --context silently while `plan` refused it."""
+    too_long = str(10**9)
+    planned = run("plan", KIMI, "--hardware", "cpu-only", "--context", too_long, env=home)
+    ran = run("run", "-m", KIMI, "-p", "hello", "--context", too_long, env=home)
+    for r in (planned, ran):
+        assert_clean_error(r, 1)
+        assert f"context {too_long} is longer than" in r.stderr and "--context 262144 or less" in r.stderr
+
+    # Not asked for, the default context is kept within the model's, by both.
+    small = tmp_path / "config.json"
+    config = json.loads(KIMI.read_text())
+    config["text_config"]["max_position_embeddings"] = 8192
+    small.write_text(json.dumps(config))
+    r = run("plan", small, "--hardware", "cpu-only", "--json", env=home)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["workload"]["context"] == 8192
+
+
+def test_a_checkpoint_missing_a_tensor_is_refused_by_inspect_and_plan(home, tmp_path, tiny_chat_model):
+    from safetensors.torch import load_file, save_file
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_chat_model, model)
+    assert run("inspect", model, env=home).returncode == 0  # complete, it inspects
+    lost = "model.layers.1.self_attn.k_proj.weight"
+    for shard in model.glob("*.safetensors"):
+        tensors = load_file(shard)
+        if tensors.pop(lost, None) is not None:
+            save_file(tensors, shard, metadata={"format": "pt"})
+    index = model / "model.safetensors.index.json"
+    if index.exists():
+        data = json.loads(index.read_text())
+        del data["weight_map"][lost]
+        index.write_text(json.dumps(data))
+    for args in (["inspect", model], ["plan", model, "--hardware", "cpu-only"]):
+        r = run(*args, env=home)
+        assert_clean_error(r, 1)
+        assert f"lacks tensor '{lost}'" in r.stderr and str(model) in r.stderr

@@ -314,27 +314,23 @@ def hf_greedy(model: torch.nn.Module, ids: list[int], steps: int) -> list[int]:
 
 
 def open_llama(path: Path):
-    import llama_cpp
+    """The GGUF opened in llama.cpp for logits, through the project's one way of loading it."""
+    from backend.llamacpp.model import RawModel
 
-    return llama_cpp.Llama(model_path=str(path), n_ctx=64, n_threads=2, logits_all=True, verbose=False)
+    return RawModel(path, n_ctx=64, n_threads=2, logits_all=True)
 
 
 def llama_logits(llm, ids: list[int]) -> torch.Tensor:
-    import numpy as np
-
     llm.reset()
-    llm.eval(ids)
-    return torch.from_numpy(np.array(llm.scores[: len(ids)], dtype=np.float32))
+    return torch.from_numpy(llm.eval(ids))
 
 
 def llama_greedy(llm, ids: list[int], steps: int) -> list[int]:
-    import numpy as np
-
     llm.reset()
-    llm.eval(ids)
+    logits = llm.eval(ids)
     out = []
     for _ in range(steps):
-        nxt = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        nxt = int(logits[-1].argmax())
         out.append(nxt)
-        llm.eval([nxt])
+        logits = llm.eval([nxt])
     return out

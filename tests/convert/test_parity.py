@@ -175,19 +175,17 @@ def test_quantization_error_is_bounded(family, quant, bound, checkpoints, conver
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "glm4_moe", "gpt_oss"])
 def test_tokenization_matches_hf(family, checkpoints, converted):
     """llama.cpp's tokenizer, from the GGUF's metadata, splits text as the HF tokenizer does."""
-    import llama_cpp
     from tokenizers import Tokenizer
+
+    from backend.llamacpp.model import RawModel
 
     ck = checkpoints(family)
     hf = Tokenizer.from_file(str(ck.path / "tokenizer.json"))
-    llm = llama_cpp.Llama(model_path=str(converted(family, "bf16")), vocab_only=True, verbose=False)
-    try:
+    with RawModel(converted(family, "bf16"), vocab_only=True) as llm:
         for text in SAMPLES + FAMILY_SAMPLES.get(family, []):
             expected = hf.encode(text, add_special_tokens=False).ids
             got = llm.tokenize(text.encode("utf-8"), add_bos=False, special=True)
             assert got == expected, text
-    finally:
-        llm.close()
 
 
 def test_metadata(checkpoints, converted):

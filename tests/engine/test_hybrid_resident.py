@@ -26,11 +26,13 @@ def _moes(model) -> list[MoE]:
     return [m for m in model.modules() if isinstance(m, MoE)]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("k", [64, 24, 20])
+# Row lengths on each side of the CPU kernel's steps (8 on AVX2 and aarch64, 16 on AVX-512;
+# see int8pack_cpu_reads_correctly): a multiple of 16, of 8 only (24, 40), of neither (20).
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("k", [64, 48, 40, 24, 20])
 def test_int8_product_is_the_dequantized_matrix_product(dtype, k):
-    """The op (or the widened fallback for bf16 rows not a multiple of 8, which torch's CPU
-    kernel misreads) computes x W^T for W = q · scale exactly as dequantized."""
+    """The op (or the widened fallback for the shapes torch's kernel misreads on this CPU)
+    computes x W^T for W = q · scale exactly as dequantized."""
     g = torch.Generator().manual_seed(0)
     w = torch.randn(48, k, generator=g)
     w[5] = 0  # an all-zero row gets scale 1, q 0

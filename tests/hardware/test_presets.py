@@ -182,3 +182,28 @@ def test_flat_files_use_describe_parameter_names(tmp_path):
     path = _write(tmp_path, 'gpu_count = 0\ngpu_memory = "96GiB"\nhost_ram = "1TiB"\n')
     with pytest.raises(HardwareDescriptionError, match=r"lab.toml:2: gpu_memory: GPU memory is given for .*0 GPUs"):
         load_described(path)
+
+
+def test_flat_files_also_take_the_host_table_keys(tmp_path):
+    """The README's example writes `ram = "768GiB"` at the top level, as [host] names it."""
+    path = _write(tmp_path, 'gpu_model = "RTX PRO 6000"\ngpu_count = 2\nram = "768GiB"\n'
+                            'cpu = "AMD EPYC 9355 32-Core Processor"\ncores = 64\nsockets = 1\n')
+    machine = load_described(path)
+    assert machine.memory.total_bytes == 768 * GiB
+    assert machine.cpu.model_name == "AMD EPYC 9355 32-Core Processor"
+
+    path = _write(tmp_path, 'ram = "1TiB"\nhost_ram = "2TiB"\n')
+    with pytest.raises(HardwareDescriptionError, match=r"lab.toml:2: host_ram repeats ram"):
+        load_described(path)
+    path = _write(tmp_path, 'ram = "1TiB"\ngpu_count = 0\ngpu_memory = "96GiB"\n')
+    with pytest.raises(HardwareDescriptionError, match=r"lab.toml:3: gpu_memory: GPU memory is given for .*0 GPUs"):
+        load_described(path)
+
+
+def test_an_unknown_entry_lists_the_keys_not_internal_names(tmp_path):
+    path = _write(tmp_path, 'memory = "768GiB"\n')
+    with pytest.raises(HardwareDescriptionError) as caught:
+        load_described(path)
+    assert "lab.toml:1: unknown entry 'memory'" in caught.value.what
+    assert "describe" not in str(caught.value)
+    assert "ram" in caught.value.hint and "[host]" in caught.value.hint

@@ -217,3 +217,20 @@ def test_context_beyond_the_model_is_refused(kimi):
 
     with pytest.raises(PlanError, match="longer than"):
         make(kimi.spec, kimi.inventory, epyc_host(), Workload(context=10_000_000))
+
+
+def test_the_decode_bound_says_how_the_bandwidth_was_obtained(kimi):
+    """A measured figure is named with how it was measured, in the plan and on the Layout screen."""
+    from app.tui.widgets.plan_view import speed_text
+
+    measured = Memory(total_bytes=1536 * GIB, available_bytes=1536 * GIB, bandwidth_measured_bytes_per_s=400e9,
+                      bandwidth_measured_note="best of 3 probes 0.1 s apart")
+    host = replace(epyc_host(), memory=measured, described=False, name="this machine")
+    plan = make(kimi.spec, kimi.inventory, host, Workload(context=32768, prefill_reserve="off"))
+    assert plan.host_bandwidth_source == "measured on this machine, best of 3 probes 0.1 s apart"
+    shown = speed_text(plan).plain
+    assert "at most" in shown
+    assert "Host memory bandwidth: 400.0 GB/s, measured on this machine, best of 3 probes 0.1 s apart" in shown
+
+    theoretical = make(kimi.spec, kimi.inventory, epyc_host(), Workload(context=32768, prefill_reserve="off"))
+    assert "Host memory bandwidth: 1,228.8 GB/s, theoretical" in speed_text(theoretical).plain

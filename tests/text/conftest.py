@@ -219,10 +219,7 @@ needs_llama_cpp = pytest.mark.skipif(not HAVE_LLAMA_CPP, reason="llama-cpp-pytho
 
 
 def llama_cpp_tokenize(gguf_path: Path, texts: list[str], add_bos: bool = False) -> list[list[int]]:
-    import llama_cpp
+    from backend.llamacpp.model import RawModel
 
-    llm = llama_cpp.Llama(model_path=str(gguf_path), vocab_only=True, verbose=False)
-    try:
+    with RawModel(gguf_path, vocab_only=True) as llm:
         return [llm.tokenize(t.encode("utf-8"), add_bos=add_bos, special=True) for t in texts]
-    finally:
-        llm.close()

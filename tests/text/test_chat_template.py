@@ -371,3 +371,147 @@ def test_session_message_dataclasses_render_like_dicts(style_dirs: dict[str, Pat
     messages = [Message(m["role"], m["content"]) for m in CONVERSATION]
     as_dicts = [{"role": m["role"], "content": m["content"]} for m in CONVERSATION]
     assert ours(style_dirs["qwen3"], messages) == ours(style_dirs["qwen3"], as_dicts)
+
+
+# -- bounds on size and time -----------------------------------------------------------------------
+
+HI = [{"role": "user", "content": "hi"}]
+DOUBLING_24_TIMES = "{% set ns = namespace(s='x') %}{% for i in range(24) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s }}"
+
+
+def test_doubling_a_text_is_refused_at_once_and_small() -> None:
+    """The `~` doubling that built a 16 Mi-character prompt at 3.6 GB RSS: in a process of its own,
+    to measure its peak memory against the same process rendering a plain template."""
+    import subprocess
+    import sys
+
+    measure = (
+        "import resource, sys, time\n"
+        "from backend.engine.chat_template import ChatTemplate\n"
+        "from backend.errors import ModelError\n"
+        "ChatTemplate('{{ messages[0].content }}').render([{'role': 'user', 'content': 'hi'}])\n"
+        "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+        "started = time.perf_counter()\n"
+        "try:\n"
+        "    ChatTemplate(sys.argv[1], origin='evil.jinja').render([{'role': 'user', 'content': 'hi'}])\n"
+        "    print('rendered')\n"
+        "except ModelError as error:\n"
+        "    print(error.what)\n"
+        "print(time.perf_counter() - started, (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024)\n"
+    )
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-c", measure, DOUBLING_24_TIMES], cwd=root, capture_output=True,
+                         text=True, timeout=120, check=True).stdout.splitlines()
+    seconds, grown_mib = map(float, out[-1].split())
+    assert out[0].startswith("chat template from evil.jinja at line 1 was stopped: a text of 16,777,216 characters")
+    assert seconds < 1.0 and grown_mib < 64, (seconds, grown_mib)
+
+
+def test_a_loop_of_ten_to_the_eight_is_stopped_at_the_deadline(monkeypatch) -> None:
+    import time
+
+    from backend.engine import chat_template
+
+    monkeypatch.setattr(chat_template, "_MAX_RENDER_S", 1.0)  # the real bound, 5 s, makes a slow test
+    loops = {
+        "nested ranges": "{% for i in range(10000) %}{% for j in range(10000) %}{% endfor %}{% endfor %}",
+        "one list, no call inside": "{% set r = range(100000) | list %}{% for i in r %}{% for j in r %}"
+                                    "{% endfor %}{% endfor %}",
+        "printing as it goes": "{% for i in range(10000) %}{% for j in range(10000) %}.{% endfor %}{% endfor %}",
+    }
+    for name, source in loops.items():
+        started = time.monotonic()
+        with pytest.raises(ModelError, match=r"chat template from loop\.jinja.* was stopped: rendering took longer "
+                                             r"than 1 s"):
+            ChatTemplate(source, origin="loop.jinja").render(HI)
+        assert time.monotonic() - started < 3.0, name
+
+
+GROWING = {
+    "~": DOUBLING_24_TIMES,
+    "+ on texts": "{% set ns = namespace(s='x') %}{% for i in range(24) %}{% set ns.s = ns.s + ns.s %}{% endfor %}",
+    "* on texts": "{{ 'x' * 100000000 }}",
+    "+ on lists": "{% set ns = namespace(l=[1]) %}{% for i in range(24) %}{% set ns.l = ns.l + ns.l %}{% endfor %}",
+    "str.replace": "{{ ('x' * 10).replace('', 'y' * 1000000) }}",
+    "replace filter": "{{ ('x' * 1000000) | replace('x', 'y' * 100) }}",
+    "center filter": "{{ 'x' | center(100000000) }}",
+    "str.ljust": "{{ 'x'.ljust(100000000) }}",
+    "indent filter": "{{ ('\\n' * 1000000) | indent(100) }}",
+    "wordwrap filter": "{{ ('x ' * 1000) | wordwrap(1, wrapstring='y' * 100000) }}",
+    "join filter": "{{ (['x' * 1000000] * 100) | join }}",
+    "str.join": "{{ ''.join(['x' * 1000000] * 100) }}",
+    "join of a text": "{{ ('x' * 1000000) | join('y' * 100) }}",
+    "join of a map": "{{ (['x' * 1000000] * 100) | map('string') | join }}",
+    "str.join of a map": "{{ ''.join((['x' * 1000000] * 100) | map('string')) }}",
+    "str.format width": "{{ '{:>100000000}'.format('x') }}",
+    "str.format nested width": "{{ '{:>{}}'.format('x', 100000000) }}",
+    "% width": "{{ '%100000000s' % 'x' }}",
+    "% star width": "{{ '%*s' % (100000000, 'x') }}",
+    "format filter": "{{ '%100000000s' | format('x') }}",
+    "printing a list": "{% set a = ['x' * 1000000] * 100 %}{{ a }}",
+    "string filter": "{% set a = ['x' * 1000000] * 100 %}{{ a | string }}",
+    "tojson": "{% set a = ['x' * 1000000] * 100 %}{{ a | tojson }}",
+    "~ on a list": "{% set a = ['x' * 1000000] * 100 %}{{ 'p' ~ a }}",
+    "nested lists printed": "{% set a = ['x' * 1000] * 1000 %}{% set b = [a] * 1000 %}{{ b | trim }}",
+    "sum of lists": "{{ ([[1]] * 1000000) | sum(start=[]) | length }}",
+    "batch": "{{ [1] | batch(1000000000, 'x') | list }}",
+    "big numbers": "{% set ns = namespace(n=10 ** 1000) %}{% for i in range(30) %}{% set ns.n = ns.n * ns.n %}"
+                   "{% endfor %}",
+    "lipsum": "{{ lipsum(1000000) }}",
+}
+
+
+@pytest.mark.parametrize("source", GROWING.values(), ids=GROWING.keys())
+def test_growing_a_value_past_the_bounds_is_refused_before_it_is_built(source: str) -> None:
+    import time
+
+    started = time.monotonic()
+    with pytest.raises(ModelError) as info:
+        ChatTemplate(source, origin="evil.jinja").render(HI)
+    assert time.monotonic() - started < 1.0
+    message = str(info.value)
+    assert "chat template from evil.jinja" in message
+    assert any(words in message for words in ("would be built", "not allowed")), message
+
+
+def test_a_long_conversation_still_renders_with_a_real_template(style_dirs: dict[str, Path], transformers) -> None:
+    conversation = [{"role": ("user", "assistant")[i % 2], "content": f"message {i} " + "text " * 400}
+                    for i in range(400)]  # 800 kB of text: far more than a prompt usually is
+    expected = reference(transformers, style_dirs["qwen3"], conversation, add_generation_prompt=True)
+    assert ours(style_dirs["qwen3"], conversation) == expected
+
+
+# -- a template the user supplies -----------------------------------------------------------------
+
+
+def test_a_template_file_is_checked_when_it_is_read(tmp_path: Path) -> None:
+    from backend.engine.chat_template import read_template_file
+    from backend.errors import UsageError
+
+    good = tmp_path / "good.jinja"
+    good.write_text("{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}", encoding="utf-8")
+    assert read_template_file(good) == (good.read_text(), str(good))
+    broken = tmp_path / "broken.jinja"
+    broken.write_text("line one\n{% if %}", encoding="utf-8")
+    with pytest.raises(UsageError, match=r"broken\.jinja has a syntax error at line 2") as info:
+        read_template_file(broken)
+    assert info.value.hint == f"Correct the template in {broken}."
+    (tmp_path / "latin1.jinja").write_bytes("caf\xe9".encode("latin-1"))
+    cases = {tmp_path / "missing.jinja": "does not exist", tmp_path: "is not a file",
+             tmp_path / "latin1.jinja": "is not UTF-8 text"}
+    for path, words in cases.items():
+        with pytest.raises(UsageError, match=words):
+            read_template_file(path)
+
+
+def test_a_supplied_template_replaces_the_models_own_with_its_special_tokens() -> None:
+    from backend.engine.chat_template import templates_replaced_by
+
+    with templates_replaced_by("{{ bos_token }}{{ messages[0].content }}!", "mine.jinja"):
+        template = ChatTemplate("{% if %} the model's own, broken", origin="model/chat_template.jinja",
+                                special_tokens={"bos_token": "<s>"}, tool_use_source="{% broken too")
+    assert template.origin == "mine.jinja" and template.render(HI) == "<s>hi!"
+    assert template.render(HI, tools=[{"type": "function"}]) == "<s>hi!"
+    with pytest.raises(ModelError, match="give a corrected one to `hybridmoe run` or `hybridmoe serve` with "
+                                         "--chat-template FILE"):
+        ChatTemplate("{% if %}", origin="model/chat_template.jinja")  # outside the block: the model's own

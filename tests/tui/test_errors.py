@@ -64,6 +64,29 @@ async def test_a_broken_settings_file_is_reported_and_defaults_are_used(services
     app = HybridMoeApp(services)
     async with app.run_test(size=(100, 30)) as pilot:
         await until_screen(pilot, app, ErrorDialog)
-        assert "context must be a int" in text_of(app.screen.query_one("#error-message"))
+        message = text_of(app.screen.query_one("#error-message"))
+        assert f"{settings_path()}: context must be a number of tokens" in message
+        assert "using the default 32768" in message
         assert app.settings == Settings()
 
+
+
+async def test_a_failed_detection_or_listing_is_not_left_saying_it_is_under_way(services):
+    from app.tui.screens.hardware import HardwareScreen
+    from app.tui.screens.models import ModelsScreen
+
+    services.detect_error = HybridMoeError("cannot read /sys/devices", "Run it outside the sandbox.")
+    app = HybridMoeApp(services)
+    async with app.run_test(size=(100, 30)) as pilot:
+        await until_screen(pilot, app, ErrorDialog)  # the setup's detection
+        await pilot.press("enter")
+        for key, screen_class, placeholder_id, said in (
+            ("f5", HardwareScreen, "#hardware-summary", "could not be detected (see the message); Ctrl+D tries again"),
+            ("f3", ModelsScreen, "#models-detail", "could not be listed (see the message); r looks again"),
+        ):
+            await until(pilot, lambda: not isinstance(app.screen, ErrorDialog))
+            await pilot.press(key)
+            await until_screen(pilot, app, ErrorDialog)  # the screen's own attempt, which needs the hardware
+            await pilot.press("enter")
+            screen = await until_screen(pilot, app, screen_class)
+            assert said in text_of(screen.query_one(placeholder_id))

@@ -47,15 +47,22 @@ FLAGS = ("--max-tokens", "12", "--temperature", "0", "--top-k", "5", "--top-p", 
          "--repetition-penalty", "1.1", "--seed", "7", "--context", "256", "--system", SYSTEM)
 
 
+BROKEN_SETTINGS = 'context = -5\nbackend = "gpu-magic"\n'
+
+
 @pytest.fixture(scope="module")
-def runs(tiny_model, env):
+def runs(tiny_model, env, tmp_path_factory):
     """All the runs at once: the same prompt with -p and --json and on standard input
-    (``-p -`` and ``-``) as plain text, two that fail, and a long generation for the Ctrl-C test
-    (left running)."""
+    (``-p -`` and ``-``) as plain text, with a broken settings file, two that fail, and a long
+    generation for the Ctrl-C test (left running)."""
+    broken = tmp_path_factory.mktemp("broken-settings") / "settings.toml"
+    broken.write_text(BROKEN_SETTINGS)
     procs = {
         "json": start("run", "-m", tiny_model, *FLAGS, "-p", PROMPT, "--json", "--backend", "engine", env=env),
         "stdin": start("run", "-m", tiny_model, *FLAGS, "-p", "-", env=env, stdin=subprocess.PIPE),
         "dash": start("run", "-m", tiny_model, *FLAGS, "-", env=env, stdin=subprocess.PIPE),  # as `cat -`
+        "broken_settings": start("run", "-m", tiny_model, *FLAGS, "-p", PROMPT,
+                                 env={**env, "HYBRIDMOE_CONFIG": str(broken)}),
         "usage": start("run", "-p", "hi", env=env),  # exit 2, before any model is read
         "missing": start("run", "-m", "/no/such/model", "-p", "hi", env=env),
     }
@@ -102,6 +109,19 @@ def test_the_prompt_from_stdin_gives_the_same_answer_as_text(runs, run):
     assert err == ""
     text = json.loads(runs["json"][1])["text"]
     assert out == text + ("" if text.endswith("\n") else "\n")
+
+
+def test_a_broken_settings_file_is_said_once_and_the_run_goes_on(runs):
+    code, out, err = runs["broken_settings"]
+    assert code == 0, err
+    text = json.loads(runs["json"][1])["text"]
+    assert out == text + ("" if text.endswith("\n") else "\n")  # the same answer as without the file
+    lines = err.splitlines()
+    assert len(lines) == 3, err
+    assert lines[0].startswith("hybridmoe: warning: ") and lines[0].endswith(
+        "settings.toml: context must be a number of tokens from 1 to 16777216, not -5; using the default 32768")
+    assert lines[1].endswith("backend must be one of auto, engine, llamacpp, not 'gpu-magic'; using the default 'auto'")
+    assert lines[2].startswith("  Fix the file or delete it.")
 
 
 @pytest.mark.parametrize("run,code,needle", [("usage", 2, "-m/--model"), ("missing", 1, "does not exist")])

@@ -22,7 +22,7 @@ from textual.message import Message
 from textual.screen import Screen
 from textual.widgets import Footer, Label, ProgressBar
 
-from app.history import Conversation, title_for
+from app.history import Conversation, HistoryError, title_for
 from app.server.shared_session import SharedSession
 from app.tui.screens.chat_settings import ChatSettings, ChatSettingsScreen, sampling_params
 from app.tui.screens.conversations import ConversationsScreen
@@ -106,6 +106,10 @@ class ChatScreen(ReportsWorkerErrors, Screen):
         self.cancel = CancelToken()
         self.answer: ChatMessage | None = None
         self.conversation: Conversation | None = None
+        # The history's generation the conversation and the message ids belong to: a new
+        # history that replaced a damaged one holds none of them.
+        self._history_generation = 0
+        self._told_unsaved = False  # a failed write was said once; said again after a success
         self.system_prompt = ""
         self.context_used = 0
         self._t0 = 0.0
@@ -286,13 +290,63 @@ class ChatScreen(ReportsWorkerErrors, Screen):
         await self._start_answer()
 
     async def _add_user_message(self, text: str) -> None:
-        history = self.app.history
-        if self.conversation is None:
-            self.conversation = history.create(str(self.model_path), self.system_prompt, title_for(text))
-        stored = history.add(self.conversation.id, "user", text)
         log = self.query_one("#conversation", VerticalScroll)
-        await log.mount(ChatMessage("user", text, message_id=stored.id))
+        await log.mount(ChatMessage("user", text))  # on screen first: a failed save cannot lose it
         log.anchor()  # whoever sends wants to see the answer, even after scrolling up
+        self._save()
+
+    # ---- keeping the conversation in the history -------------------------------------------------
+
+    def _in_history(self) -> bool:
+        """Whether the conversation on screen has a row in the history now open."""
+        return self.conversation is not None and self._history_generation == self.app.history.generation
+
+    def _store_unsaved(self) -> None:
+        """Add the messages on screen the history lacks, in order (an answer still being
+        generated waits for its end)."""
+        history = self.app.history
+        if not self._in_history():  # a new conversation, or a new history: all of it goes in
+            self.conversation = None
+            self._history_generation = history.generation
+            for message in self.query(ChatMessage):
+                message.message_id = None
+        messages = [m for m in self.query(ChatMessage) if m is not self.answer]
+        if not messages:
+            return
+        if self.conversation is None:
+            first = next((m.text for m in messages if m.role == "user"), "New conversation")
+            self.conversation = history.create(str(self.model_path), self.system_prompt, title_for(first))
+        for message in messages:
+            if message.message_id is None:
+                message.message_id = history.add(self.conversation.id, message.role, message.text,
+                                                 finish_reason=message.finish_reason, stats=message.stats).id
+
+    def _save(self) -> None:
+        try:
+            self._store_unsaved()
+            self._told_unsaved = False
+        except HistoryError as error:
+            self._history_failed(error)
+
+    def _history_failed(self, error: HistoryError) -> None:
+        """Say what failed and what is kept. The conversation stays on screen whatever
+        happens; after a new history replaced a damaged one, it is stored in that one."""
+        if error.replaced:
+            try:
+                self._store_unsaved()
+                kept = ("Nothing on screen was lost: this conversation, your last message included, "
+                        "is in the new history.")
+                self._told_unsaved = False
+            except HistoryError as again:
+                kept = f"This conversation stays on screen but is not saved ({again.what})."
+                self._told_unsaved = True
+        elif self._told_unsaved:  # the same trouble again: said once is enough
+            return
+        else:
+            kept = ("This conversation stays on screen; it is saved with your next message if the "
+                    "history can be written then.")
+            self._told_unsaved = True
+        self.app.show_error(HybridMoeError(error.what, f"{kept} {error.hint}"))
 
     def _turns(self) -> list[ChatTurn]:
         turns = [ChatTurn("system", self.system_prompt)] if self.system_prompt.strip() else []
@@ -383,10 +437,8 @@ class ChatScreen(ReportsWorkerErrors, Screen):
         answer = self.answer
         self.answer = None  # pieces still queued after this point have no answer to go to
         await answer.end_stream(FINISH_NOTES.get(reason, reason))
-        if self.conversation is not None:
-            stored = self.app.history.add(self.conversation.id, "assistant", answer.text, finish_reason=reason,
-                                          stats=_stats_dict(stats) if stats else None)
-            answer.message_id = stored.id
+        answer.finish_reason, answer.stats = reason, _stats_dict(stats) if stats else None
+        self._save()
         status = self.query_one(StatusLine)
         if stats is not None:
             self.context_used = stats.prompt_tokens + stats.generated_tokens
@@ -418,9 +470,13 @@ class ChatScreen(ReportsWorkerErrors, Screen):
         last = self._last("assistant")
         if self.generating or self.session is None or last is None or self._last_message() is not last:
             return
-        if last.message_id is not None:
-            self.app.history.delete_message(last.message_id)
+        stored_id = last.message_id if self._in_history() else None
         await last.remove()
+        if stored_id is not None:
+            try:
+                self.app.history.delete_message(stored_id)
+            except HistoryError as error:
+                self._history_failed(error)
         await self._start_answer()
 
     def _last(self, role: str) -> ChatMessage | None:
@@ -456,18 +512,24 @@ class ChatScreen(ReportsWorkerErrors, Screen):
 
     async def open_conversation(self, conversation_id: int) -> None:
         history = self.app.history
-        conversation = history.get(conversation_id)
+        try:
+            conversation = history.get(conversation_id)
+            messages = history.messages(conversation_id) if conversation is not None else []
+        except HistoryError as error:  # the conversation on screen stays
+            self.app.show_error(error)
+            return
         if conversation is None:
             return
-        self.conversation = conversation
+        self.conversation, self._history_generation = conversation, history.generation
         self.system_prompt = conversation.system_prompt
         log = self.query_one("#conversation", VerticalScroll)
         await log.remove_children()
         author = Path(conversation.model).name
         await log.mount_all([
             ChatMessage(m.role, m.content, author=author if m.role == "assistant" else "",
-                        note=FINISH_NOTES.get(m.finish_reason or "stop", ""), message_id=m.id)
-            for m in history.messages(conversation_id)
+                        note=FINISH_NOTES.get(m.finish_reason or "stop", ""), message_id=m.id,
+                        finish_reason=m.finish_reason, stats=m.stats)
+            for m in messages
         ])
         log.anchor()
         self.refresh_bindings()
@@ -478,8 +540,11 @@ class ChatScreen(ReportsWorkerErrors, Screen):
                 return
             self.system_prompt = result.system_prompt
             self.app.update_state(system_prompt=result.system_prompt, sampling=result.sampling)
-            if self.conversation is not None:
-                self.app.history.update(self.conversation.id, system_prompt=result.system_prompt)
+            if self._in_history():
+                try:
+                    self.app.history.update(self.conversation.id, system_prompt=result.system_prompt)
+                except HistoryError as error:
+                    self._history_failed(error)
             if result.record_usage != self.app.settings.record_stats:
                 self.app.set_settings(replace(self.app.settings, record_stats=result.record_usage))
             self.notify("Chat settings saved." + (

@@ -11,7 +11,7 @@ from textual.screen import ModalScreen
 from textual.widgets import Footer, Label, OptionList, Static
 from textual.widgets.option_list import Option
 
-from app.history import Conversation, History
+from app.history import Conversation, History, HistoryError
 from app.tui.screens.dialogs import ConfirmDialog
 
 
@@ -45,7 +45,11 @@ class ConversationsScreen(ModalScreen[int | None]):
         self._fill()
 
     def _fill(self) -> None:
-        conversations = self.history.conversations()
+        try:
+            conversations = self.history.conversations()
+        except HistoryError as error:  # said; the list is empty (a damaged file was set aside)
+            self.app.show_error(error)
+            conversations = []
         options = self.query_one(OptionList)
         options.clear_options()
         options.add_options([Option(self._label(c), id=str(c.id)) for c in conversations])
@@ -72,11 +76,20 @@ class ConversationsScreen(ModalScreen[int | None]):
             return
         option = options.get_option_at_index(options.highlighted)
         conversation_id = int(option.id)
-        title = self.history.get(conversation_id).title if self.history.get(conversation_id) else "?"
+        try:
+            conversation = self.history.get(conversation_id)
+        except HistoryError as error:
+            self.app.show_error(error)
+            self._fill()
+            return
+        title = conversation.title if conversation else "?"
 
         def confirmed(yes: bool | None) -> None:
             if yes:
-                self.history.delete(conversation_id)
+                try:
+                    self.history.delete(conversation_id)
+                except HistoryError as error:
+                    self.app.show_error(error)
                 self._fill()
 
         self.app.push_screen(ConfirmDialog("Delete conversation", f"Delete “{title}” and its messages?",

@@ -17,7 +17,7 @@ from app.render import hardware_text
 from app.tui.hardware_words import summary_lines, warnings
 from app.tui.screens.benchmark import open_benchmark
 from app.tui.widgets.nav_bar import NavBar
-from app.tui.workers import ReportsWorkerErrors
+from app.tui.workers import ReportsWorkerErrors, WorkerFailed
 from backend.units import fmt_bytes
 
 MEMORY_INTERVAL_S = 1.0
@@ -102,6 +102,13 @@ class HardwareScreen(ReportsWorkerErrors, Screen):
         hardware = self.app.services.detect_hardware(
             measure_bandwidth=measure_bandwidth, wait=wait, on_wait=lambda what: self.post_message(self.Waiting(what)))
         self.post_message(self.Detected(hardware))
+
+    def on_worker_failed(self, event: WorkerFailed) -> None:
+        # The App shows what went wrong (the message bubbles on); the summary must not go on
+        # saying "Detecting".
+        if event.worker.group == "detect":
+            self.query_one("#hardware-summary", Static).update("The hardware could not be detected (see the message); "
+                                                               "Ctrl+D tries again.")
 
     def on_hardware_screen_waiting(self, event: Waiting) -> None:
         self.query_one("#hardware-summary", Static).update(

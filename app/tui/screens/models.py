@@ -19,7 +19,7 @@ from app.tui.screens.dialogs import ChoiceDialog, ConfirmDialog, TextScreen
 from app.tui.screens.transfer import TransferScreen
 from app.tui.widgets.transfer import Job
 from app.tui.widgets.nav_bar import NavBar
-from app.tui.workers import ReportsWorkerErrors
+from app.tui.workers import ReportsWorkerErrors, WorkerFailed
 from backend.hub.local import LocalModel
 from backend.plan import Workload
 from backend.units import fmt_bytes
@@ -85,6 +85,13 @@ class ModelsScreen(ReportsWorkerErrors, Screen):
     def action_refresh(self) -> None:
         self.query_one("#models-detail", Static).update("Looking for models …")
         self._list(self.app.hardware, self.app.settings)
+
+    def on_worker_failed(self, event: WorkerFailed) -> None:
+        # The App shows what went wrong (the message bubbles on); this line must not go on
+        # saying that models are being looked for.
+        if event.worker.group == "list":
+            self.query_one("#models-detail", Static).update("The models could not be listed (see the message); "
+                                                            "r looks again.")
 
     @work(thread=True, exclusive=True, exit_on_error=False, group="list")
     def _list(self, hardware, settings) -> None:

@@ -54,12 +54,17 @@ class ChatMessage(Widget, can_focus=True):
     ChatMessage Markdown { margin: 0; }
     """
 
-    def __init__(self, role: str, text: str = "", *, author: str = "", note: str = "", message_id: int | None = None):
+    def __init__(self, role: str, text: str = "", *, author: str = "", note: str = "", message_id: int | None = None,
+                 finish_reason: str | None = None, stats: dict | None = None):
         super().__init__(classes=f"message {role}")
         self.role = role
         self.author = author or ("You" if role == "user" else "Assistant")
         self.note = note
         self.message_id = message_id  # row in the history, once stored
+        # What the history keeps beside the text of an answer (stored again after a damaged
+        # history was replaced by a new one).
+        self.finish_reason = finish_reason
+        self.stats = stats
         self.pieces: list[str] = [text] if text else []
         self._stream: MarkdownStream | None = None
 

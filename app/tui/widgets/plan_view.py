@@ -13,7 +13,7 @@ from textual.widget import Widget
 from textual.widgets import Static
 
 from backend.plan.plan import DevicePlan, Plan
-from backend.units import fmt_bytes
+from backend.units import fmt_bytes, fmt_rate
 
 BAR = 44  # characters; with the labels it fits an 80-column terminal
 
@@ -120,6 +120,10 @@ def speed_text(plan: Plan) -> Text:
         out.append(f", bound by {plan.decode_bound_by}")
     else:
         out.append(f"Estimated decode: {plan.decode_bound_by}")
+    if plan.host_bandwidth_bytes_per_s and plan.host_bytes_per_token:
+        # The bound is only as good as this figure: say where it came from.
+        out.append(f"\nHost memory bandwidth: {fmt_rate(plan.host_bandwidth_bytes_per_s)}, "
+                   f"{plan.host_bandwidth_source}")
     if plan.workload.users > 1 and plan.decode_tokens_per_s_per_user:
         out.append(f"\n{plan.workload.users} conversations together: {plan.decode_tokens_per_s_per_user:,.1f} "
                    f"tokens/s each, {plan.decode_tokens_per_s_aggregate:,.1f} in all")

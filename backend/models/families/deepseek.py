@@ -162,6 +162,12 @@ def config_from_gguf(metadata: Mapping[str, Any], *, source: str,
         cfg["num_key_value_heads"] = cfg["num_attention_heads"]
     # expert_gating_func 2 is sigmoid routing (DeepSeek-V3, Kimi K2); 1 is V2's softmax.
     sigmoid = f.int("expert_gating_func", default=1) == 2
+    # A GGUF has no topk_method: experts in groups (expert_group_count > 1, written for V2's
+    # n_group) mean V2's group_limited_greedy, as transformers routes it: only the
+    # expert_group_used_count groups with the best single expert are eligible (full V2: 8
+    # groups, top 3; V2-Lite has one group). llama.cpp limits the choice too, but ranks
+    # groups by their best two experts (V3's rule), so a rare token may differ there.
+    softmax_method = "group_limited_greedy" if cfg["n_group"] > 1 else "greedy"
     cfg.update(
         architectures=["DeepseekV3ForCausalLM" if sigmoid else "DeepseekV2ForCausalLM"],
         model_type="deepseek_v3" if sigmoid else "deepseek_v2",
@@ -171,7 +177,7 @@ def config_from_gguf(metadata: Mapping[str, Any], *, source: str,
         q_lora_rank=f.int("attention.q_lora_rank", default=0) or None,
         qk_nope_head_dim=key_len - cfg["qk_rope_head_dim"],
         scoring_func="sigmoid" if sigmoid else "softmax",
-        topk_method="noaux_tc" if sigmoid else "greedy",
+        topk_method="noaux_tc" if sigmoid else softmax_method,
     )
     if "rope_scaling" in cfg and f.has("rope.scaling.yarn_log_multiplier"):
         # llama.cpp stores 0.1 * mscale_all_dim as the YaRN log multiplier.
