@@ -14,8 +14,8 @@ import traceback
 from dataclasses import replace
 from datetime import datetime
 
-from backend.errors import HybridMoeError
-from backend.plan.workload import BACKENDS, KV_BYTES_PER_ELEMENT, PREFILL_RESERVE, STRATEGIES
+from hybridmoe.backend.errors import HybridMoeError
+from hybridmoe.backend.plan.workload import BACKENDS, KV_BYTES_PER_ELEMENT, PREFILL_RESERVE, STRATEGIES
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_CANCELLED = 0, 1, 2, 130
 DEFAULT_PLAN_CONTEXT = 32768  # tokens per conversation when `plan` is given no --context
@@ -25,11 +25,11 @@ DEFAULT_PLAN_CONTEXT = 32768  # tokens per conversation when `plan` is given no 
 
 
 def cmd_doctor(args) -> int:
-    from app.render import hardware_text
-    from backend import settings
-    from backend.hardware import detect
-    from backend.engine import native_experts
-    from backend.llamacpp import system_info, system_summary
+    from hybridmoe.app.render import hardware_text
+    from hybridmoe.backend import settings
+    from hybridmoe.backend.hardware import detect
+    from hybridmoe.backend.engine import native_experts
+    from hybridmoe.backend.llamacpp import system_info, system_summary
 
     store = settings.load().model_store_path
     profile = detect(measure_bandwidth=not args.no_bandwidth, model_dir=store)
@@ -44,9 +44,9 @@ def cmd_doctor(args) -> int:
 
 
 def cmd_inspect(args) -> int:
-    from app.render import model_text
-    from backend.hub.catalogue import model_path
-    from backend.models import inspect_model
+    from hybridmoe.app.render import model_text
+    from hybridmoe.backend.hub.catalogue import model_path
+    from hybridmoe.backend.models import inspect_model
 
     model = inspect_model(model_path(args.model), expert_format=args.format)
     if args.json:
@@ -59,10 +59,10 @@ def cmd_inspect(args) -> int:
 
 
 def cmd_plan(args) -> int:
-    from app.render import plan_text
-    from backend.hub.catalogue import model_path
-    from backend.models import inspect_model
-    from backend.plan import Workload, make
+    from hybridmoe.app.render import plan_text
+    from hybridmoe.backend.hub.catalogue import model_path
+    from hybridmoe.backend.models import inspect_model
+    from hybridmoe.backend.plan import Workload, make
 
     workload = Workload(
         context=args.context or DEFAULT_PLAN_CONTEXT,
@@ -96,10 +96,10 @@ def cmd_pull(args) -> int:
     """Download a repository into the Hugging Face cache; Ctrl-C cancels (a later pull resumes)."""
     import signal
 
-    from app.hub_render import ProgressLine, plan_text, pulled_text
-    from backend.hub import pull
-    from backend.hub.catalogue import pull_target
-    from backend.session import CancelToken
+    from hybridmoe.app.hub_render import ProgressLine, plan_text, pulled_text
+    from hybridmoe.backend.hub import pull
+    from hybridmoe.backend.hub.catalogue import pull_target
+    from hybridmoe.backend.session import CancelToken
 
     repo = pull_target(args.repo, args.quant)
     line = ProgressLine(sys.stderr)
@@ -131,9 +131,9 @@ def cmd_convert(args) -> int:
     reports a process the signal ended (130, 143, 129)."""
     import signal
 
-    from app.convert_render import ConvertProgress, stored_types_text
-    from backend.convert import default_output_path, stored_types, to_gguf
-    from backend.session import Cancelled, CancelToken
+    from hybridmoe.app.convert_render import ConvertProgress, stored_types_text
+    from hybridmoe.backend.convert import default_output_path, stored_types, to_gguf
+    from hybridmoe.backend.session import Cancelled, CancelToken
 
     out = args.out or default_output_path(args.model, args.quant)
     line = ConvertProgress(sys.stderr)
@@ -166,8 +166,8 @@ def cmd_convert(args) -> int:
 
 def cmd_models(args) -> int:
     """Local models; the registered directories; the catalogue."""
-    from app.hub_render import catalogue_text, models_text
-    from backend.hub import discover, registry
+    from hybridmoe.app.hub_render import catalogue_text, models_text
+    from hybridmoe.backend.hub import discover, registry
 
     if args.add:
         path = registry.add_dir(args.add)
@@ -180,9 +180,9 @@ def cmd_models(args) -> int:
         print(f"Unregistered {path}; the models in it were not touched.", file=sys.stderr)
         return EXIT_OK
     if args.catalogue:
-        from backend import settings
-        from backend.hardware import detect
-        from backend.hub import catalogue
+        from hybridmoe.backend import settings
+        from hybridmoe.backend.hardware import detect
+        from hybridmoe.backend.hub import catalogue
 
         entries = catalogue.load()
         if args.json:
@@ -201,14 +201,14 @@ def cmd_models(args) -> int:
 
 def cmd_bench_kernels(args) -> int:
     """The native CPU expert kernels on one MoE layer vs memory bandwidth, kt-kernel, PyTorch."""
-    from backend.bench import kernels
+    from hybridmoe.backend.bench import kernels
 
     return kernels.main(args)
 
 
 def cmd_bench_generate(args) -> int:
     """The engine against llama.cpp end to end, same file, same threads, same prompt ids."""
-    from backend.bench import generate
+    from hybridmoe.backend.bench import generate
 
     summary = generate.measure(args.model, prompt_tokens=args.prompt_tokens, gen_tokens=args.gen_tokens,
                                threads=args.threads, repeats=args.repeats, rounds=args.rounds)
@@ -218,10 +218,10 @@ def cmd_bench_generate(args) -> int:
 
 def resolve_hardware(args):
     """This machine, a preset, or a TOML description; then the command-line overrides."""
-    from backend.hardware import detect
-    from backend.hardware.overrides import apply_overrides
-    from backend.hardware.presets import load_described, preset
-    from backend.units import parse_bytes, parse_rate
+    from hybridmoe.backend.hardware import detect
+    from hybridmoe.backend.hardware.overrides import apply_overrides
+    from hybridmoe.backend.hardware.presets import load_described, preset
+    from hybridmoe.backend.units import parse_bytes, parse_rate
 
     if args.hardware == "this":
         profile = detect(measure_bandwidth=not args.no_bandwidth and args.host_bandwidth is None)
@@ -240,7 +240,7 @@ def resolve_hardware(args):
 
 
 def _cmd_tui(args) -> int:
-    from app.tui import run
+    from hybridmoe.app.tui import run
 
     return run()
 
@@ -381,8 +381,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_bench_generate)
 
-    from app import headless
-    from app.server import cli as server_cli
+    from hybridmoe.app import headless
+    from hybridmoe.app.server import cli as server_cli
 
     headless.add_parser(sub)
     server_cli.add_parser(sub)
@@ -398,7 +398,7 @@ def _print_json(obj) -> None:
 
 
 def _log_internal_error() -> str:
-    from backend.settings import state_dir
+    from hybridmoe.backend.settings import state_dir
 
     try:
         log_dir = state_dir()
@@ -414,7 +414,7 @@ def _log_internal_error() -> str:
 def _warn_about_settings() -> None:
     """What is wrong in the settings file, said once; the command goes on with the defaults
     for it (every later read of the file is silent)."""
-    from backend import settings
+    from hybridmoe.backend import settings
 
     loaded = settings.read()
     for problem in loaded.problems:

@@ -14,10 +14,10 @@ import time
 from pathlib import Path
 from typing import TextIO
 
-from app.hub_render import ProgressLine
-from backend.hub.meter import fmt_duration
-from backend.session import Progress
-from backend.units import fmt_bytes, fmt_rate
+from hybridmoe.app.hub_render import ProgressLine
+from hybridmoe.backend.hub.meter import fmt_duration
+from hybridmoe.backend.session import Progress
+from hybridmoe.backend.units import fmt_bytes, fmt_rate
 
 # Tensor names listed per type before "and N more" (grouped by layer, see compact_names).
 MAX_LISTED = 8
@@ -62,7 +62,7 @@ class ConvertProgress:
 
 def stored_types_text(path: Path, types) -> str:
     """"Wrote PATH (SIZE, Q8_0; tensors: Q8_0 40, F32 25)"; when some weights could not take
-    the requested type (``backend.convert.StoredTypes``), which ones kept which type, and why."""
+    the requested type (``hybridmoe.backend.convert.StoredTypes``), which ones kept which type, and why."""
     counts = ", ".join(f"{name} {len(names)}" for name, names in
                        sorted(types.by_type.items(), key=lambda item: (-len(item[1]), item[0])))
     quant = types.quant.upper()

@@ -13,8 +13,8 @@ import signal
 import sys
 from dataclasses import asdict
 
-from backend.errors import UsageError
-from backend.session import CancelToken, Done, Message, Progress, TextPiece
+from hybridmoe.backend.errors import UsageError
+from hybridmoe.backend.session import CancelToken, Done, Message, Progress, TextPiece
 
 EXIT_CANCELLED = 130
 DEFAULT_CONTEXT = 4096  # tokens, when neither --plan nor --context is given
@@ -35,8 +35,8 @@ def read_prompt(prompt: str | None) -> str:
 
 def load_plan(args, model):
     """The plan from --plan, or one made now for this machine and the requested context."""
-    from backend.hardware import detect
-    from backend.plan import Plan, Workload, make
+    from hybridmoe.backend.hardware import detect
+    from hybridmoe.backend.plan import Plan, Workload, make
 
     if args.plan:
         return Plan.load(args.plan)
@@ -45,7 +45,7 @@ def load_plan(args, model):
     context = args.context if args.context is not None else min(DEFAULT_CONTEXT, model.spec.max_context)
     plan = make(model.spec, model.inventory, detect(measure_bandwidth=False), Workload(context=context, backend=args.backend))
     if not plan.fits:
-        from backend.errors import PlanError
+        from hybridmoe.backend.errors import PlanError
 
         raise PlanError(
             f"{model.spec.name} does not fit this machine: {plan.reason}",
@@ -59,7 +59,7 @@ def user_chat_template(path: str | None):
     a context manager in which a model loads with the file's template instead of its own."""
     if path is None:
         return contextlib.nullcontext()
-    from backend.engine.chat_template import read_template_file, templates_replaced_by
+    from hybridmoe.backend.engine.chat_template import read_template_file, templates_replaced_by
 
     return templates_replaced_by(*read_template_file(path))
 
@@ -84,7 +84,7 @@ class _BackendChoice:
                        else "auto: the embedded engine serves this model")
 
     def chosen(self, backend: str, reason: str) -> None:
-        from backend.backends import BACKEND_NAMES
+        from hybridmoe.backend.backends import BACKEND_NAMES
 
         self.reason = f"{reason} ({self.plan_file})" if self.plan_file else reason
         sys.stderr.write(f"hybridmoe: backend: {BACKEND_NAMES[backend]}, because {self.reason}; "
@@ -111,8 +111,8 @@ class _StderrProgress:
 
 
 def cmd_run(args) -> int:
-    from backend.hub.catalogue import model_path
-    from backend.models import inspect_model
+    from hybridmoe.backend.hub.catalogue import model_path
+    from hybridmoe.backend.models import inspect_model
 
     # Usage errors and a wrong model name first: they need no torch, which takes seconds to import.
     if args.prompt is not None and args.text is not None:
@@ -121,8 +121,8 @@ def cmd_run(args) -> int:
     path = model_path(args.model)  # a path, or a name `hybridmoe models` lists
     model = inspect_model(path)
 
-    from backend.backends import load_session
-    from backend.engine.sampling import SamplingParams
+    from hybridmoe.backend.backends import load_session
+    from hybridmoe.backend.engine.sampling import SamplingParams
 
     sampling = SamplingParams(
         temperature=args.temperature,
@@ -201,8 +201,8 @@ def cmd_run(args) -> int:
 
 
 def add_parser(sub) -> None:
-    from app.cli import _positive_int
-    from backend.plan.workload import BACKENDS
+    from hybridmoe.app.cli import _positive_int
+    from hybridmoe.backend.plan.workload import BACKENDS
 
     p = sub.add_parser("run", help="answer one prompt (headless): the answer to stdout, progress to stderr")
     p.add_argument("-m", "--model", required=True,

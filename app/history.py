@@ -23,8 +23,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from backend.errors import HybridMoeError
-from backend.settings import set_aside
+from hybridmoe.backend.errors import HybridMoeError
+from hybridmoe.backend.settings import set_aside
 
 SCHEMA_VERSION = 1
 TITLE_CHARS = 60

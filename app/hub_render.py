@@ -7,11 +7,11 @@ import shutil
 import sys
 from typing import TextIO
 
-from backend.hub.download import PullPlan
-from backend.hub.local import LocalModel
-from backend.hub.meter import DownloadProgress, fmt_duration
-from backend.session import Progress
-from backend.units import fmt_bytes, fmt_rate
+from hybridmoe.backend.hub.download import PullPlan
+from hybridmoe.backend.hub.local import LocalModel
+from hybridmoe.backend.hub.meter import DownloadProgress, fmt_duration
+from hybridmoe.backend.session import Progress
+from hybridmoe.backend.units import fmt_bytes, fmt_rate
 
 
 def _table(header: list[str], rows: list[list[str]], right: set[int] = frozenset(), indent: int = 2) -> list[str]:

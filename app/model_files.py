@@ -14,8 +14,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from backend.errors import HybridMoeError
-from backend.hub.local import LocalModel
+from hybridmoe.backend.errors import HybridMoeError
+from hybridmoe.backend.hub.local import LocalModel
 
 FOREIGN_STORES = {
     "ollama": "Remove it with `ollama rm {name}`.",

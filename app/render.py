@@ -1,15 +1,15 @@
 """Plain-text renderings of a hardware profile, a model and a plan, for the CLI.
 
-Each number printed by `plan` carries the arithmetic that produced it and the SIZING.md
+Each number printed by `plan` carries the arithmetic that produced it and the docs/sizing.md
 section it comes from, so a person can check it by hand.
 """
 
 from __future__ import annotations
 
-from backend.hardware.profile import HardwareProfile
-from backend.models.inventory import TensorClass
-from backend.plan.plan import Plan
-from backend.units import fmt_bytes, fmt_rate
+from hybridmoe.backend.hardware.profile import HardwareProfile
+from hybridmoe.backend.models.inventory import TensorClass
+from hybridmoe.backend.plan.plan import Plan
+from hybridmoe.backend.units import fmt_bytes, fmt_rate
 
 GB = 1e9
 
@@ -158,7 +158,7 @@ def plan_text(plan: Plan) -> str:
     ]
     bpe_values = sorted(set(round(v) for v in plan.bytes_per_expert.values()))
     bpe = plan.bytes_per_expert[plan.moe_layers[0]] if plan.moe_layers else 0
-    out.append("Routed experts (SIZING §1)")
+    out.append("Routed experts (docs/sizing.md §1)")
     out += _kv_lines(
         [
             ("per expert", f"{bpe / 1e6:,.2f} MB" + (" (varies by layer)" if len(bpe_values) > 1 else "")),
@@ -168,14 +168,14 @@ def plan_text(plan: Plan) -> str:
             ("in host RAM", f"{plan.host_routed_expert_bytes / GB:,.1f} GB"),
         ]
     )
-    out.append("KV cache (SIZING §2)")
+    out.append("KV cache (docs/sizing.md §2)")
     out += _kv_lines(
         [
             ("per token", f"{plan.kv_bytes_per_token:,.0f} B ({fmt_bytes(plan.kv_bytes_per_token)})"),
             ("per conversation", f"{wl.context} tokens → {fmt_bytes(plan.kv_bytes_per_conversation)}"),
         ]
     )
-    out.append("Devices (SIZING §3, §4)")
+    out.append("Devices (docs/sizing.md §3, §4)")
     cls_order = ["always_read", "kv_cache", "activations", "prefill_reserve", "routed_experts"]
     rows = []
     for d in plan.devices:
@@ -189,7 +189,7 @@ def plan_text(plan: Plan) -> str:
         f"  host RAM: needs {fmt_bytes(plan.host_ram_needed_bytes)} incl. reserve, "
         f"usable {fmt_bytes(plan.host_ram_usable_bytes)}"
     )
-    out.append("Decode speed, one conversation (SIZING §6; upper bounds)")
+    out.append("Decode speed, one conversation (docs/sizing.md §6; upper bounds)")
     rows = [
         ("host reads / token", f"{plan.host_bytes_per_token / GB:,.3f} GB at {fmt_rate(plan.host_bandwidth_bytes_per_s)} "
          f"({plan.host_bandwidth_source})"),
@@ -202,12 +202,12 @@ def plan_text(plan: Plan) -> str:
         rows.append(("bound", plan.decode_bound_by))
     out += _kv_lines(rows)
     if wl.users > 1:
-        out.append(f"Decode speed, {wl.users} conversations together (SIZING §6)")
+        out.append(f"Decode speed, {wl.users} conversations together (docs/sizing.md §6)")
         per_user = plan.decode_tokens_per_s_per_user
         out += _kv_lines(
             [
-                ("experts touched / layer", f"{plan.n_routed_experts} × (1 − ({plan.n_routed_experts} − "
-                 f"{plan.experts_per_token}) / {plan.n_routed_experts})^{wl.users} = {plan.experts_touched_per_layer:,.1f}"),
+                ("experts touched / layer", f"{plan.n_routed_experts} × (1 − (({plan.n_routed_experts} − "
+                 f"{plan.experts_per_token}) / {plan.n_routed_experts})^{wl.users}) = {plan.experts_touched_per_layer:,.1f}"),
                 ("per conversation", f"{per_user:,.1f} tokens/s" if per_user else "unknown"),
                 ("all together", f"{plan.decode_tokens_per_s_aggregate:,.1f} tokens/s" if per_user else "unknown"),
             ]
@@ -215,10 +215,10 @@ def plan_text(plan: Plan) -> str:
     if plan.prefill_crossover_tokens:
         out.append(
             f"Prefill: streaming an expert to the GPU beats computing it on the CPU above "
-            f"{plan.prefill_crossover_tokens:,.0f} tokens routed to it (SIZING §6, assumed 2.5 GHz CPU clock)"
+            f"{plan.prefill_crossover_tokens:,.0f} tokens routed to it (docs/sizing.md §6, assumed 2.5 GHz CPU clock)"
         )
     lc = plan.llama_cpp
-    out.append("llama.cpp equivalent (SIZING §5: whole layers only)")
+    out.append("llama.cpp equivalent (docs/sizing.md §5: whole layers only)")
     out += _kv_lines(
         [
             ("experts on CPU", f"blocks 0..{lc['n_cpu_moe'] - 1}" if lc["n_cpu_moe"] else "none"),
@@ -233,7 +233,7 @@ def plan_text(plan: Plan) -> str:
     for w in plan.warnings:
         out.append(f"Warning: {w}")
     if plan.serving:
-        out.append("One workstation is not enough for this workload (SIZING §7). A serving deployment that carries it:")
+        out.append("One workstation is not enough for this workload (docs/sizing.md §7). A serving deployment that carries it:")
         out.append(f"  {plan.serving['summary']}")
         for key in ("vllm", "sglang"):
             if key in plan.serving:

@@ -1,7 +1,7 @@
 """The backend verbs the terminal UI calls, gathered in one object the App receives.
 
 This is the seam for tests: the App never imports a backend verb directly, it calls
-``app.services.<verb>``. ``Services`` is the real implementation; tests pass a subclass that
+``hybridmoe.app.services.<verb>``. ``Services`` is the real implementation; tests pass a subclass that
 fakes the model boundary (a backend whose session streams scripted text, a downloader that
 reports progress without a network) and keeps everything else real: settings files, the
 planner, the catalogue, the SQLite history.
@@ -22,13 +22,13 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from backend import settings as settings_module
-from backend.errors import ModelError
-from backend.hardware.profile import HardwareProfile
-from backend.hub.local import LocalModel
-from backend.plan import ExpertStats, Plan, Workload
-from backend.session import CancelToken, ProgressCallback, Session
-from backend.settings import Settings
+from hybridmoe.backend import settings as settings_module
+from hybridmoe.backend.errors import ModelError
+from hybridmoe.backend.hardware.profile import HardwareProfile
+from hybridmoe.backend.hub.local import LocalModel
+from hybridmoe.backend.plan import ExpertStats, Plan, Workload
+from hybridmoe.backend.session import CancelToken, ProgressCallback, Session
+from hybridmoe.backend.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ class Services:
         """This machine. The bandwidth probe takes its turn with model work: while a model
         loads, answers or is benchmarked, it is skipped (the profile says why), or with
         ``wait`` it waits for that work to end (``on_wait`` hears what it waits for)."""
-        from backend.hardware import detect
+        from hybridmoe.backend.hardware import detect
 
         store = self.load_settings().model_store_path
         if not measure_bandwidth:
@@ -128,65 +128,65 @@ class Services:
             _TURNS.lock.release()
 
     def list_local_models(self) -> list[LocalModel]:
-        from backend.hub import list_local_models
+        from hybridmoe.backend.hub import list_local_models
 
         return list_local_models()
 
     def preset_names(self) -> tuple[str, ...]:
         """Machines to plan for besides this one (``hybridmoe plan --hardware PRESET``)."""
-        from backend.hardware.presets import preset_names
+        from hybridmoe.backend.hardware.presets import preset_names
 
         return tuple(preset_names())
 
     def preset(self, name: str) -> HardwareProfile:
-        from backend.hardware.presets import preset
+        from hybridmoe.backend.hardware.presets import preset
 
         return preset(name)
 
     def model_dirs(self) -> list[Path]:
         """The folders searched for models besides the model store (``hybridmoe models --add``)."""
-        from backend.hub import registry
+        from hybridmoe.backend.hub import registry
 
         return registry.registered_dirs()
 
     def add_model_dir(self, directory: str | Path) -> Path:
-        from backend.hub import registry
+        from hybridmoe.backend.hub import registry
 
         return registry.add_dir(directory)
 
     def remove_model_dir(self, directory: str | Path) -> Path:
         """Stop searching ``directory``; the models in it are not touched."""
-        from backend.hub import registry
+        from hybridmoe.backend.hub import registry
 
         return registry.remove_dir(directory)
 
     def catalogue(self):
-        """backend.hub.catalogue.Catalogue: the models hybridmoe knows by name."""
-        from backend.hub import catalogue
+        """hybridmoe.backend.hub.catalogue.Catalogue: the models hybridmoe knows by name."""
+        from hybridmoe.backend.hub import catalogue
 
         return catalogue.load()
 
     def rank_catalogue(self, hardware: HardwareProfile, workload: Workload) -> list:
-        """[backend.hub.catalogue.Ranked]: what fits ``hardware``, fastest first."""
-        from backend.hub import catalogue
+        """[hybridmoe.backend.hub.catalogue.Ranked]: what fits ``hardware``, fastest first."""
+        from hybridmoe.backend.hub import catalogue
 
         return catalogue.rank_for(hardware, workload)
 
     def resolve_model(self, text: str) -> Path:
         """A path, catalogue name or local model name -> what inspect_model opens."""
-        from backend.hub.catalogue import model_path
+        from hybridmoe.backend.hub.catalogue import model_path
 
         return model_path(text)
 
     def inspect_model(self, path: str | Path):
-        """backend.models.InspectedModel (headers only; fast enough for a worker)."""
-        from backend.models import inspect_model
+        """hybridmoe.backend.models.InspectedModel (headers only; fast enough for a worker)."""
+        from hybridmoe.backend.models import inspect_model
 
         return inspect_model(path)
 
     def make_plan(self, spec, inventory, hardware: HardwareProfile, workload: Workload) -> Plan:
         """The planner: milliseconds, so the plan editor calls it on every keystroke."""
-        from backend.plan import make
+        from hybridmoe.backend.plan import make
 
         return make(spec, inventory, hardware, workload)
 
@@ -195,7 +195,7 @@ class Services:
     def pull(self, repo: str, quant: str | None, on_progress: ProgressCallback | None,
              cancel: CancelToken | None) -> LocalModel:
         """Download into the model store; a cancelled pull resumes when called again."""
-        from backend.hub import pull
+        from hybridmoe.backend.hub import pull
 
         return pull(repo, quant=quant, on_progress=on_progress, cancel=cancel)
 
@@ -207,9 +207,9 @@ class Services:
         conversion of it (files appear there only once complete): it is used as it is, rather
         than spending hours to write it again (Resume after a conversion that ended). An older
         one is never replaced unasked: the error says how to delete it first."""
-        from backend.convert import is_current_conversion, to_gguf
-        from backend.errors import HybridMoeError
-        from backend.hub import registry
+        from hybridmoe.backend.convert import is_current_conversion, to_gguf
+        from hybridmoe.backend.errors import HybridMoeError
+        from hybridmoe.backend.hub import registry
 
         out_dir = self.converted_dir()
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -225,13 +225,13 @@ class Services:
         return to_gguf(model.path, out, quant=quant, on_progress=on_progress, cancel=cancel)
 
     def convert_quants(self) -> tuple[str, ...]:
-        from backend.convert import QUANTS
+        from hybridmoe.backend.convert import QUANTS
 
         return tuple(QUANTS)
 
     def delete_model(self, model: LocalModel) -> int:
         """Remove the files of ``model``; returns the bytes freed. The caller has confirmed."""
-        from app.model_files import delete_model_files
+        from hybridmoe.app.model_files import delete_model_files
 
         return delete_model_files(model)
 
@@ -286,14 +286,14 @@ class Services:
                   cancel: CancelToken | None) -> dict:
         """`hybridmoe bench generate`: prefill and decode tokens/s of each backend, each in a
         process of its own; the summary ``bench_table`` prints."""
-        from backend.bench.generate import measure
+        from hybridmoe.backend.bench.generate import measure
 
         with self.model_turn("a benchmark", cancel=cancel):
             return measure(str(model_path), backends=self.bench_backends(model_path), on_progress=on_progress,
                            cancel=cancel, **self.bench_sizes)
 
     def bench_table(self, summary: dict) -> str:
-        from backend.bench.generate import table
+        from hybridmoe.backend.bench.generate import table
 
         return table(summary)
 
@@ -303,9 +303,9 @@ class Services:
                      cancel: CancelToken | None, on_notice: Callable[[str], None] | None = None) -> Session:
         """A session on the backend the plan names; "auto" is the embedded engine, falling
         back to llama.cpp when the engine cannot serve the model (``on_notice`` says so)."""
-        from backend.backends import load_session
+        from hybridmoe.backend.backends import load_session
 
-        from backend.backends import BACKEND_NAMES
+        from hybridmoe.backend.backends import BACKEND_NAMES
 
         def fallback(why) -> None:
             if on_notice is not None:

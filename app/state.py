@@ -18,7 +18,7 @@ from typing import Any
 
 import tomli_w
 
-from backend.files import write_atomic
+from hybridmoe.backend.files import write_atomic
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ another model, a cancelled load) are not a reason to try another backend: they w
 there too, or the user asked to stop.
 
 ``auto`` never picks llama.cpp where it is known to crash (an AMX CPU with a llama-cpp-python
-too old to keep its weights off the AMX buffer type, backend.llamacpp.model.crash_risk): a plan
+too old to keep its weights off the AMX buffer type, hybridmoe.backend.llamacpp.model.crash_risk): a plan
 made for llama.cpp is then served by the engine, and a model only llama.cpp serves is refused
 with the reason. An explicit `--backend llamacpp` is refused there with the same reason.
 """
@@ -16,10 +16,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from backend.errors import UnsupportedModelError, UsageError
-from backend.plan.plan import Plan
-from backend.plan.workload import BACKENDS
-from backend.session import CancelToken, ProgressCallback, Session
+from hybridmoe.backend.errors import UnsupportedModelError, UsageError
+from hybridmoe.backend.plan.plan import Plan
+from hybridmoe.backend.plan.workload import BACKENDS
+from hybridmoe.backend.session import CancelToken, ProgressCallback, Session
 
 BACKEND_NAMES = {"engine": "the embedded engine", "llamacpp": "llama.cpp"}
 
@@ -52,7 +52,7 @@ def load_session(
     try:
         return _engine().load(model_path, plan, on_progress, cancel)
     except UnsupportedModelError as why:
-        from backend.llamacpp import LlamaCppUnavailable
+        from hybridmoe.backend.llamacpp import LlamaCppUnavailable
 
         if risk := _llamacpp_crash_risk():
             raise UnsupportedModelError(why.what, f"{why.hint or ''} The llama.cpp fallback is not used: {risk}.".strip()) from why
@@ -66,7 +66,7 @@ def load_session(
 
 
 def _llamacpp_crash_risk() -> str | None:
-    from backend.llamacpp import LlamaCppUnavailable, crash_risk
+    from hybridmoe.backend.llamacpp import LlamaCppUnavailable, crash_risk
 
     try:
         return crash_risk()
@@ -75,12 +75,12 @@ def _llamacpp_crash_risk() -> str | None:
 
 
 def _engine():
-    from backend.engine.session import EngineBackend
+    from hybridmoe.backend.engine.session import EngineBackend
 
     return EngineBackend()
 
 
 def _llamacpp():
-    from backend.llamacpp import LlamaCppBackend
+    from hybridmoe.backend.llamacpp import LlamaCppBackend
 
     return LlamaCppBackend()

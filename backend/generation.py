@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
-from backend.engine.sampling import Sampler, SamplingParams, StopStringMatcher
-from backend.errors import ModelError, UsageError
-from backend.session import CancelToken, Done, Stats, TextPiece
+from hybridmoe.backend.engine.sampling import Sampler, SamplingParams, StopStringMatcher
+from hybridmoe.backend.errors import ModelError, UsageError
+from hybridmoe.backend.session import CancelToken, Done, Stats, TextPiece
 
 
 def max_new_tokens(prompt_tokens: int, context: int, sampling: SamplingParams) -> int:

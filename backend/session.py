@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, Union
 
-from backend.errors import HybridMoeError
+from hybridmoe.backend.errors import HybridMoeError
 
 
 class Cancelled(HybridMoeError):

@@ -22,7 +22,7 @@ from typing import Any
 import platformdirs
 import tomli_w
 
-from backend.files import write_atomic
+from hybridmoe.backend.files import write_atomic
 
 APP = "hybridmoe"
 
@@ -95,9 +95,9 @@ class Settings:
 
 def _allowed_values() -> dict[str, tuple[Callable[[Any], bool], str]]:
     """What a value may be beyond its type: a test, and the words that say what it must be."""
-    # Here, not at the top: backend.plan imports the model formats, which the history and
+    # Here, not at the top: hybridmoe.backend.plan imports the model formats, which the history and
     # the other light users of this module do not need.
-    from backend.plan.workload import BACKENDS, KV_BYTES_PER_ELEMENT
+    from hybridmoe.backend.plan.workload import BACKENDS, KV_BYTES_PER_ELEMENT
 
     return {
         "backend": (lambda v: v in BACKENDS, f"one of {', '.join(BACKENDS)}"),

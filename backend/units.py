@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import re
 
-from backend.errors import UsageError
+from hybridmoe.backend.errors import UsageError
 
 __all__ = ["UnitError", "parse_bytes", "parse_rate", "fmt_bytes", "fmt_rate"]
 

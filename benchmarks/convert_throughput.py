@@ -3,7 +3,7 @@
     python benchmarks/convert_throughput.py [--layers 4] [--experts 64] [--quants q8_0 q4_0] [--dir /tmp]
 
 Writes a random bf16 checkpoint (safetensors shards written directly, one per layer, with a
-tiny trained tokenizer), converts it with ``backend.convert.to_gguf`` once per quantization,
+tiny trained tokenizer), converts it with ``hybridmoe.backend.convert.to_gguf`` once per quantization,
 each in a fresh process, and prints for each: seconds, input GB/s (checkpoint bytes read
 per second), output size, and peak memory: VmHWM (resident high-water mark, which counts the
 checkpoint pages mapped while they are read: page cache the kernel can drop) and the peak
@@ -98,7 +98,7 @@ def _status_kib(field: str) -> int:
 
 def run_one(model: Path, out: Path, quant: str) -> dict:
     """One conversion in this process; memory sampled alongside."""
-    from backend.convert import to_gguf
+    from hybridmoe.backend.convert import to_gguf
 
     peak_anon = 0
     stop = threading.Event()

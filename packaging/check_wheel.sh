@@ -32,10 +32,13 @@ echo "== checking the contents"
 import sys, tarfile, zipfile
 wheel, sdist = sys.argv[1], sys.argv[2]
 names = zipfile.ZipFile(wheel).namelist()
-needed = ["app/cli.py", "app/tui/app.py", "app/tui/app.tcss", "backend/session.py", "assets/catalogue.toml"]
+needed = ["hybridmoe/app/cli.py", "hybridmoe/app/tui/app.tcss", "hybridmoe/backend/session.py",
+          "hybridmoe/assets/catalogue.toml"]
 missing = [n for n in needed if n not in names]
 assert not missing, f"the wheel lacks {missing}"
-assert any(n.startswith("backend/engine/_native") for n in names), "the wheel lacks the native kernels"
+assert any(n.startswith("hybridmoe/_native") for n in names), "the wheel lacks the native kernels"
+top = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
+assert top == {"hybridmoe"}, f"the wheel installs more than one top-level name: {sorted(top)}"
 assert not any(n.startswith("tests/") for n in names), "the wheel ships the tests"
 with tarfile.open(sdist) as t:
     members = t.getnames()
@@ -53,7 +56,7 @@ echo "$BASE_SITE" > "$VENV_SITE/zz-base-site-packages.pth"  # after the venv's o
 # The installed copy, not the source tree: run from elsewhere, check where it comes from.
 cd "$WORK"
 "$WORK/venv/bin/python" -c "
-import app, backend.engine._native as native
+import hybridmoe.app as app, hybridmoe._native as native
 print('app from', app.__file__); print('native kernels from', native.__file__)
 assert app.__file__.startswith('$WORK/venv') and native.__file__.startswith('$WORK/venv'), 'not the installed wheel'"
 
@@ -64,7 +67,7 @@ echo "== hybridmoe doctor --no-bandwidth"
 echo "== the terminal UI's stylesheet is where Textual looks for it"
 "$WORK/venv/bin/python" -c "
 from pathlib import Path
-import app.tui.app as m
+import hybridmoe.app.tui.app as m
 assert (Path(m.__file__).parent / m.HybridMoeApp.CSS_PATH).is_file()
 print('ok:', Path(m.__file__).parent / m.HybridMoeApp.CSS_PATH)"
 echo "== OK: $WHEEL"

@@ -10,7 +10,7 @@ Sections, each guarded (a failure is reported and the next section runs):
    (GPU main device; CPU experts overlapped, streamed prefill, int8 GPU experts, and a
    pipeline when there are two GPUs) against the CPU-only engine;
 3. bandwidth: host-to-device (pinned and pageable) and device-to-host copy rates, and the
-   streamed-prefill threshold they give (SIZING.md section 6);
+   streamed-prefill threshold they give (docs/sizing.md §6);
 4. speed: a mid-size random Qwen3-MoE checkpoint in bf16 (hidden 2048, 64 experts of 768,
    top 8; 8 layers: 4.8 GB of experts): decode tokens/s CPU-only and with 0, 25, 50, 100 %
    of the experts on the GPU (100 % also as int8), 4K-token prefill tokens/s CPU-only, with
@@ -88,7 +88,7 @@ def cuda() -> bool:
 
 
 def environment(r: Report) -> dict:
-    from backend.engine import native_experts
+    from hybridmoe.backend.engine import native_experts
 
     info = {"python": sys.version.split()[0], "torch": torch.__version__, "cuda": cuda(),
             "cpu_count": os.cpu_count(), "native": native_experts.isa(),
@@ -194,15 +194,15 @@ def write_qwen3_moe(out: Path, *, layers: int, experts: int, hidden: int, inter:
 
 
 def build(path: Path, **kwargs):
-    from backend.engine.model import build_model
-    from backend.engine.weights import open_weights
+    from hybridmoe.backend.engine.model import build_model
+    from hybridmoe.backend.engine.weights import open_weights
 
     config = json.loads((path / "config.json").read_text())
     return build_model(config, open_weights(path), **kwargs)
 
 
 def moe_layers_of(model) -> list:
-    from backend.engine.moe import MoE
+    from hybridmoe.backend.engine.moe import MoE
 
     return [m for m in model.modules() if isinstance(m, MoE)]
 
@@ -221,7 +221,7 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def parity(r: Report, work: Path) -> dict:
-    from backend.engine.hybrid import HybridOptions
+    from hybridmoe.backend.engine.hybrid import HybridOptions
 
     device = "cuda" if cuda() else "cpu"
     where = "GPU" if cuda() else "CPU standing in for the GPU"
@@ -310,8 +310,8 @@ def bandwidth(r: Report) -> dict:
             out["d2h_pinned"] = size / (time.perf_counter() - t)
     for k, v in out.items():
         r.say(f"{k:14} {v / GB:7.1f} GB/s")
-    from backend.hardware import detect
-    from backend.plan.estimate import (
+    from hybridmoe.backend.hardware import detect
+    from hybridmoe.backend.plan.estimate import (
         cpu_flops,
         prefill_crossover_tokens,
         prefill_stream_min_tokens,
@@ -338,7 +338,7 @@ def speed(r: Report, work: Path, args) -> dict:
     on_gpu = cuda()
     if not on_gpu and not args.cpu_speed:
         raise Skip("no CUDA device (pass --cpu-speed to exercise this section on the CPU with a small model)")
-    from backend.engine.hybrid import HybridOptions
+    from hybridmoe.backend.engine.hybrid import HybridOptions
 
     device = "cuda" if on_gpu else "cpu"
     if on_gpu:
@@ -419,8 +419,8 @@ def speed(r: Report, work: Path, args) -> dict:
 def measured_crossover(r: Report, rows: dict, dims: dict, prompt: int) -> dict:
     """The prefill crossover from this machine's figures instead of the Plan's theoretical ones:
     the CPU experts' achieved flop rate in the CPU-expert prefill, and the measured pinned
-    host-to-device rate (SIZING.md section 6: (bits/8) · F_cpu / (2 · B_pcie))."""
-    from backend.plan.estimate import prefill_stream_min_tokens
+    host-to-device rate (docs/sizing.md §6: (bits/8) · F_cpu / (2 · B_pcie))."""
+    from hybridmoe.backend.plan.estimate import prefill_stream_min_tokens
 
     row = rows.get("hybrid 0% GPU, CPU-expert prefill") or rows.get("cpu-only") or {}
     busy = row.get("prefill_cpu_experts_s")

@@ -136,7 +136,7 @@ def _subcommand_options(words: list[str]) -> set[str]:
     """The options the parser of `hybridmoe WORDS...` knows (argparse keeps no public list)."""
     import argparse
 
-    from app.cli import build_parser
+    from hybridmoe.app.cli import build_parser
 
     parser = build_parser()
     for word in words:
@@ -160,7 +160,7 @@ def test_inline_commands_name_options_that_exist(synopsis):
 def chat_checkpoint(tmp_path_factory):
     """The tiny chat model of tests/conftest.py with experts in every layer, as the real
     Qwen3-30B-A3B has them (a dense first layer has no place in a qwen3moe GGUF)."""
-    from backend.engine import tokenizer as tokenizer_module
+    from hybridmoe.backend.engine import tokenizer as tokenizer_module
     from tests.engine.conftest import make_checkpoint
     from tests.text.conftest import QWEN_TEMPLATE, train_byte_level_bpe, write_hf_dir
 
@@ -175,7 +175,7 @@ def chat_checkpoint(tmp_path_factory):
 @pytest.fixture(scope="module")
 def world(chat_checkpoint, tmp_path_factory):
     """(folder, environment) laid out as the examples assume."""
-    from backend.hub.catalogue import load
+    from hybridmoe.backend.hub.catalogue import load
 
     home = tmp_path_factory.mktemp("readme-home")
     (home / "models").mkdir()
@@ -192,10 +192,10 @@ def world(chat_checkpoint, tmp_path_factory):
                XDG_CONFIG_HOME=str(home / ".config"), XDG_DATA_HOME=str(home / ".local/share"),
                XDG_STATE_HOME=str(home / ".local/state"), XDG_CACHE_HOME=str(home / ".cache"),
                PYTHON=sys.executable, PYTHONPATH=str(ROOT))
-    # `hybridmoe` as the console script runs it (app.cli:main), whatever the PATH held before.
+    # `hybridmoe` as the console script runs it (hybridmoe.app.cli:main), whatever the PATH held before.
     bin_dir = home / "bin"
     bin_dir.mkdir()
-    (bin_dir / "hybridmoe").write_text('#!/bin/sh\nexec "$PYTHON" -m app.cli "$@"\n')
+    (bin_dir / "hybridmoe").write_text('#!/bin/sh\nexec "$PYTHON" -m hybridmoe.app.cli "$@"\n')
     (bin_dir / "hybridmoe").chmod(0o755)
     env["PATH"] = f"{bin_dir}{os.pathsep}{env.get('PATH', '')}"
     converted = _sh(f"hybridmoe convert {chat_checkpoint} --to gguf --quant q8_0 --out model.gguf", home, env)

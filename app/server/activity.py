@@ -9,7 +9,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from backend.session import CancelToken
+from hybridmoe.backend.session import CancelToken
 
 # Finished requests kept for display.
 _KEEP = 100

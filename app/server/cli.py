@@ -15,7 +15,7 @@ import sys
 import threading
 from pathlib import Path
 
-from app.server.runner import DEFAULT_HOST, DEFAULT_PORT
+from hybridmoe.app.server.runner import DEFAULT_HOST, DEFAULT_PORT
 
 API_KEY_VARIABLE = "HYBRIDMOE_API_KEY"
 
@@ -28,11 +28,11 @@ def model_id(model_argument: str, path: Path) -> str:
 
 
 def cmd_serve(args) -> int:
-    from app.headless import _BackendChoice, _StderrProgress, load_plan, user_chat_template
-    from app.server.runner import bind_socket, check_exposure
-    from backend.hub.catalogue import model_path
-    from backend.models import inspect_model
-    from backend.session import CancelToken
+    from hybridmoe.app.headless import _BackendChoice, _StderrProgress, load_plan, user_chat_template
+    from hybridmoe.app.server.runner import bind_socket, check_exposure
+    from hybridmoe.backend.hub.catalogue import model_path
+    from hybridmoe.backend.models import inspect_model
+    from hybridmoe.backend.session import CancelToken
 
     api_key = args.api_key or os.environ.get(API_KEY_VARIABLE) or None
     check_exposure(args.host, api_key, how_to_set_key=f"Pass --api-key KEY or set {API_KEY_VARIABLE}")
@@ -49,10 +49,10 @@ def cmd_serve(args) -> int:
 
 
 def _load_and_serve(args, path, name, plan, api_key, sock, progress, backend_choice, cancel, chat_template) -> int:
-    from app.server.http import ServerOptions
-    from app.server.runner import ApiServer
-    from app.server.shared_session import SharedSession
-    from backend.backends import load_session
+    from hybridmoe.app.server.http import ServerOptions
+    from hybridmoe.app.server.runner import ApiServer
+    from hybridmoe.app.server.shared_session import SharedSession
+    from hybridmoe.backend.backends import load_session
 
     stop = threading.Event()
 
@@ -95,7 +95,7 @@ def _load_and_serve(args, path, name, plan, api_key, sock, progress, backend_cho
 def _port(text: str) -> int:
     import argparse
 
-    from app.cli import _non_negative_int
+    from hybridmoe.app.cli import _non_negative_int
 
     port = _non_negative_int(text)
     if port > 65535:
@@ -104,9 +104,9 @@ def _port(text: str) -> int:
 
 
 def add_parser(sub) -> None:
-    from app.cli import _non_negative_int, _positive_int
-    from app.headless import CHAT_TEMPLATE_HELP, DEFAULT_CONTEXT
-    from backend.plan.workload import BACKENDS
+    from hybridmoe.app.cli import _non_negative_int, _positive_int
+    from hybridmoe.app.headless import CHAT_TEMPLATE_HELP, DEFAULT_CONTEXT
+    from hybridmoe.backend.plan.workload import BACKENDS
 
     p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API (Ctrl-C stops)")
     p.add_argument("-m", "--model", required=True,

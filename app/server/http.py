@@ -31,8 +31,8 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from app.server.activity import Activity, Finished
-from app.server.openai_api import (
+from hybridmoe.app.server.activity import Activity, Finished
+from hybridmoe.app.server.openai_api import (
     ApiError,
     ChatFormat,
     CompletionFormat,
@@ -42,9 +42,9 @@ from app.server.openai_api import (
     error_body,
     parse_body,
 )
-from app.server.shared_session import QueueFull, SharedSession
-from backend.errors import HybridMoeError
-from backend.session import Cancelled, CancelToken, Done, Event, Session
+from hybridmoe.app.server.shared_session import QueueFull, SharedSession
+from hybridmoe.backend.errors import HybridMoeError
+from hybridmoe.backend.session import Cancelled, CancelToken, Done, Event, Session
 
 log = logging.getLogger("hybridmoe.server")
 

@@ -21,9 +21,9 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from backend.engine.sampling import SamplingParams
-from backend.errors import UsageError
-from backend.session import Done, Message, Stats
+from hybridmoe.backend.engine.sampling import SamplingParams
+from hybridmoe.backend.errors import UsageError
+from hybridmoe.backend.session import Done, Message, Stats
 
 # At most this many stop strings (OpenAI allows 4; some clients send more).
 MAX_STOP_STRINGS = 16

@@ -20,12 +20,12 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from app.server.activity import Activity, Finished
-from app.server.shared_session import SharedSession
-from backend.errors import HybridMoeError, UsageError
+from hybridmoe.app.server.activity import Activity, Finished
+from hybridmoe.app.server.shared_session import SharedSession
+from hybridmoe.backend.errors import HybridMoeError, UsageError
 
 if TYPE_CHECKING:  # the HTTP layer imports starlette and torch: loaded when a server starts
-    from app.server.http import ServerOptions
+    from hybridmoe.app.server.http import ServerOptions
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
@@ -143,7 +143,7 @@ class ApiServer:
     def start(self, timeout: float = 10.0) -> None:
         import uvicorn
 
-        from app.server.http import create_app
+        from hybridmoe.app.server.http import create_app
 
         if self._sock is None:
             self._sock = bind_socket(self.host, self.port)

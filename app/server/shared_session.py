@@ -21,8 +21,8 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 
-from backend.errors import HybridMoeError, ModelError
-from backend.session import Cancelled, CancelToken, Done, Event, Message, Session, Stats
+from hybridmoe.backend.errors import HybridMoeError, ModelError
+from hybridmoe.backend.session import Cancelled, CancelToken, Done, Event, Message, Session, Stats
 
 # How often a waiting generation looks at its cancel token: a client that went away leaves
 # the queue within this time.

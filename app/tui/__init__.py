@@ -2,6 +2,6 @@
 
 
 def run() -> int:
-    from app.tui.app import run as run_app
+    from hybridmoe.app.tui.app import run as run_app
 
     return run_app()

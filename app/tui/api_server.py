@@ -9,10 +9,10 @@ Stopping the server gives the chat its plain session back. When the chat loads a
 
 from __future__ import annotations
 
-from app.server.activity import Finished
-from app.server.runner import ApiServer, check_exposure
-from app.server.shared_session import QueueCounts, SharedSession
-from backend.errors import HybridMoeError
+from hybridmoe.app.server.activity import Finished
+from hybridmoe.app.server.runner import ApiServer, check_exposure
+from hybridmoe.app.server.shared_session import QueueCounts, SharedSession
+from hybridmoe.backend.errors import HybridMoeError
 
 
 class ChatModelServer:
@@ -47,7 +47,7 @@ class ChatModelServer:
             raise HybridMoeError("the chat is answering",
                                  "Wait for the answer (or stop it with Esc), then start the server.")
         check_exposure(host, api_key, how_to_set_key="Enter an API key")
-        from app.server.http import ServerOptions  # here: the HTTP layer's imports are slow
+        from hybridmoe.app.server.http import ServerOptions  # here: the HTTP layer's imports are slow
 
         services = chat.app.services
         shared = chat.session if isinstance(chat.session, SharedSession) else SharedSession(

@@ -15,24 +15,24 @@ from pathlib import Path
 from textual.app import App, SystemCommand
 from textual.binding import Binding
 
-from app.history import History
-from app.services import Services
-from app.state import AppState, load_state, save_state
-from app.tui.api_server import ChatModelServer
-from app.tui.commands import ActionsProvider
-from app.tui.errors import report_for
-from app.tui.screens.benchmark import BenchmarkScreen, open_benchmark
-from app.tui.screens.chat import ChatScreen
-from app.tui.screens.dialogs import ErrorDialog
-from app.tui.screens.hardware import HardwareScreen
-from app.tui.screens.models import ModelsScreen
-from app.tui.screens.plan import PlanScreen
-from app.tui.screens.server import ServerScreen
-from app.tui.screens.setup import SetupScreen
-from app.tui.workers import ReportsWorkerErrors, WorkerFailed
-from backend.errors import HybridMoeError
-from backend.plan import Plan
-from backend.settings import Settings
+from hybridmoe.app.history import History
+from hybridmoe.app.services import Services
+from hybridmoe.app.state import AppState, load_state, save_state
+from hybridmoe.app.tui.api_server import ChatModelServer
+from hybridmoe.app.tui.commands import ActionsProvider
+from hybridmoe.app.tui.errors import report_for
+from hybridmoe.app.tui.screens.benchmark import BenchmarkScreen, open_benchmark
+from hybridmoe.app.tui.screens.chat import ChatScreen
+from hybridmoe.app.tui.screens.dialogs import ErrorDialog
+from hybridmoe.app.tui.screens.hardware import HardwareScreen
+from hybridmoe.app.tui.screens.models import ModelsScreen
+from hybridmoe.app.tui.screens.plan import PlanScreen
+from hybridmoe.app.tui.screens.server import ServerScreen
+from hybridmoe.app.tui.screens.setup import SetupScreen
+from hybridmoe.app.tui.workers import ReportsWorkerErrors, WorkerFailed
+from hybridmoe.backend.errors import HybridMoeError
+from hybridmoe.backend.plan import Plan
+from hybridmoe.backend.settings import Settings
 
 
 class HybridMoeApp(ReportsWorkerErrors, App[None]):
@@ -67,7 +67,7 @@ class HybridMoeApp(ReportsWorkerErrors, App[None]):
         self.state = AppState()
         self.history: History | None = None
         self.hardware = None  # HardwareProfile, once a screen has detected it
-        self.model = ""  # what the chat runs: a path (or a name backend.hub.catalogue.model_path knows)
+        self.model = ""  # what the chat runs: a path (or a name hybridmoe.backend.hub.catalogue.model_path knows)
         self.plan: Plan | None = None  # its plan; None: the chat makes one from the settings
         self.plan_target = ""  # the model the Plan screen shows, when not the chat's
         self.plan_target_downloaded = True  # False: a catalogue model's config.json, nothing to run yet

@@ -11,8 +11,8 @@ import traceback
 from dataclasses import dataclass
 from datetime import datetime
 
-from backend.errors import HybridMoeError
-from backend.session import Cancelled
+from hybridmoe.backend.errors import HybridMoeError
+from hybridmoe.backend.session import Cancelled
 
 
 @dataclass(frozen=True)
@@ -37,7 +37,7 @@ def report_for(error: BaseException) -> ErrorReport:
 
 
 def log_internal_error(error: BaseException) -> str:
-    from backend.settings import state_dir
+    from hybridmoe.backend.settings import state_dir
 
     try:
         log_dir = state_dir()

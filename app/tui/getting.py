@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from app.tui.widgets.transfer import Job
-from backend.errors import UsageError
-from backend.units import fmt_bytes
+from hybridmoe.app.tui.widgets.transfer import Job
+from hybridmoe.backend.errors import UsageError
+from hybridmoe.backend.units import fmt_bytes
 
 
 @dataclass(frozen=True)

@@ -1,14 +1,14 @@
 """A hardware profile in plain words, and the warnings about it that change what to expect.
 
-The doctor's table (app.render.hardware_text) lists every fact; the wizard's first page
+The doctor's table (hybridmoe.app.render.hardware_text) lists every fact; the wizard's first page
 says what they mean for running these models: where the experts can go, and what will be
 slow.
 """
 
 from __future__ import annotations
 
-from backend.hardware.profile import HardwareProfile
-from backend.units import fmt_bytes, fmt_rate
+from hybridmoe.backend.hardware.profile import HardwareProfile
+from hybridmoe.backend.units import fmt_bytes, fmt_rate
 
 
 def summary_lines(hw: HardwareProfile) -> list[str]:

@@ -1,6 +1,6 @@
 """End-to-end prefill and decode speed of the engine and of llama.cpp on the same GGUF.
 
-Each backend runs in a fresh process of its own (`python -m backend.bench.generate
+Each backend runs in a fresh process of its own (`python -m hybridmoe.backend.bench.generate
 --worker ...`), so that its peak resident memory and its thread pool are its own; both get
 the same prompt token ids, the same thread count and greedy decoding. Each worker runs one
 untimed pass first (page faults on the mapped file, lazily built kernels' state), then
@@ -46,10 +46,10 @@ def _prompt(vocab: int, n: int, seed: int = 0) -> list[int]:
 def _run_engine(model: str, prompt_tokens: int, gen_tokens: int, threads: int, repeats: int) -> dict:
     import torch
 
-    from backend.engine.session import EngineBackend
-    from backend.hardware import detect
-    from backend.models import inspect_model
-    from backend.plan import Workload, make
+    from hybridmoe.backend.engine.session import EngineBackend
+    from hybridmoe.backend.hardware import detect
+    from hybridmoe.backend.models import inspect_model
+    from hybridmoe.backend.plan import Workload, make
 
     torch.set_num_threads(threads)
     os.environ.setdefault("HYBRIDMOE_CPU_THREADS", str(threads))
@@ -79,7 +79,7 @@ def _run_engine(model: str, prompt_tokens: int, gen_tokens: int, threads: int, r
             prefill.append(len(ids) / prefill_s)
             decode.append((gen_tokens - 1) / (time.perf_counter() - t0))
         tokens = out
-    from backend.engine import native_experts
+    from hybridmoe.backend.engine import native_experts
 
     return {"load_s": load_s, "rss_after_load": rss_load, "prefill": prefill, "decode": decode,
             "tokens": tokens, "kernels": native_experts.isa()}
@@ -90,7 +90,7 @@ def _run_llamacpp(model: str, prompt_tokens: int, gen_tokens: int, threads: int,
 
     import numpy as np
 
-    from backend.llamacpp.model import RawModel
+    from hybridmoe.backend.llamacpp.model import RawModel
 
     t0 = time.perf_counter()
     llm = RawModel(model, n_ctx=prompt_tokens + gen_tokens + 8, n_batch=2048, n_threads=threads)
@@ -131,11 +131,11 @@ def measure(model: str, *, prompt_tokens: int = 512, gen_tokens: int = 64, threa
     """Run the backends in turn, each in its own process, `rounds` times; return their results
     (timings of every round together) and the engine/llama.cpp ratios of the medians.
 
-    ``on_progress`` (a backend.session.ProgressCallback) hears which backend starts;
+    ``on_progress`` (a hybridmoe.backend.session.ProgressCallback) hears which backend starts;
     ``cancel`` (a CancelToken) kills the running worker and raises ``Cancelled``."""
     import psutil
 
-    from backend.session import Progress
+    from hybridmoe.backend.session import Progress
 
     threads = threads or psutil.cpu_count(logical=False) or 1
     results: dict[str, dict] = {}
@@ -145,7 +145,7 @@ def measure(model: str, *, prompt_tokens: int = 512, gen_tokens: int = 64, threa
             on_progress(Progress("bench", i, len(runs), unit="runs", message=f"measuring {backend}, round {r + 1}"))
         if "error" in results.get(backend, {}):
             continue
-        cmd = [sys.executable, "-m", "backend.bench.generate", "--worker", backend, model,
+        cmd = [sys.executable, "-m", "hybridmoe.backend.bench.generate", "--worker", backend, model,
                "--prompt-tokens", str(prompt_tokens), "--gen-tokens", str(gen_tokens),
                "--threads", str(threads), "--repeats", str(repeats)]
         returncode, stdout, stderr = _run_worker(cmd, cancel)

@@ -36,8 +36,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from backend.bench.synthetic_experts import make_host_experts
-from backend.engine import native_experts
+from hybridmoe.backend.bench.synthetic_experts import make_host_experts
+from hybridmoe.backend.engine import native_experts
 
 __all__ = ["SHAPES", "Row", "make_layer", "routing", "run", "switch_point", "format_rows"]
 
@@ -138,8 +138,8 @@ def _distinct_bytes(T: int, E: int, k: int, calls: Iterable[int], expert_bytes: 
 def host_bandwidth(threads: int, rounds: int = 3) -> tuple[float, float]:
     """(the app's probe, the native kernels' own probe) in bytes/s: the best of `rounds`
     probes of a few passes each, so that the reference is the machine's, not a busy moment's."""
-    from backend.engine import _native
-    from backend.hardware.bandwidth import measure_host_read_bandwidth
+    from hybridmoe import _native
+    from hybridmoe.backend.hardware.bandwidth import measure_host_read_bandwidth
 
     app = max(measure_host_read_bandwidth(threads=threads, passes=5) for _ in range(rounds))
     native = max(_native.measure_read_bandwidth(1 << 30, 5) for _ in range(rounds))
@@ -154,10 +154,10 @@ def _reference(probes: Sequence[float]) -> tuple[float, float]:
 def _kt_peer(shape: Shape, E: int, fmt: str, tokens: Sequence[int], threads: int, seconds: float) -> dict[str, Any]:
     spec = dict(E=E, k=shape.top_k, H=shape.hidden, I=shape.inter, format=fmt, seed=SEED, tokens=list(tokens),
                 threads=threads, seconds=seconds, min_repeats=3, max_repeats=50)
-    from backend.bench.kt_kernel_peer import RESULT_MARK
+    from hybridmoe.backend.bench.kt_kernel_peer import RESULT_MARK
 
     try:
-        proc = subprocess.run([sys.executable, "-m", "backend.bench.kt_kernel_peer", json.dumps(spec)],
+        proc = subprocess.run([sys.executable, "-m", "hybridmoe.backend.bench.kt_kernel_peer", json.dumps(spec)],
                               capture_output=True, text=True, timeout=1800)
     except subprocess.TimeoutExpired:
         return {"error": "timed out"}
@@ -180,9 +180,9 @@ def run(
     out: Callable[[str], None] = print,
 ) -> list[Row]:
     """Time every (shape, format, T) through the native kernels and the peers; returns rows."""
-    from backend.engine import _native
+    from hybridmoe import _native
 
-    from backend.hardware.bandwidth import measure_host_read_bandwidth
+    from hybridmoe.backend.hardware.bandwidth import measure_host_read_bandwidth
 
     if threads:
         _native.set_num_threads(threads)
@@ -226,7 +226,7 @@ def run(
                 # The reference dequantizes every expert it uses on every call (~0.01 GB/s):
                 # timed where that takes seconds, not minutes.
                 if "torch" in peers and T <= (64 if shape_name != "deepseek-v3" else 1):
-                    from backend.engine.experts import experts_forward
+                    from hybridmoe.backend.engine.experts import experts_forward
 
                     def torch_call(i: int) -> None:
                         experts_forward(x, *routes[i % len(routes)], experts)
@@ -236,7 +236,7 @@ def run(
                     out(format_rows(rows[-1:], header=False))
             experts = native = None  # free the layer before kt-kernel builds its own copy
             if "kt-kernel" in peers:
-                from backend.bench.kt_kernel_peer import supported_formats
+                from hybridmoe.backend.bench.kt_kernel_peer import supported_formats
 
                 if fmt not in supported_formats():
                     out(f"  kt-kernel: no comparable path for {fmt}")
@@ -277,7 +277,7 @@ def switch_point(
 
     Process CPU time, best of `repeats`: on a shared machine wall time mostly measures the
     neighbours, while the CPU time the two regimes need for the same work compares them."""
-    from backend.engine import _native
+    from hybridmoe import _native
 
     if threads:
         _native.set_num_threads(threads)

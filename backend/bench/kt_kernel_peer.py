@@ -1,6 +1,6 @@
 """kt-kernel (KTransformers' CPU MoE kernels) on the benchmark's layer, for comparison.
 
-Runs in its own process (``python -m backend.bench.kt_kernel_peer SPEC_JSON``): kt-kernel
+Runs in its own process (``python -m hybridmoe.backend.bench.kt_kernel_peer SPEC_JSON``): kt-kernel
 keeps its own worker threads, which must not compete with ours while either is timed. The
 child rebuilds the very same synthetic layer from the seed (same bytes, same routing) and
 drives kt-kernel's low-level extension (``kt_kernel_ext``) the way its Python wrappers do:
@@ -39,7 +39,7 @@ def _build(spec: dict[str, Any]):
     from kt_kernel_ext import CPUInfer, WorkerPoolConfig
     from kt_kernel_ext.moe import MOEConfig
 
-    from backend.bench.kernels import make_layer
+    from hybridmoe.backend.bench.kernels import make_layer
 
     E, k, H, I, fmt = spec["E"], spec["k"], spec["H"], spec["I"], spec["format"]
     merged: dict[str, Any] = {}
@@ -114,7 +114,7 @@ def _build(spec: dict[str, Any]):
 
 def run(spec: dict[str, Any]) -> dict[str, Any]:
     """Median latency (s) per token count, or the error that stopped kt-kernel."""
-    from backend.bench.kernels import routing
+    from hybridmoe.backend.bench.kernels import routing
 
     try:
         import kt_kernel

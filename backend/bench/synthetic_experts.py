@@ -1,6 +1,6 @@
 """Synthetic MoE layers: random stored expert weights in every format the native kernels
 read, and the layer objects the engine builds from them (ExpertStore -> HostExperts). The
-kernel benchmark (``backend.bench.kernels``) and the native tests (tests/native) use them.
+kernel benchmark (``hybridmoe.backend.bench.kernels``) and the native tests (tests/native) use them.
 
 The bytes are random codes with sane scales rather than quantized real weights: every bit
 of every field is exercised (all nibble values, all 6-bit K-quant scales and mins, both
@@ -18,8 +18,8 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from backend.engine.experts import ExpertActivation, ExpertStore, HostExperts
-from backend.engine.quant import QuantTensor, from_compressed_int4, from_gguf, from_mxfp4
+from hybridmoe.backend.engine.experts import ExpertActivation, ExpertStore, HostExperts
+from hybridmoe.backend.engine.quant import QuantTensor, from_compressed_int4, from_gguf, from_mxfp4
 
 GGUF_FORMATS = ("q8_0", "q4_0", "q4_k", "q5_k", "q6_k", "mxfp4")
 HF_FORMATS = ("mxfp4_hf", "int4_g32")

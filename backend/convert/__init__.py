@@ -8,7 +8,7 @@
 llama.cpp's quantizer). See ``converter`` for the steps and the modules doing each.
 
 The names are imported on first use: the converter pulls in torch, and the quantizer's child
-process (``python -m backend.convert.kquants``) should not pay for that.
+process (``python -m hybridmoe.backend.convert.kquants``) should not pay for that.
 """
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ __all__ = ["QUANTS", "default_output_path", "is_current_conversion", "stored_typ
 
 def __getattr__(name: str) -> Any:
     if name == "QUANTS":
-        from backend.convert.tensor_types import QUANTS
+        from hybridmoe.backend.convert.tensor_types import QUANTS
 
         return QUANTS
     if name in ("default_output_path", "is_current_conversion", "stored_types", "to_gguf"):
-        from backend.convert import converter
+        from hybridmoe.backend.convert import converter
 
         return getattr(converter, name)
-    raise AttributeError(f"module 'backend.convert' has no attribute {name!r}")
+    raise AttributeError(f"module 'hybridmoe.backend.convert' has no attribute {name!r}")

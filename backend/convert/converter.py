@@ -1,7 +1,7 @@
 """``to_gguf``: a Hugging Face safetensors checkpoint as one GGUF file for llama.cpp and the
 embedded engine.
 
-The steps, each in its own module: inspect the checkpoint (``backend.models``: config,
+The steps, each in its own module: inspect the checkpoint (``hybridmoe.backend.models``: config,
 family, damaged shards), plan the GGUF tensors (``tensor_plan``), choose each one's type
 (``tensor_types``), translate the config and the tokenizer into metadata (``hparams``,
 ``vocab``), check the free disk space, then stream every tensor through its encoder
@@ -32,20 +32,20 @@ import gguf
 import numpy as np
 import torch
 
-from backend.convert import kquants
-from backend.convert.encode import encode, int4_to_q4_0, mxfp4_to_gguf, tensor_bytes
-from backend.convert.gguf_file import TensorSlot, check_free_space, padded_size, write_gguf
-from backend.convert.hparams import gguf_arch, write_hparams
-from backend.convert.tensor_plan import OutTensor, Piece, mtp_layers, plan_tensors
-from backend.convert.tensor_types import BLOCK_TYPES, FILE_TYPES, QUANTS, exact_copy_type, storage_type
-from backend.convert.vocab import vocab_from_hf
-from backend.engine.quant import QuantTensor
-from backend.engine.weights import SafetensorsWeights, WeightSource, text_model_weights
-from backend.errors import HybridMoeError, ModelError, UsageError
-from backend.files import partial_path, sweep_stale_partials
-from backend.models import inspect_model
-from backend.models.gguf_reader import open_gguf_file
-from backend.session import CancelToken, ProgressCallback
+from hybridmoe.backend.convert import kquants
+from hybridmoe.backend.convert.encode import encode, int4_to_q4_0, mxfp4_to_gguf, tensor_bytes
+from hybridmoe.backend.convert.gguf_file import TensorSlot, check_free_space, padded_size, write_gguf
+from hybridmoe.backend.convert.hparams import gguf_arch, write_hparams
+from hybridmoe.backend.convert.tensor_plan import OutTensor, Piece, mtp_layers, plan_tensors
+from hybridmoe.backend.convert.tensor_types import BLOCK_TYPES, FILE_TYPES, QUANTS, exact_copy_type, storage_type
+from hybridmoe.backend.convert.vocab import vocab_from_hf
+from hybridmoe.backend.engine.quant import QuantTensor
+from hybridmoe.backend.engine.weights import SafetensorsWeights, WeightSource, text_model_weights
+from hybridmoe.backend.errors import HybridMoeError, ModelError, UsageError
+from hybridmoe.backend.files import partial_path, sweep_stale_partials
+from hybridmoe.backend.models import inspect_model
+from hybridmoe.backend.models.gguf_reader import open_gguf_file
+from hybridmoe.backend.session import CancelToken, ProgressCallback
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ each tensor whole: a merged ``[E, out, in]`` expert tensor of a 1T-parameter mod
 several GB.
 
 The file is written under a hidden temporary name in the target directory (not ending in
-``.gguf``, so nothing mistakes it for a model; ``backend.files.partial_path``) and renamed
+``.gguf``, so nothing mistakes it for a model; ``hybridmoe.backend.files.partial_path``) and renamed
 over the target only once every byte is written and flushed; on any error, cancel or Ctrl-C
 the temporary file is deleted.
 """
@@ -24,10 +24,10 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from backend.errors import HybridMoeError
-from backend.files import partial_path
-from backend.session import CancelToken, Progress, ProgressCallback
-from backend.units import fmt_bytes
+from hybridmoe.backend.errors import HybridMoeError
+from hybridmoe.backend.files import partial_path
+from hybridmoe.backend.session import CancelToken, Progress, ProgressCallback
+from hybridmoe.backend.units import fmt_bytes
 
 # Room kept free on top of the file's size: the metadata, and a margin so that a disk that
 # "just fits" does not end up full for everything else.

@@ -1,6 +1,6 @@
 """A Hugging Face text config as llama.cpp's ``{arch}.*`` metadata keys.
 
-This is the inverse of the families' ``config_from_gguf`` (``backend.models.families``):
+This is the inverse of the families' ``config_from_gguf`` (``hybridmoe.backend.models.families``):
 what those read, this writes, under the key names llama.cpp's model loaders look up. A
 config that llama.cpp's graph for the architecture cannot represent (a routing variant it
 hard-codes differently, dense layers where it expects experts, sliding windows it does not
@@ -16,8 +16,8 @@ from typing import Any
 
 import gguf
 
-from backend.engine.hf_config import HFConfig
-from backend.errors import UnsupportedModelError
+from hybridmoe.backend.engine.hf_config import HFConfig
+from hybridmoe.backend.errors import UnsupportedModelError
 
 # hybridmoe family -> llama.cpp architecture name.
 ARCHITECTURES = {

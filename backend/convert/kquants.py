@@ -12,7 +12,7 @@ them as they are (a tensor already in its target type is copied), where its Q4_K
 re-quantize them onto the K-quant grid. Requantizing stays disabled, so a quantized tensor
 that is not named makes the quantizer fail rather than silently lose precision.
 
-Run as ``python -m backend.convert.kquants SRC DST FTYPE [--keep TYPE=REGEX ...]``.
+Run as ``python -m hybridmoe.backend.convert.kquants SRC DST FTYPE [--keep TYPE=REGEX ...]``.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from backend.errors import HybridMoeError, UnsupportedModelError
-from backend.session import CancelToken, Progress, ProgressCallback
+from hybridmoe.backend.errors import HybridMoeError, UnsupportedModelError
+from hybridmoe.backend.session import CancelToken, Progress, ProgressCallback
 
 # llama.cpp's llama_ftype values for the mixes offered.
 FTYPES = {"q4_k_m": "LLAMA_FTYPE_MOSTLY_Q4_K_M"}
@@ -55,7 +55,7 @@ def quantize(src: Path, dst: Path, mix: str, *, expected_bytes: int, keep: dict[
             f"--quant {mix} needs llama.cpp's quantizer, from llama-cpp-python, which is not installed.",
             "Install it (pip install llama-cpp-python), or choose --quant q4_0 or q8_0.",
         )
-    cmd = [sys.executable, "-m", "backend.convert.kquants", str(src), str(dst), mix]
+    cmd = [sys.executable, "-m", "hybridmoe.backend.convert.kquants", str(src), str(dst), mix]
     by_type: dict[int, list[str]] = {}
     for name, qtype in (keep or {}).items():
         by_type.setdefault(int(qtype), []).append(name)

@@ -38,8 +38,8 @@ from typing import Any
 import gguf
 import torch
 
-from backend.engine.quant import QuantTensor
-from backend.errors import ModelError, UnsupportedModelError
+from hybridmoe.backend.engine.quant import QuantTensor
+from hybridmoe.backend.errors import ModelError, UnsupportedModelError
 
 Piece = torch.Tensor | QuantTensor
 # Pieces of about this many weights: a few tens of MB of float32 while encoding.

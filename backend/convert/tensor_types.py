@@ -28,8 +28,8 @@ from __future__ import annotations
 
 from gguf import GGMLQuantizationType, LlamaFileType
 
-from backend.convert.encode import fits
-from backend.convert.tensor_plan import OutTensor
+from hybridmoe.backend.convert.encode import fits
+from hybridmoe.backend.convert.tensor_plan import OutTensor
 
 Q = GGMLQuantizationType
 

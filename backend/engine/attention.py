@@ -16,11 +16,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from backend.engine.kv_cache import KVCache, SlidingKVCache, causal_mask
-from backend.engine.layers import Linear, RMSNorm
-from backend.engine.native_attention import decode_attention
-from backend.engine.native_linear import NativeLinear
-from backend.engine.rope import Rotary
+from hybridmoe.backend.engine.kv_cache import KVCache, SlidingKVCache, causal_mask
+from hybridmoe.backend.engine.layers import Linear, RMSNorm
+from hybridmoe.backend.engine.native_attention import decode_attention
+from hybridmoe.backend.engine.native_linear import NativeLinear
+from hybridmoe.backend.engine.rope import Rotary
 
 # Upper bound on score elements materialised at once by eager_attention (per query chunk).
 _EAGER_SCORE_BUDGET = 1 << 24

@@ -57,10 +57,10 @@ from jinja2.exceptions import (
 )
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from backend.errors import ModelError, UsageError
+from hybridmoe.backend.errors import ModelError, UsageError
 
 if TYPE_CHECKING:
-    from backend.engine.tokenizer import Tokenizer
+    from hybridmoe.backend.engine.tokenizer import Tokenizer
 
 # The format used when a model has no chat template: plain role-prefixed paragraphs, which
 # base models continue sensibly and which needs no special tokens:
@@ -168,7 +168,7 @@ class ChatTemplate:
             raise ValueError("continue_final_message and add_generation_prompt exclude each other")
         if not messages:
             raise ValueError("cannot render an empty conversation")
-        # Plain copies first (messages may be dataclasses such as backend.session.Message).
+        # Plain copies first (messages may be dataclasses such as hybridmoe.backend.session.Message).
         chat = _alias_reasoning_fields([_drop_none(m) for m in _plain(list(messages))])
         for message in chat:
             if not isinstance(message, dict):

@@ -31,13 +31,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from backend.engine import native_experts
-from backend.engine.attention import Attention
-from backend.engine.kv_cache import KVCache
-from backend.engine.layers import GatedMLP, RMSNorm
-from backend.engine.moe import MoE
-from backend.engine.native_linear import NativeLinear
-from backend.engine.routing import SigmoidGroupedTopK, SoftmaxTopK, TopKSoftmax
+from hybridmoe.backend.engine import native_experts
+from hybridmoe.backend.engine.attention import Attention
+from hybridmoe.backend.engine.kv_cache import KVCache
+from hybridmoe.backend.engine.layers import GatedMLP, RMSNorm
+from hybridmoe.backend.engine.moe import MoE
+from hybridmoe.backend.engine.native_linear import NativeLinear
+from hybridmoe.backend.engine.routing import SigmoidGroupedTopK, SoftmaxTopK, TopKSoftmax
 
 _native = native_experts._native
 

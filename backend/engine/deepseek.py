@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import torch
 
-from backend.engine.hf_config import HFConfig
-from backend.engine.kv_cache import LatentCache
-from backend.engine.mla import MLAttention
-from backend.engine.rope import softmax_scale_multiplier
-from backend.engine.routing import SigmoidGroupedTopK, SoftmaxGroupedGreedy
+from hybridmoe.backend.engine.hf_config import HFConfig
+from hybridmoe.backend.engine.kv_cache import LatentCache
+from hybridmoe.backend.engine.mla import MLAttention
+from hybridmoe.backend.engine.rope import softmax_scale_multiplier
+from hybridmoe.backend.engine.routing import SigmoidGroupedTopK, SoftmaxGroupedGreedy
 
 BUILD_OPTIONS = {"rms_eps_default": 1e-6}
 

@@ -1,7 +1,7 @@
 """Streamed prefill: a layer's CPU-resident experts copied to the device, the layer run there.
 
 For a long prompt the CPU experts are compute-bound, and moving an expert over PCIe costs
-less than computing it on the CPU once enough tokens are routed to it (SIZING.md section 6;
+less than computing it on the CPU once enough tokens are routed to it (docs/sizing.md §6;
 the Plan turns that crossover into ``prefill_stream_min_tokens``). Then each MoE layer's
 CPU-resident experts are copied, in their stored form (quantized bytes stay quantized: the
 copy moves bits/8 bytes a weight), into a buffer reserved on the device, dequantized there
@@ -38,20 +38,20 @@ from typing import TYPE_CHECKING, Any, Self
 
 import torch
 
-from backend.engine.experts import (
+from hybridmoe.backend.engine.experts import (
     ExpertGroup,
     add_expert_output,
     matrices_of,
     routed_groups,
 )
-from backend.engine.quant import QuantTensor
-from backend.engine.streams import Edge, Marker, Worker, close_at_exit
+from hybridmoe.backend.engine.quant import QuantTensor
+from hybridmoe.backend.engine.streams import Edge, Marker, Worker, close_at_exit
 
 if TYPE_CHECKING:
-    from backend.engine.moe import MoE
+    from hybridmoe.backend.engine.moe import MoE
 
 # Every stored part starts at a multiple of this in a slot: any dtype can view it, and the
-# device reads aligned rows. backend.plan.budget.STREAM_SLOT_ALIGN is the same figure.
+# device reads aligned rows. hybridmoe.backend.plan.budget.STREAM_SLOT_ALIGN is the same figure.
 ALIGN = 256
 
 

@@ -3,7 +3,7 @@
 The engine's model code asks for ``model.layers.3.self_attn.q_proj.weight`` whether the
 weights come from safetensors or from a GGUF; this module translates llama.cpp's names
 (``blk.3.attn_q.weight``) and layouts back. Files are opened with the project's GGUF reader
-(``backend.models.gguf_reader``), which maps them read-only: ``get`` returns views of the
+(``hybridmoe.backend.models.gguf_reader``), which maps them read-only: ``get`` returns views of the
 file, quantized ones as ``QuantTensor``, float ones (F32/F16/BF16) as plain torch tensors,
 and nothing is copied except where llama.cpp changed a layout that the HF-convention code
 needs undone:
@@ -34,9 +34,9 @@ from typing import Any, Self
 
 import torch
 
-from backend.engine.quant import GGUF_SUPPORTED_TYPES, QuantTensor, from_gguf
-from backend.errors import ModelError, UnsupportedModelError
-from backend.models.gguf_reader import SPLIT_NAME, GGUFFile, GGUFTensorInfo, open_gguf_set
+from hybridmoe.backend.engine.quant import GGUF_SUPPORTED_TYPES, QuantTensor, from_gguf
+from hybridmoe.backend.errors import ModelError, UnsupportedModelError
+from hybridmoe.backend.models.gguf_reader import SPLIT_NAME, GGUFFile, GGUFTensorInfo, open_gguf_set
 
 __all__ = ["SUPPORTED_ARCHITECTURES", "GGUFWeights", "open_gguf"]
 

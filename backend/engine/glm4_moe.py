@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from backend.engine import qwen3_moe
-from backend.engine.hf_config import HFConfig
-from backend.engine.routing import SigmoidGroupedTopK
+from hybridmoe.backend.engine import qwen3_moe
+from hybridmoe.backend.engine.hf_config import HFConfig
+from hybridmoe.backend.engine.routing import SigmoidGroupedTopK
 
 BUILD_OPTIONS = {"rms_eps_default": 1e-5}
 

@@ -5,9 +5,9 @@ fused and interleaved (gate, up) with biases and a clamped SwiGLU (alpha 1.702, 
 
 from __future__ import annotations
 
-from backend.engine.experts import ExpertActivation
-from backend.engine.hf_config import HFConfig
-from backend.engine.routing import TopKSoftmax
+from hybridmoe.backend.engine.experts import ExpertActivation
+from hybridmoe.backend.engine.hf_config import HFConfig
+from hybridmoe.backend.engine.routing import TopKSoftmax
 
 BUILD_OPTIONS = {"rms_eps_default": 1e-5, "round_norm_before_weight": False}
 

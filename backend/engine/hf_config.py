@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from backend.errors import ModelError, UnsupportedModelError
+from hybridmoe.backend.errors import ModelError, UnsupportedModelError
 
 # model_type (or the architecture class name) -> engine family module name.
 _FAMILIES = {

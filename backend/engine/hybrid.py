@@ -19,7 +19,7 @@ so a slot is never rewritten while the asynchronous copy of its result to the de
 still be queued.
 
 Prompts of at least ``HybridOptions.stream_min_tokens`` tokens (the threshold the Plan
-derives from the prefill crossover, SIZING.md section 6) take the other path: the layer's
+derives from the prefill crossover, docs/sizing.md §6) take the other path: the layer's
 CPU-resident experts are streamed over PCIe into a reserved device buffer and the whole
 layer runs on the device (``expert_streaming``).
 
@@ -47,10 +47,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from backend.engine.expert_streaming import ExpertStreamer
-from backend.engine.experts import experts_forward
-from backend.engine.moe import MoE
-from backend.engine.streams import Edge, Marker, Worker, close_at_exit
+from hybridmoe.backend.engine.expert_streaming import ExpertStreamer
+from hybridmoe.backend.engine.experts import experts_forward
+from hybridmoe.backend.engine.moe import MoE
+from hybridmoe.backend.engine.streams import Edge, Marker, Worker, close_at_exit
 
 
 @dataclass(frozen=True)

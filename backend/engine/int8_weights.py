@@ -4,7 +4,7 @@ A routed expert resident on the main device is read in full for every token rout
 so the bytes it takes there decide both how many experts fit and how fast decode reads
 them. ``Int8Weight`` halves a bf16 expert: W ≈ q · scale[:, None] with q int8 [out, in] and
 one scale per output row in the compute dtype (3·H·I bytes plus (2·I + H) scales per
-expert; ``backend.plan.budget.resident_expert_bytes`` counts exactly this).
+expert; ``hybridmoe.backend.plan.budget.resident_expert_bytes`` counts exactly this).
 
 The product runs through ``torch._weight_int8pack_mm`` (x [T, in] in the compute dtype,
 scales in the same dtype), which PyTorch implements on the CPU and, in recent releases, on

@@ -7,7 +7,7 @@ chat keeps the shared prefix of a conversation.
 
 - ``KVCache``: keys and values per KV head (grouped-query attention), full context.
 - ``SlidingKVCache``: a ring of `window` slots for sliding-window layers (GPT-OSS), which
-  never need more; SIZING.md counts them that way.
+  never need more; docs/sizing.md counts them that way.
 - ``LatentCache``: multi-head latent attention keeps only the compressed latent
   (kv_lora_rank) and the shared rotary key (qk_rope_head_dim) per token.
 """
@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from backend.errors import HybridMoeError
+from hybridmoe.backend.errors import HybridMoeError
 
 
 class ContextFullError(HybridMoeError):

@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from backend.engine.native_linear import NativeLinear
-from backend.errors import UnsupportedModelError
+from hybridmoe.backend.engine.native_linear import NativeLinear
+from hybridmoe.backend.errors import UnsupportedModelError
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,

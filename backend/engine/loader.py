@@ -12,9 +12,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from backend.engine.layers import GatedMLP, Linear, RMSNorm
-from backend.engine.native_linear import native_linear
-from backend.engine.weights import WeightSource, dense, require
+from hybridmoe.backend.engine.layers import GatedMLP, Linear, RMSNorm
+from hybridmoe.backend.engine.native_linear import native_linear
+from hybridmoe.backend.engine.weights import WeightSource, dense, require
 
 
 class Loader:

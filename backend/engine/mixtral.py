@@ -4,8 +4,8 @@ softmax routing, always renormalised, weights kept in float32."""
 
 from __future__ import annotations
 
-from backend.engine import qwen3_moe
-from backend.engine.hf_config import HFConfig
+from hybridmoe.backend.engine import qwen3_moe
+from hybridmoe.backend.engine.hf_config import HFConfig
 
 BUILD_OPTIONS = {"rms_eps_default": 1e-5}
 

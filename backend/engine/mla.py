@@ -20,10 +20,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from backend.engine.attention import attend, eager_attention
-from backend.engine.kv_cache import LatentCache, causal_mask
-from backend.engine.layers import Linear, RMSNorm
-from backend.engine.rope import Rotary
+from hybridmoe.backend.engine.attention import attend, eager_attention
+from hybridmoe.backend.engine.kv_cache import LatentCache, causal_mask
+from hybridmoe.backend.engine.layers import Linear, RMSNorm
+from hybridmoe.backend.engine.rope import Rotary
 
 
 class MLAttention(nn.Module):

@@ -17,21 +17,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from backend.engine import native_experts
-from backend.engine.attention import Attention
-from backend.engine.cpu_decode import DecodeStep
-from backend.engine.experts import ExpertActivation, ExpertStore, HostExperts, ResidentExperts
-from backend.engine.hf_config import HFConfig, family_of, text_config
-from backend.engine.hybrid import HybridOptions, attach
-from backend.engine.kv_cache import KVCache, SlidingKVCache, check_span
-from backend.engine.layers import GatedMLP, Linear, RMSNorm
-from backend.engine.native_linear import native_linear
-from backend.engine.loader import Loader
-from backend.engine.mla import MLAttention
-from backend.engine.moe import MoE
-from backend.engine.rope import Rotary
-from backend.engine.stats import ExpertRecorder
-from backend.engine.weights import WeightSource, missing_tensor, require, text_model_weights
+from hybridmoe.backend.engine import native_experts
+from hybridmoe.backend.engine.attention import Attention
+from hybridmoe.backend.engine.cpu_decode import DecodeStep
+from hybridmoe.backend.engine.experts import ExpertActivation, ExpertStore, HostExperts, ResidentExperts
+from hybridmoe.backend.engine.hf_config import HFConfig, family_of, text_config
+from hybridmoe.backend.engine.hybrid import HybridOptions, attach
+from hybridmoe.backend.engine.kv_cache import KVCache, SlidingKVCache, check_span
+from hybridmoe.backend.engine.layers import GatedMLP, Linear, RMSNorm
+from hybridmoe.backend.engine.native_linear import native_linear
+from hybridmoe.backend.engine.loader import Loader
+from hybridmoe.backend.engine.mla import MLAttention
+from hybridmoe.backend.engine.moe import MoE
+from hybridmoe.backend.engine.rope import Rotary
+from hybridmoe.backend.engine.stats import ExpertRecorder
+from hybridmoe.backend.engine.weights import WeightSource, missing_tensor, require, text_model_weights
 
 Placement = Mapping[int, Collection[int]]
 
@@ -238,7 +238,7 @@ def _default_dtype(embed: Any) -> torch.dtype:
 
 
 def _family_module(name: str):
-    return importlib.import_module(f"backend.engine.{name}")
+    return importlib.import_module(f"hybridmoe.backend.engine.{name}")
 
 
 def build_model(

@@ -19,15 +19,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from backend.engine import native_experts
-from backend.engine.experts import (
+from hybridmoe.backend.engine import native_experts
+from hybridmoe.backend.engine.experts import (
     HostExperts,
     ResidentExperts,
     cpu_experts_forward,
     experts_forward,
 )
-from backend.engine.layers import GatedMLP, Linear
-from backend.engine.stats import ExpertRecorder
+from hybridmoe.backend.engine.layers import GatedMLP, Linear
+from hybridmoe.backend.engine.stats import ExpertRecorder
 
 
 class MoE(nn.Module):

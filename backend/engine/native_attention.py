@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from backend.engine import native_experts
+from hybridmoe.backend.engine import native_experts
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor | None:

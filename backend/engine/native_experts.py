@@ -30,13 +30,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from backend.engine.quant import QuantTensor
+from hybridmoe.backend.engine.quant import QuantTensor
 
 if TYPE_CHECKING:
-    from backend.engine.experts import HostExperts
+    from hybridmoe.backend.engine.experts import HostExperts
 
 try:  # built by the package build; absent in a source tree that was never installed
-    from backend.engine import _native
+    from hybridmoe import _native
 except ImportError as e:  # pragma: no cover - depends on the build
     _native = None
     _IMPORT_ERROR = str(e)

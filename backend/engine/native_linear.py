@@ -23,8 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from backend.engine import native_experts
-from backend.engine.native_experts import Unsupported, matrix_ref, native_format
+from hybridmoe.backend.engine import native_experts
+from hybridmoe.backend.engine.native_experts import Unsupported, matrix_ref, native_format
 
 
 class NativeLinear(nn.Module):

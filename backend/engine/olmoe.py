@@ -3,8 +3,8 @@ q/k/v to +-clip_qkv, softmax routing without renormalisation by default, all lay
 
 from __future__ import annotations
 
-from backend.engine import qwen3_moe
-from backend.engine.hf_config import HFConfig
+from hybridmoe.backend.engine import qwen3_moe
+from hybridmoe.backend.engine.hf_config import HFConfig
 
 BUILD_OPTIONS = {"rms_eps_default": 1e-5}
 

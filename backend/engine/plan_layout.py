@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from backend.engine.hybrid import options_from_plan
-from backend.errors import UsageError
+from hybridmoe.backend.engine.hybrid import options_from_plan
+from hybridmoe.backend.errors import UsageError
 
 
 def build_kwargs(plan, device: str | None = None) -> dict[str, Any]:

@@ -12,7 +12,7 @@ Quantization always runs along the last dimension (GGUF ``ne[0]``, int4 groups, 
 blocks; fp8 blocks span 128 rows as well), so every leading index selects whole blocks and
 ``q[i]`` / ``q[a:b]`` are views, not copies.
 
-Format names follow ``backend.models.formats`` (named for what they store, llama.cpp style):
+Format names follow ``hybridmoe.backend.models.formats`` (named for what they store, llama.cpp style):
 the GGML types lower-cased (``q8_0``, ``q4_k``, ``mxfp4``, ...), ``fp8_block``, ``int4_g32``
 and ``mxfp4`` for GPT-OSS' safetensors experts. MXFP4 exists in two byte layouts with the same
 numbers, so ``QuantTensor.layout`` says which one: ``"gguf"`` (17-byte blocks, scale first,
@@ -37,7 +37,7 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from backend.errors import UnsupportedModelError
+from hybridmoe.backend.errors import UnsupportedModelError
 
 __all__ = [
     "GGUF_FLOAT_TYPES",
@@ -531,7 +531,7 @@ def from_gguf(
     """A GGUF tensor's bytes as a QuantTensor (or a plain torch tensor for F32/F16/BF16).
 
     `data` is the tensor's bytes as stored (uint8, any shape: ``GGUFFile.tensor_bytes`` of
-    backend.models.gguf_reader gives them as a view of the file's mapping) or what gguf-py's
+    hybridmoe.backend.models.gguf_reader gives them as a view of the file's mapping) or what gguf-py's
     ``GGUFReader`` gives (``ReaderTensor.data``: for block types uint8 of shape
     ``[..., bytes_per_row]``, for F32/F16 the float array); nothing is copied.
     `shape` is the logical shape in torch order (outermost first, i.e. the reverse of the

@@ -3,8 +3,8 @@ shared expert whose output is scaled by sigmoid(shared_expert_gate(x))."""
 
 from __future__ import annotations
 
-from backend.engine import qwen3_moe
-from backend.engine.hf_config import HFConfig
+from hybridmoe.backend.engine import qwen3_moe
+from hybridmoe.backend.engine.hf_config import HFConfig
 
 BUILD_OPTIONS = {"rms_eps_default": 1e-6}
 

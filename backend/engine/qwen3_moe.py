@@ -4,8 +4,8 @@ rotation, softmax routing (norm_topk_prob renormalises the top k), no shared exp
 
 from __future__ import annotations
 
-from backend.engine.hf_config import HFConfig
-from backend.engine.routing import SoftmaxTopK
+from hybridmoe.backend.engine.hf_config import HFConfig
+from hybridmoe.backend.engine.routing import SoftmaxTopK
 
 BUILD_OPTIONS = {"rms_eps_default": 1e-6}
 

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from backend.errors import UsageError
+from hybridmoe.backend.errors import UsageError
 
 
 @dataclass(frozen=True)

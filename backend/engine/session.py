@@ -14,15 +14,15 @@ from pathlib import Path
 
 import torch
 
-from backend.engine.chat_template import ChatTemplate
-from backend.engine.kv_cache import CacheRewindError
-from backend.engine.model import MoeTransformer, build_model
-from backend.engine.plan_layout import build_kwargs
-from backend.engine.sampling import SamplingParams
-from backend.engine.tokenizer import Tokenizer, load_tokenizer
-from backend.engine.weights import open_weights
-from backend.errors import ModelError, UsageError
-from backend.generation import (
+from hybridmoe.backend.engine.chat_template import ChatTemplate
+from hybridmoe.backend.engine.kv_cache import CacheRewindError
+from hybridmoe.backend.engine.model import MoeTransformer, build_model
+from hybridmoe.backend.engine.plan_layout import build_kwargs
+from hybridmoe.backend.engine.sampling import SamplingParams
+from hybridmoe.backend.engine.tokenizer import Tokenizer, load_tokenizer
+from hybridmoe.backend.engine.weights import open_weights
+from hybridmoe.backend.errors import ModelError, UsageError
+from hybridmoe.backend.generation import (
     Prefilled,
     common_prefix,
     host_peak_rss,
@@ -30,9 +30,9 @@ from backend.generation import (
     raw_prompt_ids,
     stream,
 )
-from backend.models import inspect_model
-from backend.plan.plan import Plan
-from backend.session import (
+from hybridmoe.backend.models import inspect_model
+from hybridmoe.backend.plan.plan import Plan
+from hybridmoe.backend.session import (
     CancelToken,
     Done,
     Message,

@@ -13,7 +13,7 @@ from collections.abc import Collection, Mapping
 
 import torch
 
-from backend.plan.stats import ExpertStats
+from hybridmoe.backend.plan.stats import ExpertStats
 
 
 class ExpertRecorder:

@@ -32,12 +32,12 @@ from typing import Any
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 
-from backend.errors import ModelError, UnsupportedModelError
-from backend.models.gguf_reader import GGUF_MAGIC
+from hybridmoe.backend.errors import ModelError, UnsupportedModelError
+from hybridmoe.backend.models.gguf_reader import GGUF_MAGIC
 
 # A GGUF's key/values come from the project's one GGUF reader; ``read_gguf_metadata`` is the
 # name this module has always offered for it.
-from backend.models.gguf_reader import read_metadata as read_gguf_metadata
+from hybridmoe.backend.models.gguf_reader import read_metadata as read_gguf_metadata
 
 # Token types stored in tokenizer.ggml.token_type (llama.cpp's llama_token_type).
 GGUF_NORMAL, GGUF_UNKNOWN, GGUF_CONTROL, GGUF_USER_DEFINED, GGUF_UNUSED, GGUF_BYTE = 1, 2, 3, 4, 5, 6

@@ -8,7 +8,7 @@ that are views of that mapping: nothing is copied until a page is touched, so ho
 holds what the CPU-resident experts need and the page cache, never a second full copy.
 
 Quantized weights are stored as several tensors; the source folds them into one object of
-``backend.engine.quant`` under the logical name, and hides the companions from ``keys()``:
+``hybridmoe.backend.engine.quant`` under the logical name, and hides the companions from ``keys()``:
 
     fp8 block (DeepSeek-V3)        X.weight (float8_e4m3fn) + X.weight_scale_inv  -> X.weight
     int4 pack-quantized (Kimi K2)  X.weight_packed + X.weight_scale + X.weight_shape -> X.weight
@@ -26,7 +26,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from backend.errors import ModelError, UnsupportedModelError
+from hybridmoe.backend.errors import ModelError, UnsupportedModelError
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -114,7 +114,7 @@ def fold_quantized(stored: Iterable[str]) -> dict[str, _Entry]:
 
 def _quant():
     # Imported on first use: float checkpoints need nothing from the quant module.
-    from backend.engine import quant
+    from hybridmoe.backend.engine import quant
 
     return quant
 
@@ -238,7 +238,7 @@ def open_weights(path: str | os.PathLike) -> WeightSource:
     p = Path(path)
     if p.suffix == ".gguf" or (p.is_dir() and not any(p.glob("*.safetensors")) and any(p.glob("*.gguf"))):
         try:
-            from backend.engine import gguf_weights
+            from hybridmoe.backend.engine import gguf_weights
         except ImportError:
             raise UnsupportedModelError(
                 f"{p}: GGUF files are not readable by the embedded engine in this build",

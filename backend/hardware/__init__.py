@@ -13,19 +13,19 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any, TypeVar
 
-from backend.hardware.bandwidth import (
+from hybridmoe.backend.hardware.bandwidth import (
     HOST_PROBES,
     measure_host_read_bandwidth,
     probe_buffer_bytes,
     probe_threads,
     probes_note,
 )
-from backend.hardware.cpu import detect_cpu
-from backend.hardware.disk import default_model_dir, detect_disk
-from backend.hardware.gpu import detect_gpus
-from backend.hardware.memory import detect_memory
-from backend.hardware.presets import GPU_MODELS, describe, load_described, preset, preset_names
-from backend.hardware.profile import CPU, GPU, Disk, HardwareProfile, Memory, NumaNode
+from hybridmoe.backend.hardware.cpu import detect_cpu
+from hybridmoe.backend.hardware.disk import default_model_dir, detect_disk
+from hybridmoe.backend.hardware.gpu import detect_gpus
+from hybridmoe.backend.hardware.memory import detect_memory
+from hybridmoe.backend.hardware.presets import GPU_MODELS, describe, load_described, preset, preset_names
+from hybridmoe.backend.hardware.profile import CPU, GPU, Disk, HardwareProfile, Memory, NumaNode
 
 __all__ = [
     "detect",

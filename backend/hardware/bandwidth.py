@@ -12,7 +12,7 @@ not one the engine then beats. It takes about a second and is skipped when the c
 
 Two implementations, neither of which touches process-wide settings:
 
-* the native extension's probe (``backend.engine._native.measure_read_bandwidth``), run on
+* the native extension's probe (``hybridmoe.backend.engine._native.measure_read_bandwidth``), run on
   the thread pool that computes the CPU experts, so it measures what the experts get;
 * a portable one where the extension was not built: numpy sums from Python threads (numpy
   releases the GIL while it sums).
@@ -109,8 +109,8 @@ def measure_host_read_bandwidth(
 def _native_module():
     """The extension, or None where it was not built (a source tree never installed)."""
     try:
-        # backend.engine's __init__ imports nothing, so this loads the extension alone, not torch.
-        from backend.engine import _native
+        # The extension sits at the top of the package and imports nothing: no torch here.
+        from hybridmoe import _native
     except ImportError:
         return None
     return _native if hasattr(_native, "measure_read_bandwidth") else None

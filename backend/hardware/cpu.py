@@ -17,8 +17,8 @@ from pathlib import Path
 
 import psutil
 
-from backend.hardware.profile import CPU, NumaNode
-from backend.hardware.sysfs import (
+from hybridmoe.backend.hardware.profile import CPU, NumaNode
+from hybridmoe.backend.hardware.sysfs import (
     is_host_root,
     numbered_dirs,
     parse_cache_size,

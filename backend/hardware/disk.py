@@ -8,7 +8,7 @@ from pathlib import Path
 
 import platformdirs
 
-from backend.hardware.profile import Disk
+from hybridmoe.backend.hardware.profile import Disk
 
 __all__ = ["default_model_dir", "detect_disk"]
 

@@ -18,8 +18,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from backend.hardware.profile import GPU
-from backend.hardware.sysfs import numbered_dirs, read_int, read_text
+from hybridmoe.backend.hardware.profile import GPU
+from hybridmoe.backend.hardware.sysfs import numbered_dirs, read_int, read_text
 
 __all__ = ["detect_gpus", "theoretical_gpu_bandwidth", "GPU_MEMORY_BANDWIDTH"]
 

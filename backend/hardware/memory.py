@@ -19,8 +19,8 @@ from pathlib import Path
 
 import psutil
 
-from backend.hardware.profile import Memory
-from backend.hardware.sysfs import is_host_root, parse_meminfo, read_text
+from hybridmoe.backend.hardware.profile import Memory
+from hybridmoe.backend.hardware.sysfs import is_host_root, parse_meminfo, read_text
 
 __all__ = [
     "MemoryPlatform",
@@ -326,7 +326,7 @@ def detect_memory(
     """Host memory facts and ``{"memory.<field>": reason}`` for what is unknown.
 
     The CPU facts select the theoretical bandwidth; the measured one is the probe's
-    business (``backend.hardware.bandwidth``) and is left None here.
+    business (``hybridmoe.backend.hardware.bandwidth``) and is left None here.
     """
     unknown: dict[str, str] = {}
     on_host = is_host_root(proc_root, "/proc")

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from backend.errors import HardwareDescriptionError
-from backend.hardware.profile import GPU, HardwareProfile
+from hybridmoe.backend.errors import HardwareDescriptionError
+from hybridmoe.backend.hardware.profile import GPU, HardwareProfile
 
 
 def apply_overrides(

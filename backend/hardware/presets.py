@@ -2,7 +2,7 @@
 
 Sizing before purchase needs a ``HardwareProfile`` for a machine that cannot be detected.
 GPU memory is given as the driver reports it (``nvidia-smi``), because that, not the
-marketing figure, is what the planner budgets from (SIZING.md §3): an RTX PRO 6000 "96 GB"
+marketing figure, is what the planner budgets from (docs/sizing.md §3): an RTX PRO 6000 "96 GB"
 shows 97,887 MiB, an H200 NVL "141 GB" 140.4 GiB.
 
 A description file looks like this (every key but ``[host] ram`` is optional; a GPU model
@@ -37,10 +37,10 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from backend.errors import HardwareDescriptionError
-from backend.hardware.memory import theoretical_host_bandwidth
-from backend.hardware.profile import CPU, GPU, HardwareProfile, Memory, NumaNode
-from backend.units import GiB, MiB, UnitError, fmt_bytes, fmt_rate, parse_bytes, parse_rate
+from hybridmoe.backend.errors import HardwareDescriptionError
+from hybridmoe.backend.hardware.memory import theoretical_host_bandwidth
+from hybridmoe.backend.hardware.profile import CPU, GPU, HardwareProfile, Memory, NumaNode
+from hybridmoe.backend.units import GiB, MiB, UnitError, fmt_bytes, fmt_rate, parse_bytes, parse_rate
 
 __all__ = ["GPUModel", "GPU_MODELS", "FLAT_KEYS", "preset", "preset_names", "describe", "load_described"]
 

@@ -6,9 +6,9 @@
     catalogue.load() -> Catalogue; catalogue.rank_for(hardware) -> [Ranked]
 """
 
-from backend.hub.discover import list_local_models
-from backend.hub.download import PullPlan, plan_pull, pull
-from backend.hub.local import LocalModel
-from backend.hub.meter import DownloadProgress
+from hybridmoe.backend.hub.discover import list_local_models
+from hybridmoe.backend.hub.download import PullPlan, plan_pull, pull
+from hybridmoe.backend.hub.local import LocalModel
+from hybridmoe.backend.hub.meter import DownloadProgress
 
 __all__ = ["DownloadProgress", "LocalModel", "PullPlan", "list_local_models", "plan_pull", "pull"]

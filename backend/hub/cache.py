@@ -8,7 +8,7 @@ Layout (huggingface-hub's, shared with every tool that uses it)::
     <cache>/models--org--name/snapshots/<commit>/<path> symlinks into blobs/
     <cache>/models--org--name/refs/<revision>         the commit a branch or tag pointed to
 
-The cache is the model store of ``backend.settings`` (default: HF_HUB_CACHE, so HF_HOME
+The cache is the model store of ``hybridmoe.backend.settings`` (default: HF_HUB_CACHE, so HF_HOME
 moves it).
 """
 
@@ -20,14 +20,14 @@ from pathlib import Path
 
 from huggingface_hub.file_download import repo_folder_name
 
-from backend.files import write_atomic
-from backend.hub.selection import RepoFile
+from hybridmoe.backend.files import write_atomic
+from hybridmoe.backend.hub.selection import RepoFile
 
 COMMIT_HASH = re.compile(r"^[0-9a-f]{40}$")
 
 
 def default_cache_dir() -> Path:
-    from backend import settings
+    from hybridmoe.backend import settings
 
     return settings.load().model_store_path
 

@@ -7,7 +7,7 @@
 
 The TOML holds names, repositories and published sizes; everything that follows from a
 model's config.json (family, context length, the checkpoint's size, the size of a GGUF
-quantization nobody published) is computed here through backend.models, so the catalogue
+quantization nobody published) is computed here through hybridmoe.backend.models, so the catalogue
 cannot drift from the planner's arithmetic.
 """
 
@@ -19,20 +19,19 @@ from dataclasses import dataclass, field, replace
 from functools import cached_property, lru_cache
 from pathlib import Path
 
-from backend.errors import HybridMoeError, ModelError, UsageError
-from backend.hub.local import names_a_path
-from backend.units import parse_bytes
+from hybridmoe.backend.errors import HybridMoeError, ModelError, UsageError
+from hybridmoe.backend.hub.local import names_a_path
+from hybridmoe.backend.units import parse_bytes
 
 CATALOGUE_FILE = "catalogue.toml"
 
 
 def assets_dir() -> Path:
-    """The top-level ``assets/`` directory: next to the ``backend`` package both in a source
-    checkout (editable install) and in an installed wheel, which ships it as the ``assets``
-    directory beside ``backend/`` in site-packages (pyproject: packages.find includes it)."""
-    import backend
+    """The data files installed as ``hybridmoe.assets`` (the repository's ``assets/`` folder;
+    in an editable install the folder itself)."""
+    from importlib.resources import files
 
-    return Path(backend.__file__).resolve().parent.parent / "assets"
+    return Path(str(files("hybridmoe.assets")))
 
 
 @dataclass(frozen=True)
@@ -68,10 +67,10 @@ class CatalogueEntry:
     # ---- computed from the config ---------------------------------------------------------
 
     def inspect(self, expert_format: str | None = None):
-        """backend.models.InspectedModel of the config (sized for ``expert_format``)."""
+        """hybridmoe.backend.models.InspectedModel of the config (sized for ``expert_format``)."""
         key = ("inspect", expert_format)
         if key not in self._cache:
-            from backend.models import inspect_model
+            from hybridmoe.backend.models import inspect_model
 
             self._cache[key] = inspect_model(self.config_path, expert_format=expert_format)
         return self._cache[key]
@@ -178,7 +177,7 @@ def load(path: str | os.PathLike[str] | None = None) -> Catalogue:
 
 
 def _entry(raw: dict, base: Path) -> CatalogueEntry:
-    from backend.models.formats import get_format
+    from hybridmoe.backend.models.formats import get_format
 
     def fmt_of(name: str, explicit: str | None) -> str | None:
         if explicit is not None:
@@ -222,7 +221,7 @@ class Ranked:
     entry: CatalogueEntry
     option: str  # "checkpoint" or a quantization name
     size_bytes: int
-    plan: object  # backend.plan.Plan
+    plan: object  # hybridmoe.backend.plan.Plan
     context: int  # the workload's context, capped at the model's
 
     @property
@@ -238,7 +237,7 @@ def rank_for(hardware, workload=None, *, catalogue: Catalogue | None = None) -> 
     quantization smaller than it, largest first. A workload context longer than a model's
     is capped at the model's.
     """
-    from backend.plan import Workload, make
+    from hybridmoe.backend.plan import Workload, make
 
     workload = workload or Workload()
     ranked = []
@@ -277,7 +276,7 @@ def model_path(text: str) -> Path:
     entry = load().find(text)
     if entry is not None:
         return entry.config_path
-    from backend.hub.discover import list_local_models
+    from hybridmoe.backend.hub.discover import list_local_models
 
     for m in list_local_models(inspect=False):
         if m.name.lower() == text.strip().lower() and m.problem is None:

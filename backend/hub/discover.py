@@ -25,10 +25,10 @@ from collections.abc import Iterable, Iterator
 from dataclasses import replace
 from pathlib import Path
 
-from backend.errors import HybridMoeError
-from backend.hub import gguf_sets
-from backend.hub.local import LocalModel
-from backend.hub.selection import RepoFile, is_safetensors_checkpoint, select
+from hybridmoe.backend.errors import HybridMoeError
+from hybridmoe.backend.hub import gguf_sets
+from hybridmoe.backend.hub.local import LocalModel
+from hybridmoe.backend.hub.selection import RepoFile, is_safetensors_checkpoint, select
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ def list_local_models(*, cache_dirs: Iterable[str | os.PathLike[str]] | None = N
     if cache_dirs is None:
         cache_dirs = default_cache_dirs()
     if directories is None:
-        from backend.hub.registry import registered_dirs
+        from hybridmoe.backend.hub.registry import registered_dirs
 
         directories = registered_dirs()
     found: list[LocalModel] = []
@@ -70,7 +70,7 @@ def list_local_models(*, cache_dirs: Iterable[str | os.PathLike[str]] | None = N
 def default_cache_dirs() -> list[Path]:
     from huggingface_hub import constants
 
-    from backend.hub.cache import default_cache_dir
+    from hybridmoe.backend.hub.cache import default_cache_dir
 
     dirs = [default_cache_dir(), Path(constants.HF_HUB_CACHE)]
     return list(dict.fromkeys(Path(os.path.abspath(d.expanduser())) for d in dirs))
@@ -92,7 +92,7 @@ def describe(model: LocalModel) -> LocalModel:
     """Family and quantization from the files' headers; the reason when they cannot be read."""
     if model.problem:
         return model
-    from backend.models import inspect_model
+    from hybridmoe.backend.models import inspect_model
 
     try:
         inspected = inspect_model(model.path)
@@ -158,7 +158,7 @@ def _repo_models(repo, source: str) -> list[LocalModel]:
 
 def _missing_shards(snapshot: Path, present: set[str], finish: str) -> str | None:
     """An interrupted pull leaves a snapshot with some shards: say so, and how to finish."""
-    from backend.models.safetensors_files import read_index
+    from hybridmoe.backend.models.safetensors_files import read_index
 
     index = snapshot / "model.safetensors.index.json"
     if "model.safetensors.index.json" not in present:

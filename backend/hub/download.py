@@ -4,11 +4,11 @@
     pull(repo, quant=, revision=, on_progress=, cancel=) -> LocalModel
 
 Before the first byte: the Hub's listing (sizes and hashes of every file), the selection
-(backend.hub.selection), the bytes already in the cache (finished files and partial ones),
+(hybridmoe.backend.hub.selection), the bytes already in the cache (finished files and partial ones),
 and the free disk space, with a margin, against what is left to download. Then the files go
 down a few at a time (``max_workers``; small files first, so a gated or broken repository
-fails in the first second), each resumable and verified (backend.hub.fetch), with one
-progress stream for the whole pull (backend.hub.meter).
+fails in the first second), each resumable and verified (hybridmoe.backend.hub.fetch), with one
+progress stream for the whole pull (hybridmoe.backend.hub.meter).
 
 Offline (HF_HUB_OFFLINE=1, or the Hub cannot be reached): the cached copy is used if it is
 complete, and the returned model says so in its ``note``.
@@ -23,16 +23,16 @@ from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from backend.errors import HybridMoeError, ModelError
-from backend.hardware.disk import detect_disk
-from backend.hub import cache
-from backend.hub.fetch import fetch_file
-from backend.hub.local import LocalModel
-from backend.hub.meter import Stopped, TransferMeter
-from backend.hub.remote import HubUnreachable, fetch_repo
-from backend.hub.selection import RepoFile, Selection, select
-from backend.session import Cancelled, CancelToken, ProgressCallback
-from backend.units import GiB, fmt_bytes
+from hybridmoe.backend.errors import HybridMoeError, ModelError
+from hybridmoe.backend.hardware.disk import detect_disk
+from hybridmoe.backend.hub import cache
+from hybridmoe.backend.hub.fetch import fetch_file
+from hybridmoe.backend.hub.local import LocalModel
+from hybridmoe.backend.hub.meter import Stopped, TransferMeter
+from hybridmoe.backend.hub.remote import HubUnreachable, fetch_repo
+from hybridmoe.backend.hub.selection import RepoFile, Selection, select
+from hybridmoe.backend.session import Cancelled, CancelToken, ProgressCallback
+from hybridmoe.backend.units import GiB, fmt_bytes
 
 log = logging.getLogger(__name__)
 
@@ -240,7 +240,7 @@ def _check_complete(snapshot: Path, selection: Selection, repo_id: str) -> None:
                 f"The cached copy of {repo_id} has {len(selection.files)} of the {selection.expected_parts} "
                 f"parts of {selection.quantization}, and the Hub cannot be reached.", hint)
         return
-    from backend.models.safetensors_files import checkpoint_files
+    from hybridmoe.backend.models.safetensors_files import checkpoint_files
 
     try:
         checkpoint_files(snapshot)  # raises naming the first shard the index lists but the cache lacks
@@ -254,7 +254,7 @@ def _local_model(repo_id: str, commit: str, snapshot: Path, selection: Selection
     quant = selection.quantization
     family = problem = None
     try:
-        from backend.models import inspect_model
+        from hybridmoe.backend.models import inspect_model
 
         inspected = inspect_model(path)
         family = inspected.spec.family

@@ -40,11 +40,11 @@ from huggingface_hub.utils import (
     hf_raise_for_status,
 )
 
-from backend.errors import HybridMoeError, ModelError
-from backend.hub import cache
-from backend.hub.meter import Stopped, TransferMeter
-from backend.hub.remote import endpoint, httpx, is_connection_error, translate
-from backend.hub.selection import RepoFile
+from hybridmoe.backend.errors import HybridMoeError, ModelError
+from hybridmoe.backend.hub import cache
+from hybridmoe.backend.hub.meter import Stopped, TransferMeter
+from hybridmoe.backend.hub.remote import endpoint, httpx, is_connection_error, translate
+from hybridmoe.backend.hub.selection import RepoFile
 
 log = logging.getLogger(__name__)
 

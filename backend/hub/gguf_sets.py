@@ -15,9 +15,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import PurePosixPath
 
-from backend.errors import UsageError
-from backend.models.gguf_files import SPLIT_NAME
-from backend.units import fmt_bytes
+from hybridmoe.backend.errors import UsageError
+from hybridmoe.backend.models.gguf_files import SPLIT_NAME
+from hybridmoe.backend.units import fmt_bytes
 
 # A quantization token: llama.cpp's types and mixes (Q4_K_M, Q8_0, IQ2_XXS, TQ1_0, BF16,
 # MXFP4, ...) with unsloth's "UD-" (dynamic) prefix. It must stand alone between

@@ -2,7 +2,7 @@
 
 ``pull`` returns one; ``list_local_models`` returns one per model it finds in the Hugging
 Face cache, in registered directories, and (read-only) in LM Studio's and Ollama's stores.
-``path`` is what ``backend.models.inspect_model`` and the backends take: a checkpoint
+``path`` is what ``hybridmoe.backend.models.inspect_model`` and the backends take: a checkpoint
 directory (config.json + safetensors) or the first file of a GGUF set.
 """
 
@@ -24,7 +24,7 @@ class LocalModel:
     size_bytes: int  # of the files that make up the model (a GGUF set, or shards + tokenizer)
     source: str  # one of SOURCES
     quantization: str | None = None  # GGUF name ("Q4_K_M") or storage format ("int4_g32", "bf16")
-    family: str | None = None  # backend.models family ("deepseek", "qwen3_moe", ...)
+    family: str | None = None  # hybridmoe.backend.models family ("deepseek", "qwen3_moe", ...)
     repo_id: str | None = None  # Hugging Face repo, when known
     revision: str | None = None  # commit hash of a Hugging Face cache snapshot
     files: tuple[Path, ...] = ()

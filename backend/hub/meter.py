@@ -1,7 +1,7 @@
 """Progress of a whole pull: bytes done of the total, rate, time left; and the stop signal.
 
 Every download thread reports the bytes it writes here; one ``DownloadProgress`` (a
-``backend.session.Progress``) goes to the caller at most every ``interval`` seconds and at
+``hybridmoe.backend.session.Progress``) goes to the caller at most every ``interval`` seconds and at
 each finished file, so a TUI or a terminal line shows one bar for the whole model rather
 than one per shard. The same object is where writers learn that they must stop: the user
 cancelled (``Cancelled``), or another thread failed (``Stopped``: its error is the one to
@@ -16,8 +16,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from backend.session import CancelToken, Progress, ProgressCallback
-from backend.units import fmt_bytes, fmt_rate
+from hybridmoe.backend.session import CancelToken, Progress, ProgressCallback
+from hybridmoe.backend.units import fmt_bytes, fmt_rate
 
 # The rate is measured over this window: long enough to smooth TCP bursts and the pauses
 # between files, short enough to follow a changing connection.

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import tomli_w
 
-from backend.errors import UsageError
-from backend.files import write_atomic
-from backend.settings import data_dir
+from hybridmoe.backend.errors import UsageError
+from hybridmoe.backend.files import write_atomic
+from hybridmoe.backend.settings import data_dir
 
 
 def registry_path() -> Path:

@@ -21,8 +21,8 @@ from huggingface_hub.errors import (
     RevisionNotFoundError,
 )
 
-from backend.errors import HybridMoeError, ModelError, UsageError
-from backend.hub.selection import RepoFile
+from hybridmoe.backend.errors import HybridMoeError, ModelError, UsageError
+from hybridmoe.backend.hub.selection import RepoFile
 
 try:  # the HTTP client huggingface-hub uses (2.4: httpx2, a fork of httpx; 1.x: httpx)
     import httpx2 as httpx

@@ -1,7 +1,7 @@
 """Which files of a model repository to download (or to expect in a cached snapshot).
 
 A checkpoint repository holds more than the engine reads: an ``original/`` copy in another
-layout, ``*.bin``/``*.pth`` pickles (never loaded: DESIGN.md, Safety), ``consolidated``
+layout, ``*.bin``/``*.pth`` pickles (never loaded: docs/architecture.md, Conventions), ``consolidated``
 duplicates of the shards, other formats, remote code. We take the config, the tokenizer and
 chat-template files, and the safetensors shards with their index, all at the top level.
 
@@ -17,10 +17,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import PurePosixPath
 
-from backend.errors import ModelError, UsageError
-from backend.hub import gguf_sets
+from hybridmoe.backend.errors import ModelError, UsageError
+from hybridmoe.backend.hub import gguf_sets
 
-# Read by backend.models (config), backend.engine.tokenizer (tokenizer, chat template, eos
+# Read by hybridmoe.backend.models (config), hybridmoe.backend.engine.tokenizer (tokenizer, chat template, eos
 # ids) and the GGUF converter (tokenizer.model, vocab.json + merges.txt for BPE models).
 CHECKPOINT_FILES = frozenset({
     "config.json",

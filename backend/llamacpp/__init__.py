@@ -19,13 +19,13 @@ import importlib
 
 # Imported on first use: `hybridmoe doctor` asks for system_info without paying for torch.
 _EXPORTS = {
-    "LlamaCppBackend": "backend.llamacpp.session",
-    "LlamaCppSession": "backend.llamacpp.session",
-    "LlamaCppUnavailable": "backend.llamacpp.library",
-    "RawModel": "backend.llamacpp.model",
-    "crash_risk": "backend.llamacpp.model",
-    "system_info": "backend.llamacpp.capabilities",
-    "system_summary": "backend.llamacpp.capabilities",
+    "LlamaCppBackend": "hybridmoe.backend.llamacpp.session",
+    "LlamaCppSession": "hybridmoe.backend.llamacpp.session",
+    "LlamaCppUnavailable": "hybridmoe.backend.llamacpp.library",
+    "RawModel": "hybridmoe.backend.llamacpp.model",
+    "crash_risk": "hybridmoe.backend.llamacpp.model",
+    "system_info": "hybridmoe.backend.llamacpp.capabilities",
+    "system_summary": "hybridmoe.backend.llamacpp.capabilities",
 }
 
 __all__ = list(_EXPORTS)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from backend.llamacpp.library import LlamaCppUnavailable, ggml, llama
+from hybridmoe.backend.llamacpp.library import LlamaCppUnavailable, ggml, llama
 
 
 def system_info() -> dict[str, Any]:

@@ -2,7 +2,7 @@
 
 The backend checks the Plan against the file (the same MoE layers and expert count, override
 patterns that match real tensors) before asking llama.cpp to place hundreds of gigabytes.
-The header is read by the project's GGUF reader (``backend.models.gguf_reader``), the one
+The header is read by the project's GGUF reader (``hybridmoe.backend.models.gguf_reader``), the one
 the inspector and the engine use: it reads a 150k-token vocabulary's header in well under a
 second, and checks what ggml's own reader checks (magic, version, sizes, alignment, each
 tensor inside the file) without loading llama.cpp's libraries. Tensors of ggml types newer
@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from backend.errors import ModelError
-from backend.models.gguf_reader import GGUF_MAGIC, SPLIT_NAME, GGUFError, open_gguf_set
-from backend.plan.llamacpp import EXPERT_TENSORS
+from hybridmoe.backend.errors import ModelError
+from hybridmoe.backend.models.gguf_reader import GGUF_MAGIC, SPLIT_NAME, GGUFError, open_gguf_set
+from hybridmoe.backend.plan.llamacpp import EXPERT_TENSORS
 
 _EXPERT_TENSOR = re.compile(rf"^blk\.(\d+)\.{EXPERT_TENSORS}\.")
 

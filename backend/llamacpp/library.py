@@ -16,7 +16,7 @@ from functools import lru_cache
 from pathlib import Path
 from types import ModuleType
 
-from backend.errors import HybridMoeError
+from hybridmoe.backend.errors import HybridMoeError
 
 INSTALL_HINT = (
     "Install it with `pip install llama-cpp-python`; for GPU offload build it with the GPU "
@@ -37,7 +37,7 @@ _initialised = False
 
 def llama() -> ModuleType:
     """``llama_cpp.llama_cpp`` (the ctypes bindings of llama.h), with the backend initialised
-    and log output routed through backend.llamacpp.log."""
+    and log output routed through hybridmoe.backend.llamacpp.log."""
     global _initialised
     try:
         import llama_cpp.llama_cpp as bindings
@@ -45,7 +45,7 @@ def llama() -> ModuleType:
         raise LlamaCppUnavailable(f"the llama.cpp backend is not available: {exc}", INSTALL_HINT) from exc
     with _init_lock:
         if not _initialised:
-            from backend.llamacpp import log
+            from hybridmoe.backend.llamacpp import log
 
             log.install(bindings)
             bindings.llama_backend_init()

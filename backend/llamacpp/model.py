@@ -15,11 +15,11 @@ build does not interleave) would dereference a null layout while loading: one cr
 another, unless ggml's per-ISA, per-version repack rules were copied here. Correctness first;
 the fallback is a fallback, and the embedded engine serves these CPUs at full speed.
 
-Loading also installs a last word for fatal signals (``backend.llamacpp.crash``): if llama.cpp
+Loading also installs a last word for fatal signals (``hybridmoe.backend.llamacpp.crash``): if llama.cpp
 crashes anyway, the user reads that it did and what to do instead of a bare exit 139.
 
 ``RawModel`` is the model opened for raw evaluation (token ids in, logits out), as the tests'
-comparisons and the benchmark need it; the app's sessions use backend.llamacpp.session.
+comparisons and the benchmark need it; the app's sessions use hybridmoe.backend.llamacpp.session.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from backend.llamacpp.library import LlamaCppUnavailable, llama
+from hybridmoe.backend.llamacpp.library import LlamaCppUnavailable, llama
 
 # /proc/cpuinfo flags of CPUs on which llama.cpp builds its AMX buffer type.
 AMX_FEATURES = ("amx_int8", "amx_tile")
@@ -44,7 +44,7 @@ class LlamaCppUnsafe(LlamaCppUnavailable):
 
 @lru_cache(maxsize=1)
 def _cpu_features() -> tuple[str, ...]:
-    from backend.hardware.cpu import detect_cpu
+    from hybridmoe.backend.hardware.cpu import detect_cpu
 
     return detect_cpu()[0].features  # never raises: unknown facts come back empty
 
@@ -88,8 +88,8 @@ def safe_params(params: Any, features: Iterable[str] | None = None) -> Any:
 def load_model(path: str | Path, params: Any | None = None):
     """``llama_model_load_from_file`` on ``path`` with ``params`` (llama.cpp's defaults when
     None) made safe for this CPU. Returns the model pointer, NULL when llama.cpp could not
-    load the file (its reason is in its log, backend.llamacpp.log)."""
-    from backend.llamacpp import crash
+    load the file (its reason is in its log, hybridmoe.backend.llamacpp.log)."""
+    from hybridmoe.backend.llamacpp import crash
 
     bindings = llama()
     params = safe_params(bindings.llama_model_default_params() if params is None else params)
@@ -104,7 +104,7 @@ class RawModel:
 
     def __init__(self, path: str | Path, *, n_ctx: int = 512, n_batch: int = 512, n_ubatch: int = 512,
                  n_threads: int = 1, logits_all: bool = False, vocab_only: bool = False):
-        from backend.errors import ModelError
+        from hybridmoe.backend.errors import ModelError
 
         b = self._b = llama()
         params = b.llama_model_default_params()
@@ -155,7 +155,7 @@ class RawModel:
     def eval(self, ids: Sequence[int]) -> np.ndarray:
         """Run ``ids`` after the tokens already evaluated; their logits, one row per token
         (the last token's only without ``logits_all``)."""
-        from backend.errors import ModelError
+        from hybridmoe.backend.errors import ModelError
 
         b, batch, vocab = self._b, self._batch, self.n_vocab()
         rows = []

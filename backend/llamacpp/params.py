@@ -28,9 +28,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from backend.errors import UsageError
-from backend.llamacpp.placement import OverrideArray
-from backend.plan.plan import Plan
+from hybridmoe.backend.errors import UsageError
+from hybridmoe.backend.llamacpp.placement import OverrideArray
+from hybridmoe.backend.plan.plan import Plan
 
 # ggml_type values of the KV cache types llama.cpp accepts (-ctk / -ctv names).
 CACHE_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "iq4_nl": 20, "bf16": 30}
@@ -120,7 +120,7 @@ def _usable_cpus() -> int:
 
 
 def _physical_cores() -> int:
-    from backend.hardware.cpu import detect_cpu
+    from hybridmoe.backend.hardware.cpu import detect_cpu
 
     cores = detect_cpu()[0].physical_cores  # never raises: unknown facts come back as None
     return cores or max((os.cpu_count() or 2) // 2, 1)

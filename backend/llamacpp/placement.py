@@ -21,11 +21,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from backend.errors import UsageError
-from backend.llamacpp.header import GGUFHeader
-from backend.llamacpp.log import Capture
-from backend.plan.llamacpp import expert_override_pattern
-from backend.plan.plan import Plan
+from hybridmoe.backend.errors import UsageError
+from hybridmoe.backend.llamacpp.header import GGUFHeader
+from hybridmoe.backend.llamacpp.log import Capture
+from hybridmoe.backend.plan.llamacpp import expert_override_pattern
+from hybridmoe.backend.plan.plan import Plan
 
 _REPLAN = "Make a plan for this model and machine: `hybridmoe plan MODEL --backend llamacpp --save FILE`."
 

@@ -34,10 +34,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from backend.engine.chat_template import ChatTemplate
-from backend.engine.sampling import SamplingParams
-from backend.errors import ModelError, UnsupportedModelError
-from backend.generation import (
+from hybridmoe.backend.engine.chat_template import ChatTemplate
+from hybridmoe.backend.engine.sampling import SamplingParams
+from hybridmoe.backend.errors import ModelError, UnsupportedModelError
+from hybridmoe.backend.generation import (
     Prefilled,
     common_prefix,
     host_peak_rss,
@@ -45,20 +45,20 @@ from backend.generation import (
     raw_prompt_ids,
     stream,
 )
-from backend.llamacpp import log
-from backend.llamacpp.header import GGUFHeader, read_header
-from backend.llamacpp.library import ggml, llama
-from backend.llamacpp.model import load_model
-from backend.llamacpp.params import build as build_params
-from backend.llamacpp.placement import (
+from hybridmoe.backend.llamacpp import log
+from hybridmoe.backend.llamacpp.header import GGUFHeader, read_header
+from hybridmoe.backend.llamacpp.library import ggml, llama
+from hybridmoe.backend.llamacpp.model import load_model
+from hybridmoe.backend.llamacpp.params import build as build_params
+from hybridmoe.backend.llamacpp.placement import (
     OverrideArray,
     PlacementReport,
     check_plan,
     overrides_from_plan,
 )
-from backend.llamacpp.vocab import Vocab
-from backend.plan.plan import Plan
-from backend.session import (
+from hybridmoe.backend.llamacpp.vocab import Vocab
+from hybridmoe.backend.plan.plan import Plan
+from hybridmoe.backend.session import (
     Cancelled,
     CancelToken,
     Done,

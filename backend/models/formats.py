@@ -1,4 +1,4 @@
-"""Storage formats of weights: how many bytes a tensor of a given shape takes (SIZING.md 1).
+"""Storage formats of weights: how many bytes a tensor of a given shape takes (docs/sizing.md §1).
 
 A format is named for what it stores, llama.cpp style: ``bf16``, ``fp8_block`` (DeepSeek-V3
 fp8 with one fp32 scale per 128x128 block), ``int4_g32`` (compressed-tensors
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, LlamaFileType
 
-from backend.errors import ModelError
+from hybridmoe.backend.errors import ModelError
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """Reading GGUF files (single or split ``-0000k-of-0000N.gguf`` sets): metadata and tensor
-infos only, through the project's GGUF reader (``backend.models.gguf_reader``), which
+infos only, through the project's GGUF reader (``hybridmoe.backend.models.gguf_reader``), which
 checks the header and every tensor's place in the file, so a truncated or damaged file is
 one ``ModelError`` naming the file.
 """
@@ -14,9 +14,9 @@ from typing import Any
 import numpy as np
 from gguf import GGUFValueType
 
-from backend.models.formats import ggml_type_name
-from backend.models.gguf_reader import SPLIT_NAME, GGUFFile, open_gguf_file, open_gguf_set, split_parts
-from backend.models.safetensors_files import TensorRecord
+from hybridmoe.backend.models.formats import ggml_type_name
+from hybridmoe.backend.models.gguf_reader import SPLIT_NAME, GGUFFile, open_gguf_file, open_gguf_set, split_parts
+from hybridmoe.backend.models.safetensors_files import TensorRecord
 
 __all__ = ["SPLIT_NAME", "GGUFArray", "GGUFContents", "metadata_of", "open_reader", "read_gguf", "split_parts"]
 

@@ -36,7 +36,7 @@ from typing import Any, Self
 import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
-from backend.errors import ModelError, UnsupportedModelError
+from hybridmoe.backend.errors import ModelError, UnsupportedModelError
 
 __all__ = [
     "GGUF_MAGIC",

@@ -14,14 +14,14 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from backend.errors import ModelError
-from backend.models.families import spec_from_config, spec_from_gguf
-from backend.models.formats import SAFETENSORS_DTYPES, get_format
-from backend.models.gguf_files import SPLIT_NAME, read_gguf
-from backend.models.inventory import TensorClass, TensorInventory
-from backend.models.safetensors_files import TensorRecord, read_checkpoint
-from backend.models.spec import ModelSpec
-from backend.models.tensors import (
+from hybridmoe.backend.errors import ModelError
+from hybridmoe.backend.models.families import spec_from_config, spec_from_gguf
+from hybridmoe.backend.models.formats import SAFETENSORS_DTYPES, get_format
+from hybridmoe.backend.models.gguf_files import SPLIT_NAME, read_gguf
+from hybridmoe.backend.models.inventory import TensorClass, TensorInventory
+from hybridmoe.backend.models.safetensors_files import TensorRecord, read_checkpoint
+from hybridmoe.backend.models.spec import ModelSpec
+from hybridmoe.backend.models.tensors import (
     check_complete,
     classify_hf,
     gguf_storage_formats,

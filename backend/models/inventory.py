@@ -1,8 +1,8 @@
-"""How many bytes a model holds of each tensor class (SIZING.md section 1).
+"""How many bytes a model holds of each tensor class (docs/sizing.md §1).
 
 Built from real tensor lists (safetensors headers, GGUF tensor infos) when files are on
 disk, or computed from the config for a chosen storage format when they are not; the
-builders live in ``backend.models.tensors``.
+builders live in ``hybridmoe.backend.models.tensors``.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ class TensorClass(str, Enum):
     OTHER = "other"  # vision tower, MTP/NextN layers: not loaded for text chat
 
 
-# Classes every decoded token reads in full: they go to the GPU first (SIZING.md section 3).
+# Classes every decoded token reads in full: they go to the GPU first (docs/sizing.md §3).
 ALWAYS_READ = (
     TensorClass.EMBEDDING,
     TensorClass.ATTENTION,

@@ -16,8 +16,8 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from backend.errors import ModelError
-from backend.models.formats import SAFETENSORS_DTYPES
+from hybridmoe.backend.errors import ModelError
+from hybridmoe.backend.models.formats import SAFETENSORS_DTYPES
 
 # safetensors itself refuses headers above 100 MB; a larger length is a damaged file.
 MAX_HEADER_BYTES = 100_000_000

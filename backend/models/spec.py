@@ -45,7 +45,7 @@ class ModelSpec:
     n_mtp_layers: int = 0  # multi-token-prediction / NextN layers (not loaded for chat)
     has_vision: bool = False
     vision_params: int = 0  # estimated weights of the vision tower + projector (from vision_config)
-    # Storage format names (see backend.models.formats) as the checkpoint holds them.
+    # Storage format names (see hybridmoe.backend.models.formats) as the checkpoint holds them.
     expert_format: str = "bf16"
     other_format: str = "bf16"
     torch_dtype: str = "bfloat16"
@@ -61,7 +61,7 @@ class ModelSpec:
         return len(self.moe_layers)
 
     def kv_bytes_per_token(self, bytes_per_element: float = 2.0) -> float:
-        """KV cache bytes one token occupies across all layers (SIZING.md section 2).
+        """KV cache bytes one token occupies across all layers (docs/sizing.md §2).
 
         Sliding-window layers are included here; ``kv_bytes(context)`` caps them.
         """

@@ -1,4 +1,4 @@
-"""Tensor classes (SIZING.md section 1) and the builders of ``TensorInventory``.
+"""Tensor classes (docs/sizing.md §1) and the builders of ``TensorInventory``.
 
 Names are classified by the module path they belong to, so quantization companions
 (compressed-tensors ``weight_packed``/``weight_scale``/``weight_shape``, fp8
@@ -17,10 +17,10 @@ from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from backend.errors import ModelError
-from backend.models.families import family_by_name
-from backend.models.families.common import TensorShape
-from backend.models.formats import (
+from hybridmoe.backend.errors import ModelError
+from hybridmoe.backend.models.families import family_by_name
+from hybridmoe.backend.models.families.common import TensorShape
+from hybridmoe.backend.models.formats import (
     TORCH_DTYPES,
     file_type_name,
     get_format,
@@ -28,9 +28,9 @@ from backend.models.formats import (
     mix_tensor_format,
     tensor_bytes,
 )
-from backend.models.inventory import TensorClass, TensorInventory
-from backend.models.safetensors_files import TensorRecord
-from backend.models.spec import ModelSpec
+from hybridmoe.backend.models.inventory import TensorClass, TensorInventory
+from hybridmoe.backend.models.safetensors_files import TensorRecord
+from hybridmoe.backend.models.spec import ModelSpec
 
 C = TensorClass
 

@@ -1,11 +1,11 @@
-"""Memory budgets and reserves (SIZING.md sections 3 and 4)."""
+"""Memory budgets and reserves (docs/sizing.md §3, §4)."""
 
 from __future__ import annotations
 
 import math
 
-from backend.hardware.profile import GPU
-from backend.models.spec import ModelSpec
+from hybridmoe.backend.hardware.profile import GPU
+from hybridmoe.backend.models.spec import ModelSpec
 
 GIB = 1 << 30
 # CUDA context, cuBLAS workspaces and allocator fragmentation on a card we measured free memory of.
@@ -18,7 +18,7 @@ HOST_RESERVE_SHARE = 0.05
 def described_gpu_budget(reported_bytes: int) -> int:
     """Usable memory of a card the user describes but does not have: 0.9 × reported − 3 GiB.
 
-    The rule (SIZING.md section 3) already covers context, fragmentation and activations.
+    The rule (docs/sizing.md §3) already covers context, fragmentation and activations.
     """
     return int(0.9 * reported_bytes - 3 * GIB)
 
@@ -99,12 +99,12 @@ def resident_form_name(spec: ModelSpec, form: str) -> str:
 # ---- the prefill reserve: one layer's experts streamed in their stored form -------------
 
 # The engine's streaming buffer starts every stored tensor of an expert at a multiple of this
-# (backend.engine.expert_streaming.ALIGN); an expert has at most ten stored tensors (gate, up,
+# (hybridmoe.backend.engine.expert_streaming.ALIGN); an expert has at most ten stored tensors (gate, up,
 # down, each with its scales, and biases), so a slot needs at most this much beyond its bytes.
 STREAM_SLOT_ALIGN = 256
 STREAM_SLOT_OVERHEAD = 10 * STREAM_SLOT_ALIGN
 
 
 def prefill_reserve_bytes(n_experts: int, stored_bytes_per_expert: float) -> int:
-    """GPU memory for streaming one MoE layer's experts in their stored form (SIZING.md section 3)."""
+    """GPU memory for streaming one MoE layer's experts in their stored form (docs/sizing.md §3)."""
     return int(n_experts * (math.ceil(stored_bytes_per_expert) + STREAM_SLOT_OVERHEAD))

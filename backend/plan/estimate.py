@@ -1,4 +1,4 @@
-"""Speed estimates (SIZING.md section 6). Every figure is an upper bound from bytes and bandwidths."""
+"""Speed estimates (docs/sizing.md §6). Every figure is an upper bound from bytes and bandwidths."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The Plan in llama.cpp's terms (SIZING.md section 5).
+"""The Plan in llama.cpp's terms (docs/sizing.md §5).
 
 llama.cpp places experts a whole layer at a time: `--n-cpu-moe N` keeps the experts of
 blocks 0..N−1 in host memory (dense leading blocks count in N), and `-ot PATTERN=CPU`
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from backend.models.spec import ModelSpec
+from hybridmoe.backend.models.spec import ModelSpec
 
 # Block tensors llama.cpp names for routed experts (merged gate/up/down, and the fused or
 # "chexps" variants some converters write).

@@ -1,4 +1,4 @@
-"""plan.make(): a model, a machine and a workload in; a Plan out (SIZING.md, all sections).
+"""plan.make(): a model, a machine and a workload in; a Plan out (docs/sizing.md, all sections).
 
 Order of placement on each GPU (section 3): always-read weights of its layers, the KV
 cache of its layers for users × context, the activation scratch, the prefill reserve, then
@@ -14,25 +14,25 @@ from __future__ import annotations
 
 import math
 
-from backend.errors import ModelError, PlanError
-from backend.hardware.profile import HardwareProfile
-from backend.models.formats import FORMATS
-from backend.models.inventory import TensorClass, TensorInventory
-from backend.models.spec import ModelSpec
-from backend.plan import budget as B
-from backend.plan import placement
-from backend.plan.estimate import (
+from hybridmoe.backend.errors import ModelError, PlanError
+from hybridmoe.backend.hardware.profile import HardwareProfile
+from hybridmoe.backend.models.formats import FORMATS
+from hybridmoe.backend.models.inventory import TensorClass, TensorInventory
+from hybridmoe.backend.models.spec import ModelSpec
+from hybridmoe.backend.plan import budget as B
+from hybridmoe.backend.plan import placement
+from hybridmoe.backend.plan.estimate import (
     cpu_flops,
     decode_step,
     experts_touched,
     prefill_crossover_tokens,
     prefill_stream_min_tokens,
 )
-from backend.plan.llamacpp import translate
-from backend.plan.plan import DevicePlan, Plan
-from backend.plan.serving import recommend
-from backend.plan.stats import ExpertStats
-from backend.plan.workload import Workload
+from hybridmoe.backend.plan.llamacpp import translate
+from hybridmoe.backend.plan.plan import DevicePlan, Plan
+from hybridmoe.backend.plan.serving import recommend
+from hybridmoe.backend.plan.stats import ExpertStats
+from hybridmoe.backend.plan.workload import Workload
 
 GIB = 1 << 30
 # Average bits per weight of a Q4_K_M GGUF, for the "smaller quantization" hint.
@@ -315,7 +315,7 @@ class _Planner:
     def _bandwidth_source(self) -> str:
         m = self.hw.memory
         if m.bandwidth_theoretical_bytes_per_s:
-            return "theoretical" + (f" ({m.bandwidth_note})" if m.bandwidth_note else "")
+            return "theoretical" + (f": {m.bandwidth_note}" if m.bandwidth_note else "")
         if m.bandwidth_measured_bytes_per_s:
             return "measured on this machine" + (f", {m.bandwidth_measured_note}" if m.bandwidth_measured_note else "")
         return "unknown"

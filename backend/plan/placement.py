@@ -1,11 +1,11 @@
-"""Which decoder layers go to which GPU, and which routed experts each GPU holds (SIZING.md section 5)."""
+"""Which decoder layers go to which GPU, and which routed experts each GPU holds (docs/sizing.md §5)."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
 
-from backend.plan.stats import ExpertStats
+from hybridmoe.backend.plan.stats import ExpertStats
 
 
 def split_layers(num_layers: int, budgets: Sequence[int]) -> list[tuple[int, ...]]:

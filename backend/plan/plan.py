@@ -1,6 +1,6 @@
 """The Plan: where every tensor class and every routed expert goes, and what that buys.
 
-A Plan is data. It is made by ``backend.plan.make``, shown to the user, saved as TOML or
+A Plan is data. It is made by ``hybridmoe.backend.plan.make``, shown to the user, saved as TOML or
 JSON, loaded again, edited, and obeyed by both backends. All sizes are bytes, all speeds
 are per second; the printed form converts.
 """
@@ -16,9 +16,9 @@ from typing import Any
 
 import tomli_w
 
-from backend.errors import UsageError
-from backend.files import write_atomic
-from backend.plan.workload import Workload
+from hybridmoe.backend.errors import UsageError
+from hybridmoe.backend.files import write_atomic
+from hybridmoe.backend.plan.workload import Workload
 
 PLAN_FORMAT = "hybridmoe-plan/1"
 

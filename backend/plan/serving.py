@@ -1,6 +1,6 @@
 """When one workstation is not enough: the serving deployment that would carry the workload.
 
-SIZING.md section 7: we do not build a cluster; we say which existing engine and how many
+docs/sizing.md §7: we do not build a cluster; we say which existing engine and how many
 cards. Cards are H200 (141 GB, 123.4 GiB usable by the sizing rule) in tensor-parallel
 groups of 1, 2, 4 or 8 per node, two nodes by pipeline beyond that. Under tensor
 parallelism an MLA (latent) cache is replicated in full on every card; decode context
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from backend.plan.budget import described_gpu_budget
+from hybridmoe.backend.plan.budget import described_gpu_budget
 
 H200_REPORTED = int(140.4 * (1 << 30))
 CARD = "H200 NVL 141GB"

@@ -12,8 +12,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from backend.errors import ModelError, UsageError
-from backend.files import write_atomic
+from hybridmoe.backend.errors import ModelError, UsageError
+from hybridmoe.backend.files import write_atomic
 
 FORMAT = "hybridmoe-expert-stats/1"
 

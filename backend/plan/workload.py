@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from backend.errors import UsageError
+from hybridmoe.backend.errors import UsageError
 
 # Bytes one cached element takes. q8_0 is llama.cpp's 8-bit cache: 32 int8 + one fp16 scale.
 KV_BYTES_PER_ELEMENT = {"bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "q8_0": 34 / 32}
@@ -29,7 +29,7 @@ class Workload:
     backend: str = "auto"
     # Tokens per prefill chunk: sizes the activation reserve on the main device.
     prefill_chunk: int = 2048
-    # Per-user decode speed below which one workstation is not enough (SIZING.md section 7).
+    # Per-user decode speed below which one workstation is not enough (docs/sizing.md §7).
     target_tokens_per_s: float = 5.0
     gpu_expert_form: str = "auto"
 

@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 
-CONFIGS = Path(__file__).resolve().parents[2].parent / "shared" / "configs"
+CONFIGS = Path(__file__).resolve().parents[2] / "assets" / "configs"
 KIMI = CONFIGS / "moonshotai__Kimi-K2.6.json"
 
 
 def run(*args, env=None, input=None, timeout=120):
     exe = shutil.which("hybridmoe")
-    cmd = [exe] if exe else [sys.executable, "-m", "app.cli"]
+    cmd = [exe] if exe else [sys.executable, "-m", "hybridmoe.app.cli"]
     return subprocess.run([*cmd, *map(str, args)], capture_output=True, text=True, env=env, input=input, timeout=timeout)
 
 
@@ -62,10 +62,22 @@ def test_doctor_text_names_the_sections(home):
 def test_plan_kimi_on_a_preset_prints_checkable_figures(home):
     r = run("plan", KIMI, "--hardware", "4x H200 NVL", "--context", "32768", env=home)
     assert r.returncode == 0, r.stderr
-    assert "24.77 MB" in r.stdout  # per expert, SIZING §1
-    assert "70,272 B" in r.stdout  # KV per token, SIZING §2
+    assert "24.77 MB" in r.stdout  # per expert, docs/sizing.md §1
+    assert "70,272 B" in r.stdout  # KV per token, docs/sizing.md §2
     assert "llama-server" in r.stdout
     assert "Fits: yes" in r.stdout
+
+
+def test_the_worked_example_in_docs_is_what_plan_prints(home):
+    """docs/sizing.md quotes `plan` on Kimi K2.6 with four users; the quote stays the output."""
+    doc = (CONFIGS.parents[1] / "docs" / "sizing.md").read_text()
+    command = "hybridmoe plan assets/configs/moonshotai__Kimi-K2.6.json --hardware \"4x RTX PRO 6000\" --context 32768 --users 4"
+    assert command in doc
+    after = doc[doc.index(command):]
+    quoted = after.split("```\n", 2)[2].split("\n```", 1)[0]  # the block after the command's own
+    r = run("plan", KIMI, "--hardware", "4x RTX PRO 6000", "--context", "32768", "--users", "4", env=home)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.rstrip("\n") == quoted
 
 
 def test_plan_json_and_save(home, tmp_path):
@@ -79,7 +91,7 @@ def test_plan_json_and_save(home, tmp_path):
         assert key in d, key
     assert {"name", "budget_bytes", "used_bytes"} <= set(d["devices"][0])
     assert saved.exists()
-    from backend.plan import Plan
+    from hybridmoe.backend.plan import Plan
 
     assert json.loads(json.dumps(Plan.load(saved).to_dict())) == d
 
@@ -147,7 +159,7 @@ def test_unknown_architecture_names_the_supported_ones(home, tmp_path):
 
 def test_internal_errors_are_logged_not_shown(home, monkeypatch, capsys):
     """A bug prints one line and the path of the log; the traceback goes to the log."""
-    from app import cli
+    from hybridmoe.app import cli
 
     monkeypatch.setenv("XDG_STATE_HOME", home["XDG_STATE_HOME"])
 
@@ -189,7 +201,7 @@ def test_an_unreadable_model_folder_says_permission_denied(home, tmp_path):
     model.mkdir()
     shutil.copy(KIMI, model / "config.json")
     exe = shutil.which("hybridmoe")
-    cli = [exe] if exe else [sys.executable, "-m", "app.cli"]
+    cli = [exe] if exe else [sys.executable, "-m", "hybridmoe.app.cli"]
     model.chmod(0)
     try:
         for args in (["inspect", model], ["plan", model, "--hardware", "cpu-only"]):

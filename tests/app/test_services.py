@@ -8,10 +8,10 @@ import time
 
 import pytest
 
-from app.services import Services
-from backend.errors import ModelError
-from backend.plan import ExpertStats
-from backend.session import Cancelled, CancelToken
+from hybridmoe.app.services import Services
+from hybridmoe.backend.errors import ModelError
+from hybridmoe.backend.plan import ExpertStats
+from hybridmoe.backend.session import Cancelled, CancelToken
 
 
 @pytest.fixture(autouse=True)

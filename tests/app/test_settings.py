@@ -2,7 +2,7 @@
 
 import pytest
 
-from backend import settings
+from hybridmoe.backend import settings
 
 
 @pytest.fixture(autouse=True)
@@ -99,7 +99,7 @@ def test_saving_over_a_file_with_problems_keeps_it_beside_the_new_one(tmp_path, 
 
 
 def test_every_command_warns_once_on_stderr_and_carries_on(tmp_path, monkeypatch, capsys):
-    from app import cli
+    from hybridmoe.app import cli
 
     path = tmp_path / "s.toml"
     path.write_text('context = -5\nbackend = "gpu-magic"\n')

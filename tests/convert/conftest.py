@@ -102,7 +102,7 @@ FAMILIES: dict[str, tuple[str, dict]] = {
         head_dim=16, num_local_experts=8, num_experts_per_tok=2, sliding_window=4, max_position_embeddings=4096,
         tie_word_embeddings=False,
         # The published configs say "truncate": false, which ggml's YaRN cannot do (see
-        # backend.convert.hparams._gpt_oss); this one asks for what ggml computes, so that the
+        # hybridmoe.backend.convert.hparams._gpt_oss); this one asks for what ggml computes, so that the
         # comparison checks the file's contents rather than that known difference.
         rope_scaling={"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 512,
                       "beta_fast": 32.0, "beta_slow": 1.0, "truncate": True, "rope_theta": 150000.0})),
@@ -196,7 +196,7 @@ def build_checkpoint(directory: Path, family: str, *, seed: int = 0, dtype=torch
                      overrides: dict | None = None) -> Checkpoint:
     import transformers
 
-    from backend.engine.tokenizer import _GPT4O, _LLAMA3
+    from hybridmoe.backend.engine.tokenizer import _GPT4O, _LLAMA3
 
     sentencepiece = family == "mixtral"
     if sentencepiece:
@@ -274,7 +274,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory):
 @pytest.fixture(scope="session")
 def converted(tmp_path_factory: pytest.TempPathFactory, checkpoints):
     """(family, quant, all_experts=False) -> GGUF path, converted once per session."""
-    from backend.convert import to_gguf
+    from hybridmoe.backend.convert import to_gguf
 
     cache: dict[tuple[str, str, bool], Path] = {}
 
@@ -315,7 +315,7 @@ def hf_greedy(model: torch.nn.Module, ids: list[int], steps: int) -> list[int]:
 
 def open_llama(path: Path):
     """The GGUF opened in llama.cpp for logits, through the project's one way of loading it."""
-    from backend.llamacpp.model import RawModel
+    from hybridmoe.backend.llamacpp.model import RawModel
 
     return RawModel(path, n_ctx=64, n_threads=2, logits_all=True)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import signal
 
-from app import cli
+from hybridmoe.app import cli
 from tests.convert.conftest import build_checkpoint, needs_llama_cpp
 
 
@@ -47,7 +47,7 @@ def test_q4_k_m_on_rows_shorter_than_its_blocks_says_what_was_stored(checkpoints
 
 
 def test_ctrl_c_cancels_cleanly(checkpoints, tmp_path, capsys, monkeypatch):
-    from app.convert_render import ConvertProgress
+    from hybridmoe.app.convert_render import ConvertProgress
 
     shown = ConvertProgress.__call__
 

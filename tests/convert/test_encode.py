@@ -8,7 +8,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import quantize
 
-from backend.convert.encode import encode, row_bytes, tensor_bytes
+from hybridmoe.backend.convert.encode import encode, row_bytes, tensor_bytes
 
 
 def _samples() -> torch.Tensor:

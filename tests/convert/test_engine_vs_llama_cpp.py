@@ -13,9 +13,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backend.engine.model import build_model
-from backend.engine.weights import open_weights
-from backend.models import inspect_model
+from hybridmoe.backend.engine.model import build_model
+from hybridmoe.backend.engine.weights import open_weights
+from hybridmoe.backend.models import inspect_model
 from tests.convert.conftest import llama_greedy, llama_logits, open_llama
 
 PROMPT = [5, 77, 123, 9, 250, 31, 64, 199, 12, 88, 140, 3]

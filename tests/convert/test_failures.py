@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from backend.convert import to_gguf
-from backend.errors import HybridMoeError, ModelError, UnsupportedModelError, UsageError
-from backend.session import Cancelled, CancelToken
+from hybridmoe.backend.convert import to_gguf
+from hybridmoe.backend.errors import HybridMoeError, ModelError, UnsupportedModelError, UsageError
+from hybridmoe.backend.session import Cancelled, CancelToken
 
 
 def _listing(directory: Path) -> list[str]:
@@ -38,7 +38,7 @@ def test_cancel_midway_leaves_no_file(checkpoints, tmp_path):
 
 def test_refuses_when_the_disk_is_too_small(checkpoints, tmp_path, monkeypatch):
     usage = namedtuple("usage", "total used free")
-    monkeypatch.setattr("backend.convert.gguf_file.shutil.disk_usage", lambda _: usage(10**9, 10**9 - 5000, 5000))
+    monkeypatch.setattr("hybridmoe.backend.convert.gguf_file.shutil.disk_usage", lambda _: usage(10**9, 10**9 - 5000, 5000))
     with pytest.raises(HybridMoeError) as info:
         to_gguf(checkpoints("qwen3_moe").path, tmp_path / "out.gguf", "bf16")
     message = str(info.value)
@@ -52,7 +52,7 @@ def test_refuses_q4_k_m_without_room_for_its_intermediate(checkpoints, converted
     usage = namedtuple("usage", "total used free")
     # Room for the bf16 file and its margin, but not for the Q4_K_M file next to it.
     free = bf16_size + 256 * 1024 * 1024 + 1000
-    monkeypatch.setattr("backend.convert.gguf_file.shutil.disk_usage", lambda _: usage(10**12, 0, free))
+    monkeypatch.setattr("hybridmoe.backend.convert.gguf_file.shutil.disk_usage", lambda _: usage(10**12, 0, free))
     with pytest.raises(HybridMoeError, match="BF16 intermediate"):
         to_gguf(checkpoints("mixtral").path, tmp_path / "out.gguf", "q4_k_m")
     assert _listing(tmp_path) == []
@@ -70,7 +70,7 @@ def test_unsupported_architecture(tmp_path):
 
 
 def test_unsupported_family_lists_the_supported_ones():
-    from backend.convert.hparams import gguf_arch
+    from hybridmoe.backend.convert.hparams import gguf_arch
 
     with pytest.raises(UnsupportedModelError) as info:
         gguf_arch("qwen3_next", "somewhere/config.json")

@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from backend.errors import ModelError
+from hybridmoe.backend.errors import ModelError
 from tests.convert.conftest import llama_logits, needs_llama_cpp, open_llama
 
 PROMPT = [5, 17, 42, 99, 120, 7, 3, 200, 61, 33]
@@ -55,10 +55,10 @@ def with_nextn(checkpoints, tmp_path_factory):
 def test_nextn_layer_is_kept_and_skipped(with_nextn, converted, tmp_path):
     from gguf import GGUFReader
 
-    from backend.convert import to_gguf
-    from backend.engine.model import build_model
-    from backend.engine.weights import open_weights
-    from backend.models import inspect_model
+    from hybridmoe.backend.convert import to_gguf
+    from hybridmoe.backend.engine.model import build_model
+    from hybridmoe.backend.engine.weights import open_weights
+    from hybridmoe.backend.models import inspect_model
 
     path = to_gguf(with_nextn, tmp_path / "glm.gguf", "bf16")
     reader = GGUFReader(path)
@@ -89,7 +89,7 @@ def test_nextn_layer_is_kept_and_skipped(with_nextn, converted, tmp_path):
 
 
 def test_incomplete_nextn_layer_is_named(checkpoints, tmp_path):
-    from backend.convert import to_gguf
+    from hybridmoe.backend.convert import to_gguf
 
     broken = _with_nextn_layer(checkpoints("glm4_moe").path, tmp_path / "ck", drop="self_attn.k_proj.weight")
     with pytest.raises(ModelError, match=r"NextN layer 3 is incomplete \(no model\.layers\.3\.self_attn\.k_proj"):

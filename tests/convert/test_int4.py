@@ -76,7 +76,7 @@ def test_int4_experts_become_q4_0_bit_exactly(kimi_checkpoint, tmp_path, quant):
     from gguf import GGMLQuantizationType, GGUFReader
     from gguf.quants import dequantize
 
-    from backend.convert import to_gguf
+    from hybridmoe.backend.convert import to_gguf
 
     directory, reference = kimi_checkpoint
     out = to_gguf(directory, tmp_path / "kimi.gguf", quant)
@@ -108,7 +108,7 @@ def test_int4_experts_become_q4_0_bit_exactly(kimi_checkpoint, tmp_path, quant):
 
 @needs_llama_cpp
 def test_int4_gguf_runs_in_llama_cpp(kimi_checkpoint, tmp_path):
-    from backend.convert import to_gguf
+    from hybridmoe.backend.convert import to_gguf
 
     directory, _ = kimi_checkpoint
     llm = open_llama(to_gguf(directory, tmp_path / "kimi.gguf", "q8_0"))

@@ -89,7 +89,7 @@ def test_mxfp4_experts_are_repacked_bit_exactly(released, tmp_path, quant):
     from gguf import GGMLQuantizationType, GGUFReader
     from gguf.quants import dequantize
 
-    from backend.convert import to_gguf
+    from hybridmoe.backend.convert import to_gguf
 
     directory, _, packed = released
     reader = GGUFReader(to_gguf(directory, tmp_path / "gpt-oss.gguf", quant))
@@ -122,7 +122,7 @@ def test_mxfp4_experts_are_repacked_bit_exactly(released, tmp_path, quant):
 @needs_llama_cpp
 def test_mxfp4_gguf_matches_transformers(released, tmp_path):
     """llama.cpp on the converted release computes what transformers does on the release."""
-    from backend.convert import to_gguf
+    from hybridmoe.backend.convert import to_gguf
 
     directory, reference, _ = released
     llm = open_llama(to_gguf(directory, tmp_path / "gpt-oss.gguf", "bf16"))
@@ -147,10 +147,10 @@ def test_mxfp4_gguf_matches_transformers(released, tmp_path):
 def test_engine_runs_the_mxfp4_gguf_as_the_checkpoint(released, tmp_path):
     """The engine reads the repacked blocks as the checkpoint's (same numbers, same model), and
     agrees with llama.cpp on the file."""
-    from backend.convert import to_gguf
-    from backend.engine.model import build_model
-    from backend.engine.weights import open_weights
-    from backend.models import inspect_model
+    from hybridmoe.backend.convert import to_gguf
+    from hybridmoe.backend.engine.model import build_model
+    from hybridmoe.backend.engine.weights import open_weights
+    from hybridmoe.backend.models import inspect_model
 
     directory, _, _ = released
     path = to_gguf(directory, tmp_path / "gpt-oss.gguf", "bf16")

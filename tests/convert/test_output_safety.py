@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from app import cli
-from backend.convert import to_gguf
-from backend.errors import HybridMoeError, UsageError
-from backend.files import partial_path, sweep_stale_partials
+from hybridmoe.app import cli
+from hybridmoe.backend.convert import to_gguf
+from hybridmoe.backend.errors import HybridMoeError, UsageError
+from hybridmoe.backend.files import partial_path, sweep_stale_partials
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -112,8 +112,8 @@ def test_an_output_that_is_a_folder_is_refused(checkpoints, tmp_path):
 def test_the_wizard_reuses_a_finished_conversion_and_keeps_an_older_file(checkpoints, tmp_path, monkeypatch):
     """The TUI converts into its own models folder under a fixed name: a finished conversion
     there is used again (Resume after it ended costs nothing), an older file is never replaced."""
-    from app.services import Services
-    from backend.hub.local import LocalModel
+    from hybridmoe.app.services import Services
+    from hybridmoe.backend.hub.local import LocalModel
 
     monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
@@ -142,8 +142,8 @@ def test_the_wizard_reuses_a_finished_conversion_and_keeps_an_older_file(checkpo
 SLOW_CONVERT = """
 import sys, time
 from pathlib import Path
-from app import cli
-from app.convert_render import ConvertProgress
+from hybridmoe.app import cli
+from hybridmoe.app.convert_render import ConvertProgress
 
 shown = ConvertProgress.__call__
 

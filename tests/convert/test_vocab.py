@@ -10,13 +10,13 @@ import json
 import pytest
 from tokenizers import Regex, Tokenizer, pre_tokenizers
 
-from backend.convert.vocab import vocab_from_hf
-from backend.errors import UnsupportedModelError
+from hybridmoe.backend.convert.vocab import vocab_from_hf
+from hybridmoe.backend.errors import UnsupportedModelError
 from tests.convert.conftest import train_byte_level_bpe
 
 
 def _byte_decoder() -> dict[str, int]:
-    from backend.engine.tokenizer import _bytes_to_unicode
+    from hybridmoe.backend.engine.tokenizer import _bytes_to_unicode
 
     return {c: b for b, c in _bytes_to_unicode().items()}
 

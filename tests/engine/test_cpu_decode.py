@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backend.engine import native_experts
-from backend.engine.cpu_decode import DecodeStep
+from hybridmoe.backend.engine import native_experts
+from hybridmoe.backend.engine.cpu_decode import DecodeStep
 from tests.engine.conftest import FAMILY_NAMES, engine, relative_error, tokens
 
 pytestmark = pytest.mark.skipif(not native_experts.available(), reason="native extension not built")

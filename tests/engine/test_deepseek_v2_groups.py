@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backend.engine.model import build_model
-from backend.engine.routing import SoftmaxGroupedGreedy
-from backend.engine.weights import open_weights
-from backend.models import inspect_model
-from backend.models.families.deepseek import config_from_gguf
+from hybridmoe.backend.engine.model import build_model
+from hybridmoe.backend.engine.routing import SoftmaxGroupedGreedy
+from hybridmoe.backend.engine.weights import open_weights
+from hybridmoe.backend.models import inspect_model
+from hybridmoe.backend.models.families.deepseek import config_from_gguf
 from tests.engine.conftest import FAMILIES, _randomise
 
 PROMPT = [5, 77, 123, 9, 250, 31, 64, 199, 12, 88, 140, 3]
@@ -74,7 +74,7 @@ def _tiny_v2(tmp_path_factory, routing: dict):
     in float32."""
     import transformers
 
-    from backend.convert import to_gguf
+    from hybridmoe.backend.convert import to_gguf
     from tests.convert.conftest import CHATML, train_byte_level_bpe, write_tokenizer
 
     directory = tmp_path_factory.mktemp("deepseek_v2_grouped")
@@ -116,7 +116,7 @@ def test_a_v2_that_routes_greedily_keeps_its_groups_out_of_the_gguf(tmp_path_fac
     # transformers ignores n_group under topk_method "greedy"; a GGUF has no topk_method, so a
     # group count written there would make llama.cpp and the engine limit the groups.
     _, gguf = _tiny_v2(tmp_path_factory, {**GROUPED, "topk_method": "greedy"})
-    from backend.models.gguf_reader import read_metadata
+    from hybridmoe.backend.models.gguf_reader import read_metadata
 
     keys = read_metadata(gguf)
     assert "deepseek2.expert_group_count" not in keys

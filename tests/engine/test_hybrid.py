@@ -12,9 +12,9 @@ from typing import ClassVar
 import pytest
 import torch
 
-from backend.engine.expert_streaming import ALIGN, SlotLayout
-from backend.engine.hybrid import HybridOptions
-from backend.engine.moe import MoE
+from hybridmoe.backend.engine.expert_streaming import ALIGN, SlotLayout
+from hybridmoe.backend.engine.hybrid import HybridOptions
+from hybridmoe.backend.engine.moe import MoE
 from tests.engine.conftest import FAMILY_NAMES, engine, relative_error, tokens
 
 
@@ -113,7 +113,7 @@ def test_streamed_prefill_equals_the_cpu_only_path(family, checkpoints):
 def test_slot_layout_round_trips_every_stored_form(checkpoints):
     """Plain tensors and quant objects (parts with their own dtypes) come back as equal views,
     each part at an aligned offset."""
-    from backend.engine.quant import QuantTensor
+    from hybridmoe.backend.engine.quant import QuantTensor
 
     model = engine(checkpoints("qwen3_moe"))
     stored = _moe_layers(model)[0].host.store.stored(3)
@@ -184,7 +184,7 @@ def test_a_forward_call_that_fails_midway_leaves_the_ring_usable(checkpoints):
 def test_native_cpu_experts_in_the_scheduler(checkpoints, monkeypatch):
     """With the native kernels, the worker runs the same native call as the plain path (exact);
     streamed layers run the PyTorch arithmetic on the device (close)."""
-    from backend.engine import native_experts
+    from hybridmoe.backend.engine import native_experts
 
     if not native_experts.available():
         pytest.skip("native extension not built")
@@ -247,7 +247,7 @@ def test_markers_order_streams_only_after_they_are_issued(monkeypatch):
     until it is (a CUDA event waited on before it is recorded would let it through), then
     orders the waiting stream after the recorded event; an issuing thread's error reaches
     the waiter."""
-    from backend.engine.streams import Marker
+    from hybridmoe.backend.engine.streams import Marker
 
     monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
     _FakeEvent.log = []
@@ -280,7 +280,7 @@ def test_markers_order_streams_only_after_they_are_issued(monkeypatch):
 
 
 def test_the_cpu_stand_in_copies_back_into_memory_of_its_own():
-    from backend.engine.streams import Edge
+    from hybridmoe.backend.engine.streams import Edge
 
     edge = Edge("cpu")
     host = edge.host_buffer((2, 3), torch.float32)
@@ -383,7 +383,7 @@ def test_a_scheduler_nobody_closed_stops_its_threads_when_collected(checkpoints)
 
 
 def test_a_marker_is_settled_once():
-    from backend.engine.streams import Marker
+    from hybridmoe.backend.engine.streams import Marker
 
     issued = Marker().issue()
     issued.fail(RuntimeError("too late"))
@@ -401,8 +401,8 @@ _UNCLOSED = """
 import sys, time
 from pathlib import Path
 import torch
-from backend.engine.hybrid import HybridOptions
-from backend.engine.moe import MoE
+from hybridmoe.backend.engine.hybrid import HybridOptions
+from hybridmoe.backend.engine.moe import MoE
 from tests.engine.conftest import engine, tokens
 
 torch.set_num_threads(1)

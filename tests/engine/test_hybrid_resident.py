@@ -8,15 +8,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from backend.engine.experts import ExpertMatrices, experts_forward
-from backend.engine.hybrid import HybridOptions, options_from_plan
-from backend.engine.int8_weights import Int8Weight, quantize_int8
-from backend.engine.moe import MoE
-from backend.engine.plan_layout import build_kwargs
-from backend.hardware.profile import CPU, GPU, HardwareProfile, Memory
-from backend.models import inspect_model
-from backend.plan import Workload, make
-from backend.plan.budget import resident_expert_bytes
+from hybridmoe.backend.engine.experts import ExpertMatrices, experts_forward
+from hybridmoe.backend.engine.hybrid import HybridOptions, options_from_plan
+from hybridmoe.backend.engine.int8_weights import Int8Weight, quantize_int8
+from hybridmoe.backend.engine.moe import MoE
+from hybridmoe.backend.engine.plan_layout import build_kwargs
+from hybridmoe.backend.hardware.profile import CPU, GPU, HardwareProfile, Memory
+from hybridmoe.backend.models import inspect_model
+from hybridmoe.backend.plan import Workload, make
+from hybridmoe.backend.plan.budget import resident_expert_bytes
 from tests.engine.conftest import engine, relative_error, tokens
 
 GIB = 1 << 30

@@ -118,7 +118,7 @@ def test_rewinding_the_cache_replays_a_different_continuation(family, checkpoint
 
 
 def test_rewinding_past_a_sliding_ring_is_refused(checkpoints):
-    from backend.engine.kv_cache import CacheRewindError
+    from hybridmoe.backend.engine.kv_cache import CacheRewindError
 
     model = engine(checkpoints("gpt_oss"), sliding_rewind=2)
     model(tokens(20), 0)
@@ -128,7 +128,7 @@ def test_rewinding_past_a_sliding_ring_is_refused(checkpoints):
 
 
 def test_context_overflow_is_a_clear_error(checkpoints):
-    from backend.engine.kv_cache import ContextFullError
+    from hybridmoe.backend.engine.kv_cache import ContextFullError
 
     model = engine(checkpoints("qwen3_moe"), max_context=16)
     model(tokens(12), 0)

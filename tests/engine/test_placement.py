@@ -9,9 +9,9 @@ import random
 import pytest
 import torch
 
-from backend.engine.experts import HostExperts, ResidentExperts, cpu_experts_forward
-from backend.engine.moe import MoE
-from backend.plan.stats import ExpertStats
+from hybridmoe.backend.engine.experts import HostExperts, ResidentExperts, cpu_experts_forward
+from hybridmoe.backend.engine.moe import MoE
+from hybridmoe.backend.plan.stats import ExpertStats
 from tests.engine.conftest import FAMILY_NAMES, engine, load_config, relative_error, tokens
 
 
@@ -62,7 +62,7 @@ def test_cpu_experts_forward_is_the_partial_sum_over_cpu_experts(checkpoints):
     all_cpu = engine(checkpoints("qwen3_moe"))
     moe_all = next(m for m in all_cpu.modules() if isinstance(m, MoE) and m.layer == 1)
     whole = cpu_experts_forward(x, ids, weights, moe_all.host)
-    from backend.engine.experts import experts_forward
+    from hybridmoe.backend.engine.experts import experts_forward
 
     assert relative_error(cpu + experts_forward(x, ids, weights, moe.main), whole) < 1e-6
     # Ids the group does not hold (and -1, "no expert") are skipped.
@@ -114,7 +114,7 @@ def test_a_placement_naming_a_missing_expert_is_refused(checkpoints):
 def test_native_cpu_experts_in_the_model(family, checkpoints, monkeypatch):
     """With the native kernels on (float32 checkpoints: their exact fp32 path), the model
     gives the reference's logits, prefill and decode, whatever the split."""
-    from backend.engine import native_experts
+    from hybridmoe.backend.engine import native_experts
 
     if not native_experts.available():
         pytest.skip("native extension not built")

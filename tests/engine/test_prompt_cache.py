@@ -20,9 +20,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backend.engine.sampling import SamplingParams
-from backend.engine.session import EngineBackend, EngineSession
-from backend.session import Done, Message
+from hybridmoe.backend.engine.sampling import SamplingParams
+from hybridmoe.backend.engine.session import EngineBackend, EngineSession
+from hybridmoe.backend.session import Done, Message
 from tests.convert.conftest import checkpoints, converted  # noqa: F401 - fixtures: tiny GGUFs
 from tests.engine.test_session import plan_for
 

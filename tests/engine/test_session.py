@@ -6,13 +6,13 @@ import json
 
 import pytest
 
-from backend.engine.sampling import SamplingParams
-from backend.engine.session import EngineBackend
-from backend.errors import ModelError, UsageError
-from backend.hardware.presets import preset
-from backend.models import inspect_model
-from backend.plan import Workload, make
-from backend.session import CancelToken, Done, Message, TextPiece
+from hybridmoe.backend.engine.sampling import SamplingParams
+from hybridmoe.backend.engine.session import EngineBackend
+from hybridmoe.backend.errors import ModelError, UsageError
+from hybridmoe.backend.hardware.presets import preset
+from hybridmoe.backend.models import inspect_model
+from hybridmoe.backend.plan import Workload, make
+from hybridmoe.backend.session import CancelToken, Done, Message, TextPiece
 
 CHAT = [Message("system", "Be brief."), Message("user", "Hello there, how are you?")]
 GREEDY = SamplingParams(temperature=0, max_tokens=24)
@@ -104,7 +104,7 @@ def test_a_plan_for_another_model_is_refused(tiny_chat_model):
 
 
 def test_loading_reports_progress_and_can_be_cancelled(tiny_chat_model):
-    from backend.session import Cancelled
+    from hybridmoe.backend.session import Cancelled
 
     seen = []
     EngineBackend().load(tiny_chat_model, plan_for(tiny_chat_model), on_progress=seen.append)

@@ -13,9 +13,9 @@ import types
 
 import pytest
 
-import backend.engine
-from backend.hardware import bandwidth
-from backend.hardware.bandwidth import measure_host_read_bandwidth
+import hybridmoe
+from hybridmoe.backend.hardware import bandwidth
+from hybridmoe.backend.hardware.bandwidth import measure_host_read_bandwidth
 
 MIB = 1 << 20
 
@@ -23,8 +23,8 @@ MIB = 1 << 20
 @pytest.fixture
 def no_extension(monkeypatch):
     """As in a source tree where the extension was never built: importing it fails."""
-    monkeypatch.delattr(backend.engine, "_native", raising=False)
-    monkeypatch.setitem(sys.modules, "backend.engine._native", None)
+    monkeypatch.delattr(hybridmoe, "_native", raising=False)
+    monkeypatch.setitem(sys.modules, "hybridmoe._native", None)
 
 
 def test_the_native_probe_is_used_when_the_extension_is_built(monkeypatch):
@@ -35,8 +35,8 @@ def test_the_native_probe_is_used_when_the_extension_is_built(monkeypatch):
         return 42e9
 
     fake = types.SimpleNamespace(measure_read_bandwidth=measure_read_bandwidth)
-    monkeypatch.setattr(backend.engine, "_native", fake, raising=False)
-    monkeypatch.setitem(sys.modules, "backend.engine._native", fake)
+    monkeypatch.setattr(hybridmoe, "_native", fake, raising=False)
+    monkeypatch.setitem(sys.modules, "hybridmoe._native", fake)
     assert measure_host_read_bandwidth(buffer_bytes=64 * MIB, threads=3, passes=2) == 42e9
     assert asked == [(64 * MIB, 2)]
 
@@ -59,18 +59,18 @@ def test_the_portable_probe_measures_with_the_threads_asked_for(no_extension, mo
 
 
 def test_the_real_extension_measures_something():
-    pytest.importorskip("backend.engine._native")
+    pytest.importorskip("hybridmoe._native")
     assert 1e8 < measure_host_read_bandwidth(buffer_bytes=16 * MIB, passes=2) < 1e13
 
 
 @pytest.mark.parametrize("extension", ["native", "portable"])
 def test_the_probe_leaves_torch_alone(extension, request, monkeypatch):
     """Not imported, and, when the app has imported it, its thread settings untouched."""
-    hide = "" if extension == "native" else "sys.modules['backend.engine._native'] = None"
+    hide = "" if extension == "native" else "sys.modules['hybridmoe._native'] = None"
     code = textwrap.dedent(f"""
         import sys
         {hide}
-        from backend.hardware.bandwidth import measure_host_read_bandwidth
+        from hybridmoe.backend.hardware.bandwidth import measure_host_read_bandwidth
         measure_host_read_bandwidth(buffer_bytes=8 << 20, threads=2, passes=1)
         print('torch' in sys.modules)
     """)
@@ -98,14 +98,14 @@ def test_the_probe_leaves_torch_alone(extension, request, monkeypatch):
 BESIDE_A_MODEL = """
 import json, sys, threading
 if sys.argv[2] == "portable":
-    sys.modules["backend.engine._native"] = None
-from backend.engine.sampling import SamplingParams
-from backend.engine.session import EngineBackend
-from backend.hardware import detect
-from backend.hardware.bandwidth import measure_host_read_bandwidth
-from backend.models import inspect_model
-from backend.plan import Workload, make
-from backend.session import Message
+    sys.modules["hybridmoe._native"] = None
+from hybridmoe.backend.engine.sampling import SamplingParams
+from hybridmoe.backend.engine.session import EngineBackend
+from hybridmoe.backend.hardware import detect
+from hybridmoe.backend.hardware.bandwidth import measure_host_read_bandwidth
+from hybridmoe.backend.models import inspect_model
+from hybridmoe.backend.plan import Workload, make
+from hybridmoe.backend.session import Message
 
 model = inspect_model(sys.argv[1])
 plan = make(model.spec, model.inventory, detect(measure_bandwidth=False), Workload(context=512))
@@ -139,7 +139,7 @@ print(json.dumps({"same": beside == alone, "probes": probes[0]}))
 @pytest.mark.parametrize("extension", ["native", "portable"])
 def test_probing_beside_a_generating_model(tiny_chat_model, extension):
     if extension == "native":
-        pytest.importorskip("backend.engine._native")
+        pytest.importorskip("hybridmoe._native")
     out = subprocess.run([sys.executable, "-c", BESIDE_A_MODEL, str(tiny_chat_model), extension],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, f"exit code {out.returncode}: {out.stderr[-2000:]}"
@@ -159,13 +159,13 @@ def test_several_probes_keep_the_best_one(monkeypatch):
         return next(readings)
 
     fake = types.SimpleNamespace(measure_read_bandwidth=measure_read_bandwidth)
-    monkeypatch.setattr(backend.engine, "_native", fake, raising=False)
-    monkeypatch.setitem(sys.modules, "backend.engine._native", fake)
+    monkeypatch.setattr(hybridmoe, "_native", fake, raising=False)
+    monkeypatch.setitem(sys.modules, "hybridmoe._native", fake)
     assert measure_host_read_bandwidth(buffer_bytes=64 * MIB, passes=2, probes=5, pause_s=0) == 45e9
     assert asked == [(64 * MIB, 2)] * 5
 
 
 def test_the_real_probes_spread_and_the_best_is_kept():
-    pytest.importorskip("backend.engine._native")
+    pytest.importorskip("hybridmoe._native")
     best = measure_host_read_bandwidth(buffer_bytes=16 * MIB, passes=1, probes=3, pause_s=0.01)
     assert 1e8 < best < 1e13

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from backend.hardware.cpu import detect_cpu
+from hybridmoe.backend.hardware.cpu import detect_cpu
 from tests.hardware.fakes import (
     GIB,
     MIB,

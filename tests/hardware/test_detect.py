@@ -8,10 +8,10 @@ import sys
 
 import pytest
 
-from backend.hardware import HardwareProfile, detect
-from backend.hardware import gpu as gpu_module
-from backend.hardware.bandwidth import HOST_PROBES, measure_host_read_bandwidth, probe_buffer_bytes, probe_threads
-from backend.hardware.disk import detect_disk
+from hybridmoe.backend.hardware import HardwareProfile, detect
+from hybridmoe.backend.hardware import gpu as gpu_module
+from hybridmoe.backend.hardware.bandwidth import HOST_PROBES, measure_host_read_bandwidth, probe_buffer_bytes, probe_threads
+from hybridmoe.backend.hardware.disk import detect_disk
 from tests.hardware.fakes import (
     GIB,
     H200,
@@ -61,7 +61,7 @@ def test_detect_survives_an_empty_machine(tmp_path, monkeypatch):
 
 
 def test_a_detector_bug_costs_only_its_part(tmp_path, monkeypatch):
-    import backend.hardware as hardware
+    import hybridmoe.backend.hardware as hardware
 
     def broken(*args, **kwargs):
         raise KeyError("surprise")
@@ -96,7 +96,7 @@ def test_bandwidth_probe_needs_no_torch(monkeypatch):
 
 
 def test_detect_wires_the_probe_to_the_cpu_facts(tmp_path, monkeypatch):
-    import backend.hardware as hardware
+    import hybridmoe.backend.hardware as hardware
 
     asked = {}
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from backend.hardware import gpu as gpu_module
-from backend.hardware.gpu import detect_gpus, theoretical_gpu_bandwidth
+from hybridmoe.backend.hardware import gpu as gpu_module
+from hybridmoe.backend.hardware.gpu import detect_gpus, theoretical_gpu_bandwidth
 from tests.hardware.fakes import (
     GIB,
     H200,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from backend.hardware.memory import detect_memory, read_cgroup_memory, theoretical_host_bandwidth
+from hybridmoe.backend.hardware.memory import detect_memory, read_cgroup_memory, theoretical_host_bandwidth
 from tests.hardware.fakes import (
     GIB,
     epyc_two_socket,

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from backend.errors import HardwareDescriptionError, UsageError
-from backend.hardware import HardwareProfile, describe, load_described, preset, preset_names
-from backend.units import GiB, MiB, fmt_bytes
+from hybridmoe.backend.errors import HardwareDescriptionError, UsageError
+from hybridmoe.backend.hardware import HardwareProfile, describe, load_described, preset, preset_names
+from hybridmoe.backend.units import GiB, MiB, fmt_bytes
 
 
 def test_required_presets_exist():

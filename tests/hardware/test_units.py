@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from backend.errors import UsageError
-from backend.units import GiB, MiB, UnitError, fmt_bytes, fmt_rate, parse_bytes, parse_rate
+from hybridmoe.backend.errors import UsageError
+from hybridmoe.backend.units import GiB, MiB, UnitError, fmt_bytes, fmt_rate, parse_bytes, parse_rate
 
 
 @pytest.mark.parametrize(

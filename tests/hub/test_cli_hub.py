@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from app.cli import main
+from hybridmoe.app.cli import main
 from tests.hub.conftest import gguf_repo_files
 
 
@@ -89,7 +89,7 @@ def test_ctrl_c_cancels_with_130_and_keeps_the_partial_file(hub, checkpoint_file
     hub.file("org/slow", "model-00003-of-00003.safetensors").rate = 200_000  # 10 s if not cancelled
     env = dict(os.environ, HF_ENDPOINT=hub.endpoint)
     exe = shutil.which("hybridmoe")
-    cmd = [exe] if exe else [sys.executable, "-m", "app.cli"]
+    cmd = [exe] if exe else [sys.executable, "-m", "hybridmoe.app.cli"]
     proc = subprocess.Popen([*cmd, "pull", "org/slow"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
     partial = tmp_path / "hf" / "hub" / "models--org--slow" / "blobs" / f"{hashlib.sha256(big).hexdigest()}.incomplete"

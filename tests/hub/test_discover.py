@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from backend.errors import UsageError
-from backend.hub import list_local_models, pull, registry
-from backend.hub.gguf_sets import gguf_sets, quant_label
+from hybridmoe.backend.errors import UsageError
+from hybridmoe.backend.hub import list_local_models, pull, registry
+from hybridmoe.backend.hub.gguf_sets import gguf_sets, quant_label
 from tests.hub.conftest import gguf_repo_files
 
 

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 from huggingface_hub import constants, scan_cache_dir
 
-from backend.errors import ModelError, UsageError
-from backend.hub import DownloadProgress, fetch, plan_pull, pull
-from backend.models import inspect_model
-from backend.session import Cancelled, CancelToken, Progress
+from hybridmoe.backend.errors import ModelError, UsageError
+from hybridmoe.backend.hub import DownloadProgress, fetch, plan_pull, pull
+from hybridmoe.backend.models import inspect_model
+from hybridmoe.backend.session import Cancelled, CancelToken, Progress
 from tests.hub.conftest import JUNK, gguf_repo_files
 
 SHARD1 = "model-00001-of-00002.safetensors"

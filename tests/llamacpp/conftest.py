@@ -67,7 +67,7 @@ def byte_token_types(path: Path) -> dict:
     byte tokens as added special tokens, which the converter faithfully writes as CONTROL;
     in real Mixtral/Llama vocabularies they are plain entries, written as BYTE, and llama.cpp
     renders a CONTROL "<0x0A>" as that text rather than as the byte."""
-    from backend.engine.tokenizer import GGUF_BYTE, read_gguf_metadata
+    from hybridmoe.backend.engine.tokenizer import GGUF_BYTE, read_gguf_metadata
 
     meta = read_gguf_metadata(path)
     types = [GGUF_BYTE if re.fullmatch(r"<0x[0-9A-F]{2}>", t) else k
@@ -92,7 +92,7 @@ def checkpoint_dirs(tmp_path_factory):
 @pytest.fixture(scope="session")
 def ggufs(tmp_path_factory, checkpoint_dirs):
     """ggufs(family, quant="bf16") -> a converted GGUF; quant "f32" widens the bf16 file."""
-    from backend.convert import to_gguf
+    from hybridmoe.backend.convert import to_gguf
 
     cache: dict[tuple[str, str], Path] = {}
 
@@ -116,10 +116,10 @@ def make_plan(path: Path, *, gpu_moe_layers: int | None = None, context: int = 2
     """A plan for this machine (CPU only) whose llama.cpp settings are those the planner gives a
     machine with a GPU that holds the experts of the last ``gpu_moe_layers`` MoE layers (the
     others' experts then stay on the CPU through overrides), then ``llama_cpp`` on top."""
-    from backend.hardware.presets import preset
-    from backend.models import inspect_model
-    from backend.plan import Workload, make
-    from backend.plan.llamacpp import translate
+    from hybridmoe.backend.hardware.presets import preset
+    from hybridmoe.backend.models import inspect_model
+    from hybridmoe.backend.plan import Workload, make
+    from hybridmoe.backend.plan.llamacpp import translate
 
     model = inspect_model(path)
     plan = make(model.spec, model.inventory, preset("cpu-only"), Workload(context=context))

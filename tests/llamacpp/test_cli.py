@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from app import cli
+from hybridmoe.app import cli
 from tests.llamacpp.conftest import copy_gguf
 
 
@@ -64,7 +64,7 @@ def test_record_stats_needs_the_engine(ggufs, tmp_path, capsys):
 
 
 def test_doctor_names_the_llama_cpp_build(capsys):
-    from backend.llamacpp import system_info
+    from hybridmoe.backend.llamacpp import system_info
 
     info = system_info()
     assert info["available"] and "CPU" in info["backends"]

@@ -7,8 +7,8 @@ import dataclasses
 
 import pytest
 
-from backend.errors import ModelError, UnsupportedModelError, UsageError
-from backend.llamacpp import LlamaCppBackend
+from hybridmoe.backend.errors import ModelError, UnsupportedModelError, UsageError
+from hybridmoe.backend.llamacpp import LlamaCppBackend
 from tests.llamacpp.conftest import copy_gguf, make_plan
 
 EXPERTS = r"ffn_(up|down|gate|gate_up)_(ch|)exps"
@@ -82,7 +82,7 @@ def test_a_plan_for_another_model(ggufs, qwen):
 
 
 def test_a_buffer_type_this_build_lacks(qwen):
-    from backend.llamacpp import system_info
+    from hybridmoe.backend.llamacpp import system_info
 
     if any(d["buffer_type"] == "CUDA0" for d in system_info()["devices"]):
         pytest.skip("this build has a CUDA0 buffer type")
@@ -110,7 +110,7 @@ def test_a_context_llama_cpp_cannot_create(ggufs):
 
 
 def test_llama_cpp_log_reasons_are_picked_out():
-    from backend.llamacpp import log
+    from hybridmoe.backend.llamacpp import log
 
     captured = log.Capture([log.LogLine(log.ERROR, text) for text in (
         "gguf_init_from_reader: invalid magic characters: 'impo', expected 'GGUF'",

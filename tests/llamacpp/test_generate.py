@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from tokenizers import Tokenizer
 
-from backend.engine.sampling import SamplingParams
-from backend.llamacpp import LlamaCppBackend
-from backend.session import CancelToken, Done, Message, TextPiece
+from hybridmoe.backend.engine.sampling import SamplingParams
+from hybridmoe.backend.llamacpp import LlamaCppBackend
+from hybridmoe.backend.session import CancelToken, Done, Message, TextPiece
 from tests.llamacpp.conftest import FAMILIES, make_plan
 
 CHAT = [Message("system", "You are terse."), Message("user", "Hello world! The quick brown fox")]
@@ -45,7 +45,7 @@ def sessions(ggufs):
 def test_greedy_matches_the_engine(family, sessions):
     """Same GGUF, same plan, same prompt ids: the same greedy tokens and text. Both compute in
     float32 here (see conftest), so any difference is a real one, not rounding."""
-    from backend.engine.session import EngineBackend
+    from hybridmoe.backend.engine.session import EngineBackend
 
     ours, plan, path = sessions(family)
     try:
@@ -154,7 +154,7 @@ def test_a_follow_up_turn_reuses_the_cache_and_matches_a_fresh_session(sessions,
 
 def test_seeded_sampling_is_reproducible_and_matches_the_engine(sessions):
     """The engine's Sampler on llama.cpp's logits: same seed, same draws, on either backend."""
-    from backend.engine.session import EngineBackend
+    from hybridmoe.backend.engine.session import EngineBackend
 
     ours, plan, path = sessions("qwen3_moe")
     sampling = SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.02, repetition_penalty=1.1,
@@ -173,7 +173,7 @@ def test_seeded_sampling_is_reproducible_and_matches_the_engine(sessions):
 
 
 def test_the_context_limit_is_a_clear_error(sessions):
-    from backend.errors import ModelError
+    from hybridmoe.backend.errors import ModelError
 
     ours, _, _ = sessions("qwen3_moe")
     with pytest.raises(ModelError, match=r"the prompt is \d+ tokens, the context holds 256"):
@@ -181,7 +181,7 @@ def test_the_context_limit_is_a_clear_error(sessions):
 
 
 def test_load_reports_progress_and_can_be_cancelled(ggufs):
-    from backend.session import Cancelled
+    from hybridmoe.backend.session import Cancelled
 
     path = ggufs("qwen3_moe")
     plan = make_plan(path)

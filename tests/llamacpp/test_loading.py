@@ -1,4 +1,4 @@
-"""The one way into llama.cpp (backend.llamacpp.model.load_model), the AMX workaround it applies,
+"""The one way into llama.cpp (hybridmoe.backend.llamacpp.model.load_model), the AMX workaround it applies,
 the message a llama.cpp crash leaves, and how `run` names the backend it uses.
 
 The build machines may lack AMX, so the AMX CPU is a stand-in (the detected CPU features), and
@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from app import cli
-from backend.llamacpp import model as llamacpp_model
+from hybridmoe.app import cli
+from hybridmoe.backend.llamacpp import model as llamacpp_model
 
 ROOT = Path(__file__).resolve().parents[2]
 SCANNED = ("app", "backend", "tests", "benchmarks", "scripts")
@@ -52,7 +52,7 @@ def test_every_llama_cpp_load_goes_through_the_one_loader():
         if path != THE_ONE_LOADER
         for hit in llama_cpp_loads(path)
     ]
-    assert not offenders, ("llama.cpp weights must be loaded through backend.llamacpp.model.load_model "
+    assert not offenders, ("llama.cpp weights must be loaded through hybridmoe.backend.llamacpp.model.load_model "
                            "(or its RawModel), which keeps them off the AMX buffer type where it crashes:\n"
                            + "\n".join(offenders))
 
@@ -161,11 +161,11 @@ def test_run_json_says_why_without_a_plan(ggufs, own_dirs, capsys):
 
 
 def test_auto_serves_with_the_engine_where_llama_cpp_is_known_to_crash(ggufs, llamacpp_plan, monkeypatch, capsys):
-    import backend.backends
+    import hybridmoe.backend.backends
 
     # Stand-in: an AMX CPU with a llama-cpp-python too old to keep its weights off AMX.
     risk = llamacpp_model.crash_risk(AMX_CPU, type("Old", (), {"_fields_": []}))
-    monkeypatch.setattr(backend.backends, "_llamacpp_crash_risk", lambda: risk)
+    monkeypatch.setattr(hybridmoe.backend.backends, "_llamacpp_crash_risk", lambda: risk)
     code, result, err = run_json(capsys, "-m", ggufs("qwen3_moe"), "--plan", llamacpp_plan)
     assert code == 0, err
     assert result["backend"] == "engine"
@@ -173,12 +173,12 @@ def test_auto_serves_with_the_engine_where_llama_cpp_is_known_to_crash(ggufs, ll
 
 
 def test_auto_does_not_fall_back_to_llama_cpp_where_it_is_known_to_crash(ggufs, tmp_path, own_dirs, monkeypatch, capsys):
-    import backend.backends
+    import hybridmoe.backend.backends
     from tests.llamacpp.conftest import copy_gguf
 
     engine_cannot = copy_gguf(ggufs("qwen3_moe"), tmp_path / "bloom.gguf", values={"tokenizer.ggml.pre": "bloom"})
     risk = llamacpp_model.crash_risk(AMX_CPU, type("Old", (), {"_fields_": []}))
-    monkeypatch.setattr(backend.backends, "_llamacpp_crash_risk", lambda: risk)
+    monkeypatch.setattr(hybridmoe.backend.backends, "_llamacpp_crash_risk", lambda: risk)
     code, result, err = run_json(capsys, "-m", engine_cannot, "--context", "256")
     assert code != 0 and result is None
     assert "pre-tokenizer 'bloom'" in err and "The llama.cpp fallback is not used: llama.cpp's AMX matmul" in err
@@ -195,7 +195,7 @@ def crash(ctx, batch):  # the stand-in: a fault in native code, as ggml_backend_
     ctypes.string_at(0)
 
 bindings.llama_decode = crash
-from app.cli import main
+from hybridmoe.app.cli import main
 sys.exit(main(sys.argv[1:]))
 """
 
@@ -249,14 +249,14 @@ def test_a_crash_in_llama_cpp_while_serving_is_named_too(ggufs, tmp_path):
 def test_serve_names_the_backend_a_saved_plan_chose(ggufs, llamacpp_plan, monkeypatch, capsys):
     import signal
 
-    import app.server.runner
+    import hybridmoe.app.server.runner
 
-    class StopsAtOnce(app.server.runner.ApiServer):
+    class StopsAtOnce(hybridmoe.app.server.runner.ApiServer):
         def start(self):  # the server would run until Ctrl-C: press it at once
             super().start()
             signal.raise_signal(signal.SIGINT)
 
-    monkeypatch.setattr(app.server.runner, "ApiServer", StopsAtOnce)
+    monkeypatch.setattr(hybridmoe.app.server.runner, "ApiServer", StopsAtOnce)
     code = cli.main(["serve", "-m", str(ggufs("qwen3_moe")), "--plan", str(llamacpp_plan), "--port", "0"])
     err = capsys.readouterr().err
     assert code == 0, err
@@ -264,8 +264,8 @@ def test_serve_names_the_backend_a_saved_plan_chose(ggufs, llamacpp_plan, monkey
 
 
 def test_the_chat_is_told_the_backend_a_saved_plan_chose(ggufs, llamacpp_plan):
-    from app.services import Services
-    from backend.plan.plan import Plan
+    from hybridmoe.app.services import Services
+    from hybridmoe.backend.plan.plan import Plan
 
     notices = []
     session = Services().load_session(ggufs("qwen3_moe"), Plan.load(llamacpp_plan), None, None, notices.append)

@@ -13,14 +13,14 @@ import re
 
 import pytest
 
-from backend.llamacpp import LlamaCppBackend, log
+from hybridmoe.backend.llamacpp import LlamaCppBackend, log
 from tests.llamacpp.conftest import FAMILIES, make_plan
 
 OVERRIDDEN = re.compile(r"^tensor (blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight) \(.*\) buffer type overridden to CPU$")
 
 
 def llama_cpp_has_gpu() -> bool:
-    from backend.llamacpp import system_info
+    from hybridmoe.backend.llamacpp import system_info
 
     return system_info()["gpu_offload"]
 
@@ -96,8 +96,8 @@ def test_the_rest_of_the_plan_reaches_the_context(ggufs):
 def test_placement_report_reads_a_gpu_build_log(ggufs):
     """What a CUDA build logs for a plan with block 0's experts on the CPU (the lines as
     llama.cpp writes them): block 1's experts are on the GPU, so half the expert work is."""
-    from backend.llamacpp.header import read_header
-    from backend.llamacpp.placement import PlacementReport
+    from hybridmoe.backend.llamacpp.header import read_header
+    from hybridmoe.backend.llamacpp.placement import PlacementReport
 
     captured = log.Capture([log.LogLine(log.DEBUG, text) for text in (
         "load_tensors: layer   0 assigned to device CUDA0, is_swa = 0",

@@ -1,10 +1,11 @@
-"""Config-only inventories against the published sizes in /work/shared/configs/SIZES.md."""
+"""Config-only inventories of the real configs against the sizes their publishers give (the
+Hugging Face repositories' file sizes)."""
 
 import pytest
 
-from backend.models import inspect_model
-from backend.models.inventory import TensorClass as C
-from backend.models.tensors import inventory_from_config
+from hybridmoe.backend.models import inspect_model
+from hybridmoe.backend.models.inventory import TensorClass as C
+from hybridmoe.backend.models.tensors import inventory_from_config
 
 from .conftest import CONFIGS
 from .test_families import SUPPORTED, spec
@@ -41,7 +42,7 @@ def test_deepseek_v3_fp8_published_figures():
     assert i.bytes_per_expert(3) == 3 * (2048 * 7168 + 16 * 56 * 4) == 44_050_944
     assert i.total_bytes / GiB == pytest.approx(641.30, rel=0.01)  # incl. the MTP layer
     assert i.bytes_by_class[C.OTHER] / GiB == pytest.approx(14.4, abs=0.2)  # the MTP layer
-    # SIZES.md: 3 x 206.50 GiB of fp8 expert weights, counting the MTP layer's 256 experts too.
+    # Published: 3 x 206.50 GiB of fp8 expert weights, counting the MTP layer's 256 experts too.
     assert i.routed_expert_bytes / GiB == pytest.approx(3 * 206.50 * 58 / 59, rel=0.001)
 
 

@@ -3,8 +3,8 @@
 import pytest
 from gguf import GGMLQuantizationType as Q
 
-from backend.errors import ModelError
-from backend.models.formats import (
+from hybridmoe.backend.errors import ModelError
+from hybridmoe.backend.models.formats import (
     FORMATS,
     Q4_K_M_EXPERT_BITS,
     file_type_name,

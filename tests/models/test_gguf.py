@@ -5,12 +5,13 @@ import shutil
 import gguf
 import pytest
 
-from backend.errors import ModelError
-from backend.models import inspect_model
-from backend.models.gguf_files import read_gguf
-from backend.models.inventory import TensorClass as C
-from backend.models.tensors import classify_gguf
+from hybridmoe.backend.errors import ModelError
+from hybridmoe.backend.models import inspect_model
+from hybridmoe.backend.models.gguf_files import read_gguf
+from hybridmoe.backend.models.inventory import TensorClass as C
+from hybridmoe.backend.models.tensors import classify_gguf
 
+from .conftest import CONFIGS
 from .conftest import GGUF_DIMS as D
 
 
@@ -98,8 +99,8 @@ def test_gguf_names(name, cls):
 
 
 def test_unrecognised_tensor_is_counted_as_other_with_a_note(tmp_path):
-    from backend.models.safetensors_files import TensorRecord
-    from backend.models.tensors import inventory_from_records
+    from hybridmoe.backend.models.safetensors_files import TensorRecord
+    from hybridmoe.backend.models.tensors import inventory_from_records
 
     from .test_families import spec
     s = spec("Qwen__Qwen3-30B-A3B")
@@ -145,7 +146,7 @@ def test_gguf_of_an_unsupported_architecture(tmp_path):
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    from backend.errors import UnsupportedModelError
+    from hybridmoe.backend.errors import UnsupportedModelError
     with pytest.raises(UnsupportedModelError, match="'mamba'"):
         inspect_model(path)
 
@@ -157,6 +158,6 @@ def test_folder_with_several_ggufs(gguf_dir):
 
 def test_folder_with_config_and_a_gguf_reads_the_gguf(gguf_dir, tmp_path):
     shutil.copy(gguf_dir / "tiny-deepseek2.gguf", tmp_path / "model.gguf")
-    shutil.copy("/work/shared/configs/moonshotai__Kimi-K2-Instruct.json", tmp_path / "config.json")
+    shutil.copy(CONFIGS / "moonshotai__Kimi-K2-Instruct.json", tmp_path / "config.json")
     m = inspect_model(tmp_path)
     assert m.kind == "gguf" and m.spec.hidden_size == 64

@@ -1,4 +1,4 @@
-"""The project's GGUF reader (backend.models.gguf_reader).
+"""The project's GGUF reader (hybridmoe.backend.models.gguf_reader).
 
 1. It reads what gguf-py's GGUFReader reads, value for value and tensor for tensor, on every
    kind of GGUF the test suites write: tests/models (qwen3moe single and split, deepseek2),
@@ -29,8 +29,8 @@ import pytest
 from gguf import GGMLQuantizationType as T
 from gguf import GGUFValueType as V
 
-from backend.errors import ModelError, UnsupportedModelError
-from backend.models.gguf_reader import (
+from hybridmoe.backend.errors import ModelError, UnsupportedModelError
+from hybridmoe.backend.models.gguf_reader import (
     GGUFError,
     UnsupportedGGUFError,
     open_gguf_file,
@@ -118,7 +118,7 @@ def test_tests_quant_tiny_ggufs(tmp_path):
 
 
 def test_tests_text_ggufs(tmp_path):
-    from backend.engine.tokenizer import _QWEN2
+    from hybridmoe.backend.engine.tokenizer import _QWEN2
     from tests.text.conftest import (
         train_byte_level_bpe,
         train_sentencepiece_bpe,
@@ -150,7 +150,7 @@ def test_tests_text_ggufs(tmp_path):
 @pytest.mark.parametrize("family, quant", [("qwen3_moe", "q4_k_m"), ("deepseek_v3", "bf16"), ("qwen2_moe", "q4_0"),
                                            ("olmoe", "q8_0"), ("mixtral", "q8_0")])
 def test_tests_convert_ggufs(family, quant, tmp_path):
-    from backend.convert import to_gguf
+    from hybridmoe.backend.convert import to_gguf
     from tests.convert.conftest import build_checkpoint
 
     (tmp_path / "hf").mkdir()
@@ -574,16 +574,16 @@ def test_every_reader_uses_it(vocab_gguf, monkeypatch):
 
     monkeypatch.setattr(gguf, "GGUFReader", boom)
     monkeypatch.setattr(gguf.gguf_reader, "GGUFReader", boom)
-    from backend.engine.gguf_weights import open_gguf
-    from backend.engine.tokenizer import read_gguf_metadata
-    from backend.models.gguf_files import read_gguf
+    from hybridmoe.backend.engine.gguf_weights import open_gguf
+    from hybridmoe.backend.engine.tokenizer import read_gguf_metadata
+    from hybridmoe.backend.models.gguf_files import read_gguf
 
     assert read_gguf(vocab_gguf).metadata["tokenizer.ggml.tokens"].length == 2000
     assert read_gguf_metadata(vocab_gguf)["tokenizer.ggml.merges"][0] == "tok0 tok1"
     with open_gguf(vocab_gguf) as weights:
         assert weights.get("model.embed_tokens.weight").shape == (1000, 32)
         assert weights.metadata["qwen3moe.block_count"] == 2
-    from backend.llamacpp.header import read_header
+    from hybridmoe.backend.llamacpp.header import read_header
 
     header = read_header(vocab_gguf)
     assert header.values["qwen3moe.block_count"] == 2 and "tokenizer.ggml.tokens" not in header.values
@@ -591,10 +591,10 @@ def test_every_reader_uses_it(vocab_gguf, monkeypatch):
 
 
 def test_each_reader_words_damage_its_way(vocab_gguf, tmp_path):
-    from backend.engine.gguf_weights import open_gguf
-    from backend.engine.tokenizer import load_tokenizer, read_gguf_metadata
-    from backend.llamacpp.header import read_header
-    from backend.models.gguf_files import read_gguf
+    from hybridmoe.backend.engine.gguf_weights import open_gguf
+    from hybridmoe.backend.engine.tokenizer import load_tokenizer, read_gguf_metadata
+    from hybridmoe.backend.llamacpp.header import read_header
+    from hybridmoe.backend.models.gguf_files import read_gguf
 
     cut = tmp_path / "cut.gguf"
     cut.write_bytes(vocab_gguf.read_bytes()[:-400])  # inside the tensor data

@@ -8,11 +8,12 @@ import struct
 import pytest
 from safetensors import safe_open
 
-from backend.errors import ModelError, UnsupportedModelError
-from backend.models import inspect_model
-from backend.models.inventory import TensorClass as C
-from backend.models.safetensors_files import read_header
-from backend.models.tensors import classify_hf, inventory_from_config
+from tests.models.conftest import CONFIGS
+from hybridmoe.backend.errors import ModelError, UnsupportedModelError
+from hybridmoe.backend.models import inspect_model
+from hybridmoe.backend.models.inventory import TensorClass as C
+from hybridmoe.backend.models.safetensors_files import read_header
+from hybridmoe.backend.models.tensors import classify_hf, inventory_from_config
 
 # What transformers 5 save_pretrained writes for the experts (the engine's loader depends on it).
 EXPERT_NAMES = {
@@ -127,7 +128,7 @@ def test_requested_formats_resize_from_the_config(tiny_checkpoints):
 
 
 def test_directory_with_only_config_plans_from_config(tmp_path):
-    shutil.copy("/work/shared/configs/Qwen__Qwen3-30B-A3B.json", tmp_path / "config.json")
+    shutil.copy(CONFIGS / "Qwen__Qwen3-30B-A3B.json", tmp_path / "config.json")
     m = inspect_model(tmp_path)
     assert m.kind == "config" and m.inventory.source == "config"
 

@@ -1,5 +1,5 @@
 """How long opening a GGUF with a large vocabulary takes: gguf-py's GGUFReader against the
-project's reader (backend.models.gguf_reader) and the readers built on it. Not a pytest test
+project's reader (hybridmoe.backend.models.gguf_reader) and the readers built on it. Not a pytest test
 (timings depend on the machine); run it by hand:
 
     python -m tests.models.time_gguf_open [--vocab 150000] [--keep DIR] [--skip-old]
@@ -34,7 +34,7 @@ def write_big_vocab_gguf(path: Path, vocab: int) -> Path:
     w.add_tokenizer_pre("qwen2")
     # A byte-level BPE vocabulary that loads: the 256 byte symbols, then tokens made by merging
     # two earlier ones (each with its merge rule), a few bytes long, as in real vocabularies.
-    from backend.engine.tokenizer import _bytes_to_unicode
+    from hybridmoe.backend.engine.tokenizer import _bytes_to_unicode
 
     tokens = list(_bytes_to_unicode().values())
     seen = set(tokens)
@@ -96,7 +96,7 @@ def main() -> None:
         print(f"wrote {path} ({path.stat().st_size / 1e6:.1f} MB, {args.vocab} tokens, {args.vocab - 256} merges) "
               f"in {time.perf_counter() - t0:.1f} s")
 
-        from backend.models.gguf_reader import open_gguf_file
+        from hybridmoe.backend.models.gguf_reader import open_gguf_file
 
         print("open times:")
         n = args.repeat
@@ -108,16 +108,16 @@ def main() -> None:
 
         new_full = timed("gguf_reader.open_gguf_file + every array decoded", open_and_decode, n)
 
-        from backend.models.gguf_files import read_gguf
+        from hybridmoe.backend.models.gguf_files import read_gguf
         timed("gguf_files.read_gguf (inspect)", lambda: read_gguf(path), n)
-        from backend.engine.tokenizer import read_gguf_metadata
+        from hybridmoe.backend.engine.tokenizer import read_gguf_metadata
         timed("tokenizer.read_gguf_metadata (every array decoded)", lambda: read_gguf_metadata(path), n)
-        from backend.engine.tokenizer import load_tokenizer
+        from hybridmoe.backend.engine.tokenizer import load_tokenizer
         timed("tokenizer.load_tokenizer (incl. building the BPE)", lambda: load_tokenizer(path), n)
-        from backend.engine.gguf_weights import open_gguf
+        from hybridmoe.backend.engine.gguf_weights import open_gguf
         timed("gguf_weights.open_gguf (weights)", lambda: open_gguf(path).close(), n)
         try:
-            from backend.llamacpp.header import read_header
+            from hybridmoe.backend.llamacpp.header import read_header
             timed("llamacpp.header.read_header", lambda: read_header(path), n)
         except ImportError as exc:  # pragma: no cover - the backend is optional
             print(f"  llamacpp.header.read_header: not available ({exc})")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from backend.engine import native_experts
+from hybridmoe.backend.engine import native_experts
 
 _native = native_experts._native
 # Best first (as the extension lists them): AVX-512, AVX2, portable.

@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from backend.engine import native_experts
-from backend.engine.native_attention import decode_attention
+from hybridmoe.backend.engine import native_experts
+from hybridmoe.backend.engine.native_attention import decode_attention
 
 pytestmark = pytest.mark.skipif(not native_experts.available(), reason="native extension not built")
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backend.engine import native_experts
-from backend.engine.hf_config import RopeParams
-from backend.engine.layers import RMSNorm
-from backend.engine.rope import Rotary
-from backend.engine.routing import SigmoidGroupedTopK, SoftmaxTopK, TopKSoftmax
+from hybridmoe.backend.engine import native_experts
+from hybridmoe.backend.engine.hf_config import RopeParams
+from hybridmoe.backend.engine.layers import RMSNorm
+from hybridmoe.backend.engine.rope import Rotary
+from hybridmoe.backend.engine.routing import SigmoidGroupedTopK, SoftmaxTopK, TopKSoftmax
 
 pytestmark = pytest.mark.skipif(not native_experts.available(), reason="native extension not built")
 

@@ -14,16 +14,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from backend.bench.synthetic_experts import (
+from hybridmoe.backend.bench.synthetic_experts import (
     ALL_FORMATS,
     FLOAT_FORMATS,
     block_of,
     random_matrix,
 )
-from backend.engine import native_experts
-from backend.engine.loader import Loader
-from backend.engine.native_linear import NativeLinear
-from backend.engine.weights import dense
+from hybridmoe.backend.engine import native_experts
+from hybridmoe.backend.engine.loader import Loader
+from hybridmoe.backend.engine.native_linear import NativeLinear
+from hybridmoe.backend.engine.weights import dense
 
 from .test_native_experts import q8, rel_err
 

@@ -9,15 +9,15 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 
-from backend.engine import native_experts
-from backend.engine.experts import (
+from hybridmoe.backend.engine import native_experts
+from hybridmoe.backend.engine.experts import (
     ExpertActivation,
     ExpertStore,
     HostExperts,
     ResidentExperts,
     experts_forward,
 )
-from backend.engine.gguf_weights import open_gguf
+from hybridmoe.backend.engine.gguf_weights import open_gguf
 from tests.quant.tiny_gguf import rand, write_gguf
 
 pytestmark = pytest.mark.skipif(not native_experts.available(), reason="native extension not built")

@@ -35,15 +35,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from backend.bench.synthetic_experts import (
+from hybridmoe.backend.bench.synthetic_experts import (
     ALL_FORMATS,
     FLOAT_FORMATS,
     block_of,
     make_host_experts,
     random_routing,
 )
-from backend.engine import native_experts
-from backend.engine.experts import (
+from hybridmoe.backend.engine import native_experts
+from hybridmoe.backend.engine.experts import (
     ExpertActivation,
     HostExperts,
     ResidentExperts,
@@ -277,14 +277,14 @@ def test_simd_kernels_agree_with_the_portable_ones(name):
 
 def test_unsupported_storage_falls_back():
     """fp8 blocks have no native kernel: the engine gets None and runs the reference."""
-    from backend.bench.synthetic_experts import DictWeights
-    from backend.engine.quant import from_fp8_block
+    from hybridmoe.backend.bench.synthetic_experts import DictWeights
+    from hybridmoe.backend.engine.quant import from_fp8_block
 
     E, H, I = 3, 128, 128
     w = torch.randn(E, 2 * I, H).to(torch.float8_e4m3fn)
     gate_up = from_fp8_block(w, torch.ones(E, 2, 1))
     down = from_fp8_block(torch.randn(E, H, I).to(torch.float8_e4m3fn), torch.ones(E, 1, 1))
-    from backend.engine.experts import ExpertStore
+    from hybridmoe.backend.engine.experts import ExpertStore
 
     store = ExpertStore(DictWeights({"p.experts.gate_up_proj": gate_up, "p.experts.down_proj": down}), "p", E, H, I)
     experts = HostExperts(store, range(E), torch.float32, ExpertActivation("silu"))

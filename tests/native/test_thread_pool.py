@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from backend.bench.synthetic_experts import make_host_experts, random_routing
-from backend.engine import native_experts
+from hybridmoe.backend.bench.synthetic_experts import make_host_experts, random_routing
+from hybridmoe.backend.engine import native_experts
 
 pytestmark = pytest.mark.skipif(not native_experts.available(), reason="native extension not built")
 _native = native_experts._native

@@ -6,22 +6,22 @@ from pathlib import Path
 
 import pytest
 
-from backend.models import inspect_model
-from backend.plan import Plan, Workload, make
-from backend.plan.budget import (
+from hybridmoe.backend.models import inspect_model
+from hybridmoe.backend.plan import Plan, Workload, make
+from hybridmoe.backend.plan.budget import (
     STREAM_SLOT_OVERHEAD,
     prefill_reserve_bytes,
     resident_expert_bytes,
     resident_form_name,
 )
-from backend.plan.estimate import (
+from hybridmoe.backend.plan.estimate import (
     cpu_flops,
     prefill_crossover_tokens,
     prefill_stream_min_tokens,
 )
 from tests.plan.test_sizing import GIB, epyc_host, h200
 
-CONFIGS = Path(__file__).resolve().parents[2].parent / "shared" / "configs"
+CONFIGS = Path(__file__).resolve().parents[2] / "assets" / "configs"
 
 
 @pytest.fixture(scope="module")

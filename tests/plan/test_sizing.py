@@ -1,21 +1,21 @@
-"""The planner's arithmetic against the worked figures of SIZING.md, on the real configs."""
+"""The planner's arithmetic against the worked figures of docs/sizing.md, on the real configs."""
 
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from backend.hardware.profile import CPU, GPU, HardwareProfile, Memory
-from backend.models import inspect_model
-from backend.plan import Workload, make
-from backend.plan.budget import (
+from hybridmoe.backend.hardware.profile import CPU, GPU, HardwareProfile, Memory
+from hybridmoe.backend.models import inspect_model
+from hybridmoe.backend.plan import Workload, make
+from hybridmoe.backend.plan.budget import (
     described_gpu_budget,
     prefill_reserve_bytes,
     resident_expert_bytes,
 )
-from backend.plan.estimate import experts_touched, prefill_crossover_tokens
+from hybridmoe.backend.plan.estimate import experts_touched, prefill_crossover_tokens
 
-CONFIGS = Path(__file__).resolve().parents[2].parent / "shared" / "configs"
+CONFIGS = Path(__file__).resolve().parents[2] / "assets" / "configs"
 GIB = 1 << 30
 
 
@@ -25,7 +25,7 @@ def kimi():
 
 
 def epyc_host(ram=1536 * GIB, gpus=()):
-    """Two EPYC 9355 sockets, 24 channels of DDR5-6400: 1,228.8 GB/s (SIZING.md section 6)."""
+    """Two EPYC 9355 sockets, 24 channels of DDR5-6400: 1,228.8 GB/s (docs/sizing.md §6)."""
     return HardwareProfile(
         cpu=CPU(model_name="AMD EPYC 9355", arch="x86_64", sockets=2, physical_cores=64, threads=128,
                 features=("avx2", "fma", "avx512f", "avx512_bf16")),
@@ -162,7 +162,7 @@ def test_many_users_outgrow_the_workstation_and_get_a_deployment(kimi):
 
 
 def test_frequency_strategy_places_the_most_used_pairs(tmp_path):
-    from backend.plan.stats import ExpertStats
+    from hybridmoe.backend.plan.stats import ExpertStats
 
     model = inspect_model(CONFIGS / "Qwen__Qwen3-30B-A3B.json", expert_format="q4_k_m")
     spec = model.spec
@@ -204,7 +204,7 @@ def test_llama_cpp_translation_counts_dense_blocks():
 
 
 def test_plan_round_trips_through_toml_and_json(kimi, tmp_path):
-    from backend.plan import Plan
+    from hybridmoe.backend.plan import Plan
 
     plan = make(kimi.spec, kimi.inventory, epyc_host(gpus=[h200(i) for i in range(2)]), Workload(context=16384))
     for name in ("plan.toml", "plan.json"):
@@ -213,7 +213,7 @@ def test_plan_round_trips_through_toml_and_json(kimi, tmp_path):
 
 
 def test_context_beyond_the_model_is_refused(kimi):
-    from backend.errors import PlanError
+    from hybridmoe.backend.errors import PlanError
 
     with pytest.raises(PlanError, match="longer than"):
         make(kimi.spec, kimi.inventory, epyc_host(), Workload(context=10_000_000))
@@ -221,7 +221,7 @@ def test_context_beyond_the_model_is_refused(kimi):
 
 def test_the_decode_bound_says_how_the_bandwidth_was_obtained(kimi):
     """A measured figure is named with how it was measured, in the plan and on the Layout screen."""
-    from app.tui.widgets.plan_view import speed_text
+    from hybridmoe.app.tui.widgets.plan_view import speed_text
 
     measured = Memory(total_bytes=1536 * GIB, available_bytes=1536 * GIB, bandwidth_measured_bytes_per_s=400e9,
                       bandwidth_measured_note="best of 3 probes 0.1 s apart")

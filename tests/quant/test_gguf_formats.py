@@ -14,9 +14,9 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as T
 from gguf import quants as gq
 
-from backend.engine import quant
-from backend.engine.quant import QuantTensor, from_gguf, linear
-from backend.errors import UnsupportedModelError
+from hybridmoe.backend.engine import quant
+from hybridmoe.backend.engine.quant import QuantTensor, from_gguf, linear
+from hybridmoe.backend.errors import UnsupportedModelError
 
 QUANTIZABLE = [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.MXFP4]
 # byte offsets of the fp16 fields (d, dmin) inside one block

@@ -1,4 +1,4 @@
-"""GGUF files as a weight source under Hugging Face names (backend.engine.gguf_weights).
+"""GGUF files as a weight source under Hugging Face names (hybridmoe.backend.engine.gguf_weights).
 
 Tiny GGUFs are written with gguf.GGUFWriter and read back: names, shapes, values (against
 gguf-py's numpy dequantization of what was written), views into the mmap, llama.cpp's
@@ -17,9 +17,9 @@ from gguf import GGMLQuantizationType as T
 from gguf import get_tensor_name_map
 from gguf.constants import MODEL_ARCH_NAMES, MODEL_TENSORS, TENSOR_NAMES
 
-from backend.engine.gguf_weights import SUPPORTED_ARCHITECTURES, GGUFWeights, open_gguf
-from backend.engine.quant import QuantTensor
-from backend.errors import ModelError, UnsupportedModelError
+from hybridmoe.backend.engine.gguf_weights import SUPPORTED_ARCHITECTURES, GGUFWeights, open_gguf
+from hybridmoe.backend.engine.quant import QuantTensor
+from hybridmoe.backend.errors import ModelError, UnsupportedModelError
 
 from .tiny_gguf import llama_permute, rand, write_gguf
 

@@ -13,11 +13,11 @@ import urllib.request
 
 import pytest
 
-from app.server.http import ServerOptions
-from app.server.runner import ApiServer
-from app.server.shared_session import SharedSession
-from backend.engine.sampling import SamplingParams
-from backend.session import Done, Message
+from hybridmoe.app.server.http import ServerOptions
+from hybridmoe.app.server.runner import ApiServer
+from hybridmoe.app.server.shared_session import SharedSession
+from hybridmoe.backend.engine.sampling import SamplingParams
+from hybridmoe.backend.session import Done, Message
 from tests.llamacpp.conftest import checkpoint_dirs, ggufs  # noqa: F401 - tiny GGUFs for the llama.cpp tests
 
 CHAT = [Message("system", "Be brief."), Message("user", "Hello there, how are you?")]
@@ -27,9 +27,9 @@ TOKENS_LIMIT = 200
 
 
 def plan_for(path, context=CONTEXT):
-    from backend.hardware.presets import preset
-    from backend.models import inspect_model
-    from backend.plan import Workload, make
+    from hybridmoe.backend.hardware.presets import preset
+    from hybridmoe.backend.models import inspect_model
+    from hybridmoe.backend.plan import Workload, make
 
     model = inspect_model(path)
     return make(model.spec, model.inventory, preset("cpu-only"), Workload(context=context))
@@ -37,7 +37,7 @@ def plan_for(path, context=CONTEXT):
 
 @pytest.fixture(scope="package")
 def shared(tiny_chat_model):
-    from backend.engine.session import EngineBackend
+    from hybridmoe.backend.engine.session import EngineBackend
 
     session = SharedSession(EngineBackend().load(tiny_chat_model, plan_for(tiny_chat_model)))
     yield session

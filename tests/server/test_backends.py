@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from app.server.shared_session import SharedSession
-from backend.engine.sampling import SamplingParams
-from backend.errors import UsageError
-from backend.session import Done
+from hybridmoe.app.server.shared_session import SharedSession
+from hybridmoe.backend.engine.sampling import SamplingParams
+from hybridmoe.backend.errors import UsageError
+from hybridmoe.backend.session import Done
 from tests.llamacpp.conftest import make_plan
 from tests.server.conftest import CHAT, MODEL_ID, as_openai, client_for
 
@@ -24,7 +24,7 @@ def rendered(session) -> str:
 
 @pytest.fixture(scope="module")
 def llamacpp_session(ggufs):
-    from backend.llamacpp import LlamaCppBackend
+    from hybridmoe.backend.llamacpp import LlamaCppBackend
 
     path = ggufs("qwen3_moe")
     session = LlamaCppBackend().load(path, make_plan(path))

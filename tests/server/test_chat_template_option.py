@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-from app.cli import main
+from hybridmoe.app.cli import main
 
 MINE = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}[assistant]"
 
@@ -30,8 +30,8 @@ def run_json(capsys, *args) -> tuple[int, dict | None, str]:
 
 
 def test_a_corrected_template_is_used_instead_of_a_broken_one(broken_model, tmp_path, capsys):
-    from backend.engine.chat_template import ChatTemplate
-    from backend.engine.tokenizer import load_tokenizer
+    from hybridmoe.backend.engine.chat_template import ChatTemplate
+    from hybridmoe.backend.engine.tokenizer import load_tokenizer
 
     code, _, err = run_json(capsys, "-m", str(broken_model))
     assert code == 1 and "chat_template.jinja has a syntax error at line 2" in err
@@ -48,10 +48,10 @@ def test_a_corrected_template_is_used_instead_of_a_broken_one(broken_model, tmp_
 @pytest.mark.parametrize("command", ["run", "serve"])
 def test_a_bad_template_file_is_refused_before_the_model_loads(command, tiny_chat_model, tmp_path, capsys,
                                                                  monkeypatch):
-    import backend.backends
+    import hybridmoe.backend.backends
 
     loads = []
-    monkeypatch.setattr(backend.backends, "load_session", lambda *args, **kwargs: loads.append(args))
+    monkeypatch.setattr(hybridmoe.backend.backends, "load_session", lambda *args, **kwargs: loads.append(args))
     broken = tmp_path / "mine.jinja"
     broken.write_text("ok\n{% if %}", encoding="utf-8")
     for path, words in ((tmp_path / "missing.jinja", "does not exist"),

@@ -15,9 +15,9 @@ import time
 
 import pytest
 
-from app.cli import main
-from app.server.runner import bind_socket, check_exposure, is_loopback
-from backend.errors import HybridMoeError, UsageError
+from hybridmoe.app.cli import main
+from hybridmoe.app.server.runner import bind_socket, check_exposure, is_loopback
+from hybridmoe.backend.errors import HybridMoeError, UsageError
 from tests.server.conftest import get, post
 
 
@@ -43,10 +43,10 @@ def test_a_public_address_needs_an_api_key(capsys, monkeypatch):
 
 
 def test_a_port_in_use_is_one_clear_error_before_loading(tiny_chat_model, capsys, monkeypatch):
-    import backend.backends
+    import hybridmoe.backend.backends
 
     loads = []
-    monkeypatch.setattr(backend.backends, "load_session", lambda *args, **kwargs: loads.append(args))
+    monkeypatch.setattr(hybridmoe.backend.backends, "load_session", lambda *args, **kwargs: loads.append(args))
     with socket.create_server(("127.0.0.1", 0)) as taken:
         port = taken.getsockname()[1]
         with pytest.raises(HybridMoeError, match=f"cannot listen on 127.0.0.1:{port}: the port is in use"):
@@ -65,7 +65,7 @@ def test_serve_answers_requests_and_stops_cleanly_on_ctrl_c(tiny_chat_model, tmp
     env.update({var: str(tmp_path / var.lower()) for var in ("XDG_CONFIG_HOME", "XDG_DATA_HOME", "XDG_STATE_HOME",
                                                                 "XDG_CACHE_HOME")})
     process = subprocess.Popen(
-        [sys.executable, "-m", "app.cli", "serve", "-m", str(tiny_chat_model), "--port", "0", "--context", "256",
+        [sys.executable, "-m", "hybridmoe.app.cli", "serve", "-m", str(tiny_chat_model), "--port", "0", "--context", "256",
          "--max-tokens-limit", "32"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     lines: queue.Queue = queue.Queue()

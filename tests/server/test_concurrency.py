@@ -11,8 +11,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from app.server.shared_session import QueueFull, SharedSession
-from backend.session import CancelToken, Done, Message, Stats, TextPiece
+from hybridmoe.app.server.shared_session import QueueFull, SharedSession
+from hybridmoe.backend.session import CancelToken, Done, Message, Stats, TextPiece
 from tests.server.conftest import MODEL_ID, TOKENS_LIMIT, client_for, direct, post
 
 QUESTIONS = ["Hello there, how are you?", "What is a mixture of experts?", "Count to five.", "Name a colour."]
@@ -194,7 +194,7 @@ def test_retry_after_grows_with_the_queue_and_the_recent_durations():
 def test_a_closed_session_refuses_new_turns():
     shared = SharedSession(BlockingSession())
     shared.close()
-    from backend.errors import ModelError
+    from hybridmoe.backend.errors import ModelError
 
     with pytest.raises(ModelError, match="unloaded"):
         with shared.turn():
@@ -238,7 +238,7 @@ def test_a_running_turn_holds_the_process_turn_and_waiters_do_not():
     """Behind the TUI the shared session also takes the process's turn for model work, once
     its queue turn has come: a bandwidth probe meanwhile is told the model is busy, and a
     chat answer waiting in the queue holds nothing (so the two locks can never deadlock)."""
-    from app.services import Services
+    from hybridmoe.app.services import Services
 
     services = Services()
     blocking = BlockingSession()

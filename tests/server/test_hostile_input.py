@@ -9,9 +9,9 @@ import time
 
 import pytest
 
-from app.cli import main
-from app.server.runner import check_exposure, check_host
-from backend.errors import UsageError
+from hybridmoe.app.cli import main
+from hybridmoe.app.server.runner import check_exposure, check_host
+from hybridmoe.backend.errors import UsageError
 from tests.server.conftest import get, post
 
 LONE_SURROGATE = b'"a\\ud800b"'  # JSON's escape of half a UTF-16 pair: valid JSON, not Unicode text

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from app.server.shared_session import SharedSession
+from hybridmoe.app.server.shared_session import SharedSession
 from tests.convert.conftest import checkpoints, converted  # noqa: F401 - fixtures: tiny GGUFs
 from tests.engine.test_prompt_cache import (
     CHAT,

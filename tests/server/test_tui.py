@@ -8,13 +8,13 @@ import asyncio
 
 from textual.widgets import Button, Input, Static
 
-from app.server.shared_session import SharedSession
-from app.tui.app import HybridMoeApp
-from app.tui.screens.chat import ChatScreen
-from app.tui.screens.dialogs import ErrorDialog
-from app.tui.screens.server import ServerScreen
-from app.tui.widgets.chat_message import ChatMessage
-from app.tui.widgets.prompt import PromptInput
+from hybridmoe.app.server.shared_session import SharedSession
+from hybridmoe.app.tui.app import HybridMoeApp
+from hybridmoe.app.tui.screens.chat import ChatScreen
+from hybridmoe.app.tui.screens.dialogs import ErrorDialog
+from hybridmoe.app.tui.screens.server import ServerScreen
+from hybridmoe.app.tui.widgets.chat_message import ChatMessage
+from hybridmoe.app.tui.widgets.prompt import PromptInput
 from tests.server.conftest import client_for
 # The TUI tests' fixtures: an isolated home, fake services, a configured model.
 from tests.tui.conftest import configured, home, services  # noqa: F401, F811

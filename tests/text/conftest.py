@@ -20,7 +20,7 @@ from tokenizers import (
     trainers,
 )
 
-from backend.engine import tokenizer as tokenizer_module
+from hybridmoe.backend.engine import tokenizer as tokenizer_module
 
 CORPUS = [
     "Hello world! This is a tiny corpus for a tiny tokenizer. It's 2024; numbers 12345 and 3.14159.",
@@ -219,7 +219,7 @@ needs_llama_cpp = pytest.mark.skipif(not HAVE_LLAMA_CPP, reason="llama-cpp-pytho
 
 
 def llama_cpp_tokenize(gguf_path: Path, texts: list[str], add_bos: bool = False) -> list[list[int]]:
-    from backend.llamacpp.model import RawModel
+    from hybridmoe.backend.llamacpp.model import RawModel
 
     with RawModel(gguf_path, vocab_only=True) as llm:
         return [llm.tokenize(t.encode("utf-8"), add_bos=add_bos, special=True) for t in texts]

@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from backend.engine.sampling import Sampler, SamplingParams, StopStringMatcher
-from backend.errors import UsageError
+from hybridmoe.backend.engine.sampling import Sampler, SamplingParams, StopStringMatcher
+from hybridmoe.backend.errors import UsageError
 
 
 def logits_for(probs: list[float]) -> torch.Tensor:

@@ -8,7 +8,7 @@ import inspect
 
 import pytest
 
-from backend.settings import Settings
+from hybridmoe.backend.settings import Settings
 from tests.tui.fakes import FakeServices, local_model
 
 

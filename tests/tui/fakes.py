@@ -12,14 +12,14 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from app.services import Services
-from backend.errors import HybridMoeError
-from backend.hardware.overrides import apply_overrides
-from backend.hardware.presets import preset
-from backend.hub.local import LocalModel
-from backend.hub.meter import DownloadProgress
-from backend.session import Cancelled, CancelToken, Done, Progress, Stats, TextPiece
-from backend.units import GiB
+from hybridmoe.app.services import Services
+from hybridmoe.backend.errors import HybridMoeError
+from hybridmoe.backend.hardware.overrides import apply_overrides
+from hybridmoe.backend.hardware.presets import preset
+from hybridmoe.backend.hub.local import LocalModel
+from hybridmoe.backend.hub.meter import DownloadProgress
+from hybridmoe.backend.session import Cancelled, CancelToken, Done, Progress, Stats, TextPiece
+from hybridmoe.backend.units import GiB
 
 ANSWER = ["Hello", "! ", "Here ", "is ", "some ", "code:\n\n", "```python\n", "print('hi')\n", "```\n\n", "Done."]
 
@@ -134,7 +134,7 @@ class FakeDownloader:
 
 
 def _catalogue_config(repo: str) -> Path:
-    from backend.hub import catalogue
+    from hybridmoe.backend.hub import catalogue
 
     entry = catalogue.load().find(repo)
     if entry is None:
@@ -169,13 +169,13 @@ class FakeServices(Services):
         return list(self.local)
 
     def catalogue(self):
-        from backend.hub import catalogue
+        from hybridmoe.backend.hub import catalogue
 
         full = catalogue.load()
         return catalogue.Catalogue(tuple(full.find(i) for i in self.CATALOGUE_IDS), full.path)
 
     def rank_catalogue(self, hardware, workload):
-        from backend.hub import catalogue
+        from hybridmoe.backend.hub import catalogue
 
         return catalogue.rank_for(hardware, workload, catalogue=self.catalogue())
 
@@ -205,7 +205,7 @@ class FakeServices(Services):
 
 def local_model(root: Path, catalogue_id: str = "qwen3-30b-a3b", name: str | None = None) -> LocalModel:
     """A "model on disk": the catalogue's config.json copied into ``root``."""
-    from backend.hub import catalogue
+    from hybridmoe.backend.hub import catalogue
 
     entry = catalogue.load().find(catalogue_id)
     directory = Path(root) / (name or entry.repo.replace("/", "--"))

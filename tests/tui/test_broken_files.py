@@ -9,17 +9,17 @@ import struct
 
 import pytest
 
-from app.history import History, HistoryError
-from app.services import Services
-from app.tui.app import HybridMoeApp
-from app.tui.screens.chat import ChatScreen
-from app.tui.screens.dialogs import ErrorDialog
-from app.tui.screens.hardware import HardwareScreen
-from app.tui.screens.models import ModelsScreen
-from app.tui.widgets.chat_message import ChatMessage
-from app.tui.widgets.prompt import PromptInput
-from backend import settings as settings_module
-from backend.settings import Settings, settings_path
+from hybridmoe.app.history import History, HistoryError
+from hybridmoe.app.services import Services
+from hybridmoe.app.tui.app import HybridMoeApp
+from hybridmoe.app.tui.screens.chat import ChatScreen
+from hybridmoe.app.tui.screens.dialogs import ErrorDialog
+from hybridmoe.app.tui.screens.hardware import HardwareScreen
+from hybridmoe.app.tui.screens.models import ModelsScreen
+from hybridmoe.app.tui.widgets.chat_message import ChatMessage
+from hybridmoe.app.tui.widgets.prompt import PromptInput
+from hybridmoe.backend import settings as settings_module
+from hybridmoe.backend.settings import Settings, settings_path
 from tests.tui.fakes import ANSWER, FakeServices
 from tests.tui.helpers import text_of, until, until_screen
 

@@ -8,16 +8,16 @@ import types
 
 import pytest
 
-from app.history import History
-from app.state import load_state
-from app.tui.app import HybridMoeApp
-from app.tui.screens.chat import ChatScreen
-from app.tui.screens.chat_settings import ChatSettingsScreen
-from app.tui.screens.conversations import ConversationsScreen
-from app.tui.widgets.chat_message import ChatMessage
-from app.tui.widgets.prompt import PromptInput
-from app.tui.widgets.status_line import StatusLine
-from backend import settings as settings_module
+from hybridmoe.app.history import History
+from hybridmoe.app.state import load_state
+from hybridmoe.app.tui.app import HybridMoeApp
+from hybridmoe.app.tui.screens.chat import ChatScreen
+from hybridmoe.app.tui.screens.chat_settings import ChatSettingsScreen
+from hybridmoe.app.tui.screens.conversations import ConversationsScreen
+from hybridmoe.app.tui.widgets.chat_message import ChatMessage
+from hybridmoe.app.tui.widgets.prompt import PromptInput
+from hybridmoe.app.tui.widgets.status_line import StatusLine
+from hybridmoe.backend import settings as settings_module
 from textual.widgets import Checkbox, Input, Markdown, TextArea
 from tests.tui.fakes import ANSWER, FakeBackend, local_model
 from tests.tui.helpers import text_of, until, until_screen
@@ -202,7 +202,7 @@ async def test_every_action_is_in_the_command_palette(configured):
         await until_screen(pilot, app, ConversationsScreen)
         await pilot.press("escape")
         await until(pilot, lambda: app.screen is chat)
-        from app.tui.commands import ActionsProvider
+        from hybridmoe.app.tui.commands import ActionsProvider
 
         names = [name for name, _, _ in ActionsProvider(chat)._commands()]
         disabled = {"stop", "regenerate"}  # nothing to stop or regenerate yet: left out, they would do nothing
@@ -235,6 +235,6 @@ async def test_loading_shows_progress_and_can_be_cancelled(configured):
     ("```python\nunfinished", ["unfinished"]),
 ])
 def test_code_blocks(markdown, expected):
-    from app.tui.widgets.chat_message import code_blocks
+    from hybridmoe.app.tui.widgets.chat_message import code_blocks
 
     assert code_blocks(markdown) == expected

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from app.tui.app import HybridMoeApp
-from app.tui.screens.chat import ChatScreen
-from app.tui.screens.dialogs import ErrorDialog
-from app.tui.screens.setup import SetupScreen
-from backend.errors import HybridMoeError
-from backend.settings import Settings, state_dir
+from hybridmoe.app.tui.app import HybridMoeApp
+from hybridmoe.app.tui.screens.chat import ChatScreen
+from hybridmoe.app.tui.screens.dialogs import ErrorDialog
+from hybridmoe.app.tui.screens.setup import SetupScreen
+from hybridmoe.backend.errors import HybridMoeError
+from hybridmoe.backend.settings import Settings, state_dir
 from tests.tui.helpers import text_of, until, until_screen
 
 
@@ -40,10 +40,10 @@ async def test_a_bug_is_reported_briefly_and_logged(services):
 
 
 async def test_a_model_that_does_not_fit_says_so_when_loading(configured):
-    from backend.hardware.overrides import apply_overrides
-    from backend.hardware.presets import preset
+    from hybridmoe.backend.hardware.overrides import apply_overrides
+    from hybridmoe.backend.hardware.presets import preset
     from tests.tui.fakes import this_machine
-    from backend.units import GiB
+    from hybridmoe.backend.units import GiB
 
     configured.hardware = this_machine(apply_overrides(preset("cpu-only"), ram=4 * GiB))  # Qwen3-30B needs ~60 GB
     app = HybridMoeApp(configured)
@@ -57,7 +57,7 @@ async def test_a_model_that_does_not_fit_says_so_when_loading(configured):
 
 
 async def test_a_broken_settings_file_is_reported_and_defaults_are_used(services):
-    from backend.settings import settings_path
+    from hybridmoe.backend.settings import settings_path
 
     settings_path().parent.mkdir(parents=True, exist_ok=True)
     settings_path().write_text("context = 'lots'\n")
@@ -72,8 +72,8 @@ async def test_a_broken_settings_file_is_reported_and_defaults_are_used(services
 
 
 async def test_a_failed_detection_or_listing_is_not_left_saying_it_is_under_way(services):
-    from app.tui.screens.hardware import HardwareScreen
-    from app.tui.screens.models import ModelsScreen
+    from hybridmoe.app.tui.screens.hardware import HardwareScreen
+    from hybridmoe.app.tui.screens.models import ModelsScreen
 
     services.detect_error = HybridMoeError("cannot read /sys/devices", "Run it outside the sandbox.")
     app = HybridMoeApp(services)

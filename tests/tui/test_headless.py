@@ -21,7 +21,7 @@ PROMPT = "Hello!"
 
 def command(*args) -> list[str]:
     exe = shutil.which("hybridmoe")
-    return [*([exe] if exe else [sys.executable, "-m", "app.cli"]), *map(str, args)]
+    return [*([exe] if exe else [sys.executable, "-m", "hybridmoe.app.cli"]), *map(str, args)]
 
 
 def start(*args, env, stdin=subprocess.DEVNULL) -> subprocess.Popen:
@@ -93,8 +93,8 @@ def test_json_is_one_object_and_stderr_is_quiet(runs):
 
 
 def test_the_system_prompt_is_part_of_the_prompt(runs, tiny_model):
-    from backend.engine.chat_template import ChatTemplate
-    from backend.engine.tokenizer import load_tokenizer
+    from hybridmoe.backend.engine.chat_template import ChatTemplate
+    from hybridmoe.backend.engine.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(tiny_model)
     text = ChatTemplate.for_tokenizer(tokenizer).render(

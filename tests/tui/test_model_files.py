@@ -6,10 +6,10 @@ import os
 
 import pytest
 
-from app.model_files import delete_model_files, deletable
-from app.state import AppState, SetupProgress, load_state, save_state
-from backend.errors import HybridMoeError
-from backend.hub.local import LocalModel
+from hybridmoe.app.model_files import delete_model_files, deletable
+from hybridmoe.app.state import AppState, SetupProgress, load_state, save_state
+from hybridmoe.backend.errors import HybridMoeError
+from hybridmoe.backend.hub.local import LocalModel
 
 
 def _link(link, target):

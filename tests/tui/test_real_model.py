@@ -3,14 +3,14 @@ real checkpoint: nothing faked but the size of the model."""
 
 from __future__ import annotations
 
-from app.history import History
-from app.services import Services
-from app.tui.app import HybridMoeApp
-from app.tui.screens.chat import ChatScreen
-from app.tui.widgets.chat_message import ChatMessage
-from app.tui.widgets.prompt import PromptInput
-from app.tui.widgets.status_line import StatusLine
-from backend.settings import Settings, data_dir
+from hybridmoe.app.history import History
+from hybridmoe.app.services import Services
+from hybridmoe.app.tui.app import HybridMoeApp
+from hybridmoe.app.tui.screens.chat import ChatScreen
+from hybridmoe.app.tui.widgets.chat_message import ChatMessage
+from hybridmoe.app.tui.widgets.prompt import PromptInput
+from hybridmoe.app.tui.widgets.status_line import StatusLine
+from hybridmoe.backend.settings import Settings, data_dir
 from tests.tui.helpers import text_of, until
 
 
@@ -43,10 +43,10 @@ async def test_a_new_user_goes_from_the_wizard_to_an_answer(tiny_model):
     saved, loaded by the embedded engine, and answers."""
     from textual.widgets import Button, Input
 
-    from app.tui.screens.setup import SetupScreen
-    from app.tui.widgets.plan_editor import PlanEditor
-    from backend import settings as settings_module
-    from backend.plan import Plan
+    from hybridmoe.app.tui.screens.setup import SetupScreen
+    from hybridmoe.app.tui.widgets.plan_editor import PlanEditor
+    from hybridmoe.backend import settings as settings_module
+    from hybridmoe.backend.plan import Plan
 
     services = Services()
     app = HybridMoeApp(services)

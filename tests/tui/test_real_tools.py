@@ -10,20 +10,20 @@ from dataclasses import replace
 
 import psutil
 
-import backend.hardware
-from app.services import Services
-from app.state import AppState, save_state
-from app.tui.app import HybridMoeApp
-from app.tui.screens.benchmark import BenchmarkScreen
-from app.tui.screens.chat import ChatScreen
-from app.tui.screens.hardware import HardwareScreen
-from app.tui.screens.plan import PlanScreen
-from app.tui.screens.replan import ReplanDialog
-from app.tui.widgets.chat_message import ChatMessage
-from app.tui.widgets.plan_editor import PlanEditor
-from app.tui.widgets.prompt import PromptInput
-from backend.plan import ExpertStats, Plan
-from backend.settings import Settings, data_dir
+import hybridmoe.backend.hardware
+from hybridmoe.app.services import Services
+from hybridmoe.app.state import AppState, save_state
+from hybridmoe.app.tui.app import HybridMoeApp
+from hybridmoe.app.tui.screens.benchmark import BenchmarkScreen
+from hybridmoe.app.tui.screens.chat import ChatScreen
+from hybridmoe.app.tui.screens.hardware import HardwareScreen
+from hybridmoe.app.tui.screens.plan import PlanScreen
+from hybridmoe.app.tui.screens.replan import ReplanDialog
+from hybridmoe.app.tui.widgets.chat_message import ChatMessage
+from hybridmoe.app.tui.widgets.plan_editor import PlanEditor
+from hybridmoe.app.tui.widgets.prompt import PromptInput
+from hybridmoe.backend.plan import ExpertStats, Plan
+from hybridmoe.backend.settings import Settings, data_dir
 from tests.tui.helpers import text_of, until, until_screen
 
 GREEDY = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "repetition_penalty": 1.0}
@@ -106,7 +106,7 @@ async def test_measuring_the_bandwidth_waits_for_the_answer(tiny_model, monkeypa
     _configure(tiny_model, max_tokens=None, context=1024, measure_bandwidth=True)
     probes: list[bool] = []  # for each probe: was the model generating meanwhile?
     generating = threading.Event()
-    real_probe = backend.hardware.measure_host_read_bandwidth
+    real_probe = hybridmoe.backend.hardware.measure_host_read_bandwidth
 
     def watched_probe(**kwargs):
         during = generating.is_set()
@@ -114,7 +114,7 @@ async def test_measuring_the_bandwidth_waits_for_the_answer(tiny_model, monkeypa
         probes.append(during or generating.is_set())
         return result
 
-    monkeypatch.setattr(backend.hardware, "measure_host_read_bandwidth", watched_probe)
+    monkeypatch.setattr(hybridmoe.backend.hardware, "measure_host_read_bandwidth", watched_probe)
     app = HybridMoeApp(Services())
     async with app.run_test(size=(100, 40)) as pilot:
         chat = await _loaded(pilot, app)
@@ -161,7 +161,7 @@ def _bench_processes() -> list[psutil.Process]:
     found = []
     for child in psutil.Process().children(recursive=True):
         try:
-            if child.status() != psutil.STATUS_ZOMBIE and "backend.bench.generate" in " ".join(child.cmdline()):
+            if child.status() != psutil.STATUS_ZOMBIE and "hybridmoe.backend.bench.generate" in " ".join(child.cmdline()):
                 found.append(child)
         except psutil.Error:  # it ended meanwhile
             pass

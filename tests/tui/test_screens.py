@@ -6,17 +6,17 @@ import io
 
 from textual.widgets import DataTable, Input, Select
 
-from app.state import load_state
-from app.tui.app import HybridMoeApp
-from app.tui.screens.chat import ChatScreen
-from app.tui.screens.dialogs import ChoiceDialog, ConfirmDialog, TextScreen
-from app.tui.screens.hardware import HardwareScreen
-from app.tui.screens.models import ModelsScreen
-from app.tui.screens.plan import PlanScreen
-from app.tui.widgets.plan_editor import PlanEditor
-from backend import settings as settings_module
-from backend.hub.local import LocalModel
-from backend.plan import Plan
+from hybridmoe.app.state import load_state
+from hybridmoe.app.tui.app import HybridMoeApp
+from hybridmoe.app.tui.screens.chat import ChatScreen
+from hybridmoe.app.tui.screens.dialogs import ChoiceDialog, ConfirmDialog, TextScreen
+from hybridmoe.app.tui.screens.hardware import HardwareScreen
+from hybridmoe.app.tui.screens.models import ModelsScreen
+from hybridmoe.app.tui.screens.plan import PlanScreen
+from hybridmoe.app.tui.widgets.plan_editor import PlanEditor
+from hybridmoe.backend import settings as settings_module
+from hybridmoe.backend.hub.local import LocalModel
+from hybridmoe.backend.plan import Plan
 from tests.tui.helpers import text_of, until, until_screen
 
 
@@ -179,8 +179,8 @@ async def test_hardware_shows_plain_words_and_live_memory(configured):
 def test_hardware_warnings_in_plain_words():
     from dataclasses import replace
 
-    from app.tui.hardware_words import summary_lines, warnings
-    from backend.hardware.presets import preset
+    from hybridmoe.app.tui.hardware_words import summary_lines, warnings
+    from hybridmoe.backend.hardware.presets import preset
     from tests.tui.fakes import this_machine, workstation
 
     assert warnings(workstation()) == []
@@ -209,7 +209,7 @@ def _footer_problems(app, width: int) -> list[str]:
 
 
 async def test_every_main_screen_shows_its_keys_at_80_columns(configured):
-    from app.tui.widgets.prompt import PromptInput
+    from hybridmoe.app.tui.widgets.prompt import PromptInput
 
     configured.backend.delay = 0.2  # an answer long enough to look at the footer while it streams
     app = HybridMoeApp(configured)
@@ -257,9 +257,9 @@ def _plain(renderable) -> str:
 
 def _small_gpu():
     """One 24 GiB GPU: some of a 30B MoE's experts fit on it, not all."""
-    from backend.hardware.overrides import apply_overrides
-    from backend.hardware.presets import preset
-    from backend.units import GiB
+    from hybridmoe.backend.hardware.overrides import apply_overrides
+    from hybridmoe.backend.hardware.presets import preset
+    from hybridmoe.backend.units import GiB
     from tests.tui.fakes import this_machine
 
     return this_machine(apply_overrides(preset("4x RTX PRO 6000"), gpus=1, gpu_memory=24 * GiB, ram=128 * GiB))
@@ -267,8 +267,8 @@ def _small_gpu():
 
 def _skewed_usage(model_path: str, path):
     """Counts that favour the eight highest-numbered experts of every layer."""
-    from backend.models import inspect_model
-    from backend.plan import ExpertStats
+    from hybridmoe.backend.models import inspect_model
+    from hybridmoe.backend.plan import ExpertStats
 
     spec = inspect_model(model_path).spec
     n = spec.n_routed_experts
@@ -279,7 +279,7 @@ def _skewed_usage(model_path: str, path):
 
 
 async def test_replan_from_usage_compares_and_saves(configured):
-    from app.tui.screens.replan import ReplanDialog, gpu_share
+    from hybridmoe.app.tui.screens.replan import ReplanDialog, gpu_share
 
     configured.hardware = _small_gpu()
     app = HybridMoeApp(configured)
@@ -318,7 +318,7 @@ async def test_replan_from_usage_compares_and_saves(configured):
 
 
 async def test_replan_without_recorded_usage_says_how_to_record_it(configured):
-    from app.tui.screens.dialogs import ErrorDialog
+    from hybridmoe.app.tui.screens.dialogs import ErrorDialog
 
     app = HybridMoeApp(configured)
     async with app.run_test(size=(100, 40)) as pilot:
@@ -334,7 +334,7 @@ async def test_replan_without_recorded_usage_says_how_to_record_it(configured):
 
 
 async def test_the_benchmark_is_offered_from_every_screen(configured):
-    from app.tui.screens.benchmark import BenchmarkScreen
+    from hybridmoe.app.tui.screens.benchmark import BenchmarkScreen
 
     app = HybridMoeApp(configured)
     async with app.run_test(size=(80, 24)) as pilot:

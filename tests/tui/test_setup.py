@@ -4,16 +4,16 @@ from __future__ import annotations
 
 from textual.widgets import DataTable, Input
 
-from app.state import load_state
-from app.tui.app import HybridMoeApp
-from app.tui.screens.chat import ChatScreen
-from app.tui.screens.setup import SetupScreen
-from app.tui.widgets.chat_message import ChatMessage
-from app.tui.widgets.plan_editor import PlanEditor
-from app.tui.widgets.transfer import TransferPanel
-from backend import settings as settings_module
-from backend.plan import Plan
-from backend.units import GiB
+from hybridmoe.app.state import load_state
+from hybridmoe.app.tui.app import HybridMoeApp
+from hybridmoe.app.tui.screens.chat import ChatScreen
+from hybridmoe.app.tui.screens.setup import SetupScreen
+from hybridmoe.app.tui.widgets.chat_message import ChatMessage
+from hybridmoe.app.tui.widgets.plan_editor import PlanEditor
+from hybridmoe.app.tui.widgets.transfer import TransferPanel
+from hybridmoe.backend import settings as settings_module
+from hybridmoe.backend.plan import Plan
+from hybridmoe.backend.units import GiB
 from tests.tui.fakes import ANSWER, FakeServices, local_model
 from tests.tui.helpers import text_of, until
 
@@ -126,8 +126,8 @@ async def test_an_interrupted_download_resumes_after_a_restart(tmp_path):
 
 
 async def test_warnings_that_matter(tmp_path):
-    from backend.hardware.overrides import apply_overrides
-    from backend.hardware.presets import preset
+    from hybridmoe.backend.hardware.overrides import apply_overrides
+    from hybridmoe.backend.hardware.presets import preset
     from tests.tui.fakes import this_machine
 
     hardware = this_machine(apply_overrides(preset("cpu-only"), ram=2 * GiB))

@@ -11,14 +11,14 @@ import pytest
 
 pytest.importorskip("pytest_textual_snapshot")
 
-from app.tui.app import HybridMoeApp  # noqa: E402
-from app.tui.screens.chat import ChatScreen  # noqa: E402
-from app.tui.screens.models import ModelsScreen  # noqa: E402
-from app.tui.screens.plan import PlanScreen  # noqa: E402
-from app.tui.screens.setup import SetupScreen  # noqa: E402
-from app.tui.widgets.chat_message import ChatMessage  # noqa: E402
-from app.tui.widgets.plan_editor import PlanEditor  # noqa: E402
-from app.tui.widgets.prompt import PromptInput  # noqa: E402
+from hybridmoe.app.tui.app import HybridMoeApp  # noqa: E402
+from hybridmoe.app.tui.screens.chat import ChatScreen  # noqa: E402
+from hybridmoe.app.tui.screens.models import ModelsScreen  # noqa: E402
+from hybridmoe.app.tui.screens.plan import PlanScreen  # noqa: E402
+from hybridmoe.app.tui.screens.setup import SetupScreen  # noqa: E402
+from hybridmoe.app.tui.widgets.chat_message import ChatMessage  # noqa: E402
+from hybridmoe.app.tui.widgets.plan_editor import PlanEditor  # noqa: E402
+from hybridmoe.app.tui.widgets.prompt import PromptInput  # noqa: E402
 from tests.tui.helpers import until  # noqa: E402
 
 
@@ -84,7 +84,7 @@ def test_plan_screen_at_80_columns(snap_compare, configured):
 def test_hardware_screen(snap_compare, configured, monkeypatch):
     from rich.text import Text
 
-    from app.tui.screens import hardware
+    from hybridmoe.app.tui.screens import hardware
 
     # The live memory figures are this machine's and change every second: fixed ones here.
     monkeypatch.setattr(hardware, "memory_text", lambda: Text("RAM   (live figures)"))
@@ -101,7 +101,7 @@ def test_hardware_screen(snap_compare, configured, monkeypatch):
 
 
 def test_replan_from_usage_dialog(snap_compare, configured):
-    from app.tui.screens.replan import ReplanDialog
+    from hybridmoe.app.tui.screens.replan import ReplanDialog
     from tests.tui.test_screens import _skewed_usage, _small_gpu
 
     configured.hardware = _small_gpu()

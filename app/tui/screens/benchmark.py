@@ -1,6 +1,6 @@
 """The benchmark of the chat's model (`hybridmoe bench generate` in the CLI), in a dialog.
 
-backend.bench.generate measures prefill and decode tokens/s with each backend in a process
+hybridmoe.backend.bench.generate measures prefill and decode tokens/s with each backend in a process
 of its own (its memory and threads its own). Those processes load the model again, so the
 chat's copy is unloaded first: two copies of a large model would not fit. The chat loads it
 again when it is shown. Esc cancels: the running process is killed.
@@ -19,8 +19,8 @@ from textual.message import Message
 from textual.screen import ModalScreen
 from textual.widgets import Button, Label, ProgressBar, Static
 
-from app.tui.workers import ReportsWorkerErrors, WorkerFailed
-from backend.session import CancelToken, Progress
+from hybridmoe.app.tui.workers import ReportsWorkerErrors, WorkerFailed
+from hybridmoe.backend.session import CancelToken, Progress
 
 BACKEND_NAMES = {"engine": "the embedded engine", "llamacpp": "llama.cpp"}
 TICK_S = 0.5
@@ -28,7 +28,7 @@ TICK_S = 0.5
 
 def chat_screen(app):
     """The chat screen, once the chat mode has been shown (it holds the loaded model)."""
-    from app.tui.screens.chat import ChatScreen
+    from hybridmoe.app.tui.screens.chat import ChatScreen
 
     try:
         stack = app.get_screen_stack("chat")

@@ -22,18 +22,18 @@ from textual.message import Message
 from textual.screen import Screen
 from textual.widgets import Footer, Label, ProgressBar
 
-from app.history import Conversation, HistoryError, title_for
-from app.server.shared_session import SharedSession
-from app.tui.screens.chat_settings import ChatSettings, ChatSettingsScreen, sampling_params
-from app.tui.screens.conversations import ConversationsScreen
-from app.tui.widgets.chat_message import ChatMessage, code_blocks
-from app.tui.widgets.prompt import PromptInput
-from app.tui.widgets.status_line import StatusLine
-from app.tui.widgets.nav_bar import NavBar
-from app.tui.workers import ReportsWorkerErrors, WorkerFailed
-from backend.errors import HybridMoeError, PlanError
-from backend.plan import ExpertStats, Plan, Workload
-from backend.session import Cancelled, CancelToken, Done, Message as ChatTurn, Progress, TextPiece
+from hybridmoe.app.history import Conversation, HistoryError, title_for
+from hybridmoe.app.server.shared_session import SharedSession
+from hybridmoe.app.tui.screens.chat_settings import ChatSettings, ChatSettingsScreen, sampling_params
+from hybridmoe.app.tui.screens.conversations import ConversationsScreen
+from hybridmoe.app.tui.widgets.chat_message import ChatMessage, code_blocks
+from hybridmoe.app.tui.widgets.prompt import PromptInput
+from hybridmoe.app.tui.widgets.status_line import StatusLine
+from hybridmoe.app.tui.widgets.nav_bar import NavBar
+from hybridmoe.app.tui.workers import ReportsWorkerErrors, WorkerFailed
+from hybridmoe.backend.errors import HybridMoeError, PlanError
+from hybridmoe.backend.plan import ExpertStats, Plan, Workload
+from hybridmoe.backend.session import Cancelled, CancelToken, Done, Message as ChatTurn, Progress, TextPiece
 
 FINISH_NOTES = {"stop": "", "length": "stopped at the token limit", "cancelled": "stopped", "error": "failed"}
 

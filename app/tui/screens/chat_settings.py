@@ -13,7 +13,7 @@ from textual.containers import Grid, Horizontal, Vertical
 from textual.screen import ModalScreen
 from textual.widgets import Button, Checkbox, Input, Label, Static, TextArea
 
-from backend.errors import HybridMoeError
+from hybridmoe.backend.errors import HybridMoeError
 
 # (field, label, Input type); empty max_tokens / seed mean "until the model stops" / "random".
 FIELDS = (
@@ -43,10 +43,10 @@ class ChatSettings:
 
 
 def sampling_params(values: dict[str, Any]):
-    """backend.engine.sampling.SamplingParams from stored settings; raises UsageError for
+    """hybridmoe.backend.engine.sampling.SamplingParams from stored settings; raises UsageError for
     values it refuses. Imported here, not at the top: the module imports torch (seconds),
     which the app loads with the model, not at start."""
-    from backend.engine.sampling import SamplingParams
+    from hybridmoe.backend.engine.sampling import SamplingParams
 
     known = {name for name, _, _ in FIELDS}
     return SamplingParams(**{k: v for k, v in values.items() if k in known and v is not None})

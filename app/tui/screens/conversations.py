@@ -11,8 +11,8 @@ from textual.screen import ModalScreen
 from textual.widgets import Footer, Label, OptionList, Static
 from textual.widgets.option_list import Option
 
-from app.history import Conversation, History, HistoryError
-from app.tui.screens.dialogs import ConfirmDialog
+from hybridmoe.app.history import Conversation, History, HistoryError
+from hybridmoe.app.tui.screens.dialogs import ConfirmDialog
 
 
 def _when(iso: str) -> str:

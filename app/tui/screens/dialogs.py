@@ -9,7 +9,7 @@ from textual.screen import ModalScreen
 from textual.widgets import Button, Label, OptionList, Static
 from textual.widgets.option_list import Option
 
-from app.tui.errors import ErrorReport
+from hybridmoe.app.tui.errors import ErrorReport
 
 
 class ErrorDialog(ModalScreen[None]):

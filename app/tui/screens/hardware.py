@@ -13,12 +13,12 @@ from textual.message import Message
 from textual.screen import Screen
 from textual.widgets import Footer, Label, Static
 
-from app.render import hardware_text
-from app.tui.hardware_words import summary_lines, warnings
-from app.tui.screens.benchmark import open_benchmark
-from app.tui.widgets.nav_bar import NavBar
-from app.tui.workers import ReportsWorkerErrors, WorkerFailed
-from backend.units import fmt_bytes
+from hybridmoe.app.render import hardware_text
+from hybridmoe.app.tui.hardware_words import summary_lines, warnings
+from hybridmoe.app.tui.screens.benchmark import open_benchmark
+from hybridmoe.app.tui.widgets.nav_bar import NavBar
+from hybridmoe.app.tui.workers import ReportsWorkerErrors, WorkerFailed
+from hybridmoe.backend.units import fmt_bytes
 
 MEMORY_INTERVAL_S = 1.0
 BAR = 40

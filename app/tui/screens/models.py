@@ -13,16 +13,16 @@ from textual.message import Message
 from textual.screen import Screen
 from textual.widgets import DataTable, Footer, Input, Label, Static
 
-from app.model_files import deletable
-from app.tui.getting import variants
-from app.tui.screens.dialogs import ChoiceDialog, ConfirmDialog, TextScreen
-from app.tui.screens.transfer import TransferScreen
-from app.tui.widgets.transfer import Job
-from app.tui.widgets.nav_bar import NavBar
-from app.tui.workers import ReportsWorkerErrors, WorkerFailed
-from backend.hub.local import LocalModel
-from backend.plan import Workload
-from backend.units import fmt_bytes
+from hybridmoe.app.model_files import deletable
+from hybridmoe.app.tui.getting import variants
+from hybridmoe.app.tui.screens.dialogs import ChoiceDialog, ConfirmDialog, TextScreen
+from hybridmoe.app.tui.screens.transfer import TransferScreen
+from hybridmoe.app.tui.widgets.transfer import Job
+from hybridmoe.app.tui.widgets.nav_bar import NavBar
+from hybridmoe.app.tui.workers import ReportsWorkerErrors, WorkerFailed
+from hybridmoe.backend.hub.local import LocalModel
+from hybridmoe.backend.plan import Workload
+from hybridmoe.backend.units import fmt_bytes
 
 
 class ModelsScreen(ReportsWorkerErrors, Screen):
@@ -269,7 +269,7 @@ class ModelsScreen(ReportsWorkerErrors, Screen):
 
     @work(thread=True, exclusive=True, exit_on_error=False, group="inspect")
     def _inspect(self, target: str) -> None:
-        from app.render import model_text
+        from hybridmoe.app.render import model_text
 
         model = self.app.services.inspect_model(target)
         self.post_message(self.Inspected(model.spec.name, model_text(model)))

@@ -24,12 +24,12 @@ from textual.message import Message
 from textual.screen import Screen
 from textual.widgets import Footer, Static
 
-from app.tui.screens.replan import ReplanDialog
-from app.tui.widgets.nav_bar import NavBar
-from app.tui.widgets.plan_editor import PlanEditor
-from app.tui.workers import ReportsWorkerErrors
-from backend.errors import UsageError
-from backend.plan import ExpertStats, Plan, Workload
+from hybridmoe.app.tui.screens.replan import ReplanDialog
+from hybridmoe.app.tui.widgets.nav_bar import NavBar
+from hybridmoe.app.tui.widgets.plan_editor import PlanEditor
+from hybridmoe.app.tui.workers import ReportsWorkerErrors
+from hybridmoe.backend.errors import UsageError
+from hybridmoe.backend.plan import ExpertStats, Plan, Workload
 
 
 def workload_from(app) -> Workload:

@@ -17,7 +17,7 @@ from textual.containers import Horizontal, Vertical
 from textual.screen import ModalScreen
 from textual.widgets import Button, Label, Static
 
-from backend.plan import ExpertStats, Plan
+from hybridmoe.backend.plan import ExpertStats, Plan
 
 
 def gpu_share(plan: Plan, stats: ExpertStats) -> float | None:

@@ -10,9 +10,9 @@ from textual.markup import escape
 from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, Static
 
-from app.server.runner import DEFAULT_HOST, DEFAULT_PORT
-from app.tui.api_server import ChatModelServer
-from backend.errors import HybridMoeError, UsageError
+from hybridmoe.app.server.runner import DEFAULT_HOST, DEFAULT_PORT
+from hybridmoe.app.tui.api_server import ChatModelServer
+from hybridmoe.backend.errors import HybridMoeError, UsageError
 
 # Finished requests listed.
 _RECENT = 5

@@ -17,17 +17,17 @@ from textual.message import Message
 from textual.screen import Screen
 from textual.widgets import Button, ContentSwitcher, DataTable, Footer, Input, Label, Static
 
-from app.state import SetupProgress
-from app.tui.getting import job_for, parse_typed
-from app.tui.hardware_words import summary_lines, warnings
-from app.tui.widgets.plan_editor import PlanEditor
-from app.tui.widgets.transfer import Job, TransferPanel
-from app.tui.widgets.nav_bar import NavBar
-from app.tui.workers import ReportsWorkerErrors
-from backend.errors import HybridMoeError
-from backend.hub.local import LocalModel
-from backend.plan import Workload
-from backend.units import fmt_bytes
+from hybridmoe.app.state import SetupProgress
+from hybridmoe.app.tui.getting import job_for, parse_typed
+from hybridmoe.app.tui.hardware_words import summary_lines, warnings
+from hybridmoe.app.tui.widgets.plan_editor import PlanEditor
+from hybridmoe.app.tui.widgets.transfer import Job, TransferPanel
+from hybridmoe.app.tui.widgets.nav_bar import NavBar
+from hybridmoe.app.tui.workers import ReportsWorkerErrors
+from hybridmoe.backend.errors import HybridMoeError
+from hybridmoe.backend.hub.local import LocalModel
+from hybridmoe.backend.plan import Workload
+from hybridmoe.backend.units import fmt_bytes
 
 STEPS = (("hardware", "Hardware"), ("model", "Model"), ("get", "Get it"), ("layout", "Layout"), ("load", "Load"))
 

@@ -10,7 +10,7 @@ from textual.containers import Vertical
 from textual.screen import ModalScreen
 from textual.widgets import Label
 
-from app.tui.widgets.transfer import Job, TransferPanel
+from hybridmoe.app.tui.widgets.transfer import Job, TransferPanel
 
 
 class TransferScreen(ModalScreen[Path | None]):

@@ -15,11 +15,11 @@ from textual.message import Message
 from textual.widget import Widget
 from textual.widgets import Input, Label, Select, Static
 
-from app.tui.widgets.plan_view import PlanView
-from backend.errors import HybridMoeError
-from backend.hardware.profile import HardwareProfile
-from backend.plan import Plan, Workload
-from backend.plan.workload import BACKENDS, KV_BYTES_PER_ELEMENT, STRATEGIES
+from hybridmoe.app.tui.widgets.plan_view import PlanView
+from hybridmoe.backend.errors import HybridMoeError
+from hybridmoe.backend.hardware.profile import HardwareProfile
+from hybridmoe.backend.plan import Plan, Workload
+from hybridmoe.backend.plan.workload import BACKENDS, KV_BYTES_PER_ELEMENT, STRATEGIES
 
 
 class PlanEditor(Widget):
@@ -38,7 +38,7 @@ class PlanEditor(Widget):
                  machines: bool = False, **kwargs):
         super().__init__(**kwargs)
         self.services = services
-        self.model = model  # backend.models.InspectedModel
+        self.model = model  # hybridmoe.backend.models.InspectedModel
         self.this_machine = self.hardware = hardware
         # Plan for a machine to buy too (`hybridmoe plan --hardware PRESET`): the presets.
         self.machines = machines

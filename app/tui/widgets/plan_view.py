@@ -12,8 +12,8 @@ from textual.containers import Vertical, VerticalScroll
 from textual.widget import Widget
 from textual.widgets import Static
 
-from backend.plan.plan import DevicePlan, Plan
-from backend.units import fmt_bytes, fmt_rate
+from hybridmoe.backend.plan.plan import DevicePlan, Plan
+from hybridmoe.backend.units import fmt_bytes, fmt_rate
 
 BAR = 44  # characters; with the labels it fits an 80-column terminal
 

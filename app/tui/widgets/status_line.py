@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from textual.widgets import Static
 
-from backend.session import Stats
-from backend.units import fmt_bytes
+from hybridmoe.backend.session import Stats
+from hybridmoe.backend.units import fmt_bytes
 
 
 def stats_words(stats: Stats, context: int | None, main_device: str, context_used: int | None = None) -> list[str]:

@@ -18,11 +18,11 @@ from textual.message import Message
 from textual.widget import Widget
 from textual.widgets import Button, Label, ProgressBar, Static
 
-from app.tui.workers import ReportsWorkerErrors, WorkerFailed
-from backend.hub.local import LocalModel
-from backend.hub.meter import fmt_duration
-from backend.session import Cancelled, CancelToken, Progress
-from backend.units import fmt_bytes, fmt_rate
+from hybridmoe.app.tui.workers import ReportsWorkerErrors, WorkerFailed
+from hybridmoe.backend.hub.local import LocalModel
+from hybridmoe.backend.hub.meter import fmt_duration
+from hybridmoe.backend.session import Cancelled, CancelToken, Progress
+from hybridmoe.backend.units import fmt_bytes, fmt_rate
 
 STAGE_WORDS = {"download": "Downloading", "convert": "Converting", "quantize": "Quantizing"}
 

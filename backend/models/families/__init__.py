@@ -17,8 +17,8 @@ from dataclasses import replace
 from types import ModuleType
 from typing import Any
 
-from backend.errors import ModelError, UnsupportedModelError
-from backend.models.families import (
+from hybridmoe.backend.errors import ModelError, UnsupportedModelError
+from hybridmoe.backend.models.families import (
     deepseek,
     glm4_moe,
     gpt_oss,
@@ -27,7 +27,7 @@ from backend.models.families import (
     qwen2_moe,
     qwen3_moe,
 )
-from backend.models.spec import ModelSpec
+from hybridmoe.backend.models.spec import ModelSpec
 
 FAMILIES: tuple[ModuleType, ...] = (deepseek, qwen3_moe, qwen2_moe, mixtral, olmoe, gpt_oss, glm4_moe)
 

@@ -18,9 +18,9 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from backend.errors import ModelError, UnsupportedModelError
-from backend.models.formats import TORCH_DTYPES, get_format
-from backend.models.spec import ModelSpec
+from hybridmoe.backend.errors import ModelError, UnsupportedModelError
+from hybridmoe.backend.models.formats import TORCH_DTYPES, get_format
+from hybridmoe.backend.models.spec import ModelSpec
 
 _MISSING = object()
 

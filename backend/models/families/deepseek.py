@@ -13,8 +13,8 @@ import math
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from backend.errors import ModelError
-from backend.models.families.common import (
+from hybridmoe.backend.errors import ModelError
+from hybridmoe.backend.models.families.common import (
     DEEPSEEK_STYLE_MOE_KEYS,
     DecoderConfig,
     GGUFKey,
@@ -27,7 +27,7 @@ from backend.models.families.common import (
     mtp_layer_extras,
     norm,
 )
-from backend.models.spec import ModelSpec
+from hybridmoe.backend.models.spec import ModelSpec
 
 FAMILY = "deepseek"
 HF_ARCHITECTURES = (

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from backend.models.families.common import (
+from hybridmoe.backend.models.families.common import (
     DEEPSEEK_STYLE_MOE_KEYS,
     HIDDEN_PER_HEAD,
     DecoderConfig,
@@ -22,7 +22,7 @@ from backend.models.families.common import (
     gqa_attention,
     mtp_layer_extras,
 )
-from backend.models.spec import ModelSpec
+from hybridmoe.backend.models.spec import ModelSpec
 
 FAMILY = "glm4_moe"
 HF_ARCHITECTURES = ("Glm4MoeForCausalLM",)

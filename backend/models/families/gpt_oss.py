@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from backend.models.families.common import (
+from hybridmoe.backend.models.families.common import (
     HIDDEN_PER_HEAD,
     DecoderConfig,
     GGUFKey,
@@ -24,7 +24,7 @@ from backend.models.families.common import (
     gqa_attention,
     sliding_layers_from_types,
 )
-from backend.models.spec import ModelSpec
+from hybridmoe.backend.models.spec import ModelSpec
 
 FAMILY = "gpt_oss"
 HF_ARCHITECTURES = ("GptOssForCausalLM",)

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from backend.models.families.common import (
+from hybridmoe.backend.models.families.common import (
     HIDDEN_PER_HEAD,
     DecoderConfig,
     GGUFKey,
@@ -19,7 +19,7 @@ from backend.models.families.common import (
     gqa_attention,
     routed_moe,
 )
-from backend.models.spec import ModelSpec
+from hybridmoe.backend.models.spec import ModelSpec
 
 FAMILY = "mixtral"
 HF_ARCHITECTURES = ("MixtralForCausalLM",)

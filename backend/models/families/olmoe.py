@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from backend.models.families.common import (
+from hybridmoe.backend.models.families.common import (
     DecoderConfig,
     GGUFKey,
     TensorShape,
@@ -17,7 +17,7 @@ from backend.models.families.common import (
     gqa_attention,
     routed_moe,
 )
-from backend.models.spec import ModelSpec
+from hybridmoe.backend.models.spec import ModelSpec
 
 FAMILY = "olmoe"
 HF_ARCHITECTURES = ("OlmoeForCausalLM",)

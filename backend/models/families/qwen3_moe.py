@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from backend.models.families.common import (
+from hybridmoe.backend.models.families.common import (
     HIDDEN_PER_HEAD,
     DecoderConfig,
     GGUFKey,
@@ -22,7 +22,7 @@ from backend.models.families.common import (
     sparse_step_moe_layers,
     swiglu,
 )
-from backend.models.spec import ModelSpec
+from hybridmoe.backend.models.spec import ModelSpec
 
 FAMILY = "qwen3_moe"
 HF_ARCHITECTURES = ("Qwen3MoeForCausalLM",)
