@@ -14,6 +14,7 @@ import traceback
 from dataclasses import replace
 from datetime import datetime
 
+from hybridmoe.app.arguments import non_negative_int, positive_float, positive_int
 from hybridmoe.backend.errors import HybridMoeError
 from hybridmoe.backend.plan.workload import BACKENDS, KV_BYTES_PER_ELEMENT, PREFILL_RESERVE, STRATEGIES
 
@@ -263,28 +264,6 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"hybridmoe: error: {message}\n")
 
 
-def _number(kind, minimum, *, inclusive=True):
-    """An argparse type: `kind` (int or float) at least (or, not inclusive, above) `minimum`."""
-    name = "a whole number" if kind is int else "a number"
-    bound = f"{minimum} or more" if inclusive else f"above {minimum}"
-
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not {name}")
-        if value < minimum or (value == minimum and not inclusive):
-            raise argparse.ArgumentTypeError(f"{text!r} must be {bound}")
-        return value
-
-    return parse
-
-
-_positive_int = _number(int, 1)
-_non_negative_int = _number(int, 0)
-_positive_float = _number(float, 0, inclusive=False)
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="hybridmoe",
@@ -308,23 +287,23 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="choose the expert layout and estimate speed for a model on a machine")
     p.add_argument("model", help="a model directory, a .gguf file, or a config.json")
     p.add_argument("--hardware", default="this", help='"this" (default), a preset such as "4x H200 NVL", or a TOML file')
-    p.add_argument("--gpus", type=_non_negative_int, help="number of GPUs (overrides the hardware)")
+    p.add_argument("--gpus", type=non_negative_int, help="number of GPUs (overrides the hardware)")
     p.add_argument("--gpu-memory", help="memory per GPU as the driver reports it, e.g. 96GiB")
     p.add_argument("--ram", help="host RAM, e.g. 768GiB")
     p.add_argument("--host-bandwidth", help="host memory bandwidth, e.g. 1229GB/s")
-    p.add_argument("--cores", type=_positive_int, help="physical CPU cores")
+    p.add_argument("--cores", type=positive_int, help="physical CPU cores")
     p.add_argument("--no-bandwidth", action="store_true", help="skip the host bandwidth probe on this machine")
     p.add_argument("--format", help="expert storage format to assume for a bare config.json")
-    p.add_argument("--context", type=_positive_int,
+    p.add_argument("--context", type=positive_int,
                    help=f"tokens per conversation (default {DEFAULT_PLAN_CONTEXT}, or the model's maximum when that is less)")
-    p.add_argument("--users", type=_positive_int, default=1, help="concurrent conversations (default 1)")
+    p.add_argument("--users", type=positive_int, default=1, help="concurrent conversations (default 1)")
     p.add_argument("--kv-dtype", choices=list(KV_BYTES_PER_ELEMENT), default="bf16")
     p.add_argument("--prefill-reserve", choices=list(PREFILL_RESERVE), default="auto",
                    help="keep one MoE layer of experts free on each GPU for fast long prompts")
     p.add_argument("--strategy", choices=list(STRATEGIES), default="uniform")
     p.add_argument("--stats", help="expert statistics file for --strategy frequency")
     p.add_argument("--backend", choices=list(BACKENDS), default="auto")
-    p.add_argument("--target-speed", type=_positive_float, default=5.0,
+    p.add_argument("--target-speed", type=positive_float, default=5.0,
                    help="tokens/s each conversation needs; below it the plan says one machine is not enough")
     p.add_argument("--json", action="store_true")
     p.add_argument("--save", help="write the plan to FILE (.toml or .json)")
@@ -360,10 +339,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "share of host memory bandwidth, vs kt-kernel and the PyTorch path")
     p.add_argument("--shapes", nargs="+", choices=["qwen3-30b-a3b", "deepseek-v3"], help="default: both")
     p.add_argument("--formats", nargs="+", help="default: q4_0 q4_k q8_0 int4_g32")
-    p.add_argument("--tokens", nargs="+", type=_positive_int, help="tokens per call (default: 1 8 64 512)")
-    p.add_argument("--threads", type=_positive_int, help="CPU threads (default: one per physical core)")
-    p.add_argument("--seconds", type=_positive_float, default=2.0, help="time budget per measurement (default 2)")
-    p.add_argument("--deepseek-experts", type=_positive_int, default=64,
+    p.add_argument("--tokens", nargs="+", type=positive_int, help="tokens per call (default: 1 8 64 512)")
+    p.add_argument("--threads", type=positive_int, help="CPU threads (default: one per physical core)")
+    p.add_argument("--seconds", type=positive_float, default=2.0, help="time budget per measurement (default 2)")
+    p.add_argument("--deepseek-experts", type=positive_int, default=64,
                    help="experts in the DeepSeek-V3 layer (default 64 of 256, to fit in RAM)")
     p.add_argument("--no-peer", nargs="+", choices=["kt-kernel", "torch"], help="skip these comparisons")
     p.add_argument("--switch", action="store_true", help="measure the decode/prefill switch point instead")
@@ -372,11 +351,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = bench.add_parser("generate", help="end-to-end prefill and decode tokens/s and peak RAM: the engine "
                          "and llama.cpp on the same GGUF, each in its own process")
     p.add_argument("model", help="a .gguf file")
-    p.add_argument("--prompt-tokens", type=_positive_int, default=512)
-    p.add_argument("--gen-tokens", type=_positive_int, default=64)
-    p.add_argument("--threads", type=_positive_int, help="CPU threads (default: one per physical core)")
-    p.add_argument("--repeats", type=_positive_int, default=2, help="timed passes per process (after an untimed one)")
-    p.add_argument("--rounds", type=_positive_int, default=2,
+    p.add_argument("--prompt-tokens", type=positive_int, default=512)
+    p.add_argument("--gen-tokens", type=positive_int, default=64)
+    p.add_argument("--threads", type=positive_int, help="CPU threads (default: one per physical core)")
+    p.add_argument("--repeats", type=positive_int, default=2, help="timed passes per process (after an untimed one)")
+    p.add_argument("--rounds", type=positive_int, default=2,
                    help="processes per backend, the backends taking turns (a drifting machine slows both alike)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_bench_generate)

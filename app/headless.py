@@ -59,7 +59,7 @@ def user_chat_template(path: str | None):
     a context manager in which a model loads with the file's template instead of its own."""
     if path is None:
         return contextlib.nullcontext()
-    from hybridmoe.backend.engine.chat_template import read_template_file, templates_replaced_by
+    from hybridmoe.backend.text.chat_template import read_template_file, templates_replaced_by
 
     return templates_replaced_by(*read_template_file(path))
 
@@ -122,7 +122,7 @@ def cmd_run(args) -> int:
     model = inspect_model(path)
 
     from hybridmoe.backend.backends import load_session
-    from hybridmoe.backend.engine.sampling import SamplingParams
+    from hybridmoe.backend.text.sampling import SamplingParams
 
     sampling = SamplingParams(
         temperature=args.temperature,
@@ -149,7 +149,7 @@ def cmd_run(args) -> int:
     previous = signal.signal(signal.SIGINT, on_sigint)
     try:
         with chat_template:
-            session = load_session(args.backend, path, plan, progress, cancel,
+            session = load_session(args.backend, model, plan, progress, cancel,
                                    on_fallback=backend_choice.fell_back, on_choice=backend_choice.chosen)
         progress.done()
         if args.record_stats and not hasattr(session, "save_expert_stats"):
@@ -201,7 +201,7 @@ def cmd_run(args) -> int:
 
 
 def add_parser(sub) -> None:
-    from hybridmoe.app.cli import _positive_int
+    from hybridmoe.app.arguments import positive_int
     from hybridmoe.backend.plan.workload import BACKENDS
 
     p = sub.add_parser("run", help="answer one prompt (headless): the answer to stdout, progress to stderr")
@@ -220,7 +220,7 @@ def add_parser(sub) -> None:
     p.add_argument("--seed", type=int)
     p.add_argument("--stop", action="append", help="a stop string (repeatable)")
     p.add_argument("--plan", help="a saved plan (hybridmoe plan --save FILE); default: plan for this machine now")
-    p.add_argument("--context", type=_positive_int,
+    p.add_argument("--context", type=positive_int,
                    help=f"context length when no --plan is given (default {DEFAULT_CONTEXT}, or the model's maximum "
                         "when that is less)")
     p.add_argument("--backend", choices=list(BACKENDS), default="auto",

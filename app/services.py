@@ -299,10 +299,11 @@ class Services:
 
     # ---- running -----------------------------------------------------------------------------
 
-    def load_session(self, model_path: str | Path, plan: Plan, on_progress: ProgressCallback | None,
+    def load_session(self, model, plan: Plan, on_progress: ProgressCallback | None,
                      cancel: CancelToken | None, on_notice: Callable[[str], None] | None = None) -> Session:
         """A session on the backend the plan names; "auto" is the embedded engine, falling
-        back to llama.cpp when the engine cannot serve the model (``on_notice`` says so)."""
+        back to llama.cpp when the engine cannot serve the model (``on_notice`` says so).
+        ``model``: a path, or the InspectedModel the plan was made from (not read again)."""
         from hybridmoe.backend.backends import load_session
 
         from hybridmoe.backend.backends import BACKEND_NAMES
@@ -315,7 +316,7 @@ class Services:
             if on_notice is not None:
                 on_notice(f"Backend: {BACKEND_NAMES[backend]}, because {reason}.")
 
-        return load_session("auto", model_path, plan, on_progress, cancel, on_fallback=fallback, on_choice=chosen)
+        return load_session("auto", model, plan, on_progress, cancel, on_fallback=fallback, on_choice=chosen)
 
 
 def _slug(text: str) -> str:

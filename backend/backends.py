@@ -14,9 +14,11 @@ with the reason. An explicit `--backend llamacpp` is refused there with the same
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 from hybridmoe.backend.errors import UnsupportedModelError, UsageError
+from hybridmoe.backend.models.inspect import InspectedModel
 from hybridmoe.backend.plan.plan import Plan
 from hybridmoe.backend.plan.workload import BACKENDS
 from hybridmoe.backend.session import CancelToken, ProgressCallback, Session
@@ -26,7 +28,7 @@ BACKEND_NAMES = {"engine": "the embedded engine", "llamacpp": "llama.cpp"}
 
 def load_session(
     choice: str,
-    model_path,
+    model: InspectedModel | str | os.PathLike[str],
     plan: Plan,
     on_progress: ProgressCallback | None = None,
     cancel: CancelToken | None = None,
@@ -35,7 +37,9 @@ def load_session(
 ) -> Session:
     """A session on the chosen backend. ``auto`` follows the plan's own choice when it names
     one (a plan made with `hybridmoe plan --backend llamacpp` stays on llama.cpp), and tells
-    ``on_choice(backend, reason)`` so, since nothing on the command line said it."""
+    ``on_choice(backend, reason)`` so, since nothing on the command line said it. ``model`` is a
+    path, or the InspectedModel the plan was made from: handed on, its files are not resolved
+    or inspected again."""
     if choice not in BACKENDS:
         raise UsageError(f"unknown backend {choice!r}", f"Choose one of {', '.join(BACKENDS)}.")
     if choice == "auto" and plan.workload.backend != "auto":
@@ -46,11 +50,11 @@ def load_session(
         if on_choice is not None:
             on_choice(choice, reason)
     if choice == "engine":
-        return _engine().load(model_path, plan, on_progress, cancel)
+        return _engine().load(model, plan, on_progress, cancel)
     if choice == "llamacpp":
-        return _llamacpp().load(model_path, plan, on_progress, cancel)
+        return _llamacpp().load(model, plan, on_progress, cancel)
     try:
-        return _engine().load(model_path, plan, on_progress, cancel)
+        return _engine().load(model, plan, on_progress, cancel)
     except UnsupportedModelError as why:
         from hybridmoe.backend.llamacpp import LlamaCppUnavailable
 
@@ -59,7 +63,7 @@ def load_session(
         if on_fallback is not None:
             on_fallback(why)
         try:
-            return _llamacpp().load(model_path, plan, on_progress, cancel)
+            return _llamacpp().load(model, plan, on_progress, cancel)
         except LlamaCppUnavailable as missing:
             hint = f"{why.hint or ''} The llama.cpp fallback is not available: {missing}".strip()
             raise UnsupportedModelError(why.what, hint) from why

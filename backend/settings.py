@@ -23,6 +23,7 @@ import platformdirs
 import tomli_w
 
 from hybridmoe.backend.files import write_atomic
+from hybridmoe.backend.workload_choices import BACKENDS, KV_BYTES_PER_ELEMENT
 
 APP = "hybridmoe"
 
@@ -95,10 +96,6 @@ class Settings:
 
 def _allowed_values() -> dict[str, tuple[Callable[[Any], bool], str]]:
     """What a value may be beyond its type: a test, and the words that say what it must be."""
-    # Here, not at the top: hybridmoe.backend.plan imports the model formats, which the history and
-    # the other light users of this module do not need.
-    from hybridmoe.backend.plan.workload import BACKENDS, KV_BYTES_PER_ELEMENT
-
     return {
         "backend": (lambda v: v in BACKENDS, f"one of {', '.join(BACKENDS)}"),
         "context": (lambda v: 1 <= v <= MAX_CONTEXT, f"a number of tokens from 1 to {MAX_CONTEXT}"),

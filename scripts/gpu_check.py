@@ -195,7 +195,7 @@ def write_qwen3_moe(out: Path, *, layers: int, experts: int, hidden: int, inter:
 
 def build(path: Path, **kwargs):
     from hybridmoe.backend.engine.model import build_model
-    from hybridmoe.backend.engine.weights import open_weights
+    from hybridmoe.backend.formats.weights import open_weights
 
     config = json.loads((path / "config.json").read_text())
     return build_model(config, open_weights(path), **kwargs)

@@ -10,7 +10,7 @@ def tiny_chat_model(tmp_path_factory):
     """A complete tiny model a person could chat with: a random Qwen3-MoE checkpoint written
     by transformers, a byte-level BPE tokenizer trained on the fly, and a chat template
     (a few seconds, once per session)."""
-    from hybridmoe.backend.engine import tokenizer as tokenizer_module
+    from hybridmoe.backend.text import tokenizer as tokenizer_module
     from tests.engine.conftest import make_checkpoint
     from tests.text.conftest import QWEN_TEMPLATE, train_byte_level_bpe, write_hf_dir
 

@@ -160,7 +160,7 @@ def test_inline_commands_name_options_that_exist(synopsis):
 def chat_checkpoint(tmp_path_factory):
     """The tiny chat model of tests/conftest.py with experts in every layer, as the real
     Qwen3-30B-A3B has them (a dense first layer has no place in a qwen3moe GGUF)."""
-    from hybridmoe.backend.engine import tokenizer as tokenizer_module
+    from hybridmoe.backend.text import tokenizer as tokenizer_module
     from tests.engine.conftest import make_checkpoint
     from tests.text.conftest import QWEN_TEMPLATE, train_byte_level_bpe, write_hf_dir
 

@@ -9,12 +9,14 @@ normal end of a server, not a failure. A second Ctrl-C exits at once (130).
 
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 import sys
 import threading
 from pathlib import Path
 
+from hybridmoe.app.arguments import non_negative_int, positive_int
 from hybridmoe.app.server.runner import DEFAULT_HOST, DEFAULT_PORT
 
 API_KEY_VARIABLE = "HYBRIDMOE_API_KEY"
@@ -42,13 +44,13 @@ def cmd_serve(args) -> int:
     chat_template = user_chat_template(args.chat_template)
     sock = bind_socket(args.host, args.port)
     try:
-        return _load_and_serve(args, path, model_id(args.model, Path(path)), plan, api_key, sock,
+        return _load_and_serve(args, model, model_id(args.model, Path(path)), plan, api_key, sock,
                                _StderrProgress(sys.stderr.isatty()), _BackendChoice(args), CancelToken(), chat_template)
     finally:
         sock.close()  # closed by the server once it runs; here when loading failed
 
 
-def _load_and_serve(args, path, name, plan, api_key, sock, progress, backend_choice, cancel, chat_template) -> int:
+def _load_and_serve(args, model, name, plan, api_key, sock, progress, backend_choice, cancel, chat_template) -> int:
     from hybridmoe.app.server.http import ServerOptions
     from hybridmoe.app.server.runner import ApiServer
     from hybridmoe.app.server.shared_session import SharedSession
@@ -65,7 +67,7 @@ def _load_and_serve(args, path, name, plan, api_key, sock, progress, backend_cho
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         with chat_template:  # --chat-template FILE, or the model's own
-            session = load_session(args.backend, path, plan, progress, cancel, on_fallback=backend_choice.fell_back,
+            session = load_session(args.backend, model, plan, progress, cancel, on_fallback=backend_choice.fell_back,
                                    on_choice=backend_choice.chosen)
         progress.done()
         shared = SharedSession(session)
@@ -93,18 +95,13 @@ def _load_and_serve(args, path, name, plan, api_key, sock, progress, backend_cho
 
 
 def _port(text: str) -> int:
-    import argparse
-
-    from hybridmoe.app.cli import _non_negative_int
-
-    port = _non_negative_int(text)
+    port = non_negative_int(text)
     if port > 65535:
         raise argparse.ArgumentTypeError(f"{text!r} is not a TCP port (0 to 65535)")
     return port
 
 
 def add_parser(sub) -> None:
-    from hybridmoe.app.cli import _non_negative_int, _positive_int
     from hybridmoe.app.headless import CHAT_TEMPLATE_HELP, DEFAULT_CONTEXT
     from hybridmoe.backend.plan.workload import BACKENDS
 
@@ -112,7 +109,7 @@ def add_parser(sub) -> None:
     p.add_argument("-m", "--model", required=True,
                    help="a model directory, a .gguf file, or a local model's name as `hybridmoe models` lists it")
     p.add_argument("--plan", help="a saved plan (hybridmoe plan --save FILE); default: plan for this machine now")
-    p.add_argument("--context", type=_positive_int,
+    p.add_argument("--context", type=positive_int,
                    help=f"context length when no --plan is given (default {DEFAULT_CONTEXT}, or the model's maximum "
                         "when that is less)")
     p.add_argument("--backend", choices=list(BACKENDS), default="auto",
@@ -125,9 +122,9 @@ def add_parser(sub) -> None:
                    help=f"TCP port (default {DEFAULT_PORT}; 0: any free port)")
     p.add_argument("--api-key", help=f"require 'Authorization: Bearer KEY' (or set {API_KEY_VARIABLE}, "
                    "which other users cannot see in the process list)")
-    p.add_argument("--max-queue", type=_non_negative_int, default=8,
+    p.add_argument("--max-queue", type=non_negative_int, default=8,
                    help="requests that may wait while one is answered; more are refused with 429 (default 8)")
-    p.add_argument("--max-tokens-limit", type=_positive_int, default=4096,
+    p.add_argument("--max-tokens-limit", type=positive_int, default=4096,
                    help="the most tokens a request may ask for, and what it gets when it asks for none "
                    "(default 4096)")
     p.set_defaults(func=cmd_serve)

@@ -21,7 +21,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from hybridmoe.backend.engine.sampling import SamplingParams
+from hybridmoe.backend.text.sampling import SamplingParams
 from hybridmoe.backend.errors import UsageError
 from hybridmoe.backend.session import Done, Message, Stats
 

@@ -36,10 +36,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from hybridmoe.backend.bench.synthetic_experts import make_host_experts
+from hybridmoe.backend.bench.kernel_layer import SEED, make_layer, routing
 from hybridmoe.backend.engine import native_experts
 
-__all__ = ["SHAPES", "Row", "make_layer", "routing", "run", "switch_point", "format_rows"]
+__all__ = ["SHAPES", "Row", "run", "switch_point", "format_rows"]
 
 
 @dataclass(frozen=True)
@@ -57,26 +57,6 @@ SHAPES = {
 }
 DEFAULT_FORMATS = ("q4_0", "q4_k", "q8_0", "int4_g32")
 DEFAULT_TOKENS = (1, 8, 64, 512)
-SEED = 1234
-
-
-def make_layer(fmt: str, E: int, H: int, I: int, seed: int = SEED, merged: dict | None = None):
-    """The benchmark's layer: every expert on the CPU, per-expert tensors (views of merged
-    [E, out, in] ones, as a GGUF stores them). The same seed gives the same bytes."""
-    return make_host_experts(np.random.default_rng(seed), fmt, E, H, I, range(E), layout="per_expert",
-                             merged=merged)
-
-
-def routing(T: int, E: int, k: int, call: int, seed: int = SEED) -> tuple[torch.Tensor, torch.Tensor]:
-    """topk_ids [T, k] int64 and topk_weights [T, k] float32 for repeat number `call`."""
-    if T == 1:
-        ids = (torch.arange(k, dtype=torch.int64) + k * call) % E
-        ids = ids.view(1, k)
-    else:
-        rng = np.random.default_rng((seed, T, call))
-        ids = torch.from_numpy(np.argsort(rng.random((T, E)), axis=1)[:, :k].astype(np.int64))
-    w = torch.full((T, k), 1.0 / k, dtype=torch.float32)
-    return ids.contiguous(), w
 
 
 @dataclass

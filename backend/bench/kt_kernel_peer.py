@@ -26,6 +26,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from hybridmoe.backend.bench.kernel_layer import make_layer, routing
+
 RESULT_MARK = "KT_PEER_RESULT "
 LLAMAFILE_FORMATS = ("q4_0", "q8_0", "q4_k", "q5_k", "q6_k")
 
@@ -38,8 +40,6 @@ def _build(spec: dict[str, Any]):
     import kt_kernel  # noqa: F401  (loads the extension variant for this CPU)
     from kt_kernel_ext import CPUInfer, WorkerPoolConfig
     from kt_kernel_ext.moe import MOEConfig
-
-    from hybridmoe.backend.bench.kernels import make_layer
 
     E, k, H, I, fmt = spec["E"], spec["k"], spec["H"], spec["I"], spec["format"]
     merged: dict[str, Any] = {}
@@ -114,8 +114,6 @@ def _build(spec: dict[str, Any]):
 
 def run(spec: dict[str, Any]) -> dict[str, Any]:
     """Median latency (s) per token count, or the error that stopped kt-kernel."""
-    from hybridmoe.backend.bench.kernels import routing
-
     try:
         import kt_kernel
 

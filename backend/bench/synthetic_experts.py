@@ -19,7 +19,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from hybridmoe.backend.engine.experts import ExpertActivation, ExpertStore, HostExperts
-from hybridmoe.backend.engine.quant import QuantTensor, from_compressed_int4, from_gguf, from_mxfp4
+from hybridmoe.backend.formats.quant import QuantTensor, from_compressed_int4, from_gguf, from_mxfp4
 
 GGUF_FORMATS = ("q8_0", "q4_0", "q4_k", "q5_k", "q6_k", "mxfp4")
 HF_FORMATS = ("mxfp4_hf", "int4_g32")

@@ -39,8 +39,8 @@ from hybridmoe.backend.convert.hparams import gguf_arch, write_hparams
 from hybridmoe.backend.convert.tensor_plan import OutTensor, Piece, mtp_layers, plan_tensors
 from hybridmoe.backend.convert.tensor_types import BLOCK_TYPES, FILE_TYPES, QUANTS, exact_copy_type, storage_type
 from hybridmoe.backend.convert.vocab import vocab_from_hf
-from hybridmoe.backend.engine.quant import QuantTensor
-from hybridmoe.backend.engine.weights import SafetensorsWeights, WeightSource, text_model_weights
+from hybridmoe.backend.formats.quant import QuantTensor
+from hybridmoe.backend.formats.weights import SafetensorsWeights, WeightSource, text_model_weights
 from hybridmoe.backend.errors import HybridMoeError, ModelError, UsageError
 from hybridmoe.backend.files import partial_path, sweep_stale_partials
 from hybridmoe.backend.models import inspect_model

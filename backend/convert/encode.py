@@ -26,7 +26,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import quantize
 
-from hybridmoe.backend.engine.quant import QuantTensor
+from hybridmoe.backend.formats.quant import QuantTensor
 
 Q = GGMLQuantizationType
 

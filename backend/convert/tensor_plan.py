@@ -38,7 +38,7 @@ from typing import Any
 import gguf
 import torch
 
-from hybridmoe.backend.engine.quant import QuantTensor
+from hybridmoe.backend.formats.quant import QuantTensor
 from hybridmoe.backend.errors import ModelError, UnsupportedModelError
 
 Piece = torch.Tensor | QuantTensor

@@ -1,6 +1,6 @@
 """A Hugging Face tokenizer as GGUF metadata (``tokenizer.ggml.*``, ``tokenizer.chat_template``).
 
-The vocabulary is read by the engine's own loader (``hybridmoe.backend.engine.tokenizer``), which
+The vocabulary is read by the engine's own loader (``hybridmoe.backend.text.tokenizer``), which
 already understands tokenizer.json, Kimi's tiktoken rank file, the special tokens spread over
 tokenizer_config.json / generation_config.json and the chat template files. From that one
 object this module writes what llama.cpp's vocabulary loader reads:
@@ -26,7 +26,7 @@ from typing import Any
 
 import gguf
 
-from hybridmoe.backend.engine import tokenizer as engine_tokenizer
+from hybridmoe.backend.text import tokenizer as engine_tokenizer
 from hybridmoe.backend.errors import UnsupportedModelError
 
 T = gguf.TokenType

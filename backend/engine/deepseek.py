@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from hybridmoe.backend.engine.hf_config import HFConfig
+from hybridmoe.backend.engine import qwen3_moe
 from hybridmoe.backend.engine.kv_cache import LatentCache
 from hybridmoe.backend.engine.mla import MLAttention
 from hybridmoe.backend.engine.rope import softmax_scale_multiplier
@@ -25,31 +25,11 @@ from hybridmoe.backend.engine.routing import SigmoidGroupedTopK, SoftmaxGroupedG
 BUILD_OPTIONS = {"rms_eps_default": 1e-6}
 
 
-def _is_v2(cfg: HFConfig) -> bool:
-    return _scoring(cfg) == "softmax"
-
-
-def _scoring(cfg: HFConfig) -> str:
-    return str(cfg.get("scoring_func") or ("softmax" if cfg.model_type == "deepseek_v2" else "sigmoid"))
-
-
-
-def moe_layers(cfg: HFConfig) -> list[int]:
-    n = int(cfg.require("num_hidden_layers"))
-    if not cfg.n_routed_experts():
-        return []
-    first_dense = int(cfg.get("first_k_dense_replace", 0 if cfg.model_type == "deepseek_v2" else 3))
-    every = int(cfg.get("moe_layer_freq", 1))
-    return [i for i in range(n) if i >= first_dense and i % every == 0]
-
-
 def attention(b, i: int) -> MLAttention:
-    cfg = b.config
+    cfg, spec = b.config, b.spec
     h = b.hidden
-    n_heads = int(cfg.require("num_attention_heads"))
-    q_lora = cfg.get("q_lora_rank")
-    kv_lora = int(cfg.require("kv_lora_rank"))
-    nope, rope, v_dim = int(cfg.require("qk_nope_head_dim")), int(cfg.require("qk_rope_head_dim")), int(cfg.require("v_head_dim"))
+    n_heads, q_lora, kv_lora = spec.num_attention_heads, spec.q_lora_rank, spec.kv_lora_rank
+    nope, rope, v_dim = spec.qk_nope_head_dim, spec.qk_rope_head_dim, spec.v_head_dim
     p = f"model.layers.{i}.self_attn"
     if q_lora:
         q_proj = None
@@ -59,7 +39,7 @@ def attention(b, i: int) -> MLAttention:
     else:
         q_proj = b.load.linear(f"{p}.q_proj", n_heads * (nope + rope), h)
         q_a = q_a_norm = q_b = None
-    v2 = _is_v2(cfg)
+    v2 = spec.routing.scoring == "softmax"
     # V2's reference always rotates interleaved pairs in float32; V3 follows rope_interleave.
     layout = "pairs" if v2 or cfg.get("rope_interleave", True) else "halves"
     rotary = b.rotary(rope, layout=layout, float32_math=v2)
@@ -77,27 +57,33 @@ def attention(b, i: int) -> MLAttention:
     )
 
 
-def feed_forward(b, i: int):
-    cfg = b.config
-    p = f"model.layers.{i}.mlp"
-    act = str(cfg.get("hidden_act", "silu"))
-    if i not in b.moe_layers:
-        return b.load.mlp(p, b.hidden, int(cfg.require("intermediate_size")), act)
-    n_experts = cfg.n_routed_experts()
-    k = int(cfg.require("num_experts_per_tok"))
-    inter = int(cfg.require("moe_intermediate_size"))
-    gate = b.load.tensor(f"{p}.gate.weight", (n_experts, b.hidden), dtype=torch.float32)
-    n_group, topk_group = int(cfg.get("n_group", 1)), int(cfg.get("topk_group", 1))
-    if _is_v2(cfg):
-        router = SoftmaxGroupedGreedy(
-            gate, k, method=str(cfg.get("topk_method", "greedy")), n_group=n_group, topk_group=topk_group,
-            normalize=bool(cfg.get("norm_topk_prob", False)), scaling=float(cfg.get("routed_scaling_factor", 1.0)))
-    else:
-        router = SigmoidGroupedTopK(
-            gate, b.load.optional(f"{p}.gate.e_score_correction_bias", (n_experts,), dtype=torch.float32), k,
-            n_group=n_group, topk_group=topk_group, normalize=bool(cfg.get("norm_topk_prob", True)),
-            scaling=float(cfg.get("routed_scaling_factor", 2.5)))
-    n_shared = int(cfg.get("n_shared_experts", 0))
-    shared = b.load.mlp(f"{p}.shared_experts", b.hidden, inter * n_shared, act) if n_shared else None
-    return b.moe(i, p, router, n_experts, inter, shared=shared)
+def router(b, prefix: str):
+    """The router the spec's routing names: V2's softmax (greedy or group-limited), or
+    V3's sigmoid with its correction bias (GLM-4.5 routes the same way)."""
+    spec, r = b.spec, b.spec.routing
+    n_experts = spec.n_routed_experts
+    gate = b.load.tensor(f"{prefix}.gate.weight", (n_experts, b.hidden), dtype=torch.float32)
+    if r.scoring == "softmax":
+        return SoftmaxGroupedGreedy(gate, spec.experts_per_token, method=r.method, n_group=r.n_group,
+                                    topk_group=r.topk_group, normalize=r.normalize, scaling=r.scaling)
+    bias = b.load.optional(f"{prefix}.gate.e_score_correction_bias", (n_experts,), dtype=torch.float32)
+    return SigmoidGroupedTopK(gate, bias, spec.experts_per_token, n_group=r.n_group, topk_group=r.topk_group,
+                              normalize=r.normalize, scaling=r.scaling)
 
+
+def moe_with_shared_experts(b, i: int):
+    """A DeepSeek-style MoE block: the router, the routed experts and the shared experts
+    (one MLP as wide as all of them together)."""
+    spec = b.spec
+    p = f"model.layers.{i}.mlp"
+    shared = None
+    if spec.shared_intermediate_size:
+        shared = b.load.mlp(f"{p}.shared_experts", b.hidden, spec.shared_intermediate_size,
+                            str(b.config.get("hidden_act", "silu")))
+    return b.moe(i, p, router(b, p), spec.n_routed_experts, spec.moe_intermediate_size, shared=shared)
+
+
+def feed_forward(b, i: int):
+    if i not in b.moe_layers:
+        return qwen3_moe.dense_mlp(b, i)
+    return moe_with_shared_experts(b, i)

@@ -44,7 +44,7 @@ from hybridmoe.backend.engine.experts import (
     matrices_of,
     routed_groups,
 )
-from hybridmoe.backend.engine.quant import QuantTensor
+from hybridmoe.backend.formats.quant import QuantTensor
 from hybridmoe.backend.engine.streams import Edge, Marker, Worker, close_at_exit
 
 if TYPE_CHECKING:

@@ -31,9 +31,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from hybridmoe.backend.engine.int8_weights import Int8Weight, quantize_int8
+from hybridmoe.backend.formats.int8_weights import Int8Weight, quantize_int8
 from hybridmoe.backend.engine.layers import activation
-from hybridmoe.backend.engine.weights import WeightSource, dense, missing_tensor, require
+from hybridmoe.backend.formats.weights import WeightSource, dense, missing_tensor, require
 
 
 @dataclass

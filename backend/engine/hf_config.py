@@ -1,7 +1,9 @@
 """The Hugging Face text configuration as the engine reads it.
 
-The engine takes the plain dict that ``config.json`` holds (for multimodal wrappers such as
-Kimi K2.5/K2.6, its ``text_config`` part). Two vintages of that dict exist: hub checkpoints
+The model's shape (layers, heads, sliding windows, routing) is the ``ModelSpec``'s; the engine
+reads from the config dict (``ModelSpec.config``: the text part of config.json, or a GGUF's
+metadata in Hugging Face keys) only what the spec does not carry, such as rotary parameters
+and norm epsilons. Two vintages of that dict exist: hub checkpoints
 write ``rope_theta`` / ``rope_scaling`` at the top level, transformers 5 writes a
 ``rope_parameters`` dict; both are read here so that model code sees one vocabulary.
 """
@@ -12,53 +14,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from hybridmoe.backend.errors import ModelError, UnsupportedModelError
-
-# model_type (or the architecture class name) -> engine family module name.
-_FAMILIES = {
-    "deepseek_v3": "deepseek",
-    "deepseek_v2": "deepseek",
-    "kimi_k2": "deepseek",
-    "qwen3_moe": "qwen3_moe",
-    "qwen2_moe": "qwen2_moe",
-    "mixtral": "mixtral",
-    "olmoe": "olmoe",
-    "gpt_oss": "gpt_oss",
-    "glm4_moe": "glm4_moe",
-}
-_ARCHITECTURES = {
-    "DeepseekV3ForCausalLM": "deepseek",
-    "DeepseekV2ForCausalLM": "deepseek",
-    "KimiK2ForCausalLM": "deepseek",
-    "Qwen3MoeForCausalLM": "qwen3_moe",
-    "Qwen2MoeForCausalLM": "qwen2_moe",
-    "MixtralForCausalLM": "mixtral",
-    "OlmoeForCausalLM": "olmoe",
-    "GptOssForCausalLM": "gpt_oss",
-    "Glm4MoeForCausalLM": "glm4_moe",
-}
-
-
-def text_config(config: dict[str, Any]) -> dict[str, Any]:
-    """The text-model part of a config: ``text_config`` for wrappers, else the config itself."""
-    inner = config.get("text_config")
-    if isinstance(inner, dict) and "num_hidden_layers" not in config:
-        return inner
-    return config
-
-
-def family_of(config: dict[str, Any]) -> str:
-    """The engine family serving this text config, or UnsupportedModelError."""
-    model_type = config.get("model_type")
-    if model_type in _FAMILIES:
-        return _FAMILIES[model_type]
-    for arch in config.get("architectures") or ():
-        if arch in _ARCHITECTURES:
-            return _ARCHITECTURES[arch]
-    name = model_type or ", ".join(config.get("architectures") or ()) or "unknown"
-    raise UnsupportedModelError(
-        f"the embedded engine does not serve the {name} architecture",
-        "Run this model with `--backend llamacpp`.",
-    )
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from torch import nn
 
 from hybridmoe.backend.engine.layers import GatedMLP, Linear, RMSNorm
 from hybridmoe.backend.engine.native_linear import native_linear
-from hybridmoe.backend.engine.weights import WeightSource, dense, require
+from hybridmoe.backend.formats.weights import WeightSource, dense, require
 
 
 class Loader:

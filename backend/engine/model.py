@@ -21,7 +21,7 @@ from hybridmoe.backend.engine import native_experts
 from hybridmoe.backend.engine.attention import Attention
 from hybridmoe.backend.engine.cpu_decode import DecodeStep
 from hybridmoe.backend.engine.experts import ExpertActivation, ExpertStore, HostExperts, ResidentExperts
-from hybridmoe.backend.engine.hf_config import HFConfig, family_of, text_config
+from hybridmoe.backend.engine.hf_config import HFConfig
 from hybridmoe.backend.engine.hybrid import HybridOptions, attach
 from hybridmoe.backend.engine.kv_cache import KVCache, SlidingKVCache, check_span
 from hybridmoe.backend.engine.layers import GatedMLP, Linear, RMSNorm
@@ -31,7 +31,10 @@ from hybridmoe.backend.engine.mla import MLAttention
 from hybridmoe.backend.engine.moe import MoE
 from hybridmoe.backend.engine.rope import Rotary
 from hybridmoe.backend.engine.stats import ExpertRecorder
-from hybridmoe.backend.engine.weights import WeightSource, missing_tensor, require, text_model_weights
+from hybridmoe.backend.formats.weights import WeightSource, missing_tensor, require, text_model_weights
+from hybridmoe.backend.errors import UnsupportedModelError
+from hybridmoe.backend.models.families import family_for_config, spec_from_config
+from hybridmoe.backend.models.spec import SLIDING_REWIND_TOKENS, ModelSpec
 
 Placement = Mapping[int, Collection[int]]
 
@@ -54,11 +57,12 @@ class MoeTransformer(nn.Module):
     everything before them; passing an earlier start_pos rewinds.
     """
 
-    def __init__(self, *, family: str, config: HFConfig, embed: torch.Tensor, layers: list[DecoderLayer],
+    def __init__(self, *, family: str, spec: ModelSpec, config: HFConfig, embed: torch.Tensor, layers: list[DecoderLayer],
                  norm: RMSNorm, lm_head: nn.Module, recorder: ExpertRecorder, placement: dict[int, tuple[int, ...]],
                  device: torch.device, dtype: torch.dtype, max_context: int):
         super().__init__()
         self.family = family
+        self.spec = spec
         self.config = config
         self.register_buffer("embed", embed, persistent=False)
         self.layers = nn.ModuleList(layers)
@@ -136,20 +140,22 @@ class MoeTransformer(nn.Module):
 class Build:
     """What a family's layer builders share while one model is built."""
 
-    def __init__(self, config: HFConfig, weights: WeightSource, placement: dict[int, tuple[int, ...]],
+    def __init__(self, spec: ModelSpec, weights: WeightSource, placement: dict[int, tuple[int, ...]],
                  device: torch.device, dtype: torch.dtype, max_context: int, recorder: ExpertRecorder | None,
-                 *, moe_layers: Collection[int] = (), sliding_rewind: int = 0, rms_eps_default: float = 1e-6,
-                 round_norm_before_weight: bool = True):
-        self.config = config
-        self.moe_layers = frozenset(moe_layers)  # layers whose feed-forward block has routed experts
+                 *, sliding_rewind: int = 0, rms_eps_default: float = 1e-6, round_norm_before_weight: bool = True):
+        # The spec decides the model's shape (layers, heads, windows, routing); the config
+        # dict keeps what only the engine reads (rotary parameters, norm epsilons, biases).
+        self.spec = spec
+        self.config = HFConfig(spec.config)
+        self.moe_layers = frozenset(spec.moe_layers)  # layers whose feed-forward block has routed experts
         self.weights = weights
         self.load = Loader(weights, device, dtype)
         self.placement = placement
         self.device, self.dtype, self.max_context = device, dtype, max_context
         self.sliding_rewind = sliding_rewind
         self.recorder = recorder
-        self.hidden = int(config.require("hidden_size"))
-        self.eps = float(config.get("rms_norm_eps", rms_eps_default))
+        self.hidden = spec.hidden_size
+        self.eps = float(self.config.get("rms_norm_eps", rms_eps_default))
         self.round_norm_before_weight = round_norm_before_weight
         self.resident_form = "dense"  # or "int8": how main-device experts are held (ResidentExperts)
         self._memo: dict[str, Any] = {}
@@ -177,12 +183,14 @@ class Build:
                           layout=layout, float32_math=float32_math, device=self.device)
         return self.memo(f"rotary/{rotary_dim}/{layout}/{self.device}", make)
 
-    def gqa(self, i: int, *, n_heads: int, n_kv_heads: int, head_dim: int, rotary: Rotary,
-            window: int | None = None, qk_norm: str | None = None, clip_qkv: float | None = None,
+    def gqa(self, i: int, *, rotary: Rotary, qk_norm: str | None = None, clip_qkv: float | None = None,
             sinks: bool = False, o_bias: bool | None = None) -> Attention:
-        """Grouped-query attention of layer i (`qk_norm`: None, "head" or "full")."""
+        """Grouped-query attention of layer i (`qk_norm`: None, "head" or "full"), with the
+        spec's heads and, for a sliding layer, its window."""
         p = f"model.layers.{i}.self_attn"
         h = self.hidden
+        n_heads, n_kv_heads, head_dim = self.spec.num_attention_heads, self.spec.num_kv_heads, self.spec.head_dim
+        window = self.spec.window_of(i)
         q = self.load.linear(f"{p}.q_proj", n_heads * head_dim, h)
         k = self.load.linear(f"{p}.k_proj", n_kv_heads * head_dim, h)
         v = self.load.linear(f"{p}.v_proj", n_kv_heads * head_dim, h)
@@ -237,18 +245,28 @@ def _default_dtype(embed: Any) -> torch.dtype:
     return torch.bfloat16
 
 
+def _spec(config: Mapping[str, Any], name: str | None) -> ModelSpec:
+    """The spec of a config dict, read by its family; a family the registry lacks is one
+    the llama.cpp backend may still run."""
+    try:
+        family_for_config(config, "config.json")
+    except UnsupportedModelError as e:
+        raise UnsupportedModelError(e.what, "Run this model with `--backend llamacpp`.") from None
+    return spec_from_config(config, name or "model")
+
+
 def _family_module(name: str):
     return importlib.import_module(f"hybridmoe.backend.engine.{name}")
 
 
 def build_model(
-    config: dict[str, Any],
+    model: ModelSpec | Mapping[str, Any],
     weights: WeightSource,
     placement: Placement | None = None,
     device: torch.device | str | None = None,
     *,
     max_context: int = 4096,
-    sliding_rewind: int = 1024,
+    sliding_rewind: int = SLIDING_REWIND_TOKENS,
     dtype: torch.dtype | None = None,
     name: str | None = None,
     on_progress: Callable[[int, int], None] | None = None,
@@ -256,9 +274,10 @@ def build_model(
     resident_form: str = "dense",
     hybrid: HybridOptions | None = None,
 ) -> MoeTransformer:
-    """Build the model a config.json describes from `weights`.
+    """Build the model a spec (or a config.json) describes from `weights`.
 
-    config: the HF config dict (the whole config.json, or its text_config).
+    model: the ModelSpec (``inspect_model(path).spec``), or a Hugging Face config dict (the
+        whole config.json, or its text_config), read into one by the model's family.
     placement: {layer index: expert ids on the main device}; missing layers run all their
         routed experts on the CPU.
     device: the main device (default: CUDA when present, else CPU).
@@ -276,10 +295,10 @@ def build_model(
         with default options when any layer is on a GPU; never on a CPU-only model (pass
         options to run the scheduler there anyway, as the tests do).
     """
-    config = text_config(config)
-    family = family_of(config)
+    spec = model if isinstance(model, ModelSpec) else _spec(model, name)
+    family = spec.family
     module = _family_module(family)
-    cfg = HFConfig(config)
+    config = spec.config
     weights = text_model_weights(weights)
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -288,19 +307,19 @@ def build_model(
         dtype = _default_dtype(require(weights, "model.embed_tokens.weight"))
     placement = {int(k): tuple(sorted(int(e) for e in v)) for k, v in (placement or {}).items()}
 
-    n_layers = int(cfg.require("num_hidden_layers"))
-    moe_layers = module.moe_layers(cfg)
+    n_layers = spec.num_layers
+    moe_layers = list(spec.moe_layers)
     stray = sorted(layer for layer, ids in placement.items() if ids and layer not in set(moe_layers))
     if stray:
         raise ValueError(f"placement names layers {stray}, which have no routed experts (MoE layers: {moe_layers})")
-    recorder = ExpertRecorder(name or str(config.get("_name_or_path") or family), cfg.n_routed_experts(),
+    recorder = ExpertRecorder(name or str(config.get("_name_or_path") or family), spec.n_routed_experts,
                               moe_layers, placement)
     stage_of = _stages(pipeline, n_layers, device)
     device = stage_of[0][0]
-    b = Build(cfg, weights, placement, device, dtype, max_context, recorder, moe_layers=moe_layers,
-              sliding_rewind=sliding_rewind, **module.BUILD_OPTIONS)
+    b = Build(spec, weights, placement, device, dtype, max_context, recorder, sliding_rewind=sliding_rewind,
+              **module.BUILD_OPTIONS)
     b.resident_form = resident_form
-    vocab = int(cfg.require("vocab_size"))
+    vocab = spec.vocab_size
     embed = b.load.tensor("model.embed_tokens.weight", (vocab, b.hidden))
     layers = []
     for i in range(n_layers):
@@ -316,21 +335,21 @@ def build_model(
     norm = b.norm("model.norm.weight")
     if "lm_head.weight" in weights:
         lm_head = b.load.linear("lm_head", vocab, b.hidden, bias=False)
-    elif cfg.get("tie_word_embeddings", False):
+    elif spec.tie_word_embeddings:
         # The head reads the embedding table: in its stored form on a CPU main device, else
         # the embedding's own materialised tensor (no second copy).
         stored = require(weights, "model.embed_tokens.weight", (vocab, b.hidden))
         lm_head = native_linear(stored, None, b.device) or Linear(embed.to(b.device))
     else:
         raise missing_tensor(weights, "lm_head.weight")
-    model = MoeTransformer(family=family, config=cfg, embed=embed, layers=layers, norm=norm, lm_head=lm_head,
+    net = MoeTransformer(family=family, spec=spec, config=b.config, embed=embed, layers=layers, norm=norm, lm_head=lm_head,
                            recorder=recorder, placement=placement, device=device, dtype=dtype, max_context=max_context)
-    model.boundaries = {i: stage_of[i][0] for i in range(1, n_layers) if stage_of[i][1] != stage_of[i - 1][1]}
+    net.boundaries = {i: stage_of[i][0] for i in range(1, n_layers) if stage_of[i][1] != stage_of[i - 1][1]}
     if hybrid is None and any(d.type != "cpu" for d, _ in stage_of):
         hybrid = HybridOptions()
     if hybrid is not None:
-        model.scheduler = attach(model, hybrid)
-    return model
+        net.scheduler = attach(net, hybrid)
+    return net
 
 
 def _stages(pipeline, n_layers: int, device: torch.device) -> list[tuple[torch.device, int]]:

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from hybridmoe.backend.engine.quant import QuantTensor
+from hybridmoe.backend.formats.quant import QuantTensor
 
 if TYPE_CHECKING:
     from hybridmoe.backend.engine.experts import HostExperts

@@ -14,15 +14,15 @@ from pathlib import Path
 
 import torch
 
-from hybridmoe.backend.engine.chat_template import ChatTemplate
+from hybridmoe.backend.text.chat_template import ChatTemplate
 from hybridmoe.backend.engine.kv_cache import CacheRewindError
 from hybridmoe.backend.engine.model import MoeTransformer, build_model
 from hybridmoe.backend.engine.plan_layout import build_kwargs
-from hybridmoe.backend.engine.sampling import SamplingParams
-from hybridmoe.backend.engine.tokenizer import Tokenizer, load_tokenizer
-from hybridmoe.backend.engine.weights import open_weights
+from hybridmoe.backend.text.sampling import SamplingParams
+from hybridmoe.backend.text.tokenizer import Tokenizer, load_tokenizer
+from hybridmoe.backend.formats.weights import open_weights
 from hybridmoe.backend.errors import ModelError, UsageError
-from hybridmoe.backend.generation import (
+from hybridmoe.backend.text.generation import (
     Prefilled,
     common_prefix,
     host_peak_rss,
@@ -30,7 +30,7 @@ from hybridmoe.backend.generation import (
     raw_prompt_ids,
     stream,
 )
-from hybridmoe.backend.models import inspect_model
+from hybridmoe.backend.models import InspectedModel, inspected
 from hybridmoe.backend.plan.plan import Plan
 from hybridmoe.backend.session import (
     CancelToken,
@@ -45,16 +45,18 @@ from hybridmoe.backend.session import (
 class EngineBackend:
     name = "engine"
 
-    def load(self, model_path, plan: Plan, on_progress: ProgressCallback | None = None,
+    def load(self, model: InspectedModel | str | Path, plan: Plan, on_progress: ProgressCallback | None = None,
              cancel: CancelToken | None = None, *, device: str | None = None) -> EngineSession:
-        model = inspect_model(model_path)
+        """``model``: a path, or the InspectedModel the caller planned with (then its files are
+        not resolved or inspected again)."""
+        model = inspected(model)
         if model.kind == "config":
-            raise ModelError(f"{model_path} is a config.json without weights", "Download the model first (`hybridmoe pull`).")
+            raise ModelError(f"{model.path} is a config.json without weights", "Download the model first (`hybridmoe pull`).")
         spec = model.spec
         if tuple(plan.moe_layers) != tuple(spec.moe_layers) or plan.n_routed_experts != spec.n_routed_experts:
             raise UsageError(
                 f"the plan was made for {plan.model}, whose layers differ from {spec.name}",
-                f"Make a plan for this model: `hybridmoe plan {model_path} --save FILE`.",
+                f"Make a plan for this model: `hybridmoe plan {model.path} --save FILE`.",
             )
         if plan.workload.context > spec.max_context:
             raise UsageError(f"the plan's context ({plan.workload.context}) exceeds {spec.name}'s {spec.max_context} tokens")
@@ -65,8 +67,10 @@ class EngineBackend:
             if on_progress is not None:
                 on_progress(Progress("load", done, total, unit="layers", message=f"building layer {done} of {total}"))
 
-        tokenizer = load_tokenizer(model_path)
-        weights = open_weights(model_path)
+        weights = open_weights(model.load_path)
+        # A GGUF's vocabulary is read from the mapping the weights were just opened on, not by
+        # parsing the header again.
+        tokenizer = load_tokenizer(model.path, gguf_metadata=weights.metadata if model.kind == "gguf" else None)
         net = build_model(
             spec.config,
             weights,
@@ -77,7 +81,7 @@ class EngineBackend:
             on_progress=progress,
             **build_kwargs(plan, device),
         )
-        return EngineSession(net, tokenizer, ChatTemplate.for_tokenizer(tokenizer), plan, Path(model_path))
+        return EngineSession(net, tokenizer, ChatTemplate.for_tokenizer(tokenizer), plan, model.path)
 
 
 class EngineSession:

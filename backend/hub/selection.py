@@ -20,7 +20,7 @@ from pathlib import PurePosixPath
 from hybridmoe.backend.errors import ModelError, UsageError
 from hybridmoe.backend.hub import gguf_sets
 
-# Read by hybridmoe.backend.models (config), hybridmoe.backend.engine.tokenizer (tokenizer, chat template, eos
+# Read by hybridmoe.backend.models (config), hybridmoe.backend.text.tokenizer (tokenizer, chat template, eos
 # ids) and the GGUF converter (tokenizer.model, vocab.json + merges.txt for BPE models).
 CHECKPOINT_FILES = frozenset({
     "config.json",

@@ -17,7 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from hybridmoe.backend.errors import ModelError
-from hybridmoe.backend.models.gguf_reader import GGUF_MAGIC, SPLIT_NAME, GGUFError, open_gguf_set
+from hybridmoe.backend.models.gguf_reader import GGUF_MAGIC, GGUFError, open_gguf_set
+from hybridmoe.backend.models.inspect import InspectedModel
+from hybridmoe.backend.models.model_files import resolve_model_files
 from hybridmoe.backend.plan.llamacpp import EXPERT_TENSORS
 
 _EXPERT_TENSOR = re.compile(rf"^blk\.(\d+)\.{EXPERT_TENSORS}\.")
@@ -58,31 +60,28 @@ class GGUFHeader:
         return out
 
 
-def resolve_gguf(model_path: str | Path) -> Path:
-    """The GGUF file llama.cpp should open for ``model_path``: the file itself, or the one GGUF
-    model in a directory. Anything else gets a message saying what llama.cpp needs."""
-    path = Path(model_path).expanduser()
-    if not path.exists():
-        raise ModelError(f"{path} does not exist.", "Check the path.")
-    if path.is_dir():
-        if (path / "config.json").is_file() and not any(path.glob("*.gguf")):
-            raise ModelError(
-                f"{path} is a Hugging Face checkpoint; the llama.cpp backend reads GGUF files only.",
-                "Run it with `--backend engine`, or convert it to GGUF first.",
-            )
-        models = {}
-        for f in sorted(path.glob("*.gguf")):
-            if "mmproj" in f.name.lower():  # multimodal projectors are not language models
-                continue
-            m = SPLIT_NAME.match(f.name)
-            key = m.group("stem") if m else f.stem
-            if key not in models or (m and m.group("no") == "00001"):
-                models[key] = f
-        if len(models) != 1:
-            found = ", ".join(f.name for f in models.values()) or "none"
-            raise ModelError(f"{path} must hold exactly one GGUF model (found: {found}).",
-                             "Give the path of the .gguf file to use.")
-        path = next(iter(models.values()))
+def resolve_gguf(model: InspectedModel | str | Path) -> Path:
+    """The GGUF file llama.cpp should open for ``model``: the first part of the set
+    ``resolve_model_files`` chooses (llama.cpp finds the other parts from it), or of the model
+    inspected already. Anything else gets a message saying what llama.cpp needs."""
+    if isinstance(model, InspectedModel):
+        if model.kind == "gguf":
+            return model.load_path
+        model = model.path
+    path = Path(model).expanduser()
+    if path.is_file():
+        _check_magic(path)
+    found = resolve_model_files(path)
+    if found.kind != "gguf":
+        raise ModelError(
+            f"{path} is a Hugging Face checkpoint; the llama.cpp backend reads GGUF files only.",
+            "Run it with `--backend engine`, or convert it to GGUF first.",
+        )
+    return found.path
+
+
+def _check_magic(path: Path) -> None:
+    """A file given to llama.cpp is GGUF whatever its name; said in llama.cpp's terms."""
     try:
         with path.open("rb") as f:
             magic = f.read(4)
@@ -93,14 +92,10 @@ def resolve_gguf(model_path: str | Path) -> Path:
             f"{path} is not a GGUF file (it does not start with 'GGUF'); the llama.cpp backend reads GGUF files only.",
             "Give a .gguf file, or run a Hugging Face checkpoint with `--backend engine`.",
         )
-    m = SPLIT_NAME.match(path.name)
-    if m and m.group("no") != "00001":  # llama.cpp finds the other parts from the first one
-        path = path.with_name(f"{m.group('stem')}-00001-of-{m.group('count')}.gguf")
-    return path
 
 
-def read_header(model_path: str | Path) -> GGUFHeader:
-    path = resolve_gguf(model_path)
+def read_header(model: InspectedModel | str | Path) -> GGUFHeader:
+    path = resolve_gguf(model)
     try:
         files = open_gguf_set(path, allow_unknown_types=True)
     except GGUFError as exc:

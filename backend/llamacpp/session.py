@@ -34,10 +34,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hybridmoe.backend.engine.chat_template import ChatTemplate
-from hybridmoe.backend.engine.sampling import SamplingParams
+from hybridmoe.backend.text.chat_template import ChatTemplate
+from hybridmoe.backend.text.sampling import SamplingParams
 from hybridmoe.backend.errors import ModelError, UnsupportedModelError
-from hybridmoe.backend.generation import (
+from hybridmoe.backend.text.generation import (
     Prefilled,
     common_prefix,
     host_peak_rss,

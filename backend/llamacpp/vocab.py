@@ -2,7 +2,7 @@
 
 The llama.cpp backend serves files the embedded engine cannot, including vocabularies it does
 not rebuild (other pre-tokenizers, Unigram, WordPiece), so it tokenizes with llama.cpp itself.
-Its behaviour mirrors hybridmoe.backend.engine.tokenizer.Tokenizer where that is observable:
+Its behaviour mirrors hybridmoe.backend.text.tokenizer.Tokenizer where that is observable:
 
 * ``encode_prompt``: special tokens written in the rendered template are parsed as such, and
   BOS is added exactly once (templates that write ``{{ bos_token }}`` themselves get no second).

@@ -5,8 +5,10 @@ gguf-py's ``GGUFReader`` builds a numpy view for every metadata element, which t
 seconds for a 150k-token vocabulary; this reader walks the header once (a string array costs
 one ``struct`` call per element) and decodes arrays only when asked for them, so opening any
 GGUF takes a small fraction of a second. Everything that reads GGUF headers uses it:
-``gguf_files`` (inspection), ``engine.gguf_weights`` (weights), ``engine.tokenizer``
-(vocabularies) and ``llamacpp.header`` (the llama.cpp backend's checks).
+``gguf_files`` (inspection), ``formats.gguf_weights`` (weights, whose mapping also gives the
+engine's tokenizer its vocabulary), ``text.tokenizer`` (vocabularies of a bare GGUF) and
+``llamacpp.header`` (the llama.cpp backend's checks). Which file a path means is not decided
+here but in ``model_files.resolve_model_files``.
 
 Layout (versions 2 and 3, which differ only in that 3 may be big-endian)::
 

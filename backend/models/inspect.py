@@ -2,12 +2,13 @@
 
 Accepts a checkpoint directory (config.json + safetensors shards), a GGUF file (the first
 or any part of a split set), a directory holding one GGUF model, or a bare config.json
-(planning before the download). Reads headers and metadata only, never tensor data.
+(planning before the download); which file a path means is decided by
+``model_files.resolve_model_files``, the rule every loader follows. Reads headers and metadata
+only, never tensor data.
 """
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 from dataclasses import dataclass, replace
@@ -19,6 +20,7 @@ from hybridmoe.backend.models.families import spec_from_config, spec_from_gguf
 from hybridmoe.backend.models.formats import SAFETENSORS_DTYPES, get_format
 from hybridmoe.backend.models.gguf_files import SPLIT_NAME, read_gguf
 from hybridmoe.backend.models.inventory import TensorClass, TensorInventory
+from hybridmoe.backend.models.model_files import ModelFiles, resolve_model_files
 from hybridmoe.backend.models.safetensors_files import TensorRecord, read_checkpoint
 from hybridmoe.backend.models.spec import ModelSpec
 from hybridmoe.backend.models.tensors import (
@@ -29,9 +31,6 @@ from hybridmoe.backend.models.tensors import (
     inventory_from_records,
 )
 
-GGUF_MAGIC = b"GGUF"
-
-
 @dataclass(frozen=True)
 class InspectedModel:
     spec: ModelSpec
@@ -39,6 +38,19 @@ class InspectedModel:
     path: Path  # what was inspected, as given
     kind: str  # "safetensors", "gguf" or "config"
     files: tuple[Path, ...]  # weight files read (the config file for kind "config")
+
+    @property
+    def load_path(self) -> Path:
+        """What a loader opens: the first part of the GGUF set, the checkpoint folder, or the
+        config.json (``resolve_model_files`` chose it; a loader never chooses again)."""
+        return self.path if self.kind == "safetensors" else self.files[0]
+
+
+def inspected(model: InspectedModel | str | os.PathLike[str]) -> InspectedModel:
+    """``model`` itself if it was inspected already, else the inspection of the path. The
+    backends take either: a command that inspected the model to plan it hands it on, so its
+    headers are not read a second time."""
+    return model if isinstance(model, InspectedModel) else inspect_model(model)
 
 
 def inspect_model(path: str | os.PathLike[str], *, expert_format: str | None = None,
@@ -76,33 +88,13 @@ def _denying_folder(path: Path) -> Path:
     return path
 
 
-def _not_found(p: Path) -> ModelError:
-    """Why ``p`` cannot be opened: absent, a broken symbolic link, or a loop of links."""
-    hint = "Give a model folder (with config.json), a .gguf file or a config.json."
-    if p.is_symlink():
-        try:
-            os.stat(p)
-        except OSError as exc:
-            if exc.errno == errno.ELOOP:
-                return ModelError(f"{p} is a loop of symbolic links: following it never reaches a file or folder.",
-                                  f"Point the link at the model (ln -sfn MODEL {p}), or give the model's own path.")
-        return ModelError(f"{p} is a symbolic link to {os.readlink(p)}, which does not exist.", hint)
-    return ModelError(f"{p} does not exist.", hint)
-
-
 def _inspect_path(p: Path, expert_format: str | None, other_format: str | None) -> InspectedModel:
-    if not p.exists():
-        raise _not_found(p)
-    if p.is_dir():
-        if (p / "config.json").is_file():
-            return _inspect_checkpoint(p, expert_format, other_format)
-        return _inspect_gguf(_gguf_in_directory(p), expert_format, other_format, given=p)
-    if p.suffix.lower() == ".gguf" or _starts_with_gguf_magic(p):
-        return _inspect_gguf(p, expert_format, other_format, given=p)
-    if p.suffix.lower() == ".json":
-        return _inspect_config(p, expert_format, other_format)
-    raise ModelError(f"{p} is neither a model folder, a .gguf file nor a config.json.",
-                     "Give a model folder (with config.json), a .gguf file or a config.json.")
+    found = resolve_model_files(p)
+    if found.kind == "gguf":
+        return _inspect_gguf(found, expert_format, other_format, given=p)
+    if found.kind == "safetensors":
+        return _inspect_checkpoint(found.path, expert_format, other_format)
+    return _inspect_config(found.path, expert_format, other_format, given=p)
 
 
 def load_config(path: Path) -> dict[str, Any]:
@@ -144,11 +136,13 @@ def _resized(spec: ModelSpec, inventory: TensorInventory, expert_format: str | N
     return replace(resized, files=inventory.files, notes=resized.notes + (note,))
 
 
-def _inspect_config(path: Path, expert_format: str | None, other_format: str | None) -> InspectedModel:
+def _inspect_config(path: Path, expert_format: str | None, other_format: str | None, *, given: Path) -> InspectedModel:
+    """A bare config.json, or a folder holding only one (planning before the download): sized
+    from the config as the published checkpoint holds it."""
     config = load_config(path)
     spec = spec_from_config(config, model_name(path, config), source=str(path))
     inventory = inventory_from_config(spec, expert_format=expert_format, other_format=other_format)
-    return InspectedModel(spec, inventory, path, "config", (path,))
+    return InspectedModel(spec, inventory, given, "config", (path,))
 
 
 def _inspect_checkpoint(directory: Path, expert_format: str | None, other_format: str | None) -> InspectedModel:
@@ -156,12 +150,6 @@ def _inspect_checkpoint(directory: Path, expert_format: str | None, other_format
     config = load_config(config_path)
     spec = spec_from_config(config, model_name(directory, config), source=str(config_path))
     files, records = read_checkpoint(directory)
-    if not files and any(directory.glob("*.gguf")):
-        return _inspect_gguf(_gguf_in_directory(directory), expert_format, other_format, given=directory)
-    if not files:
-        # Only the config is here (planning before the download): size it from the config.
-        inventory = inventory_from_config(spec, expert_format=expert_format, other_format=other_format)
-        return InspectedModel(spec, inventory, directory, "config", (config_path,))
     spec = _with_stored_float_formats(spec, records)
     inventory = inventory_from_records(records, spec, source="safetensors", files=[str(f) for f in files])
     check_complete(spec, records, str(directory))
@@ -193,37 +181,9 @@ def _with_stored_float_formats(spec: ModelSpec, records: list[TensorRecord]) -> 
     )
 
 
-def _starts_with_gguf_magic(path: Path) -> bool:
-    try:
-        with open(path, "rb") as fh:
-            return fh.read(4) == GGUF_MAGIC
-    except OSError:
-        return False
-
-
-def _gguf_in_directory(directory: Path) -> Path:
-    """The one GGUF model in a folder: a single file or the first part of a split set;
-    multimodal projector files (mmproj) are not models."""
-    candidates: dict[str, Path] = {}
-    for f in sorted(directory.glob("*.gguf")):
-        if "mmproj" in f.name.lower():
-            continue
-        m = SPLIT_NAME.match(f.name)
-        key = m.group("stem") if m else f.stem
-        if key not in candidates or (m and m.group("no") == "00001"):
-            candidates[key] = f
-    if not candidates:
-        raise ModelError(f"{directory} holds neither config.json nor a .gguf file.",
-                         "Give the folder a model was downloaded into, or the model file itself.")
-    if len(candidates) > 1:
-        names = ", ".join(p.name for p in candidates.values())
-        raise ModelError(f"{directory} holds several GGUF models ({names}).",
-                         "Give the path of the one to use.")
-    return next(iter(candidates.values()))
-
-
-def _inspect_gguf(path: Path, expert_format: str | None, other_format: str | None, *, given: Path) -> InspectedModel:
-    contents = read_gguf(path)
+def _inspect_gguf(found: ModelFiles, expert_format: str | None, other_format: str | None, *,
+                  given: Path) -> InspectedModel:
+    contents = read_gguf(found.path)
     first = contents.files[0]
     name = contents.metadata.get("general.name")
     if not isinstance(name, str) or not name:

@@ -10,6 +10,33 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+# Positions a sliding-window layer's cache keeps beyond its window, so that a conversation can
+# be rewound that far (regenerating an answer) without a new prefill. The engine allocates
+# them and the planner counts them (docs/sizing.md §2).
+SLIDING_REWIND_TOKENS = 1024
+
+
+@dataclass(frozen=True)
+class Routing:
+    """How a MoE layer's router chooses its experts and weighs them, as transformers does.
+
+    scoring: "softmax" over all experts, "sigmoid" per expert, or "topk_softmax" (softmax
+        over the top k logits only: GPT-OSS).
+    method: "greedy" (top k of all experts), "group_limited_greedy" (DeepSeek-V2: only the
+        topk_group groups with the best single expert are eligible) or "noaux_tc"
+        (DeepSeek-V3, GLM-4.5: a per-expert correction bias enters the choice, groups score
+        their two best experts).
+    normalize: the chosen weights are renormalised to sum to one.
+    scaling: routed_scaling_factor, multiplied into the weights.
+    """
+
+    scoring: str = "softmax"
+    method: str = "greedy"
+    n_group: int = 1
+    topk_group: int = 1
+    normalize: bool = False
+    scaling: float = 1.0
+
 
 @dataclass(frozen=True)
 class ModelSpec:
@@ -42,6 +69,7 @@ class ModelSpec:
     # Sliding-window attention: layers listed here keep at most `sliding_window` tokens.
     sliding_window: int | None = None
     sliding_layers: tuple[int, ...] = ()
+    routing: Routing = Routing()
     n_mtp_layers: int = 0  # multi-token-prediction / NextN layers (not loaded for chat)
     has_vision: bool = False
     vision_params: int = 0  # estimated weights of the vision tower + projector (from vision_config)
@@ -72,13 +100,20 @@ class ModelSpec:
             return (self.kv_lora_rank + self.qk_rope_head_dim) * bytes_per_element
         return 2 * self.num_kv_heads * self.head_dim * bytes_per_element
 
+    def window_of(self, layer: int) -> int | None:
+        """The sliding window of `layer`, or None when it attends to the whole context."""
+        return self.sliding_window if self.sliding_window and layer in self.sliding_layers else None
+
+    def kv_tokens(self, layer: int, context: int) -> int:
+        """Token slots `layer`'s cache holds for a conversation of `context` tokens: all of
+        them, or for a sliding-window layer its window and the rewind margin."""
+        window = self.window_of(layer)
+        return context if window is None else min(context, window + SLIDING_REWIND_TOKENS)
+
     def kv_bytes(self, context: int, bytes_per_element: float = 2.0) -> float:
         """KV cache bytes for one conversation of `context` tokens."""
         per_layer = self.kv_bytes_per_token_per_layer(bytes_per_element)
-        n_sliding = len(self.sliding_layers) if self.sliding_window else 0
-        full = (self.num_layers - n_sliding) * per_layer * context
-        sliding = n_sliding * per_layer * min(context, self.sliding_window or context)
-        return full + sliding
+        return per_layer * sum(self.kv_tokens(i, context) for i in range(self.num_layers))
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

@@ -88,10 +88,7 @@ class _Planner:
         return self.attn_l + (self.moe_fixed_l if layer in self.moe else self.dense_l)
 
     def kv_layer(self, layer: int, users: int) -> float:
-        tokens = self.wl.context
-        if self.spec.sliding_window and layer in self.spec.sliding_layers:
-            tokens = min(tokens, self.spec.sliding_window)
-        return users * tokens * self.kv_layer_token
+        return users * self.spec.kv_tokens(layer, self.wl.context) * self.kv_layer_token
 
     # ---- the plan ------------------------------------------------------------------------------
 

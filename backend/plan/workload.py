@@ -6,15 +6,13 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from hybridmoe.backend.errors import UsageError
-
-# Bytes one cached element takes. q8_0 is llama.cpp's 8-bit cache: 32 int8 + one fp16 scale.
-KV_BYTES_PER_ELEMENT = {"bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "q8_0": 34 / 32}
-STRATEGIES = ("uniform", "frequency", "cpu-only")
-BACKENDS = ("auto", "engine", "llamacpp")
-PREFILL_RESERVE = ("auto", "on", "off")
-# How routed experts are held on a GPU: "auto" (dense when every routed expert fits that way,
-# else int8, which fits twice as many), "dense" (the compute dtype) or "int8" (weight-only).
-GPU_EXPERT_FORMS = ("auto", "dense", "int8")
+from hybridmoe.backend.workload_choices import (
+    BACKENDS,
+    GPU_EXPERT_FORMS,
+    KV_BYTES_PER_ELEMENT,
+    PREFILL_RESERVE,
+    STRATEGIES,
+)
 
 
 @dataclass(frozen=True)

@@ -196,7 +196,7 @@ def build_checkpoint(directory: Path, family: str, *, seed: int = 0, dtype=torch
                      overrides: dict | None = None) -> Checkpoint:
     import transformers
 
-    from hybridmoe.backend.engine.tokenizer import _GPT4O, _LLAMA3
+    from hybridmoe.backend.text.tokenizer import _GPT4O, _LLAMA3
 
     sentencepiece = family == "mixtral"
     if sentencepiece:

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from hybridmoe.backend.engine.model import build_model
-from hybridmoe.backend.engine.weights import open_weights
+from hybridmoe.backend.formats.weights import open_weights
 from hybridmoe.backend.models import inspect_model
 from tests.convert.conftest import llama_greedy, llama_logits, open_llama
 

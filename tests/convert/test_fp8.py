@@ -28,8 +28,8 @@ def _to_fp8_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def test_fp8_block_checkpoint(tmp_path):
     from hybridmoe.backend.convert import to_gguf
-    from hybridmoe.backend.engine.gguf_weights import open_gguf
-    from hybridmoe.backend.engine.quant import from_fp8_block
+    from hybridmoe.backend.formats.gguf_weights import open_gguf
+    from hybridmoe.backend.formats.quant import from_fp8_block
 
     directory = tmp_path / "ds_fp8"
     build_checkpoint(directory, "deepseek_v3", seed=5)

@@ -57,7 +57,7 @@ def test_nextn_layer_is_kept_and_skipped(with_nextn, converted, tmp_path):
 
     from hybridmoe.backend.convert import to_gguf
     from hybridmoe.backend.engine.model import build_model
-    from hybridmoe.backend.engine.weights import open_weights
+    from hybridmoe.backend.formats.weights import open_weights
     from hybridmoe.backend.models import inspect_model
 
     path = to_gguf(with_nextn, tmp_path / "glm.gguf", "bf16")

@@ -149,7 +149,7 @@ def test_engine_runs_the_mxfp4_gguf_as_the_checkpoint(released, tmp_path):
     agrees with llama.cpp on the file."""
     from hybridmoe.backend.convert import to_gguf
     from hybridmoe.backend.engine.model import build_model
-    from hybridmoe.backend.engine.weights import open_weights
+    from hybridmoe.backend.formats.weights import open_weights
     from hybridmoe.backend.models import inspect_model
 
     directory, _, _ = released

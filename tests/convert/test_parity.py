@@ -80,7 +80,7 @@ def gguf_tensor_as_hf(g, name: str) -> torch.Tensor | None:
 
     GPT-OSS's fused experts are rebuilt from llama.cpp's separate ones: gate and up
     interleaved by row again, and transposed back to transformers' [E, in, out]."""
-    from hybridmoe.backend.engine.weights import dense
+    from hybridmoe.backend.formats.weights import dense
 
     if name in g:
         return dense(g.get(name), torch.float32).clone()
@@ -108,7 +108,7 @@ def dequantized_reference(checkpoint, gguf_path: Path, tmp: Path) -> torch.nn.Mo
     import transformers
     from safetensors import safe_open
 
-    from hybridmoe.backend.engine.gguf_weights import open_gguf
+    from hybridmoe.backend.formats.gguf_weights import open_gguf
 
     state = {}
     with safe_open(str(checkpoint.path / "model.safetensors"), "pt") as f, open_gguf(gguf_path) as g:
@@ -157,8 +157,8 @@ def test_quantization_error_is_bounded(family, quant, bound, checkpoints, conver
     """The quantized weights stay close to the originals (relative RMS error per tensor)."""
     from safetensors import safe_open
 
-    from hybridmoe.backend.engine.gguf_weights import open_gguf
-    from hybridmoe.backend.engine.weights import dense
+    from hybridmoe.backend.formats.gguf_weights import open_gguf
+    from hybridmoe.backend.formats.weights import dense
 
     ck = checkpoints(family)
     worst = 0.0
@@ -190,7 +190,7 @@ def test_tokenization_matches_hf(family, checkpoints, converted):
 
 def test_metadata(checkpoints, converted):
     """Keys llama.cpp and the engine read: MLA sizes, routing, vocabulary, chat template."""
-    from hybridmoe.backend.engine.tokenizer import read_gguf_metadata
+    from hybridmoe.backend.text.tokenizer import read_gguf_metadata
 
     meta = read_gguf_metadata(converted("deepseek_v3", "bf16"))
     cfg = checkpoints("deepseek_v3").model.config
@@ -219,7 +219,7 @@ def test_metadata(checkpoints, converted):
 
 def test_glm_metadata(checkpoints, converted):
     """GLM-4.5's keys as llama.cpp's glm4moe loader reads them; its turn tokens and template."""
-    from hybridmoe.backend.engine.tokenizer import read_gguf_metadata
+    from hybridmoe.backend.text.tokenizer import read_gguf_metadata
     from tests.convert.conftest import GLM_TEMPLATE
 
     meta = read_gguf_metadata(converted("glm4_moe", "bf16"))
@@ -249,7 +249,7 @@ def test_glm_metadata(checkpoints, converted):
 
 def test_gpt_oss_metadata(checkpoints, converted):
     """GPT-OSS's keys as llama.cpp's gpt-oss loader reads them; harmony's tokens and template."""
-    from hybridmoe.backend.engine.tokenizer import read_gguf_metadata
+    from hybridmoe.backend.text.tokenizer import read_gguf_metadata
     from tests.convert.conftest import HARMONY_TEMPLATE
 
     meta = read_gguf_metadata(converted("gpt_oss", "bf16"))
@@ -278,7 +278,7 @@ def test_engine_reads_the_gguf_like_the_checkpoint(checkpoints, converted):
     attn_k_b/attn_v_b, and GPT-OSS's experts and biases (de-interleaved in the file)."""
     from safetensors import safe_open
 
-    from hybridmoe.backend.engine.gguf_weights import open_gguf
+    from hybridmoe.backend.formats.gguf_weights import open_gguf
 
     for family in ("mixtral", "deepseek_v3", "glm4_moe", "gpt_oss"):
         ck = checkpoints(family)
@@ -300,7 +300,7 @@ def test_engine_decodes_the_gguf_as_transformers_does(family, quant, checkpoints
     rounded to 8 bits for quantized matmuls as llama.cpp does), against transformers running
     the weights the file holds, with the tolerances llama.cpp gets in the same comparison."""
     from hybridmoe.backend.engine.model import build_model
-    from hybridmoe.backend.engine.weights import open_weights
+    from hybridmoe.backend.formats.weights import open_weights
     from hybridmoe.backend.models import inspect_model
 
     ck = checkpoints(family, True)  # every expert chosen: no rounding-flipped top-k

@@ -16,7 +16,7 @@ from tests.convert.conftest import train_byte_level_bpe
 
 
 def _byte_decoder() -> dict[str, int]:
-    from hybridmoe.backend.engine.tokenizer import _bytes_to_unicode
+    from hybridmoe.backend.text.tokenizer import _bytes_to_unicode
 
     return {c: b for b, c in _bytes_to_unicode().items()}
 

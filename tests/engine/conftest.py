@@ -142,7 +142,7 @@ def references():
 def engine(path: Path, config: dict | None = None, **kwargs):
     """The engine's model for a checkpoint directory (config.json unless `config` is given)."""
     from hybridmoe.backend.engine.model import build_model
-    from hybridmoe.backend.engine.weights import open_weights
+    from hybridmoe.backend.formats.weights import open_weights
 
     kwargs.setdefault("max_context", 64)
     return build_model(config or load_config(path), open_weights(path), **kwargs)

@@ -9,7 +9,7 @@ import torch
 
 from hybridmoe.backend.engine.model import build_model
 from hybridmoe.backend.engine.routing import SoftmaxGroupedGreedy
-from hybridmoe.backend.engine.weights import open_weights
+from hybridmoe.backend.formats.weights import open_weights
 from hybridmoe.backend.models import inspect_model
 from hybridmoe.backend.models.families.deepseek import config_from_gguf
 from tests.engine.conftest import FAMILIES, _randomise

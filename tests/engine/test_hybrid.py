@@ -113,7 +113,7 @@ def test_streamed_prefill_equals_the_cpu_only_path(family, checkpoints):
 def test_slot_layout_round_trips_every_stored_form(checkpoints):
     """Plain tensors and quant objects (parts with their own dtypes) come back as equal views,
     each part at an aligned offset."""
-    from hybridmoe.backend.engine.quant import QuantTensor
+    from hybridmoe.backend.formats.quant import QuantTensor
 
     model = engine(checkpoints("qwen3_moe"))
     stored = _moe_layers(model)[0].host.store.stored(3)

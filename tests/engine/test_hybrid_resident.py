@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from hybridmoe.backend.engine.experts import ExpertMatrices, experts_forward
 from hybridmoe.backend.engine.hybrid import HybridOptions, options_from_plan
-from hybridmoe.backend.engine.int8_weights import Int8Weight, quantize_int8
+from hybridmoe.backend.formats.int8_weights import Int8Weight, quantize_int8
 from hybridmoe.backend.engine.moe import MoE
 from hybridmoe.backend.engine.plan_layout import build_kwargs
 from hybridmoe.backend.hardware.profile import CPU, GPU, HardwareProfile, Memory

@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hybridmoe.backend.engine import int8_weights
-from hybridmoe.backend.engine.int8_weights import (
+from hybridmoe.backend.formats import int8_weights
+from hybridmoe.backend.formats.int8_weights import (
     int8pack_cpu_reads_correctly,
     int8pack_cuda_reads_correctly,
     quantize_int8,

@@ -20,7 +20,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybridmoe.backend.engine.sampling import SamplingParams
+from hybridmoe.backend.text.sampling import SamplingParams
 from hybridmoe.backend.engine.session import EngineBackend, EngineSession
 from hybridmoe.backend.session import Done, Message
 from tests.convert.conftest import checkpoints, converted  # noqa: F401 - fixtures: tiny GGUFs

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from hybridmoe.backend.engine.sampling import SamplingParams
+from hybridmoe.backend.text.sampling import SamplingParams
 from hybridmoe.backend.engine.session import EngineBackend
 from hybridmoe.backend.errors import ModelError, UsageError
 from hybridmoe.backend.hardware.presets import preset

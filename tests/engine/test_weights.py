@@ -15,8 +15,8 @@ from safetensors.torch import load_file, save_file
 
 from hybridmoe.backend.engine.model import build_model
 from hybridmoe.backend.engine.moe import MoE
-from hybridmoe.backend.engine.quant import QuantTensor
-from hybridmoe.backend.engine.weights import SafetensorsWeights, open_weights
+from hybridmoe.backend.formats.quant import QuantTensor
+from hybridmoe.backend.formats.weights import SafetensorsWeights, open_weights
 from hybridmoe.backend.errors import ModelError, UnsupportedModelError
 from tests.engine.conftest import engine, load_config, relative_error, tokens
 
@@ -247,7 +247,7 @@ def test_not_a_checkpoint(tmp_path):
 
 def test_int4_packing_helper_round_trips():
     """The test's own int4 packer agrees with the quant module's reading of it."""
-    from hybridmoe.backend.engine.quant import from_compressed_int4
+    from hybridmoe.backend.formats.quant import from_compressed_int4
 
     w = torch.randn(16, 64)
     packed, scale, shape, dequant = _int4_g32(w)

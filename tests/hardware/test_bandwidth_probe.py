@@ -99,7 +99,7 @@ BESIDE_A_MODEL = """
 import json, sys, threading
 if sys.argv[2] == "portable":
     sys.modules["hybridmoe._native"] = None
-from hybridmoe.backend.engine.sampling import SamplingParams
+from hybridmoe.backend.text.sampling import SamplingParams
 from hybridmoe.backend.engine.session import EngineBackend
 from hybridmoe.backend.hardware import detect
 from hybridmoe.backend.hardware.bandwidth import measure_host_read_bandwidth

@@ -67,7 +67,7 @@ def byte_token_types(path: Path) -> dict:
     byte tokens as added special tokens, which the converter faithfully writes as CONTROL;
     in real Mixtral/Llama vocabularies they are plain entries, written as BYTE, and llama.cpp
     renders a CONTROL "<0x0A>" as that text rather than as the byte."""
-    from hybridmoe.backend.engine.tokenizer import GGUF_BYTE, read_gguf_metadata
+    from hybridmoe.backend.text.tokenizer import GGUF_BYTE, read_gguf_metadata
 
     meta = read_gguf_metadata(path)
     types = [GGUF_BYTE if re.fullmatch(r"<0x[0-9A-F]{2}>", t) else k

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from tokenizers import Tokenizer
 
-from hybridmoe.backend.engine.sampling import SamplingParams
+from hybridmoe.backend.text.sampling import SamplingParams
 from hybridmoe.backend.llamacpp import LlamaCppBackend
 from hybridmoe.backend.session import CancelToken, Done, Message, TextPiece
 from tests.llamacpp.conftest import FAMILIES, make_plan

@@ -125,7 +125,8 @@ def test_qwen_sliding_window_from_max_window_layers():
     c = shared_config("Qwen__Qwen1.5-MoE-A2.7B")
     c.update(use_sliding_window=True, max_window_layers=20, sliding_window=4096)
     s = spec_from_config(c, "x")
-    assert s.sliding_window == 4096 and s.sliding_layers == (20, 21, 22, 23)
+    # transformers 5's Qwen2MoeConfig: every other layer (0, 2, ...) below max_window_layers.
+    assert s.sliding_window == 4096 and s.sliding_layers == tuple(range(0, 20, 2))
 
 
 def test_deepseek_moe_layer_freq():
@@ -140,7 +141,8 @@ def test_gpt_oss_sliding_layers():
     assert s.sliding_window == 128 and s.sliding_layers == tuple(range(0, 24, 2))
     assert s.n_routed_experts == 32 and s.experts_per_token == 4 and s.moe_intermediate_size == 2880
     per_layer = 2 * 8 * 64 * 2
-    assert s.kv_bytes(100_000) == 12 * per_layer * 100_000 + 12 * per_layer * 128
+    # A sliding layer holds its window and the engine's rewind margin (docs/sizing.md §2).
+    assert s.kv_bytes(100_000) == 12 * per_layer * 100_000 + 12 * per_layer * (128 + 1024)
     assert spec("openai__gpt-oss-120b").n_routed_experts == 128
 
 

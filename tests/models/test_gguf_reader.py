@@ -118,7 +118,7 @@ def test_tests_quant_tiny_ggufs(tmp_path):
 
 
 def test_tests_text_ggufs(tmp_path):
-    from hybridmoe.backend.engine.tokenizer import _QWEN2
+    from hybridmoe.backend.text.tokenizer import _QWEN2
     from tests.text.conftest import (
         train_byte_level_bpe,
         train_sentencepiece_bpe,
@@ -574,8 +574,8 @@ def test_every_reader_uses_it(vocab_gguf, monkeypatch):
 
     monkeypatch.setattr(gguf, "GGUFReader", boom)
     monkeypatch.setattr(gguf.gguf_reader, "GGUFReader", boom)
-    from hybridmoe.backend.engine.gguf_weights import open_gguf
-    from hybridmoe.backend.engine.tokenizer import read_gguf_metadata
+    from hybridmoe.backend.formats.gguf_weights import open_gguf
+    from hybridmoe.backend.text.tokenizer import read_gguf_metadata
     from hybridmoe.backend.models.gguf_files import read_gguf
 
     assert read_gguf(vocab_gguf).metadata["tokenizer.ggml.tokens"].length == 2000
@@ -591,8 +591,8 @@ def test_every_reader_uses_it(vocab_gguf, monkeypatch):
 
 
 def test_each_reader_words_damage_its_way(vocab_gguf, tmp_path):
-    from hybridmoe.backend.engine.gguf_weights import open_gguf
-    from hybridmoe.backend.engine.tokenizer import load_tokenizer, read_gguf_metadata
+    from hybridmoe.backend.formats.gguf_weights import open_gguf
+    from hybridmoe.backend.text.tokenizer import load_tokenizer, read_gguf_metadata
     from hybridmoe.backend.llamacpp.header import read_header
     from hybridmoe.backend.models.gguf_files import read_gguf
 

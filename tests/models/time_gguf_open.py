@@ -34,7 +34,7 @@ def write_big_vocab_gguf(path: Path, vocab: int) -> Path:
     w.add_tokenizer_pre("qwen2")
     # A byte-level BPE vocabulary that loads: the 256 byte symbols, then tokens made by merging
     # two earlier ones (each with its merge rule), a few bytes long, as in real vocabularies.
-    from hybridmoe.backend.engine.tokenizer import _bytes_to_unicode
+    from hybridmoe.backend.text.tokenizer import _bytes_to_unicode
 
     tokens = list(_bytes_to_unicode().values())
     seen = set(tokens)
@@ -110,11 +110,11 @@ def main() -> None:
 
         from hybridmoe.backend.models.gguf_files import read_gguf
         timed("gguf_files.read_gguf (inspect)", lambda: read_gguf(path), n)
-        from hybridmoe.backend.engine.tokenizer import read_gguf_metadata
+        from hybridmoe.backend.text.tokenizer import read_gguf_metadata
         timed("tokenizer.read_gguf_metadata (every array decoded)", lambda: read_gguf_metadata(path), n)
-        from hybridmoe.backend.engine.tokenizer import load_tokenizer
+        from hybridmoe.backend.text.tokenizer import load_tokenizer
         timed("tokenizer.load_tokenizer (incl. building the BPE)", lambda: load_tokenizer(path), n)
-        from hybridmoe.backend.engine.gguf_weights import open_gguf
+        from hybridmoe.backend.formats.gguf_weights import open_gguf
         timed("gguf_weights.open_gguf (weights)", lambda: open_gguf(path).close(), n)
         try:
             from hybridmoe.backend.llamacpp.header import read_header

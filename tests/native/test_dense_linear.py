@@ -23,7 +23,7 @@ from hybridmoe.backend.bench.synthetic_experts import (
 from hybridmoe.backend.engine import native_experts
 from hybridmoe.backend.engine.loader import Loader
 from hybridmoe.backend.engine.native_linear import NativeLinear
-from hybridmoe.backend.engine.weights import dense
+from hybridmoe.backend.formats.weights import dense
 
 from .test_native_experts import q8, rel_err
 

@@ -17,7 +17,7 @@ from hybridmoe.backend.engine.experts import (
     ResidentExperts,
     experts_forward,
 )
-from hybridmoe.backend.engine.gguf_weights import open_gguf
+from hybridmoe.backend.formats.gguf_weights import open_gguf
 from tests.quant.tiny_gguf import rand, write_gguf
 
 pytestmark = pytest.mark.skipif(not native_experts.available(), reason="native extension not built")

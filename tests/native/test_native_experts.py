@@ -278,7 +278,7 @@ def test_simd_kernels_agree_with_the_portable_ones(name):
 def test_unsupported_storage_falls_back():
     """fp8 blocks have no native kernel: the engine gets None and runs the reference."""
     from hybridmoe.backend.bench.synthetic_experts import DictWeights
-    from hybridmoe.backend.engine.quant import from_fp8_block
+    from hybridmoe.backend.formats.quant import from_fp8_block
 
     E, H, I = 3, 128, 128
     w = torch.randn(E, 2 * I, H).to(torch.float8_e4m3fn)

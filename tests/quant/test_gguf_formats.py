@@ -14,8 +14,8 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as T
 from gguf import quants as gq
 
-from hybridmoe.backend.engine import quant
-from hybridmoe.backend.engine.quant import QuantTensor, from_gguf, linear
+from hybridmoe.backend.formats import quant
+from hybridmoe.backend.formats.quant import QuantTensor, from_gguf, linear
 from hybridmoe.backend.errors import UnsupportedModelError
 
 QUANTIZABLE = [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.MXFP4]

@@ -1,4 +1,4 @@
-"""GGUF files as a weight source under Hugging Face names (hybridmoe.backend.engine.gguf_weights).
+"""GGUF files as a weight source under Hugging Face names (hybridmoe.backend.formats.gguf_weights).
 
 Tiny GGUFs are written with gguf.GGUFWriter and read back: names, shapes, values (against
 gguf-py's numpy dequantization of what was written), views into the mmap, llama.cpp's
@@ -17,8 +17,8 @@ from gguf import GGMLQuantizationType as T
 from gguf import get_tensor_name_map
 from gguf.constants import MODEL_ARCH_NAMES, MODEL_TENSORS, TENSOR_NAMES
 
-from hybridmoe.backend.engine.gguf_weights import SUPPORTED_ARCHITECTURES, GGUFWeights, open_gguf
-from hybridmoe.backend.engine.quant import QuantTensor
+from hybridmoe.backend.formats.gguf_weights import SUPPORTED_ARCHITECTURES, GGUFWeights, open_gguf
+from hybridmoe.backend.formats.quant import QuantTensor
 from hybridmoe.backend.errors import ModelError, UnsupportedModelError
 
 from .tiny_gguf import llama_permute, rand, write_gguf
@@ -472,7 +472,7 @@ def test_not_a_gguf(tmp_path):
     with pytest.raises(ModelError, match="missing.gguf"):
         open_gguf(tmp_path / "missing.gguf")
     (tmp_path / "sub").mkdir()
-    with pytest.raises(ModelError, match="no GGUF model"):
+    with pytest.raises(ModelError, match="neither config.json nor a .gguf model file"):  # inspect's words
         open_gguf(tmp_path / "sub")
 
 

@@ -15,7 +15,7 @@ import torch
 from gguf import GGMLQuantizationType as T
 from gguf import quants as gq
 
-from hybridmoe.backend.engine.quant import (
+from hybridmoe.backend.formats.quant import (
     QuantTensor,
     from_compressed_int4,
     from_fp8_block,

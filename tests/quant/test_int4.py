@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybridmoe.backend.engine.quant import from_compressed_int4
+from hybridmoe.backend.formats.quant import from_compressed_int4
 
 pytest.importorskip("compressed_tensors", reason="pip install compressed-tensors for the int4 reference")
 

@@ -16,7 +16,7 @@ import pytest
 from hybridmoe.app.server.http import ServerOptions
 from hybridmoe.app.server.runner import ApiServer
 from hybridmoe.app.server.shared_session import SharedSession
-from hybridmoe.backend.engine.sampling import SamplingParams
+from hybridmoe.backend.text.sampling import SamplingParams
 from hybridmoe.backend.session import Done, Message
 from tests.llamacpp.conftest import checkpoint_dirs, ggufs  # noqa: F401 - tiny GGUFs for the llama.cpp tests
 

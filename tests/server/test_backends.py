@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from hybridmoe.app.server.shared_session import SharedSession
-from hybridmoe.backend.engine.sampling import SamplingParams
+from hybridmoe.backend.text.sampling import SamplingParams
 from hybridmoe.backend.errors import UsageError
 from hybridmoe.backend.session import Done
 from tests.llamacpp.conftest import make_plan

@@ -30,8 +30,8 @@ def run_json(capsys, *args) -> tuple[int, dict | None, str]:
 
 
 def test_a_corrected_template_is_used_instead_of_a_broken_one(broken_model, tmp_path, capsys):
-    from hybridmoe.backend.engine.chat_template import ChatTemplate
-    from hybridmoe.backend.engine.tokenizer import load_tokenizer
+    from hybridmoe.backend.text.chat_template import ChatTemplate
+    from hybridmoe.backend.text.tokenizer import load_tokenizer
 
     code, _, err = run_json(capsys, "-m", str(broken_model))
     assert code == 1 and "chat_template.jinja has a syntax error at line 2" in err

@@ -20,7 +20,7 @@ from tokenizers import (
     trainers,
 )
 
-from hybridmoe.backend.engine import tokenizer as tokenizer_module
+from hybridmoe.backend.text import tokenizer as tokenizer_module
 
 CORPUS = [
     "Hello world! This is a tiny corpus for a tiny tokenizer. It's 2024; numbers 12345 and 3.14159.",

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer as HFTokenizer
 
-from hybridmoe.backend.engine.chat_template import FALLBACK_STOP_STRINGS, ChatTemplate
-from hybridmoe.backend.engine.tokenizer import load_tokenizer
+from hybridmoe.backend.text.chat_template import FALLBACK_STOP_STRINGS, ChatTemplate
+from hybridmoe.backend.text.tokenizer import load_tokenizer
 from hybridmoe.backend.errors import ModelError
 
 from .conftest import write_hf_dir
@@ -387,7 +387,7 @@ def test_doubling_a_text_is_refused_at_once_and_small() -> None:
 
     measure = (
         "import resource, sys, time\n"
-        "from hybridmoe.backend.engine.chat_template import ChatTemplate\n"
+        "from hybridmoe.backend.text.chat_template import ChatTemplate\n"
         "from hybridmoe.backend.errors import ModelError\n"
         "ChatTemplate('{{ messages[0].content }}').render([{'role': 'user', 'content': 'hi'}])\n"
         "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
@@ -410,7 +410,7 @@ def test_doubling_a_text_is_refused_at_once_and_small() -> None:
 def test_a_loop_of_ten_to_the_eight_is_stopped_at_the_deadline(monkeypatch) -> None:
     import time
 
-    from hybridmoe.backend.engine import chat_template
+    from hybridmoe.backend.text import chat_template
 
     monkeypatch.setattr(chat_template, "_MAX_RENDER_S", 1.0)  # the real bound, 5 s, makes a slow test
     loops = {
@@ -485,7 +485,7 @@ def test_a_long_conversation_still_renders_with_a_real_template(style_dirs: dict
 
 
 def test_a_template_file_is_checked_when_it_is_read(tmp_path: Path) -> None:
-    from hybridmoe.backend.engine.chat_template import read_template_file
+    from hybridmoe.backend.text.chat_template import read_template_file
     from hybridmoe.backend.errors import UsageError
 
     good = tmp_path / "good.jinja"
@@ -505,7 +505,7 @@ def test_a_template_file_is_checked_when_it_is_read(tmp_path: Path) -> None:
 
 
 def test_a_supplied_template_replaces_the_models_own_with_its_special_tokens() -> None:
-    from hybridmoe.backend.engine.chat_template import templates_replaced_by
+    from hybridmoe.backend.text.chat_template import templates_replaced_by
 
     with templates_replaced_by("{{ bos_token }}{{ messages[0].content }}!", "mine.jinja"):
         template = ChatTemplate("{% if %} the model's own, broken", origin="model/chat_template.jinja",

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from hybridmoe.backend.engine.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
+from hybridmoe.backend.text.tokenizer import IncrementalDetokenizer, Tokenizer, load_tokenizer
 
 from .conftest import CORPUS, SAMPLES, train_sentencepiece_bpe, write_gguf_sentencepiece
 
@@ -94,7 +94,7 @@ def test_skip_special_hides_special_tokens(byte_level: Tokenizer) -> None:
 
 
 def test_endless_invalid_bytes_do_not_grow_the_window(byte_level: Tokenizer) -> None:
-    from hybridmoe.backend.engine.tokenizer import _bytes_to_unicode
+    from hybridmoe.backend.text.tokenizer import _bytes_to_unicode
 
     continuation = byte_level.token_to_id(_bytes_to_unicode()[0x80])  # a lone UTF-8 continuation byte
     detok = byte_level.detokenizer()

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from hybridmoe.backend.engine.sampling import Sampler, SamplingParams, StopStringMatcher
+from hybridmoe.backend.text.sampling import Sampler, SamplingParams, StopStringMatcher
 from hybridmoe.backend.errors import UsageError
 
 

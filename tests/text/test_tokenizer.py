@@ -14,8 +14,8 @@ import pytest
 from tokenizers import Regex, decoders, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
-from hybridmoe.backend.engine import tokenizer as tokenizer_module
-from hybridmoe.backend.engine.tokenizer import load_tokenizer, read_gguf_metadata
+from hybridmoe.backend.text import tokenizer as tokenizer_module
+from hybridmoe.backend.text.tokenizer import load_tokenizer, read_gguf_metadata
 from hybridmoe.backend.errors import ModelError, UnsupportedModelError
 
 from .conftest import (

@@ -93,8 +93,8 @@ def test_json_is_one_object_and_stderr_is_quiet(runs):
 
 
 def test_the_system_prompt_is_part_of_the_prompt(runs, tiny_model):
-    from hybridmoe.backend.engine.chat_template import ChatTemplate
-    from hybridmoe.backend.engine.tokenizer import load_tokenizer
+    from hybridmoe.backend.text.chat_template import ChatTemplate
+    from hybridmoe.backend.text.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(tiny_model)
     text = ChatTemplate.for_tokenizer(tokenizer).render(

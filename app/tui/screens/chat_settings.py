@@ -43,10 +43,10 @@ class ChatSettings:
 
 
 def sampling_params(values: dict[str, Any]):
-    """hybridmoe.backend.engine.sampling.SamplingParams from stored settings; raises UsageError for
+    """hybridmoe.backend.text.sampling.SamplingParams from stored settings; raises UsageError for
     values it refuses. Imported here, not at the top: the module imports torch (seconds),
     which the app loads with the model, not at start."""
-    from hybridmoe.backend.engine.sampling import SamplingParams
+    from hybridmoe.backend.text.sampling import SamplingParams
 
     known = {name for name, _, _ in FIELDS}
     return SamplingParams(**{k: v for k, v in values.items() if k in known and v is not None})

@@ -337,18 +337,26 @@ def sparse_step_moe_layers(f: Fields, n_layers: int, n_experts: int) -> tuple[in
                  if n_experts > 0 and i not in dense and (i + 1) % step == 0)
 
 
-def qwen_sliding_layers(f: Fields, n_layers: int) -> tuple[int | None, tuple[int, ...]]:
-    """(sliding_window, sliding layers) of Qwen2/Qwen3 configs: ``layer_types`` when given
-    (transformers 5 writes it), else ``use_sliding_window`` from ``max_window_layers`` on."""
-    window = f.int("sliding_window", default=None)
+def qwen2_sliding_layers(f: Fields, n_layers: int) -> tuple[int | None, tuple[int, ...]]:
+    """(sliding_window, sliding layers) of a Qwen2-MoE config, as transformers' Qwen2MoeConfig
+    decides: the window only with ``use_sliding_window``; the layers from ``layer_types`` when
+    given (transformers 5 writes it), else every other layer (0, 2, 4, ...) below
+    ``max_window_layers`` (default 28)."""
+    window = f.int("sliding_window", default=4096) if f.get("use_sliding_window", default=False) else None
     types = f.get("layer_types")
     if isinstance(types, list) and types:
         layers = sliding_layers_from_types(types)
-        return (window, layers) if window and layers else (None, ())
-    if not f.get("use_sliding_window", default=False) or not window:
-        return None, ()
-    start = f.int("max_window_layers", default=0)
-    return window, tuple(range(start, n_layers))
+    else:
+        below = f.int("max_window_layers", default=28)
+        layers = tuple(i for i in range(n_layers) if i % 2 == 0 and i < below)
+    return (window, layers) if window and layers else (None, ())
+
+
+def qwen3_sliding_layers(f: Fields, n_layers: int) -> tuple[int | None, tuple[int, ...]]:
+    """(sliding_window, sliding layers) of a Qwen3-MoE config, as transformers' Qwen3MoeConfig
+    decides: with ``use_sliding_window`` every layer slides (``max_window_layers`` is not read)."""
+    window = f.int("sliding_window", default=4096) if f.get("use_sliding_window", default=False) else None
+    return (window, tuple(range(n_layers))) if window else (None, ())
 
 
 # --- tensor shapes for config-only inventories ---------------------------------------------

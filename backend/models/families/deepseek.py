@@ -27,7 +27,7 @@ from hybridmoe.backend.models.families.common import (
     mtp_layer_extras,
     norm,
 )
-from hybridmoe.backend.models.spec import ModelSpec
+from hybridmoe.backend.models.spec import ModelSpec, Routing
 
 FAMILY = "deepseek"
 HF_ARCHITECTURES = (
@@ -55,13 +55,17 @@ GGUF_KEYS = DEEPSEEK_STYLE_MOE_KEYS + (
 def spec_from_config(config: Mapping[str, Any], name: str, *, source: str = "config.json") -> ModelSpec:
     c = DecoderConfig.read(config, source, expert_count=("n_routed_experts",))
     f = c.fields
-    first_dense = f.int("first_k_dense_replace", default=0)
+    v2 = _is_v2(c.text)
+    # transformers' defaults differ between the two configurations: DeepseekV2Config has no
+    # dense leading layers and two shared experts, DeepseekV3Config (Kimi K2 too) three
+    # dense leading layers and one shared expert.
+    first_dense = f.int("first_k_dense_replace", default=0 if v2 else 3)
     freq = f.int("moe_layer_freq", default=1)
     if freq < 1:
         raise ModelError(f"'moe_layer_freq' in {source} must be at least 1, not {freq}.",
                          "Restore the original config.json from the model repository.")
     moe_inter = f.int("moe_intermediate_size")
-    n_shared = f.int("n_shared_experts", default=0)
+    n_shared = f.int("n_shared_experts", default=2 if v2 else 1)
     rope, nope = f.int("qk_rope_head_dim"), f.int("qk_nope_head_dim")
     return c.spec(
         name, FAMILY,
@@ -79,7 +83,34 @@ def spec_from_config(config: Mapping[str, Any], name: str, *, source: str = "con
         v_head_dim=f.int("v_head_dim"),
         n_mtp_layers=f.int("num_nextn_predict_layers", default=0),
         vision_params=vision_params_estimate(config.get("vision_config") or {}) if c.has_vision else 0,
+        routing=_routing(f, v2),
     )
+
+
+def _is_v2(text: Mapping[str, Any]) -> bool:
+    """A DeepSeek-V2 configuration (transformers picks the configuration class by
+    model_type); Kimi K2 and everything else here is V3."""
+    model_type = text.get("model_type")
+    if model_type is None:
+        archs = text.get("architectures") or ()
+        return "DeepseekV2ForCausalLM" in archs
+    return model_type == "deepseek_v2"
+
+
+def _routing(f, v2: bool) -> Routing:
+    """V2 routes by softmax, over all experts ("greedy") or over the topk_group groups with
+    the best single expert; V3 by sigmoid scores with a correction bias ("noaux_tc"). An
+    explicit scoring_func wins, as in DeepSeek's own code. Defaults are transformers'."""
+    scoring = str(f.get("scoring_func", default="softmax" if v2 else "sigmoid"))
+    if scoring == "softmax":
+        return Routing(scoring="softmax", method=str(f.get("topk_method", default="greedy")),
+                       n_group=f.int("n_group", default=1), topk_group=f.int("topk_group", default=1),
+                       normalize=bool(f.get("norm_topk_prob", default=False)),
+                       scaling=f.float("routed_scaling_factor", default=1.0))
+    return Routing(scoring="sigmoid", method=str(f.get("topk_method", default="noaux_tc")),
+                   n_group=f.int("n_group", default=8), topk_group=f.int("topk_group", default=4),
+                   normalize=bool(f.get("norm_topk_prob", default=True)),
+                   scaling=f.float("routed_scaling_factor", default=2.5))
 
 
 def _mla_attention(prefix: str, s: ModelSpec) -> Iterator[TensorShape]:
@@ -99,16 +130,8 @@ def _mla_attention(prefix: str, s: ModelSpec) -> Iterator[TensorShape]:
 def _decoder_layer(prefix: str, s: ModelSpec, moe: bool) -> Iterator[TensorShape]:
     yield from decoder_norms(prefix, s.hidden_size)
     yield from _mla_attention(f"{prefix}.self_attn", s)
-    yield from deepseek_style_mlp(f"{prefix}.mlp", s, moe, correction_bias=_has_correction_bias(s.config))
-
-
-def _has_correction_bias(config: Mapping[str, Any]) -> bool:
-    """DeepSeek-V3-style routing (``noaux_tc``) keeps a per-expert ``e_score_correction_bias``;
-    transformers' own V3 configs omit topk_method because V3 always routes that way."""
-    method = config.get("topk_method")
-    if method is None:
-        return config.get("model_type") in ("deepseek_v3", "kimi_k2")
-    return method == "noaux_tc"
+    # noaux_tc routing keeps a per-expert e_score_correction_bias.
+    yield from deepseek_style_mlp(f"{prefix}.mlp", s, moe, correction_bias=s.routing.method == "noaux_tc")
 
 
 def expected_tensors(s: ModelSpec) -> Iterator[TensorShape]:

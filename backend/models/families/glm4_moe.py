@@ -22,7 +22,7 @@ from hybridmoe.backend.models.families.common import (
     gqa_attention,
     mtp_layer_extras,
 )
-from hybridmoe.backend.models.spec import ModelSpec
+from hybridmoe.backend.models.spec import ModelSpec, Routing
 
 FAMILY = "glm4_moe"
 HF_ARCHITECTURES = ("Glm4MoeForCausalLM",)
@@ -41,9 +41,10 @@ GGUF_KEYS = DEEPSEEK_STYLE_MOE_KEYS + (
 def spec_from_config(config: Mapping[str, Any], name: str, *, source: str = "config.json") -> ModelSpec:
     c = DecoderConfig.read(config, source, expert_count=("n_routed_experts", "num_experts"))
     f = c.fields
-    first_dense = f.int("first_k_dense_replace", default=0)
+    # transformers' Glm4MoeConfig defaults: one dense leading layer, one shared expert.
+    first_dense = f.int("first_k_dense_replace", default=1)
     moe_inter = f.int("moe_intermediate_size")
-    n_shared = f.int("n_shared_experts", default=0)
+    n_shared = f.int("n_shared_experts", default=1)
     return c.spec(
         name, FAMILY,
         moe_layers=tuple(range(first_dense, c.num_layers)),
@@ -52,6 +53,11 @@ def spec_from_config(config: Mapping[str, Any], name: str, *, source: str = "con
         shared_intermediate_size=n_shared * moe_inter,
         dense_intermediate_size=f.int("intermediate_size"),
         n_mtp_layers=f.int("num_nextn_predict_layers", default=0),
+        # DeepSeek-V3's routing (sigmoid scores, correction bias, group-limited choice).
+        routing=Routing(scoring="sigmoid", method="noaux_tc",
+                        n_group=f.int("n_group", default=1), topk_group=f.int("topk_group", default=1),
+                        normalize=bool(f.get("norm_topk_prob", default=True)),
+                        scaling=f.float("routed_scaling_factor", default=1.0)),
     )
 
 

@@ -24,7 +24,7 @@ from hybridmoe.backend.models.families.common import (
     gqa_attention,
     sliding_layers_from_types,
 )
-from hybridmoe.backend.models.spec import ModelSpec
+from hybridmoe.backend.models.spec import ModelSpec, Routing
 
 FAMILY = "gpt_oss"
 HF_ARCHITECTURES = ("GptOssForCausalLM",)
@@ -46,16 +46,20 @@ GGUF_KEYS = (
 def spec_from_config(config: Mapping[str, Any], name: str, *, source: str = "config.json") -> ModelSpec:
     c = DecoderConfig.read(config, source, expert_count=("num_local_experts", "num_experts"),
                            experts_per_token=("num_experts_per_tok", "experts_per_token"))
-    window = c.fields.int("sliding_window", default=None)
+    # transformers' GptOssConfig defaults: a window of 128, head_dim 64 (not hidden / heads).
+    window = c.fields.int("sliding_window", default=128)
     types = c.fields.get("layer_types")
     if isinstance(types, list) and types:
         sliding = sliding_layers_from_types(types)
     else:
-        # The published models alternate, starting with a sliding layer (as llama.cpp assumes).
+        # The published models alternate, starting with a sliding layer (as transformers and
+        # llama.cpp assume).
         sliding = tuple(range(0, c.num_layers, 2))
     return c.spec(name, FAMILY, moe_layers=tuple(range(c.num_layers)),
+                  head_dim=c.fields.int("head_dim", default=64),
                   moe_intermediate_size=c.fields.int("intermediate_size"),
-                  sliding_window=window if sliding else None, sliding_layers=sliding if window else ())
+                  sliding_window=window if sliding else None, sliding_layers=sliding if window else (),
+                  routing=Routing(scoring="topk_softmax"))
 
 
 def expected_tensors(s: ModelSpec) -> Iterator[TensorShape]:

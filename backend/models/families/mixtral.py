@@ -19,7 +19,7 @@ from hybridmoe.backend.models.families.common import (
     gqa_attention,
     routed_moe,
 )
-from hybridmoe.backend.models.spec import ModelSpec
+from hybridmoe.backend.models.spec import ModelSpec, Routing
 
 FAMILY = "mixtral"
 HF_ARCHITECTURES = ("MixtralForCausalLM",)
@@ -43,7 +43,9 @@ def spec_from_config(config: Mapping[str, Any], name: str, *, source: str = "con
     all_layers = tuple(range(c.num_layers))
     return c.spec(name, FAMILY, moe_layers=all_layers,
                   moe_intermediate_size=c.fields.int("intermediate_size"),
-                  sliding_window=window, sliding_layers=all_layers if window else ())
+                  sliding_window=window, sliding_layers=all_layers if window else (),
+                  # Mixtral always renormalises its top-k weights.
+                  routing=Routing(normalize=True))
 
 
 def expected_tensors(s: ModelSpec) -> Iterator[TensorShape]:

@@ -17,7 +17,7 @@ from hybridmoe.backend.models.families.common import (
     gqa_attention,
     routed_moe,
 )
-from hybridmoe.backend.models.spec import ModelSpec
+from hybridmoe.backend.models.spec import ModelSpec, Routing
 
 FAMILY = "olmoe"
 HF_ARCHITECTURES = ("OlmoeForCausalLM",)
@@ -37,7 +37,8 @@ def spec_from_config(config: Mapping[str, Any], name: str, *, source: str = "con
     # transformers 5 may write num_local_experts where the published configs say num_experts.
     c = DecoderConfig.read(config, source, expert_count=("num_experts", "num_local_experts"))
     return c.spec(name, FAMILY, moe_layers=tuple(range(c.num_layers)),
-                  moe_intermediate_size=c.fields.int("intermediate_size"))
+                  moe_intermediate_size=c.fields.int("intermediate_size"),
+                  routing=Routing(normalize=bool(c.fields.get("norm_topk_prob", default=False))))
 
 
 def expected_tensors(s: ModelSpec) -> Iterator[TensorShape]:

@@ -17,12 +17,12 @@ from hybridmoe.backend.models.families.common import (
     gguf_to_config,
     gqa_attention,
     linear,
-    qwen_sliding_layers,
+    qwen2_sliding_layers,
     routed_moe,
     sparse_step_moe_layers,
     swiglu,
 )
-from hybridmoe.backend.models.spec import ModelSpec
+from hybridmoe.backend.models.spec import ModelSpec, Routing
 
 FAMILY = "qwen2_moe"
 HF_ARCHITECTURES = ("Qwen2MoeForCausalLM",)
@@ -44,7 +44,7 @@ def spec_from_config(config: Mapping[str, Any], name: str, *, source: str = "con
     c = DecoderConfig.read(config, source, expert_count=("num_experts", "num_local_experts"))
     f = c.fields
     moe_layers = sparse_step_moe_layers(f, c.num_layers, c.n_routed_experts)
-    window, sliding = qwen_sliding_layers(f, c.num_layers)
+    window, sliding = qwen2_sliding_layers(f, c.num_layers)
     shared = f.int("shared_expert_intermediate_size", default=0)
     return c.spec(
         name, FAMILY,
@@ -55,6 +55,7 @@ def spec_from_config(config: Mapping[str, Any], name: str, *, source: str = "con
         dense_intermediate_size=f.int("intermediate_size", default=0),
         sliding_window=window,
         sliding_layers=sliding,
+        routing=Routing(normalize=bool(f.get("norm_topk_prob", default=False))),
     )
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hybridmoe.backend.engine.sampling import Sampler, SamplingParams, StopStringMatcher
+from hybridmoe.backend.text.sampling import Sampler, SamplingParams, StopStringMatcher
 from hybridmoe.backend.errors import ModelError, UsageError
 from hybridmoe.backend.session import CancelToken, Done, Stats, TextPiece
 

@@ -8,7 +8,7 @@ that are views of that mapping: nothing is copied until a page is touched, so ho
 holds what the CPU-resident experts need and the page cache, never a second full copy.
 
 Quantized weights are stored as several tensors; the source folds them into one object of
-``hybridmoe.backend.engine.quant`` under the logical name, and hides the companions from ``keys()``:
+``hybridmoe.backend.formats.quant`` under the logical name, and hides the companions from ``keys()``:
 
     fp8 block (DeepSeek-V3)        X.weight (float8_e4m3fn) + X.weight_scale_inv  -> X.weight
     int4 pack-quantized (Kimi K2)  X.weight_packed + X.weight_scale + X.weight_shape -> X.weight
@@ -27,6 +27,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from hybridmoe.backend.errors import ModelError, UnsupportedModelError
+from hybridmoe.backend.models.model_files import is_gguf_file
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -114,7 +115,7 @@ def fold_quantized(stored: Iterable[str]) -> dict[str, _Entry]:
 
 def _quant():
     # Imported on first use: float checkpoints need nothing from the quant module.
-    from hybridmoe.backend.engine import quant
+    from hybridmoe.backend.formats import quant
 
     return quant
 
@@ -234,11 +235,14 @@ class PrefixedWeights:
 
 
 def open_weights(path: str | os.PathLike) -> WeightSource:
-    """The weight source for a checkpoint path: a safetensors directory or file, or a GGUF file."""
+    """The weight source for a checkpoint path: a safetensors directory or file, or a GGUF model
+    (a file, whatever its name, or a folder without safetensors: ``gguf_weights.open_gguf``
+    picks the GGUF by the rule every loader follows)."""
     p = Path(path)
-    if p.suffix == ".gguf" or (p.is_dir() and not any(p.glob("*.safetensors")) and any(p.glob("*.gguf"))):
+    gguf_folder = p.is_dir() and not any(p.glob("*.safetensors")) and any(p.glob("*.gguf"))
+    if p.suffix == ".gguf" or is_gguf_file(p) or gguf_folder:
         try:
-            from hybridmoe.backend.engine import gguf_weights
+            from hybridmoe.backend.formats import gguf_weights
         except ImportError:
             raise UnsupportedModelError(
                 f"{p}: GGUF files are not readable by the embedded engine in this build",

@@ -60,7 +60,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from hybridmoe.backend.errors import ModelError, UsageError
 
 if TYPE_CHECKING:
-    from hybridmoe.backend.engine.tokenizer import Tokenizer
+    from hybridmoe.backend.text.tokenizer import Tokenizer
 
 # The format used when a model has no chat template: plain role-prefixed paragraphs, which
 # base models continue sensibly and which needs no special tokens:

@@ -34,9 +34,10 @@ from typing import Any, Self
 
 import torch
 
-from hybridmoe.backend.engine.quant import GGUF_SUPPORTED_TYPES, QuantTensor, from_gguf
+from hybridmoe.backend.formats.quant import GGUF_SUPPORTED_TYPES, QuantTensor, from_gguf
 from hybridmoe.backend.errors import ModelError, UnsupportedModelError
-from hybridmoe.backend.models.gguf_reader import SPLIT_NAME, GGUFFile, GGUFTensorInfo, open_gguf_set
+from hybridmoe.backend.models.gguf_reader import GGUFFile, GGUFTensorInfo, open_gguf_set
+from hybridmoe.backend.models.model_files import resolve_model_files
 
 __all__ = ["SUPPORTED_ARCHITECTURES", "GGUFWeights", "open_gguf"]
 
@@ -369,28 +370,18 @@ class GGUFWeights:
 
 
 def open_gguf(path: str | Path) -> GGUFWeights:
-    """Open a GGUF model for reading weights; `path` may be any part of a split set.
-
-    A directory is accepted if it holds exactly one GGUF model (``mmproj*`` files, vision
-    projectors, are ignored). Raises ``ModelError`` (missing, not GGUF, truncated, corrupt,
-    incomplete split) or ``UnsupportedModelError`` (architecture or tensor types).
+    """Open a GGUF model for reading weights: a GGUF file (any part of a split set) or a folder
+    holding one GGUF model, as ``resolve_model_files`` decides (projector files are not models).
+    Raises ``ModelError`` (missing, not GGUF, truncated, corrupt, incomplete split, a folder with
+    no model or two) or ``UnsupportedModelError`` (architecture or tensor types).
     """
-    path = Path(path).expanduser()
-    if path.is_dir():
-        candidates = sorted(p for p in path.glob("*.gguf") if not p.name.startswith("mmproj"))
-        firsts = [p for p in candidates if not SPLIT_NAME.match(p.name) or "-00001-of-" in p.name]
-        if len(firsts) != 1:
-            raise ModelError(
-                f"{path} holds {len(firsts) or 'no'} GGUF model{'s' if len(firsts) != 1 else ''}.",
-                "Point at the .gguf file to use.",
-            )
-        path = firsts[0]
-    if not path.exists():
-        raise ModelError(f"No such file: {path}.")
+    found = resolve_model_files(path)
+    if found.kind != "gguf":
+        raise ModelError(f"{path} holds no GGUF model.", "Point at the .gguf file to use.")
     # Every part is parsed and checked: header, tensor directory, each tensor within the file
     # (a partial download fails here, not at the first read of a missing page), the set's
     # split.* keys and tensor count. Big-endian files are refused (UnsupportedModelError):
     # torch cannot view byte-swapped data.
-    readers = open_gguf_set(path)
+    readers = open_gguf_set(found.path)
     files = [r.path for r in readers]
     return GGUFWeights(files, readers)

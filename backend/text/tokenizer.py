@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import base64
 import json
-import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -33,7 +32,7 @@ import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 
 from hybridmoe.backend.errors import ModelError, UnsupportedModelError
-from hybridmoe.backend.models.gguf_reader import GGUF_MAGIC
+from hybridmoe.backend.models.model_files import is_gguf_file, resolve_model_files
 
 # A GGUF's key/values come from the project's one GGUF reader; ``read_gguf_metadata`` is the
 # name this module has always offered for it.
@@ -256,26 +255,29 @@ class IncrementalDetokenizer:
 # =============================================================================================
 
 
-def load_tokenizer(model_path: str | Path) -> Tokenizer:
-    """The tokenizer of a Hugging Face model directory or a GGUF file (or a directory of GGUFs)."""
-    path = Path(model_path)
-    if path.is_file():
-        if path.suffix.lower() != ".gguf" and not _is_gguf(path):
-            raise ModelError(f"{path} is neither a GGUF file nor a model directory", "Pass the model's directory or its .gguf file.")
-        return _load_gguf(path)
-    if not path.is_dir():
-        raise ModelError(f"model path {path} does not exist", "Check the path, or pull the model first.")
-    if (path / "tokenizer.json").is_file() or (path / "tiktoken.model").is_file():
-        return _load_hf(path)
-    ggufs = sorted(path.glob("*.gguf"))
-    if ggufs:
-        # Split GGUFs keep the vocabulary in the first shard.
-        first = next((g for g in ggufs if re.search(r"-0*1-of-\d+\.gguf$", g.name)), ggufs[0])
-        return _load_gguf(first)
-    raise ModelError(
-        f"{path} holds no tokenizer (no tokenizer.json, tiktoken.model or .gguf file)",
-        "Download the tokenizer files with the model, or point at the model's GGUF file.",
-    )
+def load_tokenizer(model_path: str | Path, *, gguf_metadata: Mapping[str, Any] | None = None) -> Tokenizer:
+    """The tokenizer of a model: a Hugging Face folder's tokenizer files when it has them, else
+    the vocabulary of the GGUF model ``resolve_model_files`` chooses for the path (the first
+    part of a split set, never a projector: the file the weights come from). ``gguf_metadata``
+    is that GGUF's key/values when the caller has the file open already (the engine takes
+    them from its weights' mapping rather than parse the header again)."""
+    path = Path(model_path).expanduser()
+    if path.is_dir():
+        if (path / "tokenizer.json").is_file() or (path / "tiktoken.model").is_file():
+            return _load_hf(path)
+        if not any(path.glob("*.gguf")):
+            raise _no_tokenizer(path)
+    elif path.is_file() and path.suffix.lower() != ".gguf" and not is_gguf_file(path):
+        raise ModelError(f"{path} is neither a GGUF file nor a model directory", "Pass the model's directory or its .gguf file.")
+    found = resolve_model_files(path)
+    if found.kind != "gguf":  # safetensors without tokenizer files, or only a projector GGUF
+        raise _no_tokenizer(path)
+    return _load_gguf(found.path, gguf_metadata)
+
+
+def _no_tokenizer(folder: Path) -> ModelError:
+    return ModelError(f"{folder} holds no tokenizer (no tokenizer.json, tiktoken.model or .gguf model file)",
+                      "Download the tokenizer files with the model, or point at the model's GGUF file.")
 
 
 # -- Hugging Face directories -----------------------------------------------------------------
@@ -440,15 +442,10 @@ def _tiktoken_backend(path: Path, config: Mapping[str, Any]) -> tokenizers.Token
 # -- GGUF files -------------------------------------------------------------------------------
 
 
-def _load_gguf(path: Path) -> Tokenizer:
-    meta = read_gguf_metadata(path)
+def _load_gguf(path: Path, metadata: Mapping[str, Any] | None = None) -> Tokenizer:
+    meta = read_gguf_metadata(path) if metadata is None else metadata
     if "tokenizer.ggml.model" not in meta:
-        shard = re.match(r"(.*)-(\d+)-of-(\d+)\.gguf$", path.name)
-        if shard and int(shard.group(2)) != 1:
-            first = path.with_name(f"{shard.group(1)}-{1:0{len(shard.group(2))}d}-of-{shard.group(3)}.gguf")
-            if first.is_file():
-                return _load_gguf(first)
-        raise ModelError(f"{path} holds no tokenizer (tokenizer.ggml.model is missing)", "Use the GGUF's first shard, or a GGUF converted with its vocabulary.")
+        raise ModelError(f"{path} holds no tokenizer (tokenizer.ggml.model is missing)", "Use a GGUF converted with its vocabulary.")
 
     kind = meta["tokenizer.ggml.model"]
     tokens: list[str] = list(meta.get("tokenizer.ggml.tokens") or [])
@@ -692,14 +689,6 @@ def _add_gguf_added_tokens(backend: tokenizers.Tokenizer, tokens: list[str], typ
 
 
 # -- small helpers ----------------------------------------------------------------------------
-
-
-def _is_gguf(path: Path) -> bool:
-    try:
-        with path.open("rb") as f:
-            return f.read(4) == GGUF_MAGIC
-    except OSError:
-        return False
 
 
 @lru_cache(maxsize=1)

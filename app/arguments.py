@@ -1,0 +1,29 @@
+"""Value types for the command line's arguments, shared by every subcommand's parser
+(`app/cli.py`, `app/headless.py`, `app/server/cli.py`): each module that adds arguments
+imports them from here, so none of them imports the command that registers it."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def number(kind, minimum, *, inclusive=True):
+    """An argparse type: `kind` (int or float) at least (or, not inclusive, above) `minimum`."""
+    name = "a whole number" if kind is int else "a number"
+    bound = f"{minimum} or more" if inclusive else f"above {minimum}"
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {name}")
+        if value < minimum or (value == minimum and not inclusive):
+            raise argparse.ArgumentTypeError(f"{text!r} must be {bound}")
+        return value
+
+    return parse
+
+
+positive_int = number(int, 1)
+non_negative_int = number(int, 0)
+positive_float = number(float, 0, inclusive=False)

@@ -1,0 +1,1 @@
+"""Text: tokenizers, chat templates, sampling and the token loop both backends share."""

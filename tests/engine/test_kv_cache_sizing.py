@@ -1,0 +1,72 @@
+"""The planner's KV cache figures are what the engine allocates, for every family, from a
+Hugging Face checkpoint and from its GGUF conversion (docs/sizing.md §2)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from hybridmoe.backend.engine.kv_cache import KVCache, LatentCache, SlidingKVCache
+from hybridmoe.backend.engine.model import build_model
+from hybridmoe.backend.formats.weights import open_weights
+from hybridmoe.backend.models import inspect_model
+from hybridmoe.backend.models.spec import SLIDING_REWIND_TOKENS
+from tests.convert.conftest import FAMILIES, build_checkpoint
+
+# Longer than GPT-OSS' window (4 in the tiny model) plus the rewind margin: its sliding layers
+# hold fewer tokens than the context, the others all of them.
+LONG = 8 + SLIDING_REWIND_TOKENS + 100
+SHORT = 64
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[tuple[str, str], Path]:
+    """(family, "hf" | "gguf") -> path of a tiny bf16 checkpoint or its bf16 GGUF."""
+    from hybridmoe.backend.convert import to_gguf
+
+    cache: dict[tuple[str, str], Path] = {}
+
+    def get(family: str, source: str) -> Path:
+        if (family, "hf") not in cache:
+            cache[family, "hf"] = build_checkpoint(tmp_path_factory.mktemp(family), family).path
+        if source == "gguf" and (family, "gguf") not in cache:
+            out = tmp_path_factory.mktemp(f"gguf_{family}") / f"{family}.gguf"
+            cache[family, "gguf"] = to_gguf(cache[family, "hf"], out, "bf16")
+        return cache[family, source]
+
+    return get
+
+
+def _allocated_kv_bytes(model) -> int:
+    """Bytes of the keys and values every layer's cache holds (a ring's slot positions are
+    bookkeeping, not cache)."""
+    total = 0
+    for m in model.modules():
+        if isinstance(m, (KVCache, SlidingKVCache)):
+            total += m.k.numel() * m.k.element_size() + m.v.numel() * m.v.element_size()
+        elif isinstance(m, LatentCache):
+            total += m.kv.numel() * m.kv.element_size()
+    return total
+
+
+@pytest.mark.parametrize("source", ["hf", "gguf"])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_planner_kv_bytes_are_what_the_engine_allocates(models, family, source):
+    path = models(family, source)
+    spec = inspect_model(path).spec
+    for context in (SHORT, LONG):
+        model = build_model(spec, open_weights(path), max_context=context, dtype=torch.bfloat16)
+        allocated = _allocated_kv_bytes(model)
+        assert allocated > 0
+        assert allocated == spec.kv_bytes(context, bytes_per_element=2)
+        if context == SHORT:  # no window bites: every layer holds every token
+            assert allocated / context == spec.kv_bytes_per_token(bytes_per_element=2)
+
+
+def test_gpt_oss_sliding_layers_hold_their_window_and_the_rewind_margin(models):
+    spec = inspect_model(models("gpt_oss", "hf")).spec
+    ring = spec.sliding_window + SLIDING_REWIND_TOKENS
+    assert spec.sliding_layers == (0, 2) and ring < LONG
+    assert [spec.kv_tokens(i, LONG) for i in range(spec.num_layers)] == [ring, LONG, ring]
