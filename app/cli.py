@@ -29,17 +29,17 @@ def cmd_doctor(args) -> int:
     from hybridmoe.app.render import hardware_text
     from hybridmoe.backend import settings
     from hybridmoe.backend.hardware import detect
-    from hybridmoe.backend.engine import native_experts
+    from hybridmoe.backend.engine import native_kernels
     from hybridmoe.backend.llamacpp import system_info, system_summary
 
     store = settings.load().model_store_path
     profile = detect(measure_bandwidth=not args.no_bandwidth, model_dir=store)
     llama_cpp = system_info()
     if args.json:
-        kernels = native_experts.isa_info() if native_experts.enabled() else {"isa": None, "note": native_experts.summary()}
+        kernels = native_kernels.isa_info() if native_kernels.enabled() else {"isa": None, "note": native_kernels.summary()}
         _print_json({**profile.to_dict(), "llama_cpp": llama_cpp, "cpu_kernels": kernels})
     else:
-        print(hardware_text(profile, extra=[("CPU kernels", native_experts.summary()),
+        print(hardware_text(profile, extra=[("CPU kernels", native_kernels.summary()),
                                             ("llama.cpp", system_summary(llama_cpp))]))
     return EXIT_OK
 

@@ -88,10 +88,10 @@ def cuda() -> bool:
 
 
 def environment(r: Report) -> dict:
-    from hybridmoe.backend.engine import native_experts
+    from hybridmoe.backend.engine import native_kernels
 
     info = {"python": sys.version.split()[0], "torch": torch.__version__, "cuda": cuda(),
-            "cpu_count": os.cpu_count(), "native": native_experts.isa(),
+            "cpu_count": os.cpu_count(), "native": native_kernels.isa(),
             "torch_threads": torch.get_num_threads()}
     if cuda():
         info["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
@@ -99,7 +99,7 @@ def environment(r: Report) -> dict:
         info["int8_op_on_cuda"] = _int8_op_on_cuda()
     for k, v in info.items():
         r.say(f"{k:16} {v}")
-    if not native_experts.available():
+    if not native_kernels.available():
         r.say("note: the native CPU kernels are not built: CPU experts run the PyTorch reference "
               "(slow); build them with `pip install -e . --no-build-isolation` for real figures")
     if not cuda():

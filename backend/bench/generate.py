@@ -79,10 +79,10 @@ def _run_engine(model: str, prompt_tokens: int, gen_tokens: int, threads: int, r
             prefill.append(len(ids) / prefill_s)
             decode.append((gen_tokens - 1) / (time.perf_counter() - t0))
         tokens = out
-    from hybridmoe.backend.engine import native_experts
+    from hybridmoe.backend.engine import native_kernels
 
     return {"load_s": load_s, "rss_after_load": rss_load, "prefill": prefill, "decode": decode,
-            "tokens": tokens, "kernels": native_experts.isa()}
+            "tokens": tokens, "kernels": native_kernels.isa()}
 
 
 def _run_llamacpp(model: str, prompt_tokens: int, gen_tokens: int, threads: int, repeats: int) -> dict:

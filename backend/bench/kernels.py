@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from hybridmoe.backend.bench.kernel_layer import SEED, make_layer, routing
-from hybridmoe.backend.engine import native_experts
+from hybridmoe.backend.engine import native_experts, native_kernels
 
 __all__ = ["SHAPES", "Row", "run", "switch_point", "format_rows"]
 
@@ -169,7 +169,7 @@ def run(
     threads = _native.num_threads()
     app_bw, native_bw = host_bandwidth(threads)
     probes = [app_bw]
-    out(f"native kernels: {native_experts.isa()}, {threads} threads; host read bandwidth: "
+    out(f"native kernels: {native_kernels.isa()}, {threads} threads; host read bandwidth: "
         f"{app_bw / 1e9:.2f} GB/s (app probe, the ratio's reference), {native_bw / 1e9:.2f} GB/s (native probe)")
     rows: list[Row] = []
     for shape_name in shapes:
@@ -201,7 +201,7 @@ def run(
                     native.layer.forward(xn, *views[i % len(views)], out_n)
 
                 lat, best = _time(native_call, seconds, 5 if T < 512 else 3, 200)
-                rows.append(Row(label, fmt, T, f"hybridmoe ({native_experts.isa()})", lat, nbytes, *_reference(probes), best_s=best))
+                rows.append(Row(label, fmt, T, f"hybridmoe ({native_kernels.isa()})", lat, nbytes, *_reference(probes), best_s=best))
                 out(format_rows(rows[-1:], header=False))
                 # The reference dequantizes every expert it uses on every call (~0.01 GB/s):
                 # timed where that takes seconds, not minutes.
@@ -264,7 +264,7 @@ def switch_point(
     shape = SHAPES["qwen3-30b-a3b"]
     E, k = 64, 8
     result: dict[str, dict[str, list[float]]] = {}
-    out(f"CPU ms per expert by tokens per expert ({native_experts.isa()}, {_native.num_threads()} threads)")
+    out(f"CPU ms per expert by tokens per expert ({native_kernels.isa()}, {_native.num_threads()} threads)")
     out("format   regime   " + " ".join(f"{n:>6}" for n in counts))
     for fmt in formats:
         native = native_experts.native_for(make_layer(fmt, E, shape.hidden, shape.inter))
@@ -310,8 +310,8 @@ def format_rows(rows: Sequence[Row], header: bool = True) -> str:
 
 def main(args) -> int:
     """The CLI's `bench kernels` (arguments parsed in app/cli.py)."""
-    if not native_experts.available():
-        print(f"hybridmoe: the native kernels are not built: {native_experts.isa()}", file=sys.stderr)
+    if not native_kernels.available():
+        print(f"hybridmoe: the native kernels are not built: {native_kernels.isa()}", file=sys.stderr)
         return 1
     tokens = tuple(args.tokens) if args.tokens else DEFAULT_TOKENS
     formats = tuple(args.formats) if args.formats else DEFAULT_FORMATS

@@ -11,45 +11,61 @@ that loads and then computes something else.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
 import gguf
 
-from hybridmoe.backend.engine.hf_config import HFConfig
+from hybridmoe.backend.engine.hf_config import HFConfig, RopeParams
 from hybridmoe.backend.errors import UnsupportedModelError
-
-# hybridmoe family -> llama.cpp architecture name.
-ARCHITECTURES = {
-    "deepseek": "deepseek2",
-    "qwen3_moe": "qwen3moe",
-    "qwen2_moe": "qwen2moe",
-    "mixtral": "llama",
-    "olmoe": "olmoe",
-    "glm4_moe": "glm4moe",
-    "gpt_oss": "gpt-oss",
-}
-
-# transformers' defaults where a family's config may leave a value out.
-_RMS_EPS_DEFAULT = {"glm4_moe": 1e-5, "gpt_oss": 1e-5}
-_ROPE_DEFAULTS = {"glm4_moe": dict(default_partial=0.5), "gpt_oss": dict(default_theta=150000.0)}
-# Families whose llama.cpp graph rotates only the first rope.dimension_count dims of a head.
-_PARTIAL_ROTARY = frozenset({"glm4_moe"})
+from hybridmoe.backend.models.families import FAMILIES
 
 log = logging.getLogger(__name__)
 
 _USE_GGUF = "Use a GGUF published for this model, or run the checkpoint with the embedded engine."
 
 
+@dataclass(frozen=True)
+class _ArchWriter:
+    """The keys one llama.cpp architecture needs beyond the common ones."""
+
+    write: Callable[[_Keys, HFConfig], None]
+    # MLA in llama.cpp's absorbed form has one shared "KV head" (see _deepseek2).
+    one_kv_head: bool = False
+
+
+# llama.cpp architecture (a family's GGUF_ARCH) -> its writer, filled in by @_writes below.
+_WRITERS: dict[str, _ArchWriter] = {}
+
+
+def _writes(arch: str, *, one_kv_head: bool = False):
+    def register(write: Callable[[_Keys, HFConfig], None]) -> Callable[[_Keys, HFConfig], None]:
+        _WRITERS[arch] = _ArchWriter(write, one_kv_head)
+        return write
+
+    return register
+
+
+def convertible_families() -> tuple[ModuleType, ...]:
+    """The registry's families this converter writes GGUF metadata for."""
+    return tuple(f for f in FAMILIES if f.GGUF_ARCH in _WRITERS)
+
+
+def _family(name: str, source: str) -> ModuleType:
+    for family in convertible_families():
+        if family.FAMILY == name:
+            return family
+    raise UnsupportedModelError(
+        f"{source}: converting {name} checkpoints to GGUF is not supported yet "
+        f"(supported: {', '.join(sorted(f.FAMILY for f in convertible_families()))}).",
+        _USE_GGUF,
+    )
+
+
 def gguf_arch(family: str, source: str) -> str:
-    arch = ARCHITECTURES.get(family)
-    if arch is None:
-        raise UnsupportedModelError(
-            f"{source}: converting {family} checkpoints to GGUF is not supported yet "
-            f"(supported: {', '.join(sorted(ARCHITECTURES))}).",
-            _USE_GGUF,
-        )
-    return arch
+    return _family(family, source).GGUF_ARCH
 
 
 def write_hparams(writer: gguf.GGUFWriter, family: str, config: Mapping[str, Any], n_layers: int,
@@ -57,28 +73,20 @@ def write_hparams(writer: gguf.GGUFWriter, family: str, config: Mapping[str, Any
     """Write the architecture keys of `config` (a text config) for `family`; `n_mtp` NextN
     layers kept after the `n_layers` decoder layers count as blocks too (glm4moe)."""
     cfg = HFConfig(dict(config), source)
-    w = _Keys(writer, cfg, source, family)
-    # MLA in llama.cpp's absorbed form has one shared "KV head" (see _deepseek2).
-    w.common(n_layers + n_mtp, head_count_kv=1 if family == "deepseek" else None)
-    if family == "glm4_moe":
-        _glm4moe(w, cfg, n_mtp)
-        return
-    {
-        "deepseek": _deepseek2,
-        "qwen3_moe": _qwen3moe,
-        "qwen2_moe": _qwen2moe,
-        "mixtral": _mixtral,
-        "olmoe": _olmoe,
-        "gpt_oss": _gpt_oss,
-    }[family](w, cfg)
+    fam = _family(family, source)
+    arch = _WRITERS[fam.GGUF_ARCH]
+    w = _Keys(writer, cfg, source, fam, n_mtp)
+    w.common(n_layers + n_mtp, head_count_kv=1 if arch.one_kv_head else None)
+    arch.write(w, cfg)
 
 
 class _Keys:
-    def __init__(self, writer: gguf.GGUFWriter, cfg: HFConfig, source: str, family: str):
+    def __init__(self, writer: gguf.GGUFWriter, cfg: HFConfig, source: str, family: ModuleType, n_mtp: int):
         self.writer = writer
         self.cfg = cfg
         self.source = source
         self.family = family
+        self.n_mtp = n_mtp
 
     def refuse(self, what: str) -> UnsupportedModelError:
         return UnsupportedModelError(f"{self.source}: {what}", _USE_GGUF)
@@ -92,18 +100,23 @@ class _Keys:
             wr.add_feed_forward_length(int(c.get("intermediate_size")))
         wr.add_head_count(int(c.require("num_attention_heads")))
         wr.add_head_count_kv(head_count_kv or int(c.get("num_key_value_heads") or c.require("num_attention_heads")))
-        wr.add_layer_norm_rms_eps(float(c.get("rms_norm_eps", _RMS_EPS_DEFAULT.get(self.family, 1e-6))))
+        wr.add_layer_norm_rms_eps(float(c.get("rms_norm_eps", self.family.RMS_EPS_DEFAULT)))
         wr.add_vocab_size(int(c.require("vocab_size")))
         n_experts = c.n_routed_experts()
         wr.add_expert_count(n_experts)
         wr.add_expert_used_count(int(c.require("num_experts_per_tok")))
         self.rope()
 
+    def rope_params(self) -> RopeParams:
+        """The config's rotary embedding, with the family's defaults for what it leaves out."""
+        return self.cfg.rope(default_theta=self.family.ROPE_THETA_DEFAULT,
+                             default_partial=self.family.PARTIAL_ROTARY_DEFAULT)
+
     def rope(self) -> None:
-        rope = self.cfg.rope(**_ROPE_DEFAULTS.get(self.family, {}))
+        rope = self.rope_params()
         wr = self.writer
         wr.add_rope_freq_base(rope.theta)
-        if rope.partial_rotary_factor != 1.0 and self.family not in _PARTIAL_ROTARY:
+        if rope.partial_rotary_factor != 1.0 and not self.family.GGUF_PARTIAL_ROTARY:
             raise self.refuse(f"partial rotary embeddings (factor {rope.partial_rotary_factor}) are not "
                               "supported by this converter.")
         if rope.kind == "default":
@@ -124,6 +137,7 @@ class _Keys:
             raise self.refuse(f"rope scaling {rope.kind!r} is not supported by this converter.")
 
 
+@_writes("deepseek2", one_kv_head=True)
 def _deepseek2(w: _Keys, c: HFConfig) -> None:
     wr = w.writer
     if int(c.get("moe_layer_freq", 1)) != 1:
@@ -162,7 +176,7 @@ def _deepseek2(w: _Keys, c: HFConfig) -> None:
     if n_group > 1 and limits_groups:
         wr.add_expert_group_count(n_group)
         wr.add_expert_group_used_count(topk_group)
-    rope = c.rope()
+    rope = w.rope_params()
     if rope.kind == "yarn":
         # llama.cpp's deepseek2 graph rebuilds the softmax scale (mscale^2) from this; the
         # 0.1 factor is llama.cpp's convention for the key (it divides it out again).
@@ -184,6 +198,7 @@ def _qwen_common(w: _Keys, c: HFConfig) -> None:
     wr.add_rope_dimension_count(head_dim)
 
 
+@_writes("qwen3moe")
 def _qwen3moe(w: _Keys, c: HFConfig) -> None:
     # llama.cpp's qwen3moe graph always renormalises the top-k weights.
     if not c.get("norm_topk_prob", False):
@@ -192,6 +207,7 @@ def _qwen3moe(w: _Keys, c: HFConfig) -> None:
     _qwen_common(w, c)
 
 
+@_writes("qwen2moe")
 def _qwen2moe(w: _Keys, c: HFConfig) -> None:
     # ... and its qwen2moe graph never does.
     if c.get("norm_topk_prob", False):
@@ -201,6 +217,7 @@ def _qwen2moe(w: _Keys, c: HFConfig) -> None:
     w.writer.add_expert_shared_feed_forward_length(int(c.require("shared_expert_intermediate_size")))
 
 
+@_writes("llama")
 def _mixtral(w: _Keys, c: HFConfig) -> None:
     wr = w.writer
     if c.get("sliding_window"):
@@ -213,6 +230,7 @@ def _mixtral(w: _Keys, c: HFConfig) -> None:
         wr.add_value_length(head_dim)
 
 
+@_writes("olmoe")
 def _olmoe(w: _Keys, c: HFConfig) -> None:
     wr = w.writer
     if c.get("norm_topk_prob", False):
@@ -228,7 +246,8 @@ def _head_dim(c: HFConfig) -> int:
     return int(c.get("head_dim") or int(c.require("hidden_size")) // int(c.require("num_attention_heads")))
 
 
-def _glm4moe(w: _Keys, c: HFConfig, n_mtp: int) -> None:
+@_writes("glm4moe")
+def _glm4moe(w: _Keys, c: HFConfig) -> None:
     """GLM-4.5 / 4.6: DeepSeek-V3-style routing (sigmoid scores, correction bias, scaled and
     normalised top-k) with one shared expert, the first layers dense, NEOX rotary on part of
     each head (llama.cpp's glm4moe rope type rotates dims i and i + n_rot/2 of the first
@@ -244,7 +263,7 @@ def _glm4moe(w: _Keys, c: HFConfig, n_mtp: int) -> None:
     if n_shared < 1:
         raise w.refuse("llama.cpp's glm4moe graph always adds a shared expert; this model has none.")
     head_dim = _head_dim(c)
-    partial = c.rope(default_partial=0.5).partial_rotary_factor
+    partial = w.rope_params().partial_rotary_factor
     wr.add_key_length(head_dim)
     wr.add_value_length(head_dim)
     wr.add_rope_dimension_count(int(head_dim * partial))
@@ -256,9 +275,10 @@ def _glm4moe(w: _Keys, c: HFConfig, n_mtp: int) -> None:
     wr.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
     # The NextN layers kept as the last blocks (llama.cpp skips them when generating; a
     # checkpoint without them is written with 0, whatever its config announces).
-    wr.add_nextn_predict_layers(n_mtp)
+    wr.add_nextn_predict_layers(w.n_mtp)
 
 
+@_writes("gpt-oss")
 def _gpt_oss(w: _Keys, c: HFConfig) -> None:
     """GPT-OSS. llama.cpp builds in what this family does not store: the clamped SwiGLU
     (alpha 1.702, limit 7), softmax over the top-k router logits, sinks, and sliding windows
@@ -289,7 +309,7 @@ def _gpt_oss(w: _Keys, c: HFConfig) -> None:
     # these models the same way (every published GPT-OSS GGUF runs so): the difference moves
     # the frequencies at the ramp's two ends a little (dims 8..18 of 64 for gpt-oss-20b/120b),
     # so the file is written as llama.cpp runs it, and the engine reads it back alike.
-    rope = c.rope(default_theta=150000.0)
+    rope = w.rope_params()
     if rope.kind == "yarn" and rope.get("truncate", True) is False:
         log.warning("%s: YaRN 'truncate: false' is written as llama.cpp computes it (truncated correction "
                     "range); logits differ slightly from transformers'", w.source)

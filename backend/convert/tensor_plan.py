@@ -40,6 +40,7 @@ import torch
 
 from hybridmoe.backend.formats.quant import QuantTensor
 from hybridmoe.backend.errors import ModelError, UnsupportedModelError
+from hybridmoe.backend.models.families import family_by_gguf_arch
 
 Piece = torch.Tensor | QuantTensor
 # Pieces of about this many weights: a few tens of MB of float32 while encoding.
@@ -52,8 +53,6 @@ _PROJ = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_p
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 # GPT-OSS fused experts: model.layers.N.mlp.experts.{gate_up_proj,down_proj}[_bias]
 _FUSED = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)(_bias)?")
-# llama.cpp architectures whose GGUF keeps the NextN / MTP layers as extra blocks.
-KEEPS_MTP = frozenset({"glm4moe"})
 _SKIPPED = re.compile(r".*(rotary_emb\.inv_freq|\.rotary_emb\..*)$")
 
 
@@ -157,13 +156,13 @@ def _role(gguf_name: str, n_dims: int) -> str:
 def mtp_layers(source: Any, arch: str, config: dict[str, Any], n_layers: int, *, location: str) -> int:
     """How many NextN / MTP layers (``model.layers.N`` for N >= `n_layers`) the GGUF keeps.
 
-    Only architectures in ``KEEPS_MTP`` keep them, and only what the checkpoint holds:
+    Only families with ``GGUF_KEEPS_MTP`` keep them, and only what the checkpoint holds:
     transformers' save_pretrained and many finetunes drop them although the config still
     announces ``num_nextn_predict_layers``, and such a file is written without (its
     ``nextn_predict_layers`` says 0). A layer held in part would make llama.cpp refuse the
     file, so it is reported as a damaged checkpoint instead.
     """
-    if arch not in KEEPS_MTP:
+    if not family_by_gguf_arch(arch, location).GGUF_KEEPS_MTP:
         return 0
     announced = int(config.get("num_nextn_predict_layers") or 0)
     by_layer: dict[int, set[str]] = {}
@@ -204,6 +203,7 @@ def plan_tensors(source: Any, arch: str, config: dict[str, Any], n_layers: int, 
     tie = bool(config.get("tie_word_embeddings", False))
     n_head = int(config["num_attention_heads"])
     n_kv_head = int(config.get("num_key_value_heads") or n_head)
+    permutes_qk = family_by_gguf_arch(arch, location).GGUF_PERMUTES_QK
 
     out: list[OutTensor] = []
     experts: dict[tuple[int, str], dict[int, str]] = {}
@@ -251,7 +251,7 @@ def plan_tensors(source: Any, arch: str, config: dict[str, Any], n_layers: int, 
         if hf.endswith("self_attn.sinks"):
             gguf_name += ".weight"  # llama.cpp loads the sinks as blk.N.attn_sinks.weight
         read = _row_pieces(hf)
-        if arch == "llama" and hf.endswith(("self_attn.q_proj.weight", "self_attn.k_proj.weight")):
+        if permutes_qk and hf.endswith(("self_attn.q_proj.weight", "self_attn.k_proj.weight")):
             heads = n_head if ".q_proj." in hf else n_kv_head
             read = _llama_permute(hf, heads)
         out.append(OutTensor(gguf_name, shape, _role(gguf_name, len(shape)), (hf,), fmt, read, layer))

@@ -28,36 +28,14 @@ import gguf
 
 from hybridmoe.backend.text import tokenizer as engine_tokenizer
 from hybridmoe.backend.errors import UnsupportedModelError
+from hybridmoe.backend.models.families import family_by_name
 
 T = gguf.TokenType
 
 # End-of-turn tokens (llama.cpp matches these texts itself; naming the one a model uses
-# lets every reader stop there without guessing).
+# lets every reader stop there without guessing). A family whose turns end otherwise says so
+# in its SPECIAL_TOKEN_ROLES (hybridmoe.backend.models.families).
 _EOT_TEXTS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<|return|>", "<|end_of_turn|>", "<end_of_turn>")
-# Families whose turns end differently (as llama.cpp's converter writes them):
-# * GLM-4.5 ends an assistant turn by starting the next one: <|user|> is its end of turn and
-#   <|observation|> (a tool result follows) its end of message; [gMASK] opens every prompt
-#   (the chat template writes it; no BOS is added).
-# * GPT-OSS (harmony) ends every message with <|end|>, including the reasoning ("analysis")
-#   ones the answer follows; only <|return|> (the EOS) and <|call|> end the turn, so no EOT
-#   is named, and <|end|> must not become one.
-_FAMILY_SPECIALS = {
-    "glm4_moe": {"eot": ("<|user|>",), "eom": ("<|observation|>",), "bos": ("[gMASK]",)},
-    "gpt_oss": {"eot": ()},
-}
-
-# Which of the names sharing one set of split expressions each family's models are known
-# under in llama.cpp (the names differ in BOS handling and in what llama.cpp's own regex
-# rewrite supports, so the family's name is the faithful one).
-_PREFERRED_PRE = {
-    "deepseek": ("kimi-k2", "deepseek-v3", "qwen2", "llama-bpe"),
-    "qwen3_moe": ("qwen2",),
-    "qwen2_moe": ("qwen2",),
-    "glm4_moe": ("glm4",),
-    "gpt_oss": ("gpt-4o",),
-    "olmoe": ("gpt-2", "olmo"),
-    "mixtral": ("llama-bpe", "tekken"),
-}
 
 
 @dataclass
@@ -144,7 +122,7 @@ def vocab_from_hf(directory: Path, family: str, vocab_size: int) -> GGUFVocab:
             types.append(T.NORMAL)
 
     special_ids: dict[str, int] = {}
-    family_specials = _FAMILY_SPECIALS.get(family, {})
+    family_specials = family_by_name(family).SPECIAL_TOKEN_ROLES
     if tok.bos_id is not None:
         special_ids["bos"] = tok.bos_id
     if tok.eos_id is not None:
@@ -255,7 +233,8 @@ def _pre_name(data: dict, family: str, directory: Path) -> str:
             "by name, so a GGUF of this model would tokenize text differently.",
             "Use a GGUF published for this model.",
         )
-    for name in _PREFERRED_PRE.get(family, ()):
+    # Of the names sharing these expressions, the one the family's models are known under.
+    for name in family_by_name(family).LLAMA_PRE_TOKENIZERS:
         if name in candidates:
             return name
     # Otherwise the name whose whole-word shortcut (ignore_merges) matches the tokenizer's.

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridmoe.backend.engine import native_experts
+from hybridmoe.backend.engine import native_experts, native_kernels
 from hybridmoe.backend.engine.attention import Attention
 from hybridmoe.backend.engine.kv_cache import KVCache
 from hybridmoe.backend.engine.layers import GatedMLP, RMSNorm
@@ -39,7 +39,7 @@ from hybridmoe.backend.engine.moe import MoE
 from hybridmoe.backend.engine.native_linear import NativeLinear
 from hybridmoe.backend.engine.routing import SigmoidGroupedTopK, SoftmaxTopK, TopKSoftmax
 
-_native = native_experts._native
+_native = native_kernels._native
 
 
 def _np(t: torch.Tensor) -> np.ndarray:
@@ -201,7 +201,7 @@ class _MoEStep:
             return None
         try:
             return cls(moe, experts, choose)
-        except native_experts.Unsupported:
+        except native_kernels.Unsupported:
             return None
 
     def __call__(self, h: np.ndarray) -> np.ndarray:
@@ -256,7 +256,7 @@ class DecodeStep:
 
     @classmethod
     def build(cls, model: nn.Module) -> DecodeStep | None:
-        if (not native_experts.enabled() or model.device.type != "cpu" or model.boundaries
+        if (not native_kernels.enabled() or model.device.type != "cpu" or model.boundaries
                 or model.scheduler is not None or type(model.norm) is not RMSNorm):
             return None
         if any(type(layer.attn_norm) is not RMSNorm or type(layer.ffn_norm) is not RMSNorm for layer in model.layers):

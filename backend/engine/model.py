@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridmoe.backend.engine import native_experts
+from hybridmoe.backend.engine import native_experts, native_kernels
 from hybridmoe.backend.engine.attention import Attention
 from hybridmoe.backend.engine.cpu_decode import DecodeStep
 from hybridmoe.backend.engine.experts import ExpertActivation, ExpertStore, HostExperts, ResidentExperts
@@ -124,7 +124,7 @@ class MoeTransformer(nn.Module):
 
     def _native_decode(self) -> DecodeStep | None:
         """The native one-token path on a CPU main device (``cpu_decode``), built on first use."""
-        if not self.native_decode or not native_experts.enabled():
+        if not self.native_decode or not native_kernels.enabled():
             return None
         if self._decode_step is False:
             self._decode_step = DecodeStep.build(self)

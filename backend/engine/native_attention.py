@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from hybridmoe.backend.engine import native_experts
+from hybridmoe.backend.engine import native_kernels
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor | None:
@@ -19,11 +19,11 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
 
     q [1, Hq, 1, D]; k, v [1, Hkv, S, D] (views of the cache: rows contiguous). Returns
     [1, Hq, 1, Dv] in q's dtype."""
-    if not native_experts.enabled() or q.device.type != "cpu" or k.dtype != v.dtype:
+    if not native_kernels.enabled() or q.device.type != "cpu" or k.dtype != v.dtype:
         return None
     if k.dtype not in (torch.bfloat16, torch.float32) or k.stride(-1) != 1 or v.stride(-1) != 1:
         return None
     heads, dim = q.shape[1], q.shape[3]
     out = torch.empty((heads, v.shape[3]), dtype=torch.float32)
-    native_experts._native.attend_decode(q.reshape(heads, dim).float().contiguous(), k[0], v[0], k.shape[2], scale, out)
+    native_kernels._native.attend_decode(q.reshape(heads, dim).float().contiguous(), k[0], v[0], k.shape[2], scale, out)
     return out.to(q.dtype).view(1, heads, 1, -1)

@@ -12,8 +12,8 @@ prompt (``native/src/repack.h`` says why); the copy has the stored size (q4_k +2
 the source pages are released when they are a read-only file mapping (GGUF).
 
 ``try_forward`` is the engine's entry point: the native result when the extension is built
-and the layer's storage is one it reads (see ``native_format``), else ``None`` and the
-caller runs the reference. ``HYBRIDMOE_NATIVE=0`` turns the native path off.
+and the layer's storage is one it reads (see ``native_kernels.native_format``), else ``None``
+and the caller runs the reference. ``HYBRIDMOE_NATIVE=0`` turns the native path off.
 
 Formats: GGUF q8_0, q4_0, q4_k, q5_k, q6_k, mxfp4, bf16, f16, f32 tensors; compressed-tensors
 int4 with groups of 32 and bf16 scales (Kimi K2); GPT-OSS MXFP4 safetensors. gate and up
@@ -24,133 +24,28 @@ stored transposed. They fall back to the reference, which reads everything.
 
 from __future__ import annotations
 
-import os
 import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from hybridmoe.backend.engine import native_kernels
+from hybridmoe.backend.engine.native_kernels import Unsupported, enabled, matrix_ref, native_format
 from hybridmoe.backend.formats.quant import QuantTensor
 
 if TYPE_CHECKING:
     from hybridmoe.backend.engine.experts import HostExperts
 
-try:  # built by the package build; absent in a source tree that was never installed
-    from hybridmoe import _native
-except ImportError as e:  # pragma: no cover - depends on the build
-    _native = None
-    _IMPORT_ERROR = str(e)
-else:
-    _IMPORT_ERROR = ""
-
 __all__ = [
     "NativeExperts",
-    "available",
     "cpu_experts_forward",
-    "isa",
-    "native_format",
+    "native_for",
     "prepare",
-    "summary",
     "try_forward",
     "unsupported_reason",
 ]
 
 REGIMES = {"auto": 0, "decode": 1, "prefill": 2}
-
-_GGUF_NATIVE = {"q8_0", "q4_0", "q4_k", "q5_k", "q6_k", "mxfp4"}
-_FLOAT_NATIVE = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
-
-
-def available() -> bool:
-    """Whether the extension was built and imports."""
-    return _native is not None
-
-
-def isa() -> str:
-    """The native kernel set in use ("avx512_vnni", "avx2", "scalar"), or why there is none."""
-    if _native is None:
-        return f"unavailable ({_IMPORT_ERROR or 'not built'})"
-    return _native.isa()
-
-
-def isa_info() -> dict[str, Any]:
-    """isa, note (a refused variant and why), supported variants, threads, NUMA nodes."""
-    if _native is None:
-        return {"isa": None, "note": _IMPORT_ERROR or "not built"}
-    return dict(_native.isa_info())
-
-
-def summary() -> str:
-    """One line for `hybridmoe doctor`: the kernel set in use, its threads, and why a better
-    one was not used; or why the CPU experts run on the PyTorch reference."""
-    if not enabled():
-        why = "turned off by HYBRIDMOE_NATIVE" if _native is not None else isa()
-        return f"PyTorch reference ({why}): CPU experts and projections run far slower"
-    info = isa_info()
-    nodes = info["numa_nodes"]
-    line = f"{info['isa']}, {info['threads']} threads" + (f" on {nodes} NUMA nodes" if nodes > 1 else "")
-    return line + (f" ({info['note']})" if info.get("note") else "")
-
-
-def enabled() -> bool:
-    return _native is not None and os.environ.get("HYBRIDMOE_NATIVE", "1") not in ("0", "false", "no", "off")
-
-
-def native_format(w: Any) -> str | None:
-    """The native kernels' name for how `w` (a stored expert matrix) is stored, or None."""
-    if isinstance(w, QuantTensor):
-        if w.layout == "gguf":
-            return w.format if w.format in _GGUF_NATIVE else None
-        if w.format == "int4_g32" and w.parts["weight_scale"].dtype == torch.bfloat16:
-            return "int4_g32"
-        if w.format == "mxfp4":
-            return "mxfp4_hf"
-        return None
-    if isinstance(w, torch.Tensor):
-        return _FLOAT_NATIVE.get(w.dtype)
-    return None
-
-
-# ---- addressing stored matrices ------------------------------------------------------
-
-
-def _row_major(t: torch.Tensor, inner_dims: int, what: str) -> None:
-    """Raise unless the last `inner_dims` dims of `t` are one contiguous run per row."""
-    if t.device.type != "cpu":
-        raise Unsupported(f"{what} is not in host memory")
-    expect = 1
-    for d in range(t.dim() - 1, t.dim() - 1 - inner_dims, -1):
-        if t.shape[d] != 1 and t.stride(d) != expect:
-            raise Unsupported(f"{what} rows are not contiguous")
-        expect *= t.shape[d]
-
-
-class Unsupported(Exception):
-    """The native kernels cannot read this storage (the message says why)."""
-
-
-def matrix_ref(w: Any, fmt: str, rows: int, start: int = 0, step: int = 1) -> tuple[list[int], list[torch.Tensor]]:
-    """(data address, scale address, row stride, scale row stride) of rows start, start+step, ...
-    of the 2-D stored matrix `w`, and the tensors those addresses point into."""
-    if isinstance(w, torch.Tensor):
-        parts = [(w, 1)]
-    elif fmt == "int4_g32":
-        parts = [(w.parts["weight_packed"], 1), (w.parts["weight_scale"], 1)]
-    elif fmt == "mxfp4_hf":
-        parts = [(w.parts["blocks"], 2), (w.parts["scales"], 1)]
-    else:
-        parts = [(w.parts["data"], 1)]
-    if w.shape[0] < start + (rows - 1) * step + 1:
-        raise Unsupported("matrix has fewer rows than the layer needs")
-    out = [0, 0, 0, 0]
-    keep = []
-    for i, (t, inner) in enumerate(parts):
-        _row_major(t, inner, "expert weight")
-        stride = t.stride(0) * t.element_size()  # bytes from one row to the next
-        out[i] = t.data_ptr() + start * stride
-        out[2 + i] = stride * step
-        keep.append(t)
-    return out, keep
 
 
 def _bias(b: torch.Tensor | None, start: int, step: int, n: int) -> torch.Tensor | None:
@@ -215,9 +110,9 @@ class NativeExperts:
             raise Unsupported(f"experts of one layer stored in several formats: {sorted(formats)}")
         self.format, self.down_format = formats.pop() if formats else ("f32", "f32")
         try:
-            self.layer = _native.MoELayer(self.format, self.down_format, H, I, refs, cpu.numpy(), act,
-                                          float(experts.act.alpha), float(experts.act.limit), biases,
-                                          interleave)
+            self.layer = native_kernels._native.MoELayer(self.format, self.down_format, H, I, refs, cpu.numpy(),
+                                                         act, float(experts.act.alpha), float(experts.act.limit),
+                                                         biases, interleave)
         except ValueError as err:
             raise Unsupported(str(err)) from None
         self._keep = keep  # the layer reads these tensors' memory: keep them alive with it
@@ -258,8 +153,8 @@ def native_for(experts: HostExperts) -> NativeExperts | None:
         return _built[experts]
     native = None
     try:
-        if _native is None:
-            raise Unsupported(isa())
+        if not native_kernels.available():
+            raise Unsupported(native_kernels.isa())
         native = NativeExperts(experts)
     except Unsupported as err:
         _reasons[experts] = str(err)

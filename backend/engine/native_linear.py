@@ -23,8 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from hybridmoe.backend.engine import native_experts
-from hybridmoe.backend.engine.native_experts import Unsupported, matrix_ref, native_format
+from hybridmoe.backend.engine import native_kernels
+from hybridmoe.backend.engine.native_kernels import Unsupported, matrix_ref, native_format
 
 
 class NativeLinear(nn.Module):
@@ -40,7 +40,7 @@ class NativeLinear(nn.Module):
         rows, cols = int(stored.shape[0]), int(stored.shape[1])
         ref, keep = matrix_ref(stored, fmt, rows)
         try:
-            native = native_experts._native.DenseLinear(fmt, cols, [(rows, ref)], interleave)
+            native = native_kernels._native.DenseLinear(fmt, cols, [(rows, ref)], interleave)
         except ValueError as err:
             raise Unsupported(str(err)) from None
         self._setup(native, bias, keep)
@@ -59,7 +59,7 @@ class NativeLinear(nn.Module):
         if not all(isinstance(lin, NativeLinear) for lin in linears):
             return None
         try:
-            native = native_experts._native.DenseLinear.join([lin.native for lin in linears])
+            native = native_kernels._native.DenseLinear.join([lin.native for lin in linears])
         except ValueError:
             return None
         biases = [lin.bias if lin.bias is not None else torch.zeros(lin.out_features) for lin in linears]
@@ -84,7 +84,7 @@ class NativeLinear(nn.Module):
 
 def native_linear(stored: Any, bias: torch.Tensor | None, device: torch.device) -> NativeLinear | None:
     """A NativeLinear over `stored` when the main device is the CPU and the kernels read it, else None."""
-    if device.type != "cpu" or not native_experts.enabled():
+    if device.type != "cpu" or not native_kernels.enabled():
         return None
     try:
         return NativeLinear(stored, bias)

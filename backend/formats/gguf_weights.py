@@ -36,12 +36,14 @@ import torch
 
 from hybridmoe.backend.formats.quant import GGUF_SUPPORTED_TYPES, QuantTensor, from_gguf
 from hybridmoe.backend.errors import ModelError, UnsupportedModelError
+from hybridmoe.backend.models.families import FAMILIES, family_by_gguf_arch
 from hybridmoe.backend.models.gguf_reader import GGUFFile, GGUFTensorInfo, open_gguf_set
 from hybridmoe.backend.models.model_files import resolve_model_files
 
 __all__ = ["SUPPORTED_ARCHITECTURES", "GGUFWeights", "open_gguf"]
 
-SUPPORTED_ARCHITECTURES = ("deepseek2", "qwen3moe", "qwen2moe", "llama", "olmoe", "gpt-oss", "glm4moe")
+# The GGUF architectures of the registry's families (llama: Mixtral's, and dense Llama's).
+SUPPORTED_ARCHITECTURES = tuple(f.GGUF_ARCH for f in FAMILIES)
 
 _GLOBAL = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -97,17 +99,6 @@ _BLOCK = {
     "nextn.shared_head_norm.weight": "shared_head.norm.weight",
 }
 
-_ARCH_BLOCK = {
-    # GPT-OSS calls its router `router` and gives it a bias.
-    "gpt-oss": {"ffn_gate_inp.weight": "mlp.router.weight", "ffn_gate_inp.bias": "mlp.router.bias"},
-    # Qwen2-MoE has one shared expert, named in the singular.
-    "qwen2moe": {
-        "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
-        "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
-        "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
-    },
-}
-
 _EXPERT_PROJ = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 # Old Mixtral GGUFs (before llama.cpp merged experts, early 2024): blk.N.ffn_gate.E.weight
 _OLD_EXPERT = re.compile(r"ffn_(gate|up|down)\.(\d+)\.weight")
@@ -155,6 +146,7 @@ class GGUFWeights:
                 f"{files[0]}: GGUF architecture '{self.architecture}' is not supported by the embedded engine.",
                 "Supported: " + ", ".join(SUPPORTED_ARCHITECTURES) + ". The llama.cpp backend may run it.",
             )
+        self._family = family_by_gguf_arch(self.architecture, str(files[0]))
         self._map: dict[str, _Entry] = {}
         self.unmapped: tuple[str, ...] = ()  # GGUF tensors with no HF name (rope_freqs, ...)
         self._build_map()
@@ -182,7 +174,7 @@ class GGUFWeights:
     # ---- name map ----------------------------------------------------------------------
 
     def _build_map(self) -> None:
-        arch_block = {**_BLOCK, **_ARCH_BLOCK.get(self.architecture, {})}
+        arch_block = {**_BLOCK, **self._family.GGUF_TENSOR_NAMES}
         unmapped: list[str] = []
         for name, (t, _) in self._tensors.items():
             if name in _GLOBAL:
@@ -208,9 +200,9 @@ class GGUFWeights:
                 continue
             if rest in arch_block:
                 op = "view"
-                if self.architecture == "llama" and rest in ("attn_q.weight", "attn_q.bias"):
+                if self._family.GGUF_PERMUTES_QK and rest in ("attn_q.weight", "attn_q.bias"):
                     op = "unpermute_q"
-                elif self.architecture == "llama" and rest in ("attn_k.weight", "attn_k.bias"):
+                elif self._family.GGUF_PERMUTES_QK and rest in ("attn_k.weight", "attn_k.bias"):
                     op = "unpermute_k"
                 elif rest == "ffn_gate_inp_shexp.weight":
                     op = "row_vector"  # HF shape [1, hidden]; llama.cpp may store [hidden]

@@ -17,6 +17,7 @@ from pathlib import PurePosixPath
 
 from hybridmoe.backend.errors import UsageError
 from hybridmoe.backend.models.gguf_files import SPLIT_NAME
+from hybridmoe.backend.models.model_files import is_projector
 from hybridmoe.backend.units import fmt_bytes
 
 # A quantization token: llama.cpp's types and mixes (Q4_K_M, Q8_0, IQ2_XXS, TQ1_0, BF16,
@@ -30,9 +31,10 @@ _QUANT = re.compile(
 
 
 def is_gguf_name(path: str) -> bool:
-    """A model GGUF; multimodal projectors (mmproj) are GGUF files but not models."""
-    name = PurePosixPath(path).name.lower()
-    return name.endswith(".gguf") and "mmproj" not in name
+    """A model GGUF in a repository's listing; multimodal projectors are GGUF files but not
+    models (the rule of models.model_files.is_projector, which local files follow too)."""
+    name = PurePosixPath(path).name
+    return name.lower().endswith(".gguf") and not is_projector(name)
 
 
 def quant_label(path: str) -> str:

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybridmoe.backend.engine import native_experts
+from hybridmoe.backend.engine import native_kernels
 from hybridmoe.backend.engine.cpu_decode import DecodeStep
 from tests.engine.conftest import FAMILY_NAMES, engine, relative_error, tokens
 
-pytestmark = pytest.mark.skipif(not native_experts.available(), reason="native extension not built")
+pytestmark = pytest.mark.skipif(not native_kernels.available(), reason="native extension not built")
 
 # Which blocks run natively on the tiny fp32 checkpoints: grouped-query attention without
 # sinks, clipping or whole-projection q/k norms; every router but DeepSeek-V2's; GPT-OSS'

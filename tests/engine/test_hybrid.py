@@ -184,9 +184,9 @@ def test_a_forward_call_that_fails_midway_leaves_the_ring_usable(checkpoints):
 def test_native_cpu_experts_in_the_scheduler(checkpoints, monkeypatch):
     """With the native kernels, the worker runs the same native call as the plain path (exact);
     streamed layers run the PyTorch arithmetic on the device (close)."""
-    from hybridmoe.backend.engine import native_experts
+    from hybridmoe.backend.engine import native_kernels
 
-    if not native_experts.available():
+    if not native_kernels.available():
         pytest.skip("native extension not built")
     monkeypatch.setenv("HYBRIDMOE_NATIVE", "1")
     path = checkpoints("qwen3_moe")

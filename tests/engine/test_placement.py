@@ -114,9 +114,9 @@ def test_a_placement_naming_a_missing_expert_is_refused(checkpoints):
 def test_native_cpu_experts_in_the_model(family, checkpoints, monkeypatch):
     """With the native kernels on (float32 checkpoints: their exact fp32 path), the model
     gives the reference's logits, prefill and decode, whatever the split."""
-    from hybridmoe.backend.engine import native_experts
+    from hybridmoe.backend.engine import native_experts, native_kernels
 
-    if not native_experts.available():
+    if not native_kernels.available():
         pytest.skip("native extension not built")
     path = checkpoints(family)
     ids = tokens(16, seed=11)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from hybridmoe.backend.engine import native_experts
+from hybridmoe.backend.engine import native_kernels
 
-_native = native_experts._native
+_native = native_kernels._native
 # Best first (as the extension lists them): AVX-512, AVX2, portable.
 ISAS = list(_native.isa_info()["supported"]) if _native else []
 

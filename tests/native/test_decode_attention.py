@@ -6,12 +6,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hybridmoe.backend.engine import native_experts
+from hybridmoe.backend.engine import native_kernels
 from hybridmoe.backend.engine.native_attention import decode_attention
 
-pytestmark = pytest.mark.skipif(not native_experts.available(), reason="native extension not built")
+pytestmark = pytest.mark.skipif(not native_kernels.available(), reason="native extension not built")
 
-_native = native_experts._native
+_native = native_kernels._native
 
 
 

@@ -5,15 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybridmoe.backend.engine import native_experts
+from hybridmoe.backend.engine import native_kernels
 from hybridmoe.backend.engine.hf_config import RopeParams
 from hybridmoe.backend.engine.layers import RMSNorm
 from hybridmoe.backend.engine.rope import Rotary
 from hybridmoe.backend.engine.routing import SigmoidGroupedTopK, SoftmaxTopK, TopKSoftmax
 
-pytestmark = pytest.mark.skipif(not native_experts.available(), reason="native extension not built")
+pytestmark = pytest.mark.skipif(not native_kernels.available(), reason="native extension not built")
 
-_native = native_experts._native
+_native = native_kernels._native
 
 
 @pytest.mark.parametrize("shape", [(1, 2048), (3, 128), (5, 7)])

@@ -20,16 +20,16 @@ from hybridmoe.backend.bench.synthetic_experts import (
     block_of,
     random_matrix,
 )
-from hybridmoe.backend.engine import native_experts
+from hybridmoe.backend.engine import native_kernels
 from hybridmoe.backend.engine.loader import Loader
 from hybridmoe.backend.engine.native_linear import NativeLinear
 from hybridmoe.backend.formats.weights import dense
 
 from .test_native_experts import q8, rel_err
 
-pytestmark = pytest.mark.skipif(not native_experts.available(), reason="native extension not built")
+pytestmark = pytest.mark.skipif(not native_kernels.available(), reason="native extension not built")
 
-_native = native_experts._native
+_native = native_kernels._native
 
 
 

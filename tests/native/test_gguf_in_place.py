@@ -9,7 +9,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as T
 
-from hybridmoe.backend.engine import native_experts
+from hybridmoe.backend.engine import native_experts, native_kernels
 from hybridmoe.backend.engine.experts import (
     ExpertActivation,
     ExpertStore,
@@ -20,7 +20,7 @@ from hybridmoe.backend.engine.experts import (
 from hybridmoe.backend.formats.gguf_weights import open_gguf
 from tests.quant.tiny_gguf import rand, write_gguf
 
-pytestmark = pytest.mark.skipif(not native_experts.available(), reason="native extension not built")
+pytestmark = pytest.mark.skipif(not native_kernels.available(), reason="native extension not built")
 
 E, H, I = 6, 256, 128
 

@@ -42,7 +42,7 @@ from hybridmoe.backend.bench.synthetic_experts import (
     make_host_experts,
     random_routing,
 )
-from hybridmoe.backend.engine import native_experts
+from hybridmoe.backend.engine import native_experts, native_kernels
 from hybridmoe.backend.engine.experts import (
     ExpertActivation,
     HostExperts,
@@ -51,9 +51,9 @@ from hybridmoe.backend.engine.experts import (
 )
 from tests.native.conftest import ISAS
 
-pytestmark = pytest.mark.skipif(not native_experts.available(), reason="native extension not built")
+pytestmark = pytest.mark.skipif(not native_kernels.available(), reason="native extension not built")
 
-_native = native_experts._native
+_native = native_kernels._native
 EXACT_TOL, EMULATION_TOL, DECODE_BOUND = 1e-5, 5e-3, 1e-1
 
 
@@ -291,10 +291,3 @@ def test_unsupported_storage_falls_back():
     ids, wt = random_routing(np.random.default_rng(0), 2, E, 2)
     assert native_experts.try_forward(torch.randn(2, H), ids, wt, experts) is None
     assert "fp8_block" in native_experts.unsupported_reason(experts)
-
-
-def test_isa_is_reported():
-    info = native_experts.isa_info()
-    assert info["isa"] in ("avx512_vnni", "avx2", "scalar")
-    assert native_experts.isa() == info["isa"]
-    assert info["threads"] >= 1 and info["numa_nodes"] >= 1

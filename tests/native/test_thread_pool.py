@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from hybridmoe.backend.bench.synthetic_experts import make_host_experts, random_routing
-from hybridmoe.backend.engine import native_experts
+from hybridmoe.backend.engine import native_experts, native_kernels
 
-pytestmark = pytest.mark.skipif(not native_experts.available(), reason="native extension not built")
-_native = native_experts._native
+pytestmark = pytest.mark.skipif(not native_kernels.available(), reason="native extension not built")
+_native = native_kernels._native
 
 
 def fake_sysfs(root, cpus: dict[int, tuple[int, int]], nodes: dict[int, str]) -> str:

@@ -1,7 +1,12 @@
 """Model families: one module per family, found by HF architecture / model_type or GGUF arch.
 
-Every family module provides ``FAMILY``, ``HF_ARCHITECTURES``, ``MODEL_TYPES``,
-``GGUF_ARCHS``, ``GGUF_KEEPS_MTP`` and
+Everything hybridmoe knows about a family is in its module, and every other package looks
+the family up here (``family_by_name``, ``family_by_gguf_arch``) instead of keeping a table
+of its own. Each module provides its identity: ``FAMILY``, ``DISPLAY_NAME``,
+``HF_ARCHITECTURES``, ``MODEL_TYPES``, ``GGUF_ARCH`` (llama.cpp's architecture, read and
+written) and ``GGUF_KEEPS_MTP``; what the converter writes: ``LLAMA_PRE_TOKENIZERS``,
+``SPECIAL_TOKEN_ROLES``, ``RMS_EPS_DEFAULT``, ``ROPE_THETA_DEFAULT``,
+``PARTIAL_ROTARY_DEFAULT``, ``GGUF_PARTIAL_ROTARY``; and
 
 - ``spec_from_config(config, name, *, source) -> ModelSpec``
 - ``config_from_gguf(metadata, *, source, tensor_shapes) -> dict`` (HF-style text config;
@@ -31,22 +36,11 @@ from hybridmoe.backend.models.spec import ModelSpec
 
 FAMILIES: tuple[ModuleType, ...] = (deepseek, qwen3_moe, qwen2_moe, mixtral, olmoe, gpt_oss, glm4_moe)
 
-_DISPLAY = {
-    "deepseek": "DeepSeek-V2/V3/R1 and Kimi K2.x",
-    "qwen3_moe": "Qwen3-MoE",
-    "qwen2_moe": "Qwen2-MoE / Qwen1.5-MoE",
-    "mixtral": "Mixtral",
-    "olmoe": "OLMoE",
-    "gpt_oss": "GPT-OSS",
-    "glm4_moe": "GLM-4.5",
-}
-
 
 def supported_models() -> str:
     """One line listing the supported families with their architecture names."""
     return "; ".join(
-        f"{_DISPLAY[m.FAMILY]} ({', '.join(m.HF_ARCHITECTURES)}; GGUF {', '.join(m.GGUF_ARCHS)})"
-        for m in FAMILIES
+        f"{m.DISPLAY_NAME} ({', '.join(m.HF_ARCHITECTURES)}; GGUF {m.GGUF_ARCH})" for m in FAMILIES
     )
 
 
@@ -98,14 +92,20 @@ def family_for_gguf(metadata: Mapping[str, Any], source: str) -> ModuleType:
         raise ModelError(f"{source} has no 'general.architecture' key.",
                          "The GGUF file is damaged or was not written by llama.cpp's tools; "
                          "download it again.")
+    module = family_by_gguf_arch(arch, source)
+    if module is mixtral and not metadata.get(f"{arch}.expert_count"):
+        raise UnsupportedModelError(
+            f"{source} is a dense '{arch}' model (no {arch}.expert_count); hybridmoe runs "
+            "Mixture-of-Experts models.",
+            "Run dense models with llama.cpp directly, or pick an MoE model.",
+        )
+    return module
+
+
+def family_by_gguf_arch(arch: str, source: str) -> ModuleType:
+    """The family whose GGUFs have ``general.architecture`` `arch`."""
     for module in FAMILIES:
-        if arch in module.GGUF_ARCHS:
-            if module is mixtral and not metadata.get(f"{arch}.expert_count"):
-                raise UnsupportedModelError(
-                    f"{source} is a dense '{arch}' model (no {arch}.expert_count); hybridmoe runs "
-                    "Mixture-of-Experts models.",
-                    "Run dense models with llama.cpp directly, or pick an MoE model.",
-                )
+        if module.GGUF_ARCH == arch:
             return module
     raise UnsupportedModelError(
         f"{source} holds GGUF architecture {arch!r}, which hybridmoe does not support.",

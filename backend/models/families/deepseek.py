@@ -30,6 +30,7 @@ from hybridmoe.backend.models.families.common import (
 from hybridmoe.backend.models.spec import ModelSpec, Routing
 
 FAMILY = "deepseek"
+DISPLAY_NAME = "DeepSeek-V2/V3/R1 and Kimi K2.x"
 HF_ARCHITECTURES = (
     "DeepseekV2ForCausalLM",
     "DeepseekV3ForCausalLM",
@@ -37,9 +38,28 @@ HF_ARCHITECTURES = (
     "KimiK2ForCausalLM",
 )
 MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "kimi_k2", "kimi_k25")
-GGUF_ARCHS = ("deepseek2",)
+GGUF_ARCH = "deepseek2"
 # llama.cpp's converter drops DeepSeek's MTP layer, so a GGUF estimate leaves it out.
 GGUF_KEEPS_MTP = False
+
+# What the converter writes for this family (hybridmoe.backend.convert).
+# llama.cpp's names for this family's pre-tokenizer, most faithful first: several names share
+# one set of split expressions and differ in BOS handling and in llama.cpp's regex support.
+LLAMA_PRE_TOKENIZERS = ("kimi-k2", "deepseek-v3", "qwen2", "llama-bpe")
+# Special-token role ("eot", "eom", "bos") -> token texts to look for, where the family's
+# turns end otherwise than the converter's defaults say (as llama.cpp's converter writes them).
+SPECIAL_TOKEN_ROLES: dict[str, tuple[str, ...]] = {}
+# Values written where the config leaves them out.
+RMS_EPS_DEFAULT = 1e-6
+ROPE_THETA_DEFAULT = 10000.0
+PARTIAL_ROTARY_DEFAULT = 1.0
+# llama.cpp's graph rotates only the first rope.dimension_count dims of a head.
+GGUF_PARTIAL_ROTARY = False
+
+# GGUF block tensor names (after blk.N.) whose HF name in this family differs from the
+# common one (hybridmoe.backend.formats.gguf_weights).
+GGUF_TENSOR_NAMES: dict[str, str] = {}
+GGUF_PERMUTES_QK = False
 
 # Config keys llama.cpp's converter stores for this family, beyond those every family has.
 GGUF_KEYS = DEEPSEEK_STYLE_MOE_KEYS + (
@@ -177,7 +197,7 @@ def vision_params_estimate(vc: Mapping[str, Any]) -> int:
 
 def config_from_gguf(metadata: Mapping[str, Any], *, source: str,
                      tensor_shapes: Mapping[str, tuple[int, ...]] | None = None) -> dict[str, Any]:
-    cfg, f = gguf_to_config(metadata, source, tensor_shapes, GGUF_ARCHS[0], GGUF_KEYS)
+    cfg, f = gguf_to_config(metadata, source, tensor_shapes, GGUF_ARCH, GGUF_KEYS)
     # Recent llama.cpp converts MLA for the absorbed form (attn_k_b/attn_v_b, head_count_kv 1)
     # and keeps the per-head sizes in *_mla keys; older files have them in key/value_length.
     key_len = f.int("attention.key_length_mla", "attention.key_length")

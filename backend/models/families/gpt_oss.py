@@ -27,10 +27,34 @@ from hybridmoe.backend.models.families.common import (
 from hybridmoe.backend.models.spec import ModelSpec, Routing
 
 FAMILY = "gpt_oss"
+DISPLAY_NAME = "GPT-OSS"
 HF_ARCHITECTURES = ("GptOssForCausalLM",)
 MODEL_TYPES = ("gpt_oss",)
-GGUF_ARCHS = ("gpt-oss",)
+GGUF_ARCH = "gpt-oss"
 GGUF_KEEPS_MTP = False
+
+# What the converter writes for this family (hybridmoe.backend.convert).
+# llama.cpp's names for this family's pre-tokenizer, most faithful first: several names share
+# one set of split expressions and differ in BOS handling and in llama.cpp's regex support.
+LLAMA_PRE_TOKENIZERS = ("gpt-4o",)
+# Special-token role ("eot", "eom", "bos") -> token texts to look for, where the family's
+# turns end otherwise than the converter's defaults say (as llama.cpp's converter writes them).
+# Harmony ends every message with <|end|>, including the reasoning ("analysis") ones the
+# answer follows; only <|return|> (the EOS) and <|call|> end the turn, so no EOT is named, and
+# <|end|> must not become one.
+SPECIAL_TOKEN_ROLES = {"eot": ()}
+# Values written where the config leaves them out.
+RMS_EPS_DEFAULT = 1e-5
+ROPE_THETA_DEFAULT = 150000.0
+PARTIAL_ROTARY_DEFAULT = 1.0
+# llama.cpp's graph rotates only the first rope.dimension_count dims of a head.
+GGUF_PARTIAL_ROTARY = False
+
+# GGUF block tensor names (after blk.N.) whose HF name in this family differs from the
+# common one (hybridmoe.backend.formats.gguf_weights).
+# GPT-OSS calls its router `router` and gives it a bias.
+GGUF_TENSOR_NAMES = {"ffn_gate_inp.weight": "mlp.router.weight", "ffn_gate_inp.bias": "mlp.router.bias"}
+GGUF_PERMUTES_QK = False
 
 # Config keys llama.cpp's converter stores for this family, beyond those every family has.
 GGUF_KEYS = (
@@ -80,7 +104,7 @@ def expected_tensors(s: ModelSpec) -> Iterator[TensorShape]:
 
 def config_from_gguf(metadata: Mapping[str, Any], *, source: str,
                      tensor_shapes: Mapping[str, tuple[int, ...]] | None = None) -> dict[str, Any]:
-    cfg, f = gguf_to_config(metadata, source, tensor_shapes, GGUF_ARCHS[0], GGUF_KEYS)
+    cfg, f = gguf_to_config(metadata, source, tensor_shapes, GGUF_ARCH, GGUF_KEYS)
     # llama.cpp's rule: layer i slides when i % p < p - 1, with p the sliding_window_pattern
     # key (newer files) or 2 (the published models alternate, even layers sliding).
     period = f.int("attention.sliding_window_pattern", default=2)
