@@ -16,6 +16,9 @@ layer, never of a higher one, and the packages of one layer do not import each o
     files | units                atomic writes; sizes and rates
     errors | workload_choices | _native   leaves: error classes, the workload's vocabulary, the extension
 
+A family folder, backend/models/families/<family>/, spans layers: its `engine` module is layered
+with the engine and its `gguf` module with the converter (FAMILY_PARTS); the rest is in models.
+
 An import counts when it runs: one inside a function does (it runs on the first call), one
 under ``if TYPE_CHECKING:`` does not. Importing ``a.b.c`` runs the ``__init__`` of ``a`` and
 ``a.b`` first, so it depends on them too (a circle through a package's ``__init__`` is a
@@ -51,6 +54,13 @@ LAYERS = (
     (_B + "files", _B + "units"),
     (_B + "errors", _B + "workload_choices", EXTENSION),
 )
+# A family is one folder, backend/models/families/<family>/ (docs/architecture.md), and the
+# folder spans layers: its torch builder `engine.py` belongs to the engine and its GGUF writer
+# `gguf.py` to the converter, so each may import what its package may (and the family's
+# models-layer modules, below both); the rest of the folder (identity, config readers, tensor
+# inventory) is model inspection, in the models layer, and imports neither part.
+FAMILY_FOLDER = _B + "models.families"
+FAMILY_PARTS = {"engine": _B + "engine", "gguf": _B + "convert"}
 # Package roots with an empty __init__: below everything, importing nothing.
 EMPTY_ROOTS = ("hybridmoe.backend",)
 # What the planner, model inspection, hardware detection and the hub must load without torch.
@@ -210,8 +220,18 @@ def import_cycles(graph) -> list[str]:
     return sorted(chains.values())
 
 
+def _layered_as(module: str) -> str:
+    """The name `module` is layered by: a family folder's part listed in FAMILY_PARTS counts
+    as a module of that part's package, everything else as itself."""
+    family_and_part = module.removeprefix(FAMILY_FOLDER + ".").split(".")
+    if module.startswith(FAMILY_FOLDER + ".") and len(family_and_part) == 2 and family_and_part[1] in FAMILY_PARTS:
+        return FAMILY_PARTS[family_and_part[1]] + "." + family_and_part[0]
+    return module
+
+
 def _layer_of(module: str):
     """(layer index from the top, the layer's package holding `module`), or None."""
+    module = _layered_as(module)
     for i, layer in enumerate(LAYERS):
         for package in layer:
             if _is_under(module, [package]):
@@ -367,6 +387,26 @@ def test_an_upward_or_sideways_import_breaks_the_layers(tmp_path):
         "backend/errors.py:2: hybridmoe.backend.errors imports hybridmoe.backend.plan"
         " (up: hybridmoe.backend.plan is not below hybridmoe.backend.errors)",
         "hybridmoe.backend.oddity is in no layer: add its package to LAYERS",
+    ]
+
+
+def test_a_family_folder_spans_the_engine_models_and_convert_layers(tmp_path):
+    families = "backend/models/families/"
+    root = _plant(tmp_path, {
+        families + "__init__.py": "from hybridmoe.backend.models.families import olmoe\n",
+        families + "olmoe/__init__.py": "from hybridmoe.backend.models.families.olmoe import engine\n",
+        families + "olmoe/engine.py": "from hybridmoe.backend.engine.routing import SoftmaxTopK\n",
+        families + "olmoe/gguf.py": "from hybridmoe.backend.convert.gguf_keys import GGUFKeys\n"
+                                    "from hybridmoe.backend.engine.hf_config import HFConfig\n",
+        "backend/engine/routing.py": "", "backend/engine/hf_config.py": "",
+        "backend/convert/gguf_keys.py": "from hybridmoe.backend.models.families import olmoe\n",
+    })
+    # engine.py and gguf.py import their own layer and below; the folder's models-layer
+    # __init__ importing the family's torch builder is an import up the layers.
+    assert layer_violations(import_graph(root)[0]) == [
+        "backend/models/families/olmoe/__init__.py:1: hybridmoe.backend.models.families.olmoe imports"
+        " hybridmoe.backend.models.families.olmoe.engine (up: hybridmoe.backend.engine is not below"
+        " hybridmoe.backend.models)",
     ]
 
 

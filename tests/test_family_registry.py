@@ -1,5 +1,6 @@
-"""A model family is one module of backend/models/families/, and every other package looks it
-up in the registry (docs/architecture.md): no second table names the families again."""
+"""A model family is one folder of backend/models/families/, and every other package looks it
+up in the registry (docs/architecture.md): no second table names the families again, and no
+part of a family lives outside its folder."""
 
 import ast
 from pathlib import Path
@@ -12,6 +13,11 @@ from hybridmoe.backend.models.families import FAMILIES, family_by_gguf_arch
 
 ROOT = Path(__file__).resolve().parent.parent
 FAMILY_FOLDER = Path("backend/models/families")
+
+# What every family folder holds: identity, readers and tensors; the torch builder; the GGUF writer.
+FAMILY_FILES = ("__init__.py", "engine.py", "gguf.py")
+# The converter's modules that once held a writer per architecture.
+CONVERTER_KEYS = ("backend/convert/hparams.py", "backend/convert/gguf_keys.py")
 
 # What every family module declares (see the registry's docstring).
 FAMILY_INTERFACE = (
@@ -91,3 +97,48 @@ def test_an_unknown_gguf_architecture_is_refused_with_the_supported_ones():
     with pytest.raises(UnsupportedModelError, match="'qwen3next'") as e:
         family_by_gguf_arch("qwen3next", "x.gguf")
     assert "GLM-4.5 (Glm4MoeForCausalLM; GGUF glm4moe)" in e.value.hint
+
+
+def family_parts_elsewhere(root: Path) -> list[str]:
+    """Modules under root/backend and root/app, outside the family folder, named after a
+    family (``backend/engine/olmoe.py``), and each family or GGUF architecture name a string
+    in the converter's key writers holds (a writer registered there for one architecture)."""
+    names = family_names()
+    found = []
+    for folder in ("backend", "app"):
+        for path in sorted((root / folder).rglob("*.py")):
+            relative = path.relative_to(root)
+            if not relative.is_relative_to(FAMILY_FOLDER) and path.stem in names:
+                found.append(str(relative))
+    for name in CONVERTER_KEYS:
+        path = root / name
+        if path.exists():
+            found += [f"{name}:{node.lineno} {node.value!r}"
+                      for node in ast.walk(ast.parse(path.read_text(), filename=str(path)))
+                      if isinstance(node, ast.Constant) and node.value in names]
+    return found
+
+
+@pytest.mark.parametrize("family", FAMILIES, ids=lambda f: f.FAMILY)
+def test_every_family_is_one_folder_with_its_builder_and_writer(family):
+    folder = Path(family.__file__).parent
+    assert folder == ROOT / FAMILY_FOLDER / family.FAMILY
+    assert [name for name in FAMILY_FILES if not (folder / name).is_file()] == []
+
+
+def test_no_part_of_a_family_lives_outside_its_folder():
+    assert family_parts_elsewhere(ROOT) == []
+
+
+def test_the_scan_finds_a_family_part_outside_its_folder(tmp_path):
+    for name, text in {
+        "backend/engine/olmoe.py": "",
+        "backend/models/families/olmoe/engine.py": "",
+        "backend/convert/hparams.py": '"""Writes glm4moe keys too."""\n@_writes("deepseek2")\ndef w(): pass\n',
+    }.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    assert family_parts_elsewhere(tmp_path) == [
+        "backend/engine/olmoe.py",
+        "backend/convert/hparams.py:2 'deepseek2'",
+    ]

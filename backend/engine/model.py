@@ -1,8 +1,8 @@
 """The decoder-only MoE transformer and ``build_model``.
 
 Every family is the same skeleton: embedding, N pre-norm decoder layers
-(x + attn(norm(x)), then x + ffn(norm(x))), final norm, LM head. A family module
-(``deepseek``, ``qwen3_moe``, ...) supplies only what differs: the attention of layer i,
+(x + attn(norm(x)), then x + ffn(norm(x))), final norm, LM head. A family's torch builder
+(``models/families/<family>/engine.py``) supplies only what differs: the attention of layer i,
 the feed-forward block of layer i (dense MLP or MoE), which layers are MoE and how many
 routed experts they have. ``Build`` carries what those builders share.
 """
@@ -33,7 +33,7 @@ from hybridmoe.backend.engine.rope import Rotary
 from hybridmoe.backend.engine.stats import ExpertRecorder
 from hybridmoe.backend.formats.weights import WeightSource, missing_tensor, require, text_model_weights
 from hybridmoe.backend.errors import UnsupportedModelError
-from hybridmoe.backend.models.families import family_for_config, spec_from_config
+from hybridmoe.backend.models.families import family_by_name, family_for_config, spec_from_config
 from hybridmoe.backend.models.spec import SLIDING_REWIND_TOKENS, ModelSpec
 
 Placement = Mapping[int, Collection[int]]
@@ -256,7 +256,8 @@ def _spec(config: Mapping[str, Any], name: str | None) -> ModelSpec:
 
 
 def _family_module(name: str):
-    return importlib.import_module(f"hybridmoe.backend.engine.{name}")
+    """The torch builder of a family: the ``engine`` module in the family's folder."""
+    return importlib.import_module(f"{family_by_name(name).__name__}.engine")
 
 
 def build_model(

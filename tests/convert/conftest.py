@@ -102,7 +102,7 @@ FAMILIES: dict[str, tuple[str, dict]] = {
         head_dim=16, num_local_experts=8, num_experts_per_tok=2, sliding_window=4, max_position_embeddings=4096,
         tie_word_embeddings=False,
         # The published configs say "truncate": false, which ggml's YaRN cannot do (see
-        # hybridmoe.backend.convert.hparams._gpt_oss); this one asks for what ggml computes, so that the
+        # hybridmoe.backend.models.families.gpt_oss.gguf); this one asks for what ggml computes, so that the
         # comparison checks the file's contents rather than that known difference.
         rope_scaling={"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 512,
                       "beta_fast": 32.0, "beta_slow": 1.0, "truncate": True, "rope_theta": 150000.0})),

@@ -1,8 +1,19 @@
-"""Model families: one module per family, found by HF architecture / model_type or GGUF arch.
+"""Model families: one folder per family, found by HF architecture / model_type or GGUF arch.
 
-Everything hybridmoe knows about a family is in its module, and every other package looks
+Everything hybridmoe knows about a family is in its folder, and every other package looks
 the family up here (``family_by_name``, ``family_by_gguf_arch``) instead of keeping a table
-of its own. Each module provides its identity: ``FAMILY``, ``DISPLAY_NAME``,
+of its own. A family folder ``<family>/`` holds three modules:
+
+- ``__init__.py``: identity, config readers and tensor inventory (below; no torch, so that
+  inspecting and planning load none);
+- ``engine.py``: the torch builder, which ``engine.model`` imports for the family's layers
+  (``attention``, ``feed_forward``, ``BUILD_OPTIONS``);
+- ``gguf.py``: the converter's writer of the family's llama.cpp keys,
+  ``WRITER = ArchWriter(write, ...)`` over ``convert.gguf_keys.GGUFKeys``.
+
+Adding a family is one new folder (plus its tests) and its name in ``FAMILIES`` below;
+shared readers are in ``common``. Each folder's ``__init__`` provides its identity:
+``FAMILY``, ``DISPLAY_NAME``,
 ``HF_ARCHITECTURES``, ``MODEL_TYPES``, ``GGUF_ARCH`` (llama.cpp's architecture, read and
 written) and ``GGUF_KEEPS_MTP``; what the converter writes: ``LLAMA_PRE_TOKENIZERS``,
 ``SPECIAL_TOKEN_ROLES``, ``RMS_EPS_DEFAULT``, ``ROPE_THETA_DEFAULT``,

@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import torch
 
-from hybridmoe.backend.engine import qwen3_moe
 from hybridmoe.backend.engine.kv_cache import LatentCache
 from hybridmoe.backend.engine.mla import MLAttention
 from hybridmoe.backend.engine.rope import softmax_scale_multiplier
 from hybridmoe.backend.engine.routing import SigmoidGroupedTopK, SoftmaxGroupedGreedy
+from hybridmoe.backend.models.families.qwen3_moe import engine as qwen3_moe
 
 BUILD_OPTIONS = {"rms_eps_default": 1e-6}
 

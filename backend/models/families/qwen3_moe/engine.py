@@ -1,7 +1,7 @@
 """Qwen3-MoE: grouped-query attention with RMSNorm on each head's q and k before the
 rotation, softmax routing (norm_topk_prob renormalises the top k), no shared experts.
 Which layers are dense (`mlp_only_layers`, `decoder_sparse_step`) and which slide is the
-spec's decision (``models/families/qwen3_moe.py``)."""
+spec's decision (this family's ``__init__``)."""
 
 from __future__ import annotations
 

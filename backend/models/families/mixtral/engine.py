@@ -4,7 +4,7 @@ softmax routing, always renormalised, weights kept in float32."""
 
 from __future__ import annotations
 
-from hybridmoe.backend.engine import qwen3_moe
+from hybridmoe.backend.models.families.qwen3_moe import engine as qwen3_moe
 
 BUILD_OPTIONS = {"rms_eps_default": 1e-5}
 

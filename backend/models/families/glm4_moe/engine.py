@@ -3,11 +3,12 @@ optional per-head q/k norm, rotary on the first half of each head only
 (partial_rotary_factor, 0.5 unless the config says otherwise); DeepSeek-V3 routing (sigmoid,
 e_score_correction_bias, group-limited top-k, routed_scaling_factor) with shared experts;
 the dense leading layers and the routing settings are the spec's decision
-(``models/families/glm4_moe.py``). The MTP layer after the last decoder layer is not loaded."""
+(this family's ``__init__``). The MTP layer after the last decoder layer is not loaded."""
 
 from __future__ import annotations
 
-from hybridmoe.backend.engine import deepseek, qwen3_moe
+from hybridmoe.backend.models.families.deepseek import engine as deepseek
+from hybridmoe.backend.models.families.qwen3_moe import engine as qwen3_moe
 
 BUILD_OPTIONS = {"rms_eps_default": 1e-5}
 

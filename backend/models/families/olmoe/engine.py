@@ -3,7 +3,7 @@ q/k/v to +-clip_qkv, softmax routing without renormalisation by default, all lay
 
 from __future__ import annotations
 
-from hybridmoe.backend.engine import qwen3_moe
+from hybridmoe.backend.models.families.qwen3_moe import engine as qwen3_moe
 
 BUILD_OPTIONS = {"rms_eps_default": 1e-5}
 

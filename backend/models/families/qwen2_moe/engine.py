@@ -1,10 +1,10 @@
 """Qwen1.5/Qwen2-MoE: attention with q/k/v biases (no q/k norm), softmax routing, and one
 shared expert whose output is scaled by sigmoid(shared_expert_gate(x)). Dense and sliding
-layers are the spec's decision (``models/families/qwen2_moe.py``)."""
+layers are the spec's decision (this family's ``__init__``)."""
 
 from __future__ import annotations
 
-from hybridmoe.backend.engine import qwen3_moe
+from hybridmoe.backend.models.families.qwen3_moe import engine as qwen3_moe
 
 BUILD_OPTIONS = {"rms_eps_default": 1e-6}
 
