@@ -12,12 +12,22 @@ of its own. A family folder ``<family>/`` holds three modules:
   ``WRITER = ArchWriter(write, ...)`` over ``convert.gguf_keys.GGUFKeys``.
 
 Adding a family is one new folder (plus its tests) and its name in ``FAMILIES`` below;
-shared readers are in ``common``. Each folder's ``__init__`` provides its identity:
-``FAMILY``, ``DISPLAY_NAME``,
-``HF_ARCHITECTURES``, ``MODEL_TYPES``, ``GGUF_ARCH`` (llama.cpp's architecture, read and
-written) and ``GGUF_KEEPS_MTP``; what the converter writes: ``LLAMA_PRE_TOKENIZERS``,
-``SPECIAL_TOKEN_ROLES``, ``RMS_EPS_DEFAULT``, ``ROPE_THETA_DEFAULT``,
-``PARTIAL_ROTARY_DEFAULT``, ``GGUF_PARTIAL_ROTARY``; and
+shared readers are in ``common``. Each folder's ``__init__`` declares (a test holds every
+family to the whole list):
+
+- identity: ``FAMILY``, ``DISPLAY_NAME``, ``HF_ARCHITECTURES``, ``MODEL_TYPES``,
+  ``GGUF_ARCH`` (llama.cpp's architecture, read and written), ``GGUF_KEEPS_MTP`` (whether a
+  GGUF keeps the NextN/MTP layers as extra blocks);
+- what the converter writes: ``LLAMA_PRE_TOKENIZERS`` (llama.cpp's names for the family's
+  pre-tokenizer, most faithful first: several share one set of split expressions and differ
+  in BOS handling and regex support), ``SPECIAL_TOKEN_ROLES`` ("eot", "eom", "bos" -> token
+  texts, where the family's turns end otherwise than the converter's defaults say),
+  ``RMS_EPS_DEFAULT``, ``ROPE_THETA_DEFAULT``, ``PARTIAL_ROTARY_DEFAULT`` (values written where
+  the config leaves them out), ``GGUF_PARTIAL_ROTARY`` (llama.cpp's graph rotates only the
+  first rope.dimension_count dims of a head);
+- how a GGUF names its tensors: ``GGUF_TENSOR_NAMES`` (block tensor names, after ``blk.N.``,
+  whose HF name differs from the common one), ``GGUF_PERMUTES_QK`` (llama's q/k row order);
+- and the functions
 
 - ``spec_from_config(config, name, *, source) -> ModelSpec``
 - ``config_from_gguf(metadata, *, source, tensor_shapes) -> dict`` (HF-style text config;

@@ -32,25 +32,16 @@ GGUF_ARCH = "glm4moe"
 # llama.cpp's converter keeps GLM's NextN layer (as blk.N with nextn.* tensors).
 GGUF_KEEPS_MTP = True
 
-# What the converter writes for this family (hybridmoe.backend.convert).
-# llama.cpp's names for this family's pre-tokenizer, most faithful first: several names share
-# one set of split expressions and differ in BOS handling and in llama.cpp's regex support.
 LLAMA_PRE_TOKENIZERS = ("glm4",)
-# Special-token role ("eot", "eom", "bos") -> token texts to look for, where the family's
-# turns end otherwise than the converter's defaults say (as llama.cpp's converter writes them).
 # GLM-4.5 ends an assistant turn by starting the next one: <|user|> is its end of turn and
 # <|observation|> (a tool result follows) its end of message; [gMASK] opens every prompt (the
 # chat template writes it; no BOS is added).
 SPECIAL_TOKEN_ROLES = {"eot": ("<|user|>",), "eom": ("<|observation|>",), "bos": ("[gMASK]",)}
-# Values written where the config leaves them out.
 RMS_EPS_DEFAULT = 1e-5
 ROPE_THETA_DEFAULT = 10000.0
 PARTIAL_ROTARY_DEFAULT = 0.5
-# llama.cpp's graph rotates only the first rope.dimension_count dims of a head.
 GGUF_PARTIAL_ROTARY = True
 
-# GGUF block tensor names (after blk.N.) whose HF name in this family differs from the
-# common one (hybridmoe.backend.formats.gguf_weights).
 GGUF_TENSOR_NAMES: dict[str, str] = {}
 GGUF_PERMUTES_QK = False
 

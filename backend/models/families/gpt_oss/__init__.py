@@ -32,26 +32,16 @@ HF_ARCHITECTURES = ("GptOssForCausalLM",)
 MODEL_TYPES = ("gpt_oss",)
 GGUF_ARCH = "gpt-oss"
 GGUF_KEEPS_MTP = False
-
-# What the converter writes for this family (hybridmoe.backend.convert).
-# llama.cpp's names for this family's pre-tokenizer, most faithful first: several names share
-# one set of split expressions and differ in BOS handling and in llama.cpp's regex support.
 LLAMA_PRE_TOKENIZERS = ("gpt-4o",)
-# Special-token role ("eot", "eom", "bos") -> token texts to look for, where the family's
-# turns end otherwise than the converter's defaults say (as llama.cpp's converter writes them).
 # Harmony ends every message with <|end|>, including the reasoning ("analysis") ones the
 # answer follows; only <|return|> (the EOS) and <|call|> end the turn, so no EOT is named, and
 # <|end|> must not become one.
 SPECIAL_TOKEN_ROLES = {"eot": ()}
-# Values written where the config leaves them out.
 RMS_EPS_DEFAULT = 1e-5
 ROPE_THETA_DEFAULT = 150000.0
 PARTIAL_ROTARY_DEFAULT = 1.0
-# llama.cpp's graph rotates only the first rope.dimension_count dims of a head.
 GGUF_PARTIAL_ROTARY = False
 
-# GGUF block tensor names (after blk.N.) whose HF name in this family differs from the
-# common one (hybridmoe.backend.formats.gguf_weights).
 # GPT-OSS calls its router `router` and gives it a bias.
 GGUF_TENSOR_NAMES = {"ffn_gate_inp.weight": "mlp.router.weight", "ffn_gate_inp.bias": "mlp.router.bias"}
 GGUF_PERMUTES_QK = False

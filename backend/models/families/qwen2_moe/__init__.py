@@ -30,23 +30,13 @@ HF_ARCHITECTURES = ("Qwen2MoeForCausalLM",)
 MODEL_TYPES = ("qwen2_moe",)
 GGUF_ARCH = "qwen2moe"
 GGUF_KEEPS_MTP = False
-
-# What the converter writes for this family (hybridmoe.backend.convert).
-# llama.cpp's names for this family's pre-tokenizer, most faithful first: several names share
-# one set of split expressions and differ in BOS handling and in llama.cpp's regex support.
 LLAMA_PRE_TOKENIZERS = ("qwen2",)
-# Special-token role ("eot", "eom", "bos") -> token texts to look for, where the family's
-# turns end otherwise than the converter's defaults say (as llama.cpp's converter writes them).
 SPECIAL_TOKEN_ROLES: dict[str, tuple[str, ...]] = {}
-# Values written where the config leaves them out.
 RMS_EPS_DEFAULT = 1e-6
 ROPE_THETA_DEFAULT = 10000.0
 PARTIAL_ROTARY_DEFAULT = 1.0
-# llama.cpp's graph rotates only the first rope.dimension_count dims of a head.
 GGUF_PARTIAL_ROTARY = False
 
-# GGUF block tensor names (after blk.N.) whose HF name in this family differs from the
-# common one (hybridmoe.backend.formats.gguf_weights).
 # Qwen2-MoE has one shared expert, named in the singular.
 GGUF_TENSOR_NAMES = {
     "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
