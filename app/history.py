@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from hybridmoe.backend.errors import HybridMoeError
-from hybridmoe.backend.settings import set_aside
+from hybridmoe.backend.files import set_aside
 
 SCHEMA_VERSION = 1
 TITLE_CHARS = 60

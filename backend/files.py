@@ -6,6 +6,7 @@ Large files written for minutes or hours (converted models) go through ``partial
 hidden name carrying the writer's process id, so that two writers never collide and the
 leftovers of a writer that was killed (SIGKILL, a power cut) can be told from a file still
 being written, and removed by ``sweep_stale_partials`` when the same file is written again.
+``set_aside`` moves a file the app cannot use out of the way without deleting it.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import logging
 import os
 import re
 import tempfile
+from datetime import datetime
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -36,6 +38,18 @@ def write_atomic(path: str | os.PathLike, text: str) -> Path:
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
+
+
+def set_aside(path: Path, why: str) -> Path:
+    """Rename a file the app cannot use to ``NAME.<why>-<time>`` beside it, and return the new
+    path. The user's data is never deleted, and an earlier copy set aside is never replaced."""
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    target, n = path.with_name(f"{path.name}.{why}-{stamp}"), 1
+    while target.exists():
+        n += 1
+        target = path.with_name(f"{path.name}.{why}-{stamp}-{n}")
+    path.rename(target)
+    return target
 
 
 def partial_path(target: str | os.PathLike) -> Path:

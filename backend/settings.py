@@ -15,14 +15,13 @@ import os
 import tomllib
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import platformdirs
 import tomli_w
 
-from hybridmoe.backend.files import write_atomic
+from hybridmoe.backend.files import set_aside, write_atomic
 from hybridmoe.backend.workload_choices import BACKENDS, KV_BYTES_PER_ELEMENT
 
 APP = "hybridmoe"
@@ -56,18 +55,6 @@ def default_model_store() -> Path:
     from huggingface_hub import constants
 
     return Path(constants.HF_HUB_CACHE)
-
-
-def set_aside(path: Path, why: str) -> Path:
-    """Rename a file the app cannot use to ``NAME.<why>-<time>`` beside it, and return the new
-    path. The user's data is never deleted, and an earlier copy set aside is never replaced."""
-    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-    target, n = path.with_name(f"{path.name}.{why}-{stamp}"), 1
-    while target.exists():
-        n += 1
-        target = path.with_name(f"{path.name}.{why}-{stamp}-{n}")
-    path.rename(target)
-    return target
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,6 @@ import contextvars
 import dataclasses
 import functools
 import json
-import operator
 import re
 import string
 import time

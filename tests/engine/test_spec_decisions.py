@@ -8,7 +8,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 from hybridmoe.backend.engine.attention import Attention
 from hybridmoe.backend.engine.moe import MoE
