@@ -27,3 +27,23 @@ def number(kind, minimum, *, inclusive=True):
 positive_int = number(int, 1)
 non_negative_int = number(int, 0)
 positive_float = number(float, 0, inclusive=False)
+
+
+def comma_separated(parse_item):
+    """An argparse type: a comma-separated list ("1,2,4"), each item read by `parse_item`
+    (an argparse type, or a tuple of the allowed words); repeats dropped, order kept."""
+
+    def parse(text: str) -> list:
+        items = [item.strip() for item in text.split(",") if item.strip()]
+        if not items:
+            raise argparse.ArgumentTypeError(f"{text!r} lists nothing")
+        if isinstance(parse_item, tuple):
+            unknown = [item for item in items if item not in parse_item]
+            if unknown:
+                raise argparse.ArgumentTypeError(f"{unknown[0]!r} is not one of {', '.join(parse_item)}")
+            values = items
+        else:
+            values = [parse_item(item) for item in items]
+        return list(dict.fromkeys(values))
+
+    return parse

@@ -14,7 +14,7 @@ import traceback
 from dataclasses import replace
 from datetime import datetime
 
-from hybridmoe.app.arguments import non_negative_int, positive_float, positive_int
+from hybridmoe.app.arguments import comma_separated, non_negative_int, positive_float, positive_int
 from hybridmoe.backend.errors import HybridMoeError
 from hybridmoe.backend.plan.workload import BACKENDS, KV_BYTES_PER_ELEMENT, PREFILL_RESERVE, STRATEGIES
 
@@ -217,6 +217,19 @@ def cmd_bench_generate(args) -> int:
     return EXIT_OK
 
 
+def cmd_bench_serve(args) -> int:
+    """Concurrent streams on the engine and on llama.cpp, and conversations taking turns."""
+    from hybridmoe.backend.bench import serve
+    from hybridmoe.backend.errors import UsageError
+
+    if not os.path.isfile(args.model):
+        raise UsageError(f"{args.model} is not a file", "Give the path of a .gguf model.")
+    summary = serve.measure(args.model, streams=args.streams, prompt_tokens=args.prompt, gen_tokens=args.tokens,
+                            threads=args.threads, backends=args.backends, turns=args.turns)
+    print(json.dumps(summary, indent=1) if args.json else serve.table(summary))
+    return EXIT_OK
+
+
 def resolve_hardware(args):
     """This machine, a preset, or a TOML description; then the command-line overrides."""
     from hybridmoe.backend.hardware import detect
@@ -359,6 +372,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="processes per backend, the backends taking turns (a drifting machine slows both alike)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_bench_generate)
+    p = bench.add_parser("serve", help="several conversations at once: aggregate and per-stream tokens/s, time to "
+                         "first token and peak RAM for 1, 2, 4, 8 streams, the engine against llama.cpp with as "
+                         "many parallel sequences, beside the plan's figures; then two conversations taking turns")
+    p.add_argument("model", help="a .gguf file")
+    p.add_argument("--streams", type=comma_separated(positive_int), default=[1, 2, 4, 8],
+                   help="numbers of concurrent streams (default 1,2,4,8)")
+    p.add_argument("--prompt", type=positive_int, default=128, help="prompt tokens per stream (default 128)")
+    p.add_argument("--tokens", type=positive_int, default=64, help="tokens each stream generates (default 64)")
+    p.add_argument("--threads", type=positive_int, default=2, help="CPU threads (default 2)")
+    p.add_argument("--backends", type=comma_separated(("engine", "llamacpp")), default=["engine", "llamacpp"],
+                   help="default engine,llamacpp")
+    p.add_argument("--turns", type=non_negative_int, default=2000,
+                   help="tokens of each of the two conversations taking turns (default 2000; 0 skips it)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_bench_serve)
 
     from hybridmoe.app import headless
     from hybridmoe.app.server import cli as server_cli

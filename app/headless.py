@@ -33,8 +33,9 @@ def read_prompt(prompt: str | None) -> str:
     return text
 
 
-def load_plan(args, model):
-    """The plan from --plan, or one made now for this machine and the requested context."""
+def load_plan(args, model, users: int = 1):
+    """The plan from --plan, or one made now for this machine, the requested context and
+    ``users`` conversations at once."""
     from hybridmoe.backend.hardware import detect
     from hybridmoe.backend.plan import Plan, Workload, make
 
@@ -43,7 +44,8 @@ def load_plan(args, model):
     # A context asked for is planned as asked, so one beyond the model is refused as `plan`
     # refuses it; the default is lowered to what the model supports.
     context = args.context if args.context is not None else min(DEFAULT_CONTEXT, model.spec.max_context)
-    plan = make(model.spec, model.inventory, detect(measure_bandwidth=False), Workload(context=context, backend=args.backend))
+    plan = make(model.spec, model.inventory, detect(measure_bandwidth=False),
+                Workload(context=context, users=users, backend=args.backend))
     if not plan.fits:
         from hybridmoe.backend.errors import PlanError
 

@@ -175,6 +175,8 @@ def plan_text(plan: Plan) -> str:
             ("per conversation", f"{wl.context} tokens → {fmt_bytes(plan.kv_bytes_per_conversation)}"),
         ]
     )
+    out.append(f"Conversations at once: {wl.users} (KV cache: {wl.users} × {wl.context:,} tokens, "
+               f"{fmt_bytes(plan.kv_cache_bytes)}); more wait their turn")
     out.append("Devices (docs/sizing.md §3, §4)")
     cls_order = ["always_read", "kv_cache", "activations", "prefill_reserve", "routed_experts"]
     rows = []

@@ -41,11 +41,42 @@ class _Turns:
     the model, and it runs on the thread pool that computes the model's CPU experts; it
     must never change that pool (or torch's) under a running model either.
 
+    The answers of a session that decodes several conversations together share the turn
+    (``shared``): they run beside each other, never beside exclusive work. An exclusive
+    turn that waits goes before shared turns asked for after it, so that a steady stream of
+    requests cannot keep a benchmark waiting for ever; the shared holders it waits for need
+    nothing from it to end, so neither can wait on the other for good.
+
     One per process, not per Services: the machine is one, whoever asks."""
 
     def __init__(self):
-        self.lock = threading.Lock()
+        self.changed = threading.Condition()
+        self.exclusive = False
+        self.shared = 0  # holders of a shared turn
+        self.exclusive_waiting = 0
         self.holder = ""  # what holds the turn, for "waiting for ..." messages
+
+    def take(self, what: str, shared: bool) -> str:
+        """Takes the turn and returns "", or returns what holds it (untaken)."""
+        with self.changed:
+            if self.exclusive or (self.shared and not shared) or (shared and self.exclusive_waiting):
+                return self.holder or "other work"
+            if shared:
+                self.shared += 1
+            else:
+                self.exclusive = True
+            self.holder = self.holder or what
+            return ""
+
+    def give_back(self, shared: bool) -> None:
+        with self.changed:
+            if shared:
+                self.shared -= 1
+            else:
+                self.exclusive = False
+            if not self.exclusive and not self.shared:
+                self.holder = ""
+            self.changed.notify_all()
 
 
 _TURNS = _Turns()
@@ -104,28 +135,40 @@ class Services:
 
     @contextmanager
     def model_turn(self, what: str, *, wait: bool = True, cancel: CancelToken | None = None,
-                   on_wait: Callable[[str], None] | None = None) -> Iterator[str]:
+                   on_wait: Callable[[str], None] | None = None, shared: bool = False) -> Iterator[str]:
         """Hold this process's turn for model work (``what``: a few words) in a ``with``.
 
         Yields "" once the turn is held. When other work holds it: with ``wait`` False,
         yields what holds it, without the turn; else ``on_wait`` hears what holds it, the
-        call waits, and a ``cancel`` meanwhile raises Cancelled."""
-        if not _TURNS.lock.acquire(blocking=False):
-            holder = _TURNS.holder or "other work"
+        call waits, and a ``cancel`` meanwhile raises Cancelled. ``shared``: the turn of one
+        of several answers the model computes together, held beside the others."""
+        holder = _TURNS.take(what, shared)
+        if holder:
             if not wait:
                 yield holder
                 return
             if on_wait is not None:
                 on_wait(holder)
-            while not _TURNS.lock.acquire(timeout=_WAIT_POLL_S):
-                if cancel is not None:
-                    cancel.raise_if_cancelled(what)
-        _TURNS.holder = what
+            self._wait_for_turn(what, shared, cancel)
         try:
             yield ""
         finally:
-            _TURNS.holder = ""
-            _TURNS.lock.release()
+            _TURNS.give_back(shared)
+
+    @staticmethod
+    def _wait_for_turn(what: str, shared: bool, cancel: CancelToken | None) -> None:
+        with _TURNS.changed:
+            if not shared:
+                _TURNS.exclusive_waiting += 1
+            try:
+                while _TURNS.take(what, shared):
+                    if cancel is not None:
+                        cancel.raise_if_cancelled(what)
+                    _TURNS.changed.wait(_WAIT_POLL_S)
+            finally:
+                if not shared:
+                    _TURNS.exclusive_waiting -= 1
+                    _TURNS.changed.notify_all()  # shared turns held back by this one may go
 
     def list_local_models(self) -> list[LocalModel]:
         from hybridmoe.backend.hub import list_local_models

@@ -4,7 +4,8 @@
     Session.generate(messages, sampling, cancel) -> Iterator[Event]
     Session.complete(prompt, sampling, cancel) -> Iterator[Event]   (raw text, no chat template)
 
-The app (TUI, headless, server) calls only these verbs and consumes only these events.
+The app (TUI, headless, server) calls only these verbs and consumes only these events. Up to
+``Session.max_parallel`` generations may run at once, each in its own thread.
 """
 
 from __future__ import annotations
@@ -97,6 +98,9 @@ Event = Union[TextPiece, Done]
 
 
 class Session(Protocol):
+    # How many generations may run at once (from as many threads); more must wait.
+    max_parallel: int
+
     def generate(self, messages: Sequence[Message], sampling, cancel: CancelToken | None = None) -> Iterator[Event]: ...
 
     def complete(self, prompt: str, sampling, cancel: CancelToken | None = None) -> Iterator[Event]: ...

@@ -117,6 +117,7 @@ SKIPPED_INLINE = {
     "hybridmoe bench kernels": BENCHMARK,
     "hybridmoe bench generate": BENCHMARK,
     "hybridmoe bench generate FILE.gguf": BENCHMARK,
+    "hybridmoe bench serve FILE.gguf": BENCHMARK,
 }
 
 

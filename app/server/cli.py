@@ -2,7 +2,9 @@
 
 The address is checked and the port bound before the model loads (minutes, for a large one),
 so a port in use or a public address without an API key fails at once. Loading shows the same
-progress as `hybridmoe run`; then one line per request goes to stderr. Ctrl-C (or SIGTERM)
+progress as `hybridmoe run`; then one line per request goes to stderr. It answers up to
+``--parallel`` requests at once: by default as many as the plan's KV cache holds conversations
+(a plan made here is made for ``--parallel`` of them). Ctrl-C (or SIGTERM)
 cancels the generations in progress, lets their responses end, and exits 0: stopping is the
 normal end of a server, not a failure. A second Ctrl-C exits at once (130).
 """
@@ -18,6 +20,7 @@ from pathlib import Path
 
 from hybridmoe.app.arguments import non_negative_int, positive_int
 from hybridmoe.app.server.runner import DEFAULT_HOST, DEFAULT_PORT
+from hybridmoe.backend.errors import UsageError
 
 API_KEY_VARIABLE = "HYBRIDMOE_API_KEY"
 
@@ -40,7 +43,8 @@ def cmd_serve(args) -> int:
     check_exposure(args.host, api_key, how_to_set_key=f"Pass --api-key KEY or set {API_KEY_VARIABLE}")
     path = model_path(args.model)  # a path, or a name `hybridmoe models` lists
     model = inspect_model(path)
-    plan = load_plan(args, model)
+    plan = load_plan(args, model, users=args.parallel or 1)
+    check_parallel(args.parallel, plan, args.model, args.backend)
     chat_template = user_chat_template(args.chat_template)
     sock = bind_socket(args.host, args.port)
     try:
@@ -70,7 +74,12 @@ def _load_and_serve(args, model, name, plan, api_key, sock, progress, backend_ch
             session = load_session(args.backend, model, plan, progress, cancel, on_fallback=backend_choice.fell_back,
                                    on_choice=backend_choice.chosen)
         progress.done()
-        shared = SharedSession(session)
+        try:
+            check_parallel_of_session(args.parallel, session)
+        except UsageError:
+            session.close()
+            raise
+        shared = SharedSession(session, parallel=args.parallel)
         options = ServerOptions(model_id=name, api_key=api_key, max_queue=args.max_queue,
                                 max_tokens_limit=args.max_tokens_limit)
         server = ApiServer(shared, options, args.host, args.port, sock=sock,
@@ -78,7 +87,8 @@ def _load_and_serve(args, model, name, plan, api_key, sock, progress, backend_ch
         try:
             server.start()
             key_note = "; clients must send 'Authorization: Bearer <key>'" if api_key else ""
-            print(f"Serving {name} at {server.url}/v1 (OpenAI API){key_note}. Ctrl-C stops.",
+            print(f"Serving {name} at {server.url}/v1 (OpenAI API), {_at_once(shared.parallel)}{key_note}. "
+                  "Ctrl-C stops.",
                   file=sys.stderr, flush=True)
             while not stop.wait(0.5):
                 if not server.running:  # the server thread died: a bug, reported as such
@@ -92,6 +102,45 @@ def _load_and_serve(args, model, name, plan, api_key, sock, progress, backend_ch
             signal.signal(sig, handler)
     print(f"hybridmoe: server stopped after {server.activity.finished_count} requests", file=sys.stderr)
     return 0
+
+
+def check_parallel(parallel: int | None, plan, model_argument: str, backend: str) -> None:
+    """--parallel against what the plan (and a backend asked for) can serve, before loading."""
+    if parallel is None:
+        return
+    users = plan.workload.users
+    if parallel > users:
+        raise UsageError(
+            f"the plan's KV cache holds {_conversations(users)}; --parallel {parallel} needs a plan for {parallel}",
+            f"Make one with `hybridmoe plan {model_argument} --users {parallel} --context {plan.workload.context} "
+            f"--save FILE` and serve it with --plan FILE, or ask for --parallel {users} or fewer.")
+    if parallel > 1 and backend == "llamacpp":
+        raise _backend_limit("llama.cpp", 1, parallel)
+
+
+def check_parallel_of_session(parallel: int | None, session) -> None:
+    """--parallel against what the loaded session runs at once: llama.cpp, which `auto`
+    falls back to for a model the engine cannot serve, runs one generation at a time."""
+    from hybridmoe.app.server.shared_session import max_parallel
+
+    most = max_parallel(session)
+    if parallel is not None and parallel > most:
+        is_llamacpp = type(session).__module__.startswith("hybridmoe.backend.llamacpp")
+        backend = "llama.cpp, which serves this model," if is_llamacpp else "the loaded model"
+        raise _backend_limit(backend, most, parallel)
+
+
+def _backend_limit(backend: str, most: int, parallel: int) -> UsageError:
+    return UsageError(f"{backend} answers {_at_once(most)} here; --parallel {parallel} needs the embedded engine",
+                      "Leave out --parallel (requests then wait their turn), or serve with --backend engine.")
+
+
+def _conversations(n: int) -> str:
+    return "1 conversation" if n == 1 else f"{n} conversations"
+
+
+def _at_once(n: int) -> str:
+    return "one request at a time" if n == 1 else f"up to {n} requests at once"
 
 
 def _port(text: str) -> int:
@@ -122,8 +171,11 @@ def add_parser(sub) -> None:
                    help=f"TCP port (default {DEFAULT_PORT}; 0: any free port)")
     p.add_argument("--api-key", help=f"require 'Authorization: Bearer KEY' (or set {API_KEY_VARIABLE}, "
                    "which other users cannot see in the process list)")
+    p.add_argument("--parallel", type=positive_int, metavar="N",
+                   help="requests answered at once (default: as many conversations as the plan's KV cache holds; "
+                   "without --plan, the plan made now holds N)")
     p.add_argument("--max-queue", type=non_negative_int, default=8,
-                   help="requests that may wait while one is answered; more are refused with 429 (default 8)")
+                   help="requests that may wait while others are answered; more are refused with 429 (default 8)")
     p.add_argument("--max-tokens-limit", type=positive_int, default=4096,
                    help="the most tokens a request may ask for, and what it gets when it asks for none "
                    "(default 4096)")

@@ -53,7 +53,7 @@ log = logging.getLogger("hybridmoe.server")
 class ServerOptions:
     model_id: str  # the name /v1/models gives and responses carry
     api_key: str | None = None  # when set, /v1/* needs "Authorization: Bearer <key>"
-    max_queue: int = 8  # requests that may wait behind the running one; more get 429
+    max_queue: int = 8  # requests that may wait behind the running ones; more get 429
     max_tokens_limit: int = 4096  # the most a request may ask for, and what it gets when it does not say
     max_body_bytes: int = 4 * 1024 * 1024  # larger request bodies get 413
 
@@ -317,7 +317,7 @@ class _Generation:
         self._loop = asyncio.get_running_loop()
         self._events: asyncio.Queue = asyncio.Queue()
         # A thread per generation rather than the loop's executor: queued generations wait in
-        # their threads, and the queue's bound (plus one running) bounds them.
+        # their threads, and the queue's bound (plus the running ones) bounds them.
         threading.Thread(target=self._run, args=(shared, produce, max_waiting, on_end), daemon=True,
                          name="hybridmoe-api-generation").start()
 

@@ -1,10 +1,12 @@
-"""One loaded session, many users: generations take turns in a fair first-come queue.
+"""One loaded session, many users: up to ``parallel`` generations at once, the others wait
+in a fair first-come queue.
 
-A session decodes one sequence at a time and keeps the cache of the last prompt, so two
-generations must never interleave. ``SharedSession`` puts a FIFO queue in front of it: each
-generation waits until those that arrived earlier have finished. The API server's requests
+A session runs at most ``max_parallel`` generations together (the engine decodes as many
+conversations as the plan's KV cache holds, batched; llama.cpp one), and more must never
+reach it at once. ``SharedSession`` puts a FIFO queue in front of it: a generation starts
+when a place is free and those that arrived earlier have started. The API server's requests
 and the TUI's chat go through the same instance, so a chat message sent while the server is
-busy waits its turn like any request.
+busy runs beside the requests when there is a place, and else waits its turn like any request.
 
 The queue is bounded per call (``max_waiting``), so the server can refuse at once, with an
 estimate of when to come back, instead of letting clients pile up; a generation cancelled
@@ -46,23 +48,31 @@ class QueueFull(HybridMoeError):
 @dataclass(frozen=True)
 class QueueCounts:
     waiting: int
-    running: int  # 0 or 1
+    running: int  # 0 to parallel
     completed: int  # generations that have finished, however they ended
 
 
 class SharedSession:
-    """Wraps a Session; ``generate`` and ``complete`` are the Session's, taken in turns."""
+    """Wraps a Session; ``generate`` and ``complete`` are the Session's, ``parallel`` at once."""
 
-    def __init__(self, session: Session, *, hold: Callable[[CancelToken | None], AbstractContextManager] | None = None):
-        """``hold(cancel)``: a context the running generation also holds once its turn in the
-        queue has come (the TUI's process-wide turn for model work, so that a bandwidth
+    def __init__(self, session: Session, *, parallel: int | None = None,
+                 hold: Callable[[CancelToken | None], AbstractContextManager] | None = None):
+        """``parallel``: how many generations run at once; by default all the session can
+        (its ``max_parallel``, 1 for a session that does not say). ``hold(cancel)``: a
+        context each running generation also holds once its turn in the queue has come (the
+        TUI's process-wide turn for model work, shared by the answers, so that a bandwidth
         measurement or a benchmark never runs beside an API request). Taken after the queue,
         always in that order, so the two can never wait on each other."""
+        most = max_parallel(session)
+        parallel = most if parallel is None else parallel
+        if not 1 <= parallel <= most:
+            raise ValueError(f"parallel must be 1 to {most}, the generations this session runs at once; not {parallel}")
         self.session = session
+        self.parallel = parallel
         self._hold = hold
         self._changed = threading.Condition()
         self._waiting: deque[object] = deque()  # tickets in arrival order
-        self._running = False
+        self._running = 0
         self._completed = 0
         self._durations: deque[float] = deque(maxlen=_RECENT)
         self.closed = False
@@ -79,8 +89,8 @@ class SharedSession:
 
     def close(self) -> None:
         """Closes the session (whoever loaded it decides when); waiting and later turns are
-        refused. A generation in progress finishes first: the session closes when it ends,
-        so that the caller (the TUI's thread) never waits for it."""
+        refused. The generations in progress finish first: the session closes when the last
+        one ends, so that the caller (the TUI's thread) never waits for them."""
         with self._changed:
             self.closed = True
             self._changed.notify_all()
@@ -99,11 +109,12 @@ class SharedSession:
 
     @contextmanager
     def turn(self, cancel: CancelToken | None = None, *, max_waiting: int | None = None) -> Iterator[Session]:
-        """Wait until it is this caller's turn, then hold the session until the block ends.
+        """Wait until it is this caller's turn, then use the session until the block ends
+        (beside up to ``parallel`` - 1 other turns).
 
-        Raises ``QueueFull`` at once when ``max_waiting`` generations are already waiting
-        behind a running one, ``Cancelled`` when ``cancel`` is set while waiting, and
-        ``ModelError`` when the session was closed.
+        Raises ``QueueFull`` at once when every place is taken and ``max_waiting``
+        generations are already waiting, ``Cancelled`` when ``cancel`` is set while waiting,
+        and ``ModelError`` when the session was closed.
         """
         self._acquire(cancel, max_waiting)
         started = time.monotonic()
@@ -117,12 +128,12 @@ class SharedSession:
         ticket = object()
         with self._changed:
             self._check_open()
-            busy = self._running or self._waiting
+            busy = self._running >= self.parallel or self._waiting
             if max_waiting is not None and busy and len(self._waiting) >= max_waiting:
                 raise QueueFull(len(self._waiting), self._retry_after_s())
             self._waiting.append(ticket)
             try:
-                while self._running or self._waiting[0] is not ticket:
+                while self._running >= self.parallel or self._waiting[0] is not ticket:
                     if cancel is not None and cancel.cancelled:
                         raise Cancelled("waiting for the model was cancelled")
                     self._check_open()
@@ -133,28 +144,36 @@ class SharedSession:
                 self._changed.notify_all()  # the one behind may now be first
                 raise
             self._waiting.popleft()
-            self._running = True
+            self._running += 1
+            self._changed.notify_all()  # the next in line may have a place too
 
     def _release(self, started: float) -> None:
         with self._changed:
-            self._running = False
+            self._running -= 1
             self._completed += 1
             self._durations.append(time.monotonic() - started)
             self._changed.notify_all()
-            closing = self.closed
-        if closing:  # closed while this turn ran: now nobody uses the session
+            closing = self.closed and not self._running
+        if closing:  # closed while turns ran: now nobody uses the session
             self.session.close()
 
     def counts(self) -> QueueCounts:
         with self._changed:
-            return QueueCounts(len(self._waiting), int(self._running), self._completed)
+            return QueueCounts(len(self._waiting), self._running, self._completed)
 
     def _retry_after_s(self) -> int:
-        """Seconds until the queue has drained, from the recent generations' durations."""
+        """Seconds until the queue has drained, from the recent generations' durations
+        (measured as they ran, beside the others)."""
         mean = sum(self._durations) / len(self._durations) if self._durations else _DEFAULT_DURATION_S
-        ahead = len(self._waiting) + int(self._running)
-        return max(1, math.ceil(ahead * mean))
+        ahead = len(self._waiting) + self._running
+        return max(1, math.ceil(ahead * mean / self.parallel))
 
     def _check_open(self) -> None:
         if self.closed:
             raise ModelError("the model was unloaded", "Load it again.")
+
+
+def max_parallel(session: Session) -> int:
+    """How many generations ``session`` runs at once (the engine: the conversations its KV
+    cache holds; llama.cpp: one). A session that does not say runs one."""
+    return getattr(session, "max_parallel", 1)

@@ -1,8 +1,9 @@
 """The chat's loaded model behind the OpenAI API, started and stopped from the TUI (F7).
 
 While the server runs, the chat's session is a ``SharedSession`` around the model the chat
-loaded, and the server answers from the same one: a chat message sent while a request is
-being answered waits its turn like any request, and neither corrupts the other's cache.
+loaded, and the server answers from the same one, as many at once as the model serves (the
+conversations its plan holds): a chat message sent while requests are answered runs beside
+them when there is a place, else waits its turn like any request.
 Stopping the server gives the chat its plain session back. When the chat loads another model
 (or unloads this one), the server stops, since what it served is gone.
 """
@@ -50,8 +51,10 @@ class ChatModelServer:
         from hybridmoe.app.server.http import ServerOptions  # here: the HTTP layer's imports are slow
 
         services = chat.app.services
+        # The answers share the process's turn for model work: they run beside each other,
+        # never beside a benchmark or a bandwidth measurement.
         shared = chat.session if isinstance(chat.session, SharedSession) else SharedSession(
-            chat.session, hold=lambda cancel: services.model_turn("an answer", cancel=cancel))
+            chat.session, hold=lambda cancel: services.model_turn("an answer", cancel=cancel, shared=True))
         server = ApiServer(shared, ServerOptions(model_id=chat.model_name or "model", api_key=api_key), host, port)
         server.start()
         chat.session = shared
@@ -74,6 +77,11 @@ class ChatModelServer:
 
     def counts(self) -> QueueCounts | None:
         return self._shared.counts() if self._shared is not None else None
+
+    @property
+    def parallel(self) -> int:
+        """How many requests are answered at once."""
+        return self._shared.parallel if self._shared is not None else 0
 
     def recent(self, n: int) -> list[Finished]:
         return self.server.activity.recent(n) if self.server is not None else []

@@ -2,7 +2,8 @@
 
 - q/k RMSNorm per head (Qwen3-MoE, GLM-4.5 with use_qk_norm) or over the whole projection
   (OLMoE), optional clipping of q/k/v (OLMoE `clip_qkv`), biases where the checkpoint has them;
-- sliding windows (GPT-OSS alternating layers, Mixtral/Qwen when configured) with a ring cache;
+- sliding windows (GPT-OSS alternating layers, Mixtral/Qwen when configured), whose cache keeps only
+  the blocks the window reaches;
 - attention sinks (GPT-OSS): one learned logit per head that joins the softmax and is dropped.
 
 Plain attention goes through ``F.scaled_dot_product_attention`` (flash kernels on CPU and
@@ -16,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridmoe.backend.engine.kv_cache import KVCache, SlidingKVCache, causal_mask
+from hybridmoe.backend.engine.kv_cache import PagedKV, Segment, causal_mask
 from hybridmoe.backend.engine.layers import Linear, RMSNorm
 from hybridmoe.backend.engine.native_attention import decode_attention
 from hybridmoe.backend.engine.native_linear import NativeLinear
@@ -118,8 +119,7 @@ class Attention(nn.Module):
         n_kv_heads: int,
         head_dim: int,
         rotary: Rotary,
-        cache: KVCache | SlidingKVCache,
-        window: int | None = None,
+        cache: PagedKV,
         q_norm: RMSNorm | None = None,
         k_norm: RMSNorm | None = None,
         norm_per_head: bool = True,
@@ -133,14 +133,15 @@ class Attention(nn.Module):
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
         self.rotary = rotary
         self.cache = cache
-        self.window = window
         self.q_norm, self.k_norm = q_norm, k_norm
         self.norm_per_head = norm_per_head
         self.clip_qkv = clip_qkv
         self.register_buffer("sinks", sinks, persistent=False)
         self.scale = head_dim**-0.5
 
-    def forward(self, x: torch.Tensor, start_pos: int) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
+        """x [T, hidden]: the rows of one or more sequences (``segments``); the projections
+        run over all rows at once, attention per sequence over its own cache."""
         n = x.shape[0]
         if self.qkv is not None:
             q, k, v = self.qkv(x).split((self.q.out_features, self.k.out_features, self.v.out_features), dim=-1)
@@ -155,10 +156,17 @@ class Attention(nn.Module):
         v = v.view(n, self.n_kv_heads, self.head_dim)
         if self.q_norm is not None and self.norm_per_head:
             q, k = self.q_norm(q), self.k_norm(k)
+        out = q.new_empty(n, self.n_heads * self.head_dim)
+        for seg in segments:
+            out[seg.rows] = self._attend(q[seg.rows], k[seg.rows], v[seg.rows], seg)
+        return self.o(out)
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: Segment) -> torch.Tensor:
+        """One sequence's rows [n, heads, d] -> attention output [n, heads * d]."""
+        n = q.shape[0]
         q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, heads, n, d]
-        cos, sin = self.rotary.tables(start_pos, n, x.dtype)
+        cos, sin = self.rotary.tables(seg.start, n, q.dtype)
         q, k = self.rotary.apply(q, cos, sin), self.rotary.apply(k, cos, sin)
-        keys, values, key_positions = self.cache.update(k, v, start_pos)
-        window = self.window if isinstance(self.cache, SlidingKVCache) else None
-        out = attend(q, keys, values, start_pos, key_positions, window, self.scale, self.sinks)
-        return self.o(out.squeeze(0).transpose(0, 1).reshape(n, -1))
+        keys, values, key_positions = self.cache.update(seg.seq, k, v, seg.start)
+        out = attend(q, keys, values, seg.start, key_positions, self.cache.window, self.scale, self.sinks)
+        return out.squeeze(0).transpose(0, 1).reshape(n, -1)

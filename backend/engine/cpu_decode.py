@@ -1,4 +1,4 @@
-"""One decode token through the decoder on a CPU main device, in float32, natively.
+"""One decode token per sequence through the decoder on a CPU main device, natively.
 
 At one token per call a decoder layer is a few large reads (the projections, the experts)
 and some thirty small PyTorch ops (norms, rotary embedding, cache write, router softmax and
@@ -7,6 +7,11 @@ Qwen3-MoE model those small ops were a quarter of the decode step, more than rea
 attention projections. ``DecodeStep`` runs the same layers as a short chain of native calls
 (``native/src/decode_ops.cpp`` for the small steps, ``DenseLinear``, ``attend_decode`` and
 ``MoELayer`` for the large ones) on a float32 residual stream, in buffers allocated once.
+Several sequences' tokens (continuous batching) go through as rows of one step: the
+projections and the experts read their weights once for all rows, each row's attention
+reads its own sequence's blocks of the cache. A row's arithmetic does not depend on the
+others (the kernels quantize and accumulate per row), so a batched token gets the logits
+it gets alone.
 
 The kernels get those buffers, the weights they read and the KV cache as NumPy views made
 once: handing a torch tensor to an extension goes through DLPack (``__dlpack__``) and cost
@@ -17,9 +22,9 @@ uint16 bits, which the bindings read as bf16.
 Numerics: float32 throughout (the reference rounds to the model dtype after every op; the
 KV cache is still written in its own dtype, as prefill writes it), so a decode step is at
 least as close to the float32 truth as the layer-by-layer path. Prompts (more than one
-token), GPU main devices and blocks this module does not cover (sliding windows, attention
-sinks, MLA, q/k clipping, main-device experts) keep the layer-by-layer path; a layer may mix
-the two.
+token per sequence), GPU main devices and blocks this module does not cover (sliding
+windows, attention sinks, MLA, q/k clipping, main-device experts) keep the layer-by-layer
+path; a layer may mix the two.
 """
 
 from __future__ import annotations
@@ -33,13 +38,18 @@ from torch import nn
 
 from hybridmoe.backend.engine import native_experts, native_kernels
 from hybridmoe.backend.engine.attention import Attention
-from hybridmoe.backend.engine.kv_cache import KVCache
+from hybridmoe.backend.engine.kv_cache import B, PagedKV, Segment
 from hybridmoe.backend.engine.layers import GatedMLP, RMSNorm
 from hybridmoe.backend.engine.moe import MoE
 from hybridmoe.backend.engine.native_linear import NativeLinear
 from hybridmoe.backend.engine.routing import SigmoidGroupedTopK, SoftmaxTopK, TopKSoftmax
 
 _native = native_kernels._native
+# The experts' few-token regime at any number of rows: a step of several sequences computes
+# each row as a step of one would (the many-token regime rounds differently).
+_DECODE_REGIME = native_experts.REGIMES["decode"]
+# The same for the dense projections: a token count their many-token path never reaches.
+_GEMV_ALWAYS = 1 << 30
 
 
 def _np(t: torch.Tensor) -> np.ndarray:
@@ -54,11 +64,15 @@ def _cache_view(t: torch.Tensor) -> np.ndarray:
 
 
 class _Buffer:
-    """A float32 (or int64) tensor and its NumPy view: one memory, two handles."""
+    """A float32 (or int64) tensor and its NumPy view: one memory, two handles; ``rows(T)``
+    gives the first T rows of both (a step of T sequences)."""
 
     def __init__(self, *shape: int, dtype: torch.dtype = torch.float32):
         self.t = torch.empty(*shape, dtype=dtype)
         self.a = self.t.numpy()
+
+    def rows(self, n: int) -> tuple[torch.Tensor, np.ndarray]:
+        return self.t[:n], self.a[:n]
 
 
 class _Norm:
@@ -80,17 +94,18 @@ class _Linear:
         self.out_features = lin.out_features
 
     def __call__(self, x: np.ndarray, out: np.ndarray) -> np.ndarray:
-        self.native.forward(x, out)
+        self.native.forward(x, out, _GEMV_ALWAYS)
         if self.bias is not None:
             np.add(out, self.bias, out=out)
         return out
 
 
 class _AttentionStep:
-    """Grouped-query attention of one token: q|k|v projections, q/k norm + rotary + cache
-    write, attention over the cache, output projection."""
+    """Grouped-query attention of one token per sequence: q|k|v projections over all rows,
+    then per row q/k norm + rotary + cache write and attention over its sequence's blocks,
+    then the output projection over all rows."""
 
-    def __init__(self, attn: Attention):
+    def __init__(self, attn: Attention, max_rows: int):
         self.attn = attn
         # One fused call, or (q, k, v stored in different formats) three into one buffer.
         self.projections = [_Linear(p) for p in ((attn.qkv,) if attn.qkv is not None else (attn.q, attn.k, attn.v))]
@@ -100,15 +115,21 @@ class _AttentionStep:
         self.eps = float(attn.q_norm.eps) if attn.q_norm is not None else 1e-6
         self.cos, self.sin = _np(attn.rotary.cos), _np(attn.rotary.sin)
         self.pairs = attn.rotary.layout == "pairs"
-        self.k, self.v = _cache_view(attn.cache.k[0]), _cache_view(attn.cache.v[0])  # preallocated
-        self.qkv = np.empty(sum(p.out_features for p in self.projections), dtype=np.float32)
-        self.slices, at = [], 0
+        self.group = attn.cache.group
+        self.k, self.v = _cache_view(attn.cache.k), _cache_view(attn.cache.v)  # [blocks, KV, B, d]
+        width = sum(p.out_features for p in self.projections)
+        self.qkv = np.empty((max_rows, width), dtype=np.float32)
+        self.bounds, at = [], 0
         for p in self.projections:
-            self.slices.append(self.qkv[at : at + p.out_features].reshape(1, -1))
+            self.bounds.append((at, at + p.out_features))
             at += p.out_features
+        # Three projections write their own rows (the kernels want contiguous outputs), then
+        # each row's q|k|v is put together.
+        self.parts = [] if len(self.projections) == 1 else [
+            np.empty((max_rows, p.out_features), dtype=np.float32) for p in self.projections]
         self.q = np.empty((attn.n_heads, attn.head_dim), dtype=np.float32)
-        self.att = np.empty((attn.n_heads, self.v.shape[-1]), dtype=np.float32)
-        self.out = np.empty((1, self.o.out_features), dtype=np.float32)
+        self.att = np.empty((max_rows, attn.n_heads * self.v.shape[-1]), dtype=np.float32)
+        self.out = np.empty((max_rows, self.o.out_features), dtype=np.float32)
 
     @staticmethod
     def supports(attn: nn.Module) -> bool:
@@ -116,19 +137,30 @@ class _AttentionStep:
             return False
         native = attn.qkv is not None or all(isinstance(p, NativeLinear) for p in (attn.q, attn.k, attn.v))
         return (native and isinstance(attn.o, NativeLinear)
-                and type(attn.cache) is KVCache and attn.sinks is None and attn.clip_qkv is None
+                and type(attn.cache) is PagedKV and attn.cache.window is None
+                and attn.sinks is None and attn.clip_qkv is None
                 and (attn.q_norm is None or attn.norm_per_head)
                 and attn.cache.k.dtype in (torch.float32, torch.bfloat16))
 
-    def __call__(self, h: np.ndarray, pos: int) -> np.ndarray:
-        a = self.attn
-        for p, out in zip(self.projections, self.slices):
-            p(h, out)
-        _native.rope_store(self.qkv, a.n_heads, a.n_kv_heads, self.q_norm, self.k_norm, self.eps, self.cos, self.sin,
-                           self.pairs, self.k, self.v, pos, self.q)
-        a.cache.filled = pos + 1
-        _native.attend_decode(self.q, self.k, self.v, pos + 1, a.scale, self.att)
-        return self.o(self.att.reshape(1, -1), self.out)
+    def __call__(self, h: np.ndarray, segments: list[Segment]) -> np.ndarray:
+        a, n = self.attn, h.shape[0]
+        qkv = self.qkv[:n]
+        if not self.parts:
+            self.projections[0](h, qkv)
+        for p, part, (lo, hi) in zip(self.projections, self.parts, self.bounds):
+            qkv[:, lo:hi] = p(h, part[:n])
+        att = self.att[:n]
+        for seg in segments:
+            pos, t = seg.start, seg.row
+            table = seg.seq.table_array(self.group)
+            block, row, first = table[pos // B], pos % B, pos - pos % B
+            # The rotary tables from the block's first position on, so that the kernel's
+            # position (the row in the block) picks the token's own angle.
+            _native.rope_store(qkv[t], a.n_heads, a.n_kv_heads, self.q_norm, self.k_norm, self.eps, self.cos[first:],
+                               self.sin[first:], self.pairs, self.k[block], self.v[block], row, self.q)
+            _native.attend_decode_paged(self.q, self.k, self.v, table, pos + 1, a.scale,
+                                        att[t].reshape(a.n_heads, -1))
+        return self.o(att, self.out[:n])
 
 
 def _router(router: nn.Module) -> Callable[[np.ndarray, np.ndarray, np.ndarray], None] | None:
@@ -149,13 +181,13 @@ def _router(router: nn.Module) -> Callable[[np.ndarray, np.ndarray, np.ndarray],
 
 
 class _GatedStep:
-    """down(silu(gate(x)) * up(x)) of a dense layer or shared expert."""
+    """down(silu(gate(x)) * up(x)) of a dense layer or shared expert, over the step's rows."""
 
-    def __init__(self, mlp: GatedMLP):
+    def __init__(self, mlp: GatedMLP, max_rows: int):
         self.gate_up, self.down = _Linear(mlp.gate_up), _Linear(mlp.down)
-        self.gu = _Buffer(1, self.gate_up.out_features)
-        self.act = _Buffer(1, self.gate_up.out_features // 2)
-        self.out = np.empty((1, self.down.out_features), dtype=np.float32)
+        self.gu = _Buffer(max_rows, self.gate_up.out_features)
+        self.act = _Buffer(max_rows, self.gate_up.out_features // 2)
+        self.out = np.empty((max_rows, self.down.out_features), dtype=np.float32)
 
     @staticmethod
     def supports(mlp: nn.Module | None) -> bool:
@@ -163,30 +195,35 @@ class _GatedStep:
                 and mlp.act is F.silu)
 
     def __call__(self, h: np.ndarray) -> np.ndarray:
-        self.gate_up(h, self.gu.a)
-        gate, up = self.gu.t.chunk(2, dim=-1)
-        torch.mul(F.silu(gate), up, out=self.act.t)
-        return self.down(self.act.a, self.out)
+        n = h.shape[0]
+        gu_t, gu_a = self.gu.rows(n)
+        act_t, act_a = self.act.rows(n)
+        self.gate_up(h, gu_a)
+        gate, up = gu_t.chunk(2, dim=-1)
+        torch.mul(F.silu(gate), up, out=act_t)
+        return self.down(act_a, self.out[:n])
 
 
 class _MoEStep:
-    """Router, the routed experts (all in host memory), shared experts."""
+    """Router, the routed experts (all in host memory, one call over the union of the rows'
+    choices), shared experts."""
 
-    def __init__(self, moe: MoE, experts: native_experts.NativeExperts, choose: Callable):
+    def __init__(self, moe: MoE, experts: native_experts.NativeExperts, choose: Callable, max_rows: int):
         self.moe, self.layer = moe, experts.layer
         self.logits = _Linear(NativeLinear(moe.router.weight, getattr(moe.router, "bias", None)))
         self.choose = choose
-        self.shared = None if moe.shared is None else _GatedStep(moe.shared)
+        self.shared = None if moe.shared is None else _GatedStep(moe.shared, max_rows)
         self.shared_gate = None if moe.shared_gate is None else _Linear(moe.shared_gate)
         k = moe.router.k
-        self.buf_logits = np.empty((1, self.logits.out_features), dtype=np.float32)
-        self.ids = _Buffer(1, k, dtype=torch.int64)
-        self.weights = np.empty((1, k), dtype=np.float32)
-        self.out = np.empty((1, experts.hidden), dtype=np.float32)
-        self.gate = np.empty((1, 1), dtype=np.float32)
+        self.k = k
+        self.buf_logits = np.empty((max_rows, self.logits.out_features), dtype=np.float32)
+        self.ids = _Buffer(max_rows, k, dtype=torch.int64)
+        self.weights = np.empty((max_rows, k), dtype=np.float32)
+        self.out = np.empty((max_rows, experts.hidden), dtype=np.float32)
+        self.gate = np.empty((max_rows, 1), dtype=np.float32)
 
     @classmethod
-    def build(cls, moe: nn.Module) -> _MoEStep | None:
+    def build(cls, moe: nn.Module, max_rows: int) -> _MoEStep | None:
         if type(moe) is not MoE or moe.scheduler is not None or len(moe.main) or not len(moe.host):
             return None
         choose = _router(moe.router)
@@ -200,81 +237,93 @@ class _MoEStep:
         if experts is None:
             return None
         try:
-            return cls(moe, experts, choose)
+            return cls(moe, experts, choose, max_rows)
         except native_kernels.Unsupported:
             return None
 
     def __call__(self, h: np.ndarray) -> np.ndarray:
-        self.choose(self.logits(h, self.buf_logits), self.ids.a, self.weights)
-        self.moe.record(self.ids.t)
-        self.layer.forward(h, self.ids.a, self.weights, self.out, 1, 0)
+        n = h.shape[0]
+        logits = self.logits(h, self.buf_logits[:n])
+        ids_t, ids = self.ids.rows(n)
+        weights, out = self.weights[:n], self.out[:n]
+        for t in range(n):
+            self.choose(logits[t], ids[t], weights[t])
+        self.moe.record(ids_t)
+        self.layer.forward(h, ids, weights, out, _DECODE_REGIME, 0)
         if self.shared is not None:
             shared = self.shared(h)
             if self.shared_gate is not None:
-                shared = shared / (1.0 + np.exp(-self.shared_gate(h, self.gate)))  # sigmoid(gate) * shared
-            np.add(self.out, shared, out=self.out)
-        return self.out
+                shared = shared / (1.0 + np.exp(-self.shared_gate(h, self.gate[:n])))  # sigmoid(gate) * shared
+            np.add(out, shared, out=out)
+        return out
 
 
 class _LayerStep:
-    def __init__(self, layer: nn.Module, h: np.ndarray):
+    def __init__(self, layer: nn.Module, h: _Buffer, max_rows: int):
         self.layer = layer
         self.h = h  # the normed input of a block (one buffer for all layers)
         self.attn_norm, self.ffn_norm = _Norm(layer.attn_norm), _Norm(layer.ffn_norm)
-        self.attn = _AttentionStep(layer.attn) if _AttentionStep.supports(layer.attn) else None
+        self.attn = _AttentionStep(layer.attn, max_rows) if _AttentionStep.supports(layer.attn) else None
         if _GatedStep.supports(layer.ffn):
-            self.ffn = _GatedStep(layer.ffn)
+            self.ffn = _GatedStep(layer.ffn, max_rows)
         else:
-            self.ffn = _MoEStep.build(layer.ffn)
+            self.ffn = _MoEStep.build(layer.ffn, max_rows)
 
-    def __call__(self, x: _Buffer, pos: int, dtype: torch.dtype) -> None:
-        """Add the layer's two blocks to the residual stream x in place."""
-        layer = self.layer
+    def __call__(self, x: torch.Tensor, segments: list[Segment], dtype: torch.dtype) -> None:
+        """Add the layer's two blocks to the residual stream x [T, H] (float32) in place."""
+        layer, xa = self.layer, x.numpy()
+        _, h = self.h.rows(x.shape[0])
         if self.attn is not None:
-            np.add(x.a, self.attn(self.attn_norm(x.a, self.h), pos), out=x.a)
+            np.add(xa, self.attn(self.attn_norm(xa, h), segments), out=xa)
         else:
-            x.t += layer.attn(layer.attn_norm(x.t.to(dtype)), pos).float()
+            x += layer.attn(layer.attn_norm(x.to(dtype)), segments).float()
         if self.ffn is not None:
-            np.add(x.a, self.ffn(self.ffn_norm(x.a, self.h)), out=x.a)
+            np.add(xa, self.ffn(self.ffn_norm(xa, h)), out=xa)
         else:
-            x.t += layer.ffn(layer.ffn_norm(x.t.to(dtype))).float()
+            x += layer.ffn(layer.ffn_norm(x.to(dtype))).float()
 
 
 class DecodeStep:
-    """The layers, final norm and LM head of a CPU-main-device model for one token, or
-    (``build``) None when no layer would run natively."""
+    """The layers, final norm and LM head of a CPU-main-device model for one token of each
+    of up to ``max_rows`` sequences, or (``build``) None when no layer would run natively."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, max_rows: int):
         self.model = model
+        self.max_rows = max_rows
         hidden = model.norm.weight.shape[0]
-        self.x = _Buffer(1, hidden)  # the residual stream
-        self.h = _Buffer(1, hidden)
-        self.layers = [_LayerStep(layer, self.h.a) for layer in model.layers]
+        self.x = _Buffer(max_rows, hidden)  # the residual stream
+        self.h = _Buffer(max_rows, hidden)
+        self.layers = [_LayerStep(layer, self.h, max_rows) for layer in model.layers]
         self.norm = _Norm(model.norm)
         # A head the kernels do not read is a PyTorch Linear in the model dtype.
         self.head = _Linear(model.lm_head) if isinstance(model.lm_head, NativeLinear) else None
 
     @classmethod
-    def build(cls, model: nn.Module) -> DecodeStep | None:
+    def build(cls, model: nn.Module, max_rows: int) -> DecodeStep | None:
         if (not native_kernels.enabled() or model.device.type != "cpu" or model.boundaries
                 or model.scheduler is not None or type(model.norm) is not RMSNorm):
             return None
         if any(type(layer.attn_norm) is not RMSNorm or type(layer.ffn_norm) is not RMSNorm for layer in model.layers):
             return None
-        step = cls(model)
+        step = cls(model, max_rows)
         if all(s.attn is None and s.ffn is None for s in step.layers):
             return None
         return step
 
-    def __call__(self, x: torch.Tensor, pos: int) -> torch.Tensor:
-        """x: the token's embedding [1, H] -> float32 logits [1, V]."""
-        self.x.t.copy_(x)
+    def __call__(self, x: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
+        """x: the tokens' embeddings [T, H], one row per segment -> float32 logits [T, V]."""
+        n = x.shape[0]
+        if n > self.max_rows:
+            raise ValueError(f"{n} sequences in one step; the decode step was built for {self.max_rows}")
+        xt, _ = self.x.rows(n)
+        ht, ha = self.h.rows(n)
+        xt.copy_(x)
         dtype = self.model.dtype
         for step in self.layers:
-            step(self.x, pos, dtype)
-        self.norm(self.x.a, self.h.a)
+            step(xt, segments, dtype)
+        self.norm(xt.numpy(), ha)
         if self.head is None:
-            return self.model.lm_head(self.h.t.to(dtype)).float()
-        logits = torch.empty(1, self.head.out_features)  # a new tensor: callers may keep it
-        self.head(self.h.a, logits.numpy())
+            return self.model.lm_head(ht.to(dtype)).float()
+        logits = torch.empty(n, self.head.out_features)  # a new tensor: callers may keep it
+        self.head(ha, logits.numpy())
         return logits

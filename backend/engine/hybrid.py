@@ -40,6 +40,8 @@ copies or markers at all.
 
 from __future__ import annotations
 
+import contextvars
+
 import contextlib
 from collections.abc import Mapping
 from concurrent.futures import Future
@@ -83,7 +85,9 @@ class CpuExpertWorker:
         close_at_exit(self)
 
     def submit(self, fn, *args) -> Future:
-        return self._thread.submit(_in_inference_mode, fn, *args)
+        # In the submitter's context: how the kernels compute a call's rows is set per call
+        # (``native_kernels.rows_are``) in the thread that runs the model.
+        return self._thread.submit(contextvars.copy_context().run, _in_inference_mode, fn, *args)
 
     @property
     def thread(self):

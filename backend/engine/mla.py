@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridmoe.backend.engine.attention import attend, eager_attention
-from hybridmoe.backend.engine.kv_cache import LatentCache, causal_mask
+from hybridmoe.backend.engine.kv_cache import PagedLatent, Segment, causal_mask
 from hybridmoe.backend.engine.layers import Linear, RMSNorm
 from hybridmoe.backend.engine.rope import Rotary
 
@@ -44,7 +44,7 @@ class MLAttention(nn.Module):
         v_dim: int,
         kv_lora_rank: int,
         rotary: Rotary,
-        cache: LatentCache,
+        cache: PagedLatent,
         scale: float,
     ):
         super().__init__()
@@ -67,21 +67,32 @@ class MLAttention(nn.Module):
         expanded = n_keys * per_token_expand + n_q * n_keys * h * (self.nope_dim + r + self.v_dim)
         return absorbed <= expanded
 
-    def forward(self, x: torch.Tensor, start_pos: int) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
+        """x [T, hidden]: the rows of one or more sequences; projections over all rows,
+        attention per sequence over its own cache."""
         n = x.shape[0]
         h, nope, rope, c = self.n_heads, self.nope_dim, self.rope_dim, self.kv_lora_rank
         q = self.q_proj(x) if self.q_proj is not None else self.q_b(self.q_a_norm(self.q_a(x)))
-        q = q.view(n, h, nope + rope).transpose(0, 1).unsqueeze(0)  # [1, H, n, nope+rope]
-        q_nope, q_rope = q[..., :nope], q[..., nope:]
-
         compressed = self.kv_a(x)
         latent = self.kv_a_norm(compressed[:, :c])
-        k_rope = compressed[:, c:].view(1, 1, n, rope)
+        out = x.new_empty(n, h * self.v_dim)
+        for seg in segments:
+            r = seg.rows
+            out[r] = self._attend(q[r], latent[r], compressed[r, c:], seg)
+        return self.o(out)
 
-        cos, sin = self.rotary.tables(start_pos, n, x.dtype)
+    def _attend(self, q: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor, seg: Segment) -> torch.Tensor:
+        """One sequence's rows -> attention output [n, heads * v_dim]."""
+        n, start_pos = q.shape[0], seg.start
+        h, nope, rope, c = self.n_heads, self.nope_dim, self.rope_dim, self.kv_lora_rank
+        q = q.reshape(n, h, nope + rope).transpose(0, 1).unsqueeze(0)  # [1, H, n, nope+rope]
+        q_nope, q_rope = q[..., :nope], q[..., nope:]
+        k_rope = k_rope.reshape(1, 1, n, rope)
+
+        cos, sin = self.rotary.tables(start_pos, n, q.dtype)
         q_rope = self.rotary.apply(q_rope, cos, sin)
         k_rope = self.rotary.apply(k_rope, cos, sin)
-        cached = self.cache.update(latent, k_rope.view(n, rope), start_pos)  # [S, c + rope]
+        cached = self.cache.update(seg.seq, latent, k_rope.reshape(n, rope), start_pos)  # [S, c + rope]
         n_keys = cached.shape[0]
 
         w = self.kv_b_weight.view(h, nope + self.v_dim, c)
@@ -92,7 +103,7 @@ class MLAttention(nn.Module):
             values = cached[:, :c].view(1, 1, n_keys, c)
             mask = None
             if n > 1 or start_pos + n != n_keys:
-                q_pos = torch.arange(start_pos, start_pos + n, device=x.device)
+                q_pos = torch.arange(start_pos, start_pos + n, device=q.device)
                 mask = causal_mask(q_pos, None, n_keys, None)
             attended = eager_attention(q_full, keys, values, mask, self.scale)  # [1, H, n, c]
             out = torch.matmul(attended, w[:, nope:].transpose(1, 2))  # W_UV after attention
@@ -103,4 +114,4 @@ class MLAttention(nn.Module):
             keys = torch.cat((k_nope, k_shared), dim=-1).unsqueeze(0)
             q_full = torch.cat((q_nope, q_rope), dim=-1)
             out = attend(q_full, keys, values.unsqueeze(0), start_pos, None, None, self.scale)
-        return self.o(out.squeeze(0).transpose(0, 1).reshape(n, h * self.v_dim))
+        return out.squeeze(0).transpose(0, 1).reshape(n, h * self.v_dim)

@@ -23,7 +23,7 @@ from hybridmoe.backend.engine.cpu_decode import DecodeStep
 from hybridmoe.backend.engine.experts import ExpertActivation, ExpertStore, HostExperts, ResidentExperts
 from hybridmoe.backend.engine.hf_config import HFConfig
 from hybridmoe.backend.engine.hybrid import HybridOptions, attach
-from hybridmoe.backend.engine.kv_cache import KVCache, SlidingKVCache, check_span
+from hybridmoe.backend.engine.kv_cache import CacheGroup, PagedCache, PagedKV, Segment, Sequence
 from hybridmoe.backend.engine.layers import GatedMLP, Linear, RMSNorm
 from hybridmoe.backend.engine.native_linear import native_linear
 from hybridmoe.backend.engine.loader import Loader
@@ -34,7 +34,7 @@ from hybridmoe.backend.engine.stats import ExpertRecorder
 from hybridmoe.backend.formats.weights import WeightSource, missing_tensor, require, text_model_weights
 from hybridmoe.backend.errors import UnsupportedModelError
 from hybridmoe.backend.models.families import family_by_name, family_for_config, spec_from_config
-from hybridmoe.backend.models.spec import SLIDING_REWIND_TOKENS, ModelSpec
+from hybridmoe.backend.models.spec import KV_BLOCK_TOKENS, SLIDING_REWIND_TOKENS, ModelSpec
 
 Placement = Mapping[int, Collection[int]]
 
@@ -44,22 +44,25 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.attn_norm, self.attn, self.ffn_norm, self.ffn = attn_norm, attn, ffn_norm, ffn
 
-    def forward(self, x: torch.Tensor, start_pos: int) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), start_pos)
+    def forward(self, x: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), segments)
         return x + self.ffn(self.ffn_norm(x))
 
 
 class MoeTransformer(nn.Module):
-    """forward(tokens, start_pos) -> float32 logits, with an explicit per-layer KV cache.
+    """forward(tokens, start_pos) -> float32 logits, with an explicit, block-allocated KV cache.
 
-    Batch size 1: tokens [T] or [1, T]; the logits come back [T, V] or [1, T, V]. A call
-    appends its tokens at positions start_pos..start_pos+T-1 to the cache and attends over
-    everything before them; passing an earlier start_pos rewinds.
+    One sequence per call: tokens [T] or [1, T]; the logits come back [T, V] or [1, T, V].
+    A call appends its tokens at positions start_pos..start_pos+T-1 of a sequence's cache
+    (``seq``, default: the model's own ``sequence``) and attends over everything before
+    them; passing an earlier start_pos rewinds. ``forward_batch`` runs one token (or a few)
+    of several sequences in one pass: the weights are read once for all of them.
     """
 
     def __init__(self, *, family: str, spec: ModelSpec, config: HFConfig, embed: torch.Tensor, layers: list[DecoderLayer],
                  norm: RMSNorm, lm_head: nn.Module, recorder: ExpertRecorder, placement: dict[int, tuple[int, ...]],
-                 device: torch.device, dtype: torch.dtype, max_context: int):
+                 device: torch.device, dtype: torch.dtype, max_context: int, cache: PagedCache,
+                 max_sequences: int = 1):
         super().__init__()
         self.family = family
         self.spec = spec
@@ -73,61 +76,102 @@ class MoeTransformer(nn.Module):
         self.device = device
         self.dtype = dtype
         self.max_context = max_context
-        self.length = 0  # positions the cache holds
-        self._rings = [m for m in self.modules() if isinstance(m, SlidingKVCache)]
+        self.cache = cache
+        self.max_sequences = max_sequences  # conversations the cache is sized for
+        self.sequence = cache.new_sequence()  # what forward() uses when given no sequence
         # Pipeline over several devices: layer index -> the device its stage runs on, for
         # each layer that starts a stage after the first (empty on one device).
         self.boundaries: dict[int, torch.device] = {}
         self.scheduler = None  # the hybrid.HybridScheduler shared by the MoE layers, if any
-        # One-token calls on a CPU main device take the native path (``cpu_decode``) when it
-        # covers the model; False keeps the layer-by-layer path (what the tests compare with).
+        # One-token-per-sequence calls on a CPU main device take the native path
+        # (``cpu_decode``) when it covers the model; False keeps the layer-by-layer path
+        # (what the tests compare with).
         self.native_decode = True
         self._decode_step: DecodeStep | None | bool = False  # False: not built yet
 
-    def _pipelined(self, x: torch.Tensor, start_pos: int) -> torch.Tensor:
-        """The layers of a model split across devices: hidden states move at stage boundaries."""
+    @property
+    def length(self) -> int:
+        """Positions the default sequence holds."""
+        return self.sequence.filled
+
+    def _layers(self, x: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
+        """The decoder layers over rows of one or more sequences; on a model split across
+        devices the hidden states move at stage boundaries."""
         for i, layer in enumerate(self.layers):
             device = self.boundaries.get(i)
             if device is not None:
                 x = x.to(device, non_blocking=True)
-            x = layer(x, start_pos)
+            x = layer(x, segments)
         return x
 
     @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, start_pos: int = 0, *, last_only: bool = False) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, start_pos: int = 0, *, last_only: bool = False,
+                seq: Sequence | None = None, prompt: bool | None = None) -> torch.Tensor:
+        """prompt: the tokens are (part of) a prompt, computed as prompt rows even when there
+        is one (default: when there are several); else a decode token."""
         batched = tokens.dim() == 2
         if batched and tokens.shape[0] != 1:
-            raise ValueError(f"batch size {tokens.shape[0]}: the engine runs one sequence at a time")
-        ids = tokens.reshape(-1).to(self.device)
-        # Checked here, before any layer's cache is written, so a refused call changes nothing.
-        check_span(start_pos, ids.shape[0], self.length, self.max_context)
-        for ring in self._rings:
-            ring.check_rewind(start_pos)
-        x = F.embedding(ids, self.embed)
-        step = self._native_decode() if ids.shape[0] == 1 else None
-        if step is not None:
-            logits = step(x, start_pos)
-            self.length = start_pos + 1
-            self.stats.add_tokens(1)
-            return logits.unsqueeze(0) if batched else logits
-        if self.boundaries:
-            x = self._pipelined(x, start_pos)
-        else:
-            for layer in self.layers:
-                x = layer(x, start_pos)
-        if last_only:
-            x = x[-1:]
-        logits = self.lm_head(self.norm(x)).float()
-        self.length = start_pos + ids.shape[0]
-        self.stats.add_tokens(ids.shape[0])
+            raise ValueError(f"batch size {tokens.shape[0]}: pass one sequence per call, or use forward_batch")
+        ids = tokens.reshape(-1)
+        seq = self.sequence if seq is None else seq
+        decode = ids.shape[0] == 1 if prompt is None else not prompt
+        logits = self._run([(seq, ids.tolist(), start_pos)], last_only=last_only, decode=decode)[0]
         return logits.unsqueeze(0) if batched else logits
 
-    def _native_decode(self) -> DecodeStep | None:
-        """The native one-token path on a CPU main device (``cpu_decode``), built on first use."""
+    @torch.inference_mode()
+    def forward_batch(self, calls: list[tuple[Sequence, list[int], int]]) -> list[torch.Tensor]:
+        """One decode token per sequence: (sequence, [token id], start_pos) -> each one's
+        logits [V]."""
+        if any(len(ids) != 1 for _, ids, _ in calls):
+            raise ValueError("forward_batch runs one token per sequence")
+        return [logits[-1] for logits in self._run(calls, last_only=True, decode=True)]
+
+    def _run(self, calls: list[tuple[Sequence, list[int], int]], *, last_only: bool,
+             decode: bool) -> list[torch.Tensor]:
+        """Prepare every sequence's cache (all checks first: a refused call changes nothing),
+        run the layers over all rows, commit. Returns float32 logits per call: [T, V], or
+        [1, V] with last_only. `decode`: the rows are decode tokens of different sequences,
+        else prompt tokens."""
+        seqs = [seq for seq, _, _ in calls]
+        if len(set(map(id, seqs))) != len(seqs):
+            raise ValueError("a sequence appears twice in one batch")
+        for seq, ids, start in calls:
+            self.cache.check(seq, start, len(ids))
+        segments, row = [], 0
+        for seq, ids, start in calls:
+            self.cache.prepare(seq, start, len(ids))
+            segments.append(Segment(seq, start, len(ids), row))
+            row += len(ids)
+        flat = [t for _, ids, _ in calls for t in ids]
+        x = F.embedding(torch.tensor(flat, dtype=torch.long, device=self.device), self.embed)
+        step = self._native_decode(len(segments)) if decode else None
+        if step is not None:
+            logits = step(x, segments)
+            outs = [logits[s.rows] for s in segments]
+        else:
+            # A row's numbers must not depend on which rows share its call: tokens of a
+            # decode step each as alone, a prompt's tokens however the prompt was chunked.
+            with native_kernels.rows_are("decode" if decode else "prompt"):
+                x = self._layers(x, segments)
+                if last_only:
+                    x = x[[s.row + s.n - 1 for s in segments]]
+                    rows = [slice(i, i + 1) for i in range(len(segments))]
+                else:
+                    rows = [s.rows for s in segments]
+                logits = self.lm_head(self.norm(x)).float()
+            outs = [logits[r] for r in rows]
+        for seq, ids, start in calls:
+            self.cache.commit(seq, start, ids)
+        self.stats.add_tokens(len(flat))
+        return outs
+
+    def _native_decode(self, rows: int = 1) -> DecodeStep | None:
+        """The native one-token path on a CPU main device (``cpu_decode``), built on first use
+        with room for a step of every sequence the cache is sized for (or `rows`, if more)."""
         if not self.native_decode or not native_kernels.enabled():
             return None
-        if self._decode_step is False:
-            self._decode_step = DecodeStep.build(self)
+        if self._decode_step is False or (self._decode_step is not None and self._decode_step.max_rows < rows):
+            self._decode_step = DecodeStep.build(self, max(rows, self.max_sequences))
         return self._decode_step
 
     def set_mla_absorb(self, absorb: bool | None) -> None:
@@ -158,6 +202,8 @@ class Build:
         self.eps = float(self.config.get("rms_norm_eps", rms_eps_default))
         self.round_norm_before_weight = round_norm_before_weight
         self.resident_form = "dense"  # or "int8": how main-device experts are held (ResidentExperts)
+        self.sequences = 1  # conversations the KV cache is sized for
+        self.cache = PagedCache([], max_context)
         self._memo: dict[str, Any] = {}
 
     def on(self, device: torch.device) -> None:
@@ -169,6 +215,19 @@ class Build:
         if key not in self._memo:
             self._memo[key] = factory()
         return self._memo[key]
+
+    def cache_group(self, i: int) -> CacheGroup:
+        """The KV cache group of layer i: blocks for `sequences` conversations of the
+        context, each as many as ``ModelSpec.kv_tokens`` counts (the planner's figure)."""
+        window = self.spec.window_of(i)
+        if window is not None and window >= self.max_context:
+            window = None  # a window as long as the context never bites
+        def make() -> CacheGroup:
+            tokens = self.spec.kv_tokens(i, self.max_context, self.sliding_rewind)
+            group = CacheGroup(self.sequences * tokens // KV_BLOCK_TOKENS, window, self.sliding_rewind)
+            self.cache.groups.append(group)
+            return group
+        return self.memo(f"cache/{window}", make)
 
     def norm(self, name: str, dim: int | None = None) -> RMSNorm:
         return self.load.norm(name, dim or self.hidden, self.eps, round_before_weight=self.round_norm_before_weight)
@@ -190,7 +249,6 @@ class Build:
         p = f"model.layers.{i}.self_attn"
         h = self.hidden
         n_heads, n_kv_heads, head_dim = self.spec.num_attention_heads, self.spec.num_kv_heads, self.spec.head_dim
-        window = self.spec.window_of(i)
         q = self.load.linear(f"{p}.q_proj", n_heads * head_dim, h)
         k = self.load.linear(f"{p}.k_proj", n_kv_heads * head_dim, h)
         v = self.load.linear(f"{p}.v_proj", n_kv_heads * head_dim, h)
@@ -201,15 +259,10 @@ class Build:
         elif qk_norm == "full":
             q_norm = self.norm(f"{p}.q_norm.weight", n_heads * head_dim)
             k_norm = self.norm(f"{p}.k_norm.weight", n_kv_heads * head_dim)
-        if window is not None and window < self.max_context:
-            cache = SlidingKVCache(n_kv_heads, head_dim, head_dim, window, self.max_context, self.dtype, self.device,
-                                   rewind=self.sliding_rewind)
-        else:
-            window = None  # a window as long as the context never bites
-            cache = KVCache(n_kv_heads, head_dim, head_dim, self.max_context, self.dtype, self.device)
+        cache = PagedKV(self.cache_group(i), n_kv_heads, head_dim, head_dim, self.dtype, self.device)
         return Attention(
             q=q, k=k, v=v, o=o, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim,
-            rotary=rotary, cache=cache, window=window, q_norm=q_norm, k_norm=k_norm,
+            rotary=rotary, cache=cache, q_norm=q_norm, k_norm=k_norm,
             norm_per_head=qk_norm == "head", clip_qkv=clip_qkv,
             sinks=self.load.tensor(f"{p}.sinks", (n_heads,)) if sinks else None,
         )
@@ -267,6 +320,7 @@ def build_model(
     device: torch.device | str | None = None,
     *,
     max_context: int = 4096,
+    sequences: int = 1,
     sliding_rewind: int = SLIDING_REWIND_TOKENS,
     dtype: torch.dtype | None = None,
     name: str | None = None,
@@ -282,7 +336,9 @@ def build_model(
     placement: {layer index: expert ids on the main device}; missing layers run all their
         routed experts on the CPU.
     device: the main device (default: CUDA when present, else CPU).
-    max_context: tokens the preallocated KV cache holds.
+    max_context: tokens one conversation may reach.
+    sequences: conversations the KV cache holds at that length (the plan's users); its
+        blocks are allocated once, here.
     sliding_rewind: positions a sliding-window layer keeps beyond its window, so that a
         conversation can be rewound that far without a new prefill (CacheRewindError beyond).
     dtype: compute dtype (default: float32 for a float32 checkpoint, else bfloat16).
@@ -320,6 +376,7 @@ def build_model(
     b = Build(spec, weights, placement, device, dtype, max_context, recorder, sliding_rewind=sliding_rewind,
               **module.BUILD_OPTIONS)
     b.resident_form = resident_form
+    b.sequences = sequences
     vocab = spec.vocab_size
     embed = b.load.tensor("model.embed_tokens.weight", (vocab, b.hidden))
     layers = []
@@ -344,7 +401,8 @@ def build_model(
     else:
         raise missing_tensor(weights, "lm_head.weight")
     net = MoeTransformer(family=family, spec=spec, config=b.config, embed=embed, layers=layers, norm=norm, lm_head=lm_head,
-                           recorder=recorder, placement=placement, device=device, dtype=dtype, max_context=max_context)
+                           recorder=recorder, placement=placement, device=device, dtype=dtype, max_context=max_context,
+                           cache=b.cache, max_sequences=sequences)
     net.boundaries = {i: stage_of[i][0] for i in range(1, n_layers) if stage_of[i][1] != stage_of[i - 1][1]}
     if hybrid is None and any(d.type != "cpu" for d, _ in stage_of):
         hybrid = HybridOptions()

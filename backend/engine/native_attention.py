@@ -27,3 +27,26 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     out = torch.empty((heads, v.shape[3]), dtype=torch.float32)
     native_kernels._native.attend_decode(q.reshape(heads, dim).float().contiguous(), k[0], v[0], k.shape[2], scale, out)
     return out.to(q.dtype).view(1, heads, 1, -1)
+
+
+def paged_decode_attention(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor,
+                           table: torch.Tensor | list[int], length: int, scale: float) -> torch.Tensor | None:
+    """decode_attention over a block-allocated cache, or None when the kernels cannot run it.
+
+    q [1, Hq, 1, D]; k_blocks [n_blocks, Hkv, B, D], v_blocks [n_blocks, Hkv, B, Dv] (rows
+    contiguous); table: the sequence's block ids in order (int64 tensor or list), position s in
+    block table[s // B], row s % B; the first `length` positions are attended. Returns
+    [1, Hq, 1, Dv] in q's dtype."""
+    if not native_kernels.enabled() or q.device.type != "cpu" or k_blocks.device.type != "cpu":
+        return None
+    if k_blocks.dtype != v_blocks.dtype or k_blocks.dtype not in (torch.bfloat16, torch.float32):
+        return None
+    if k_blocks.stride(-1) != 1 or v_blocks.stride(-1) != 1:
+        return None
+    if not isinstance(table, torch.Tensor):
+        table = torch.tensor(table, dtype=torch.int64)
+    heads, dim = q.shape[1], q.shape[3]
+    out = torch.empty((heads, v_blocks.shape[3]), dtype=torch.float32)
+    native_kernels._native.attend_decode_paged(q.reshape(heads, dim).float().contiguous(), k_blocks, v_blocks,
+                                               table.to("cpu", torch.int64).contiguous(), length, scale, out)
+    return out.to(q.dtype).view(1, heads, 1, -1)

@@ -185,7 +185,7 @@ def try_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Ten
     native = native_for(experts)
     if native is None:
         return None
-    return native.forward(x, topk_ids, topk_weights)
+    return native.forward(x, topk_ids, topk_weights, regime=native_kernels.expert_regime())
 
 
 def cpu_experts_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,

@@ -10,6 +10,9 @@ and ``HYBRIDMOE_NATIVE=0`` turns all of them off at one switch.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
 import torch
@@ -68,6 +71,36 @@ def summary() -> str:
     nodes = info["numa_nodes"]
     line = f"{info['isa']}, {info['threads']} threads" + (f" on {nodes} NUMA nodes" if nodes > 1 else "")
     return line + (f" ({info['note']})" if info.get("note") else "")
+
+
+# What the rows of the kernels' calls in this thread are (``rows_are``): "decode" rows are
+# tokens of different sequences, each computed on the few-token paths (the integer GEMV on
+# Q8 activations, the experts' decode regime) at any count, so that a step of several
+# sequences computes each row as a step of one would; "prompt" rows are a prompt chunk,
+# computed on the many-token paths (dequantized panels and a GEMM) at any count, so that a
+# prompt gives the same numbers however it was split into chunks (a conversation continued
+# from the cache gets the logits of a fresh prefill). "auto": by the measured switch points.
+_ROWS: ContextVar[str] = ContextVar("hybridmoe_rows", default="auto")
+_DENSE_THRESHOLD = {"auto": 0, "decode": 1 << 30, "prompt": 1}
+_EXPERT_REGIME = {"auto": "auto", "decode": "decode", "prompt": "prefill"}
+
+
+@contextmanager
+def rows_are(kind: str) -> Iterator[None]:
+    token = _ROWS.set(kind)
+    try:
+        yield
+    finally:
+        _ROWS.reset(token)
+
+
+def dense_threshold() -> int:
+    """prefill_min_tokens for a dense projection's call now (0: the measured one)."""
+    return _DENSE_THRESHOLD[_ROWS.get()]
+
+
+def expert_regime() -> str:
+    return _EXPERT_REGIME[_ROWS.get()]
 
 
 def enabled() -> bool:

@@ -76,7 +76,7 @@ class NativeLinear(nn.Module):
             flat = flat.float()
         out = torch.empty((flat.shape[0], self.out_features), dtype=torch.float32)
         if flat.shape[0]:
-            self.native.forward(flat.contiguous(), out)
+            self.native.forward(flat.contiguous(), out, native_kernels.dense_threshold())
         if self.bias is not None:
             out += self.bias
         return out.to(x.dtype).reshape(*lead, self.out_features)

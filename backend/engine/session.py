@@ -1,9 +1,11 @@
 """The embedded engine behind the Backend/Session protocol (backend/session.py).
 
 EngineBackend.load() reads the model the Plan describes (weights through mmap, experts
-placed per the Plan), EngineSession.generate() turns messages into a stream of events:
-render the chat template, prefill in chunks (reusing the cached prefix of the previous
-turn), sample, detokenize without splitting characters, stop on end tokens or stop strings.
+placed per the Plan, a KV cache for the plan's conversations), EngineSession.generate()
+turns messages into a stream of events: render the chat template, prefill in chunks (after
+the longest prefix the cache holds), sample, detokenize without splitting characters, stop
+on end tokens or stop strings. Up to ``max_parallel`` generations run at once from as many
+threads, each decode step running all of them together (``batching``).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from pathlib import Path
 import torch
 
 from hybridmoe.backend.text.chat_template import ChatTemplate
-from hybridmoe.backend.engine.kv_cache import CacheRewindError
+from hybridmoe.backend.engine.batching import Batcher
 from hybridmoe.backend.engine.model import MoeTransformer, build_model
 from hybridmoe.backend.engine.plan_layout import build_kwargs
 from hybridmoe.backend.text.sampling import SamplingParams
@@ -24,7 +26,6 @@ from hybridmoe.backend.formats.weights import open_weights
 from hybridmoe.backend.errors import ModelError, UsageError
 from hybridmoe.backend.text.generation import (
     Prefilled,
-    common_prefix,
     host_peak_rss,
     max_new_tokens,
     raw_prompt_ids,
@@ -33,11 +34,13 @@ from hybridmoe.backend.text.generation import (
 from hybridmoe.backend.models import InspectedModel, inspected
 from hybridmoe.backend.plan.plan import Plan
 from hybridmoe.backend.session import (
+    Cancelled,
     CancelToken,
     Done,
     Message,
     Progress,
     ProgressCallback,
+    Stats,
     TextPiece,
 )
 
@@ -77,6 +80,7 @@ class EngineBackend:
             plan.placement(),
             device,
             max_context=plan.workload.context,
+            sequences=plan.workload.users,
             name=spec.name,
             on_progress=progress,
             **build_kwargs(plan, device),
@@ -92,8 +96,9 @@ class EngineSession:
         self.plan = plan
         self.path = path
         self.context = plan.workload.context
-        self.chunk = plan.workload.prefill_chunk
-        self._cached: list[int] = []  # the token ids whose keys/values the cache holds
+        # Generations at once: the conversations the plan sized the KV cache for.
+        self.max_parallel = model.max_sequences
+        self.batcher = Batcher(model, chunk=plan.workload.prefill_chunk, slots=self.max_parallel)
 
     def prompt_ids(self, messages: Sequence[Message]) -> list[int]:
         text = self.template.render([{"role": m.role, "content": m.content} for m in messages], add_generation_prompt=True)
@@ -112,60 +117,40 @@ class EngineSession:
                   cancel: CancelToken | None) -> Iterator[TextPiece | Done]:
         max_new = max_new_tokens(len(ids), self.context, sampling)
         started = time.perf_counter()
-        logits, computed = self._prefill(ids)
-        prefilled = Prefilled(ids, logits[-1], computed, started, time.perf_counter() - started)
-        yield from stream(
-            prefilled,
-            sampling,
-            detokenizer=self.tokenizer.detokenizer(),
-            stop_strings=stop_strings,
-            is_stop=self.tokenizer.stop_ids.__contains__,
-            forward=lambda token: self._forward([token], len(self._cached))[-1],
-            max_new=max_new,
-            cancel=cancel,
-            backend="engine",
-            expert_share=self.model.stats.main_share,
-            peak_memory=lambda: peak_memory(self.model.device),
-        )
-
-    def _forward(self, tokens: list[int], start: int, *, last_only: bool = True) -> torch.Tensor:
-        logits = self.model(torch.tensor(tokens, dtype=torch.long), start, last_only=last_only)
-        self._cached = self._cached[:start] + tokens
-        return logits
-
-    def _prefill(self, ids: list[int]) -> tuple[torch.Tensor, int]:
-        """Feed the prompt in chunks after the prefix the cache already holds; returns the
-        last logits and how many tokens were computed."""
-        start = common_prefix(self._cached, ids)
-        start = min(start, len(ids) - 1)  # at least one token must run to give logits
         try:
-            return self._prefill_from(ids, start), len(ids) - start
-        except CacheRewindError:
-            # A sliding-window layer no longer holds what the rewind needs: start over.
-            return self._prefill_from(ids, 0), len(ids)
-
-    def _prefill_from(self, ids: list[int], start: int) -> torch.Tensor:
-        """The prompt before its last token in chunks, then the last token on its own.
-
-        The last token always runs alone, as a reused prompt's last token must (the cache
-        holds everything before it): a token's logits depend on how many tokens share its
-        call (one token takes the decode kernels, with Q8-rounded activations and a float32
-        residual stream; a prompt chunk the dequantized GEMM), and near-tied expert choices
-        turn that rounding into a different answer. Computed the same way both times, a
-        cached prompt gives exactly the logits a fresh prefill gives."""
-        last = len(ids) - 1
-        for pos in range(start, last, self.chunk):
-            self._forward(ids[pos : min(pos + self.chunk, last)], pos)
-        return self._forward(ids[last:], last)
+            generation = self.batcher.start(ids, cancel)
+        except Cancelled:  # while it waited for a slot: nothing was generated
+            yield Done("cancelled", "", (), Stats(len(ids), 0, None, None, None, backend="engine"))
+            return
+        try:
+            logits, computed = generation.prefill(cancel)
+            prefilled = Prefilled(ids, logits, computed, started, time.perf_counter() - started)
+            yield from stream(
+                prefilled,
+                sampling,
+                detokenizer=self.tokenizer.detokenizer(),
+                stop_strings=stop_strings,
+                is_stop=self.tokenizer.stop_ids.__contains__,
+                forward=generation.decode,
+                max_new=max_new,
+                cancel=cancel,
+                backend="engine",
+                expert_share=self.model.stats.main_share,
+                peak_memory=lambda: peak_memory(self.model.device),
+            )
+        finally:
+            generation.finish()
 
     def save_expert_stats(self, path) -> None:
         self.model.stats.save(path)
 
     def close(self) -> None:
-        if self.model is not None and self.model.scheduler is not None:
+        if self.model is None:
+            return
+        self.batcher.close()
+        if self.model.scheduler is not None:
             self.model.scheduler.close()  # its CPU-expert and copier threads
         self.model = None
-        self._cached = []
 
 
 def peak_memory(device: torch.device) -> dict[str, int]:

@@ -100,10 +100,12 @@ def load_model(path: str | Path, params: Any | None = None):
 class RawModel:
     """A GGUF opened for raw evaluation: ``eval`` runs token ids and returns their logits.
     No chat template, no sampling, one sequence. ``vocab_only`` opens the vocabulary alone
-    (``tokenize``), without weights or a context."""
+    (``tokenize``), without weights or a context. ``n_seq_max`` > 1 makes room in the context
+    for that many sequences (``n_ctx`` / ``n_seq_max`` tokens each), for a caller that drives
+    ``ctx`` with batches of several sequences itself (``eval`` uses sequence 0)."""
 
     def __init__(self, path: str | Path, *, n_ctx: int = 512, n_batch: int = 512, n_ubatch: int = 512,
-                 n_threads: int = 1, logits_all: bool = False, vocab_only: bool = False):
+                 n_threads: int = 1, logits_all: bool = False, vocab_only: bool = False, n_seq_max: int = 1):
         from hybridmoe.backend.errors import ModelError
 
         b = self._b = llama()
@@ -124,6 +126,7 @@ class RawModel:
         cp.n_batch = min(n_batch, n_ctx)
         cp.n_ubatch = min(n_ubatch, cp.n_batch)
         cp.n_threads = cp.n_threads_batch = n_threads
+        cp.n_seq_max = n_seq_max
         # llama-cpp-python's Llama, which these comparisons were written against, turns it off.
         cp.flash_attn_type = b.LLAMA_FLASH_ATTN_TYPE_DISABLED
         self.ctx = b.llama_init_from_model(self.model, cp)

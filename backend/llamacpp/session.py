@@ -144,6 +144,10 @@ def load_error(header: GGUFHeader, captured: log.Capture) -> ModelError:
 
 
 class LlamaCppSession:
+    # Generations at once: one llama.cpp context holding one sequence's cache (seq 0), so a
+    # second generation must wait for the first (the server's queue sees to it).
+    max_parallel = 1
+
     def __init__(self, bindings, model, ctx, params, header: GGUFHeader, plan: Plan, placement: PlacementReport):
         self._b = bindings
         self.model = model

@@ -14,6 +14,10 @@ from typing import Any
 # be rewound that far (regenerating an answer) without a new prefill. The engine allocates
 # them and the planner counts them (docs/sizing.md §2).
 SLIDING_REWIND_TOKENS = 1024
+# The engine's KV cache is handed out in blocks of this many positions, so a conversation
+# takes memory as it grows and conversations can share the blocks of a common prefix. The
+# planner counts whole blocks, as the engine allocates them.
+KV_BLOCK_TOKENS = 64
 
 
 @dataclass(frozen=True)
@@ -104,11 +108,19 @@ class ModelSpec:
         """The sliding window of `layer`, or None when it attends to the whole context."""
         return self.sliding_window if self.sliding_window and layer in self.sliding_layers else None
 
-    def kv_tokens(self, layer: int, context: int) -> int:
-        """Token slots `layer`'s cache holds for a conversation of `context` tokens: all of
-        them, or for a sliding-window layer its window and the rewind margin."""
+    def kv_tokens(self, layer: int, context: int, rewind: int = SLIDING_REWIND_TOKENS) -> int:
+        """Token slots `layer`'s cache may hold for one conversation of `context` tokens, in
+        whole blocks of KV_BLOCK_TOKENS: all of them, or for a sliding-window layer what one
+        call can need at once: the window before its first new token (which its queries read)
+        and the last window + `rewind` positions (which the conversation keeps), each run
+        starting and ending anywhere inside a block."""
+        blocks = -(-context // KV_BLOCK_TOKENS)
         window = self.window_of(layer)
-        return context if window is None else min(context, window + SLIDING_REWIND_TOKENS)
+        if window is not None:
+            reads = -(-(window - 1) // KV_BLOCK_TOKENS) + 1
+            keeps = -(-(window + rewind) // KV_BLOCK_TOKENS) + 1
+            blocks = min(blocks, reads + keeps)
+        return blocks * KV_BLOCK_TOKENS
 
     def kv_bytes(self, context: int, bytes_per_element: float = 2.0) -> float:
         """KV cache bytes for one conversation of `context` tokens."""

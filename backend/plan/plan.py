@@ -111,6 +111,12 @@ class Plan:
         return [(d.engine_device, tuple(d.layers)) for d in self.devices if d.kind == "gpu" and d.layers]
 
     @property
+    def kv_cache_bytes(self) -> int:
+        """The KV cache of all ``workload.users`` conversations at the full context, over
+        every device that holds a part: what the engine's cache may grow to."""
+        return sum(d.bytes_by_class.get("kv_cache", 0) for d in self.devices)
+
+    @property
     def resident_form(self) -> str:
         """The engine's name for gpu_expert_format: "int8" or "dense"."""
         return "int8" if self.gpu_expert_format == "int8" else "dense"
@@ -122,6 +128,7 @@ class Plan:
         d["workload"] = self.workload.to_dict()
         d["gpu_experts"] = {str(k): list(v) for k, v in sorted(self.gpu_experts.items())}
         d["gpu_experts_per_layer"] = {str(k): len(v) for k, v in sorted(self.gpu_experts.items())}
+        d["kv_cache_bytes"] = self.kv_cache_bytes
         d["bytes_per_expert"] = {str(k): v for k, v in sorted(self.bytes_per_expert.items())}
         d["gpu_bytes_per_expert"] = {str(k): v for k, v in sorted(self.gpu_bytes_per_expert.items())}
         for dev, dd in zip(self.devices, d["devices"]):

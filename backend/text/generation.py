@@ -74,7 +74,7 @@ def stream(
         token = sampler.sample(logits, context_ids)
         if first_token_at is None:
             first_token_at = time.perf_counter()
-        if is_stop(token):
+        if is_stop(token) and not sampling.ignore_eos:
             reason = "stop"
             break
         generated.append(token)

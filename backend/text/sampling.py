@@ -39,6 +39,9 @@ class SamplingParams:
     seed: int | None = None  # None = a fresh random seed (Sampler.seed tells which)
     max_tokens: int | None = None  # None = until a stop token or the context is full
     stop: tuple[str, ...] = field(default=())  # a list is accepted and stored as a tuple
+    # Generate through end-of-turn tokens until max_tokens (benchmarks need a fixed length;
+    # llama.cpp's server and vLLM call it the same).
+    ignore_eos: bool = False
 
     def __post_init__(self) -> None:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)

@@ -32,15 +32,28 @@ void phase_runs(void* ctx, int, int) {
     Call& c = *static_cast<Call*>(ctx);
     const DecodeAttention& a = *c.a;
     const size_t esz = a.kv_bf16 ? 2 : 4;
+    const auto* k = static_cast<const uint8_t*>(a.k);
+    const auto* v = static_cast<const uint8_t*>(a.v);
+    KvSegment segs[kRun];  // at most one per position (blocks of one position)
     for (;;) {
         const int64_t u = c.next.fetch_add(1, std::memory_order_relaxed);
         if (u >= c.units) return;
-        const int64_t h = u / c.runs, s0 = (u % c.runs) * kRun;
-        const int64_t n = std::min(kRun, a.S - s0);
+        const int64_t h = u / c.runs, s0 = (u % c.runs) * kRun, n = std::min(kRun, a.S - s0);
         if (tls_scores.size() < size_t(c.group * n)) tls_scores.resize(size_t(c.group * n));
-        const auto* kb = static_cast<const uint8_t*>(a.k) + size_t(h * a.k_head + s0 * a.k_pos) * esz;
-        const auto* vb = static_cast<const uint8_t*>(a.v) + size_t(h * a.v_head + s0 * a.v_pos) * esz;
-        c.kt->attend_run(c.q.data() + h * c.group * a.D, c.group, a.D, a.Dv, kb, vb, a.kv_bf16, a.k_pos, a.v_pos, n,
+        // The run's stretches that are contiguous in memory: all of it, or its part in each block.
+        int n_segs = 0;
+        for (int64_t s = s0; s < s0 + n;) {
+            int64_t len = s0 + n - s, k_off = h * a.k_head + s * a.k_pos, v_off = h * a.v_head + s * a.v_pos;
+            if (a.blocks) {
+                const int64_t block = a.blocks[s / a.block_size], row = s % a.block_size;
+                len = std::min(len, a.block_size - row);
+                k_off = block * a.k_block + h * a.k_head + row * a.k_pos;
+                v_off = block * a.v_block + h * a.v_head + row * a.v_pos;
+            }
+            segs[n_segs++] = {k + size_t(k_off) * esz, v + size_t(v_off) * esz, len};
+            s += len;
+        }
+        c.kt->attend_run(c.q.data() + h * c.group * a.D, c.group, a.D, a.Dv, segs, n_segs, a.kv_bf16, a.k_pos, a.v_pos, n,
                          tls_scores.data(), c.m.data() + u * c.group, c.l.data() + u * c.group,
                          c.acc.data() + u * c.group * a.Dv);
     }

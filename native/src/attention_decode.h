@@ -7,6 +7,12 @@
 // row once per group of query heads that share it (grouped-query attention), split over
 // the pool's threads by KV head and run of positions, the runs merged by their softmax
 // maxima (as flash-decoding does).
+//
+// The cache is either contiguous per head or block-allocated (paged): position s of the
+// sequence then lives in block blocks[s / block_size], row s % block_size. A work unit is
+// the same run of positions either way, handed to the kernel as the stretches of it that are
+// contiguous in memory (its part in each block), so the result is the same bits for any block
+// size and table as for the contiguous cache holding the same keys and values.
 #pragma once
 
 #include <cstdint>
@@ -19,13 +25,19 @@ class Executor;
 
 struct DecodeAttention {
     const float* q;   // [Hq, D], fp32
-    const void* k;    // key of head h, position s at k + h * k_head + s * k_pos (elements)
+    // Contiguous (blocks == nullptr): key of head h, position s at k + h * k_head + s * k_pos
+    // (elements). Paged: at k + blocks[s / block_size] * k_block + h * k_head
+    // + (s % block_size) * k_pos. Values alike.
+    const void* k;
     const void* v;
     bool kv_bf16;
     int64_t Hq, Hkv, D, Dv, S;
     int64_t k_head, k_pos, v_head, v_pos;
     float scale;
     float* out;  // [Hq, Dv], fp32
+    const int64_t* blocks = nullptr;  // the sequence's block table, ceil(S / block_size) ids
+    int64_t block_size = 0;
+    int64_t k_block = 0, v_block = 0;
 };
 
 void attend_decode(Executor& exec, const KernelTable& kt, const DecodeAttention& a);

@@ -34,13 +34,21 @@ using SiluMulFn = void (*)(const float* g, const float* u, float* h, int64_t n);
 // GPT-OSS: g = min(g, limit), u = clamp(u, -limit, limit), h = (u + 1) * g * sigmoid(alpha g)
 using GptOssGluFn = void (*)(const float* g, const float* u, float* h, int64_t n, float alpha, float limit);
 
-// Decode attention, one KV head over a run of positions (see attention_decode.cpp): for
-// query heads g < group (q[g * D], already scaled) and positions s < n (key row k + s * ldk,
-// value row v + s * ldv, D and Dv elements, bf16 when kv_bf16 else fp32):
+// Decode attention, one KV head over a run of n positions (see attention_decode.cpp), stored
+// as segments contiguous in memory (one for a contiguous cache, one per block touched for a
+// paged one): position s of segment i has key row segs[i].k + s * ldk and value row
+// segs[i].v + s * ldv (D and Dv elements, bf16 when kv_bf16 else fp32); the segments' n add
+// up to n. For query heads g < group (q[g * D], already scaled), over the run's positions s:
 //   m[g] = max_s q_g . k_s,  l[g] = sum_s e^(q_g . k_s - m[g]),
 //   acc[g * Dv + j] = sum_s e^(q_g . k_s - m[g]) v_s[j]
+// in position order whatever the segments, so a run gives the same bits however it is split.
 // scores holds group * n floats of scratch.
-using AttendRunFn = void (*)(const float* q, int group, int64_t D, int64_t Dv, const void* k, const void* v,
+struct KvSegment {
+    const void* k;
+    const void* v;
+    int64_t n;
+};
+using AttendRunFn = void (*)(const float* q, int group, int64_t D, int64_t Dv, const KvSegment* segs, int n_segs,
                              bool kv_bf16, int64_t ldk, int64_t ldv, int64_t n, float* scores, float* m, float* l,
                              float* acc);
 

@@ -119,25 +119,28 @@ static inline float kv_at(const void* base, bool bf16, int64_t i) {
     return bf16 ? bf16_to_f32(static_cast<const uint16_t*>(base)[i]) : static_cast<const float*>(base)[i];
 }
 
-static void attend_run(const float* q, int group, int64_t D, int64_t Dv, const void* k, const void* v, bool kv_bf16,
-                       int64_t ldk, int64_t ldv, int64_t n, float* scores, float* m, float* l, float* acc) {
+static void attend_run(const float* q, int group, int64_t D, int64_t Dv, const KvSegment* segs, int n_segs,
+                       bool kv_bf16, int64_t ldk, int64_t ldv, int64_t n, float* scores, float* m, float* l,
+                       float* acc) {
     for (int g = 0; g < group; ++g) {
         float* sc = scores + int64_t(g) * n;
         float mx = -INFINITY;
-        for (int64_t s = 0; s < n; ++s) {
-            float dot = 0.f;
-            for (int64_t d = 0; d < D; ++d) dot += q[g * D + d] * kv_at(k, kv_bf16, s * ldk + d);
-            sc[s] = dot;
-            mx = std::fmax(mx, dot);
-        }
+        for (int i = 0, p = 0; i < n_segs; ++i)
+            for (int64_t s = 0; s < segs[i].n; ++s, ++p) {
+                float dot = 0.f;
+                for (int64_t d = 0; d < D; ++d) dot += q[g * D + d] * kv_at(segs[i].k, kv_bf16, s * ldk + d);
+                sc[p] = dot;
+                mx = std::fmax(mx, dot);
+            }
         float sum = 0.f;
         for (int64_t s = 0; s < n; ++s) sum += (sc[s] = std::exp(sc[s] - mx));
         m[g] = mx;
         l[g] = sum;
         float* a = acc + int64_t(g) * Dv;
         for (int64_t j = 0; j < Dv; ++j) a[j] = 0.f;
-        for (int64_t s = 0; s < n; ++s)
-            for (int64_t j = 0; j < Dv; ++j) a[j] += sc[s] * kv_at(v, kv_bf16, s * ldv + j);
+        for (int i = 0, p = 0; i < n_segs; ++i)
+            for (int64_t s = 0; s < segs[i].n; ++s, ++p)
+                for (int64_t j = 0; j < Dv; ++j) a[j] += sc[p] * kv_at(segs[i].v, kv_bf16, s * ldv + j);
     }
 }
 

@@ -1060,24 +1060,30 @@ static void attend_scores(const float* q, int64_t D, const void* k, int64_t ldk,
 }
 
 // P V for G <= 2 heads: 32 value columns (one cache line of a bf16 row) x G heads of
-// accumulators while the positions stream past, so every row segment read is a whole line.
+// accumulators while the positions stream past, segment after segment, so every row segment
+// read is a whole line.
 template <bool BF16, int G>
-static void attend_values(const float* p, int64_t ld_p, int64_t Dv, const void* v, int64_t ldv, int64_t n, float* acc) {
+static void attend_values(const float* p, int64_t ld_p, int64_t Dv, const KvSegment* segs, int n_segs, int64_t ldv,
+                          float* acc) {
     int64_t j0 = 0;
     for (; j0 + 32 <= Dv; j0 += 32) {
         __m256 a[G][4];
         for (int j = 0; j < G; ++j)
             for (int c = 0; c < 4; ++c) a[j][c] = _mm256_setzero_ps();
-        for (int64_t s = 0; s < n; ++s) {
-            const int64_t row = s * ldv + j0;
-            const __m256 v0 = kv8<BF16>(v, row), v1 = kv8<BF16>(v, row + 8), v2 = kv8<BF16>(v, row + 16),
-                         v3 = kv8<BF16>(v, row + 24);
-            for (int j = 0; j < G; ++j) {
-                const __m256 w = _mm256_broadcast_ss(p + j * ld_p + s);
-                a[j][0] = _mm256_fmadd_ps(w, v0, a[j][0]);
-                a[j][1] = _mm256_fmadd_ps(w, v1, a[j][1]);
-                a[j][2] = _mm256_fmadd_ps(w, v2, a[j][2]);
-                a[j][3] = _mm256_fmadd_ps(w, v3, a[j][3]);
+        const float* ps = p;
+        for (int i = 0; i < n_segs; ps += segs[i].n, ++i) {
+            const void* v = segs[i].v;
+            for (int64_t s = 0; s < segs[i].n; ++s) {
+                const int64_t row = s * ldv + j0;
+                const __m256 v0 = kv8<BF16>(v, row), v1 = kv8<BF16>(v, row + 8), v2 = kv8<BF16>(v, row + 16),
+                             v3 = kv8<BF16>(v, row + 24);
+                for (int j = 0; j < G; ++j) {
+                    const __m256 w = _mm256_broadcast_ss(ps + j * ld_p + s);
+                    a[j][0] = _mm256_fmadd_ps(w, v0, a[j][0]);
+                    a[j][1] = _mm256_fmadd_ps(w, v1, a[j][1]);
+                    a[j][2] = _mm256_fmadd_ps(w, v2, a[j][2]);
+                    a[j][3] = _mm256_fmadd_ps(w, v3, a[j][3]);
+                }
             }
         }
         for (int j = 0; j < G; ++j)
@@ -1086,31 +1092,37 @@ static void attend_values(const float* p, int64_t ld_p, int64_t Dv, const void* 
     for (; j0 + 8 <= Dv; j0 += 8) {
         __m256 a[G];
         for (int j = 0; j < G; ++j) a[j] = _mm256_setzero_ps();
-        for (int64_t s = 0; s < n; ++s) {
-            const __m256 vv = kv8<BF16>(v, s * ldv + j0);
-            for (int j = 0; j < G; ++j) a[j] = _mm256_fmadd_ps(_mm256_broadcast_ss(p + j * ld_p + s), vv, a[j]);
-        }
+        const float* ps = p;
+        for (int i = 0; i < n_segs; ps += segs[i].n, ++i)
+            for (int64_t s = 0; s < segs[i].n; ++s) {
+                const __m256 vv = kv8<BF16>(segs[i].v, s * ldv + j0);
+                for (int j = 0; j < G; ++j) a[j] = _mm256_fmadd_ps(_mm256_broadcast_ss(ps + j * ld_p + s), vv, a[j]);
+            }
         for (int j = 0; j < G; ++j) _mm256_storeu_ps(acc + j * Dv + j0, a[j]);
     }
     for (; j0 < Dv; ++j0)
         for (int j = 0; j < G; ++j) {
             float t = 0.f;
-            for (int64_t s = 0; s < n; ++s) t += p[j * ld_p + s] * kv1<BF16>(v, s * ldv + j0);
+            const float* ps = p;
+            for (int i = 0; i < n_segs; ps += segs[i].n, ++i)
+                for (int64_t s = 0; s < segs[i].n; ++s) t += ps[j * ld_p + s] * kv1<BF16>(segs[i].v, s * ldv + j0);
             acc[j * Dv + j0] = t;
         }
 }
 
 template <bool BF16>
-static void attend_run_t(const float* q, int group, int64_t D, int64_t Dv, const void* k, const void* v, int64_t ldk,
-                         int64_t ldv, int64_t n, float* scores, float* m, float* l, float* acc) {
+static void attend_run_t(const float* q, int group, int64_t D, int64_t Dv, const KvSegment* segs, int n_segs,
+                         int64_t ldk, int64_t ldv, int64_t n, float* scores, float* m, float* l, float* acc) {
     for (int g0 = 0; g0 < group; g0 += 4) {
         const float* qb = q + int64_t(g0) * D;
-        float* sb = scores + int64_t(g0) * n;
-        switch (std::min(4, group - g0)) {
-            case 4: attend_scores<BF16, 4>(qb, D, k, ldk, n, sb, n); break;
-            case 3: attend_scores<BF16, 3>(qb, D, k, ldk, n, sb, n); break;
-            case 2: attend_scores<BF16, 2>(qb, D, k, ldk, n, sb, n); break;
-            default: attend_scores<BF16, 1>(qb, D, k, ldk, n, sb, n); break;
+        for (int i = 0, off = 0; i < n_segs; off += int(segs[i].n), ++i) {
+            float* sb = scores + int64_t(g0) * n + off;
+            switch (std::min(4, group - g0)) {
+                case 4: attend_scores<BF16, 4>(qb, D, segs[i].k, ldk, segs[i].n, sb, n); break;
+                case 3: attend_scores<BF16, 3>(qb, D, segs[i].k, ldk, segs[i].n, sb, n); break;
+                case 2: attend_scores<BF16, 2>(qb, D, segs[i].k, ldk, segs[i].n, sb, n); break;
+                default: attend_scores<BF16, 1>(qb, D, segs[i].k, ldk, segs[i].n, sb, n); break;
+            }
         }
     }
     for (int g = 0; g < group; ++g) {
@@ -1134,18 +1146,19 @@ static void attend_run_t(const float* q, int group, int64_t D, int64_t Dv, const
         const float* pb = scores + int64_t(g0) * n;
         float* ab = acc + int64_t(g0) * Dv;
         if (group - g0 >= 2)
-            attend_values<BF16, 2>(pb, n, Dv, v, ldv, n, ab);
+            attend_values<BF16, 2>(pb, n, Dv, segs, n_segs, ldv, ab);
         else
-            attend_values<BF16, 1>(pb, n, Dv, v, ldv, n, ab);
+            attend_values<BF16, 1>(pb, n, Dv, segs, n_segs, ldv, ab);
     }
 }
 
-static void attend_run(const float* q, int group, int64_t D, int64_t Dv, const void* k, const void* v, bool kv_bf16,
-                       int64_t ldk, int64_t ldv, int64_t n, float* scores, float* m, float* l, float* acc) {
+static void attend_run(const float* q, int group, int64_t D, int64_t Dv, const KvSegment* segs, int n_segs,
+                       bool kv_bf16, int64_t ldk, int64_t ldv, int64_t n, float* scores, float* m, float* l,
+                       float* acc) {
     if (kv_bf16)
-        attend_run_t<true>(q, group, D, Dv, k, v, ldk, ldv, n, scores, m, l, acc);
+        attend_run_t<true>(q, group, D, Dv, segs, n_segs, ldk, ldv, n, scores, m, l, acc);
     else
-        attend_run_t<false>(q, group, D, Dv, k, v, ldk, ldv, n, scores, m, l, acc);
+        attend_run_t<false>(q, group, D, Dv, segs, n_segs, ldk, ldv, n, scores, m, l, acc);
 }
 
 static const KernelTable* make_table(const char* name) {

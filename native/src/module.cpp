@@ -232,6 +232,62 @@ void attend_decode_py(nb::ndarray<const float, nb::ndim<2>, nb::c_contig, nb::de
     attend_decode(exec, kt, a);
 }
 
+// q [Hq, D] fp32; k_blocks [n_blocks, Hkv, B, D], v_blocks [n_blocks, Hkv, B, Dv] (bf16 or
+// fp32, rows contiguous); table int64 [>= ceil(length / B)], the sequence's block ids in order;
+// out [Hq, Dv] fp32.
+void attend_decode_paged_py(nb::ndarray<const float, nb::ndim<2>, nb::c_contig, nb::device::cpu> q,
+                            nb::ndarray<nb::ndim<4>, nb::device::cpu> k_blocks, nb::ndarray<nb::ndim<4>, nb::device::cpu> v_blocks,
+                            nb::ndarray<const int64_t, nb::ndim<1>, nb::c_contig, nb::device::cpu> table, int64_t length,
+                            float scale, nb::ndarray<float, nb::ndim<2>, nb::c_contig, nb::device::cpu> out) {
+    const bool bf16 = cache_is_bf16(k_blocks.dtype(), v_blocks.dtype());
+    DecodeAttention a;
+    a.Hq = int64_t(q.shape(0));
+    a.D = int64_t(q.shape(1));
+    const int64_t n_blocks = int64_t(k_blocks.shape(0));
+    a.Hkv = int64_t(k_blocks.shape(1));
+    a.block_size = int64_t(k_blocks.shape(2));
+    a.Dv = int64_t(v_blocks.shape(3));
+    a.S = length;
+    if (int64_t(v_blocks.shape(0)) != n_blocks || int64_t(v_blocks.shape(1)) != a.Hkv ||
+        int64_t(v_blocks.shape(2)) != a.block_size)
+        throw nb::value_error("k_blocks and v_blocks must have the same number of blocks, KV heads and block size "
+                              "([n_blocks, Hkv, B, D] and [n_blocks, Hkv, B, Dv])");
+    if (a.block_size <= 0) throw nb::value_error("the block size (axis 2 of k_blocks) must be at least 1");
+    if (a.Hkv <= 0 || a.Hq % a.Hkv) throw nb::value_error("query heads must be a multiple of KV heads");
+    if (int64_t(k_blocks.shape(3)) != a.D) throw nb::value_error("keys and queries differ in head size");
+    if (k_blocks.stride(3) != 1 || v_blocks.stride(3) != 1) throw nb::value_error("cache rows must be contiguous");
+    if (int64_t(out.shape(0)) != a.Hq || int64_t(out.shape(1)) != a.Dv) throw nb::value_error("out must be float32 [Hq, Dv]");
+    const int64_t used = length > 0 ? (length - 1) / a.block_size + 1 : 0;
+    if (length <= 0 || used > int64_t(table.shape(0)))
+        throw nb::value_error(("length " + std::to_string(length) + " out of range: the table's " +
+                               std::to_string(table.shape(0)) + " blocks of " + std::to_string(a.block_size) +
+                               " hold 1 to " + std::to_string(int64_t(table.shape(0)) * a.block_size) + " positions")
+                                  .c_str());
+    const int64_t* ids = table.data();
+    for (int64_t i = 0; i < used; ++i)
+        if (ids[i] < 0 || ids[i] >= n_blocks)
+            throw nb::value_error(("block table entry " + std::to_string(i) + " is " + std::to_string(ids[i]) +
+                                   ", not a block of the cache (0 to " + std::to_string(n_blocks - 1) + ")")
+                                      .c_str());
+    a.q = q.data();
+    a.k = k_blocks.data();
+    a.v = v_blocks.data();
+    a.kv_bf16 = bf16;
+    a.blocks = ids;
+    a.k_block = k_blocks.stride(0);
+    a.k_head = k_blocks.stride(1);
+    a.k_pos = k_blocks.stride(2);
+    a.v_block = v_blocks.stride(0);
+    a.v_head = v_blocks.stride(1);
+    a.v_pos = v_blocks.stride(2);
+    a.scale = scale;
+    a.out = out.data();
+    const KernelTable& kt = *current_table();
+    Executor& exec = executor();
+    nb::gil_scoped_release release;
+    attend_decode(exec, kt, a);
+}
+
 // ---- the small decode steps (decode_ops.h); tensors are float32 unless said --------------
 
 using F32Out = nb::ndarray<float, nb::c_contig, nb::device::cpu>;
@@ -436,6 +492,9 @@ NB_MODULE(_native, m) {
 
     m.def("attend_decode", &attend_decode_py, "q"_a, "k"_a, "v"_a, "length"_a, "scale"_a, "out"_a,
           "out[Hq, Dv] = softmax(scale q k^T) v over the first `length` cache positions (one query per head).");
+    m.def("attend_decode_paged", &attend_decode_paged_py, "q"_a, "k_blocks"_a, "v_blocks"_a, "table"_a, "length"_a,
+          "scale"_a, "out"_a,
+          "attend_decode over a block-allocated cache: position s in block table[s // B], row s % B.");
 
     m.def("rms_norm", &rms_norm_py, "x"_a, "w"_a, "eps"_a, "out"_a,
           "out = x / sqrt(mean(x^2) + eps) * w over the last axis, float32 (out may be x).");

@@ -37,9 +37,11 @@ def test_engine_matches_llama_cpp_on_the_same_file(family, quant, converted):
     finally:
         llm.close()
     spread = float(theirs.abs().max())
-    # llama.cpp also rounds the activations of attention matmuls to 8 bits and keeps an f16
-    # cache; measured: up to ~3.6% of the logit spread on these models (DeepSeek MLA).
-    tolerance = 0.05 * spread
+    # llama.cpp rounds the activations of its matmuls to 8 bits and keeps an f16 cache; the
+    # engine computes prompt rows on dequantized weights with float activations (no 8-bit
+    # rounding: a prompt then computes the same however it is chunked). Measured: up to 5.0%
+    # of the logit spread on these models (GLM-4.5, Q8_0).
+    tolerance = 0.06 * spread
     max_diff = float((ours - theirs).abs().max())
     assert max_diff <= tolerance, f"max |engine - llama.cpp| = {max_diff:.4f} with logits up to {spread:.2f}"
     assert_same_choices(ours, theirs.argmax(-1), tolerance)

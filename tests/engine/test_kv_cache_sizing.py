@@ -8,16 +8,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from hybridmoe.backend.engine.kv_cache import KVCache, LatentCache, SlidingKVCache
 from hybridmoe.backend.engine.model import build_model
 from hybridmoe.backend.formats.weights import open_weights
 from hybridmoe.backend.models import inspect_model
-from hybridmoe.backend.models.spec import SLIDING_REWIND_TOKENS
+from hybridmoe.backend.models.spec import KV_BLOCK_TOKENS, SLIDING_REWIND_TOKENS
 from tests.convert.conftest import FAMILIES, build_checkpoint
 
-# Longer than GPT-OSS' window (4 in the tiny model) plus the rewind margin: its sliding layers
+# Longer than what GPT-OSS' sliding layers (window 4 in the tiny model) may hold at once (the
+# window before a call and the window plus the rewind margin after it, in whole blocks): they
 # hold fewer tokens than the context, the others all of them.
-LONG = 8 + SLIDING_REWIND_TOKENS + 100
+LONG = 2048 + SLIDING_REWIND_TOKENS
 SHORT = 64
 
 
@@ -40,14 +40,14 @@ def models(tmp_path_factory) -> dict[tuple[str, str], Path]:
 
 
 def _allocated_kv_bytes(model) -> int:
-    """Bytes of the keys and values every layer's cache holds (a ring's slot positions are
-    bookkeeping, not cache)."""
+    """Bytes of the keys and values (or latents) every layer's cache blocks hold."""
     total = 0
     for m in model.modules():
-        if isinstance(m, (KVCache, SlidingKVCache)):
-            total += m.k.numel() * m.k.element_size() + m.v.numel() * m.v.element_size()
-        elif isinstance(m, LatentCache):
-            total += m.kv.numel() * m.kv.element_size()
+        for name in ("k", "v", "kv"):
+            buffer = m._buffers.get(name) if type(m).__name__ in ("PagedKV", "PagedLatent") else None
+            if buffer is not None:
+                total += buffer.numel() * buffer.element_size()
+    assert total == model.cache.nbytes()
     return total
 
 
@@ -56,17 +56,22 @@ def _allocated_kv_bytes(model) -> int:
 def test_planner_kv_bytes_are_what_the_engine_allocates(models, family, source):
     path = models(family, source)
     spec = inspect_model(path).spec
-    for context in (SHORT, LONG):
-        model = build_model(spec, open_weights(path), max_context=context, dtype=torch.bfloat16)
+    for context, sequences in ((SHORT, 1), (LONG, 1), (SHORT, 3)):
+        model = build_model(spec, open_weights(path), max_context=context, sequences=sequences, dtype=torch.bfloat16)
         allocated = _allocated_kv_bytes(model)
         assert allocated > 0
-        assert allocated == spec.kv_bytes(context, bytes_per_element=2)
+        assert allocated == sequences * spec.kv_bytes(context, bytes_per_element=2)
         if context == SHORT:  # no window bites: every layer holds every token
-            assert allocated / context == spec.kv_bytes_per_token(bytes_per_element=2)
+            assert allocated / context == sequences * spec.kv_bytes_per_token(bytes_per_element=2)
 
 
 def test_gpt_oss_sliding_layers_hold_their_window_and_the_rewind_margin(models):
     spec = inspect_model(models("gpt_oss", "hf")).spec
-    ring = spec.sliding_window + SLIDING_REWIND_TOKENS
+    window, block = spec.sliding_window, KV_BLOCK_TOKENS
+    # The window before a call's first token, and the last window + rewind positions, each
+    # starting anywhere inside a block.
+    reads = -(-(window - 1) // block) + 1
+    keeps = -(-(window + SLIDING_REWIND_TOKENS) // block) + 1
+    ring = (reads + keeps) * block
     assert spec.sliding_layers == (0, 2) and ring < LONG
     assert [spec.kv_tokens(i, LONG) for i in range(spec.num_layers)] == [ring, LONG, ring]

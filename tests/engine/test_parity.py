@@ -120,11 +120,13 @@ def test_rewinding_the_cache_replays_a_different_continuation(family, checkpoint
 def test_rewinding_past_a_sliding_ring_is_refused(checkpoints):
     from hybridmoe.backend.engine.kv_cache import CacheRewindError
 
-    model = engine(checkpoints("gpt_oss"), sliding_rewind=2)
-    model(tokens(20), 0)
-    model(tokens(2), 18)  # within reach: the window before 18 is still held
+    # Window 8 + rewind 2: the sliding layers keep the blocks (64 positions) that hold the
+    # last 10 positions, and release older ones.
+    model = engine(checkpoints("gpt_oss"), sliding_rewind=2, max_context=256)
+    model(tokens(200), 0)
+    model(tokens(2), 190)  # within reach: the window before 190 is still held
     with pytest.raises(CacheRewindError):
-        model(tokens(2), 12)
+        model(tokens(2), 40)
 
 
 def test_context_overflow_is_a_clear_error(checkpoints):

@@ -17,10 +17,14 @@ on these tiny models (about 1 % of the largest logit).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import pytest
 import torch
 
 from hybridmoe.backend.text.sampling import SamplingParams
+from hybridmoe.backend.engine.batching import Generation
 from hybridmoe.backend.engine.session import EngineBackend, EngineSession
 from hybridmoe.backend.session import Done, Message
 from tests.convert.conftest import checkpoints, converted  # noqa: F401 - fixtures: tiny GGUFs
@@ -37,18 +41,20 @@ def load(path) -> EngineSession:
     return EngineBackend().load(path, plan_for(path))
 
 
-def record_prefill_logits(session: EngineSession) -> list[torch.Tensor]:
-    """The last-prompt-token logits of each generation the session runs from now on, in order."""
+@contextmanager
+def recorded_prefill_logits() -> Iterator[list[torch.Tensor]]:
+    """The last-prompt-token logits of each generation run in the block, in order."""
     seen: list[torch.Tensor] = []
-    prefill = session._prefill
+    prefill = Generation.prefill
 
-    def recording(ids):
-        logits, computed = prefill(ids)
-        seen.append(logits[-1].clone())
+    def recording(self, cancel):
+        logits, computed = prefill(self, cancel)
+        seen.append(logits.clone())
         return logits, computed
 
-    session._prefill = recording
-    return seen
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Generation, "prefill", recording)
+        yield seen
 
 
 def answer(session, messages) -> Done:
@@ -59,8 +65,8 @@ def fresh_answer(path, messages) -> tuple[torch.Tensor, Done]:
     """Logits and answer of a session that never saw another prompt."""
     session = load(path)
     try:
-        logits = record_prefill_logits(session)
-        done = answer(session, messages)
+        with recorded_prefill_logits() as logits:
+            done = answer(session, messages)
         return logits[0], done
     finally:
         session.close()
@@ -81,8 +87,8 @@ def test_the_same_request_twice_gives_the_fresh_logits_and_answer(gguf):
     fresh_logits, fresh = fresh_answer(gguf, CHAT)
     session = load(gguf)
     try:
-        logits = record_prefill_logits(session)
-        first, again = answer(session, CHAT), answer(session, CHAT)
+        with recorded_prefill_logits() as logits:
+            first, again = answer(session, CHAT), answer(session, CHAT)
         assert again.stats.prompt_tokens == first.stats.prompt_tokens
     finally:
         session.close()
@@ -96,8 +102,8 @@ def test_interleaved_requests_give_the_fresh_logits_and_answers(gguf):
     order = [CHAT, OTHER, CHAT, CHAT, OTHER, CHAT]
     session = load(gguf)
     try:
-        logits = record_prefill_logits(session)
-        answers = [answer(session, m) for m in order]
+        with recorded_prefill_logits() as logits:
+            answers = [answer(session, m) for m in order]
     finally:
         session.close()
     for messages, cached, done in zip(order, logits, answers):

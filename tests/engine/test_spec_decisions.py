@@ -36,7 +36,7 @@ def _engine_moe_layers(model) -> list[int]:
 
 
 def _engine_windows(model) -> list[int | None]:
-    return [layer.attn.window for layer in model.layers if isinstance(layer.attn, Attention)]
+    return [layer.attn.cache.window for layer in model.layers if isinstance(layer.attn, Attention)]
 
 
 def test_deepseek_v3_without_first_k_dense_replace_has_three_dense_layers(tmp_path):

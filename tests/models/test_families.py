@@ -141,8 +141,10 @@ def test_gpt_oss_sliding_layers():
     assert s.sliding_window == 128 and s.sliding_layers == tuple(range(0, 24, 2))
     assert s.n_routed_experts == 32 and s.experts_per_token == 4 and s.moe_intermediate_size == 2880
     per_layer = 2 * 8 * 64 * 2
-    # A sliding layer holds its window and the engine's rewind margin (docs/sizing.md §2).
-    assert s.kv_bytes(100_000) == 12 * per_layer * 100_000 + 12 * per_layer * (128 + 1024)
+    # In whole blocks of 64 positions (docs/sizing.md §2): a full layer the context, a sliding
+    # layer the window before a call (3 blocks) and its window plus the engine's rewind margin
+    # after it (1,152 positions: 19 blocks).
+    assert s.kv_bytes(100_000) == 12 * per_layer * 1563 * 64 + 12 * per_layer * (3 + 19) * 64
     assert spec("openai__gpt-oss-120b").n_routed_experts == 128
 
 

@@ -18,7 +18,7 @@ from tests.engine.test_prompt_cache import (
     assert_same_logits,
     fresh_answer,
     load,
-    record_prefill_logits,
+    recorded_prefill_logits,
 )
 from tests.server.conftest import as_openai, post
 
@@ -27,17 +27,16 @@ from tests.server.conftest import as_openai, post
 def test_repeated_and_interleaved_requests_get_the_fresh_answers(start_server, converted, quant):  # noqa: F811
     path = converted("qwen3_moe", quant)
     expected = {id(m): fresh_answer(path, m) for m in (CHAT, OTHER)}
-    session = load(path)
-    logits = record_prefill_logits(session)
-    shared = SharedSession(session)
+    shared = SharedSession(load(path))
+    order = [CHAT, CHAT, OTHER, CHAT, OTHER, OTHER]
     try:
         server = start_server(shared)
-        order = [CHAT, CHAT, OTHER, CHAT, OTHER, OTHER]
-        for messages in order:
-            status, _, body = post(f"{server.url}/v1/chat/completions", {
-                "messages": as_openai(messages), "temperature": 0, "max_tokens": 12})
-            assert status == 200, body
-            assert body["choices"][0]["message"]["content"] == expected[id(messages)][1].text
+        with recorded_prefill_logits() as logits:
+            for messages in order:
+                status, _, body = post(f"{server.url}/v1/chat/completions", {
+                    "messages": as_openai(messages), "temperature": 0, "max_tokens": 12})
+                assert status == 200, body
+                assert body["choices"][0]["message"]["content"] == expected[id(messages)][1].text
     finally:
         shared.close()
     assert len(logits) == len(order)

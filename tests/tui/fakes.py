@@ -35,8 +35,10 @@ def this_machine(profile):
 
 
 class FakeSession:
-    def __init__(self, script: list[str], delay: float):
+    def __init__(self, script: list[str], delay: float, max_parallel: int = 1):
         self.script, self.delay = script, delay
+        # As the engine: as many generations at once as the plan's KV cache holds conversations.
+        self.max_parallel = max_parallel
         self.calls: list[list] = []
         self.closed = False
 
@@ -84,7 +86,7 @@ class FakeBackend:
                 on_progress(Progress("load", layer, 4, unit="layers", message=f"building layer {layer} of 4"))
             while self.hold_load and cancel is not None and not cancel.cancelled:
                 time.sleep(0.01)
-        session = FakeSession(self.script, self.delay)
+        session = FakeSession(self.script, self.delay, plan.workload.users)
         self.sessions.append(session)
         return session
 

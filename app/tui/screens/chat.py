@@ -23,7 +23,7 @@ from textual.screen import Screen
 from textual.widgets import Footer, Label, ProgressBar
 
 from hybridmoe.app.history import Conversation, HistoryError, title_for
-from hybridmoe.app.server.shared_session import SharedSession
+from hybridmoe.app.server.shared_session import SharedSession, max_parallel
 from hybridmoe.app.tui.screens.chat_settings import ChatSettings, ChatSettingsScreen, sampling_params
 from hybridmoe.app.tui.screens.conversations import ConversationsScreen
 from hybridmoe.app.tui.widgets.chat_message import ChatMessage, code_blocks
@@ -230,7 +230,7 @@ class ChatScreen(ReportsWorkerErrors, Screen):
         self.query_one("#load-panel").display = False
         status = self.query_one(StatusLine)
         status.model_name = self.model_name
-        status.say("ready", f"context {event.plan.workload.context:,} tokens",
+        status.say("ready", limits_words(max_parallel(event.session), event.plan.workload.context),
                    "CPU only" if event.plan.main_device == "cpu" else "")
         self.refresh_bindings()
         self.query_one(PromptInput).focus()
@@ -575,6 +575,14 @@ class ChatScreen(ReportsWorkerErrors, Screen):
         self.load_cancel.cancel()
         if self.session is not None:
             self.session.close()
+
+
+def limits_words(conversations: int, context: int) -> str:
+    """What the loaded model serves: the conversations its KV cache holds at once (the chat's
+    and the API server's requests together), and the tokens each may reach."""
+    if conversations == 1:
+        return f"context {context:,} tokens"
+    return f"up to {conversations} conversations at once, {context:,} tokens each"
 
 
 def _stats_dict(stats) -> dict:

@@ -82,8 +82,10 @@ class ServerScreen(ModalScreen[None]):
         running = control.running
         status = self.query_one("#server-status", Static)
         if running:
+            at_once = ("one request at a time" if control.parallel == 1 else
+                       f"up to {control.parallel} requests at once, the chat's included")
             status.update(f"Serving [b]{escape(control.model)}[/b] at [b]{escape(control.url)}[/b] (the base URL "
-                          "for OpenAI clients).\nEsc closes this dialog; the server keeps running.")
+                          f"for OpenAI clients), {at_once}.\nEsc closes this dialog; the server keeps running.")
         else:
             chat = chat_screen(self.app)
             loaded = chat is not None and chat.session is not None
@@ -95,8 +97,8 @@ class ServerScreen(ModalScreen[None]):
             field.disabled = running
         counts = control.counts()
         self.query_one("#server-counts", Static).update(
-            f"{counts.running} answering · {counts.waiting} waiting · {control.in_progress} requests open · "
-            f"{counts.completed} answered" if running and counts else "")
+            f"{counts.running} of {control.parallel} answering · {counts.waiting} waiting · "
+            f"{control.in_progress} requests open · {counts.completed} answered" if running and counts else "")
         recent = control.recent(_RECENT) if running else []
         self.query_one("#server-recent", Static).update("\n".join(r.line() for r in reversed(recent)))
 

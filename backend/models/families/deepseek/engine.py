@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from hybridmoe.backend.engine.kv_cache import LatentCache
+from hybridmoe.backend.engine.kv_cache import PagedLatent
 from hybridmoe.backend.engine.mla import MLAttention
 from hybridmoe.backend.engine.rope import softmax_scale_multiplier
 from hybridmoe.backend.engine.routing import SigmoidGroupedTopK, SoftmaxGroupedGreedy
@@ -52,7 +52,7 @@ def attention(b, i: int) -> MLAttention:
         o=b.load.linear(f"{p}.o_proj", h, n_heads * v_dim),
         n_heads=n_heads, nope_dim=nope, rope_dim=rope, v_dim=v_dim, kv_lora_rank=kv_lora,
         rotary=rotary,
-        cache=LatentCache(kv_lora, rope, b.max_context, b.dtype, b.device),
+        cache=PagedLatent(b.cache_group(i), kv_lora, rope, b.dtype, b.device),
         scale=(nope + rope) ** -0.5 * softmax_scale_multiplier(params),
     )
 

@@ -1,0 +1,303 @@
+"""Continuous batching: the conversations in progress advance together, one step at a time.
+
+Each generation runs in its caller's thread (a server request's worker, the TUI's chat
+worker) and keeps the token loop every backend shares (``generation.stream``: sampling,
+stop strings, detokenizing, cancel). What changes is how a forward pass runs: a generation
+hands its next token to the ``Batcher`` and waits; the batcher's thread takes every token
+handed in and runs them as one step (``MoeTransformer.forward_batch``), which reads the
+dense weights once for all of them and the routed experts once over the union of their
+choices. A step runs when every generation in its decode phase has handed in its token, or
+a moment (``_GRACE_S``) after the first did, so a slow consumer delays the others by at most
+that.
+
+A new generation's prompt runs in chunks of the plan's prefill size, one chunk per step
+beside the others' decode tokens, so a long prompt stalls nobody for more than one chunk.
+The chunk runs as its own call, not as rows of the decode call: rows of a call are computed
+independently only while the kernels stay in their few-token regime, and a prompt chunk
+switches them to the many-token one (different rounding), so keeping the two apart is what
+lets every generation get exactly the tokens it gets alone. The prompt's last token always
+runs as a decode row, as it does alone (``EngineSession``'s cached-prompt rule).
+
+Conversations' caches: when a generation ends, its sequence stays in the cache, idle, with
+the token ids it holds. A new prompt starts from the sequence that shares the longest prefix
+with it: an idle one it extends (the conversation's next turn, a regenerated answer) is taken
+over; otherwise (a common system prompt, a conversation in progress) the prefix's blocks are
+shared. When blocks run out, the least recently used idle sequence is evicted; its
+conversation is recomputed if it returns.
+
+Locks, always taken in this order: ``_cache`` (held while a step runs and while sequences are
+placed or released: the block tables and pools are only touched under it), then ``_lock``
+(the queues and the idle list, held briefly).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict, deque
+from collections.abc import Sequence as Seq
+
+import torch
+
+from hybridmoe.backend.engine.kv_cache import Sequence
+from hybridmoe.backend.errors import ModelError
+from hybridmoe.backend.session import Cancelled, CancelToken
+from hybridmoe.backend.text.generation import common_prefix
+
+# How long a step waits for generations that have not handed in their next token yet, once
+# one has: longer than sampling and detokenizing a token takes, short beside a step.
+_GRACE_S = 0.003
+# An idle sequence whose tokens a new prompt shares but for at most this many at its end is
+# taken over rather than shared: the prompt is that conversation's next turn (its last answer
+# tokenized again may differ in a few tokens at the end, and its end-of-turn markers).
+# Otherwise its cache stays for its own conversation, and the prefix is shared.
+_TAKE_OVER_TAIL = 16
+# How often waiting callers look at their cancel token.
+_POLL_S = 0.05
+
+
+class Generation:
+    """One generation's place in the batcher: its sequence and its handed-in work."""
+
+    def __init__(self, batcher: Batcher, ids: Seq[int]):
+        self.batcher = batcher
+        self.ids = list(ids)
+        self.seq: Sequence | None = None
+        self.reused = 0  # prompt positions the cache already held when it started
+        self.position = 0  # where its next token goes (a taken-over sequence may hold more)
+        self.decoding = False  # in its decode phase: steps wait for its token
+        self._ready = threading.Event()
+        self._result: torch.Tensor | None = None
+        self._error: BaseException | None = None
+
+    # ---- what the token loop calls -------------------------------------------------------
+
+    def prefill(self, cancel: CancelToken | None) -> tuple[torch.Tensor | None, int]:
+        """The prompt after what the cache held: chunks, then its last token as a decode row.
+        Returns its last logits (None: cancelled) and how many tokens were computed."""
+        ids, last = self.ids, len(self.ids) - 1
+        for pos in range(self.reused, last, self.batcher.chunk):
+            if cancel is not None and cancel.cancelled:
+                return None, pos - self.reused
+            chunk = ids[pos : min(pos + self.batcher.chunk, last)]
+            self._wait(lambda: self.batcher._hand_in_chunk(self, chunk, pos))
+            self.position = pos + len(chunk)
+        if cancel is not None and cancel.cancelled:
+            return None, last - self.reused
+        return self.decode(ids[last]), len(ids) - self.reused
+
+    def decode(self, token: int) -> torch.Tensor:
+        """Run `token` at the next position in the next step; its logits [V]."""
+        self.decoding = True
+        logits = self._wait(lambda: self.batcher._hand_in_token(self, token))
+        self.position += 1
+        return logits
+
+    def finish(self) -> None:
+        self.batcher._finish(self)
+
+    # ---- the batcher's side ---------------------------------------------------------------
+
+    def _wait(self, hand_in) -> torch.Tensor:
+        self._ready.clear()
+        hand_in()
+        self._ready.wait()
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+        return self._result
+
+    def _deliver(self, result: torch.Tensor | None = None, error: BaseException | None = None) -> None:
+        self._result, self._error = result, error
+        self._ready.set()
+
+
+class Batcher:
+    """The step loop of one model: up to ``slots`` generations at once (the conversations the
+    KV cache is sized for); more wait for a slot, first come first served."""
+
+    def __init__(self, model, *, chunk: int, slots: int):
+        self.model = model
+        self.chunk = max(1, chunk)
+        self.slots = slots
+        self._cache = threading.Lock()
+        self._lock = threading.Condition()
+        self._active: list[Generation] = []
+        self._waiting: deque[Generation] = deque()
+        self._idle: OrderedDict[Sequence, None] = OrderedDict()  # least recently used first
+        self._tokens: dict[Generation, int] = {}  # decode tokens handed in for the next step
+        self._first_token_at: float | None = None
+        self._chunks: deque[tuple[Generation, list[int], int]] = deque()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self.steps = 0  # decode steps run, and the rows they carried (for the statistics)
+        self.rows = 0
+        model.cache.on_full = self._evict
+
+    # ---- generations ----------------------------------------------------------------------
+
+    def start(self, ids: Seq[int], cancel: CancelToken | None = None) -> Generation:
+        """A generation for prompt `ids` once a slot is free, placed in the cache after the
+        longest prefix it holds. Raises Cancelled when `cancel` is set while waiting."""
+        g = Generation(self, ids)
+        with self._lock:
+            self._check_open()
+            self._waiting.append(g)
+            try:
+                while self._waiting[0] is not g or len(self._active) >= self.slots:
+                    if cancel is not None and cancel.cancelled:
+                        raise Cancelled("waiting for the model was cancelled")
+                    self._check_open()
+                    self._lock.wait(_POLL_S)
+            finally:
+                self._waiting.remove(g)
+                self._lock.notify_all()
+            self._active.append(g)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="hybridmoe-batcher", daemon=True)
+                self._thread.start()
+        try:
+            with self._cache, self._lock:
+                self._place(g)
+        except BaseException:
+            self._finish(g)
+            raise
+        return g
+
+    def _place(self, g: Generation) -> None:
+        """Start g from the sequence sharing the longest prefix with its prompt (at least its
+        last token is computed: it gives the logits)."""
+        cache = self.model.cache
+        best, length = None, 0
+        candidates = [*self._idle, *(other.seq for other in self._active if other.seq is not None)]
+        for seq in candidates:
+            n = common_prefix(seq.tokens, g.ids)
+            if n > length:
+                best, length = seq, n
+        length = min(length, len(g.ids) - 1)
+        seq = None
+        if best is not None and length > 0:
+            if best in self._idle and length >= best.filled - _TAKE_OVER_TAIL and cache.reaches(best, length):
+                del self._idle[best]  # the conversation's next turn: it continues in place
+                seq = best
+            else:
+                seq = cache.fork(best, length)
+        if seq is None:
+            seq, length = cache.new_sequence(), 0
+        g.seq, g.reused, g.position = seq, length, length
+
+    def _finish(self, g: Generation) -> None:
+        """g ends: its slot frees, its sequence stays cached (idle) for a later prompt."""
+        with self._cache, self._lock:
+            if g in self._active:
+                self._active.remove(g)
+            self._tokens.pop(g, None)
+            seq, g.seq = g.seq, None
+            if seq is not None:
+                if seq.filled:
+                    self._idle[seq] = None
+                else:
+                    self.model.cache.drop(seq)
+            self._lock.notify_all()
+
+    def _evict(self) -> bool:
+        """Free the least recently used idle sequence's blocks (the cache is full)."""
+        with self._lock:
+            if not self._idle:
+                return False
+            seq, _ = self._idle.popitem(last=False)
+        self.model.cache.drop(seq)
+        return True
+
+    def idle_sequences(self) -> int:
+        with self._lock:
+            return len(self._idle)
+
+    def forget(self) -> None:
+        """Drop every idle conversation's cache (the next prompts are computed in full)."""
+        with self._cache, self._lock:
+            for seq in self._idle:
+                self.model.cache.drop(seq)
+            self._idle.clear()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._lock.notify_all()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=10)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ModelError("the model was unloaded", "Load it again.")
+
+    # ---- handing in work ------------------------------------------------------------------
+
+    def _hand_in_token(self, g: Generation, token: int) -> None:
+        with self._lock:
+            self._check_open()
+            if not self._tokens:
+                self._first_token_at = time.monotonic()
+            self._tokens[g] = token
+            self._lock.notify_all()
+
+    def _hand_in_chunk(self, g: Generation, tokens: list[int], start: int) -> None:
+        with self._lock:
+            self._check_open()
+            self._chunks.append((g, tokens, start))
+            self._lock.notify_all()
+
+    # ---- the step loop --------------------------------------------------------------------
+
+    def _due(self) -> float | None:
+        """0 when a step should run now, else how long to wait (None: until woken)."""
+        if self._chunks:
+            return 0.0
+        if not self._tokens:
+            return None
+        if all(g in self._tokens for g in self._active if g.decoding and g.seq is not None):
+            return 0.0
+        return max(0.0, self._first_token_at + _GRACE_S - time.monotonic())
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                while not self._closed and (due := self._due()) != 0.0:
+                    if due is None and not self._active:
+                        # Nobody generates: the thread ends (``start`` begins another), so an
+                        # idle session holds no thread and nothing keeps the model alive.
+                        self._thread = None
+                        return
+                    self._lock.wait(due if due is not None else _POLL_S)
+                if self._closed:
+                    for g in [*self._tokens, *(c[0] for c in self._chunks)]:
+                        g._deliver(error=ModelError("the model was unloaded", "Load it again."))
+                    return
+                tokens, self._tokens = list(self._tokens.items()), {}
+                chunk = self._chunks.popleft() if self._chunks else None
+            with self._cache:
+                if tokens:
+                    self._decode_step(tokens)
+                if chunk is not None:
+                    self._prefill_step(*chunk)
+
+    def _decode_step(self, tokens: list[tuple[Generation, int]]) -> None:
+        try:
+            logits = self.model.forward_batch([(g.seq, [token], g.position) for g, token in tokens])
+        except Exception as error:  # every generation of the step learns why it failed
+            for g, _ in tokens:
+                g._deliver(error=error)
+            return
+        self.steps += 1
+        self.rows += len(tokens)
+        for (g, _), row in zip(tokens, logits):
+            g._deliver(row)
+
+    def _prefill_step(self, g: Generation, tokens: list[int], start: int) -> None:
+        try:
+            self.model(torch.tensor(tokens, dtype=torch.long), start, last_only=True, seq=g.seq, prompt=True)
+        except Exception as error:
+            g._deliver(error=error)
+            return
+        g._deliver()

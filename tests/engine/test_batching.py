@@ -1,0 +1,107 @@
+"""Several sequences in one forward pass get what each gets alone, for every family.
+
+A batched decode step runs one token of each sequence as rows of one call: projections and
+experts over all rows, attention per sequence over its own blocks of the cache. Prompts of
+different lengths (one inside the first block, others across several) make the sequences'
+block tables differ; GPT-OSS' sliding layers release blocks as the window moves on.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybridmoe.backend.engine.model import build_model
+from hybridmoe.backend.formats.weights import open_weights
+from hybridmoe.backend.models import inspect_model
+from tests.convert.conftest import FAMILIES, checkpoints, converted  # noqa: F401 - fixtures: tiny checkpoints and GGUFs
+from tests.engine.conftest import tokens
+
+PROMPTS = (5, 70, 131)  # tokens: within one block of 64, across two, across three
+STEPS = 12
+CHUNK = 48
+
+
+def model_for(path, sequences: int = len(PROMPTS)):
+    spec = inspect_model(path).spec
+    # sliding_rewind=4: GPT-OSS' sliding layers (window 8) release blocks within these prompts.
+    return build_model(spec, open_weights(path), max_context=256, sequences=sequences, sliding_rewind=4)
+
+
+def prefill(model, seq, ids: list[int]) -> None:
+    """The prompt but its last token, in chunks (as a session runs it)."""
+    for pos in range(0, len(ids) - 1, CHUNK):
+        model(torch.tensor(ids[pos : min(pos + CHUNK, len(ids) - 1)]), pos, last_only=True, seq=seq, prompt=True)
+
+
+def alone(model, ids: list[int]) -> tuple[list[int], list[torch.Tensor]]:
+    """Greedy tokens (and each step's logits) of one sequence decoding by itself."""
+    seq = model.cache.new_sequence()
+    prefill(model, seq, ids)
+    out, logits, token, pos = [], [], ids[-1], len(ids) - 1
+    for _ in range(STEPS):
+        row = model.forward_batch([(seq, [token], pos)])[0]
+        logits.append(row)
+        token, pos = int(row.argmax()), pos + 1
+        out.append(token)
+    model.cache.drop(seq)
+    return out, logits
+
+
+def together(model, prompts: list[list[int]]) -> tuple[list[list[int]], list[list[torch.Tensor]]]:
+    seqs = [model.cache.new_sequence() for _ in prompts]
+    for seq, ids in zip(seqs, prompts):
+        prefill(model, seq, ids)
+    last = [ids[-1] for ids in prompts]
+    pos = [len(ids) - 1 for ids in prompts]
+    out = [[] for _ in prompts]
+    logits = [[] for _ in prompts]
+    for _ in range(STEPS):
+        rows = model.forward_batch([(s, [t], p) for s, t, p in zip(seqs, last, pos)])
+        for i, row in enumerate(rows):
+            logits[i].append(row)
+            last[i], pos[i] = int(row.argmax()), pos[i] + 1
+            out[i].append(last[i])
+    return out, logits
+
+
+@pytest.fixture(scope="module", params=["bf16-checkpoint", "q8_0-gguf", "q4_k_m-gguf"])
+def source(request):
+    return request.param
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_each_sequence_of_a_batch_gets_its_solo_tokens(family, source, checkpoints, converted):  # noqa: F811
+    path = checkpoints(family).path if source == "bf16-checkpoint" else converted(family, source.split("-")[0])
+    model = model_for(path)
+    prompts = [tokens(n, seed=n).reshape(-1).tolist() for n in PROMPTS]
+    solo = [alone(model, ids) for ids in prompts]
+    batched_tokens, batched_logits = together(model, prompts)
+    for (solo_tokens, solo_logits), got_tokens, got_logits in zip(solo, batched_tokens, batched_logits):
+        assert got_tokens == solo_tokens
+        for a, b in zip(got_logits, solo_logits):
+            # Rows are computed independently (per-row activation quantization, per-row
+            # accumulation, attention per sequence): the same numbers, not merely close.
+            assert torch.equal(a, b), float((a - b).abs().max())
+
+
+@pytest.mark.parametrize("quant", ["bf16-checkpoint", "q8_0", "q4_0", "q4_k_m"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "gpt_oss"])
+def test_a_prompt_gives_the_same_logits_however_it_is_chunked(family, quant, checkpoints, converted):  # noqa: F811
+    """What lets a conversation continue from the cache with exactly the logits a fresh
+    prefill gives: its new tokens run as a chunk of their own, cut where the cache ended."""
+    path = checkpoints(family).path if quant == "bf16-checkpoint" else converted(family, quant)
+    model = model_for(path, sequences=1)
+    ids = tokens(100, seed=3).reshape(-1).tolist()
+
+    def last_logits(cuts):
+        seq = model.cache.new_sequence()
+        for a, b in zip((0, *cuts), (*cuts, len(ids) - 1)):
+            model(torch.tensor(ids[a:b]), a, last_only=True, seq=seq, prompt=True)
+        out = model.forward_batch([(seq, [ids[-1]], len(ids) - 1)])[0]
+        model.cache.drop(seq)
+        return out
+
+    whole = last_logits(())
+    for cuts in ((48,), (7, 48, 96), (97,), (64, 65)):
+        assert torch.equal(last_logits(cuts), whole), cuts
