@@ -225,7 +225,7 @@ def cmd_bench_serve(args) -> int:
     if not os.path.isfile(args.model):
         raise UsageError(f"{args.model} is not a file", "Give the path of a .gguf model.")
     summary = serve.measure(args.model, streams=args.streams, prompt_tokens=args.prompt, gen_tokens=args.tokens,
-                            threads=args.threads, backends=args.backends, turns=args.turns)
+                            threads=args.threads, backends=args.backends, turns=args.turns, repeats=args.repeats)
     print(json.dumps(summary, indent=1) if args.json else serve.table(summary))
     return EXIT_OK
 
@@ -385,6 +385,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="default engine,llamacpp")
     p.add_argument("--turns", type=non_negative_int, default=2000,
                    help="tokens of each of the two conversations taking turns (default 2000; 0 skips it)")
+    p.add_argument("--repeats", type=positive_int, default=3,
+                   help="runs of each number of streams, new prompts each time; medians reported (default 3)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_bench_serve)
 

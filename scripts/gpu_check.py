@@ -7,8 +7,9 @@ Sections, each guarded (a failure is reported and the next section runs):
 
 1. environment: torch, CUDA devices, the native CPU kernels in use;
 2. parity: tiny float32 checkpoints of several families, logits of the hybrid engine
-   (GPU main device; CPU experts overlapped, streamed prefill, int8 GPU experts, and a
-   pipeline when there are two GPUs) against the CPU-only engine;
+   (GPU main device; CPU experts overlapped, streamed prefill, int8 GPU experts, a
+   pipeline when there are two GPUs, three sequences decoding in the same steps) against
+   the CPU-only engine;
 3. bandwidth: host-to-device (pinned and pageable) and device-to-host copy rates, and the
    streamed-prefill threshold they give (docs/sizing.md §6);
 4. speed: a mid-size random Qwen3-MoE checkpoint in bf16 (hidden 2048, 64 experts of 768,
@@ -213,6 +214,21 @@ def run_tokens(model, ids: torch.Tensor, prefill: int, chunk: int) -> torch.Tens
     return torch.cat([s.float().cpu() for s in steps], dim=1)
 
 
+def run_batched(model, prompts: list[torch.Tensor], prefill: int) -> list[torch.Tensor]:
+    """Each prompt [1, T] prefilled alone (prompt rows), then its tokens after `prefill` one
+    per decode step, all prompts' tokens in the same steps (continuous batching): each
+    prompt's decode logits [1, T - prefill, V]."""
+    seqs = [model.cache.new_sequence() for _ in prompts]
+    for seq, ids in zip(seqs, prompts):
+        model(ids[0, :prefill], 0, seq=seq, prompt=True)
+    rows = [[] for _ in prompts]
+    for t in range(prefill, prompts[0].shape[1]):
+        out = model.forward_batch([(seq, [int(ids[0, t])], t) for seq, ids in zip(seqs, prompts)])
+        for i, logits in enumerate(out):
+            rows[i].append(logits.float().cpu())
+    return [torch.stack(r).unsqueeze(0) for r in rows]
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).abs().max() / b.float().abs().max())
 
@@ -272,6 +288,27 @@ def parity(r: Report, work: Path) -> dict:
                 model.scheduler and model.scheduler.close()
                 results.append({"family": family, "case": name, "rel_err": err, "ok": ok, "calls": calls})
                 r.say(f"{family:12} {name:28} rel err {err:.2e}  {'ok' if ok else 'MISMATCH'}  {calls}")
+                failures += not ok
+            except Exception as err:  # noqa: BLE001 - one case failing must not hide the others
+                failures += 1
+                results.append({"family": family, "case": name, "error": f"{type(err).__name__}: {err}"})
+                r.say(f"{family:12} {name:28} FAILED: {type(err).__name__}: {err}")
+                traceback.print_exc()
+        # Continuous batching on the hybrid path: three sequences decoding in the same steps
+        # each get the logits the CPU-only engine gives that sequence alone.
+        if r.left() >= 30:
+            name = "3 sequences batched, 50%"
+            try:
+                prompts = [torch.randint(0, 256, (1, 24), generator=torch.Generator().manual_seed(s)) for s in (1, 2, 3)]
+                want = [run_tokens(reference, p, prefill=16, chunk=8)[:, 16:] for p in prompts]
+                model = build(path, device=device, max_context=64, placement=half, sequences=3,
+                              hybrid=HybridOptions())
+                got = run_batched(model, prompts, prefill=16)
+                err = max(rel_err(g, w) for g, w in zip(got, want))
+                ok = err < 1e-4
+                model.scheduler and model.scheduler.close()
+                results.append({"family": family, "case": name, "rel_err": err, "ok": ok})
+                r.say(f"{family:12} {name:28} rel err {err:.2e}  {'ok' if ok else 'MISMATCH'}")
                 failures += not ok
             except Exception as err:  # noqa: BLE001 - one case failing must not hide the others
                 failures += 1

@@ -220,6 +220,9 @@ def _sampling(body: dict, max_tokens_limit: int, limit_field: str) -> SamplingPa
             seed=_integer(body, "seed", -(2**63), 2**64 - 1),  # what torch takes
             max_tokens=max_tokens or max_tokens_limit,
             stop=_stop(body.get("stop")),
+            # Generate through end-of-turn tokens (llama.cpp's and vLLM's servers take it too):
+            # what a benchmark needs to get answers of a known length.
+            ignore_eos=_boolean(body, "ignore_eos"),
         )
     except UsageError as error:  # a combination SamplingParams refuses
         raise bad_request(error.what)

@@ -80,8 +80,19 @@ def words_text(words: Sequence[str], n: int, seed: int) -> str:
     return "".join(rng.choice(words) for _ in range(n))
 
 
-def stream_prompt(words: Sequence[str], n_streams: int, stream: int, prompt_tokens: int) -> str:
-    return words_text(words, prompt_tokens, STREAM_SEED + 100 * n_streams + stream)
+def stream_prompt(words: Sequence[str], n_streams: int, stream: int, prompt_tokens: int, repeat: int = 0) -> str:
+    return words_text(words, prompt_tokens, STREAM_SEED + 100 * n_streams + stream + 10_000 * repeat)
+
+
+def median_run(runs: list[dict]) -> dict:
+    """Repeated runs of N streams as one: the median of each figure (these machines are
+    noisy), the other entries of the first."""
+    out = dict(runs[0])
+    for key, value in runs[0].items():
+        if isinstance(value, float) and all(r.get(key) is not None for r in runs):
+            out[key] = statistics.median(r[key] for r in runs)
+    out["repeats"] = len(runs)
+    return out
 
 
 def context_per_conversation(prompt_tokens: int, gen_tokens: int, turns: int) -> int:
@@ -97,10 +108,21 @@ def context_per_conversation(prompt_tokens: int, gen_tokens: int, turns: int) ->
 
 def summarize_streams(streams: list[dict]) -> dict:
     """One run of N streams: each stream's ``submitted``, ``first_token_at``, ``end_at`` (clock
-    seconds) and ``generated`` tokens, reduced to the figures the report shows."""
+    seconds) and ``generated`` tokens, reduced to the figures the report shows.
+
+    Together tok/s is the rate while all N decode: llama.cpp's streams decode in lock step from
+    their first tokens to the end, so it is all their tokens after the first over that time;
+    the engine's streams start as their prompts are done, so with ``token_times`` (when each
+    token came) it is the tokens that came while every stream was decoding, over that window
+    (the whole run's rate if they never all decoded at once)."""
     start = min(s["first_token_at"] for s in streams)
     end = max(s["end_at"] for s in streams)
     after_first = sum(s["generated"] - 1 for s in streams)
+    if all(s.get("token_times") for s in streams):
+        together_from, together_to = max(s["first_token_at"] for s in streams), min(s["end_at"] for s in streams)
+        in_window = sum(1 for s in streams for t in s["token_times"] if together_from < t <= together_to)
+        if in_window:  # else they never all decoded at once: the whole run's rate
+            start, end, after_first = together_from, together_to, in_window
     per_stream = [(s["generated"] - 1) / (s["end_at"] - s["first_token_at"])
                   for s in streams if s["generated"] > 1 and s["end_at"] > s["first_token_at"]]
     return {
@@ -145,7 +167,7 @@ def _engine_parallel(session) -> int:
 
 
 def _run_engine(model: str, streams: Sequence[int], prompt_tokens: int, gen_tokens: int, threads: int,
-                turns: int) -> dict:
+                turns: int, repeats: int) -> dict:
     import torch
 
     from hybridmoe.backend.engine.session import EngineBackend
@@ -171,21 +193,28 @@ def _run_engine(model: str, streams: Sequence[int], prompt_tokens: int, gen_toke
         sampling = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         submitted = time.perf_counter()
         first = done = None
+        token_times = []
         with turn_lock:
             for event in session.complete(text, sampling):
-                first = first or time.perf_counter()
+                now = time.perf_counter()
+                first = first or now
                 if isinstance(event, Done):
                     done = event
+                else:
+                    token_times += [now] * len(event.token_ids)
         return {"submitted": submitted, "first_token_at": first, "end_at": time.perf_counter(),
                 "generated": len(done.token_ids), "text": done.text, "prompt_tokens": done.stats.prompt_tokens,
-                "time_to_first_token_s": first - submitted}
+                "time_to_first_token_s": first - submitted, "token_times": token_times}
 
     generate(words_text(words, prompt_tokens, WARM_UP_SEED), 4)  # untimed: page faults on the mapped weights
     runs = []
     for n in streams:
-        prompts = [stream_prompt(words, n, i, prompt_tokens) for i in range(n)]
         lock = threading.Lock() if _engine_parallel(session) < n else nullcontext()
-        runs.append(summarize_streams(_in_threads([lambda p=p: generate(p, gen_tokens, lock) for p in prompts])))
+        repeated = []
+        for r in range(repeats):
+            prompts = [stream_prompt(words, n, i, prompt_tokens, r) for i in range(n)]
+            repeated.append(summarize_streams(_in_threads([lambda p=p: generate(p, gen_tokens, lock) for p in prompts])))
+        runs.append(median_run(repeated))
     turns_result = turn_taking(lambda _, text, k: generate(text, k), words, turns, gen_tokens) if turns else None
     from hybridmoe.backend.engine import native_kernels
 
@@ -300,7 +329,7 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 def _run_llamacpp(model: str, streams: Sequence[int], prompt_tokens: int, gen_tokens: int, threads: int,
-                  turns: int) -> dict:
+                  turns: int, repeats: int) -> dict:
     from importlib.metadata import version
 
     from hybridmoe.backend.llamacpp.model import RawModel
@@ -319,13 +348,16 @@ def _run_llamacpp(model: str, streams: Sequence[int], prompt_tokens: int, gen_to
     sequences.generate({0: tokenizer.encode_prompt(words_text(words, prompt_tokens, WARM_UP_SEED))}, 4)  # untimed
     runs = []
     for n in streams:
-        sequences.clear()
-        prompts = {i: tokenizer.encode_prompt(stream_prompt(words, n, i, prompt_tokens)) for i in range(n)}
-        submitted = time.perf_counter()
-        out, first_token_at = sequences.generate(prompts, gen_tokens)
-        end_at = time.perf_counter()
-        runs.append(summarize_streams([{"submitted": submitted, "first_token_at": first_token_at, "end_at": end_at,
-                                        "generated": len(tokens)} for tokens in out.values()]))
+        repeated = []
+        for r in range(repeats):
+            sequences.clear()
+            prompts = {i: tokenizer.encode_prompt(stream_prompt(words, n, i, prompt_tokens, r)) for i in range(n)}
+            submitted = time.perf_counter()
+            out, first_token_at = sequences.generate(prompts, gen_tokens)
+            end_at = time.perf_counter()
+            repeated.append(summarize_streams([{"submitted": submitted, "first_token_at": first_token_at,
+                                                "end_at": end_at, "generated": len(tokens)} for tokens in out.values()]))
+        runs.append(median_run(repeated))
 
     seq_of = {"A": 0, "B": 1, "scratch": 0}
 
@@ -354,9 +386,9 @@ def _run_llamacpp(model: str, streams: Sequence[int], prompt_tokens: int, gen_to
 
 
 def run_worker(backend: str, model: str, streams: Sequence[int], prompt_tokens: int, gen_tokens: int,
-               threads: int, turns: int) -> dict:
+               threads: int, turns: int, repeats: int = 1) -> dict:
     runner = _run_engine if backend == "engine" else _run_llamacpp
-    result = runner(model, streams, prompt_tokens, gen_tokens, threads, turns)
+    result = runner(model, streams, prompt_tokens, gen_tokens, threads, turns, repeats)
     result["rss_peak"] = _vm_hwm()
     result["backend"] = backend
     return result
@@ -383,18 +415,20 @@ def predictions(model: str, streams: Sequence[int], context: int) -> dict[int, d
 
 
 def measure(model: str, *, streams: Sequence[int] = (1, 2, 4, 8), prompt_tokens: int = 128, gen_tokens: int = 64,
-            threads: int = 2, backends: Sequence[str] = BACKENDS, turns: int = 2000, cancel=None) -> dict:
-    """Each backend in its own process, one after the other; the results, the plan's
-    predictions and the ratios (engine over llama.cpp at each N; N streams over one)."""
+            threads: int = 2, backends: Sequence[str] = BACKENDS, turns: int = 2000, repeats: int = 3,
+            cancel=None) -> dict:
+    """Each backend in its own process, one after the other; the results (each run of N
+    streams `repeats` times, with new prompts, medians), the plan's predictions and the
+    ratios (engine over llama.cpp at each N; N streams over one)."""
     streams = sorted(set(streams))
     context = context_per_conversation(prompt_tokens, gen_tokens, turns)
     summary = {"model": model, "streams": streams, "prompt_tokens": prompt_tokens, "gen_tokens": gen_tokens,
-               "threads": threads, "turns": turns, "context": context,
+               "threads": threads, "turns": turns, "repeats": repeats, "context": context,
                "predicted": predictions(model, streams, prompt_tokens + gen_tokens), "results": {}}
     for backend in backends:
         cmd = [sys.executable, "-m", "hybridmoe.backend.bench.serve", "--worker", backend, model,
                "--streams", ",".join(map(str, streams)), "--prompt", str(prompt_tokens), "--tokens", str(gen_tokens),
-               "--threads", str(threads), "--turns", str(turns)]
+               "--threads", str(threads), "--turns", str(turns), "--repeats", str(repeats)]
         returncode, stdout, stderr = _run_worker(cmd, cancel)
         if returncode != 0:
             summary["results"][backend] = {"error": worker_error(stderr)}
@@ -440,7 +474,8 @@ def _fmt(value: float | None, spec: str = ".1f") -> str:
 def table(summary: dict) -> str:
     gib = 1 << 30
     lines = [f"{summary['model']}: {summary['prompt_tokens']}-token prompts, {summary['gen_tokens']} tokens per "
-             f"stream, {summary['threads']} threads; (plan) = the plan's upper bound for N conversations, CPU-only",
+             f"stream, {summary['threads']} threads, medians of {summary.get('repeats', 1)} runs; (plan) = the "
+             "plan's upper bound for N conversations, CPU-only",
              f"{'backend':10} {'N':>2} {'together tok/s':>15} {'(plan)':>8} {'per stream':>11} {'(plan)':>8} "
              f"{'TTFT s':>7} {'RSS peak':>9}"]
     for name, result in summary["results"].items():
@@ -496,9 +531,10 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, required=True)
     p.add_argument("--threads", type=int, required=True)
     p.add_argument("--turns", type=int, required=True)
+    p.add_argument("--repeats", type=int, default=1)
     args = p.parse_args(argv)
     print(json.dumps(run_worker(args.worker, args.model, args.streams, args.prompt, args.tokens, args.threads,
-                                args.turns)))
+                                args.turns, args.repeats)))
     return 0
 
 

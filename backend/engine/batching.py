@@ -10,13 +10,15 @@ choices. A step runs when every generation in its decode phase has handed in its
 a moment (``_GRACE_S``) after the first did, so a slow consumer delays the others by at most
 that.
 
-A new generation's prompt runs in chunks of the plan's prefill size, one chunk per step
-beside the others' decode tokens, so a long prompt stalls nobody for more than one chunk.
-The chunk runs as its own call, not as rows of the decode call: rows of a call are computed
-independently only while the kernels stay in their few-token regime, and a prompt chunk
-switches them to the many-token one (different rounding), so keeping the two apart is what
-lets every generation get exactly the tokens it gets alone. The prompt's last token always
-runs as a decode row, as it does alone (``EngineSession``'s cached-prompt rule).
+A new generation's prompt runs in slices beside the others' decode tokens: each step carries
+up to the plan's prefill chunk of prompt tokens, first come first (several short prompts in
+one call), so a long prompt stalls the others for one chunk at a time, never for all of it.
+Prompt rows run as a call of their own, not as rows of the decode call: decode rows take the
+kernels' few-token paths and prompt rows their many-token paths, each at any count
+(``native_kernels.rows_are``), so a row's numbers never depend on which rows share its call.
+Every generation gets exactly the tokens it gets alone, and a prompt computes the same
+however it was sliced. The prompt's last token always runs as a decode row, as it does alone
+(``EngineSession``'s cached-prompt rule).
 
 Conversations' caches: when a generation ends, its sequence stays in the cache, idle, with
 the token ids it holds. A new prompt starts from the sequence that shares the longest prefix
@@ -44,9 +46,13 @@ from hybridmoe.backend.errors import ModelError
 from hybridmoe.backend.session import Cancelled, CancelToken
 from hybridmoe.backend.text.generation import common_prefix
 
-# How long a step waits for generations that have not handed in their next token yet, once
-# one has: longer than sampling and detokenizing a token takes, short beside a step.
-_GRACE_S = 0.003
+# How long a step waits for generations that have not handed in their next token since the
+# last step gave them their logits (or since another handed in its token): at least this, and
+# a quarter of a step, so that the generations' threads can sample, detokenize and stream
+# their tokens in turn (they share the interpreter) before the next step leaves one behind,
+# which would then run alone, one step in two.
+_GRACE_S = 0.005
+_GRACE_OF_STEP = 0.25
 # An idle sequence whose tokens a new prompt shares but for at most this many at its end is
 # taken over rather than shared: the prompt is that conversation's next turn (its last answer
 # tokenized again may differ in a few tokens at the end, and its end-of-turn markers).
@@ -66,6 +72,7 @@ class Generation:
         self.reused = 0  # prompt positions the cache already held when it started
         self.position = 0  # where its next token goes (a taken-over sequence may hold more)
         self.decoding = False  # in its decode phase: steps wait for its token
+        self._prompt_cancel: CancelToken | None = None
         self._ready = threading.Event()
         self._result: torch.Tensor | None = None
         self._error: BaseException | None = None
@@ -73,18 +80,16 @@ class Generation:
     # ---- what the token loop calls -------------------------------------------------------
 
     def prefill(self, cancel: CancelToken | None) -> tuple[torch.Tensor | None, int]:
-        """The prompt after what the cache held: chunks, then its last token as a decode row.
-        Returns its last logits (None: cancelled) and how many tokens were computed."""
-        ids, last = self.ids, len(self.ids) - 1
-        for pos in range(self.reused, last, self.batcher.chunk):
-            if cancel is not None and cancel.cancelled:
-                return None, pos - self.reused
-            chunk = ids[pos : min(pos + self.batcher.chunk, last)]
-            self._wait(lambda: self.batcher._hand_in_chunk(self, chunk, pos))
-            self.position = pos + len(chunk)
+        """The prompt after what the cache held (the batcher runs it in slices, beside other
+        generations' tokens), then its last token as a decode row. Returns its last logits
+        (None: cancelled) and how many tokens were computed."""
+        last = len(self.ids) - 1
+        if self.reused < last:
+            self._prompt_cancel = cancel
+            self._wait(lambda: self.batcher._hand_in_prompt(self))
         if cancel is not None and cancel.cancelled:
-            return None, last - self.reused
-        return self.decode(ids[last]), len(ids) - self.reused
+            return None, self.position - self.reused
+        return self.decode(self.ids[last]), len(self.ids) - self.reused
 
     def decode(self, token: int) -> torch.Tensor:
         """Run `token` at the next position in the next step; its logits [V]."""
@@ -127,7 +132,10 @@ class Batcher:
         self._idle: OrderedDict[Sequence, None] = OrderedDict()  # least recently used first
         self._tokens: dict[Generation, int] = {}  # decode tokens handed in for the next step
         self._first_token_at: float | None = None
-        self._chunks: deque[tuple[Generation, list[int], int]] = deque()
+        self._last_step_at = 0.0  # when the last step's results were handed out
+        self._step_s = 0.0  # how long the last decode step took
+        self._last_prompt_at = 0.0  # when the last prompt was handed in
+        self._prompts: deque[Generation] = deque()  # prompts being prefilled, first come first
         self._thread: threading.Thread | None = None
         self._closed = False
         self.steps = 0  # decode steps run, and the rows they carried (for the statistics)
@@ -242,23 +250,28 @@ class Batcher:
             self._tokens[g] = token
             self._lock.notify_all()
 
-    def _hand_in_chunk(self, g: Generation, tokens: list[int], start: int) -> None:
+    def _hand_in_prompt(self, g: Generation) -> None:
         with self._lock:
             self._check_open()
-            self._chunks.append((g, tokens, start))
+            self._prompts.append(g)
+            self._last_prompt_at = time.monotonic()
             self._lock.notify_all()
 
     # ---- the step loop --------------------------------------------------------------------
 
     def _due(self) -> float | None:
         """0 when a step should run now, else how long to wait (None: until woken)."""
-        if self._chunks:
-            return 0.0
+        if self._prompts and not self._tokens:
+            # Requests that arrive together are prefilled together: wait a moment for more.
+            return max(0.0, self._last_prompt_at + _GRACE_S - time.monotonic())
         if not self._tokens:
             return None
         if all(g in self._tokens for g in self._active if g.decoding and g.seq is not None):
             return 0.0
-        return max(0.0, self._first_token_at + _GRACE_S - time.monotonic())
+        # The others had their results when the last step ended (or before this token came).
+        since = max(self._first_token_at, self._last_step_at)
+        grace = max(_GRACE_S, _GRACE_OF_STEP * self._step_s)
+        return max(0.0, since + grace - time.monotonic())
 
     def _run(self) -> None:
         while True:
@@ -271,20 +284,24 @@ class Batcher:
                         return
                     self._lock.wait(due if due is not None else _POLL_S)
                 if self._closed:
-                    for g in [*self._tokens, *(c[0] for c in self._chunks)]:
+                    for g in [*self._tokens, *self._prompts]:
                         g._deliver(error=ModelError("the model was unloaded", "Load it again."))
                     return
                 tokens, self._tokens = list(self._tokens.items()), {}
-                chunk = self._chunks.popleft() if self._chunks else None
+                slices = self._prompt_slices()
             with self._cache:
                 if tokens:
                     self._decode_step(tokens)
-                if chunk is not None:
-                    self._prefill_step(*chunk)
+                if slices:
+                    self._prompt_step(slices)
+            with self._lock:
+                self._last_step_at = time.monotonic()
 
     def _decode_step(self, tokens: list[tuple[Generation, int]]) -> None:
+        started = time.monotonic()
         try:
             logits = self.model.forward_batch([(g.seq, [token], g.position) for g, token in tokens])
+            self._step_s = time.monotonic() - started
         except Exception as error:  # every generation of the step learns why it failed
             for g, _ in tokens:
                 g._deliver(error=error)
@@ -294,10 +311,39 @@ class Batcher:
         for (g, _), row in zip(tokens, logits):
             g._deliver(row)
 
-    def _prefill_step(self, g: Generation, tokens: list[int], start: int) -> None:
+    def _prompt_slices(self) -> list[tuple[Generation, list[int], int]]:
+        """The prompt rows of the next step: up to ``chunk`` tokens (the plan's prefill size,
+        which its activation reserve is sized for), first come first, several prompts in one
+        call when they are short. A cancelled prompt leaves the queue."""
+        slices, budget = [], self.chunk
+        for g in list(self._prompts):
+            if g._prompt_cancel is not None and g._prompt_cancel.cancelled:
+                self._prompts.remove(g)
+                g._deliver()
+                continue
+            if not budget:
+                break
+            end = min(len(g.ids) - 1, g.position + budget)
+            slices.append((g, g.ids[g.position : end], g.position))
+            budget -= end - g.position
+        return slices
+
+    def _prompt_step(self, slices: list[tuple[Generation, list[int], int]]) -> None:
         try:
-            self.model(torch.tensor(tokens, dtype=torch.long), start, last_only=True, seq=g.seq, prompt=True)
+            self.model.forward_batch([(g.seq, ids, start) for g, ids, start in slices], prompt=True)
         except Exception as error:
-            g._deliver(error=error)
+            with self._lock:
+                for g, _, _ in slices:
+                    self._prompts.remove(g)
+            for g, _, _ in slices:
+                g._deliver(error=error)
             return
-        g._deliver()
+        done = []
+        with self._lock:
+            for g, ids, start in slices:
+                g.position = start + len(ids)
+                if g.position == len(g.ids) - 1:
+                    self._prompts.remove(g)
+                    done.append(g)
+        for g in done:
+            g._deliver()

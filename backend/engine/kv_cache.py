@@ -130,9 +130,6 @@ class Sequence:
     def filled(self) -> int:
         return len(self.tokens)
 
-    def blocks_held(self) -> int:
-        return sum(sum(1 for b in table if b != NO_BLOCK) for table in self.tables.values())
-
     def changed(self) -> None:
         self._version += 1
 

@@ -89,11 +89,6 @@ class MoeTransformer(nn.Module):
         self.native_decode = True
         self._decode_step: DecodeStep | None | bool = False  # False: not built yet
 
-    @property
-    def length(self) -> int:
-        """Positions the default sequence holds."""
-        return self.sequence.filled
-
     def _layers(self, x: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
         """The decoder layers over rows of one or more sequences; on a model split across
         devices the hidden states move at stage boundaries."""
@@ -119,12 +114,12 @@ class MoeTransformer(nn.Module):
         return logits.unsqueeze(0) if batched else logits
 
     @torch.inference_mode()
-    def forward_batch(self, calls: list[tuple[Sequence, list[int], int]]) -> list[torch.Tensor]:
-        """One decode token per sequence: (sequence, [token id], start_pos) -> each one's
-        logits [V]."""
-        if any(len(ids) != 1 for _, ids, _ in calls):
-            raise ValueError("forward_batch runs one token per sequence")
-        return [logits[-1] for logits in self._run(calls, last_only=True, decode=True)]
+    def forward_batch(self, calls: list[tuple[Sequence, list[int], int]], *, prompt: bool = False) -> list[torch.Tensor]:
+        """(sequence, token ids, start_pos) per sequence -> each one's last logits [V]: one
+        decode token per sequence, or (prompt) a slice of each one's prompt."""
+        if not prompt and any(len(ids) != 1 for _, ids, _ in calls):
+            raise ValueError("a decode step runs one token per sequence")
+        return [logits[-1] for logits in self._run(calls, last_only=True, decode=not prompt)]
 
     def _run(self, calls: list[tuple[Sequence, list[int], int]], *, last_only: bool,
              decode: bool) -> list[torch.Tensor]:

@@ -125,7 +125,7 @@ class EngineSession:
         try:
             logits, computed = generation.prefill(cancel)
             prefilled = Prefilled(ids, logits, computed, started, time.perf_counter() - started)
-            yield from stream(
+            for event in stream(
                 prefilled,
                 sampling,
                 detokenizer=self.tokenizer.detokenizer(),
@@ -137,7 +137,12 @@ class EngineSession:
                 backend="engine",
                 expert_share=self.model.stats.main_share,
                 peak_memory=lambda: peak_memory(self.model.device),
-            )
+            ):
+                if isinstance(event, Done):
+                    # Its slot frees now, not when the caller next asks for an event (the
+                    # others' steps no longer wait for a token it will not hand in).
+                    generation.finish()
+                yield event
         finally:
             generation.finish()
 

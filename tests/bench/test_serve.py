@@ -37,12 +37,12 @@ def own_dirs(tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_the_report_has_every_figure_for_both_backends(tiny_gguf, own_dirs, capsys):
     code = cli.main(["bench", "serve", str(tiny_gguf), "--streams", "2,1", "--prompt", "8", "--tokens", "4",
-                     "--threads", "1", "--turns", "40", "--json"])
+                     "--threads", "1", "--turns", "40", "--repeats", "2", "--json"])
     out = capsys.readouterr().out
     assert code == 0, out
     summary = json.loads(out)
 
-    assert summary["streams"] == [1, 2]
+    assert summary["streams"] == [1, 2] and summary["repeats"] == 2
     assert set(summary["predicted"]) == {"1", "2"}
     for predicted in summary["predicted"].values():
         assert predicted["aggregate_tokens_per_s"] > 0 and predicted["per_user_tokens_per_s"] > 0
@@ -53,6 +53,7 @@ def test_the_report_has_every_figure_for_both_backends(tiny_gguf, own_dirs, caps
         assert [run["streams"] for run in result["runs"]] == [1, 2]
         for run in result["runs"]:
             assert run["generated_tokens"] == [4] * run["streams"], backend
+            assert run["repeats"] == 2
             for figure in ("aggregate_tokens_per_s", "per_stream_tokens_per_s", "time_to_first_token_s", "wall_s"):
                 assert run[figure] > 0, (backend, run["streams"], figure)
         turns = result["turns"]

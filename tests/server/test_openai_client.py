@@ -3,7 +3,7 @@ answers as the session gives directly, streamed or whole, with the usage counted
 
 from __future__ import annotations
 
-from tests.server.conftest import CHAT, MODEL_ID, as_openai, direct, get
+from tests.server.conftest import CHAT, MODEL_ID, as_openai, direct, get, post
 
 
 def test_a_chat_completion_is_the_sessions_answer_with_its_usage(client, shared):
@@ -102,3 +102,16 @@ def test_a_follow_up_turn_computes_only_its_new_tokens(client, shared, monkeypat
     second = client.chat.completions.create(model=MODEL_ID, messages=follow_up, max_tokens=8, temperature=0)
     # the first turn's prompt was not computed again, only what the follow-up adds
     assert 0 < computed[0] <= second.usage.prompt_tokens - first.usage.prompt_tokens
+
+
+
+def test_ignore_eos_reaches_the_sampling_parameters(server):
+    """As llama.cpp's and vLLM's servers take it: answers of exactly max_tokens, end tokens or
+    not (what a benchmark needs; the token loop's handling is tested in tests/bench)."""
+    from hybridmoe.app.server.openai_api import chat_request
+
+    body = {"messages": as_openai(CHAT), "max_tokens": 8}
+    assert chat_request({**body, "ignore_eos": True}, 64).sampling.ignore_eos is True
+    assert chat_request(body, 64).sampling.ignore_eos is False
+    status, _, error = post(f"{server.url}/v1/chat/completions", {**body, "model": MODEL_ID, "ignore_eos": "yes"})
+    assert status == 400 and "ignore_eos" in error["error"]["message"]
