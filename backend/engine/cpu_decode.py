@@ -45,11 +45,6 @@ from hybridmoe.backend.engine.native_linear import NativeLinear
 from hybridmoe.backend.engine.routing import SigmoidGroupedTopK, SoftmaxTopK, TopKSoftmax
 
 _native = native_kernels._native
-# The experts' few-token regime at any number of rows: a step of several sequences computes
-# each row as a step of one would (the many-token regime rounds differently).
-_DECODE_REGIME = native_experts.REGIMES["decode"]
-# The same for the dense projections: a token count their many-token path never reaches.
-_GEMV_ALWAYS = 1 << 30
 
 
 def _np(t: torch.Tensor) -> np.ndarray:
@@ -94,7 +89,7 @@ class _Linear:
         self.out_features = lin.out_features
 
     def __call__(self, x: np.ndarray, out: np.ndarray) -> np.ndarray:
-        self.native.forward(x, out, _GEMV_ALWAYS)
+        self.native.forward(x, out, native_kernels.dense_threshold())
         if self.bias is not None:
             np.add(out, self.bias, out=out)
         return out
@@ -249,7 +244,7 @@ class _MoEStep:
         for t in range(n):
             self.choose(logits[t], ids[t], weights[t])
         self.moe.record(ids_t)
-        self.layer.forward(h, ids, weights, out, _DECODE_REGIME, 0)
+        self.layer.forward(h, ids, weights, out, native_experts.REGIMES[native_kernels.expert_regime()], 0)
         if self.shared is not None:
             shared = self.shared(h)
             if self.shared_gate is not None:

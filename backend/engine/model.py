@@ -140,13 +140,13 @@ class MoeTransformer(nn.Module):
         flat = [t for _, ids, _ in calls for t in ids]
         x = F.embedding(torch.tensor(flat, dtype=torch.long, device=self.device), self.embed)
         step = self._native_decode(len(segments)) if decode else None
-        if step is not None:
-            logits = step(x, segments)
-            outs = [logits[s.rows] for s in segments]
-        else:
-            # A row's numbers must not depend on which rows share its call: tokens of a
-            # decode step each as alone, a prompt's tokens however the prompt was chunked.
-            with native_kernels.rows_are("decode" if decode else "prompt"):
+        # A row's numbers must not depend on which rows share its call: tokens of a decode
+        # step each as alone, a prompt's tokens however the prompt was chunked.
+        with native_kernels.rows_are("decode" if decode else "prompt"):
+            if step is not None:
+                logits = step(x, segments)
+                rows = [s.rows for s in segments]
+            else:
                 x = self._layers(x, segments)
                 if last_only:
                     x = x[[s.row + s.n - 1 for s in segments]]
@@ -154,7 +154,7 @@ class MoeTransformer(nn.Module):
                 else:
                     rows = [s.rows for s in segments]
                 logits = self.lm_head(self.norm(x)).float()
-            outs = [logits[r] for r in rows]
+        outs = [logits[r] for r in rows]
         for seq, ids, start in calls:
             self.cache.commit(seq, start, ids)
         self.stats.add_tokens(len(flat))
