@@ -168,6 +168,7 @@ def cmd_run(args) -> int:
                 done = event
         if args.record_stats:
             session.save_expert_stats(args.record_stats)
+        session.close()  # its threads end before the interpreter does
     finally:
         signal.signal(signal.SIGINT, previous)
     if args.json:

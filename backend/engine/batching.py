@@ -42,6 +42,7 @@ from collections.abc import Sequence as Seq
 import torch
 
 from hybridmoe.backend.engine.kv_cache import Sequence
+from hybridmoe.backend.engine.streams import close_at_exit
 from hybridmoe.backend.errors import ModelError
 from hybridmoe.backend.session import Cancelled, CancelToken
 from hybridmoe.backend.text.generation import common_prefix
@@ -141,6 +142,9 @@ class Batcher:
         self.steps = 0  # decode steps run, and the rows they carried (for the statistics)
         self.rows = 0
         model.cache.on_full = self._evict
+        # Stopped before the interpreter tears down: its thread must never be inside a native
+        # call then (a daemon thread ended there aborts the process).
+        close_at_exit(self)
 
     # ---- generations ----------------------------------------------------------------------
 
@@ -228,13 +232,14 @@ class Batcher:
                 self.model.cache.drop(seq)
             self._idle.clear()
 
-    def close(self) -> None:
+    def close(self, timeout: float | None = 10.0) -> None:
+        """Refuse new work, fail what waits, and wait for a running step to end."""
         with self._lock:
             self._closed = True
             self._lock.notify_all()
             thread = self._thread
         if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout=10)
+            thread.join(timeout=timeout)
 
     def _check_open(self) -> None:
         if self._closed:

@@ -70,12 +70,11 @@ class MLAttention(nn.Module):
     def forward(self, x: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
         """x [T, hidden]: the rows of one or more sequences; projections over all rows,
         attention per sequence over its own cache."""
-        n = x.shape[0]
-        h, nope, rope, c = self.n_heads, self.nope_dim, self.rope_dim, self.kv_lora_rank
+        n, c = x.shape[0], self.kv_lora_rank
         q = self.q_proj(x) if self.q_proj is not None else self.q_b(self.q_a_norm(self.q_a(x)))
         compressed = self.kv_a(x)
         latent = self.kv_a_norm(compressed[:, :c])
-        out = x.new_empty(n, h * self.v_dim)
+        out = x.new_empty(n, self.n_heads * self.v_dim)
         for seg in segments:
             r = seg.rows
             out[r] = self._attend(q[r], latent[r], compressed[r, c:], seg)

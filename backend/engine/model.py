@@ -10,7 +10,8 @@ routed experts they have. ``Build`` carries what those builders share.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping
+from collections.abc import Sequence as Seq
 from typing import Any
 
 import torch
@@ -320,7 +321,7 @@ def build_model(
     dtype: torch.dtype | None = None,
     name: str | None = None,
     on_progress: Callable[[int, int], None] | None = None,
-    pipeline: Sequence[tuple[torch.device | str, Collection[int]]] | None = None,
+    pipeline: Seq[tuple[torch.device | str, Collection[int]]] | None = None,
     resident_form: str = "dense",
     hybrid: HybridOptions | None = None,
 ) -> MoeTransformer:
