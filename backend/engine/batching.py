@@ -204,6 +204,8 @@ class Batcher:
             if g in self._active:
                 self._active.remove(g)
             self._tokens.pop(g, None)
+            if g in self._prompts:  # left while its prompt waited (an error in its thread)
+                self._prompts.remove(g)
             seq, g.seq = g.seq, None
             if seq is not None:
                 if seq.filled:
