@@ -236,6 +236,21 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 # ---- 2. parity --------------------------------------------------------------------------
 
 
+def parity_case(r: Report, results: list, family: str, name: str, run) -> bool:
+    """Run one parity case (``run() -> (rel err, ok, extra entries)``), report and record
+    it; a case that raises is a failure that must not hide the others."""
+    try:
+        err, ok, extra = run()
+    except Exception as error:  # noqa: BLE001 - one case failing must not hide the others
+        results.append({"family": family, "case": name, "error": f"{type(error).__name__}: {error}"})
+        r.say(f"{family:12} {name:28} FAILED: {type(error).__name__}: {error}")
+        traceback.print_exc()
+        return False
+    results.append({"family": family, "case": name, "rel_err": err, "ok": ok, **extra})
+    r.say(f"{family:12} {name:28} rel err {err:.2e}  {'ok' if ok else 'MISMATCH'}  {extra.get('calls', '')}".rstrip())
+    return ok
+
+
 def parity(r: Report, work: Path) -> dict:
     from hybridmoe.backend.engine.hybrid import HybridOptions
 
@@ -279,42 +294,28 @@ def parity(r: Report, work: Path) -> dict:
                 # The same int8 weights on the CPU: the hybrid path must reproduce them.
                 want = run_tokens(build(path, device="cpu", max_context=64, placement=placement,
                                         resident_form="int8"), ids, prefill=16, chunk=8)
-            try:
+
+            def one_sequence(placement=placement, kwargs=kwargs, want=want, tolerance=tolerance):
                 model = build(path, device=device, max_context=64, placement=placement, **kwargs)
-                got = run_tokens(model, ids, prefill=16, chunk=8)
-                err = rel_err(got, want)
-                ok = err < tolerance
+                err = rel_err(run_tokens(model, ids, prefill=16, chunk=8), want)
                 calls = dict(model.scheduler.calls) if model.scheduler else {}
                 model.scheduler and model.scheduler.close()
-                results.append({"family": family, "case": name, "rel_err": err, "ok": ok, "calls": calls})
-                r.say(f"{family:12} {name:28} rel err {err:.2e}  {'ok' if ok else 'MISMATCH'}  {calls}")
-                failures += not ok
-            except Exception as err:  # noqa: BLE001 - one case failing must not hide the others
-                failures += 1
-                results.append({"family": family, "case": name, "error": f"{type(err).__name__}: {err}"})
-                r.say(f"{family:12} {name:28} FAILED: {type(err).__name__}: {err}")
-                traceback.print_exc()
+                return err, err < tolerance, {"calls": calls}
+
+            failures += not parity_case(r, results, family, name, one_sequence)
+
         # Continuous batching on the hybrid path: three sequences decoding in the same steps
         # each get the logits the CPU-only engine gives that sequence alone.
+        def batched():
+            prompts = [torch.randint(0, 256, (1, 24), generator=torch.Generator().manual_seed(s)) for s in (1, 2, 3)]
+            want = [run_tokens(reference, p, prefill=16, chunk=8)[:, 16:] for p in prompts]
+            model = build(path, device=device, max_context=64, placement=half, sequences=3, hybrid=HybridOptions())
+            err = max(rel_err(g, w) for g, w in zip(run_batched(model, prompts, prefill=16), want))
+            model.scheduler and model.scheduler.close()
+            return err, err < 1e-4, {}
+
         if r.left() >= 30:
-            name = "3 sequences batched, 50%"
-            try:
-                prompts = [torch.randint(0, 256, (1, 24), generator=torch.Generator().manual_seed(s)) for s in (1, 2, 3)]
-                want = [run_tokens(reference, p, prefill=16, chunk=8)[:, 16:] for p in prompts]
-                model = build(path, device=device, max_context=64, placement=half, sequences=3,
-                              hybrid=HybridOptions())
-                got = run_batched(model, prompts, prefill=16)
-                err = max(rel_err(g, w) for g, w in zip(got, want))
-                ok = err < 1e-4
-                model.scheduler and model.scheduler.close()
-                results.append({"family": family, "case": name, "rel_err": err, "ok": ok})
-                r.say(f"{family:12} {name:28} rel err {err:.2e}  {'ok' if ok else 'MISMATCH'}")
-                failures += not ok
-            except Exception as err:  # noqa: BLE001 - one case failing must not hide the others
-                failures += 1
-                results.append({"family": family, "case": name, "error": f"{type(err).__name__}: {err}"})
-                r.say(f"{family:12} {name:28} FAILED: {type(err).__name__}: {err}")
-                traceback.print_exc()
+            failures += not parity_case(r, results, family, "3 sequences batched, 50%", batched)
     r.say(f"parity ({where}): {len(results) - failures} of {len(results)} cases agree with the CPU-only engine")
     return {"where": where, "cases": results, "failures": failures}
 

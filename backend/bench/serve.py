@@ -295,9 +295,11 @@ class _LlamaSequences:
     def prefill(self, prompts: dict[int, list[int]]) -> dict[int, int]:
         """Each sequence's prompt after the prefix its cache holds, all in the same batches
         (at least the last token runs, to give logits); the first token of each."""
+        from hybridmoe.backend.text.generation import common_prefix
+
         entries = []
         for seq, ids in prompts.items():
-            keep = min(_common_prefix(self.cached[seq], ids), len(ids) - 1)
+            keep = min(common_prefix(self.cached[seq], ids), len(ids) - 1)
             self.b.llama_memory_seq_rm(self.memory, seq, keep, -1)
             del self.cached[seq][keep:]
             entries += [(seq, token, i == len(ids) - 1) for i, token in enumerate(ids[keep:], keep)]
@@ -317,15 +319,6 @@ class _LlamaSequences:
 
     def close(self) -> None:
         self.b.llama_batch_free(self.batch)
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def _run_llamacpp(model: str, streams: Sequence[int], prompt_tokens: int, gen_tokens: int, threads: int,

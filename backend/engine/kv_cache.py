@@ -134,21 +134,20 @@ class Sequence:
         self._version += 1
 
     def table_array(self, group: CacheGroup) -> np.ndarray:
-        """The group's block table as int64 NumPy (what the native kernels read), kept until
-        the table changes."""
-        key = (group, "np")
-        held = self._arrays.get(key)
-        if held is None or held[0] != self._version:
-            held = (self._version, np.asarray(self.tables[group], dtype=np.int64))
-            self._arrays[key] = held
-        return held[1]
+        """The group's block table as int64 NumPy (what the native kernels read)."""
+        return self._table(group, "numpy", lambda table: np.asarray(table, dtype=np.int64))
 
     def table_tensor(self, group: CacheGroup, device: torch.device) -> torch.Tensor:
-        key = (group, str(device))
-        held = self._arrays.get(key)
+        """The group's block table as a tensor on `device` (what PyTorch indexing reads)."""
+        return self._table(group, str(device), lambda table: torch.tensor(table, dtype=torch.long, device=device))
+
+    def _table(self, group: CacheGroup, form: str, make: Callable[[list[int]], object]):
+        """The table in `form`, made once per change of the tables (every layer of a call
+        reads the same one)."""
+        held = self._arrays.get((group, form))
         if held is None or held[0] != self._version:
-            held = (self._version, torch.tensor(self.tables[group], dtype=torch.long, device=device))
-            self._arrays[key] = held
+            held = (self._version, make(self.tables[group]))
+            self._arrays[(group, form)] = held
         return held[1]
 
 

@@ -199,11 +199,26 @@ void dense_forward(const DenseLinear& lin, nb::ndarray<nb::ndim<2>, nb::c_contig
     lin.forward(exec, kt, xp, bf16, T, op, threshold);
 }
 
+using QueryRows = nb::ndarray<const float, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
+using AttendOut = nb::ndarray<float, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
+
+// The end both decode-attention bindings share once they have described the cache in `a`:
+// the queries, the scale, the output, the call without the GIL.
+void run_attend_decode(DecodeAttention& a, const QueryRows& q, float scale, AttendOut& out) {
+    a.q = q.data();
+    a.scale = scale;
+    a.out = out.data();
+    const KernelTable& kt = *current_table();
+    Executor& exec = executor();
+    nb::gil_scoped_release release;
+    attend_decode(exec, kt, a);
+}
+
 // q [Hq, D] fp32; k, v [Hkv, >= S, D] views of the cache (bf16 or fp32, rows contiguous);
 // out [Hq, Dv] fp32.
-void attend_decode_py(nb::ndarray<const float, nb::ndim<2>, nb::c_contig, nb::device::cpu> q,
+void attend_decode_py(QueryRows q,
                       nb::ndarray<nb::ndim<3>, nb::device::cpu> k, nb::ndarray<nb::ndim<3>, nb::device::cpu> v,
-                      int64_t length, float scale, nb::ndarray<float, nb::ndim<2>, nb::c_contig, nb::device::cpu> out) {
+                      int64_t length, float scale, AttendOut out) {
     const bool bf16 = cache_is_bf16(k.dtype(), v.dtype());
     DecodeAttention a;
     a.Hq = int64_t(q.shape(0));
@@ -216,7 +231,6 @@ void attend_decode_py(nb::ndarray<const float, nb::ndim<2>, nb::c_contig, nb::de
     if (length <= 0 || length > int64_t(k.shape(1)) || length > int64_t(v.shape(1))) throw nb::value_error("length out of range");
     if (k.stride(2) != 1 || v.stride(2) != 1) throw nb::value_error("cache rows must be contiguous");
     if (int64_t(out.shape(0)) != a.Hq || int64_t(out.shape(1)) != a.Dv) throw nb::value_error("out must be float32 [Hq, Dv]");
-    a.q = q.data();
     a.k = k.data();
     a.v = v.data();
     a.kv_bf16 = bf16;
@@ -224,21 +238,16 @@ void attend_decode_py(nb::ndarray<const float, nb::ndim<2>, nb::c_contig, nb::de
     a.k_pos = k.stride(1);
     a.v_head = v.stride(0);
     a.v_pos = v.stride(1);
-    a.scale = scale;
-    a.out = out.data();
-    const KernelTable& kt = *current_table();
-    Executor& exec = executor();
-    nb::gil_scoped_release release;
-    attend_decode(exec, kt, a);
+    run_attend_decode(a, q, scale, out);
 }
 
 // q [Hq, D] fp32; k_blocks [n_blocks, Hkv, B, D], v_blocks [n_blocks, Hkv, B, Dv] (bf16 or
 // fp32, rows contiguous); table int64 [>= ceil(length / B)], the sequence's block ids in order;
 // out [Hq, Dv] fp32.
-void attend_decode_paged_py(nb::ndarray<const float, nb::ndim<2>, nb::c_contig, nb::device::cpu> q,
+void attend_decode_paged_py(QueryRows q,
                             nb::ndarray<nb::ndim<4>, nb::device::cpu> k_blocks, nb::ndarray<nb::ndim<4>, nb::device::cpu> v_blocks,
                             nb::ndarray<const int64_t, nb::ndim<1>, nb::c_contig, nb::device::cpu> table, int64_t length,
-                            float scale, nb::ndarray<float, nb::ndim<2>, nb::c_contig, nb::device::cpu> out) {
+                            float scale, AttendOut out) {
     const bool bf16 = cache_is_bf16(k_blocks.dtype(), v_blocks.dtype());
     DecodeAttention a;
     a.Hq = int64_t(q.shape(0));
@@ -269,7 +278,6 @@ void attend_decode_paged_py(nb::ndarray<const float, nb::ndim<2>, nb::c_contig, 
             throw nb::value_error(("block table entry " + std::to_string(i) + " is " + std::to_string(ids[i]) +
                                    ", not a block of the cache (0 to " + std::to_string(n_blocks - 1) + ")")
                                       .c_str());
-    a.q = q.data();
     a.k = k_blocks.data();
     a.v = v_blocks.data();
     a.kv_bf16 = bf16;
@@ -280,12 +288,7 @@ void attend_decode_paged_py(nb::ndarray<const float, nb::ndim<2>, nb::c_contig, 
     a.v_block = v_blocks.stride(0);
     a.v_head = v_blocks.stride(1);
     a.v_pos = v_blocks.stride(2);
-    a.scale = scale;
-    a.out = out.data();
-    const KernelTable& kt = *current_table();
-    Executor& exec = executor();
-    nb::gil_scoped_release release;
-    attend_decode(exec, kt, a);
+    run_attend_decode(a, q, scale, out);
 }
 
 // ---- the small decode steps (decode_ops.h); tensors are float32 unless said --------------

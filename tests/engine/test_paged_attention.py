@@ -14,19 +14,11 @@ import torch
 
 from hybridmoe.backend.engine import native_kernels
 from hybridmoe.backend.engine.native_attention import decode_attention, paged_decode_attention
+from tests.native.conftest import isa  # noqa: F401 - each kernel set this CPU supports
 
 pytestmark = pytest.mark.skipif(not native_kernels.available(), reason="native extension not built")
 
 _native = native_kernels._native
-ISAS = list(_native.isa_info()["supported"]) if _native else []
-
-
-@pytest.fixture(params=ISAS)
-def isa(request):
-    """Runs the test once with each kernel set this CPU supports (as tests/native does)."""
-    _native.set_isa(request.param)
-    yield request.param
-    _native.set_isa("")
 
 
 def _paged_cache(hkv, block, d, dv, length, dtype, seed, spare_blocks=3):

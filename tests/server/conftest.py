@@ -8,6 +8,12 @@ the servers it needs (milliseconds) with the limits it wants.
 from __future__ import annotations
 
 import json
+import os
+import queue
+import subprocess
+import sys
+import threading
+import time
 import urllib.error
 import urllib.request
 
@@ -106,3 +112,30 @@ def get(url: str, headers: dict | None = None) -> tuple[int, dict]:
             return response.status, json.loads(response.read())
     except urllib.error.HTTPError as error:
         return error.code, json.loads(error.read())
+
+
+def serve_process(model, tmp_path, *args) -> tuple[subprocess.Popen, queue.Queue]:
+    """`hybridmoe serve -m MODEL --port 0 ARGS` in a process of its own with its own config
+    and data folders; its stderr lines arrive on the queue."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+    env.update({var: str(tmp_path / var.lower()) for var in ("XDG_CONFIG_HOME", "XDG_DATA_HOME", "XDG_STATE_HOME",
+                                                                "XDG_CACHE_HOME")})
+    process = subprocess.Popen([sys.executable, "-m", "hybridmoe.app.cli", "serve", "-m", str(model), "--port", "0",
+                                *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in process.stderr], daemon=True).start()
+    return process, lines
+
+
+def until_serving(process: subprocess.Popen, lines: queue.Queue, timeout: float = 120) -> list[str]:
+    """The server's stderr lines up to the one saying where it serves (within `timeout`)."""
+    seen: list[str] = []
+    deadline = time.monotonic() + timeout
+    while not any("Serving" in line for line in seen):
+        assert process.poll() is None, "".join(seen)
+        assert time.monotonic() < deadline, "".join(seen)
+        try:
+            seen.append(lines.get(timeout=1))
+        except queue.Empty:
+            pass
+    return seen

@@ -3,14 +3,9 @@ subprocess (start, answer a request, Ctrl-C)."""
 
 from __future__ import annotations
 
-import os
-import queue
 import re
 import signal
 import socket
-import subprocess
-import sys
-import threading
 import time
 
 import pytest
@@ -18,7 +13,7 @@ import pytest
 from hybridmoe.app.cli import main
 from hybridmoe.app.server.runner import bind_socket, check_exposure, is_loopback
 from hybridmoe.backend.errors import HybridMoeError, UsageError
-from tests.server.conftest import get, post
+from tests.server.conftest import get, post, serve_process, until_serving
 
 
 @pytest.mark.parametrize("host, loopback", [("127.0.0.1", True), ("127.0.0.2", True), ("::1", True),
@@ -61,25 +56,10 @@ def test_a_port_in_use_is_one_clear_error_before_loading(tiny_chat_model, capsys
 
 
 def test_serve_answers_requests_and_stops_cleanly_on_ctrl_c(tiny_chat_model, tmp_path):
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
-    env.update({var: str(tmp_path / var.lower()) for var in ("XDG_CONFIG_HOME", "XDG_DATA_HOME", "XDG_STATE_HOME",
-                                                                "XDG_CACHE_HOME")})
-    process = subprocess.Popen(
-        [sys.executable, "-m", "hybridmoe.app.cli", "serve", "-m", str(tiny_chat_model), "--port", "0", "--context", "256",
-         "--max-tokens-limit", "32"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    lines: queue.Queue = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(line) for line in process.stderr], daemon=True).start()
+    process, lines = serve_process(tiny_chat_model, tmp_path, "--context", "256", "--max-tokens-limit", "32")
+    seen = []
     try:
-        seen = []
-        deadline = time.monotonic() + 120
-        while not any("Serving" in line for line in seen):
-            assert process.poll() is None, "".join(seen)
-            assert time.monotonic() < deadline, "".join(seen)
-            try:
-                seen.append(lines.get(timeout=1))
-            except queue.Empty:
-                pass
+        seen = until_serving(process, lines)
         url = re.search(r"at (http://\S+)/v1 ", seen[-1]).group(1)
         assert url.startswith("http://127.0.0.1:")
         assert get(f"{url}/health")[1]["status"] == "ok"

@@ -4,20 +4,14 @@ how many requests are answered at once."""
 
 from __future__ import annotations
 
-import os
-import queue
 import re
 import signal
-import subprocess
-import sys
-import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from hybridmoe.app.cli import main
-from tests.server.conftest import CONTEXT, post
+from tests.server.conftest import CONTEXT, post, serve_process, until_serving
 
 
 def saved_plan(path, tmp_path, users: int, backend: str = "auto"):
@@ -81,31 +75,14 @@ def test_llamacpp_chosen_by_the_plan_is_refused_once_loaded_and_closed(ggufs, tm
     assert len(loads) == 1 and len(closed) == 1 and "Traceback" not in err
 
 
-def _serve(model, tmp_path, *args):
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
-    env.update({var: str(tmp_path / var.lower()) for var in ("XDG_CONFIG_HOME", "XDG_DATA_HOME", "XDG_STATE_HOME",
-                                                                "XDG_CACHE_HOME")})
-    return subprocess.Popen([sys.executable, "-m", "hybridmoe.app.cli", "serve", "-m", str(model), "--port", "0",
-                             "--context", str(CONTEXT), "--max-tokens-limit", "32", *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-
-
 def test_serve_parallel_plans_for_that_many_and_says_so(tiny_chat_model, tmp_path):
     """Without --plan, the plan made at start holds --parallel conversations, and the engine
     answers that many at once."""
-    process = _serve(tiny_chat_model, tmp_path, "--parallel", "2")
-    lines: queue.Queue = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(line) for line in process.stderr], daemon=True).start()
+    process, lines = serve_process(tiny_chat_model, tmp_path, "--context", str(CONTEXT), "--max-tokens-limit", "32",
+                                   "--parallel", "2")
     seen = []
     try:
-        deadline = time.monotonic() + 120
-        while not any("Serving" in line for line in seen):
-            assert process.poll() is None, "".join(seen)
-            assert time.monotonic() < deadline, "".join(seen)
-            try:
-                seen.append(lines.get(timeout=1))
-            except queue.Empty:
-                pass
+        seen = until_serving(process, lines)
         assert "(OpenAI API), up to 2 requests at once. Ctrl-C stops." in seen[-1]
         url = re.search(r"at (http://\S+)/v1 ", seen[-1]).group(1)
         body = {"messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 5, "temperature": 0}
