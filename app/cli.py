@@ -212,7 +212,8 @@ def cmd_bench_generate(args) -> int:
     from hybridmoe.backend.bench import generate
 
     summary = generate.measure(args.model, prompt_tokens=args.prompt_tokens, gen_tokens=args.gen_tokens,
-                               threads=args.threads, repeats=args.repeats, rounds=args.rounds)
+                               threads=args.threads, repeats=args.repeats, rounds=args.rounds,
+                               backends=args.backends)
     print(json.dumps(summary, indent=1) if args.json else generate.table(summary))
     return EXIT_OK
 
@@ -370,7 +371,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=positive_int, default=2, help="timed passes per process (after an untimed one)")
     p.add_argument("--rounds", type=positive_int, default=2,
                    help="processes per backend, the backends taking turns (a drifting machine slows both alike)")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--backends", type=comma_separated(("engine", "llamacpp")), default=["engine", "llamacpp"],
+                   help="which to measure (default engine,llamacpp)")
+    p.add_argument("--json", action="store_true", help="the results, the engine's per-token breakdown "
+                   "included, as JSON")
     p.set_defaults(func=cmd_bench_generate)
     p = bench.add_parser("serve", help="several conversations at once: aggregate and per-stream tokens/s, time to "
                          "first token and peak RAM for 1, 2, 4, 8 streams, the engine against llama.cpp with as "

@@ -46,8 +46,10 @@ def _prompt(vocab: int, n: int, seed: int = 0) -> list[int]:
 def _run_engine(model: str, prompt_tokens: int, gen_tokens: int, threads: int, repeats: int) -> dict:
     import torch
 
+    from hybridmoe.backend.engine import native_kernels, step_profile
     from hybridmoe.backend.engine.session import EngineBackend
     from hybridmoe.backend.hardware import detect
+    from hybridmoe.backend.hardware.bandwidth import measure_host_read_bandwidth
     from hybridmoe.backend.models import inspect_model
     from hybridmoe.backend.plan import Workload, make
 
@@ -62,7 +64,9 @@ def _run_engine(model: str, prompt_tokens: int, gen_tokens: int, threads: int, r
     rss_load = _vm_hwm()
     ids = _prompt(net.config.require("vocab_size"), prompt_tokens)
     chunk = plan.workload.prefill_chunk
+    probes = [measure_host_read_bandwidth(threads=threads, passes=5) for _ in range(3)]
     prefill, decode, tokens = [], [], []
+    profiles = []
     for rep in range(repeats + 1):  # the first pass warms up, untimed
         t0 = time.perf_counter()
         for pos in range(0, len(ids), chunk):
@@ -70,19 +74,25 @@ def _run_engine(model: str, prompt_tokens: int, gen_tokens: int, threads: int, r
         prefill_s = time.perf_counter() - t0
         tok = int(logits[-1].argmax())
         out = [tok]
-        t0 = time.perf_counter()
-        for i in range(gen_tokens - 1):
-            logits = net(torch.tensor([tok]), len(ids) + i, last_only=True)
-            tok = int(logits[-1].argmax())
-            out.append(tok)
+        with step_profile.recording() as profile:
+            t0 = time.perf_counter()
+            for i in range(gen_tokens - 1):
+                logits = net(torch.tensor([tok]), len(ids) + i, last_only=True)
+                t1 = time.perf_counter()
+                tok = int(logits[-1].argmax())
+                profile.add("sampling", time.perf_counter() - t1)
+                out.append(tok)
+            decode_s = time.perf_counter() - t0
+        profile.close(decode_s)
         if rep:
             prefill.append(len(ids) / prefill_s)
-            decode.append((gen_tokens - 1) / (time.perf_counter() - t0))
+            decode.append((gen_tokens - 1) / decode_s)
+            profiles.append(profile.per_token(gen_tokens - 1))
         tokens = out
-    from hybridmoe.backend.engine import native_kernels
+    probes += [measure_host_read_bandwidth(threads=threads, passes=5) for _ in range(3)]
 
     return {"load_s": load_s, "rss_after_load": rss_load, "prefill": prefill, "decode": decode,
-            "tokens": tokens, "kernels": native_kernels.isa()}
+            "tokens": tokens, "kernels": native_kernels.isa(), "probe": probes, "breakdown": profiles}
 
 
 def _run_llamacpp(model: str, prompt_tokens: int, gen_tokens: int, threads: int, repeats: int) -> dict:
@@ -157,13 +167,15 @@ def measure(model: str, *, prompt_tokens: int = 512, gen_tokens: int = 64, threa
             results[backend] = run
         else:  # timings accumulate; load figures are the first round's, peaks the highest
             kept = results[backend]
-            kept["prefill"] += run["prefill"]
-            kept["decode"] += run["decode"]
+            for key in ("prefill", "decode", "probe", "breakdown"):
+                kept[key] = kept.get(key, []) + run.get(key, [])
             kept["rss_peak"] = max(kept["rss_peak"], run["rss_peak"])
     for r in results.values():
         if "error" not in r:
             r["prefill_median"] = statistics.median(r["prefill"])
             r["decode_median"] = statistics.median(r["decode"])
+            if r.get("breakdown"):
+                r["per_token"] = per_token(r)
     summary = {"model": model, "prompt_tokens": prompt_tokens, "gen_tokens": gen_tokens, "threads": threads,
                "repeats": repeats, "rounds": rounds, "results": results}
     e, l = results.get("engine", {}), results.get("llamacpp", {})
@@ -172,6 +184,31 @@ def measure(model: str, *, prompt_tokens: int = 512, gen_tokens: int = 64, threa
         summary["prefill_ratio"] = e["prefill_median"] / l["prefill_median"]
         summary["same_greedy_tokens"] = e["tokens"] == l["tokens"]
     return summary
+
+
+def per_token(result: dict) -> dict:
+    """The engine's decode token, part by part (medians over the passes): seconds, bytes read,
+    GB/s and the share of the bandwidth probe's median; and the whole token end to end, its
+    bytes over its time (1 / the median decode rate) against the same probe."""
+    from hybridmoe.backend.engine.step_profile import PARTS
+
+    probe = statistics.median(result["probe"])
+    passes = result["breakdown"]
+    parts = {}
+    for part in PARTS:
+        seen = [p[part] for p in passes if part in p]
+        if not seen:
+            continue
+        seconds = statistics.median(s["seconds"] for s in seen)
+        nbytes = statistics.median(s["bytes"] for s in seen)
+        gbps = nbytes / seconds / 1e9 if seconds and nbytes else None
+        parts[part] = {"seconds": seconds, "bytes": nbytes, "gbps": gbps,
+                       "of_probe": gbps * 1e9 / probe if gbps else None}
+    seconds = 1.0 / result["decode_median"]
+    nbytes = sum(p["bytes"] for p in parts.values())
+    return {"probe_gbps": probe / 1e9, "parts": parts,
+            "end_to_end": {"seconds": seconds, "bytes": nbytes, "gbps": nbytes / seconds / 1e9,
+                           "of_probe": nbytes / seconds / probe}}
 
 
 def _run_worker(cmd: list[str], cancel) -> tuple[int, str, str]:
@@ -200,10 +237,30 @@ def table(summary: dict) -> str:
             continue
         lines.append(f"{name:10} {r['load_s']:7.2f} {r['rss_after_load'] / gib:8.2f}G {r['rss_peak'] / gib:8.2f}G "
                      f"{r['prefill_median']:14.1f} {r['decode_median']:13.1f}")
+    engine = summary["results"].get("engine", {})
+    if "per_token" in engine:
+        lines += ["", *breakdown_table(engine["per_token"], len(engine["breakdown"]), len(engine["probe"]))]
     if "decode_ratio" in summary:
         lines.append(f"engine / llama.cpp: prefill {summary['prefill_ratio']:.2f}x, decode {summary['decode_ratio']:.2f}x; "
                      f"same greedy tokens: {summary['same_greedy_tokens']}")
     return "\n".join(lines)
+
+
+def breakdown_table(per: dict, passes: int, probes: int) -> list[str]:
+    from hybridmoe.backend.engine.step_profile import PARTS
+
+    total = sum(p["seconds"] for p in per["parts"].values())
+    lines = [f"engine decode, one token part by part (medians of {passes} passes); "
+             f"host read probe {per['probe_gbps']:.1f} GB/s (median of {probes})",
+             f"{'part':52} {'ms':>7} {'share':>6} {'MB read':>8} {'GB/s':>6} {'of probe':>8}"]
+    for name, p in per["parts"].items():
+        rate = f"{p['gbps']:6.1f} {p['of_probe']:8.0%}" if p["gbps"] else f"{'':6} {'':8}"
+        lines.append(f"{PARTS[name]:52} {p['seconds'] * 1e3:7.2f} {p['seconds'] / total:6.1%} "
+                     f"{p['bytes'] / 1e6:8.1f} {rate}")
+    e = per["end_to_end"]
+    lines.append(f"end to end: {e['bytes'] / 1e6:.1f} MB read per token in {e['seconds'] * 1e3:.2f} ms = "
+                 f"{e['gbps']:.1f} GB/s, {e['of_probe']:.0%} of the probe")
+    return lines
 
 
 def main(argv=None) -> int:

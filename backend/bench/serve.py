@@ -207,14 +207,14 @@ def _run_engine(model: str, streams: Sequence[int], prompt_tokens: int, gen_toke
                 "time_to_first_token_s": first - submitted, "token_times": token_times}
 
     generate(words_text(words, prompt_tokens, WARM_UP_SEED), 4)  # untimed: page faults on the mapped weights
-    runs = []
-    for n in streams:
-        lock = threading.Lock() if _engine_parallel(session) < n else nullcontext()
-        repeated = []
-        for r in range(repeats):
+    repeated: dict[int, list] = {n: [] for n in streams}
+    for r in range(repeats):  # the numbers of streams take turns: a drifting machine slows each alike
+        for n in streams:
+            lock = threading.Lock() if _engine_parallel(session) < n else nullcontext()
             prompts = [stream_prompt(words, n, i, prompt_tokens, r) for i in range(n)]
-            repeated.append(summarize_streams(_in_threads([lambda p=p: generate(p, gen_tokens, lock) for p in prompts])))
-        runs.append(median_run(repeated))
+            repeated[n].append(summarize_streams(_in_threads([lambda p=p: generate(p, gen_tokens, lock)
+                                                              for p in prompts])))
+    runs = [median_run(repeated[n]) for n in streams]
     turns_result = turn_taking(lambda _, text, k: generate(text, k), words, turns, gen_tokens) if turns else None
     from hybridmoe.backend.engine import native_kernels
 
@@ -339,18 +339,18 @@ def _run_llamacpp(model: str, streams: Sequence[int], prompt_tokens: int, gen_to
     rss_load = _vm_hwm()
     sequences = _LlamaSequences(llm, n_seq)
     sequences.generate({0: tokenizer.encode_prompt(words_text(words, prompt_tokens, WARM_UP_SEED))}, 4)  # untimed
-    runs = []
-    for n in streams:
-        repeated = []
-        for r in range(repeats):
+    repeated: dict[int, list] = {n: [] for n in streams}
+    for r in range(repeats):
+        for n in streams:
             sequences.clear()
             prompts = {i: tokenizer.encode_prompt(stream_prompt(words, n, i, prompt_tokens, r)) for i in range(n)}
             submitted = time.perf_counter()
             out, first_token_at = sequences.generate(prompts, gen_tokens)
             end_at = time.perf_counter()
-            repeated.append(summarize_streams([{"submitted": submitted, "first_token_at": first_token_at,
-                                                "end_at": end_at, "generated": len(tokens)} for tokens in out.values()]))
-        runs.append(median_run(repeated))
+            repeated[n].append(summarize_streams([{"submitted": submitted, "first_token_at": first_token_at,
+                                                   "end_at": end_at, "generated": len(tokens)}
+                                                  for tokens in out.values()]))
+    runs = [median_run(repeated[n]) for n in streams]
 
     seq_of = {"A": 0, "B": 1, "scratch": 0}
 

@@ -29,6 +29,7 @@ path; a layer may mix the two.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -36,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridmoe.backend.engine import native_experts, native_kernels
+from hybridmoe.backend.engine import native_experts, native_kernels, step_profile
 from hybridmoe.backend.engine.attention import Attention
 from hybridmoe.backend.engine.kv_cache import B, PagedKV, Segment
 from hybridmoe.backend.engine.layers import GatedMLP, RMSNorm
@@ -45,6 +46,28 @@ from hybridmoe.backend.engine.native_linear import NativeLinear
 from hybridmoe.backend.engine.routing import SigmoidGroupedTopK, SoftmaxTopK, TopKSoftmax
 
 _native = native_kernels._native
+
+
+def _clock() -> float:
+    """The start of a timed call while a step profile records (``step_profile``), else 0."""
+    return time.perf_counter() if step_profile.active is not None else 0.0
+
+
+def _lap(part: str, t0: float, nbytes: int = 0) -> None:
+    """Add the time since `t0` (from ``_clock``) and `nbytes` read to `part` of the profile."""
+    if step_profile.active is not None:
+        step_profile.active.timed(part, t0, nbytes)
+
+
+def _stack(tables: list[np.ndarray]) -> np.ndarray:
+    """Block tables of different lengths as the rows of one int64 array (padded with 0:
+    a row's length says how many of its entries are read)."""
+    if len(tables) == 1:
+        return tables[0].reshape(1, -1)
+    out = np.zeros((len(tables), max(len(t) for t in tables)), dtype=np.int64)
+    for row, table in zip(out, tables):
+        row[:len(table)] = table
+    return out
 
 
 def _np(t: torch.Tensor) -> np.ndarray:
@@ -75,23 +98,28 @@ class _Norm:
         self.w, self.eps = _np(norm.weight), float(norm.eps)
 
     def __call__(self, x: np.ndarray, out: np.ndarray) -> np.ndarray:
+        t0 = _clock()
         _native.rms_norm(x, self.w, self.eps, out)
+        _lap("small", t0)
         return out
 
 
 class _Linear:
-    """A NativeLinear called on NumPy views; out = x W^T (+ b)."""
+    """A NativeLinear called on NumPy views; out = x W^T (+ b). `part`: where a step profile
+    counts it."""
 
-    def __init__(self, lin: NativeLinear):
+    def __init__(self, lin: NativeLinear, part: str):
         self.lin = lin  # keeps alive what the kernels read
-        self.native = lin.native
+        self.native, self.part = lin.native, part
         self.bias = None if lin.bias is None else _np(lin.bias)
         self.out_features = lin.out_features
 
     def __call__(self, x: np.ndarray, out: np.ndarray) -> np.ndarray:
+        t0 = _clock()
         self.native.forward(x, out, native_kernels.dense_threshold())
         if self.bias is not None:
             np.add(out, self.bias, out=out)
+        _lap(self.part, t0, self.native.bytes)
         return out
 
 
@@ -103,8 +131,9 @@ class _AttentionStep:
     def __init__(self, attn: Attention, max_rows: int):
         self.attn = attn
         # One fused call, or (q, k, v stored in different formats) three into one buffer.
-        self.projections = [_Linear(p) for p in ((attn.qkv,) if attn.qkv is not None else (attn.q, attn.k, attn.v))]
-        self.o = _Linear(attn.o)
+        self.projections = [_Linear(p, "qkv")
+                            for p in ((attn.qkv,) if attn.qkv is not None else (attn.q, attn.k, attn.v))]
+        self.o = _Linear(attn.o, "o")
         self.q_norm = None if attn.q_norm is None else _np(attn.q_norm.weight)
         self.k_norm = None if attn.k_norm is None else _np(attn.k_norm.weight)
         self.eps = float(attn.q_norm.eps) if attn.q_norm is not None else 1e-6
@@ -112,6 +141,8 @@ class _AttentionStep:
         self.pairs = attn.rotary.layout == "pairs"
         self.group = attn.cache.group
         self.k, self.v = _cache_view(attn.cache.k), _cache_view(attn.cache.v)  # [blocks, KV, B, d]
+        kv_heads = self.k.shape[1]
+        self.position_bytes = kv_heads * (self.k.shape[-1] * self.k.itemsize + self.v.shape[-1] * self.v.itemsize)
         width = sum(p.out_features for p in self.projections)
         self.qkv = np.empty((max_rows, width), dtype=np.float32)
         self.bounds, at = [], 0
@@ -122,8 +153,9 @@ class _AttentionStep:
         # each row's q|k|v is put together.
         self.parts = [] if len(self.projections) == 1 else [
             np.empty((max_rows, p.out_features), dtype=np.float32) for p in self.projections]
-        self.q = np.empty((attn.n_heads, attn.head_dim), dtype=np.float32)
-        self.att = np.empty((max_rows, attn.n_heads * self.v.shape[-1]), dtype=np.float32)
+        self.q = np.empty((max_rows, attn.n_heads, attn.head_dim), dtype=np.float32)
+        self.att = np.empty((max_rows, attn.n_heads, self.v.shape[-1]), dtype=np.float32)
+        self.lengths = np.empty(max_rows, dtype=np.int64)
         self.out = np.empty((max_rows, self.o.out_features), dtype=np.float32)
 
     @staticmethod
@@ -144,7 +176,9 @@ class _AttentionStep:
             self.projections[0](h, qkv)
         for p, part, (lo, hi) in zip(self.projections, self.parts, self.bounds):
             qkv[:, lo:hi] = p(h, part[:n])
-        att = self.att[:n]
+        q, att, lengths = self.q[:n], self.att[:n], self.lengths[:n]
+        t0 = _clock()
+        tables: list[np.ndarray] = [None] * n
         for seg in segments:
             pos, t = seg.start, seg.row
             table = seg.seq.table_array(self.group)
@@ -152,10 +186,13 @@ class _AttentionStep:
             # The rotary tables from the block's first position on, so that the kernel's
             # position (the row in the block) picks the token's own angle.
             _native.rope_store(qkv[t], a.n_heads, a.n_kv_heads, self.q_norm, self.k_norm, self.eps, self.cos[first:],
-                               self.sin[first:], self.pairs, self.k[block], self.v[block], row, self.q)
-            _native.attend_decode_paged(self.q, self.k, self.v, table, pos + 1, a.scale,
-                                        att[t].reshape(a.n_heads, -1))
-        return self.o(att, self.out[:n])
+                               self.sin[first:], self.pairs, self.k[block], self.v[block], row, q[t])
+            lengths[t], tables[t] = pos + 1, table
+        _lap("small", t0)
+        t0 = _clock()
+        _native.attend_decode_rows(q, self.k, self.v, _stack(tables), lengths, a.scale, att)
+        _lap("attend", t0, int(lengths.sum()) * self.position_bytes)
+        return self.o(att.reshape(n, -1), self.out[:n])
 
 
 def _router(router: nn.Module) -> Callable[[np.ndarray, np.ndarray, np.ndarray], None] | None:
@@ -178,8 +215,8 @@ def _router(router: nn.Module) -> Callable[[np.ndarray, np.ndarray, np.ndarray],
 class _GatedStep:
     """down(silu(gate(x)) * up(x)) of a dense layer or shared expert, over the step's rows."""
 
-    def __init__(self, mlp: GatedMLP, max_rows: int):
-        self.gate_up, self.down = _Linear(mlp.gate_up), _Linear(mlp.down)
+    def __init__(self, mlp: GatedMLP, max_rows: int, part: str):
+        self.gate_up, self.down = _Linear(mlp.gate_up, part), _Linear(mlp.down, part)
         self.gu = _Buffer(max_rows, self.gate_up.out_features)
         self.act = _Buffer(max_rows, self.gate_up.out_features // 2)
         self.out = np.empty((max_rows, self.down.out_features), dtype=np.float32)
@@ -195,7 +232,9 @@ class _GatedStep:
         act_t, act_a = self.act.rows(n)
         self.gate_up(h, gu_a)
         gate, up = gu_t.chunk(2, dim=-1)
+        t0 = _clock()
         torch.mul(F.silu(gate), up, out=act_t)
+        _lap("small", t0)
         return self.down(act_a, self.out[:n])
 
 
@@ -205,10 +244,11 @@ class _MoEStep:
 
     def __init__(self, moe: MoE, experts: native_experts.NativeExperts, choose: Callable, max_rows: int):
         self.moe, self.layer = moe, experts.layer
-        self.logits = _Linear(NativeLinear(moe.router.weight, getattr(moe.router, "bias", None)))
+        self.logits = _Linear(NativeLinear(moe.router.weight, getattr(moe.router, "bias", None)), "router")
         self.choose = choose
-        self.shared = None if moe.shared is None else _GatedStep(moe.shared, max_rows)
-        self.shared_gate = None if moe.shared_gate is None else _Linear(moe.shared_gate)
+        self.shared = None if moe.shared is None else _GatedStep(moe.shared, max_rows, "shared")
+        self.shared_gate = None if moe.shared_gate is None else _Linear(moe.shared_gate, "shared")
+        self.expert_bytes = experts.expert_bytes
         k = moe.router.k
         self.k = k
         self.buf_logits = np.empty((max_rows, self.logits.out_features), dtype=np.float32)
@@ -241,10 +281,15 @@ class _MoEStep:
         logits = self.logits(h, self.buf_logits[:n])
         ids_t, ids = self.ids.rows(n)
         weights, out = self.weights[:n], self.out[:n]
+        t0 = _clock()
         for t in range(n):
             self.choose(logits[t], ids[t], weights[t])
+        _lap("small", t0)
         self.moe.record(ids_t)
+        t0 = _clock()
         self.layer.forward(h, ids, weights, out, native_experts.REGIMES[native_kernels.expert_regime()], 0)
+        if t0:  # the experts of the union of the rows' choices, each read once
+            _lap("experts", t0, len(np.unique(ids)) * self.expert_bytes)
         if self.shared is not None:
             shared = self.shared(h)
             if self.shared_gate is not None:
@@ -260,7 +305,7 @@ class _LayerStep:
         self.attn_norm, self.ffn_norm = _Norm(layer.attn_norm), _Norm(layer.ffn_norm)
         self.attn = _AttentionStep(layer.attn, max_rows) if _AttentionStep.supports(layer.attn) else None
         if _GatedStep.supports(layer.ffn):
-            self.ffn = _GatedStep(layer.ffn, max_rows)
+            self.ffn = _GatedStep(layer.ffn, max_rows, "mlp")
         else:
             self.ffn = _MoEStep.build(layer.ffn, max_rows)
 
@@ -291,7 +336,7 @@ class DecodeStep:
         self.layers = [_LayerStep(layer, self.h, max_rows) for layer in model.layers]
         self.norm = _Norm(model.norm)
         # A head the kernels do not read is a PyTorch Linear in the model dtype.
-        self.head = _Linear(model.lm_head) if isinstance(model.lm_head, NativeLinear) else None
+        self.head = _Linear(model.lm_head, "head") if isinstance(model.lm_head, NativeLinear) else None
 
     @classmethod
     def build(cls, model: nn.Module, max_rows: int) -> DecodeStep | None:

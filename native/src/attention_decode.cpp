@@ -15,13 +15,20 @@ namespace {
 // still splits into a unit per thread and a run's scores and key rows stay in L2.
 constexpr int64_t kRun = 256;
 
+// One row (one sequence's query) of a call: its work units are its KV heads x runs.
+struct Row {
+    const DecodeAttention* a;
+    int64_t runs;        // per KV head
+    int64_t first_unit;  // of the call's units
+    size_t q_at;         // offset of its scaled queries in Call::q
+};
+
 struct Call {
     const KernelTable* kt;
-    const DecodeAttention* a;
     int group;
-    int64_t runs;   // per KV head
-    int64_t units;  // Hkv * runs
-    std::vector<float> q;  // scaled queries
+    std::vector<Row> rows;
+    int64_t units = 0;             // sum over rows of Hkv * runs
+    std::vector<float> q;          // scaled queries
     std::vector<float> m, l, acc;  // per unit: [group], [group], [group * Dv]
     std::atomic<int64_t> next{0};
 };
@@ -30,31 +37,35 @@ thread_local std::vector<float> tls_scores;
 
 void phase_runs(void* ctx, int, int) {
     Call& c = *static_cast<Call*>(ctx);
-    const DecodeAttention& a = *c.a;
-    const size_t esz = a.kv_bf16 ? 2 : 4;
-    const auto* k = static_cast<const uint8_t*>(a.k);
-    const auto* v = static_cast<const uint8_t*>(a.v);
     KvSegment segs[kRun];  // at most one per position (blocks of one position)
     for (;;) {
         const int64_t u = c.next.fetch_add(1, std::memory_order_relaxed);
         if (u >= c.units) return;
-        const int64_t h = u / c.runs, s0 = (u % c.runs) * kRun, n = std::min(kRun, a.S - s0);
+        size_t r = 0;
+        while (r + 1 < c.rows.size() && c.rows[r + 1].first_unit <= u) ++r;
+        const Row& row = c.rows[r];
+        const DecodeAttention& a = *row.a;
+        const size_t esz = a.kv_bf16 ? 2 : 4;
+        const auto* k = static_cast<const uint8_t*>(a.k);
+        const auto* v = static_cast<const uint8_t*>(a.v);
+        const int64_t ru = u - row.first_unit;
+        const int64_t h = ru / row.runs, s0 = (ru % row.runs) * kRun, n = std::min(kRun, a.S - s0);
         if (tls_scores.size() < size_t(c.group * n)) tls_scores.resize(size_t(c.group * n));
         // The run's stretches that are contiguous in memory: all of it, or its part in each block.
         int n_segs = 0;
         for (int64_t s = s0; s < s0 + n;) {
             int64_t len = s0 + n - s, k_off = h * a.k_head + s * a.k_pos, v_off = h * a.v_head + s * a.v_pos;
             if (a.blocks) {
-                const int64_t block = a.blocks[s / a.block_size], row = s % a.block_size;
-                len = std::min(len, a.block_size - row);
-                k_off = block * a.k_block + h * a.k_head + row * a.k_pos;
-                v_off = block * a.v_block + h * a.v_head + row * a.v_pos;
+                const int64_t block = a.blocks[s / a.block_size], pos = s % a.block_size;
+                len = std::min(len, a.block_size - pos);
+                k_off = block * a.k_block + h * a.k_head + pos * a.k_pos;
+                v_off = block * a.v_block + h * a.v_head + pos * a.v_pos;
             }
             segs[n_segs++] = {k + size_t(k_off) * esz, v + size_t(v_off) * esz, len};
             s += len;
         }
-        c.kt->attend_run(c.q.data() + h * c.group * a.D, c.group, a.D, a.Dv, segs, n_segs, a.kv_bf16, a.k_pos, a.v_pos, n,
-                         tls_scores.data(), c.m.data() + u * c.group, c.l.data() + u * c.group,
+        c.kt->attend_run(c.q.data() + row.q_at + h * c.group * a.D, c.group, a.D, a.Dv, segs, n_segs, a.kv_bf16, a.k_pos,
+                         a.v_pos, n, tls_scores.data(), c.m.data() + u * c.group, c.l.data() + u * c.group,
                          c.acc.data() + u * c.group * a.Dv);
     }
 }
@@ -63,42 +74,56 @@ std::mutex g_mutex;  // the scratch of one call
 
 }  // namespace
 
-void attend_decode(Executor& exec, const KernelTable& kt, const DecodeAttention& a) {
+void attend_decode_rows(Executor& exec, const KernelTable& kt, const DecodeAttention* rows, int n_rows) {
+    if (n_rows <= 0) return;
     std::lock_guard<std::mutex> lock(g_mutex);
     Call c;
     c.kt = &kt;
-    c.a = &a;
-    c.group = int(a.Hq / a.Hkv);
-    c.runs = (a.S + kRun - 1) / kRun;
-    c.units = a.Hkv * c.runs;
-    c.q.resize(size_t(a.Hq * a.D));
-    for (int64_t i = 0; i < a.Hq * a.D; ++i) c.q[size_t(i)] = a.q[i] * a.scale;
+    c.group = int(rows[0].Hq / rows[0].Hkv);
+    size_t q_size = 0, acc_size = 0;
+    for (int i = 0; i < n_rows; ++i) {
+        const DecodeAttention& a = rows[i];
+        const int64_t runs = (a.S + kRun - 1) / kRun;
+        c.rows.push_back({&a, runs, c.units, q_size});
+        c.units += a.Hkv * runs;
+        q_size += size_t(a.Hq * a.D);
+        acc_size += size_t(a.Hkv * runs * c.group * a.Dv);
+    }
+    c.q.resize(q_size);
+    for (const Row& row : c.rows)
+        for (int64_t i = 0; i < row.a->Hq * row.a->D; ++i) c.q[row.q_at + size_t(i)] = row.a->q[i] * row.a->scale;
     c.m.resize(size_t(c.units * c.group));
     c.l.resize(size_t(c.units * c.group));
-    c.acc.resize(size_t(c.units * c.group * a.Dv));
+    c.acc.resize(acc_size);
     if (c.units == 1) {
         phase_runs(&c, 0, 0);  // one unit: not worth waking the pool
     } else {
         exec.run(phase_runs, &c);
     }
     // Merge the runs of each query head: rescale each by e^(m_run - max).
-    for (int64_t h = 0; h < a.Hkv; ++h)
-        for (int g = 0; g < c.group; ++g) {
-            float mx = -INFINITY;
-            for (int64_t r = 0; r < c.runs; ++r) mx = std::max(mx, c.m[size_t((h * c.runs + r) * c.group + g)]);
-            float* o = a.out + (h * c.group + g) * a.Dv;
-            std::fill(o, o + a.Dv, 0.f);
-            float denom = 0.f;
-            for (int64_t r = 0; r < c.runs; ++r) {
-                const int64_t u = h * c.runs + r;
-                const float w = std::exp(c.m[size_t(u * c.group + g)] - mx);
-                denom += w * c.l[size_t(u * c.group + g)];
-                const float* acc = c.acc.data() + (u * c.group + g) * a.Dv;
-                for (int64_t j = 0; j < a.Dv; ++j) o[j] += w * acc[j];
+    for (const Row& row : c.rows) {
+        const DecodeAttention& a = *row.a;
+        for (int64_t h = 0; h < a.Hkv; ++h)
+            for (int g = 0; g < c.group; ++g) {
+                const int64_t u0 = row.first_unit + h * row.runs;
+                float mx = -INFINITY;
+                for (int64_t r = 0; r < row.runs; ++r) mx = std::max(mx, c.m[size_t((u0 + r) * c.group + g)]);
+                float* o = a.out + (h * c.group + g) * a.Dv;
+                std::fill(o, o + a.Dv, 0.f);
+                float denom = 0.f;
+                for (int64_t r = 0; r < row.runs; ++r) {
+                    const int64_t u = u0 + r;
+                    const float w = std::exp(c.m[size_t(u * c.group + g)] - mx);
+                    denom += w * c.l[size_t(u * c.group + g)];
+                    const float* acc = c.acc.data() + (u * c.group + g) * a.Dv;
+                    for (int64_t j = 0; j < a.Dv; ++j) o[j] += w * acc[j];
+                }
+                const float inv = 1.f / denom;
+                for (int64_t j = 0; j < a.Dv; ++j) o[j] *= inv;
             }
-            const float inv = 1.f / denom;
-            for (int64_t j = 0; j < a.Dv; ++j) o[j] *= inv;
-        }
+    }
 }
+
+void attend_decode(Executor& exec, const KernelTable& kt, const DecodeAttention& a) { attend_decode_rows(exec, kt, &a, 1); }
 
 }  // namespace hmoe

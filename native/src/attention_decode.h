@@ -41,5 +41,9 @@ struct DecodeAttention {
 };
 
 void attend_decode(Executor& exec, const KernelTable& kt, const DecodeAttention& a);
+// Several queries (one per sequence of a decode step, each over its own cache positions;
+// all with the same heads) in one pass of the pool: their units share the threads, and each
+// row gets the bits it gets alone (the same units, merged in the same order).
+void attend_decode_rows(Executor& exec, const KernelTable& kt, const DecodeAttention* rows, int n_rows);
 
 }  // namespace hmoe

@@ -241,17 +241,17 @@ void attend_decode_py(QueryRows q,
     run_attend_decode(a, q, scale, out);
 }
 
-// q [Hq, D] fp32; k_blocks [n_blocks, Hkv, B, D], v_blocks [n_blocks, Hkv, B, Dv] (bf16 or
-// fp32, rows contiguous); table int64 [>= ceil(length / B)], the sequence's block ids in order;
-// out [Hq, Dv] fp32.
-void attend_decode_paged_py(QueryRows q,
-                            nb::ndarray<nb::ndim<4>, nb::device::cpu> k_blocks, nb::ndarray<nb::ndim<4>, nb::device::cpu> v_blocks,
-                            nb::ndarray<const int64_t, nb::ndim<1>, nb::c_contig, nb::device::cpu> table, int64_t length,
-                            float scale, AttendOut out) {
-    const bool bf16 = cache_is_bf16(k_blocks.dtype(), v_blocks.dtype());
+using KvBlocks = nb::ndarray<nb::ndim<4>, nb::device::cpu>;
+
+// A block-allocated cache (k_blocks [n_blocks, Hkv, B, D], v_blocks [n_blocks, Hkv, B, Dv],
+// bf16 or fp32, rows contiguous) as a DecodeAttention of Hq query heads over the first
+// `length` positions of the sequence whose block ids are table[0 .. table_len).
+DecodeAttention paged_attention(int64_t Hq, int64_t D, const KvBlocks& k_blocks, const KvBlocks& v_blocks,
+                                const int64_t* table, int64_t table_len, int64_t length) {
     DecodeAttention a;
-    a.Hq = int64_t(q.shape(0));
-    a.D = int64_t(q.shape(1));
+    a.kv_bf16 = cache_is_bf16(k_blocks.dtype(), v_blocks.dtype());
+    a.Hq = Hq;
+    a.D = D;
     const int64_t n_blocks = int64_t(k_blocks.shape(0));
     a.Hkv = int64_t(k_blocks.shape(1));
     a.block_size = int64_t(k_blocks.shape(2));
@@ -265,30 +265,64 @@ void attend_decode_paged_py(QueryRows q,
     if (a.Hkv <= 0 || a.Hq % a.Hkv) throw nb::value_error("query heads must be a multiple of KV heads");
     if (int64_t(k_blocks.shape(3)) != a.D) throw nb::value_error("keys and queries differ in head size");
     if (k_blocks.stride(3) != 1 || v_blocks.stride(3) != 1) throw nb::value_error("cache rows must be contiguous");
-    if (int64_t(out.shape(0)) != a.Hq || int64_t(out.shape(1)) != a.Dv) throw nb::value_error("out must be float32 [Hq, Dv]");
     const int64_t used = length > 0 ? (length - 1) / a.block_size + 1 : 0;
-    if (length <= 0 || used > int64_t(table.shape(0)))
+    if (length <= 0 || used > table_len)
         throw nb::value_error(("length " + std::to_string(length) + " out of range: the table's " +
-                               std::to_string(table.shape(0)) + " blocks of " + std::to_string(a.block_size) +
-                               " hold 1 to " + std::to_string(int64_t(table.shape(0)) * a.block_size) + " positions")
+                               std::to_string(table_len) + " blocks of " + std::to_string(a.block_size) +
+                               " hold 1 to " + std::to_string(table_len * a.block_size) + " positions")
                                   .c_str());
-    const int64_t* ids = table.data();
     for (int64_t i = 0; i < used; ++i)
-        if (ids[i] < 0 || ids[i] >= n_blocks)
-            throw nb::value_error(("block table entry " + std::to_string(i) + " is " + std::to_string(ids[i]) +
+        if (table[i] < 0 || table[i] >= n_blocks)
+            throw nb::value_error(("block table entry " + std::to_string(i) + " is " + std::to_string(table[i]) +
                                    ", not a block of the cache (0 to " + std::to_string(n_blocks - 1) + ")")
                                       .c_str());
     a.k = k_blocks.data();
     a.v = v_blocks.data();
-    a.kv_bf16 = bf16;
-    a.blocks = ids;
+    a.blocks = table;
     a.k_block = k_blocks.stride(0);
     a.k_head = k_blocks.stride(1);
     a.k_pos = k_blocks.stride(2);
     a.v_block = v_blocks.stride(0);
     a.v_head = v_blocks.stride(1);
     a.v_pos = v_blocks.stride(2);
+    return a;
+}
+
+// q [Hq, D] fp32; table int64 [>= ceil(length / B)], the sequence's block ids in order;
+// out [Hq, Dv] fp32.
+void attend_decode_paged_py(QueryRows q, KvBlocks k_blocks, KvBlocks v_blocks,
+                            nb::ndarray<const int64_t, nb::ndim<1>, nb::c_contig, nb::device::cpu> table, int64_t length,
+                            float scale, AttendOut out) {
+    DecodeAttention a = paged_attention(int64_t(q.shape(0)), int64_t(q.shape(1)), k_blocks, v_blocks, table.data(),
+                                        int64_t(table.shape(0)), length);
+    if (int64_t(out.shape(0)) != a.Hq || int64_t(out.shape(1)) != a.Dv) throw nb::value_error("out must be float32 [Hq, Dv]");
     run_attend_decode(a, q, scale, out);
+}
+
+// One query per sequence of a decode step: q [T, Hq, D] fp32, tables int64 [T, >= the
+// longest's blocks] (row t: sequence t's block ids), lengths int64 [T], out [T, Hq, Dv].
+void attend_decode_rows_py(nb::ndarray<const float, nb::ndim<3>, nb::c_contig, nb::device::cpu> q, KvBlocks k_blocks,
+                           KvBlocks v_blocks, nb::ndarray<const int64_t, nb::ndim<2>, nb::c_contig, nb::device::cpu> tables,
+                           nb::ndarray<const int64_t, nb::ndim<1>, nb::c_contig, nb::device::cpu> lengths, float scale,
+                           nb::ndarray<float, nb::ndim<3>, nb::c_contig, nb::device::cpu> out) {
+    const int64_t T = int64_t(q.shape(0)), Hq = int64_t(q.shape(1)), D = int64_t(q.shape(2));
+    if (int64_t(tables.shape(0)) != T || int64_t(lengths.shape(0)) != T || int64_t(out.shape(0)) != T)
+        throw nb::value_error("q, tables, lengths and out must have one row per sequence");
+    std::vector<DecodeAttention> rows;
+    for (int64_t t = 0; t < T; ++t) {
+        DecodeAttention a = paged_attention(Hq, D, k_blocks, v_blocks, tables.data() + t * int64_t(tables.shape(1)),
+                                            int64_t(tables.shape(1)), lengths.data()[t]);
+        if (int64_t(out.shape(1)) != Hq || int64_t(out.shape(2)) != a.Dv)
+            throw nb::value_error("out must be float32 [T, Hq, Dv]");
+        a.q = q.data() + t * Hq * D;
+        a.scale = scale;
+        a.out = out.data() + t * Hq * a.Dv;
+        rows.push_back(a);
+    }
+    const KernelTable& kt = *current_table();
+    Executor& exec = executor();
+    nb::gil_scoped_release release;
+    attend_decode_rows(exec, kt, rows.data(), int(rows.size()));
 }
 
 // ---- the small decode steps (decode_ops.h); tensors are float32 unless said --------------
@@ -498,6 +532,10 @@ NB_MODULE(_native, m) {
     m.def("attend_decode_paged", &attend_decode_paged_py, "q"_a, "k_blocks"_a, "v_blocks"_a, "table"_a, "length"_a,
           "scale"_a, "out"_a,
           "attend_decode over a block-allocated cache: position s in block table[s // B], row s % B.");
+    m.def("attend_decode_rows", &attend_decode_rows_py, "q"_a, "k_blocks"_a, "v_blocks"_a, "tables"_a, "lengths"_a,
+          "scale"_a, "out"_a,
+          "attend_decode_paged for one query per sequence of a decode step, in one pass of the threads: q [T, Hq, D], "
+          "tables [T, blocks], lengths [T], out [T, Hq, Dv].");
 
     m.def("rms_norm", &rms_norm_py, "x"_a, "w"_a, "eps"_a, "out"_a,
           "out = x / sqrt(mean(x^2) + eps) * w over the last axis, float32 (out may be x).");

@@ -99,6 +99,45 @@ def test_numpy_views_as_the_decode_step_passes_them():
     assert np.array_equal(out, expected.view(32, 128).numpy())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_of_a_step_each_get_their_solo_bits(isa, dtype):
+    """One call for the queries of several sequences (a decode step) over one shared pool of
+    blocks: each row equals attend_decode_paged of that row alone, bit for bit, whatever the
+    other rows' lengths (1 block, a partial one, several runs of positions)."""
+    g = torch.Generator().manual_seed(5)
+    lengths = [1, 63, 300, 700, 64]
+    n_blocks = sum(-(-n // 64) for n in lengths) + 2
+    k_blocks = torch.randn(n_blocks, 4, 64, 128, generator=g).to(dtype)
+    v_blocks = torch.randn(n_blocks, 4, 64, 128, generator=g).to(dtype)
+    order = torch.randperm(n_blocks, generator=g).tolist()
+    tables, at = [], 0
+    for n in lengths:
+        used = -(-n // 64)
+        tables.append(order[at:at + used])
+        at += used
+    padded = torch.zeros(len(lengths), max(map(len, tables)), dtype=torch.int64)
+    for row, table in zip(padded, tables):
+        row[:len(table)] = torch.tensor(table)
+    q = torch.randn(len(lengths), 32, 128, generator=g)
+    out = torch.empty(len(lengths), 32, 128)
+    _native.attend_decode_rows(q, k_blocks, v_blocks, padded, torch.tensor(lengths), 0.088, out)
+    for t, (n, table) in enumerate(zip(lengths, tables)):
+        alone = torch.empty(32, 128)
+        _native.attend_decode_paged(q[t], k_blocks, v_blocks, torch.tensor(table), n, 0.088, alone)
+        assert torch.equal(out[t], alone), f"row {t} ({n} positions)"
+
+
+def test_rows_are_checked_one_by_one():
+    k_blocks, v_blocks, table = _paged_cache(2, 16, 64, 64, 40, torch.float32, seed=3)
+    tables = torch.stack([table, table])
+    with pytest.raises(ValueError, match="length 49 out of range"):
+        _native.attend_decode_rows(torch.randn(2, 8, 64), k_blocks, v_blocks, tables, torch.tensor([40, 49]), 0.1,
+                                   torch.empty(2, 8, 64))
+    with pytest.raises(ValueError, match="one row per sequence"):
+        _native.attend_decode_rows(torch.randn(2, 8, 64), k_blocks, v_blocks, tables, torch.tensor([40]), 0.1,
+                                   torch.empty(2, 8, 64))
+
+
 def _call(q=None, k=None, v=None, table=None, length=40, out=None):
     k_blocks, v_blocks, default_table = _paged_cache(2, 16, 64, 64, 40, torch.float32, seed=3)
     _native.attend_decode_paged(

@@ -1,0 +1,119 @@
+"""`hybridmoe bench generate`'s per-token breakdown of the engine's decode step.
+
+The parts' bytes are held to what the engine reads and to the plan's own figure for a token
+(the plan is a promise: its bytes read per token are the engine's), their times to the token's
+time; the report's plumbing is checked on a tiny GGUF (its speed says nothing)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from hybridmoe.app import cli
+from hybridmoe.backend.engine import native_kernels, step_profile
+from hybridmoe.backend.engine.session import EngineBackend
+from hybridmoe.backend.hardware import detect
+from hybridmoe.backend.models import inspect_model
+from hybridmoe.backend.plan import Workload, make
+from tests.convert.conftest import build_checkpoint
+
+pytestmark = pytest.mark.skipif(not native_kernels.available(), reason="native extension not built")
+
+PROMPT, STEPS = 20, 6
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    from hybridmoe.backend.convert import to_gguf
+
+    work = tmp_path_factory.mktemp("bench-generate")
+    checkpoint = build_checkpoint(work / "checkpoint", "qwen3_moe")
+    return to_gguf(checkpoint.path, work / "tiny-q8_0.gguf", "q8_0")
+
+
+@pytest.fixture(scope="module")
+def profiled(tiny_gguf):
+    """The plan, the model and the profile of STEPS decode tokens after a PROMPT-token prompt."""
+    inspected = inspect_model(tiny_gguf)
+    plan = make(inspected.spec, inspected.inventory, detect(measure_bandwidth=False),
+                Workload(context=64, strategy="cpu-only"))
+    net = EngineBackend().load(tiny_gguf, plan).model
+    logits = net(torch.arange(3, 3 + PROMPT), 0, last_only=True)
+    tok = int(logits[-1].argmax())
+    with step_profile.recording() as profile:
+        for i in range(STEPS):
+            tok = int(net(torch.tensor([tok]), PROMPT + i, last_only=True)[-1].argmax())
+    return plan, net, profile
+
+
+def test_each_part_reads_what_the_engine_holds(profiled):
+    plan, net, profile = profiled
+    assert net._decode_step, "the tiny model must take the native decode step"
+    layers = net._decode_step.layers
+    # Routed experts: a token's k choices are distinct experts, each read once.
+    expert_bytes = sum(step.ffn.expert_bytes for step in layers)
+    assert profile.bytes["experts"] == STEPS * plan.experts_per_token * expert_bytes
+    # Projections: their stored matrices, once a step.
+    qkv = sum(p.native.bytes for step in layers for p in step.attn.projections)
+    assert profile.bytes["qkv"] == STEPS * qkv
+    assert profile.bytes["o"] == STEPS * sum(step.attn.o.native.bytes for step in layers)
+    assert profile.bytes["router"] == STEPS * sum(step.ffn.logits.native.bytes for step in layers)
+    assert profile.bytes["head"] == STEPS * net._decode_step.head.native.bytes
+    # Attention reads every position so far, keys and values of every layer.
+    positions = sum(PROMPT + i + 1 for i in range(STEPS))
+    assert profile.bytes["attend"] == positions * plan.kv_bytes_per_token
+
+
+def test_a_token_reads_the_bytes_the_plan_promises(profiled):
+    """The plan's bytes per token (CPU-only, one conversation) are the weights the engine reads
+    plus the cache at the full context; the engine reads the cache as far as it has come."""
+    plan, _, profile = profiled
+    weights = sum(profile.bytes[p] for p in ("experts", "qkv", "o", "router", "head")) / STEPS
+    promised = plan.host_bytes_per_token - plan.kv_cache_bytes
+    # What the plan counts beside the projections: the layers' norm weights (float32 vectors).
+    assert weights <= promised <= weights * 1.02, (weights, promised)
+
+
+def test_the_parts_add_up_to_the_steps(profiled):
+    _, _, profile = profiled
+    parts = sum(profile.seconds.values())
+    assert all(profile.seconds[p] > 0 for p in ("experts", "qkv", "o", "router", "attend", "small", "head"))
+    profile_copy = step_profile.StepProfile(dict(profile.seconds), dict(profile.bytes))
+    profile_copy.close(parts + 0.5)
+    assert profile_copy.seconds["rest"] == pytest.approx(profile.seconds["rest"] + 0.5)
+    per = profile.per_token(STEPS)
+    assert per["experts"]["bytes"] == profile.bytes["experts"] / STEPS
+
+
+def test_nothing_is_recorded_outside_a_recording(profiled, tiny_gguf):
+    _, net, _ = profiled
+    assert step_profile.active is None
+    net(torch.tensor([5]), PROMPT + STEPS, last_only=True)  # no profile to add to: no error, no record
+    assert step_profile.active is None
+
+
+@pytest.mark.slow
+def test_the_report_has_the_breakdown(tiny_gguf, capsys):
+    code = cli.main(["bench", "generate", str(tiny_gguf), "--backends", "engine", "--prompt-tokens", "16",
+                     "--gen-tokens", "5", "--threads", "1", "--repeats", "1", "--rounds", "1", "--json"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    engine = json.loads(out)["results"]["engine"]
+    per = engine["per_token"]
+    assert per["probe_gbps"] > 0 and len(engine["probe"]) == 6
+    assert {"experts", "qkv", "o", "router", "attend", "small", "head", "sampling", "rest"} <= set(per["parts"])
+    # One pass: the parts are that pass's, and they add up to its time per token.
+    assert sum(p["seconds"] for p in per["parts"].values()) == pytest.approx(per["end_to_end"]["seconds"], rel=1e-6)
+    assert per["end_to_end"]["bytes"] == pytest.approx(sum(p["bytes"] for p in per["parts"].values()))
+    assert 0 < per["end_to_end"]["of_probe"]
+    for name in ("experts", "qkv", "head"):
+        assert per["parts"][name]["gbps"] > 0 and per["parts"][name]["of_probe"] > 0
+
+    cli.main(["bench", "generate", str(tiny_gguf), "--backends", "engine", "--prompt-tokens", "16",
+              "--gen-tokens", "5", "--threads", "1", "--repeats", "1", "--rounds", "1"])
+    text = capsys.readouterr().out
+    assert "engine decode, one token part by part" in text
+    assert "routed experts" in text and "between calls" in text
+    assert "end to end:" in text and "of the probe" in text
