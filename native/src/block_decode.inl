@@ -112,8 +112,15 @@ static inline void dequant_block(Format fmt, const uint8_t* row, const uint8_t* 
     }
 }
 
-// Block b of row r of an x8 matrix (q4_0 order, codes q + 8) into dst[0 .. 32).
+// Block b of row r of an x8 matrix (q4_0 order, codes q + 8; q8_0x8: signed codes) into dst[0 .. 32).
 static inline void dequant_x8_block(Format fmt, const MatrixRef& w, int64_t r, int64_t b, float* dst) {
+    if (fmt == FMT_Q8_0_X8) {
+        const uint8_t* blk = w.data + (r / 8) * w.row_stride + b * kQ8X8BlockBytes;
+        const int lane = int(r % 8);
+        const float d = fp16_to_f32(load_u16(blk + 2 * lane));
+        for (int j = 0; j < 32; ++j) dst[j] = float(int8_t(blk[x8_code_at(lane, j)])) * d;
+        return;
+    }
     const uint8_t* blk = w.data + (r / 8) * w.row_stride + b * kX8BlockBytes;
     const int lane = int(r % 8);
     const uint16_t s = load_u16(blk + 2 * lane);

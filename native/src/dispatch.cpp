@@ -126,7 +126,10 @@ std::string self_test(const KernelTable* t) {
         MatrixRef w;
         int ROWS = 5;
         if (f.row_group == 8) {  // the x8 layouts: interleave one group of random rows of their source format
-            const Format src = fmt == FMT_Q4_0_X8 ? FMT_Q4_0 : fmt == FMT_INT4_X8 ? FMT_INT4_G32 : FMT_Q4_K;
+            const Format src = fmt == FMT_Q4_0_X8   ? FMT_Q4_0
+                               : fmt == FMT_INT4_X8 ? FMT_INT4_G32
+                               : fmt == FMT_Q8_0_X8 ? FMT_Q8_0
+                                                    : FMT_Q4_K;
             ROWS = 8;  // one group: fits the narrowest panel (the scalar one)
             random_rows(src, ROWS, K, rng, data, scales, w);
             copy.resize(size_t(interleaved_bytes(fmt, ROWS, K)));

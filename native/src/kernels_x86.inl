@@ -538,6 +538,48 @@ static void gemv_q4kx8_n(const MatrixRef& w, int64_t row0, int64_t nrows, int64_
     }
 }
 
+// q8_0x8: eight rows per vector as above, signed codes. Per chunk (four codes of each row)
+// and token: |w| x (a with w's sign) into int16 pairs and at once into int32 (two 8-bit
+// products fill an int16: no room to add chunks first), then one FMA per block with the
+// eight rows' scales.
+template <int N>
+static void gemv_x8q8_n(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t K, const Q8Row* acts, float* out,
+                        int64_t ldo) {
+    const int64_t nb = K / 32;
+    for (int64_t g = 0; g < nrows / 8; ++g) {
+        const uint8_t* blk = w.data + (row0 / 8 + g) * w.row_stride;
+        __m256 acc[N];
+        for (int t = 0; t < N; ++t) acc[t] = _mm256_setzero_ps();
+        for (int64_t b = 0; b < nb; ++b, blk += kQ8X8BlockBytes) {
+            prefetch_span(blk + kPrefetchAhead, kQ8X8BlockBytes);
+            const __m256 dw = load8_as_ps<FMT_F16>(blk, 0);
+            __m256i s32[N];
+            for (int t = 0; t < N; ++t) s32[t] = _mm256_setzero_si256();
+            for (int c = 0; c < 8; ++c) {
+                const __m256i wc = load32(blk + 16 + 32 * c);
+                const __m256i aw = _mm256_sign_epi8(wc, wc);
+                for (int t = 0; t < N; ++t)
+                    s32[t] = dot_u8s8(s32[t], aw, _mm256_sign_epi8(bcast4(acts[t].q + 32 * b + 4 * c), wc));
+            }
+            for (int t = 0; t < N; ++t)
+                acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(acts[t].d[b])), _mm256_cvtepi32_ps(s32[t]), acc[t]);
+        }
+        for (int t = 0; t < N; ++t) _mm256_storeu_ps(out + t * ldo + 8 * g, acc[t]);
+    }
+}
+
+template <int N>
+struct Q8X8G {
+    static void run(const MatrixRef& w, int64_t r0, int64_t n, int64_t K, const Q8Row* a, float* o, int64_t l) {
+        gemv_x8q8_n<N>(w, r0, n, K, a, o, l);
+    }
+};
+
+static void gemv_q8_q8x8(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t K, const Q8Row* acts, int ntok,
+                         float* out, int64_t ldo) {
+    by_tokens<Q8X8G>(w, row0, nrows, K, acts, ntok, out, ldo);
+}
+
 template <int N>
 struct Q4KX8G {
     static void run(const MatrixRef& w, int64_t r0, int64_t n, int64_t K, const Q8Row* a, float* o, int64_t l) {
@@ -770,6 +812,33 @@ static void dequant_panel_x8(const MatrixRef& w, int64_t row0, int nrows, int64_
     }
 }
 
+// q8_0x8: byte i of each 32-bit lane is code 4c + i of that lane's row; shifting it to the
+// top and back down arithmetically sign-extends it.
+static void dequant_panel_q8x8(const MatrixRef& w, int64_t row0, int nrows, int64_t k0, int kc, float* dst) {
+    for (int g = 0; g < kPanel / 8; ++g) {
+        if (8 * g >= nrows) {
+            for (int k = 0; k < kc; ++k) _mm256_storeu_ps(dst + int64_t(k) * kPanel + 8 * g, _mm256_setzero_ps());
+            continue;
+        }
+        const uint8_t* blk = w.data + (row0 / 8 + g) * w.row_stride + (k0 / 32) * kQ8X8BlockBytes;
+        for (int b = 0; b < kc / 32; ++b, blk += kQ8X8BlockBytes) {
+            const __m256 dw = load8_as_ps<FMT_F16>(blk, 0);
+            float* o = dst + int64_t(32 * b) * kPanel + 8 * g;
+            for (int c = 0; c < 8; ++c) {
+                const __m256i raw = load32(blk + 16 + 32 * c);
+                _mm256_storeu_ps(o + int64_t(4 * c) * kPanel,
+                                 _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(raw, 24), 24)), dw));
+                _mm256_storeu_ps(o + int64_t(4 * c + 1) * kPanel,
+                                 _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(raw, 16), 24)), dw));
+                _mm256_storeu_ps(o + int64_t(4 * c + 2) * kPanel,
+                                 _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(raw, 8), 24)), dw));
+                _mm256_storeu_ps(o + int64_t(4 * c + 3) * kPanel,
+                                 _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srai_epi32(raw, 24)), dw));
+            }
+        }
+    }
+}
+
 static void dequant_panel_q4kx8(const MatrixRef& w, int64_t row0, int nrows, int64_t k0, int kc, float* dst) {
     const __m256i m4 = _mm256_set1_epi32(0x0F);
     for (int g = 0; g < kPanel / 8; ++g) {
@@ -800,6 +869,7 @@ static void dequant_panel_q4kx8(const MatrixRef& w, int64_t row0, int nrows, int
 static void dequant_panel(Format fmt, const MatrixRef& w, int64_t row0, int nrows, int64_t k0, int kc, float* dst,
                           float* tmp) {
     if (fmt == FMT_Q4_K_X8) return dequant_panel_q4kx8(w, row0, nrows, k0, kc, dst);
+    if (fmt == FMT_Q8_0_X8) return dequant_panel_q8x8(w, row0, nrows, k0, kc, dst);
     if (fmt == FMT_Q4_0_X8) return dequant_panel_x8<FMT_Q4_0_X8>(w, row0, nrows, k0, kc, dst);
     if (fmt == FMT_INT4_X8) return dequant_panel_x8<FMT_INT4_X8>(w, row0, nrows, k0, kc, dst);
     // Rows of tmp are kc + 16 floats apart: with a power-of-two stride (kc = 2048: 8 KiB) all
@@ -1168,9 +1238,9 @@ static const KernelTable* make_table(const char* name) {
         quantize,
         {gemv_q8_b32<FMT_Q8_0>, gemv_q8_b32<FMT_Q4_0>, gemv_q8_q4k, gemv_q8_q5k, gemv_q8_q6k, gemv_q8_b32<FMT_MXFP4>,
          gemv_q8_b32<FMT_MXFP4_HF>, gemv_q8_b32<FMT_INT4_G32>, nullptr, nullptr, nullptr, gemv_q8_x8<FMT_Q4_0_X8>,
-         gemv_q8_x8<FMT_INT4_X8>, gemv_q8_q4kx8},
+         gemv_q8_x8<FMT_INT4_X8>, gemv_q8_q4kx8, gemv_q8_q8x8},
         {nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, gemv_float<FMT_BF16>,
-         gemv_float<FMT_F16>, gemv_float<FMT_F32>, nullptr, nullptr, nullptr},
+         gemv_float<FMT_F16>, gemv_float<FMT_F32>, nullptr, nullptr, nullptr, nullptr},
         dequant_panel,
         gemm_panels,
         silu_mul,

@@ -13,11 +13,13 @@ Format interleaved_format(Format fmt) {
     if (fmt == FMT_Q4_0) return FMT_Q4_0_X8;
     if (fmt == FMT_INT4_G32) return FMT_INT4_X8;
     if (fmt == FMT_Q4_K) return FMT_Q4_K_X8;
+    if (fmt == FMT_Q8_0) return FMT_Q8_0_X8;
     return FMT_COUNT;
 }
 
 int64_t interleaved_bytes(Format xfmt, int64_t rows, int64_t K) {
     if (xfmt == FMT_Q4_K_X8) return rows / 8 * (K / 256) * kQ4KX8Bytes;
+    if (xfmt == FMT_Q8_0_X8) return rows / 8 * (K / 32) * kQ8X8BlockBytes;
     return rows / 8 * (K / 32) * kX8BlockBytes;
 }
 
@@ -47,10 +49,25 @@ MatrixRef interleave_q4k(const MatrixRef& src, int64_t rows, int64_t K, uint8_t*
     return MatrixRef{dst, nullptr, nsb * kQ4KX8Bytes, 0};
 }
 
+MatrixRef interleave_q8(const MatrixRef& src, int64_t rows, int64_t K, uint8_t* dst) {
+    const int64_t nb = K / 32;
+    for (int64_t g = 0; g < rows / 8; ++g)
+        for (int64_t b = 0; b < nb; ++b) {
+            uint8_t* o = dst + (g * nb + b) * kQ8X8BlockBytes;
+            for (int lane = 0; lane < 8; ++lane) {
+                const uint8_t* blk = src.row(8 * g + lane) + b * 34;
+                std::memcpy(o + 2 * lane, blk, 2);
+                for (int c = 0; c < 8; ++c) std::memcpy(o + x8_code_at(lane, 4 * c), blk + 2 + 4 * c, 4);
+            }
+        }
+    return MatrixRef{dst, nullptr, nb * kQ8X8BlockBytes, 0};
+}
+
 }  // namespace
 
 MatrixRef interleave_rows(Format fmt, const MatrixRef& src, int64_t rows, int64_t K, uint8_t* dst) {
     if (fmt == FMT_Q4_K) return interleave_q4k(src, rows, K, dst);
+    if (fmt == FMT_Q8_0) return interleave_q8(src, rows, K, dst);
     const int64_t nb = K / 32;
     for (int64_t g = 0; g < rows / 8; ++g) {
         for (int64_t b = 0; b < nb; ++b) {

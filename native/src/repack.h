@@ -1,4 +1,4 @@
-// Row-interleaved copies of 4-bit matrices, made once at load (the x8 layouts of formats.h).
+// Row-interleaved copies of 4-bit and q8_0 matrices, made once at load (the x8 layouts of formats.h).
 //
 // Why copy at all, when everything else is read in place: a GEMV over one row at a time
 // ends every block with a horizontal sum (a tree of vphaddd) and gathers its scales from
@@ -30,7 +30,7 @@ Format interleaved_format(Format fmt);
 // Bytes of the x8 copy (format xfmt) of a [rows, K] matrix (rows a multiple of 8).
 int64_t interleaved_bytes(Format xfmt, int64_t rows, int64_t K);
 
-// Copy the [rows, K] matrix `src` of format `fmt` (q4_0, int4_g32, q4_k) into dst in its
+// Copy the [rows, K] matrix `src` of format `fmt` (q4_0, int4_g32, q4_k, q8_0) into dst in its
 // x8 layout; returns the MatrixRef that reads dst.
 MatrixRef interleave_rows(Format fmt, const MatrixRef& src, int64_t rows, int64_t K, uint8_t* dst);
 

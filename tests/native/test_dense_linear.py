@@ -61,9 +61,9 @@ def test_matches_reference(isa, fmt, tokens):
 
 
 @pytest.mark.parametrize("tokens", [1, 5, 64, 300])
-@pytest.mark.parametrize("fmt", ["q4_0", "int4_g32", "q4_k"])
+@pytest.mark.parametrize("fmt", ["q4_0", "int4_g32", "q4_k", "q8_0"])
 def test_interleaved_copy_agrees_with_the_stored_layout(isa, fmt, tokens):
-    """q4_0 / int4_g32 / q4_k matrices whose rows come in whole groups of 8 are copied into
+    """q4_0 / int4_g32 / q4_k / q8_0 matrices whose rows come in whole groups of 8 are copied into
     the row-interleaved layout, whose integer GEMV serves every token count; the in-place
     kernels on the same matrix give the same answer."""
     cols = 512 if fmt == "q4_k" else 160

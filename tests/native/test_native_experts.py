@@ -151,9 +151,9 @@ def test_matches_reference(isa, fmt, regime):
         check(experts, x, ids, w, regime, fmt)
 
 
-@pytest.mark.parametrize("fmt", ["q4_0", "int4_g32", "q4_k"])
+@pytest.mark.parametrize("fmt", ["q4_0", "int4_g32", "q4_k", "q8_0"])
 def test_interleaved_copy_agrees_with_the_stored_layout(isa, fmt):
-    """q4_0, int4_g32 and q4_k experts are copied at load into the row-interleaved x8 layout
+    """q4_0, int4_g32, q4_k and q8_0 experts are copied at load into the row-interleaved x8 layout
     (the fast integer GEMV); the kernels that read the stored layout in place (still used
     where rows do not come in groups of 8) must give the same answer on the same layer, in
     both regimes."""
