@@ -125,8 +125,9 @@ class _Linear:
 
 class _AttentionStep:
     """Grouped-query attention of one token per sequence: q|k|v projections over all rows,
-    then per row q/k norm + rotary + cache write and attention over its sequence's blocks,
-    then the output projection over all rows."""
+    then per row q/k norm + rotary + cache write, one call for every row's attention over its
+    own sequence's blocks (the threads share the rows' heads), then the output projection
+    over all rows."""
 
     def __init__(self, attn: Attention, max_rows: int):
         self.attn = attn
