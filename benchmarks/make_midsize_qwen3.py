@@ -5,9 +5,10 @@
 Writes OUT_DIR (a random bf16 checkpoint: 8 layers, hidden 2048, 128 experts of 768, top 8,
 32 query heads and 4 key/value heads of 128, a vocabulary of 16384; about 10 GB) with a
 byte-level BPE tokenizer of exactly that vocabulary and a ChatML chat template, then converts
-it with the project's converter to OUT_DIR-QUANT.gguf (q4_0: experts Q4_0, attention Q8_0;
-about 2.8 GB). The weights are random, so its answers are noise; it has the shape, the
-bytes per token and the file format of a real model, which is what a speed benchmark needs.
+it with the project's converter to OUT_DIR-QUANT.gguf (q4_0: every matrix Q4_0 but the LM
+head, Q8_0, as llama-quantize's Q4_0; about 2.8 GB). The weights are random, so its answers
+are noise; it has the shape, the bytes per token and the file format of a real model, which is
+what a speed benchmark needs.
 
 The tokenizer is trained here on generated pseudo-words (a few seconds), so that all 16384 ids
 are real tokens: every token the model generates decodes to text, and prompts can be built

@@ -14,7 +14,7 @@ from pathlib import Path
 from textual import work
 from textual.app import ComposeResult
 from textual.binding import Binding
-from textual.containers import Horizontal, Vertical
+from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.message import Message
 from textual.screen import ModalScreen
 from textual.widgets import Button, Label, ProgressBar, Static
@@ -86,7 +86,8 @@ class BenchmarkScreen(ReportsWorkerErrors, ModalScreen[None]):
             yield Static("Looking at the model …", id="bench-about")
             yield ProgressBar(total=None, show_eta=False, id="bench-bar")
             yield Static("", id="bench-status")
-            yield Static("", id="bench-table", markup=False)
+            with VerticalScroll(id="bench-results"):  # the per-part breakdown is long: it scrolls, the buttons stay
+                yield Static("", id="bench-table", markup=False)
             with Horizontal(classes="dialog-buttons"):
                 yield Button("Start", variant="primary", id="bench-start", disabled=True)
                 yield Button("Close", id="bench-close")
