@@ -82,11 +82,11 @@ def _cache_view(t: torch.Tensor) -> np.ndarray:
 
 
 class _Buffer:
-    """A float32 (or int64) tensor and its NumPy view: one memory, two handles; ``rows(T)``
-    gives the first T rows of both (a step of T sequences)."""
+    """A float32 tensor and its NumPy view: one memory, two handles; ``rows(T)`` gives the
+    first T rows of both (a step of T sequences)."""
 
-    def __init__(self, *shape: int, dtype: torch.dtype = torch.float32):
-        self.t = torch.empty(*shape, dtype=dtype)
+    def __init__(self, *shape: int):
+        self.t = torch.empty(*shape)
         self.a = self.t.numpy()
 
     def rows(self, n: int) -> tuple[torch.Tensor, np.ndarray]:
@@ -253,7 +253,7 @@ class _MoEStep:
         k = moe.router.k
         self.k = k
         self.buf_logits = np.empty((max_rows, self.logits.out_features), dtype=np.float32)
-        self.ids = _Buffer(max_rows, k, dtype=torch.int64)
+        self.ids = np.empty((max_rows, k), dtype=np.int64)
         self.weights = np.empty((max_rows, k), dtype=np.float32)
         self.out = np.empty((max_rows, experts.hidden), dtype=np.float32)
         self.gate = np.empty((max_rows, 1), dtype=np.float32)
@@ -280,13 +280,12 @@ class _MoEStep:
     def __call__(self, h: np.ndarray) -> np.ndarray:
         n = h.shape[0]
         logits = self.logits(h, self.buf_logits[:n])
-        ids_t, ids = self.ids.rows(n)
-        weights, out = self.weights[:n], self.out[:n]
+        ids, weights, out = self.ids[:n], self.weights[:n], self.out[:n]
         t0 = _clock()
         for t in range(n):
             self.choose(logits[t], ids[t], weights[t])
         _lap("small", t0)
-        self.moe.record(ids_t)
+        self.moe.record(ids)
         t0 = _clock()
         self.layer.forward(h, ids, weights, out, native_experts.REGIMES[native_kernels.expert_regime()], 0)
         if t0:  # the experts of the union of the rows' choices, each read once
@@ -300,9 +299,8 @@ class _MoEStep:
 
 
 class _LayerStep:
-    def __init__(self, layer: nn.Module, h: _Buffer, max_rows: int):
+    def __init__(self, layer: nn.Module, max_rows: int):
         self.layer = layer
-        self.h = h  # the normed input of a block (one buffer for all layers)
         self.attn_norm, self.ffn_norm = _Norm(layer.attn_norm), _Norm(layer.ffn_norm)
         self.attn = _AttentionStep(layer.attn, max_rows) if _AttentionStep.supports(layer.attn) else None
         if _GatedStep.supports(layer.ffn):
@@ -310,10 +308,13 @@ class _LayerStep:
         else:
             self.ffn = _MoEStep.build(layer.ffn, max_rows)
 
-    def __call__(self, x: torch.Tensor, segments: list[Segment], dtype: torch.dtype) -> None:
-        """Add the layer's two blocks to the residual stream x [T, H] (float32) in place."""
-        layer, xa = self.layer, x.numpy()
-        _, h = self.h.rows(x.shape[0])
+    def __call__(self, x: torch.Tensor, xa: np.ndarray, h: np.ndarray, segments: list[Segment],
+                 dtype: torch.dtype) -> None:
+        """Add the layer's two blocks to the residual stream x [T, H] (float32; xa: its NumPy
+        view, h: the normed input's buffer) in place. NumPy views, made once a step: torch's
+        slicing and conversions cost microseconds each, and with the weights streaming
+        through the caches every Python step between the kernels runs cold."""
+        layer = self.layer
         if self.attn is not None:
             np.add(xa, self.attn(self.attn_norm(xa, h), segments), out=xa)
         else:
@@ -333,8 +334,8 @@ class DecodeStep:
         self.max_rows = max_rows
         hidden = model.norm.weight.shape[0]
         self.x = _Buffer(max_rows, hidden)  # the residual stream
-        self.h = _Buffer(max_rows, hidden)
-        self.layers = [_LayerStep(layer, self.h, max_rows) for layer in model.layers]
+        self.h = _Buffer(max_rows, hidden)  # the normed input of a block (one buffer for all layers)
+        self.layers = [_LayerStep(layer, max_rows) for layer in model.layers]
         self.norm = _Norm(model.norm)
         # A head the kernels do not read is a PyTorch Linear in the model dtype.
         self.head = _Linear(model.lm_head, "head") if isinstance(model.lm_head, NativeLinear) else None
@@ -356,13 +357,13 @@ class DecodeStep:
         n = x.shape[0]
         if n > self.max_rows:
             raise ValueError(f"{n} sequences in one step; the decode step was built for {self.max_rows}")
-        xt, _ = self.x.rows(n)
+        xt, xa = self.x.rows(n)
         ht, ha = self.h.rows(n)
         xt.copy_(x)
         dtype = self.model.dtype
         for step in self.layers:
-            step(xt, segments, dtype)
-        self.norm(xt.numpy(), ha)
+            step(xt, xa, ha, segments, dtype)
+        self.norm(xa, ha)
         if self.head is None:
             return self.model.lm_head(ht.to(dtype)).float()
         logits = torch.empty(n, self.head.out_features)  # a new tensor: callers may keep it

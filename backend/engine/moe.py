@@ -16,6 +16,7 @@ same arithmetic.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -64,7 +65,7 @@ class MoE(nn.Module):
             part = self.cpu_part(x.cpu(), ids_cpu, topk_weights.cpu()).to(x.device)
         return self.combine(x, main, part, self.shared_part(x))
 
-    def record(self, ids_cpu: torch.Tensor) -> None:
+    def record(self, ids_cpu: torch.Tensor | np.ndarray) -> None:
         if self.recorder is not None:
             self.recorder.record(self.layer, ids_cpu)
 

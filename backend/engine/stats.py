@@ -29,10 +29,11 @@ class ExpertRecorder:
         self._views = {layer: c.numpy() for layer, c in self.counts.items()}  # the same memory
         self.placement = {int(k): tuple(int(e) for e in v) for k, v in (placement or {}).items()}
 
-    def record(self, layer: int, topk_ids: torch.Tensor) -> None:
+    def record(self, layer: int, topk_ids: torch.Tensor | np.ndarray) -> None:
         """Count the experts chosen by one layer call (topk_ids [T, k] on the CPU)."""
         if self.enabled:
-            self._views[layer] += np.bincount(topk_ids.numpy().reshape(-1), minlength=self.n_experts)
+            ids = topk_ids if isinstance(topk_ids, np.ndarray) else topk_ids.numpy()
+            self._views[layer] += np.bincount(ids.reshape(-1), minlength=self.n_experts)
 
     def add_tokens(self, n: int) -> None:
         if self.enabled:
