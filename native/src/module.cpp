@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "attention_decode.h"
+#include "decode_chain.h"
 #include "decode_ops.h"
 #include "dense_linear.h"
 #include "dispatch.h"
@@ -604,6 +605,89 @@ NB_MODULE(_native, m) {
         .def_prop_ro("interleaved_bytes", &DenseLinear::copied_bytes, "Bytes of the row-interleaved copy it owns.")
         .def_prop_ro("prefill_min_tokens", [](const DenseLinear& l) { return dense_prefill_min_tokens(*current_table(), l.format()); },
                      "Tokens from which a call takes the GEMM path (the kernel set in use, the layout).");
+
+    using Cache4 = nb::ndarray<nb::ndim<4>, nb::c_contig, nb::device::cpu>;
+    using I64Rows = nb::ndarray<const int64_t, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
+    using I64Vec = nb::ndarray<const int64_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+    nb::class_<DecodeChain>(m, "DecodeChain")
+        .def("__init__",
+             [](DecodeChain* self, int64_t hidden, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim,
+                int64_t value_dim, int64_t block, int64_t k, int max_rows) {
+                 new (self) DecodeChain(ChainShape{hidden, n_heads, n_kv_heads, head_dim, value_dim, block, k}, max_rows);
+             },
+             "hidden"_a, "n_heads"_a, "n_kv_heads"_a, "head_dim"_a, "value_dim"_a, "block"_a, "k"_a, "max_rows"_a)
+        .def(
+            "add_layer",
+            [](DecodeChain& c, F32Array attn_norm, float attn_eps, const std::vector<const DenseLinear*>& qkv,
+               std::optional<F32Array> q_norm,
+               std::optional<F32Array> k_norm, float qk_eps, F32Array cos, F32Array sin, bool pairs, Cache4 k_cache,
+               Cache4 v_cache, float scale, const DenseLinear& o, F32Array ffn_norm, float ffn_eps,
+               const DenseLinear& router, bool normalize, const MoELayer& experts) {
+                if (qkv.empty() || !qkv[0]) throw nb::value_error("qkv: one projection, or three");
+                const int64_t H = qkv[0]->cols();
+                if (int64_t(attn_norm.size()) != H || int64_t(ffn_norm.size()) != H)
+                    throw nb::value_error("norm weights must have one entry per hidden feature");
+                if (cos.ndim() != 2 || sin.ndim() != 2 || cos.shape(0) != sin.shape(0) || cos.shape(1) != sin.shape(1))
+                    throw nb::value_error("cos and sin must be [positions, rotary_dim / 2]");
+                if (k_cache.shape(0) != v_cache.shape(0) || k_cache.shape(1) != v_cache.shape(1) ||
+                    k_cache.shape(2) != v_cache.shape(2))
+                    throw nb::value_error("the caches must be [n_blocks, Hkv, B, D] alike");
+                for (const auto* w : {&q_norm, &k_norm})
+                    if (*w && int64_t((*w)->size()) != int64_t(k_cache.shape(3)))
+                        throw nb::value_error("q/k norm weights must have head_dim entries");
+                ChainLayer l{};
+                l.attn_norm = attn_norm.data();
+                l.attn_eps = attn_eps;
+                l.qkv = qkv;
+                l.q_norm = q_norm ? q_norm->data() : nullptr;
+                l.k_norm = k_norm ? k_norm->data() : nullptr;
+                l.qk_eps = qk_eps;
+                l.cos = cos.data();
+                l.sin = sin.data();
+                l.positions = int64_t(cos.shape(0));
+                l.rotary_half = int64_t(cos.shape(1));
+                l.pairs = pairs;
+                l.k_cache = k_cache.data();
+                l.v_cache = v_cache.data();
+                l.cache_bf16 = cache_is_bf16(k_cache.dtype(), v_cache.dtype());
+                l.n_blocks = int64_t(k_cache.shape(0));
+                l.scale = scale;
+                l.o = &o;
+                l.ffn_norm = ffn_norm.data();
+                l.ffn_eps = ffn_eps;
+                l.router = &router;
+                l.normalize = normalize;
+                l.experts = &experts;
+                c.add_layer(l);
+            },
+            "attn_norm"_a, "attn_eps"_a, "qkv"_a, "q_norm"_a.none(), "k_norm"_a.none(), "qk_eps"_a, "cos"_a, "sin"_a,
+            "pairs"_a, "k_cache"_a, "v_cache"_a, "scale"_a, "o"_a, "ffn_norm"_a, "ffn_eps"_a, "router"_a, "normalize"_a,
+            "experts"_a, "One decoder layer; the caller keeps every argument alive as long as the chain.")
+        .def(
+            "run",
+            [](DecodeChain& c, nb::ndarray<float, nb::ndim<2>, nb::c_contig, nb::device::cpu> x, I64Rows tables,
+               I64Vec positions, nb::ndarray<int64_t, nb::ndim<3>, nb::c_contig, nb::device::cpu> ids_out,
+               std::optional<nb::ndarray<double, nb::ndim<1>, nb::c_contig, nb::device::cpu>> seconds) {
+                const int64_t T = int64_t(x.shape(0));
+                if (int64_t(tables.shape(0)) != T || int64_t(positions.shape(0)) != T || int64_t(ids_out.shape(1)) != T ||
+                    int64_t(ids_out.shape(0)) != c.layers())
+                    throw nb::value_error("x, tables, positions and ids_out must have one row per sequence "
+                                          "(ids_out: [layers, T, k])");
+                if (seconds && int64_t(seconds->size()) < CP_COUNT) throw nb::value_error("seconds needs 6 entries");
+                float* xp = x.data();
+                const int64_t* tp = tables.data();
+                const int64_t* pp = positions.data();
+                int64_t* ip = ids_out.data();
+                double* sp = seconds ? seconds->data() : nullptr;
+                const int64_t L = int64_t(tables.shape(1));
+                const KernelTable& kt = *current_table();
+                Executor& exec = executor();
+                nb::gil_scoped_release release;
+                c.run(exec, kt, xp, T, tp, L, pp, ip, sp);
+            },
+            "x"_a, "tables"_a, "positions"_a, "ids_out"_a, "seconds"_a.none(),
+            "Every layer of a decode step on x [T, H] in place; the experts chosen go to ids_out [layers, T, k]; "
+            "seconds (if given) adds each part's time: experts, qkv, o, router, attend, small.");
 
     nb::class_<MoELayer>(m, "MoELayer")
         .def("__init__",

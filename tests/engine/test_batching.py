@@ -8,9 +8,11 @@ block tables differ; GPT-OSS' sliding layers release blocks as the window moves 
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
+from hybridmoe.backend.engine.cpu_decode import DecodeStep
 from hybridmoe.backend.engine.model import build_model
 from hybridmoe.backend.formats.weights import open_weights
 from hybridmoe.backend.models import inspect_model
@@ -83,6 +85,60 @@ def test_each_sequence_of_a_batch_gets_its_solo_tokens(family, source, checkpoin
             # Rows are computed independently (per-row activation quantization, per-row
             # accumulation, attention per sequence): the same numbers, not merely close.
             assert torch.equal(a, b), float((a - b).abs().max())
+
+
+# Where the one-call native chain (cpu_decode._Chain) covers every layer of the tiny models:
+# OLMoE's q/k norm spans all heads, the other families have MLA, sliding windows, sinks, shared
+# experts or another router, and under q4_k_m the tiny experts' rows are too short for K-quant
+# blocks (no native MoE step at all).
+CHAIN_CASES = {("qwen3_moe", "bf16-checkpoint"), ("qwen3_moe", "q8_0-gguf"), ("mixtral", "bf16-checkpoint"),
+               ("mixtral", "q8_0-gguf")}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_the_native_chain_gives_the_bits_of_the_calls(family, source, checkpoints, converted):  # noqa: F811
+    """A decode step through every layer in one native call computes what the layer-by-layer
+    native calls compute, for a batch of sequences of different lengths."""
+    path = checkpoints(family).path if source == "bf16-checkpoint" else converted(family, source.split("-")[0])
+    model = model_for(path)
+    step = model._native_decode(len(PROMPTS))
+    chain = step.chain if step is not None else None
+    assert (chain is not None) == ((family, source) in CHAIN_CASES), (family, source)
+    if chain is None:
+        return
+    prompts = [tokens(n, seed=n).reshape(-1).tolist() for n in PROMPTS]
+    chained = together(model, prompts)
+    step.chain = None
+    try:
+        calls = together(model, prompts)
+    finally:
+        step.chain = chain
+    assert chained[0] == calls[0]
+    for got, expected in zip(chained[1], calls[1]):
+        for a, b in zip(got, expected):
+            assert torch.equal(a, b), float((a - b).abs().max())
+
+
+def test_the_native_chain_refuses_what_does_not_fit(checkpoints):  # noqa: F811
+    """The one-call chain checks its arguments (one message, nothing computed) rather than
+    reading past a buffer."""
+    model = model_for(checkpoints("qwen3_moe").path)
+    step = DecodeStep.build(model, 2)
+    assert step is not None and step.chain is not None
+    native, layers = step.chain.native, len(step.layers)
+    hidden, k = step.x.a.shape[1], step.chain.k
+    x = np.zeros((2, hidden), np.float32)
+    ids = np.zeros((layers, 2, k), np.int64)
+    with pytest.raises(ValueError, match="one row per sequence"):
+        native.run(x, np.zeros((1, 4), np.int64), np.zeros(2, np.int64), ids, None)
+    with pytest.raises(ValueError, match="position out of range"):
+        native.run(x, np.zeros((2, 1), np.int64), np.array([0, 10_000], np.int64), ids, None)
+    with pytest.raises(ValueError, match="block table entry out of range"):
+        native.run(x, np.full((2, 1), 1 << 20, np.int64), np.zeros(2, np.int64), ids, None)
+    assert not x.any()  # refused before anything was computed
+    with pytest.raises(ValueError, match="rows out of range"):
+        native.run(np.zeros((3, hidden), np.float32), np.zeros((3, 1), np.int64), np.zeros(3, np.int64),
+                   np.zeros((layers, 3, k), np.int64), None)
 
 
 @pytest.mark.parametrize("quant", ["bf16-checkpoint", "q8_0", "q4_0", "q4_k_m"])

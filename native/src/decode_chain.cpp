@@ -1,0 +1,172 @@
+#include "decode_chain.h"
+
+#include <algorithm>
+#include <chrono>
+#include <stdexcept>
+
+#include "attention_decode.h"
+#include "decode_ops.h"
+
+namespace hmoe {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// Adds the time since the last lap to a part, when profiling.
+struct Laps {
+    double* seconds;
+    Clock::time_point t = Clock::now();
+    void lap(ChainPart part) {
+        if (!seconds) return;
+        const auto now = Clock::now();
+        seconds[part] += std::chrono::duration<double>(now - t).count();
+        t = now;
+    }
+};
+
+void add_into(float* x, const float* y, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) x[i] += y[i];
+}
+
+}  // namespace
+
+DecodeChain::DecodeChain(ChainShape shape, int max_rows) : s_(shape), max_rows_(max_rows) {
+    if (max_rows < 1 || s_.Hkv < 1 || s_.Hq % s_.Hkv || s_.block < 1 || s_.k < 1 || s_.D > kMaxHeadDim ||
+        s_.Dv > kMaxHeadDim)
+        throw std::invalid_argument("bad chain shape");
+    const size_t R = size_t(max_rows);
+    h_.resize(R * size_t(s_.H));
+    qkv_.resize(R * size_t(s_.Hq * s_.D + s_.Hkv * (s_.D + s_.Dv)));
+    q_.resize(R * size_t(s_.Hq * s_.D));
+    att_.resize(R * size_t(s_.Hq * s_.Dv));
+    tmp_.resize(R * size_t(s_.H));
+    weights_.resize(R * size_t(s_.k));
+}
+
+void DecodeChain::add_layer(const ChainLayer& l) {
+    const int64_t width = s_.Hq * s_.D + s_.Hkv * (s_.D + s_.Dv);
+    int64_t rows = 0;
+    for (const DenseLinear* p : l.qkv) {
+        if (p->cols() != s_.H) throw std::invalid_argument("a q/k/v projection does not fit the chain's shape");
+        rows += p->rows();
+    }
+    if ((l.qkv.size() != 1 && l.qkv.size() != 3) || rows != width || l.o->rows() != s_.H || l.o->cols() != s_.Hq * s_.Dv ||
+        l.router->cols() != s_.H || l.experts->hidden() != s_.H || l.router->rows() != l.experts->n_experts() ||
+        s_.k > l.router->rows() || 2 * l.rotary_half > s_.D)
+        throw std::invalid_argument("a layer's projections do not fit the chain's shape");
+    layers_.push_back(l);
+    if (l.qkv.size() > 1 && part_.size() < size_t(max_rows_ * width)) part_.resize(size_t(max_rows_ * width));
+    if (logits_.size() < size_t(max_rows_ * l.router->rows())) logits_.resize(size_t(max_rows_ * l.router->rows()));
+}
+
+void DecodeChain::run(Executor& exec, const KernelTable& kt, float* x, int64_t T, const int64_t* tables,
+                      int64_t table_len, const int64_t* positions, int64_t* ids_out, double* seconds) {
+    if (T <= 0 || T > max_rows_) throw std::invalid_argument("rows out of range");
+    const ChainShape& s = s_;
+    // Every row checked before anything is computed or written.
+    for (int64_t t = 0; t < T; ++t) {
+        const int64_t pos = positions[t];
+        for (const ChainLayer& l : layers_) {
+            if (pos < 0 || pos >= l.positions || pos / s.block >= table_len)
+                throw std::invalid_argument("position out of range");
+            for (int64_t b = 0; b <= pos / s.block; ++b)
+                if (tables[t * table_len + b] < 0 || tables[t * table_len + b] >= l.n_blocks)
+                    throw std::invalid_argument("block table entry out of range");
+        }
+    }
+    const int64_t width = s.Hq * s.D + s.Hkv * (s.D + s.Dv);
+    constexpr int kGemv = 1 << 30;  // decode rows: the few-token paths at any count (rows_are)
+    Laps laps{seconds};
+    std::vector<DecodeAttention> rows(static_cast<size_t>(T));
+    for (size_t li = 0; li < layers_.size(); ++li) {
+        const ChainLayer& l = layers_[li];
+        const int64_t k_block = s.Hkv * s.block * s.D, v_block = s.Hkv * s.block * s.Dv;
+        const size_t esz = l.cache_bf16 ? 2 : 4;
+        // Attention.
+        rms_norm(x, l.attn_norm, l.attn_eps, T, s.H, h_.data());
+        laps.lap(CP_SMALL);
+        if (l.qkv.size() == 1) {
+            l.qkv[0]->forward(exec, kt, h_.data(), false, T, qkv_.data(), kGemv);
+        } else {  // each into its own rows, then each token's q|k|v put together
+            int64_t lo = 0;
+            for (const DenseLinear* p : l.qkv) {
+                const int64_t n = p->rows();
+                p->forward(exec, kt, h_.data(), false, T, part_.data(), kGemv);
+                for (int64_t t = 0; t < T; ++t)
+                    std::copy(part_.data() + t * n, part_.data() + (t + 1) * n, qkv_.data() + t * width + lo);
+                lo += n;
+            }
+        }
+        laps.lap(CP_QKV);
+        for (int64_t t = 0; t < T; ++t) {
+            const int64_t pos = positions[t];
+            const int64_t* table = tables + t * table_len;
+            const int64_t block = table[pos / s.block];
+            RopeStore r;
+            r.qkv = qkv_.data() + t * width;
+            r.Hq = s.Hq;
+            r.Hkv = s.Hkv;
+            r.D = s.D;
+            r.Dv = s.Dv;
+            r.q_norm = l.q_norm;
+            r.k_norm = l.k_norm;
+            r.eps = l.qk_eps;
+            r.cos = l.cos + pos * l.rotary_half;
+            r.sin = l.sin + pos * l.rotary_half;
+            r.rotary_dim = 2 * l.rotary_half;
+            r.pairs = l.pairs;
+            r.k_cache = static_cast<uint8_t*>(l.k_cache) + size_t(block * k_block) * esz;
+            r.v_cache = static_cast<uint8_t*>(l.v_cache) + size_t(block * v_block) * esz;
+            r.cache_bf16 = l.cache_bf16;
+            r.k_head = s.block * s.D;
+            r.k_pos = s.D;
+            r.v_head = s.block * s.Dv;
+            r.v_pos = s.Dv;
+            r.pos = pos % s.block;
+            r.q_out = q_.data() + t * s.Hq * s.D;
+            rope_store(r);
+            DecodeAttention& a = rows[size_t(t)];
+            a.q = r.q_out;
+            a.k = l.k_cache;
+            a.v = l.v_cache;
+            a.kv_bf16 = l.cache_bf16;
+            a.Hq = s.Hq;
+            a.Hkv = s.Hkv;
+            a.D = s.D;
+            a.Dv = s.Dv;
+            a.S = pos + 1;
+            a.k_head = s.block * s.D;
+            a.k_pos = s.D;
+            a.v_head = s.block * s.Dv;
+            a.v_pos = s.Dv;
+            a.scale = l.scale;
+            a.out = att_.data() + t * s.Hq * s.Dv;
+            a.blocks = table;
+            a.block_size = s.block;
+            a.k_block = k_block;
+            a.v_block = v_block;
+        }
+        laps.lap(CP_SMALL);
+        attend_decode_rows(exec, kt, rows.data(), int(T));
+        laps.lap(CP_ATTEND);
+        l.o->forward(exec, kt, att_.data(), false, T, tmp_.data(), kGemv);
+        add_into(x, tmp_.data(), T * s.H);
+        laps.lap(CP_O);
+        // Routed experts.
+        rms_norm(x, l.ffn_norm, l.ffn_eps, T, s.H, h_.data());
+        laps.lap(CP_SMALL);
+        const int64_t E = l.router->rows();
+        l.router->forward(exec, kt, h_.data(), false, T, logits_.data(), kGemv);
+        laps.lap(CP_ROUTER);
+        int64_t* ids = ids_out + int64_t(li) * T * s.k;
+        for (int64_t t = 0; t < T; ++t)
+            softmax_topk(logits_.data() + t * E, E, int(s.k), l.normalize, ids + t * s.k, weights_.data() + t * s.k);
+        laps.lap(CP_SMALL);
+        l.experts->forward(exec, kt, h_.data(), false, T, ids, weights_.data(), int(s.k), tmp_.data(), Regime::Decode, 0);
+        add_into(x, tmp_.data(), T * s.H);
+        laps.lap(CP_EXPERTS);
+    }
+}
+
+}  // namespace hmoe
