@@ -66,6 +66,7 @@ public:
              const int64_t* positions, int64_t* ids_out, double* seconds);
 
     int64_t layers() const { return int64_t(layers_.size()); }
+    const ChainShape& shape() const { return s_; }
 
 private:
     ChainShape s_;

@@ -629,9 +629,12 @@ NB_MODULE(_native, m) {
                     throw nb::value_error("norm weights must have one entry per hidden feature");
                 if (cos.ndim() != 2 || sin.ndim() != 2 || cos.shape(0) != sin.shape(0) || cos.shape(1) != sin.shape(1))
                     throw nb::value_error("cos and sin must be [positions, rotary_dim / 2]");
-                if (k_cache.shape(0) != v_cache.shape(0) || k_cache.shape(1) != v_cache.shape(1) ||
-                    k_cache.shape(2) != v_cache.shape(2))
-                    throw nb::value_error("the caches must be [n_blocks, Hkv, B, D] alike");
+                const ChainShape& s = c.shape();
+                if (k_cache.shape(0) != v_cache.shape(0) || int64_t(k_cache.shape(1)) != s.Hkv ||
+                    int64_t(v_cache.shape(1)) != s.Hkv || int64_t(k_cache.shape(2)) != s.block ||
+                    int64_t(v_cache.shape(2)) != s.block || int64_t(k_cache.shape(3)) != s.D ||
+                    int64_t(v_cache.shape(3)) != s.Dv)
+                    throw nb::value_error("the caches must be [n_blocks, n_kv_heads, block, head_dim / value_dim]");
                 for (const auto* w : {&q_norm, &k_norm})
                     if (*w && int64_t((*w)->size()) != int64_t(k_cache.shape(3)))
                         throw nb::value_error("q/k norm weights must have head_dim entries");
