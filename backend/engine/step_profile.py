@@ -43,11 +43,9 @@ class StepProfile:
         self.seconds[part] += seconds
         self.bytes[part] += nbytes
 
-    def timed(self, part: str, t0: float, nbytes: int = 0) -> float:
-        """Add the time since `t0` to `part`; returns now (the next call's t0)."""
-        now = time.perf_counter()
-        self.add(part, now - t0, nbytes)
-        return now
+    def timed(self, part: str, t0: float, nbytes: int = 0) -> None:
+        """Add the time since `t0` to `part`."""
+        self.add(part, time.perf_counter() - t0, nbytes)
 
     def close(self, total_seconds: float) -> None:
         """The parts measured inside steps that took `total_seconds` in all: what no part

@@ -78,10 +78,33 @@ void DecodeChain::run(Executor& exec, const KernelTable& kt, float* x, int64_t T
     const int64_t width = s.Hq * s.D + s.Hkv * (s.D + s.Dv);
     constexpr int kGemv = 1 << 30;  // decode rows: the few-token paths at any count (rows_are)
     Laps laps{seconds};
+    // What every row's cache write and attention share: the heads and the strides of the
+    // block-allocated caches ([n_blocks, Hkv, B, D] and [n_blocks, Hkv, B, Dv]).
+    const int64_t k_block = s.Hkv * s.block * s.D, v_block = s.Hkv * s.block * s.Dv;
+    RopeStore store{};
+    store.Hq = s.Hq;
+    store.Hkv = s.Hkv;
+    store.D = s.D;
+    store.Dv = s.Dv;
+    store.k_head = s.block * s.D;
+    store.k_pos = s.D;
+    store.v_head = s.block * s.Dv;
+    store.v_pos = s.Dv;
+    DecodeAttention attend{};
+    attend.Hq = s.Hq;
+    attend.Hkv = s.Hkv;
+    attend.D = s.D;
+    attend.Dv = s.Dv;
+    attend.k_head = store.k_head;
+    attend.k_pos = store.k_pos;
+    attend.v_head = store.v_head;
+    attend.v_pos = store.v_pos;
+    attend.block_size = s.block;
+    attend.k_block = k_block;
+    attend.v_block = v_block;
     std::vector<DecodeAttention> rows(static_cast<size_t>(T));
     for (size_t li = 0; li < layers_.size(); ++li) {
         const ChainLayer& l = layers_[li];
-        const int64_t k_block = s.Hkv * s.block * s.D, v_block = s.Hkv * s.block * s.Dv;
         const size_t esz = l.cache_bf16 ? 2 : 4;
         // Attention.
         rms_norm(x, l.attn_norm, l.attn_eps, T, s.H, h_.data());
@@ -99,53 +122,34 @@ void DecodeChain::run(Executor& exec, const KernelTable& kt, float* x, int64_t T
             }
         }
         laps.lap(CP_QKV);
+        store.q_norm = l.q_norm;
+        store.k_norm = l.k_norm;
+        store.eps = l.qk_eps;
+        store.rotary_dim = 2 * l.rotary_half;
+        store.pairs = l.pairs;
+        store.cache_bf16 = l.cache_bf16;
+        attend.k = l.k_cache;
+        attend.v = l.v_cache;
+        attend.kv_bf16 = l.cache_bf16;
+        attend.scale = l.scale;
         for (int64_t t = 0; t < T; ++t) {
             const int64_t pos = positions[t];
             const int64_t* table = tables + t * table_len;
             const int64_t block = table[pos / s.block];
-            RopeStore r;
-            r.qkv = qkv_.data() + t * width;
-            r.Hq = s.Hq;
-            r.Hkv = s.Hkv;
-            r.D = s.D;
-            r.Dv = s.Dv;
-            r.q_norm = l.q_norm;
-            r.k_norm = l.k_norm;
-            r.eps = l.qk_eps;
-            r.cos = l.cos + pos * l.rotary_half;
-            r.sin = l.sin + pos * l.rotary_half;
-            r.rotary_dim = 2 * l.rotary_half;
-            r.pairs = l.pairs;
-            r.k_cache = static_cast<uint8_t*>(l.k_cache) + size_t(block * k_block) * esz;
-            r.v_cache = static_cast<uint8_t*>(l.v_cache) + size_t(block * v_block) * esz;
-            r.cache_bf16 = l.cache_bf16;
-            r.k_head = s.block * s.D;
-            r.k_pos = s.D;
-            r.v_head = s.block * s.Dv;
-            r.v_pos = s.Dv;
-            r.pos = pos % s.block;
-            r.q_out = q_.data() + t * s.Hq * s.D;
-            rope_store(r);
+            store.qkv = qkv_.data() + t * width;
+            store.cos = l.cos + pos * l.rotary_half;
+            store.sin = l.sin + pos * l.rotary_half;
+            store.k_cache = static_cast<uint8_t*>(l.k_cache) + size_t(block * k_block) * esz;
+            store.v_cache = static_cast<uint8_t*>(l.v_cache) + size_t(block * v_block) * esz;
+            store.pos = pos % s.block;
+            store.q_out = q_.data() + t * s.Hq * s.D;
+            rope_store(store);
             DecodeAttention& a = rows[size_t(t)];
-            a.q = r.q_out;
-            a.k = l.k_cache;
-            a.v = l.v_cache;
-            a.kv_bf16 = l.cache_bf16;
-            a.Hq = s.Hq;
-            a.Hkv = s.Hkv;
-            a.D = s.D;
-            a.Dv = s.Dv;
+            a = attend;
+            a.q = store.q_out;
             a.S = pos + 1;
-            a.k_head = s.block * s.D;
-            a.k_pos = s.D;
-            a.v_head = s.block * s.Dv;
-            a.v_pos = s.Dv;
-            a.scale = l.scale;
             a.out = att_.data() + t * s.Hq * s.Dv;
             a.blocks = table;
-            a.block_size = s.block;
-            a.k_block = k_block;
-            a.v_block = v_block;
         }
         laps.lap(CP_SMALL);
         attend_decode_rows(exec, kt, rows.data(), int(T));

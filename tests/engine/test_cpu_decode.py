@@ -65,4 +65,3 @@ def test_rewinding_overwrites_what_the_native_step_wrote(checkpoints):
     _decode(model, other, 10)  # positions 12.. now hold the other continuation
     again = torch.cat([model(ids[:, t : t + 1], t) for t in range(12, 20)], dim=1)
     assert relative_error(again, first[:, 2:]) < 1e-6
-
