@@ -16,7 +16,14 @@ from datetime import datetime
 
 from hybridmoe.app.arguments import comma_separated, non_negative_int, positive_float, positive_int
 from hybridmoe.backend.errors import HybridMoeError
-from hybridmoe.backend.plan.workload import BACKENDS, KV_BYTES_PER_ELEMENT, PREFILL_RESERVE, STRATEGIES
+from hybridmoe.backend.plan.workload import (
+    BACKENDS,
+    GPU_EXPERT_FORMS,
+    KV_BYTES_PER_ELEMENT,
+    PARALLEL,
+    PREFILL_RESERVE,
+    STRATEGIES,
+)
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_CANCELLED = 0, 1, 2, 130
 DEFAULT_PLAN_CONTEXT = 32768  # tokens per conversation when `plan` is given no --context
@@ -74,6 +81,8 @@ def cmd_plan(args) -> int:
         stats_file=args.stats,
         backend=args.backend,
         target_tokens_per_s=args.target_speed,
+        gpu_expert_form=args.gpu_experts,
+        parallel=args.parallel,
     )
     model = inspect_model(model_path(args.model), expert_format=args.format)  # a bad name fails before the probe
     if args.context is None:
@@ -316,6 +325,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep one MoE layer of experts free on each GPU for fast long prompts")
     p.add_argument("--strategy", choices=list(STRATEGIES), default="uniform")
     p.add_argument("--stats", help="expert statistics file for --strategy frequency")
+    p.add_argument("--gpu-experts", choices=list(GPU_EXPERT_FORMS), default="auto",
+                   help="how GPU experts are held: auto (dense when all fit, else 4-bit experts as stored, "
+                        "else int8), dense, int8 or int4")
+    p.add_argument("--parallel", choices=list(PARALLEL), default="auto",
+                   help="how several GPUs share the model: pp (a pipeline of whole layers), tp (tensor "
+                        "parallel: a share of every layer on each card) or auto (the faster for the workload)")
     p.add_argument("--backend", choices=list(BACKENDS), default="auto")
     p.add_argument("--target-speed", type=positive_float, default=5.0,
                    help="tokens/s each conversation needs; below it the plan says one machine is not enough")

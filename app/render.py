@@ -147,6 +147,38 @@ def _experts_per_layer(plan: Plan) -> str:
     return f"{min(counts)}–{max(counts)} of {plan.n_routed_experts} per MoE layer ({sum(counts)} in all)"
 
 
+def _gpu_form(plan: Plan) -> str:
+    """", held as int4 (24.77 MB each)": how a GPU holds its experts, when it holds any."""
+    if not plan.gpu_expert_count or not plan.gpu_bytes_per_expert:
+        return ""
+    per = next(iter(plan.gpu_bytes_per_expert.values()))
+    return f", held as {plan.gpu_expert_format} ({per / 1e6:,.2f} MB each)"
+
+
+LAYOUT_NAMES = {"pp": "pipeline (pp)", "tp": "tensor parallel (tp)"}
+
+
+def _layouts(plan: Plan) -> list[str]:
+    """Both ways of sharing the GPUs side by side, and which one the plan is."""
+    users = plan.workload.users
+    head = ["layout", "GPU experts/layer", "host GB/token", "GPU GB/token", "1 conversation", f"{users} together"]
+    rows = []
+    for kind, lay in plan.layouts.items():
+        one, per_user = lay["decode_tokens_per_s_upper_bound"], lay["decode_tokens_per_s_per_user"]
+        rows.append([
+            LAYOUT_NAMES[kind] + (" *" if kind == plan.parallel else "") + ("" if lay["fits"] else " (does not fit)")
+            + ("" if lay["runnable"] else " (not run yet)"),
+            f"{lay['gpu_experts_per_layer']} {lay['gpu_expert_format']}",
+            f"{lay['host_bytes_per_token'] / GB:,.2f}",
+            f"{lay['gpu_bytes_per_token'] / GB:,.2f}" + (" per card" if kind == "tp" else ""),
+            f"{one:,.1f} tok/s" if one else "unknown",
+            f"{per_user * users:,.1f} tok/s" if per_user else "unknown",
+        ])
+    why = ("asked for (--parallel)" if plan.workload.parallel != "auto"
+           else "the faster for this workload of those the backends run (--parallel auto)")
+    return [f"GPU layouts (docs/sizing.md §5; * = this plan, {why})", *_table(head, rows)]
+
+
 def plan_text(plan: Plan) -> str:
     wl = plan.workload
     out = [
@@ -164,7 +196,7 @@ def plan_text(plan: Plan) -> str:
             ("per expert", f"{bpe / 1e6:,.2f} MB" + (" (varies by layer)" if len(bpe_values) > 1 else "")),
             ("all", f"{len(plan.moe_layers)} layers × {plan.n_routed_experts} × per expert = "
              f"{plan.routed_expert_bytes_total / GB:,.1f} GB ({fmt_bytes(plan.routed_expert_bytes_total)})"),
-            ("on GPUs", f"{_experts_per_layer(plan)}: {plan.gpu_routed_expert_bytes / GB:,.1f} GB"),
+            ("on GPUs", f"{_experts_per_layer(plan)}{_gpu_form(plan)}: {plan.gpu_routed_expert_bytes / GB:,.1f} GB"),
             ("in host RAM", f"{plan.host_routed_expert_bytes / GB:,.1f} GB"),
         ]
     )
@@ -195,8 +227,9 @@ def plan_text(plan: Plan) -> str:
     rows = [
         ("host reads / token", f"{plan.host_bytes_per_token / GB:,.3f} GB at {fmt_rate(plan.host_bandwidth_bytes_per_s)} "
          f"({plan.host_bandwidth_source})"),
-        ("GPU reads / token", f"{plan.gpu_bytes_per_token / GB:,.3f} GB (always-read weights, GPU experts, "
-         f"KV cache at the full context)"),
+        ("GPU reads / token", f"{plan.gpu_bytes_per_token / GB:,.3f} GB "
+         + ("on the busiest card, each at once, " if plan.parallel == "tp" else "")
+         + "(always-read weights, GPU experts, KV cache at the full context)"),
     ]
     if plan.decode_tokens_per_s_upper_bound:
         rows.append(("bound", f"{plan.decode_tokens_per_s_upper_bound:,.1f} tokens/s, set by {plan.decode_bound_by}"))
@@ -219,6 +252,8 @@ def plan_text(plan: Plan) -> str:
             f"Prefill: streaming an expert to the GPU beats computing it on the CPU above "
             f"{plan.prefill_crossover_tokens:,.0f} tokens routed to it (docs/sizing.md §6, assumed 2.5 GHz CPU clock)"
         )
+    if len(plan.layouts) > 1:
+        out += _layouts(plan)
     lc = plan.llama_cpp
     out.append("llama.cpp equivalent (docs/sizing.md §5: whole layers only)")
     out += _kv_lines(

@@ -42,6 +42,9 @@ def load_session(
     or inspected again."""
     if choice not in BACKENDS:
         raise UsageError(f"unknown backend {choice!r}", f"Choose one of {', '.join(BACKENDS)}.")
+    if plan.parallel == "tp":
+        raise UsageError("this plan shares the GPUs by tensor parallelism, which neither backend runs yet",
+                         "Make the plan with --parallel pp (or auto), which both backends run.")
     if choice == "auto" and plan.workload.backend != "auto":
         choice = plan.workload.backend
         reason = f"the plan was made for {BACKEND_NAMES[choice]}"

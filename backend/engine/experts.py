@@ -2,9 +2,9 @@
 
 A placement ``{layer: expert ids}`` names the experts of each MoE layer that live on the
 main device (a missing layer: none). Those are materialised there once, dequantized to the
-compute dtype or requantized to weight-only int8 (as the Plan chose), with gate and up fused
-into one matrix (``ResidentExperts``). All others stay in host memory in
-their stored form, mmap'd and possibly quantized (``HostExperts``), and are computed on the
+compute dtype, requantized to weight-only int8, or kept in their stored 4-bit codes (as the
+Plan chose), with gate and up fused into one matrix (``ResidentExperts``). All others stay in
+host memory in their stored form, mmap'd and possibly quantized (``HostExperts``), and are computed on the
 CPU by ``cpu_experts_forward``, which dequantizes each needed expert per call: the plain
 PyTorch reference the native kernels (``native_experts``) are tested against and fall
 back to. The two partial sums are added by the MoE block.
@@ -31,7 +31,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from hybridmoe.backend.formats.int4_weights import Int4Weight, cat_rows
+from hybridmoe.backend.formats.int4_weights import from_quant as int4_from_quant
 from hybridmoe.backend.formats.int8_weights import Int8Weight, quantize_int8
+from hybridmoe.backend.formats.quant import QuantTensor
 from hybridmoe.backend.engine.layers import activation
 from hybridmoe.backend.formats.weights import WeightSource, dense, missing_tensor, require
 
@@ -55,13 +58,17 @@ class ExpertMatrices:
         """The same expert with gate and up in one matrix (one matmul instead of two)."""
         if self.gate_up is not None:
             return self
-        if interleave:  # GPT-OSS convention: gate in even rows, up in odd rows
-            gate_up = torch.stack((self.gate, self.up), dim=1).reshape(-1, self.gate.shape[1])
-            bias = None if self.gate_bias is None else torch.stack((self.gate_bias, self.up_bias), dim=1).reshape(-1)
-        else:
-            gate_up = torch.cat((self.gate, self.up))
-            bias = None if self.gate_bias is None else torch.cat((self.gate_bias, self.up_bias))
-        return ExpertMatrices(down=self.down, gate_up=gate_up, gate_up_bias=bias, down_bias=self.down_bias)
+        bias = None if self.gate_bias is None else fuse_rows(self.gate_bias, self.up_bias, interleave)
+        return ExpertMatrices(down=self.down, gate_up=fuse_rows(self.gate, self.up, interleave), gate_up_bias=bias,
+                              down_bias=self.down_bias)
+
+
+def fuse_rows(gate: torch.Tensor, up: torch.Tensor, interleave: bool) -> torch.Tensor:
+    """Gate and up (matrices or biases) as one: gate rows then up rows, or interleaved
+    (the GPT-OSS convention: gate in even rows, up in odd rows)."""
+    if interleave:
+        return torch.stack((gate, up), dim=1).reshape(-1, *gate.shape[1:])
+    return torch.cat((gate, up))
 
 
 class ExpertActivation:
@@ -94,9 +101,9 @@ class ExpertActivation:
         return self.act(gate) * up
 
 
-def _linear(x: torch.Tensor, w: torch.Tensor | Int8Weight, b: torch.Tensor | None) -> torch.Tensor:
+def _linear(x: torch.Tensor, w: torch.Tensor | Int8Weight | Int4Weight, b: torch.Tensor | None) -> torch.Tensor:
     # Expert biases (GPT-OSS) are added after the product is rounded, as the reference does.
-    y = w.linear(x) if isinstance(w, Int8Weight) else F.linear(x, w)
+    y = F.linear(x, w) if isinstance(w, torch.Tensor) else w.linear(x)
     return y if b is None else y + b
 
 
@@ -211,12 +218,14 @@ class ExpertGroup:
 
 
 class ResidentExperts(ExpertGroup):
-    """Experts materialised once on the main device, gate and up fused, in one of two forms:
-    ``"dense"`` (the compute dtype) or ``"int8"`` (weight-only, one scale per output row; see
-    ``int8_weights``). Each part of all the group's experts is one stacked tensor, so the
-    group's memory is exactly ``nbytes`` (what the Plan counts), in a few allocations."""
+    """Experts materialised once on the main device, gate and up fused, in one of three forms:
+    ``"dense"`` (the compute dtype), ``"int8"`` (weight-only, one scale per output row; see
+    ``int8_weights``) or ``"int4"`` (the stored 4-bit codes and group scales as they are; see
+    ``int4_weights``; a matrix not stored in a 4-bit format is held as int8). Each part of all
+    the group's experts is one stacked tensor, so the group's memory is exactly ``nbytes``
+    (what the Plan counts), in a few allocations."""
 
-    FORMS = ("dense", "int8")
+    FORMS = ("dense", "int8", "int4")
 
     def __init__(self, store: ExpertStore, ids: Collection[int], dtype: torch.dtype, device, act: ExpertActivation,
                  *, form: str = "dense"):
@@ -226,38 +235,78 @@ class ResidentExperts(ExpertGroup):
         self.form = form
         self.slot = {e: j for j, e in enumerate(self.ids)}  # expert id -> index in the stacks
         self._parts: dict[str, torch.Tensor] = {}
+        self._int4: dict[str, tuple[str, int]] = {}  # role -> (table, group) of its 4-bit matrices
         n = len(self.ids)
         for j, e in enumerate(self.ids):
-            # Quantized from float32 so that int8 rounds the checkpoint's numbers once.
-            m = store.matrices(e, torch.float32 if form == "int8" else dtype, self.device, fused=True,
-                               interleave=act.interleaved)
-            for name, t in self._expert_parts(m, dtype).items():
+            for name, t in self._expert_parts(store, e, dtype, first=j == 0).items():
                 if name not in self._parts:
                     self._parts[name] = torch.empty((n, *t.shape), dtype=t.dtype, device=self.device)
                 self._parts[name][j].copy_(t)
         self._matrices = {e: self._view(j) for e, j in self.slot.items()}
 
-    def _expert_parts(self, m: ExpertMatrices, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    def _expert_parts(self, store: ExpertStore, e: int, dtype: torch.dtype, *, first: bool) -> dict[str, torch.Tensor]:
+        int4 = self._int4_matrices(store, e) if self.form == "int4" else {}
+        if first:
+            self._int4 = {role: (w.table, w.group) for role, w in int4.items()}
+        elif {role: (w.table, w.group) for role, w in int4.items()} != self._int4:
+            raise ValueError(f"{store.prefix}: expert {e} is stored in another format than expert {self.ids[0]}")
+        # Quantized from float32 so that int8 rounds the checkpoint's numbers once.
+        widened = self.form != "dense"
+        m = store.matrices(e, torch.float32 if widened else dtype, self.device, fused=True,
+                           interleave=self.act.interleaved) if len(int4) < 2 else None
         parts: dict[str, torch.Tensor] = {}
         for role in ("gate_up", "down"):
-            w = getattr(m, role)
-            if self.form == "int8":
-                q = quantize_int8(w, dtype)
+            if role in int4:
+                w = int4[role]
+                parts.update({f"{role}_codes": w.codes, f"{role}_scale": w.scale})
+                if w.min is not None:
+                    parts[f"{role}_min"] = w.min
+            elif widened:
+                q = quantize_int8(getattr(m, role), dtype)
                 parts[role], parts[f"{role}_scale"] = q.q, q.scale
             else:
-                parts[role] = w
+                parts[role] = getattr(m, role)
+        stored = store.stored(e)
+        if "gate_bias" in stored:  # GGUF: gate and up apart
+            parts["gate_up_bias"] = fuse_rows(stored["gate_bias"], stored["up_bias"], self.act.interleaved)
+        elif "gate_up_bias" in stored:
+            parts["gate_up_bias"] = stored["gate_up_bias"]
+        if "down_bias" in stored:
+            parts["down_bias"] = stored["down_bias"]
         for role in ("gate_up_bias", "down_bias"):
-            if getattr(m, role) is not None:
-                parts[role] = getattr(m, role).to(dtype)
+            if role in parts:
+                parts[role] = parts[role].to(device=self.device, dtype=dtype)
         return parts
+
+    def _int4_matrices(self, store: ExpertStore, e: int) -> dict[str, Int4Weight]:
+        """Expert e's matrices that are stored in a 4-bit format, in that form on the device."""
+        stored = store.stored(e)
+        out = {}
+        down = int4_from_quant(stored["down"], self.device) if isinstance(stored["down"], QuantTensor) else None
+        if down is not None:
+            out["down"] = down
+        if "gate_up" in stored:
+            gate_up = stored["gate_up"]
+            if isinstance(gate_up, QuantTensor):
+                out["gate_up"] = int4_from_quant(gate_up, self.device)
+        elif isinstance(stored["gate"], QuantTensor) and isinstance(stored["up"], QuantTensor):
+            halves = [int4_from_quant(stored[r], self.device) for r in ("gate", "up")]
+            if None not in halves:
+                out["gate_up"] = cat_rows(halves, interleave=self.act.interleaved)
+        return {role: w for role, w in out.items() if w is not None}
 
     def _view(self, j: int) -> ExpertMatrices:
         p = {name: t[j] for name, t in self._parts.items()}
-        if self.form == "int8":
-            gate_up, down = Int8Weight(p["gate_up"], p["gate_up_scale"]), Int8Weight(p["down"], p["down_scale"])
-        else:
-            gate_up, down = p["gate_up"], p["down"]
-        return ExpertMatrices(down=down, gate_up=gate_up, gate_up_bias=p.get("gate_up_bias"),
+        roles = {}
+        for role in ("gate_up", "down"):
+            if role in self._int4:
+                table, group = self._int4[role]
+                roles[role] = Int4Weight(p[f"{role}_codes"], p[f"{role}_scale"], p.get(f"{role}_min"), table, group)
+            elif self.form != "dense":
+                roles[role] = Int8Weight(p[role], p[f"{role}_scale"])
+            else:
+                roles[role] = p[role]
+        return ExpertMatrices(down=roles["down"], gate_up=roles["gate_up"], gate_up_bias=p.get("gate_up_bias"),
                               down_bias=p.get("down_bias"))
 
     @property

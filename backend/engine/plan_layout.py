@@ -2,7 +2,7 @@
 
 The Plan splits the decoder layers across GPUs (a pipeline: each card holds its layers'
 attention, cache, dense and shared weights and GPU experts), chooses how GPU experts are
-held (dense or int8), and sizes the prefill reserve and the token count from which prompts
+held (dense, int8 or their stored 4-bit codes), and sizes the prefill reserve and the token count from which prompts
 stream CPU experts to the GPU. ``build_kwargs`` turns those into the arguments
 ``build_model`` takes; the engine's session passes them on.
 """

@@ -111,6 +111,23 @@ SAFETENSORS_DTYPES: dict[str, tuple[float, str | None]] = {
 TORCH_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32", "float": "fp32"}
 
 
+# Stored 4-bit formats a GPU can hold as they are (hybridmoe.backend.formats.int4_weights):
+# their group of weights per scale, and whether a group also has a min (an affine code).
+_INT4_RESIDENT = {"q4_0": (32, False), "q4_1": (32, True), "q4_k": (32, True), "iq4_nl": (32, False),
+                  "iq4_xs": (32, False), "mxfp4": (32, False)}
+
+
+def int4_resident_layout(name: str) -> tuple[int, bool] | None:
+    """(group, has_min) of the 4-bit form a GPU holds weights stored as `name` in (the same
+    codes, one 16-bit scale per group and, for Q4_1 and Q4_K, one 16-bit min); None for a
+    format that is not 4-bit (those are widened: dense or int8)."""
+    key = name.lower()
+    m = re.fullmatch(r"int4_g(\d+)", key)
+    if m and int(m.group(1)) > 0 and int(m.group(1)) % 2 == 0:
+        return int(m.group(1)), False
+    return _INT4_RESIDENT.get(key)
+
+
 def get_format(name: str) -> StorageFormat:
     """The format called `name` (case-insensitive); ``int4_gN`` works for any group N."""
     key = name.lower()

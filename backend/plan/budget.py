@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 from hybridmoe.backend.hardware.profile import GPU
+from hybridmoe.backend.models.formats import int4_resident_layout
 from hybridmoe.backend.models.spec import ModelSpec
 
 GIB = 1 << 30
@@ -63,9 +64,10 @@ def host_reserve(usable_bytes: int | None) -> int:
 
 # ---- routed experts held on a GPU (the engine's ResidentExperts) -----------------------
 
-# How the engine can hold a routed expert on a GPU: dense in the compute dtype, or weight-only
-# int8 with one scale per output row in the compute dtype.
-RESIDENT_FORMS = ("dense", "int8")
+# How the engine can hold a routed expert on a GPU: dense in the compute dtype, weight-only
+# int8 with one scale per output row in the compute dtype, or (experts stored in a 4-bit
+# format) the stored 4-bit codes with one 16-bit scale, and min where the format has one, per group.
+RESIDENT_FORMS = ("dense", "int8", "int4")
 
 
 def compute_dtype_bytes(spec: ModelSpec) -> int:
@@ -77,22 +79,30 @@ def compute_dtype_bytes(spec: ModelSpec) -> int:
 def resident_expert_bytes(spec: ModelSpec, form: str) -> int:
     """Bytes one routed expert takes on a GPU in `form`, exactly as the engine holds it:
     gate and up fused [2I, H] and down [H, I], plus per-row scales for int8 (2I + H of them)
-    and GPT-OSS' expert biases (2I + H), both in the compute dtype."""
+    and GPT-OSS' expert biases (2I + H), both in the compute dtype; for int4, half a byte a
+    weight and two bytes a group for its scale (and as many for its min)."""
     if form not in RESIDENT_FORMS:
         raise ValueError(f"resident expert form {form!r}; expected one of {RESIDENT_FORMS}")
     h, i = spec.hidden_size, spec.moe_intermediate_size
     elem = compute_dtype_bytes(spec)
     rows = 2 * i + h
-    weights = 3 * h * i * (1 if form == "int8" else elem)
-    scales = rows * elem if form == "int8" else 0
+    if form == "int4":
+        layout = int4_resident_layout(spec.expert_format)
+        if layout is None:
+            raise ValueError(f"experts stored as {spec.expert_format} have no int4 form on a GPU")
+        group, has_min = layout
+        weights, scales = 3 * h * i // 2, 3 * h * i // group * 2 * (2 if has_min else 1)
+    else:
+        weights = 3 * h * i * (1 if form == "int8" else elem)
+        scales = rows * elem if form == "int8" else 0
     biases = rows * elem if spec.family == "gpt_oss" else 0
     return weights + scales + biases
 
 
 def resident_form_name(spec: ModelSpec, form: str) -> str:
-    """What the Plan shows: "int8", or the compute dtype ("bf16", "f32") for the dense form."""
-    if form == "int8":
-        return "int8"
+    """What the Plan shows: "int8", "int4", or the compute dtype ("bf16", "f32") for the dense form."""
+    if form in ("int8", "int4"):
+        return form
     return "f32" if compute_dtype_bytes(spec) == 4 else "bf16"
 
 

@@ -17,6 +17,18 @@ FLOPS_PER_CYCLE = (
 )
 PORTABLE_FLOPS_PER_CYCLE = 8.0
 
+# One all-reduce of a token's hidden state across the cards of one machine (a few KB: latency,
+# not bandwidth). NCCL's small-message all-reduce over PCIe peer-to-peer takes about 10 us; the
+# GPU check measures it where there are two cards.
+ALL_REDUCE_SECONDS = 10e-6
+
+
+def tp_all_reduces(num_layers: int) -> int:
+    """All-reduces in one decode step under tensor parallelism: after each layer's attention
+    and after its MLP (a card sums its heads' and its slice's partial outputs), and one to
+    gather the head's slices of the logits."""
+    return 2 * num_layers + 1
+
 
 def experts_touched(n_experts: int, k: int, users: int) -> float:
     """Distinct experts a layer reads when `users` tokens are routed uniformly: E(1 − ((E−k)/E)^u)."""
@@ -67,20 +79,28 @@ def decode_step(
     host_bytes: float,
     host_bandwidth: float | None,
     gpu_bytes_by_card: list[tuple[float, float | None]],
+    cards_in_parallel: bool = False,
+    all_reduces: int = 0,
 ) -> DecodeEstimate:
     """Time of one decode step: the host path and the GPU path overlap, so the slower bounds.
 
     GPU cards of a pipeline run one after the other for the same token, so their times add.
+    Under tensor parallelism (`cards_in_parallel`) they read their shares at once: the slowest
+    card's time, plus `all_reduces` × ALL_REDUCE_SECONDS; the GPU bytes are then per card.
     """
     t_host = host_bytes / host_bandwidth if host_bandwidth and host_bytes else 0.0
     gpu_bytes = sum(b for b, _ in gpu_bytes_by_card)
+    if cards_in_parallel:
+        gpu_bytes = max((b for b, _ in gpu_bytes_by_card), default=0.0)
     t_gpu = 0.0
     unknown_gpu_bw = False
     for b, bw in gpu_bytes_by_card:
         if bw:
-            t_gpu += b / bw
+            t_gpu = max(t_gpu, b / bw) if cards_in_parallel else t_gpu + b / bw
         elif b:
             unknown_gpu_bw = True
+    if cards_in_parallel and t_gpu:
+        t_gpu += all_reduces * ALL_REDUCE_SECONDS
     if host_bytes and not host_bandwidth:
         return DecodeEstimate(host_bytes, gpu_bytes, None, "unknown: host memory bandwidth not known")
     if t_host == 0 and t_gpu == 0:

@@ -7,26 +7,32 @@ routed experts until the budget is spent. Everything else stays in host RAM (sec
 Routed experts are counted in two forms: as stored (host RAM, the decode reads of CPU
 experts, and the prefill reserve, which streams them as stored) and as the engine holds
 them on a GPU (``budget.resident_expert_bytes``): dense in the compute dtype when every
-routed expert fits that way, else weight-only int8, which fits twice as many.
+routed expert fits that way; else, for experts stored in a 4-bit format, those 4-bit codes
+with their group scales (as many bytes as stored); else weight-only int8, which fits twice
+as many as dense.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Any
 
 from hybridmoe.backend.errors import ModelError, PlanError
 from hybridmoe.backend.hardware.profile import HardwareProfile
-from hybridmoe.backend.models.formats import FORMATS
+from hybridmoe.backend.models.formats import FORMATS, int4_resident_layout
 from hybridmoe.backend.models.inventory import TensorClass, TensorInventory
 from hybridmoe.backend.models.spec import ModelSpec
 from hybridmoe.backend.plan import budget as B
 from hybridmoe.backend.plan import placement
 from hybridmoe.backend.plan.estimate import (
+    DecodeEstimate,
     cpu_flops,
     decode_step,
     experts_touched,
     prefill_crossover_tokens,
     prefill_stream_min_tokens,
+    tp_all_reduces,
 )
 from hybridmoe.backend.plan.llamacpp import translate
 from hybridmoe.backend.plan.plan import DevicePlan, Plan
@@ -41,6 +47,30 @@ Q4_K_M_BITS = FORMATS["q4_k_m"].bits_per_weight
 
 def make(spec: ModelSpec, inventory: TensorInventory, hardware: HardwareProfile, workload: Workload) -> Plan:
     return _Planner(spec, inventory, hardware, workload).plan()
+
+
+# The GPU layouts the backends run today: pipelines of whole layers (the engine's stages,
+# llama.cpp's layer split). Tensor parallelism is planned and compared, not yet run.
+RUNNABLE_LAYOUTS = ("pp",)
+
+
+@dataclass
+class _Layout:
+    """How the GPUs share the model: what each card holds and what a decode step reads."""
+
+    kind: str  # "pp" (pipeline) or "tp" (tensor parallel)
+    runs: list[tuple[int, ...]]  # decoder layers each card holds (all of them, a share each, under tp)
+    share: float  # share of each held layer's always-read weights (and of the head) a card holds
+    kv_share: float  # share of each held layer's KV cache a card holds
+    card_classes: list[dict[str, float]]
+    reserves: list[int]
+    avail: list[float]  # left for routed experts on each card
+    form: str  # how GPU experts are held (budget.RESIDENT_FORMS)
+    gbpe: dict[int, float]  # bytes per GPU expert in that form, per MoE layer
+    gpu_experts: dict[int, tuple[int, ...]]
+    experts_by_card: list[dict[int, int]]  # GPU experts each card holds, per MoE layer
+    single: DecodeEstimate | None = None
+    multi: DecodeEstimate | None = None
 
 
 class _Planner:
@@ -65,9 +95,15 @@ class _Planner:
         self.E, self.k = spec.n_routed_experts, spec.experts_per_token
         self.moe = set(spec.moe_layers)
         self.bpe = {layer: inventory.bytes_per_expert(layer) for layer in spec.moe_layers}
-        # Bytes per expert on a GPU, by form; self.gbpe is the chosen form's (set in plan()).
-        self.resident = {form: float(B.resident_expert_bytes(spec, form)) for form in B.RESIDENT_FORMS}
-        self.gbpe = {layer: self.resident["dense"] for layer in spec.moe_layers}
+        # Bytes per expert on a GPU, by form (a layout picks one: _Layout.gbpe).
+        self.int4 = int4_resident_layout(spec.expert_format) is not None
+        if workload.gpu_expert_form == "int4" and not self.int4:
+            raise PlanError(
+                f"--gpu-experts int4 needs routed experts stored in a 4-bit format; {spec.name}'s are {spec.expert_format}",
+                "Use --gpu-experts auto (or int8), or a 4-bit file (int4, Q4_0, Q4_K, IQ4, MXFP4 experts).",
+            )
+        self.resident = {form: float(B.resident_expert_bytes(spec, form))
+                         for form in B.RESIDENT_FORMS if form != "int4" or self.int4}
         cls = inventory.bytes_by_class
         n_dense = len(spec.dense_layers) or 1
         n_moe = len(spec.moe_layers) or 1
@@ -102,42 +138,19 @@ class _Planner:
         host_reserve = B.host_reserve(usable)
 
         budgets = [B.gpu_budget(g, self.hw.described, activations) for g in gpus]
-        runs = placement.split_layers(spec.num_layers, budgets)
-        moe_by_card = [[layer for layer in run if layer in self.moe] for run in runs]
-        card_classes, lefts, avail, reserves = [], [], [], []
-        for c, run in enumerate(runs):
-            parts = {
-                "always_read": sum(self.fixed_bytes(layer) for layer in run)
-                + (self.embedding if c == 0 else 0)
-                + (self.lm_head if c == len(runs) - 1 else 0),
-                "kv_cache": sum(self.kv_layer(layer, wl.users) for layer in run),
-                # The sizing rule for described cards already covers activations (and the
-                # scratch of one expert widened on the card).
-                "activations": 0 if self.hw.described else activations + B.expert_scratch_bytes(spec),
-            }
-            lefts.append(budgets[c] - sum(parts.values()))
-            card_classes.append(parts)
-        form = self._resident_form(lefts, moe_by_card)
-        self.gbpe = {layer: self.resident[form] for layer in spec.moe_layers}
-        for c, left in enumerate(lefts):
-            layer_bytes = max((B.prefill_reserve_bytes(self.E, self.bpe[layer]) for layer in moe_by_card[c]), default=0)
-            all_experts = sum(self.E * self.gbpe[layer] for layer in moe_by_card[c])
-            want_reserve = wl.prefill_reserve == "on" or (
-                wl.prefill_reserve == "auto" and all_experts > left and layer_bytes <= left
-            )
-            reserves.append(int(layer_bytes) if want_reserve and layer_bytes else 0)
-            avail.append(left - reserves[-1])
-
-        if not gpus:
-            gpu_experts: dict[int, tuple[int, ...]] = {layer: () for layer in spec.moe_layers}
-        elif wl.strategy == "frequency":
-            gpu_experts = placement.frequency(avail, moe_by_card, self.gbpe, self.stats)
-        else:
-            gpu_experts = placement.uniform(avail, moe_by_card, self.gbpe, self.E, self.stats)
+        layouts = {"pp": self._layout("pp", gpus, budgets, activations)}
+        if len(gpus) > 1:
+            layouts["tp"] = self._layout("tp", gpus, budgets, activations)
+        for lay in layouts.values():
+            lay.single = self._decode(gpus, lay, users=1)
+            lay.multi = self._decode(gpus, lay, users=wl.users)
+        lay = layouts[self._choose(layouts)]
+        runs, avail, reserves, card_classes = lay.runs, lay.avail, lay.reserves, lay.card_classes
+        gpu_experts = lay.gpu_experts
 
         devices = []
         for c, g in enumerate(gpus):
-            experts = sum(len(gpu_experts[layer]) * self.gbpe[layer] for layer in moe_by_card[c])
+            experts = sum(n * lay.gbpe[layer] for layer, n in lay.experts_by_card[c].items())
             by_class = {k: int(v) for k, v in card_classes[c].items()}
             by_class["prefill_reserve"] = reserves[c]
             by_class["routed_experts"] = int(experts)
@@ -155,7 +168,7 @@ class _Planner:
             )
 
         routed_total = self.inv.routed_expert_bytes
-        gpu_routed = int(sum(len(ids) * self.gbpe[layer] for layer, ids in gpu_experts.items()))
+        gpu_routed = int(sum(len(ids) * lay.gbpe[layer] for layer, ids in gpu_experts.items()))
         # Host RAM holds the stored form of every expert not on a GPU.
         host_routed = routed_total - int(sum(len(ids) * self.bpe[layer] for layer, ids in gpu_experts.items()))
         host_parts = {"routed_experts": host_routed}
@@ -177,13 +190,10 @@ class _Planner:
             )
         )
 
-        single = self._decode(gpus, runs, gpu_experts, users=1)
-        multi = self._decode(gpus, runs, gpu_experts, users=wl.users)
+        single, multi = lay.single, lay.multi
         touched = experts_touched(self.E, self.k, wl.users)
 
-        fits, reason, suggestions = self._judge(
-            gpus, runs, budgets, avail, reserves, card_classes, host_parts, host_needed, usable
-        )
+        fits, reason, suggestions = self._judge(gpus, lay, budgets, host_parts, host_needed, usable)
         outgrown = self._outgrown(fits, reason, multi.tokens_per_s_per_user, single.tokens_per_s_per_user)
         serving = None
         if outgrown:
@@ -260,8 +270,10 @@ class _Planner:
             ),
             prefill_crossover_tokens=crossover,
             prefill_stream_min_tokens=stream_min,
-            gpu_expert_format=B.resident_form_name(spec, form),
-            gpu_bytes_per_expert=dict(self.gbpe),
+            gpu_expert_format=B.resident_form_name(spec, lay.form),
+            gpu_bytes_per_expert=dict(lay.gbpe),
+            parallel=lay.kind,
+            layouts={kind: self._summary(other) for kind, other in layouts.items()} if gpus else {},
             llama_cpp=llama,
             fits=fits,
             reason=reason,
@@ -271,13 +283,14 @@ class _Planner:
             warnings=tuple(self.warnings),
         )
 
-    def _resident_form(self, lefts, moe_by_card) -> str:
-        """"dense" when every card holds all its layers' routed experts that way, else "int8"."""
+    def _resident_form(self, lefts, moe_by_card, per_card: int) -> str:
+        """"dense" when every card holds its `per_card` routed experts of each of its layers that
+        way, else "int4" for experts stored in a 4-bit format, else "int8"."""
         if self.wl.gpu_expert_form != "auto":
             return self.wl.gpu_expert_form
         dense = self.resident["dense"]
-        fits = all(len(layers) * self.E * dense <= left for left, layers in zip(lefts, moe_by_card) if layers)
-        return "dense" if fits else "int8"
+        fits = all(len(layers) * per_card * dense <= left for left, layers in zip(lefts, moe_by_card) if layers)
+        return "dense" if fits else "int4" if self.int4 else "int8"
 
     def _cpu_share(self, layer: int, gpu_ids) -> float:
         """Share of a layer's activations computed on the CPU: measured when stats exist."""
@@ -287,27 +300,133 @@ class _Planner:
                 return 1.0 - share
         return 1.0 - len(gpu_ids) / self.E
 
-    def _decode(self, gpus, runs, gpu_experts, users: int):
-        """One decode step for `users` conversations (one token each)."""
+    def _decode(self, gpus, lay: _Layout, users: int):
+        """One decode step for `users` conversations (one token each) in layout `lay`."""
         touched = experts_touched(self.E, self.k, users)
+        gpu_experts = lay.gpu_experts
         host = sum(touched * self._cpu_share(layer, gpu_experts[layer]) * self.bpe[layer] for layer in self.moe)
         gpu_reads = []
         if gpus:
-            for c, run in enumerate(runs):
-                b = sum(
-                    self.fixed_bytes(layer)
-                    + self.kv_layer(layer, users)
-                    + (touched * (1 - self._cpu_share(layer, gpu_experts[layer])) * self.gbpe[layer] if layer in self.moe else 0)
-                    for layer in run
-                )
-                if c == len(runs) - 1:
-                    b += self.head_read
+            for c, run in enumerate(lay.runs):
+                b = 0.0
+                for layer in run:
+                    b += lay.share * self.fixed_bytes(layer) + lay.kv_share * self.kv_layer(layer, users)
+                    held = lay.experts_by_card[c].get(layer, 0)
+                    if held:  # this card's part of the GPU experts the step touches
+                        gpu_share = 1 - self._cpu_share(layer, gpu_experts[layer])
+                        b += touched * gpu_share * held / len(gpu_experts[layer]) * lay.gbpe[layer]
+                if lay.kind == "tp" or c == len(lay.runs) - 1:
+                    b += lay.share * self.head_read
                 gpu_reads.append((b, gpus[c].memory_bandwidth_bytes_per_s))
         else:
             # CPU-only: the always-read weights and the cache come from host memory too.
             host += sum(self.fixed_bytes(layer) + self.kv_layer(layer, users) for layer in range(self.spec.num_layers))
             host += self.head_read
+        if lay.kind == "tp":
+            return decode_step(host_bytes=host, host_bandwidth=self.hw.memory.bandwidth_bytes_per_s,
+                               gpu_bytes_by_card=gpu_reads, cards_in_parallel=True,
+                               all_reduces=tp_all_reduces(self.spec.num_layers))
         return decode_step(host_bytes=host, host_bandwidth=self.hw.memory.bandwidth_bytes_per_s, gpu_bytes_by_card=gpu_reads)
+
+    def _layout(self, kind: str, gpus, budgets, activations) -> _Layout:
+        """Weights, caches, reserves and routed experts of each card for a pipeline ("pp": each
+        card holds whole layers, a run of them) or tensor parallelism ("tp": every card holds
+        a share of every layer: its heads, its slice of the dense and shared MLPs and of the
+        head; the MLA latent cache, which every head reads, whole)."""
+        spec, wl, n = self.spec, self.wl, len(gpus)
+        if kind == "pp":
+            runs, share, kv_share = placement.split_layers(spec.num_layers, budgets), 1.0, 1.0
+        else:
+            runs, share = [tuple(range(spec.num_layers))] * n, 1.0 / n
+            kv_share = 1.0 if spec.attention == "mla" else math.ceil(spec.num_kv_heads / n) / spec.num_kv_heads
+        moe_by_card = [[layer for layer in run if layer in self.moe] for run in runs]
+        card_classes, lefts = [], []
+        for c, run in enumerate(runs):
+            always = sum(self.fixed_bytes(layer) for layer in run)
+            if kind == "tp":
+                always += self.embedding + self.lm_head
+            else:
+                always += (self.embedding if c == 0 else 0) + (self.lm_head if c == len(runs) - 1 else 0)
+            parts = {
+                "always_read": share * always,
+                "kv_cache": kv_share * sum(self.kv_layer(layer, wl.users) for layer in run),
+                # The sizing rule for described cards already covers activations (and the
+                # scratch of one expert widened on the card).
+                "activations": 0 if self.hw.described else activations + B.expert_scratch_bytes(spec),
+            }
+            lefts.append(budgets[c] - sum(parts.values()))
+            card_classes.append(parts)
+        # Under tensor parallelism a card holds its share of each layer's experts.
+        per_card = self.E if kind == "pp" else math.ceil(self.E / n)
+        form = self._resident_form(lefts, moe_by_card, per_card)
+        gbpe = {layer: self.resident[form] for layer in spec.moe_layers}
+        reserves, avail = [], []
+        for c, left in enumerate(lefts):
+            layer_bytes = max((B.prefill_reserve_bytes(self.E, self.bpe[layer]) for layer in moe_by_card[c]), default=0)
+            all_experts = sum(per_card * gbpe[layer] for layer in moe_by_card[c])
+            want_reserve = wl.prefill_reserve == "on" or (
+                wl.prefill_reserve == "auto" and all_experts > left and layer_bytes <= left
+            )
+            reserves.append(int(layer_bytes) if want_reserve and layer_bytes else 0)
+            avail.append(left - reserves[-1])
+
+        if not gpus:
+            gpu_experts: dict[int, tuple[int, ...]] = {layer: () for layer in spec.moe_layers}
+        elif kind == "tp":
+            # The cards are one pool: each layer's experts are dealt out to them afterwards.
+            pool = [sum(max(a, 0) for a in avail)]
+            if wl.strategy == "frequency":
+                gpu_experts = placement.frequency(pool, [spec.moe_layers], gbpe, self.stats)
+            else:  # each card the same number in every layer, as many as it holds
+                per_layer = sum(gbpe.values())
+                n_each = sum(math.floor(max(a, 0) / per_layer) for a in avail) if per_layer else 0
+                gpu_experts = placement.top(spec.moe_layers, min(self.E, n_each), self.E, self.stats)
+        elif wl.strategy == "frequency":
+            gpu_experts = placement.frequency(avail, moe_by_card, gbpe, self.stats)
+        else:
+            gpu_experts = placement.uniform(avail, moe_by_card, gbpe, self.E, self.stats)
+        if kind == "tp":
+            experts_by_card = placement.deal(gpu_experts, [max(a, 0) for a in avail])
+        else:
+            experts_by_card = [{layer: len(gpu_experts[layer]) for layer in layers} for layers in moe_by_card]
+        return _Layout(kind, runs, share, kv_share, card_classes, reserves, avail, form, gbpe, gpu_experts,
+                       experts_by_card)
+
+    def _summary(self, lay: _Layout) -> dict[str, Any]:
+        counts = [len(ids) for ids in lay.gpu_experts.values()]
+        return {
+            "fits": all(a >= 0 for a in lay.avail),
+            "runnable": lay.kind in RUNNABLE_LAYOUTS,
+            "gpu_expert_format": B.resident_form_name(self.spec, lay.form),
+            "gpu_experts_per_layer": min(counts, default=0),
+            "host_bytes_per_token": lay.single.host_bytes_per_step,
+            "gpu_bytes_per_token": lay.single.gpu_bytes_per_step,
+            "decode_tokens_per_s_upper_bound": lay.single.tokens_per_s_per_user,
+            "decode_bound_by": lay.single.bound_by,
+            "decode_tokens_per_s_per_user": lay.multi.tokens_per_s_per_user,
+        }
+
+    def _choose(self, layouts: dict[str, _Layout]) -> str:
+        """The layout asked for, or (auto) among those the backends run, the one that fits with
+        the higher decode speed for the workload's conversations together (a pipeline on a tie:
+        it moves less between cards)."""
+        asked = self.wl.parallel
+        if asked == "tp" and "tp" not in layouts:
+            self.warnings.append("Tensor parallelism needs two or more GPUs: the plan is a single-card layout.")
+        elif asked == "tp":
+            self.warnings.append(
+                "Tensor parallel layout: a sizing of the GPUs shared head by head. Neither backend runs it "
+                "yet (the embedded engine runs pipelines; so does llama.cpp's hybrid expert offload): "
+                "`run` refuses this plan; plan with --parallel pp (or auto) to run."
+            )
+        if asked != "auto":
+            return asked if asked in layouts else "pp"
+
+        def rank(kind):
+            lay = layouts[kind]
+            return (all(a >= 0 for a in lay.avail), lay.multi.tokens_per_s_per_user or 0.0, kind == "pp")
+
+        return max((kind for kind in layouts if kind in RUNNABLE_LAYOUTS), key=rank)
 
     def _bandwidth_source(self) -> str:
         m = self.hw.memory
@@ -319,20 +438,21 @@ class _Planner:
 
     # ---- fit, suggestions, outgrown ------------------------------------------------------------
 
-    def _judge(self, gpus, runs, budgets, avail, reserves, card_classes, host_parts, host_needed, usable):
+    def _judge(self, gpus, lay: _Layout, budgets, host_parts, host_needed, usable):
         wl = self.wl
         suggestions: list[str] = []
         reasons: list[str] = []
-        for c, a in enumerate(avail):
+        reserves = lay.reserves
+        for c, a in enumerate(lay.avail):
             if a < 0:
-                parts = card_classes[c]
+                parts = lay.card_classes[c]
                 reasons.append(
                     f"GPU {c} is short by {-a / GIB:.1f} GiB for its layers' always-read weights "
                     f"({parts['always_read'] / GIB:.1f} GiB) and KV cache ({parts['kv_cache'] / GIB:.1f} GiB)"
                     + (f" and prefill reserve ({reserves[c] / GIB:.1f} GiB)" if reserves[c] else "")
                 )
                 room = budgets[c] - parts["always_read"] - parts["activations"] - reserves[c]
-                suggestions += self._kv_suggestions(room, runs[c])
+                suggestions += self._kv_suggestions(room, lay.runs[c], lay.kv_share)
                 if reserves[c]:
                     suggestions.append("Turn the prefill reserve off (--prefill-reserve off).")
         if usable is None:
@@ -359,10 +479,11 @@ class _Planner:
             return True, "the layout fits in GPU memory and host RAM", suggestions
         return False, "; ".join(reasons), list(dict.fromkeys(suggestions))
 
-    def _kv_suggestions(self, room_for_kv: float, layers) -> list[str]:
-        """The context length or number of conversations whose cache fits in `room_for_kv` bytes."""
+    def _kv_suggestions(self, room_for_kv: float, layers, kv_share: float = 1.0) -> list[str]:
+        """The context length or number of conversations whose cache fits in `room_for_kv` bytes
+        (of which a card holds `kv_share` of each of `layers`)."""
         wl = self.wl
-        per_user_token = sum(self.kv_layer(layer, 1) for layer in layers) / wl.context
+        per_user_token = kv_share * sum(self.kv_layer(layer, 1) for layer in layers) / wl.context
         if room_for_kv <= 0 or not per_user_token:
             return ["The always-read weights alone do not fit: add memory, or use --strategy cpu-only."]
         out = []

@@ -46,11 +46,30 @@ def uniform(
             per_layer = max(bytes_per_expert[layer] for layer in layers)
             counts.append(max(0, math.floor(avail / (len(layers) * per_layer))) if per_layer else n_experts)
     n = min([n_experts, *counts]) if counts else 0
-    placed = {}
-    for layers in moe_layers_by_card:
-        for layer in layers:
-            placed[layer] = _top_experts(layer, n, n_experts, stats)
-    return placed
+    return top([layer for layers in moe_layers_by_card for layer in layers], n, n_experts, stats)
+
+
+def top(layers: Sequence[int], n: int, n_experts: int, stats: ExpertStats | None = None) -> dict[int, tuple[int, ...]]:
+    """`n` experts of each layer: the lowest ids, or with statistics each layer's most used."""
+    return {layer: _top_experts(layer, n, n_experts, stats) for layer in layers}
+
+
+def deal(gpu_experts: Mapping[int, Sequence[int]], weights: Sequence[float]) -> list[dict[int, int]]:
+    """How many of each layer's GPU experts each card holds under tensor parallelism: in
+    proportion to `weights` (the room each card has for experts), largest remainders first,
+    ties to the earlier card. The engine gives card c the next that many ids of the layer."""
+    total = sum(weights)
+    shares = [w / total if total else 1 / len(weights) for w in weights]
+    by_card: list[dict[int, int]] = [{} for _ in weights]
+    for layer, ids in gpu_experts.items():
+        exact = [len(ids) * s for s in shares]
+        counts = [math.floor(x) for x in exact]
+        order = sorted(range(len(weights)), key=lambda c: (-(exact[c] - counts[c]), c))
+        for c in order[: len(ids) - sum(counts)]:
+            counts[c] += 1
+        for c, count in enumerate(counts):
+            by_card[c][layer] = count
+    return by_card
 
 
 def frequency(

@@ -89,7 +89,7 @@ class Plan:
     warnings: tuple[str, ...] = ()
     format: str = field(default=PLAN_FORMAT)
     # How routed experts are held on the GPUs ("bf16"/"f32": dense in the compute dtype,
-    # "int8": weight-only with per-row scales) and the bytes each then takes there, per MoE
+    # "int8": weight-only with per-row scales, "int4": the stored 4-bit codes) and the bytes each then takes there, per MoE
     # layer: what the GPU budgets above count (bytes_per_expert is the stored form, which
     # host RAM and the prefill reserve count).
     gpu_expert_format: str = "bf16"
@@ -97,6 +97,11 @@ class Plan:
     # Prompt tokens per forward call from which the engine streams CPU experts to the GPU
     # for prefill (from prefill_crossover_tokens; None: no prefill reserve, no streaming).
     prefill_stream_min_tokens: int | None = None
+    # How the GPUs share the model: "pp" (a pipeline of whole layers) or "tp" (tensor parallel:
+    # every card a share of every layer; devices' layers then list all of them). `layouts`
+    # summarises each layout the planner weighed (the figures above are the chosen one's).
+    parallel: str = "pp"
+    layouts: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @property
     def gpu_expert_count(self) -> int:
@@ -107,7 +112,10 @@ class Plan:
         return {layer: frozenset(ids) for layer, ids in self.gpu_experts.items()}
 
     def pipeline(self) -> list[tuple[str, tuple[int, ...]]]:
-        """(torch device, decoder layers) of each GPU in layer order: the engine's stages."""
+        """(torch device, decoder layers) of each GPU in layer order: the engine's stages
+        (none under tensor parallelism, where every card takes part in every layer)."""
+        if self.parallel == "tp":
+            return []
         return [(d.engine_device, tuple(d.layers)) for d in self.devices if d.kind == "gpu" and d.layers]
 
     @property
@@ -118,8 +126,8 @@ class Plan:
 
     @property
     def resident_form(self) -> str:
-        """The engine's name for gpu_expert_format: "int8" or "dense"."""
-        return "int8" if self.gpu_expert_format == "int8" else "dense"
+        """The engine's name for gpu_expert_format: "int8", "int4" or "dense"."""
+        return self.gpu_expert_format if self.gpu_expert_format in ("int8", "int4") else "dense"
 
     # ---- serialisation -------------------------------------------------------------------
 

@@ -10,6 +10,7 @@ from hybridmoe.backend.workload_choices import (
     BACKENDS,
     GPU_EXPERT_FORMS,
     KV_BYTES_PER_ELEMENT,
+    PARALLEL,
     PREFILL_RESERVE,
     STRATEGIES,
 )
@@ -30,6 +31,7 @@ class Workload:
     # Per-user decode speed below which one workstation is not enough (docs/sizing.md §7).
     target_tokens_per_s: float = 5.0
     gpu_expert_form: str = "auto"
+    parallel: str = "auto"
 
     def __post_init__(self):
         if self.context < 1:
@@ -53,6 +55,8 @@ class Workload:
             raise UsageError(f"prefill chunk must be at least 1 token, got {self.prefill_chunk}")
         if self.gpu_expert_form not in GPU_EXPERT_FORMS:
             raise UsageError(f"GPU expert form must be one of {', '.join(GPU_EXPERT_FORMS)}, got {self.gpu_expert_form!r}")
+        if self.parallel not in PARALLEL:
+            raise UsageError(f"GPU layout must be one of {', '.join(PARALLEL)}, got {self.parallel!r}")
         if self.target_tokens_per_s <= 0:
             raise UsageError(f"target speed must be positive, got {self.target_tokens_per_s}")
 

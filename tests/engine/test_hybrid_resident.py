@@ -166,3 +166,4 @@ def replace_gpu_total(hw: HardwareProfile, total: int) -> HardwareProfile:
     from dataclasses import replace
 
     return replace(hw, gpus=tuple(replace(g, total_bytes=total, free_bytes=total) for g in hw.gpus))
+

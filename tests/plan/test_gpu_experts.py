@@ -125,7 +125,7 @@ def test_pipeline_stages_for_the_engine(kimi):
     assert [d for d, _ in stages] == ["cuda:0", "cuda:1", "cuda:2"]
     assert [layer for _, layers in stages for layer in layers] == list(range(kimi.spec.num_layers))
     assert plan.devices[-1].torch_device == "cpu"
-    assert plan.resident_form == "int8"
+    assert plan.resident_form == "int4"
 
 
 def test_new_fields_round_trip_and_old_plans_still_load(kimi, tmp_path):

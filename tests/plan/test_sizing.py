@@ -90,9 +90,10 @@ def test_gpu_placement_order_and_uniform_counts(kimi):
         # One layer of experts as stored (~9.5 GB for Kimi K2), plus slot alignment.
         assert dev.bytes_by_class["prefill_reserve"] == prefill_reserve_bytes(384, 44_040_192 * 4.5 / 8)
         assert dev.bytes_by_class["prefill_reserve"] == pytest.approx(384 * 44_040_192 * 4.5 / 8, rel=1e-3)
-    # Not all of Kimi's experts fit in bf16 on four cards: GPU experts are int8 there.
-    assert plan.gpu_expert_format == "int8"
-    assert plan.gpu_bytes_per_expert[1] == 44_040_192 + (2 * 2048 + 7168) * 2
+    # Not all of Kimi's experts fit in bf16 on four cards: GPU experts keep their stored int4
+    # codes and bf16 group scales there, exactly the bytes they take on disk.
+    assert plan.gpu_expert_format == "int4"
+    assert plan.gpu_bytes_per_expert[1] == 44_040_192 // 2 + 44_040_192 // 32 * 2 == plan.bytes_per_expert[1]
     assert plan.gpu_routed_expert_bytes == plan.gpu_expert_count * plan.gpu_bytes_per_expert[1]
     # Host holds exactly the routed experts not on a GPU, as stored.
     stored_on_gpu = sum(len(ids) * plan.bytes_per_expert[layer] for layer, ids in plan.gpu_experts.items())
