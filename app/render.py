@@ -167,7 +167,7 @@ def _layouts(plan: Plan) -> list[str]:
         one, per_user = lay["decode_tokens_per_s_upper_bound"], lay["decode_tokens_per_s_per_user"]
         rows.append([
             LAYOUT_NAMES[kind] + (" *" if kind == plan.parallel else "") + ("" if lay["fits"] else " (does not fit)")
-            + ("" if lay["runnable"] else " (not run yet)"),
+            + ("" if lay["runnable"] else " (not on llama.cpp)"),
             f"{lay['gpu_experts_per_layer']} {lay['gpu_expert_format']}",
             f"{lay['host_bytes_per_token'] / GB:,.2f}",
             f"{lay['gpu_bytes_per_token'] / GB:,.2f}" + (" per card" if kind == "tp" else ""),
@@ -175,7 +175,7 @@ def _layouts(plan: Plan) -> list[str]:
             f"{per_user * users:,.1f} tok/s" if per_user else "unknown",
         ])
     why = ("asked for (--parallel)" if plan.workload.parallel != "auto"
-           else "the faster for this workload of those the backends run (--parallel auto)")
+           else "the faster for this workload (--parallel auto)")
     return [f"GPU layouts (docs/sizing.md §5; * = this plan, {why})", *_table(head, rows)]
 
 
@@ -207,8 +207,12 @@ def plan_text(plan: Plan) -> str:
             ("per conversation", f"{wl.context} tokens → {fmt_bytes(plan.kv_bytes_per_conversation)}"),
         ]
     )
+    one_copy = wl.users * plan.kv_bytes_per_conversation
+    copies = ""
+    if plan.kv_cache_bytes > 1.01 * one_copy:  # tensor parallel MLA: every card the whole latent cache
+        copies = f", on every card: {fmt_bytes(plan.kv_cache_bytes)} in all"
     out.append(f"Conversations at once: {wl.users} (KV cache: {wl.users} × {wl.context:,} tokens, "
-               f"{fmt_bytes(plan.kv_cache_bytes)}); more wait their turn")
+               f"{fmt_bytes(one_copy)}{copies}); more wait their turn")
     out.append("Devices (docs/sizing.md §3, §4)")
     cls_order = ["always_read", "kv_cache", "activations", "prefill_reserve", "routed_experts"]
     rows = []

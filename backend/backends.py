@@ -42,9 +42,9 @@ def load_session(
     or inspected again."""
     if choice not in BACKENDS:
         raise UsageError(f"unknown backend {choice!r}", f"Choose one of {', '.join(BACKENDS)}.")
-    if plan.parallel == "tp":
-        raise UsageError("this plan shares the GPUs by tensor parallelism, which neither backend runs yet",
-                         "Make the plan with --parallel pp (or auto), which both backends run.")
+    if plan.parallel == "tp" and choice == "llamacpp":
+        raise UsageError("this plan shares the GPUs by tensor parallelism, which the llama.cpp backend does not run",
+                         "Run it on the embedded engine (--backend engine), or plan with --parallel pp.")
     if choice == "auto" and plan.workload.backend != "auto":
         choice = plan.workload.backend
         reason = f"the plan was made for {BACKEND_NAMES[choice]}"
@@ -60,6 +60,10 @@ def load_session(
         return _engine().load(model, plan, on_progress, cancel)
     except UnsupportedModelError as why:
         from hybridmoe.backend.llamacpp import LlamaCppUnavailable
+
+        if plan.parallel == "tp":
+            raise UnsupportedModelError(why.what, f"{why.hint or ''} The llama.cpp fallback does not run this "
+                                        "tensor-parallel plan; plan with --parallel pp for it.".strip()) from why
 
         if risk := _llamacpp_crash_risk():
             raise UnsupportedModelError(why.what, f"{why.hint or ''} The llama.cpp fallback is not used: {risk}.".strip()) from why

@@ -419,7 +419,7 @@ class DecodeStep:
 
     @classmethod
     def build(cls, model: nn.Module, max_rows: int) -> DecodeStep | None:
-        if (not native_kernels.enabled() or model.device.type != "cpu" or model.boundaries
+        if (not native_kernels.enabled() or model.device.type != "cpu" or model.boundaries or model.cards
                 or model.scheduler is not None or type(model.norm) is not RMSNorm):
             return None
         if any(type(layer.attn_norm) is not RMSNorm or type(layer.ffn_norm) is not RMSNorm for layer in model.layers):

@@ -14,6 +14,7 @@ from torch import nn
 
 from hybridmoe.backend.engine.layers import GatedMLP, Linear, RMSNorm
 from hybridmoe.backend.engine.native_linear import native_linear
+from hybridmoe.backend.engine.tensor_parallel import columns
 from hybridmoe.backend.formats.weights import WeightSource, dense, require
 
 
@@ -26,18 +27,34 @@ class Loader:
     def has(self, name: str) -> bool:
         return name in self.weights
 
-    def tensor(self, name: str, shape: tuple[int, ...] | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
-        return dense(require(self.weights, name, shape), dtype or self.dtype, self.device)
+    def tensor(self, name: str, shape: tuple[int, ...] | None = None, dtype: torch.dtype | None = None, *,
+               rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """`name` in the compute dtype (or `dtype`) on the device; `rows`: only those (a card's
+        share under tensor parallelism)."""
+        stored = require(self.weights, name, shape)
+        if rows is not None:
+            stored = stored[rows[0] : rows[1]]
+        return dense(stored, dtype or self.dtype, self.device)
 
     def optional(self, name: str, shape: tuple[int, ...] | None = None, dtype: torch.dtype | None = None):
         return self.tensor(name, shape, dtype) if self.has(name) else None
 
-    def linear(self, prefix: str, out_features: int, in_features: int, *, bias: bool | None = None) -> nn.Module:
-        """`prefix`.weight [out, in] and, when `bias` is True (or None and present), `prefix`.bias."""
+    def linear(self, prefix: str, out_features: int, in_features: int, *, bias: bool | None = None,
+               rows: tuple[int, int] | None = None, cols: tuple[int, int] | None = None) -> nn.Module:
+        """`prefix`.weight [out, in] and, when `bias` is True (or None and present), `prefix`.bias.
+
+        Under tensor parallelism a card holds `rows` of the matrix (and of its bias: its heads,
+        its MLP columns) or `cols` (it sums its part of the product; the bias is then added by
+        one card only: pass bias=False on the others)."""
         if bias is None:
             bias = self.has(f"{prefix}.bias")
-        b = self.tensor(f"{prefix}.bias", (out_features,)) if bias else None
-        return self.projection(require(self.weights, f"{prefix}.weight", (out_features, in_features)), b)
+        b = self.tensor(f"{prefix}.bias", (out_features,), rows=rows) if bias else None
+        stored = require(self.weights, f"{prefix}.weight", (out_features, in_features))
+        if rows is not None:
+            stored = stored[rows[0] : rows[1]]
+        if cols is not None:
+            stored = columns(stored, *cols)
+        return self.projection(stored, b)
 
     def projection(self, stored, bias: torch.Tensor | None = None) -> nn.Module:
         """y = x W^T (+ b) for a stored [out, in] matrix: natively on a CPU main device (in its
@@ -53,11 +70,13 @@ class Loader:
         return RMSNorm(self.tensor(name, (dim,)), eps, round_before_weight=round_before_weight)
 
     def mlp(self, prefix: str, hidden: int, intermediate: int, act: str = "silu",
-            names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")) -> GatedMLP:
+            names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
+            part: tuple[int, int] | None = None) -> GatedMLP:
+        """A gated MLP; `part`: only those columns of its intermediate (a card's slice)."""
         gate, up, down = names
         return GatedMLP(
-            self.linear(f"{prefix}.{gate}", intermediate, hidden, bias=False),
-            self.linear(f"{prefix}.{up}", intermediate, hidden, bias=False),
-            self.linear(f"{prefix}.{down}", hidden, intermediate, bias=False),
+            self.linear(f"{prefix}.{gate}", intermediate, hidden, bias=False, rows=part),
+            self.linear(f"{prefix}.{up}", intermediate, hidden, bias=False, rows=part),
+            self.linear(f"{prefix}.{down}", hidden, intermediate, bias=False, cols=part),
             act,
         )

@@ -32,6 +32,7 @@ from hybridmoe.backend.engine.mla import MLAttention
 from hybridmoe.backend.engine.moe import MoE
 from hybridmoe.backend.engine.rope import Rotary
 from hybridmoe.backend.engine.stats import ExpertRecorder
+from hybridmoe.backend.engine.tensor_parallel import HeadShards, Shards, kv_heads, part
 from hybridmoe.backend.formats.weights import WeightSource, missing_tensor, require, text_model_weights
 from hybridmoe.backend.errors import UnsupportedModelError
 from hybridmoe.backend.models.families import family_by_name, family_for_config, spec_from_config
@@ -83,6 +84,7 @@ class MoeTransformer(nn.Module):
         # Pipeline over several devices: layer index -> the device its stage runs on, for
         # each layer that starts a stage after the first (empty on one device).
         self.boundaries: dict[int, torch.device] = {}
+        self.cards: list[torch.device] = []  # tensor parallelism: the cards every layer is split across
         self.scheduler = None  # the hybrid.HybridScheduler shared by the MoE layers, if any
         # One-token-per-sequence calls on a CPU main device take the native path
         # (``cpu_decode``) when it covers the model; False keeps the layer-by-layer path
@@ -197,7 +199,11 @@ class Build:
         self.hidden = spec.hidden_size
         self.eps = float(self.config.get("rms_norm_eps", rms_eps_default))
         self.round_norm_before_weight = round_norm_before_weight
-        self.resident_form = "dense"  # or "int8": how main-device experts are held (ResidentExperts)
+        self.resident_form = "dense"  # or "int8", "int4": how main-device experts are held (ResidentExperts)
+        # Tensor parallelism: (card, cards) while a card's share of a layer is built (else
+        # None); `placement` is then that card's experts, `host_placement` what no card holds.
+        self.card: tuple[int, int] | None = None
+        self.on_cards = placement
         self.sequences = 1  # conversations the KV cache is sized for
         self.cache = PagedCache([], max_context)
         self._memo: dict[str, Any] = {}
@@ -225,6 +231,19 @@ class Build:
             return group
         return self.memo(f"cache/{window}", make)
 
+    def part(self, count: int, align: int = 1) -> tuple[int, int] | None:
+        """This card's range of `count` units under tensor parallelism (None: all of them)."""
+        return None if self.card is None else part(count, *self.card, align)
+
+    def mlp(self, prefix: str, intermediate: int, act: str = "silu",
+            names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")) -> GatedMLP | None:
+        """A dense MLP or shared experts: under tensor parallelism, this card's columns (None
+        when it has none)."""
+        cols = self.part(intermediate, align=32)
+        if cols is not None and cols[0] == cols[1]:
+            return None
+        return self.load.mlp(prefix, self.hidden, intermediate, act, names, part=cols)
+
     def norm(self, name: str, dim: int | None = None) -> RMSNorm:
         return self.load.norm(name, dim or self.hidden, self.eps, round_before_weight=self.round_norm_before_weight)
 
@@ -245,22 +264,37 @@ class Build:
         p = f"model.layers.{i}.self_attn"
         h = self.hidden
         n_heads, n_kv_heads, head_dim = self.spec.num_attention_heads, self.spec.num_kv_heads, self.spec.head_dim
-        q = self.load.linear(f"{p}.q_proj", n_heads * head_dim, h)
-        k = self.load.linear(f"{p}.k_proj", n_kv_heads * head_dim, h)
-        v = self.load.linear(f"{p}.v_proj", n_kv_heads * head_dim, h)
-        o = self.load.linear(f"{p}.o_proj", h, n_heads * head_dim, bias=o_bias)
+        heads = self.part(n_heads)
+        if heads is None:
+            heads, kv = (0, n_heads), (0, n_kv_heads)
+        else:
+            if qk_norm == "full":
+                raise UnsupportedModelError(
+                    "tensor parallelism: this model normalises q and k over all heads together",
+                    "Use a pipeline (--parallel pp).")
+            kv = kv_heads(heads, n_heads, n_kv_heads)
+        rows = (heads[0] * head_dim, heads[1] * head_dim)
+        kv_rows = (kv[0] * head_dim, kv[1] * head_dim)
+        first = self.card is None or self.card[0] == 0  # the card that adds the output bias
+        q = self.load.linear(f"{p}.q_proj", n_heads * head_dim, h, rows=rows)
+        k = self.load.linear(f"{p}.k_proj", n_kv_heads * head_dim, h, rows=kv_rows)
+        v = self.load.linear(f"{p}.v_proj", n_kv_heads * head_dim, h, rows=kv_rows)
+        o_bias = (self.load.has(f"{p}.o_proj.bias") if o_bias is None else o_bias) and first
+        o = self.load.linear(f"{p}.o_proj", h, n_heads * head_dim, bias=o_bias,
+                             cols=None if self.card is None else rows)
         q_norm = k_norm = None
         if qk_norm == "head":
             q_norm, k_norm = self.norm(f"{p}.q_norm.weight", head_dim), self.norm(f"{p}.k_norm.weight", head_dim)
         elif qk_norm == "full":
             q_norm = self.norm(f"{p}.q_norm.weight", n_heads * head_dim)
             k_norm = self.norm(f"{p}.k_norm.weight", n_kv_heads * head_dim)
+        n_heads, n_kv_heads = heads[1] - heads[0], kv[1] - kv[0]
         cache = PagedKV(self.cache_group(i), n_kv_heads, head_dim, head_dim, self.dtype, self.device)
         return Attention(
             q=q, k=k, v=v, o=o, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim,
             rotary=rotary, cache=cache, q_norm=q_norm, k_norm=k_norm,
             norm_per_head=qk_norm == "head", clip_qkv=clip_qkv,
-            sinks=self.load.tensor(f"{p}.sinks", (n_heads,)) if sinks else None,
+            sinks=self.load.tensor(f"{p}.sinks", (self.spec.num_attention_heads,), rows=heads) if sinks else None,
         )
 
     def routed_experts(self, i: int, prefix: str, n_experts: int, intermediate: int, act: ExpertActivation, *,
@@ -269,11 +303,14 @@ class Build:
         """Layer i's routed experts split by the placement: (main device, host)."""
         store = ExpertStore(self.weights, prefix, n_experts, self.hidden, intermediate, names=names, gpt_oss=gpt_oss)
         on_main = set(self.placement.get(i, ()))
-        bad = [e for e in on_main if not 0 <= e < n_experts]
+        on_gpus = set(self.on_cards.get(i, ()))  # on any card (the main device's, without tensor parallelism)
+        bad = [e for e in on_gpus if not 0 <= e < n_experts]
         if bad:
             raise ValueError(f"placement for layer {i} names experts {sorted(bad)}; the layer has {n_experts}")
         main = ResidentExperts(store, on_main, self.dtype, self.device, act, form=self.resident_form)
-        host = HostExperts(store, set(range(n_experts)) - on_main, self.dtype, act)
+        # The CPU experts run once: with the first card's share under tensor parallelism.
+        host_ids = set(range(n_experts)) - on_gpus if self.card is None or self.card[0] == 0 else set()
+        host = HostExperts(store, host_ids, self.dtype, act)
         native_experts.prepare(host)
         return main, host
 
@@ -283,7 +320,8 @@ class Build:
         """Layer i's MoE block: `router`, its routed experts under `prefix`, shared experts."""
         act = act or ExpertActivation(str(self.config.get("hidden_act", "silu")))
         main, host = self.routed_experts(i, prefix, n_experts, intermediate, act, names=names, gpt_oss=gpt_oss)
-        return MoE(i, router, main, host, shared=shared, shared_gate=shared_gate, recorder=self.recorder)
+        recorder = self.recorder if self.card is None or self.card[0] == 0 else None  # count each token once
+        return MoE(i, router, main, host, shared=shared, shared_gate=shared_gate, recorder=recorder)
 
 
 def _default_dtype(embed: Any) -> torch.dtype:
@@ -322,6 +360,7 @@ def build_model(
     name: str | None = None,
     on_progress: Callable[[int, int], None] | None = None,
     pipeline: Seq[tuple[torch.device | str, Collection[int]]] | None = None,
+    tensor_parallel: Seq[tuple[torch.device | str, Placement]] | None = None,
     resident_form: str = "dense",
     hybrid: HybridOptions | None = None,
 ) -> MoeTransformer:
@@ -343,7 +382,10 @@ def build_model(
         across GPUs); a layer's attention, cache, dense or shared weights and main-device
         experts live on its stage's device, the embedding on the first, the head on the last.
         Default: every layer on `device`.
-    resident_form: "dense" (compute dtype) or "int8" main-device experts, as the Plan chose.
+    tensor_parallel: (device, placement) of each card, the main one first: every layer split
+        across them (``tensor_parallel``), each card holding its placement's experts;
+        `placement` and `pipeline` are then not given.
+    resident_form: "dense" (compute dtype), "int8" or "int4" main-device experts, as the Plan chose.
     hybrid: run the MoE layers through ``hybrid.HybridScheduler`` with these options. Default:
         with default options when any layer is on a GPU; never on a CPU-only model (pass
         options to run the scheduler there anyway, as the tests do).
@@ -358,7 +400,18 @@ def build_model(
     device = _device(device)
     if dtype is None:
         dtype = _default_dtype(require(weights, "model.embed_tokens.weight"))
-    placement = {int(k): tuple(sorted(int(e) for e in v)) for k, v in (placement or {}).items()}
+    cards = [(_device(d), _placement(p)) for d, p in tensor_parallel or ()]
+    if cards:
+        if placement or pipeline:
+            raise ValueError("tensor_parallel names each card's experts and devices: pass no placement or pipeline")
+        device = cards[0][0]
+        placement = {}
+        for _, on_card in cards:
+            for layer, ids in on_card.items():
+                if set(placement.get(layer, ())) & set(ids):
+                    raise ValueError(f"tensor_parallel: layer {layer}'s experts {sorted(ids)} are on two cards")
+                placement[layer] = tuple(sorted((*placement.get(layer, ()), *ids)))
+    placement = _placement(placement)
 
     n_layers = spec.num_layers
     moe_layers = list(spec.moe_layers)
@@ -378,33 +431,61 @@ def build_model(
     layers = []
     for i in range(n_layers):
         b.on(stage_of[i][0])
+        if cards:
+            attn, ffn = (_on_cards(b, cards, lambda: build(b, i)) for build in (module.attention, module.feed_forward))
+        else:
+            attn, ffn = module.attention(b, i), module.feed_forward(b, i)
         layers.append(DecoderLayer(
-            b.norm(f"model.layers.{i}.input_layernorm.weight"),
-            module.attention(b, i),
-            b.norm(f"model.layers.{i}.post_attention_layernorm.weight"),
-            module.feed_forward(b, i),
+            b.norm(f"model.layers.{i}.input_layernorm.weight"), attn,
+            b.norm(f"model.layers.{i}.post_attention_layernorm.weight"), ffn,
         ))
         if on_progress is not None:
             on_progress(i + 1, n_layers)
     norm = b.norm("model.norm.weight")
-    if "lm_head.weight" in weights:
+    if "lm_head.weight" not in weights and not spec.tie_word_embeddings:
+        raise missing_tensor(weights, "lm_head.weight")
+    if cards:  # each card its rows of the head (the embedding's, when tied)
+        name = "lm_head" if "lm_head.weight" in weights else "model.embed_tokens"
+        heads = []
+        for c, (dev, _) in enumerate(cards):
+            b.on(dev)
+            heads.append(b.load.linear(name, vocab, b.hidden, bias=False, rows=part(vocab, c, len(cards))))
+        b.on(device)
+        lm_head = HeadShards(heads, [d for d, _ in cards])
+    elif "lm_head.weight" in weights:
         lm_head = b.load.linear("lm_head", vocab, b.hidden, bias=False)
-    elif spec.tie_word_embeddings:
+    else:
         # The head reads the embedding table: in its stored form on a CPU main device, else
         # the embedding's own materialised tensor (no second copy).
         stored = require(weights, "model.embed_tokens.weight", (vocab, b.hidden))
         lm_head = native_linear(stored, None, b.device) or Linear(embed.to(b.device))
-    else:
-        raise missing_tensor(weights, "lm_head.weight")
     net = MoeTransformer(family=family, spec=spec, config=b.config, embed=embed, layers=layers, norm=norm, lm_head=lm_head,
                            recorder=recorder, placement=placement, device=device, dtype=dtype, max_context=max_context,
                            cache=b.cache, max_sequences=sequences)
     net.boundaries = {i: stage_of[i][0] for i in range(1, n_layers) if stage_of[i][1] != stage_of[i - 1][1]}
+    net.cards = [d for d, _ in cards]
     if hybrid is None and any(d.type != "cpu" for d, _ in stage_of):
         hybrid = HybridOptions()
     if hybrid is not None:
         net.scheduler = attach(net, hybrid)
     return net
+
+
+def _placement(p: Placement | None) -> dict[int, tuple[int, ...]]:
+    return {int(k): tuple(sorted(int(e) for e in v)) for k, v in (p or {}).items()}
+
+
+def _on_cards(b: Build, cards: list[tuple[torch.device, dict]], build: Callable[[], nn.Module]) -> Shards:
+    """A block built once per card, each from that card's share (``Build.card``)."""
+    home, everything = b.device, b.placement
+    parts = []
+    for c, (dev, on_card) in enumerate(cards):
+        b.card, b.placement = (c, len(cards)), on_card
+        b.on(dev)
+        parts.append(build())
+    b.card, b.placement = None, everything
+    b.on(home)
+    return Shards(parts, [d for d, _ in cards])
 
 
 def _stages(pipeline, n_layers: int, device: torch.device) -> list[tuple[torch.device, int]]:

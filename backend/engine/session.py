@@ -77,8 +77,7 @@ class EngineBackend:
         net = build_model(
             spec.config,
             weights,
-            plan.placement(),
-            device,
+            device=device,
             max_context=plan.workload.context,
             sequences=plan.workload.users,
             name=spec.name,

@@ -49,9 +49,9 @@ def make(spec: ModelSpec, inventory: TensorInventory, hardware: HardwareProfile,
     return _Planner(spec, inventory, hardware, workload).plan()
 
 
-# The GPU layouts the backends run today: pipelines of whole layers (the engine's stages,
-# llama.cpp's layer split). Tensor parallelism is planned and compared, not yet run.
-RUNNABLE_LAYOUTS = ("pp",)
+# The GPU layouts each backend runs: the engine both (its pipeline stages, ``tensor_parallel``),
+# llama.cpp pipelines (its layer split; its row split has no hybrid expert offload).
+RUNS = {"engine": ("pp", "tp"), "llamacpp": ("pp",)}
 
 
 @dataclass
@@ -71,6 +71,17 @@ class _Layout:
     experts_by_card: list[dict[int, int]]  # GPU experts each card holds, per MoE layer
     single: DecodeEstimate | None = None
     multi: DecodeEstimate | None = None
+
+    def card_experts(self, card: int) -> dict[int, tuple[int, ...]]:
+        """Under tensor parallelism, the ids card `card` holds: the next experts_by_card of each
+        layer's GPU experts, in card order (a pipeline: none listed per card)."""
+        if self.kind != "tp":
+            return {}
+        out = {}
+        for layer, ids in self.gpu_experts.items():
+            start = sum(self.experts_by_card[c].get(layer, 0) for c in range(card))
+            out[layer] = tuple(ids[start : start + self.experts_by_card[card].get(layer, 0)])
+        return out
 
 
 class _Planner:
@@ -164,6 +175,7 @@ class _Planner:
                     layers=runs[c],
                     bandwidth_bytes_per_s=g.memory_bandwidth_bytes_per_s,
                     torch_device=f"cuda:{g.index}",
+                    experts=lay.card_experts(c),
                 )
             )
 
@@ -396,7 +408,7 @@ class _Planner:
         counts = [len(ids) for ids in lay.gpu_experts.values()]
         return {
             "fits": all(a >= 0 for a in lay.avail),
-            "runnable": lay.kind in RUNNABLE_LAYOUTS,
+            "runnable": lay.kind in self._runnable(),
             "gpu_expert_format": B.resident_form_name(self.spec, lay.form),
             "gpu_experts_per_layer": min(counts, default=0),
             "host_bytes_per_token": lay.single.host_bytes_per_step,
@@ -406,19 +418,20 @@ class _Planner:
             "decode_tokens_per_s_per_user": lay.multi.tokens_per_s_per_user,
         }
 
+    def _runnable(self) -> tuple[str, ...]:
+        """The layouts the plan's backend runs (the engine's, unless the plan is for llama.cpp)."""
+        return RUNS["llamacpp" if self.wl.backend == "llamacpp" else "engine"]
+
     def _choose(self, layouts: dict[str, _Layout]) -> str:
-        """The layout asked for, or (auto) among those the backends run, the one that fits with
+        """The layout asked for, or (auto) among those the backend runs, the one that fits with
         the higher decode speed for the workload's conversations together (a pipeline on a tie:
         it moves less between cards)."""
         asked = self.wl.parallel
         if asked == "tp" and "tp" not in layouts:
             self.warnings.append("Tensor parallelism needs two or more GPUs: the plan is a single-card layout.")
-        elif asked == "tp":
-            self.warnings.append(
-                "Tensor parallel layout: a sizing of the GPUs shared head by head. Neither backend runs it "
-                "yet (the embedded engine runs pipelines; so does llama.cpp's hybrid expert offload): "
-                "`run` refuses this plan; plan with --parallel pp (or auto) to run."
-            )
+        elif asked == "tp" and "tp" not in self._runnable():
+            self.warnings.append("llama.cpp does not run tensor parallelism with expert offload: "
+                                 "this plan is for the embedded engine (--backend engine).")
         if asked != "auto":
             return asked if asked in layouts else "pp"
 
@@ -426,7 +439,7 @@ class _Planner:
             lay = layouts[kind]
             return (all(a >= 0 for a in lay.avail), lay.multi.tokens_per_s_per_user or 0.0, kind == "pp")
 
-        return max((kind for kind in layouts if kind in RUNNABLE_LAYOUTS), key=rank)
+        return max((kind for kind in layouts if kind in self._runnable()), key=rank)
 
     def _bandwidth_source(self) -> str:
         m = self.hw.memory

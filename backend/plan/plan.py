@@ -33,6 +33,9 @@ class DevicePlan:
     layers: tuple[int, ...] = ()  # decoder layers whose always-read weights live here (GPUs)
     bandwidth_bytes_per_s: float | None = None
     torch_device: str | None = None  # what the engine builds on: "cuda:0", "cpu"
+    # Tensor parallelism: this card's share of each MoE layer's GPU experts (a pipeline's
+    # cards hold all GPU experts of their layers: Plan.gpu_experts).
+    experts: dict[int, tuple[int, ...]] = field(default_factory=dict)
 
     @property
     def engine_device(self) -> str:
@@ -141,6 +144,7 @@ class Plan:
         d["gpu_bytes_per_expert"] = {str(k): v for k, v in sorted(self.gpu_bytes_per_expert.items())}
         for dev, dd in zip(self.devices, d["devices"]):
             dd["free_bytes"] = dev.free_bytes
+            dd["experts"] = {str(k): list(v) for k, v in sorted(dev.experts.items())}
         return d
 
     @classmethod
@@ -153,8 +157,9 @@ class Plan:
         kw["workload"] = Workload.from_dict(d["workload"])
         kw["devices"] = tuple(
             DevicePlan(
-                **{k: dd.get(k) for k in dev_names if k != "layers"},
+                **{k: dd.get(k) for k in dev_names if k not in ("layers", "experts")},
                 layers=tuple(dd.get("layers", ())),
+                experts={int(k): tuple(int(e) for e in v) for k, v in dd.get("experts", {}).items()},
             )
             for dd in d["devices"]
         )

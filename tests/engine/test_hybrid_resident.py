@@ -121,7 +121,7 @@ def test_the_engine_takes_the_plans_threshold_reserves_and_stages(checkpoints):
     off = make(spec, inv, _workstation(), Workload(context=256, prefill_reserve="off"))
     assert options_from_plan(off).stream_min_tokens is None
     # A caller that insists on the CPU gets one stage there and no scheduler options.
-    assert build_kwargs(plan, "cpu") == {"resident_form": "int8"}
+    assert build_kwargs(plan, "cpu") == {"resident_form": "int8", "placement": plan.placement()}
     if not torch.cuda.is_available():
         assert "pipeline" not in build_kwargs(plan)
     # The Plan's reserve holds the engine's slots for a whole layer of CPU experts.

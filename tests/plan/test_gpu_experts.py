@@ -120,7 +120,8 @@ def test_the_plan_records_the_threshold_the_engine_uses(kimi):
 
 
 def test_pipeline_stages_for_the_engine(kimi):
-    plan = make(kimi.spec, kimi.inventory, epyc_host(gpus=[h200(i) for i in range(3)]), Workload(context=16384))
+    plan = make(kimi.spec, kimi.inventory, epyc_host(gpus=[h200(i) for i in range(3)]),
+                Workload(context=16384, parallel="pp"))
     stages = plan.pipeline()
     assert [d for d, _ in stages] == ["cuda:0", "cuda:1", "cuda:2"]
     assert [layer for _, layers in stages for layer in layers] == list(range(kimi.spec.num_layers))
@@ -129,7 +130,8 @@ def test_pipeline_stages_for_the_engine(kimi):
 
 
 def test_new_fields_round_trip_and_old_plans_still_load(kimi, tmp_path):
-    plan = make(kimi.spec, kimi.inventory, epyc_host(gpus=[h200(i) for i in range(2)]), Workload(context=16384))
+    plan = make(kimi.spec, kimi.inventory, epyc_host(gpus=[h200(i) for i in range(2)]),
+                Workload(context=16384, parallel="pp"))
     for name in ("plan.toml", "plan.json"):
         back = Plan.load(plan.save(tmp_path / name))
         assert back == plan

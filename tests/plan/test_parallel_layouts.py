@@ -12,7 +12,7 @@ from hybridmoe.backend.backends import load_session
 from hybridmoe.backend.errors import PlanError, UsageError
 from hybridmoe.backend.hardware.presets import preset
 from hybridmoe.backend.models import inspect_model
-from hybridmoe.backend.plan import Workload, make
+from hybridmoe.backend.plan import Plan, Workload, make
 from hybridmoe.backend.plan.budget import resident_expert_bytes
 from hybridmoe.backend.plan.estimate import ALL_REDUCE_SECONDS, tp_all_reduces
 from hybridmoe.backend.plan.placement import deal
@@ -95,20 +95,33 @@ def test_tensor_parallel_holds_about_175_experts_and_reads_a_quarter_per_card(fl
     assert tp.decode_tokens_per_s_upper_bound > 2.5 * pp.decode_tokens_per_s_upper_bound
 
 
-def test_auto_compares_both_and_chooses_a_layout_the_backends_run(flagship):
+def test_auto_compares_both_and_chooses_the_faster_its_backend_runs(kimi, flagship):
     auto, pp, tp = flagship["auto"], flagship["pp"], flagship["tp"]
     assert set(auto.layouts) == {"pp", "tp"}
     assert auto.layouts["tp"]["decode_tokens_per_s_upper_bound"] == tp.decode_tokens_per_s_upper_bound
     assert auto.layouts["pp"]["gpu_experts_per_layer"] == len(pp.gpu_experts[1])
-    assert not auto.layouts["tp"]["runnable"] and auto.layouts["pp"]["runnable"]
-    assert auto.parallel == "pp" and auto.gpu_experts == pp.gpu_experts
+    # Four conversations together: tensor parallelism is faster, and the engine runs it.
+    assert tp.decode_tokens_per_s_aggregate > pp.decode_tokens_per_s_aggregate
+    assert auto.parallel == "tp" and auto.gpu_experts == tp.gpu_experts
     text = plan_text(auto)
     assert "held as int4 (24.77 MB each)" in text
-    assert "tensor parallel (tp) (not run yet)" in text and "pipeline (pp) *" in text
-    assert f"{tp.decode_tokens_per_s_upper_bound:,.1f} tok/s" in text
-    assert "per card" in plan_text(tp) and any("Tensor parallel layout" in w for w in tp.warnings)
+    assert "tensor parallel (tp) *" in text and "per card" in text
+    assert f"{pp.decode_tokens_per_s_upper_bound:,.1f} tok/s" in text
+    # llama.cpp runs pipelines only: a plan for it stays one, and it refuses a tensor-parallel plan.
+    for_llama = make(kimi.spec, kimi.inventory, preset("4x RTX PRO 6000"),
+                     Workload(context=32768, users=4, backend="llamacpp"))
+    assert for_llama.parallel == "pp" and not for_llama.layouts["tp"]["runnable"]
+    assert "(not on llama.cpp)" in plan_text(for_llama)
     with pytest.raises(UsageError, match="tensor parallelism"):
-        load_session("auto", "unused", tp)
+        load_session("llamacpp", "unused", tp)
+
+
+def test_a_tensor_parallel_plan_round_trips(flagship, tmp_path):
+    tp = flagship["tp"]
+    for name in ("plan.toml", "plan.json"):
+        back = Plan.load(tp.save(tmp_path / name))
+        assert back == tp and back.parallel == "tp" and back.layouts == tp.layouts
+        assert [d.experts for d in back.devices] == [d.experts for d in tp.devices]
 
 
 def test_tensor_parallel_splits_grouped_kv_heads_and_needs_two_cards():

@@ -81,7 +81,7 @@ def test_described_gpu_budgets_match_the_sizing_rule():
 
 def test_gpu_placement_order_and_uniform_counts(kimi):
     spec, inv = kimi.spec, kimi.inventory
-    plan = make(spec, inv, epyc_host(gpus=[h200(i) for i in range(4)]), Workload(context=32768))
+    plan = make(spec, inv, epyc_host(gpus=[h200(i) for i in range(4)]), Workload(context=32768, parallel="pp"))
     assert plan.fits, plan.reason
     counts = {len(ids) for ids in plan.gpu_experts.values()}
     assert len(counts) == 1 and 0 < counts.pop() < 384

@@ -31,13 +31,17 @@ def attention(b, i: int) -> MLAttention:
     n_heads, q_lora, kv_lora = spec.num_attention_heads, spec.q_lora_rank, spec.kv_lora_rank
     nope, rope, v_dim = spec.qk_nope_head_dim, spec.qk_rope_head_dim, spec.v_head_dim
     p = f"model.layers.{i}.self_attn"
+    # Under tensor parallelism a card holds its heads' rows of q_b (or q), kv_b and their
+    # columns of o; the latent projections, and the latent cache every head reads, whole.
+    heads = b.part(n_heads) or (0, n_heads)
+    q_rows = (heads[0] * (nope + rope), heads[1] * (nope + rope))
     if q_lora:
         q_proj = None
         q_a = b.load.linear(f"{p}.q_a_proj", q_lora, h)
         q_a_norm = b.norm(f"{p}.q_a_layernorm.weight", q_lora)
-        q_b = b.load.linear(f"{p}.q_b_proj", n_heads * (nope + rope), q_lora)
+        q_b = b.load.linear(f"{p}.q_b_proj", n_heads * (nope + rope), q_lora, rows=q_rows)
     else:
-        q_proj = b.load.linear(f"{p}.q_proj", n_heads * (nope + rope), h)
+        q_proj = b.load.linear(f"{p}.q_proj", n_heads * (nope + rope), h, rows=q_rows)
         q_a = q_a_norm = q_b = None
     v2 = spec.routing.scoring == "softmax"
     # V2's reference always rotates interleaved pairs in float32; V3 follows rope_interleave.
@@ -48,9 +52,11 @@ def attention(b, i: int) -> MLAttention:
         q_proj=q_proj, q_a=q_a, q_a_norm=q_a_norm, q_b=q_b,
         kv_a=b.load.linear(f"{p}.kv_a_proj_with_mqa", kv_lora + rope, h),
         kv_a_norm=b.norm(f"{p}.kv_a_layernorm.weight", kv_lora),
-        kv_b_weight=b.load.tensor(f"{p}.kv_b_proj.weight", (n_heads * (nope + v_dim), kv_lora)),
-        o=b.load.linear(f"{p}.o_proj", h, n_heads * v_dim),
-        n_heads=n_heads, nope_dim=nope, rope_dim=rope, v_dim=v_dim, kv_lora_rank=kv_lora,
+        kv_b_weight=b.load.tensor(f"{p}.kv_b_proj.weight", (n_heads * (nope + v_dim), kv_lora),
+                                  rows=(heads[0] * (nope + v_dim), heads[1] * (nope + v_dim))),
+        o=b.load.linear(f"{p}.o_proj", h, n_heads * v_dim,
+                        cols=None if b.card is None else (heads[0] * v_dim, heads[1] * v_dim)),
+        n_heads=heads[1] - heads[0], nope_dim=nope, rope_dim=rope, v_dim=v_dim, kv_lora_rank=kv_lora,
         rotary=rotary,
         cache=PagedLatent(b.cache_group(i), kv_lora, rope, b.dtype, b.device),
         scale=(nope + rope) ** -0.5 * softmax_scale_multiplier(params),
@@ -78,8 +84,7 @@ def moe_with_shared_experts(b, i: int):
     p = f"model.layers.{i}.mlp"
     shared = None
     if spec.shared_intermediate_size:
-        shared = b.load.mlp(f"{p}.shared_experts", b.hidden, spec.shared_intermediate_size,
-                            str(b.config.get("hidden_act", "silu")))
+        shared = b.mlp(f"{p}.shared_experts", spec.shared_intermediate_size, str(b.config.get("hidden_act", "silu")))
     return b.moe(i, p, router(b, p), spec.n_routed_experts, spec.moe_intermediate_size, shared=shared)
 
 

@@ -20,8 +20,7 @@ def feed_forward(b, i: int):
     p = f"model.layers.{i}.mlp"
     shared = shared_gate = None
     if spec.shared_intermediate_size:
-        shared = b.load.mlp(f"{p}.shared_expert", b.hidden, spec.shared_intermediate_size,
-                            str(b.config.get("hidden_act", "silu")))
+        shared = b.mlp(f"{p}.shared_expert", spec.shared_intermediate_size, str(b.config.get("hidden_act", "silu")))
         shared_gate = b.load.linear(f"{p}.shared_expert_gate", 1, b.hidden, bias=False)
     return b.moe(i, p, qwen3_moe.softmax_router(b, p), spec.n_routed_experts, spec.moe_intermediate_size,
                  shared=shared, shared_gate=shared_gate)

@@ -22,7 +22,7 @@ def softmax_router(b, prefix: str, *, float32_weights: bool = False) -> SoftmaxT
 
 
 def dense_mlp(b, i: int):
-    return b.load.mlp(f"model.layers.{i}.mlp", b.hidden, b.spec.dense_intermediate_size,
+    return b.mlp(f"model.layers.{i}.mlp", b.spec.dense_intermediate_size,
                       str(b.config.get("hidden_act", "silu")))
 
 
