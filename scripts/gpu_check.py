@@ -17,7 +17,13 @@ Sections, each guarded (a failure is reported and the next section runs):
    of the experts on the GPU (100 % also as int8), 4K-token prefill tokens/s CPU-only, with
    the CPU experts computed on the CPU (0 %), and streamed to the GPU (0 %, 50 %); then the
    issue's targets: decode at 0 % at least CPU-only decode plus the saved attention time,
-   decode rising with the GPU share, streamed prefill at least 3x the CPU-expert prefill.
+   decode rising with the GPU share, streamed prefill at least 3x the CPU-expert prefill;
+5. flagship (issue 18): 4-bit GPU experts: the Triton GEMV on a Kimi-shaped Q4_0 expert
+   (gate+up [4096, 7168], down [7168, 2048]) against its dequantized matrix, timed at 1, 4
+   and 8 tokens against the int8 and bf16 forms of the same expert and the card's copy
+   bandwidth; a tiny Q4_0 model with int4 GPU experts against the same experts on the CPU;
+   tensor parallelism over two cards against the CPU-only engine (with two or more GPUs; the
+   CPU stands in for the cards on a machine without CUDA, as for parity).
 
 Prints a table and writes JSON (to --json, default $OUT/gpu_check.json or ./gpu_check.json).
 Without CUDA (a CPU-only machine) the GPU sections are skipped with a message and parity
@@ -531,6 +537,122 @@ def targets(r: Report, rows: dict) -> dict:
     return out
 
 
+# ---- 5. flagship: 4-bit GPU experts, tensor parallelism ---------------------------------
+
+
+def q4_0_matrix(rows: int, cols: int, seed: int):
+    """A random Q4_0 matrix as a GGUF stores it (codes random, block scales ~0.01)."""
+    from gguf import GGMLQuantizationType
+
+    from hybridmoe.backend.formats import quant
+
+    g = torch.Generator().manual_seed(seed)
+    blocks = torch.randint(0, 256, (rows * cols // 32, 18), dtype=torch.uint8, generator=g)
+    d = (torch.randn(rows * cols // 32, generator=g) * 0.01).to(torch.float16)
+    blocks[:, :2] = d.view(torch.uint8).reshape(-1, 2)
+    return quant.from_gguf(blocks.reshape(rows, -1), GGMLQuantizationType.Q4_0, (rows, cols))
+
+
+def flagship(r: Report, work: Path) -> dict:
+    """Without CUDA the GEMV timings are skipped and the CPU stands in for the cards."""
+    from hybridmoe.backend.convert import to_gguf
+    from hybridmoe.backend.engine.model import build_model
+    from hybridmoe.backend.formats.weights import open_weights
+    from hybridmoe.backend.models import inspect_model
+
+    out: dict = {"gemv": []}
+    if cuda():
+        gemv_speed(r, out)
+    else:
+        r.say("no CUDA device: GEMV timings skipped; the model checks run with the CPU standing in")
+    device = "cuda" if cuda() else "cpu"
+
+    # A model with int4 GPU experts: the same stored experts on the CPU give the same logits.
+    try:
+        from tests.convert.conftest import build_checkpoint  # a checkpoint the converter maps whole
+    except ImportError:
+        raise Skip("transformers is not installed") from None
+    build_checkpoint(work / "tiny-int4", "qwen3_moe")
+    path = to_gguf(work / "tiny-int4", work / "tiny-q4_0.gguf", "q4_0")
+    spec = inspect_model(path).spec
+    half = {layer: list(range(0, spec.n_routed_experts, 2)) for layer in spec.moe_layers}
+    ids = torch.randint(0, 256, (1, 24), generator=torch.Generator().manual_seed(1))
+    models = [build_model(spec, open_weights(path), placement=half, device=d, max_context=64, resident_form="int4")
+              for d in ("cpu", device)]
+    err = rel_err(*(run_tokens(m, ids, prefill=16, chunk=8) for m in reversed(models)))
+    out["int4_model_rel_err"] = err
+    r.say(f"int4 GPU experts in a model ({device}): rel err {err:.2e} against the same experts on the CPU")
+
+    # Tensor parallelism over two cards, float32, against the CPU-only engine.
+    if torch.cuda.device_count() >= 2 or not cuda():
+        cards = ("cuda:0", "cuda:1") if cuda() else ("cpu", "cpu")
+        results = []
+        for family in ("qwen3_moe", "deepseek_v3", "gpt_oss"):
+            if r.left() < 30:
+                break
+            path = tiny_checkpoint(family, work / f"tp-{family}")
+            layers = [m.layer for m in moe_layers_of(build(path, device="cpu", max_context=64))]
+            dealt = [(cards[0], {layer: [0, 2] for layer in layers}), (cards[1], {layer: [1, 3] for layer in layers})]
+
+            def split(path=path, dealt=dealt, layers=layers):
+                want = run_tokens(build(path, device="cpu", max_context=64,
+                                        placement={layer: [0, 1, 2, 3] for layer in layers}), ids, 16, 8)
+                model = build(path, max_context=64, tensor_parallel=dealt)
+                err = rel_err(run_tokens(model, ids, prefill=16, chunk=8), want)
+                model.scheduler and model.scheduler.close()
+                return err, err < 1e-4, {}
+
+            parity_case(r, results, family, f"tensor parallel, 2 x {cards[0].split(':')[0]}", split)
+        out["tensor_parallel"] = results
+    else:
+        r.say("one GPU: the tensor-parallel check needs two")
+    return out
+
+
+def gemv_speed(r: Report, out: dict) -> None:
+    """The int4 GEMV on a Kimi-shaped Q4_0 expert: error against its dequantized matrix, and
+    time against the int8 and bf16 forms of the same expert and the card's copy bandwidth."""
+    import torch.nn.functional as F
+
+    from hybridmoe.backend.formats import int4_weights
+    from hybridmoe.backend.formats.int8_weights import quantize_int8
+
+    copy = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(5):
+        copy.clone()
+    sync()
+    out["copy_gb_s"] = 2 * 5 * copy.numel() / (time.perf_counter() - t0) / GB  # read + write
+    del copy
+    r.say(f"device copy: {out['copy_gb_s']:.0f} GB/s (read + write)")
+    for name, (rows, cols) in {"gate_up": (4096, 7168), "down": (7168, 2048)}.items():
+        stored = q4_0_matrix(rows, cols, seed=rows)
+        w4 = int4_weights.from_quant(stored, "cuda")
+        dense = w4.dequantize(torch.bfloat16)
+        w8 = quantize_int8(stored.dequantize(device="cuda"), torch.bfloat16)
+        for tokens in (1, 4, 8):
+            x = torch.randn(tokens, cols, device="cuda", dtype=torch.bfloat16)
+            err = rel_err(int4_weights.gemv(x, w4), x.float() @ w4.dequantize().t())
+            row = {"matrix": name, "tokens": tokens, "rel_err": err}
+            for form, fn, nbytes in (("int4", lambda: int4_weights.gemv(x, w4), w4.nbytes),
+                                     ("int8", lambda: w8.linear(x), w8.nbytes),
+                                     ("bf16", lambda: F.linear(x, dense), dense.numel() * 2)):
+                fn()
+                sync()
+                t0 = time.perf_counter()
+                for _ in range(50):
+                    fn()
+                sync()
+                dt = (time.perf_counter() - t0) / 50
+                row[f"{form}_us"] = dt * 1e6
+                row[f"{form}_gb_s"] = nbytes / dt / GB
+            out["gemv"].append(row)
+            r.say(f"{name:8} T={tokens}: int4 {row['int4_us']:7.1f} us ({row['int4_gb_s']:6.0f} GB/s, rel err "
+                  f"{err:.1e}), int8 {row['int8_us']:7.1f} us, bf16 {row['bf16_us']:7.1f} us")
+    out["gemv_ok"] = all(row["rel_err"] < 1e-2 for row in out["gemv"])
+
+
 # ---- main -------------------------------------------------------------------------------
 
 
@@ -550,6 +672,7 @@ def main(argv=None) -> int:
         report.run("parity", parity, work)
         report.run("bandwidth", bandwidth)
         report.run("speed", speed, work, args)
+        report.run("flagship", flagship, work)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     summary(report)
