@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from hybridmoe.backend.hardware.profile import HardwareProfile
 from hybridmoe.backend.models.inventory import TensorClass
+from hybridmoe.backend.plan.estimate import ALL_REDUCE_SECONDS, tp_all_reduces
 from hybridmoe.backend.plan.plan import Plan
 from hybridmoe.backend.units import fmt_bytes, fmt_rate
 
@@ -162,6 +163,7 @@ def _layouts(plan: Plan) -> list[str]:
     """Both ways of sharing the GPUs side by side, and which one the plan is."""
     users = plan.workload.users
     head = ["layout", "GPU experts/layer", "host GB/token", "GPU GB/token", "1 conversation", f"{users} together"]
+    head = head if users > 1 else head[:-1]
     rows = []
     for kind, lay in plan.layouts.items():
         one, per_user = lay["decode_tokens_per_s_upper_bound"], lay["decode_tokens_per_s_per_user"]
@@ -173,7 +175,7 @@ def _layouts(plan: Plan) -> list[str]:
             f"{lay['gpu_bytes_per_token'] / GB:,.2f}" + (" per card" if kind == "tp" else ""),
             f"{one:,.1f} tok/s" if one else "unknown",
             f"{per_user * users:,.1f} tok/s" if per_user else "unknown",
-        ])
+        ][: len(head)])
     why = ("asked for (--parallel)" if plan.workload.parallel != "auto"
            else "the faster for this workload (--parallel auto)")
     return [f"GPU layouts (docs/sizing.md §5; * = this plan, {why})", *_table(head, rows)]
@@ -232,8 +234,10 @@ def plan_text(plan: Plan) -> str:
         ("host reads / token", f"{plan.host_bytes_per_token / GB:,.3f} GB at {fmt_rate(plan.host_bandwidth_bytes_per_s)} "
          f"({plan.host_bandwidth_source})"),
         ("GPU reads / token", f"{plan.gpu_bytes_per_token / GB:,.3f} GB "
-         + ("on the busiest card, each at once, " if plan.parallel == "tp" else "")
-         + "(always-read weights, GPU experts, KV cache at the full context)"),
+         + ("per card, all cards at once " if plan.parallel == "tp" else "")
+         + "(always-read weights, GPU experts, KV cache at the full context)"
+         + (f", then {tp_all_reduces(len(plan.devices[0].layers))} all-reduces of "
+            f"{ALL_REDUCE_SECONDS * 1e6:g} us" if plan.parallel == "tp" else "")),
     ]
     if plan.decode_tokens_per_s_upper_bound:
         rows.append(("bound", f"{plan.decode_tokens_per_s_upper_bound:,.1f} tokens/s, set by {plan.decode_bound_by}"))

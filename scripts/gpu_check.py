@@ -584,6 +584,20 @@ def flagship(r: Report, work: Path) -> dict:
     r.say(f"int4 GPU experts in a model ({device}): rel err {err:.2e} against the same experts on the CPU")
 
     # Tensor parallelism over two cards, float32, against the CPU-only engine.
+    if torch.cuda.device_count() >= 2:
+        # What the planner takes an all-reduce to cost (plan.estimate.ALL_REDUCE_SECONDS): one
+        # token's hidden state from the second card added on the first, as Shards does.
+        h = torch.randn(1, 7168, device="cuda:1", dtype=torch.bfloat16)
+        acc = torch.zeros(1, 7168, device="cuda:0")
+        for _ in range(20):
+            acc += h.to("cuda:0").float()
+        torch.cuda.synchronize("cuda:0"), torch.cuda.synchronize("cuda:1")
+        t0 = time.perf_counter()
+        for _ in range(500):
+            acc += h.to("cuda:0").float()
+        torch.cuda.synchronize("cuda:0")
+        out["card_sum_us"] = (time.perf_counter() - t0) / 500 * 1e6
+        r.say(f"one token's partial sum from cuda:1 added on cuda:0: {out['card_sum_us']:.1f} us (planner assumes 10)")
     if torch.cuda.device_count() >= 2 or not cuda():
         cards = ("cuda:0", "cuda:1") if cuda() else ("cpu", "cpu")
         results = []

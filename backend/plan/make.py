@@ -238,8 +238,9 @@ class _Planner:
         llama = translate(
             spec,
             self.inv.routed_bytes_by_layer,
-            # llama.cpp needs no prefill reserve buffer (it offloads big batches by itself).
-            gpu_expert_budget=sum(max(a, 0) for a in avail) + sum(reserves),
+            # llama.cpp splits layers (the room a pipeline's cards have) and needs no prefill
+            # reserve buffer (it offloads big batches by itself).
+            gpu_expert_budget=sum(max(a, 0) for a in layouts["pp"].avail) + sum(layouts["pp"].reserves),
             gpu_budgets=budgets,
             threads=threads,
             context=wl.context,
@@ -375,6 +376,8 @@ class _Planner:
         reserves, avail = [], []
         for c, left in enumerate(lefts):
             layer_bytes = max((B.prefill_reserve_bytes(self.E, self.bpe[layer]) for layer in moe_by_card[c]), default=0)
+            if kind == "tp" and c > 0:
+                layer_bytes = 0  # the first card runs the CPU experts, so it alone streams them
             all_experts = sum(per_card * gbpe[layer] for layer in moe_by_card[c])
             want_reserve = wl.prefill_reserve == "on" or (
                 wl.prefill_reserve == "auto" and all_experts > left and layer_bytes <= left
@@ -398,7 +401,7 @@ class _Planner:
         else:
             gpu_experts = placement.uniform(avail, moe_by_card, gbpe, self.E, self.stats)
         if kind == "tp":
-            experts_by_card = placement.deal(gpu_experts, [max(a, 0) for a in avail])
+            experts_by_card = placement.deal(gpu_experts, [max(a, 0) for a in avail], gbpe)
         else:
             experts_by_card = [{layer: len(gpu_experts[layer]) for layer in layers} for layers in moe_by_card]
         return _Layout(kind, runs, share, kv_share, card_classes, reserves, avail, form, gbpe, gpu_experts,

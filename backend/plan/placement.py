@@ -54,21 +54,28 @@ def top(layers: Sequence[int], n: int, n_experts: int, stats: ExpertStats | None
     return {layer: _top_experts(layer, n, n_experts, stats) for layer in layers}
 
 
-def deal(gpu_experts: Mapping[int, Sequence[int]], weights: Sequence[float]) -> list[dict[int, int]]:
-    """How many of each layer's GPU experts each card holds under tensor parallelism: in
-    proportion to `weights` (the room each card has for experts), largest remainders first,
-    ties to the earlier card. The engine gives card c the next that many ids of the layer."""
-    total = sum(weights)
-    shares = [w / total if total else 1 / len(weights) for w in weights]
-    by_card: list[dict[int, int]] = [{} for _ in weights]
+def deal(gpu_experts: Mapping[int, Sequence[int]], room: Sequence[float],
+         bytes_per_expert: Mapping[int, float]) -> list[dict[int, int]]:
+    """How many of each layer's GPU experts each card holds under tensor parallelism.
+
+    Every layer is split in proportion to the cards' `room` (bytes each has for experts),
+    rounded down, so each layer's work is shared alike; the few left over go to the cards
+    with the most room left, which keeps every card within its room while the cards
+    together hold them all. The engine gives card c the next that many ids of a layer."""
+    total = sum(room)
+    shares = [r / total if total else 1 / len(room) for r in room]
+    left = list(room)
+    by_card: list[dict[int, int]] = [{} for _ in room]
     for layer, ids in gpu_experts.items():
-        exact = [len(ids) * s for s in shares]
-        counts = [math.floor(x) for x in exact]
-        order = sorted(range(len(weights)), key=lambda c: (-(exact[c] - counts[c]), c))
-        for c in order[: len(ids) - sum(counts)]:
+        counts = [math.floor(len(ids) * share) for share in shares]
+        for c, n in enumerate(counts):
+            left[c] -= n * bytes_per_expert[layer]
+        for _ in range(len(ids) - sum(counts)):
+            c = max(range(len(left)), key=lambda c: (left[c], -c))
             counts[c] += 1
-        for c, count in enumerate(counts):
-            by_card[c][layer] = count
+            left[c] -= bytes_per_expert[layer]
+        for c, n in enumerate(counts):
+            by_card[c][layer] = n
     return by_card
 
 

@@ -66,7 +66,7 @@ def test_the_pipeline_holds_4bit_experts_as_stored(flagship):
     assert pp.host_bytes_per_token == pytest.approx(60 * 8 * (1 - n / 384) * KIMI_EXPERT)
 
 
-def test_tensor_parallel_holds_about_175_experts_and_reads_a_quarter_per_card(flagship):
+def test_tensor_parallel_holds_what_4bit_storage_allows_and_reads_a_quarter_per_card(flagship):
     tp = flagship["tp"]
     gpus = [d for d in tp.devices if d.kind == "gpu"]
     assert tp.parallel == "tp" and len(gpus) == 4 and tp.pipeline() == []
@@ -81,7 +81,11 @@ def test_tensor_parallel_holds_about_175_experts_and_reads_a_quarter_per_card(fl
     allowed = room / (60 * KIMI_EXPERT)
     n = len(tp.gpu_experts[1])
     assert {len(ids) for ids in tp.gpu_experts.values()} == {n}
-    assert allowed * 0.96 <= n <= allowed and 168 <= n <= 182
+    # The issue's estimate, ~175, put a prefill reserve on every card; only the first card,
+    # which runs the CPU experts, streams them, so only it keeps one.
+    assert allowed * 0.96 <= n <= allowed and n >= 175
+    assert [d.bytes_by_class["prefill_reserve"] > 0 for d in gpus] == [True, False, False, False]
+    assert all(d.used_bytes <= d.budget_bytes for d in gpus)
     assert sum(d.bytes_by_class["routed_experts"] for d in gpus) == 60 * n * KIMI_EXPERT
     # One conversation: the host reads the CPU experts' share; each card a quarter of the dense
     # part plus the whole latent cache, at once, and 123 all-reduces of latency.
@@ -147,12 +151,12 @@ def test_int4_is_refused_for_experts_that_are_not_4bit():
         Workload(parallel="ring")
 
 
-@pytest.mark.parametrize("n,weights,want", [
-    (10, [1, 1, 1, 1], [3, 3, 2, 2]),
-    (7, [2, 1], [5, 2]),
+@pytest.mark.parametrize("n,room,want", [
+    (10, [4, 4, 4, 4], [3, 3, 2, 2]),
+    (7, [10, 5], [5, 2]),
     (0, [1, 1], [0, 0]),
-    (5, [0, 0], [3, 2]),
+    (6, [2.5, 4.5], [2, 4]),  # in proportion (2.1, 3.9), never beyond a card's room
 ])
-def test_dealing_a_layers_experts_to_the_cards(n, weights, want):
-    got = deal({7: tuple(range(n))}, weights)
+def test_dealing_a_layers_experts_to_the_cards(n, room, want):
+    got = deal({7: tuple(range(n))}, room, {7: 1.0})
     assert [card[7] for card in got] == want
