@@ -201,7 +201,7 @@ class Build:
         self.round_norm_before_weight = round_norm_before_weight
         self.resident_form = "dense"  # or "int8", "int4": how main-device experts are held (ResidentExperts)
         # Tensor parallelism: (card, cards) while a card's share of a layer is built (else
-        # None); `placement` is then that card's experts, `host_placement` what no card holds.
+        # None); `placement` is then that card's experts, `on_cards` those of every card.
         self.card: tuple[int, int] | None = None
         self.on_cards = placement
         self.sequences = 1  # conversations the KV cache is sized for
@@ -230,6 +230,12 @@ class Build:
             self.cache.groups.append(group)
             return group
         return self.memo(f"cache/{window}", make)
+
+    @property
+    def first_card(self) -> bool:
+        """Whether this is the card (or the one device) that adds what must be added once:
+        the output projection's bias, the CPU experts, the expert counts."""
+        return self.card is None or self.card[0] == 0
 
     def part(self, count: int, align: int = 1) -> tuple[int, int] | None:
         """This card's range of `count` units under tensor parallelism (None: all of them)."""
@@ -275,11 +281,10 @@ class Build:
             kv = kv_heads(heads, n_heads, n_kv_heads)
         rows = (heads[0] * head_dim, heads[1] * head_dim)
         kv_rows = (kv[0] * head_dim, kv[1] * head_dim)
-        first = self.card is None or self.card[0] == 0  # the card that adds the output bias
         q = self.load.linear(f"{p}.q_proj", n_heads * head_dim, h, rows=rows)
         k = self.load.linear(f"{p}.k_proj", n_kv_heads * head_dim, h, rows=kv_rows)
         v = self.load.linear(f"{p}.v_proj", n_kv_heads * head_dim, h, rows=kv_rows)
-        o_bias = (self.load.has(f"{p}.o_proj.bias") if o_bias is None else o_bias) and first
+        o_bias = (self.load.has(f"{p}.o_proj.bias") if o_bias is None else o_bias) and self.first_card
         o = self.load.linear(f"{p}.o_proj", h, n_heads * head_dim, bias=o_bias,
                              cols=None if self.card is None else rows)
         q_norm = k_norm = None
@@ -308,8 +313,7 @@ class Build:
         if bad:
             raise ValueError(f"placement for layer {i} names experts {sorted(bad)}; the layer has {n_experts}")
         main = ResidentExperts(store, on_main, self.dtype, self.device, act, form=self.resident_form)
-        # The CPU experts run once: with the first card's share under tensor parallelism.
-        host_ids = set(range(n_experts)) - on_gpus if self.card is None or self.card[0] == 0 else set()
+        host_ids = set(range(n_experts)) - on_gpus if self.first_card else set()
         host = HostExperts(store, host_ids, self.dtype, act)
         native_experts.prepare(host)
         return main, host
@@ -320,8 +324,8 @@ class Build:
         """Layer i's MoE block: `router`, its routed experts under `prefix`, shared experts."""
         act = act or ExpertActivation(str(self.config.get("hidden_act", "silu")))
         main, host = self.routed_experts(i, prefix, n_experts, intermediate, act, names=names, gpt_oss=gpt_oss)
-        recorder = self.recorder if self.card is None or self.card[0] == 0 else None  # count each token once
-        return MoE(i, router, main, host, shared=shared, shared_gate=shared_gate, recorder=recorder)
+        return MoE(i, router, main, host, shared=shared, shared_gate=shared_gate,
+                   recorder=self.recorder if self.first_card else None)
 
 
 def _default_dtype(embed: Any) -> torch.dtype:

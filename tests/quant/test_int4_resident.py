@@ -133,5 +133,7 @@ def test_the_triton_gemv_computes_the_dequantized_product(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     for name, rows, cols, tokens, dtype, out_dtype, shape, err in json.loads(r.stdout.splitlines()[-1]):
         assert out_dtype == dtype and shape == [tokens, rows]
-        # float32 sums in another order; a bf16 result is rounded once (2^-9 relative).
+        # float32 sums in another order (measured: below 4e-7); a bf16 result is rounded once,
+        # which Triton's interpreter does by truncation: up to one bf16 step, 2^-8 of a value
+        # (measured: up to 7.5e-3 of the largest).
         assert err < (1e-5 if dtype == "torch.float32" else 8e-3), (name, rows, cols, tokens, dtype, err)
