@@ -156,8 +156,7 @@ class _Planner:
             lay.single = self._decode(gpus, lay, users=1)
             lay.multi = self._decode(gpus, lay, users=wl.users)
         lay = layouts[self._choose(layouts)]
-        runs, avail, reserves, card_classes = lay.runs, lay.avail, lay.reserves, lay.card_classes
-        gpu_experts = lay.gpu_experts
+        runs, reserves, card_classes, gpu_experts = lay.runs, lay.reserves, lay.card_classes, lay.gpu_experts
 
         devices = []
         for c, g in enumerate(gpus):
@@ -455,7 +454,6 @@ class _Planner:
     # ---- fit, suggestions, outgrown ------------------------------------------------------------
 
     def _judge(self, gpus, lay: _Layout, budgets, host_parts, host_needed, usable):
-        wl = self.wl
         suggestions: list[str] = []
         reasons: list[str] = []
         reserves = lay.reserves

@@ -172,3 +172,22 @@ def relative_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
     """max |ours - ref| / max |ref|."""
     ours, ref = ours.float(), ref.float()
     return float((ours - ref).abs().max() / ref.abs().max())
+
+
+class Dequantized:
+    """An expert group whose quantized matrices (int8, int4) come back dequantized to `dtype`:
+    the reference the quantized products are held to."""
+
+    def __init__(self, group, dtype: torch.dtype = torch.float32):
+        self.__dict__.update(group.__dict__)
+        self.group, self.dtype = group, dtype
+
+    def __len__(self):
+        return len(self.group)
+
+    def weights_of(self, e):
+        from hybridmoe.backend.engine.experts import ExpertMatrices
+
+        w = self.group.weights_of(e)
+        return ExpertMatrices(down=w.down.dequantize(self.dtype), gate_up=w.gate_up.dequantize(self.dtype),
+                              gate_up_bias=w.gate_up_bias, down_bias=w.down_bias)

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hybridmoe.backend.engine.experts import ExpertMatrices, experts_forward
+from hybridmoe.backend.engine.experts import experts_forward
 from hybridmoe.backend.engine.hybrid import HybridOptions, options_from_plan
 from hybridmoe.backend.formats.int8_weights import Int8Weight, quantize_int8
 from hybridmoe.backend.engine.moe import MoE
@@ -17,7 +17,7 @@ from hybridmoe.backend.hardware.profile import CPU, GPU, HardwareProfile, Memory
 from hybridmoe.backend.models import inspect_model
 from hybridmoe.backend.plan import Workload, make
 from hybridmoe.backend.plan.budget import resident_expert_bytes
-from tests.engine.conftest import engine, relative_error, tokens
+from tests.engine.conftest import Dequantized, engine, relative_error, tokens
 
 GIB = 1 << 30
 
@@ -75,18 +75,6 @@ def test_int8_experts_compute_what_their_dequantized_weights_do(checkpoints):
     moe = _moes(int8)[0]
     x = torch.randn(6, 64, generator=torch.Generator().manual_seed(2))
     ids, weights = moe.router(x)
-
-    class Dequantized:
-        def __init__(self, group):
-            self.__dict__.update(group.__dict__)
-            self.group = group
-
-        def __len__(self):
-            return len(self.group)
-
-        def weights_of(self, e):
-            m = self.group.weights_of(e)
-            return ExpertMatrices(down=m.down.dequantize(), gate_up=m.gate_up.dequantize())
 
     got = experts_forward(x, ids, weights, moe.main)
     assert isinstance(moe.main.weights_of(0).gate_up, Int8Weight)

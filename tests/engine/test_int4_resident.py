@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybridmoe.backend.engine.experts import ExpertMatrices, experts_forward
+from hybridmoe.backend.engine.experts import experts_forward
 from hybridmoe.backend.engine.model import build_model
 from hybridmoe.backend.engine.moe import MoE
 from hybridmoe.backend.formats.int4_weights import Int4Weight
@@ -13,7 +13,7 @@ from hybridmoe.backend.formats.weights import open_weights
 from hybridmoe.backend.models import inspect_model
 from hybridmoe.backend.plan.budget import resident_expert_bytes
 from tests.convert.conftest import checkpoints, converted  # noqa: F401 - fixtures: tiny checkpoints and GGUFs
-from tests.engine.conftest import greedy, tokens
+from tests.engine.conftest import Dequantized, greedy, tokens
 
 
 def _moes(model) -> list[MoE]:
@@ -37,20 +37,7 @@ def test_4bit_experts_stay_4bit_on_the_main_device(family, converted):  # noqa: 
     x = torch.randn(6, spec.hidden_size, generator=torch.Generator().manual_seed(2)).to(model.dtype)
     ids, weights = moe.router(x)
 
-    class Dequantized:
-        def __init__(self, group):
-            self.__dict__.update(group.__dict__)
-            self.group = group
-
-        def __len__(self):
-            return len(self.group)
-
-        def weights_of(self, e):
-            w = self.group.weights_of(e)
-            return ExpertMatrices(down=w.down.dequantize(x.dtype), gate_up=w.gate_up.dequantize(x.dtype),
-                                  gate_up_bias=w.gate_up_bias, down_bias=w.down_bias)
-
-    assert torch.equal(experts_forward(x, ids, weights, moe.main), experts_forward(x, ids, weights, Dequantized(moe.main)))
+    assert torch.equal(experts_forward(x, ids, weights, moe.main), experts_forward(x, ids, weights, Dequantized(moe.main, x.dtype)))
     dense = build_model(spec, open_weights(path), max_context=64, placement=placement, resident_form="dense")
     prompt = tokens(8, seed=5)
     assert greedy(model, prompt, 6) == greedy(dense, prompt, 6)
