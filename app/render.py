@@ -251,7 +251,9 @@ def plan_text(plan: Plan) -> str:
             [
                 ("experts touched / layer", f"{plan.n_routed_experts} × (1 − (({plan.n_routed_experts} − "
                  f"{plan.experts_per_token}) / {plan.n_routed_experts})^{wl.users}) = {plan.experts_touched_per_layer:,.1f}"),
-                ("per conversation", f"{per_user:,.1f} tokens/s" if per_user else "unknown"),
+                ("per conversation", f"{per_user:,.1f} tokens/s"
+                 + (f", set by {plan.decode_bound_by_per_user}" if plan.decode_bound_by_per_user else "")
+                 if per_user else "unknown"),
                 ("all together", f"{plan.decode_tokens_per_s_aggregate:,.1f} tokens/s" if per_user else "unknown"),
             ]
         )

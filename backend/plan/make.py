@@ -275,6 +275,7 @@ class _Planner:
             gpu_bytes_per_token=single.gpu_bytes_per_step,
             decode_tokens_per_s_upper_bound=single.tokens_per_s_per_user,
             decode_bound_by=single.bound_by,
+            decode_bound_by_per_user=multi.bound_by,
             experts_touched_per_layer=touched,
             decode_tokens_per_s_per_user=multi.tokens_per_s_per_user,
             decode_tokens_per_s_aggregate=(

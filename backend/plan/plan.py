@@ -100,6 +100,8 @@ class Plan:
     # Prompt tokens per forward call from which the engine streams CPU experts to the GPU
     # for prefill (from prefill_crossover_tokens; None: no prefill reserve, no streaming).
     prefill_stream_min_tokens: int | None = None
+    # What bounds the per-conversation speed when the workload's conversations decode together.
+    decode_bound_by_per_user: str = ""
     # How the GPUs share the model: "pp" (a pipeline of whole layers) or "tp" (tensor parallel:
     # every card a share of every layer; devices' layers then list all of them). `layouts`
     # summarises each layout the planner weighed (the figures above are the chosen one's).
