@@ -34,7 +34,6 @@ import torch.nn.functional as F
 from hybridmoe.backend.formats.int4_weights import Int4Weight, cat_rows
 from hybridmoe.backend.formats.int4_weights import from_quant as int4_from_quant
 from hybridmoe.backend.formats.int8_weights import Int8Weight, quantize_int8
-from hybridmoe.backend.formats.quant import QuantTensor
 from hybridmoe.backend.engine.layers import activation
 from hybridmoe.backend.formats.weights import WeightSource, dense, missing_tensor, require
 
@@ -281,18 +280,12 @@ class ResidentExperts(ExpertGroup):
     def _int4_matrices(self, store: ExpertStore, e: int) -> dict[str, Int4Weight]:
         """Expert e's matrices that are stored in a 4-bit format, in that form on the device."""
         stored = store.stored(e)
-        out = {}
-        down = int4_from_quant(stored["down"], self.device) if isinstance(stored["down"], QuantTensor) else None
-        if down is not None:
-            out["down"] = down
+        out = {"down": int4_from_quant(stored["down"], self.device)}
         if "gate_up" in stored:
-            gate_up = stored["gate_up"]
-            if isinstance(gate_up, QuantTensor):
-                out["gate_up"] = int4_from_quant(gate_up, self.device)
-        elif isinstance(stored["gate"], QuantTensor) and isinstance(stored["up"], QuantTensor):
-            halves = [int4_from_quant(stored[r], self.device) for r in ("gate", "up")]
-            if None not in halves:
-                out["gate_up"] = cat_rows(halves, interleave=self.act.interleaved)
+            out["gate_up"] = int4_from_quant(stored["gate_up"], self.device)
+        else:
+            halves = [int4_from_quant(stored[role], self.device) for role in ("gate", "up")]
+            out["gate_up"] = None if None in halves else cat_rows(halves, interleave=self.act.interleaved)
         return {role: w for role, w in out.items() if w is not None}
 
     def _view(self, j: int) -> ExpertMatrices:

@@ -125,10 +125,11 @@ def cat_rows(parts: list[Int4Weight], *, interleave: bool = False) -> Int4Weight
 # ---- from the stored formats -------------------------------------------------------------
 
 
-def from_quant(q: QuantTensor, device: torch.device | str | None = None) -> Int4Weight | None:
+def from_quant(q: QuantTensor | torch.Tensor, device: torch.device | str | None = None) -> Int4Weight | None:
     """A 2-D 4-bit QuantTensor's codes and scales, exactly (Q4_K/IQ4_XS: scales rounded to fp16,
-    see the module note), on `device`; None for a format without a 4-bit form."""
-    if q.ndim != 2 or int4_resident_layout(q.format) is None:
+    see the module note), on `device`; None for anything else (a float tensor, a format
+    without a 4-bit form)."""
+    if not isinstance(q, QuantTensor) or q.ndim != 2 or int4_resident_layout(q.format) is None:
         return None
     q = q if device is None else q.to(device)
     out, k = q.shape
