@@ -3,7 +3,7 @@
 Each card holds a share of every layer: its query heads (with the KV heads they read; MLA's
 latent cache, which every head reads, whole), its slice of each dense and shared MLP, its
 dealt share of the layer's GPU experts and its rows of the LM head. A layer's attention and
-feed-forward block are built once per card from those slices (``Build.shard``), and run as
+feed-forward block are built once per card from those slices (``Build.card``), and run as
 ``Shards``: the same input on every card, the partial outputs summed in float32 on the main
 card (the all-reduce of a multi-process design) and rounded once. The head's slices are
 concatenated instead (``HeadShards``). Norms, the embedding and the residual stream stay on

@@ -392,7 +392,7 @@ class _Planner:
             pool = [sum(max(a, 0) for a in avail)]
             if wl.strategy == "frequency":
                 gpu_experts = placement.frequency(pool, [spec.moe_layers], gbpe, self.stats)
-            else:  # each card the same number in every layer, as many as it holds
+            else:  # the same number in every layer: what the cards hold of it together
                 per_layer = sum(gbpe.values())
                 n_each = sum(math.floor(max(a, 0) / per_layer) for a in avail) if per_layer else 0
                 gpu_experts = placement.top(spec.moe_layers, min(self.E, n_each), self.E, self.stats)
