@@ -42,9 +42,6 @@ def load_session(
     or inspected again."""
     if choice not in BACKENDS:
         raise UsageError(f"unknown backend {choice!r}", f"Choose one of {', '.join(BACKENDS)}.")
-    if plan.parallel == "tp" and choice == "llamacpp":
-        raise UsageError("this plan shares the GPUs by tensor parallelism, which the llama.cpp backend does not run",
-                         "Run it on the embedded engine (--backend engine), or plan with --parallel pp.")
     if choice == "auto" and plan.workload.backend != "auto":
         choice = plan.workload.backend
         reason = f"the plan was made for {BACKEND_NAMES[choice]}"
@@ -52,6 +49,9 @@ def load_session(
             choice, reason = "engine", f"{reason}, but {risk}"
         if on_choice is not None:
             on_choice(choice, reason)
+    if plan.parallel == "tp" and choice == "llamacpp":  # asked for, or the plan's own choice
+        raise UsageError("this plan shares the GPUs by tensor parallelism, which the llama.cpp backend does not run",
+                         "Run it on the embedded engine (--backend engine), or plan with --parallel pp.")
     if choice == "engine":
         return _engine().load(model, plan, on_progress, cancel)
     if choice == "llamacpp":

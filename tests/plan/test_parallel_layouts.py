@@ -118,6 +118,11 @@ def test_auto_compares_both_and_chooses_the_faster_its_backend_runs(kimi, flagsh
     assert "(not on llama.cpp)" in plan_text(for_llama)
     with pytest.raises(UsageError, match="tensor parallelism"):
         load_session("llamacpp", "unused", tp)
+    # So does `auto` following a plan made for llama.cpp with --parallel tp.
+    forced = make(kimi.spec, kimi.inventory, preset("4x RTX PRO 6000"),
+                  Workload(context=32768, users=4, backend="llamacpp", parallel="tp"))
+    with pytest.raises(UsageError, match="tensor parallelism"):
+        load_session("auto", "unused", forced)
 
 
 def test_a_tensor_parallel_plan_round_trips(flagship, tmp_path):
@@ -159,4 +164,5 @@ def test_int4_is_refused_for_experts_that_are_not_4bit():
 ])
 def test_dealing_a_layers_experts_to_the_cards(n, room, want):
     got = deal({7: tuple(range(n))}, room, {7: 1.0})
-    assert [card[7] for card in got] == want
+    assert [len(card[7]) for card in got] == want
+    assert tuple(e for card in got for e in card[7]) == tuple(range(n))  # each id once, in order
