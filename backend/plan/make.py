@@ -68,20 +68,9 @@ class _Layout:
     form: str  # how GPU experts are held (budget.RESIDENT_FORMS)
     gbpe: dict[int, float]  # bytes per GPU expert in that form, per MoE layer
     gpu_experts: dict[int, tuple[int, ...]]
-    experts_by_card: list[dict[int, int]]  # GPU experts each card holds, per MoE layer
+    experts_by_card: list[dict[int, tuple[int, ...]]]  # GPU experts each card holds, per MoE layer
     single: DecodeEstimate | None = None
     multi: DecodeEstimate | None = None
-
-    def card_experts(self, card: int) -> dict[int, tuple[int, ...]]:
-        """Under tensor parallelism, the ids card `card` holds: the next experts_by_card of each
-        layer's GPU experts, in card order (a pipeline: none listed per card)."""
-        if self.kind != "tp":
-            return {}
-        out = {}
-        for layer, ids in self.gpu_experts.items():
-            start = sum(self.experts_by_card[c].get(layer, 0) for c in range(card))
-            out[layer] = tuple(ids[start : start + self.experts_by_card[card].get(layer, 0)])
-        return out
 
 
 class _Planner:
@@ -160,7 +149,7 @@ class _Planner:
 
         devices = []
         for c, g in enumerate(gpus):
-            experts = sum(n * lay.gbpe[layer] for layer, n in lay.experts_by_card[c].items())
+            experts = sum(len(ids) * lay.gbpe[layer] for layer, ids in lay.experts_by_card[c].items())
             by_class = {k: int(v) for k, v in card_classes[c].items()}
             by_class["prefill_reserve"] = reserves[c]
             by_class["routed_experts"] = int(experts)
@@ -174,7 +163,8 @@ class _Planner:
                     layers=runs[c],
                     bandwidth_bytes_per_s=g.memory_bandwidth_bytes_per_s,
                     torch_device=f"cuda:{g.index}",
-                    experts=lay.card_experts(c),
+                    # A pipeline's cards hold all GPU experts of their layers (Plan.gpu_experts).
+                    experts=lay.experts_by_card[c] if lay.kind == "tp" else {},
                 )
             )
 
@@ -324,7 +314,7 @@ class _Planner:
                 b = 0.0
                 for layer in run:
                     b += lay.share * self.fixed_bytes(layer) + lay.kv_share * self.kv_layer(layer, users)
-                    held = lay.experts_by_card[c].get(layer, 0)
+                    held = len(lay.experts_by_card[c].get(layer, ()))
                     if held:  # this card's part of the GPU experts the step touches
                         gpu_share = 1 - self._cpu_share(layer, gpu_experts[layer])
                         b += touched * gpu_share * held / len(gpu_experts[layer]) * lay.gbpe[layer]
@@ -403,7 +393,7 @@ class _Planner:
         if kind == "tp":
             experts_by_card = placement.deal(gpu_experts, [max(a, 0) for a in avail], gbpe)
         else:
-            experts_by_card = [{layer: len(gpu_experts[layer]) for layer in layers} for layers in moe_by_card]
+            experts_by_card = [{layer: gpu_experts[layer] for layer in layers} for layers in moe_by_card]
         return _Layout(kind, runs, share, kv_share, card_classes, reserves, avail, form, gbpe, gpu_experts,
                        experts_by_card)
 

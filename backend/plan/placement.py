@@ -55,17 +55,18 @@ def top(layers: Sequence[int], n: int, n_experts: int, stats: ExpertStats | None
 
 
 def deal(gpu_experts: Mapping[int, Sequence[int]], room: Sequence[float],
-         bytes_per_expert: Mapping[int, float]) -> list[dict[int, int]]:
-    """How many of each layer's GPU experts each card holds under tensor parallelism.
+         bytes_per_expert: Mapping[int, float]) -> list[dict[int, tuple[int, ...]]]:
+    """Each layer's GPU experts dealt to the cards under tensor parallelism, in id order: card c
+    the next as many as its share.
 
     Every layer is split in proportion to the cards' `room` (bytes each has for experts),
     rounded down, so each layer's work is shared alike; the few left over go to the cards
     with the most room left, which keeps every card within its room while the cards
-    together hold them all. The engine gives card c the next that many ids of a layer."""
+    together hold them all."""
     total = sum(room)
     shares = [r / total if total else 1 / len(room) for r in room]
     left = list(room)
-    by_card: list[dict[int, int]] = [{} for _ in room]
+    by_card: list[dict[int, tuple[int, ...]]] = [{} for _ in room]
     for layer, ids in gpu_experts.items():
         counts = [math.floor(len(ids) * share) for share in shares]
         for c, n in enumerate(counts):
@@ -74,8 +75,10 @@ def deal(gpu_experts: Mapping[int, Sequence[int]], room: Sequence[float],
             c = max(range(len(left)), key=lambda c: (left[c], -c))
             counts[c] += 1
             left[c] -= bytes_per_expert[layer]
+        start = 0
         for c, n in enumerate(counts):
-            by_card[c][layer] = n
+            by_card[c][layer] = tuple(ids[start : start + n])
+            start += n
     return by_card
 
 
