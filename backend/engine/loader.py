@@ -31,10 +31,12 @@ class Loader:
                rows: tuple[int, int] | None = None) -> torch.Tensor:
         """`name` in the compute dtype (or `dtype`) on the device; `rows`: only those (a card's
         share under tensor parallelism)."""
+        return dense(self._stored(name, shape, rows), dtype or self.dtype, self.device)
+
+    def _stored(self, name: str, shape: tuple[int, ...] | None, rows: tuple[int, int] | None):
+        """`name` as stored (checked against `shape`), or only `rows` of it."""
         stored = require(self.weights, name, shape)
-        if rows is not None:
-            stored = stored[rows[0] : rows[1]]
-        return dense(stored, dtype or self.dtype, self.device)
+        return stored if rows is None else stored[rows[0] : rows[1]]
 
     def optional(self, name: str, shape: tuple[int, ...] | None = None, dtype: torch.dtype | None = None):
         return self.tensor(name, shape, dtype) if self.has(name) else None
@@ -49,9 +51,7 @@ class Loader:
         if bias is None:
             bias = self.has(f"{prefix}.bias")
         b = self.tensor(f"{prefix}.bias", (out_features,), rows=rows) if bias else None
-        stored = require(self.weights, f"{prefix}.weight", (out_features, in_features))
-        if rows is not None:
-            stored = stored[rows[0] : rows[1]]
+        stored = self._stored(f"{prefix}.weight", (out_features, in_features), rows)
         if cols is not None:
             stored = columns(stored, *cols)
         return self.projection(stored, b)
