@@ -302,24 +302,61 @@ static void gemv_q45k_n(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t
     }
 }
 
-// Q6_K: the 32 six-bit codes (0..63) of quarter j (0..7) of a super-block.
+// Q6_K, one quarter (32 elements) at a time. In half h of a super-block (elements
+// 128h .. 128h + 127), quarter i takes the low nibbles of ql bytes 0-31 (i = 0) or 32-63
+// (i = 1), or their high nibbles (i = 2, 3), and bits 2i, 2i + 1 of the 32 qh bytes as bits
+// 4-5. The 16-bit shifts stay inside each byte because of the masks.
+template <int i>
+static inline __m256i q6k_quarter(__m256i ql0, __m256i ql1, __m256i qh) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
+    const __m256i ql = i % 2 == 0 ? ql0 : ql1;
+    const __m256i lo = i < 2 ? _mm256_and_si256(ql, m4) : _mm256_and_si256(_mm256_srli_epi16(ql, 4), m4);
+    const __m256i hb = i == 0   ? _mm256_and_si256(_mm256_slli_epi16(qh, 4), m30)
+                       : i == 1 ? _mm256_and_si256(_mm256_slli_epi16(qh, 2), m30)
+                       : i == 2 ? _mm256_and_si256(qh, m30)
+                                : _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30);
+    return _mm256_or_si256(lo, hb);
+}
+
+// The 32 codes (0..63) of each quarter j (0..7) of a super-block (for dequantizing).
 static inline void q6k_codes(const uint8_t* blk, __m256i q[8]) {
-    const __m256i m4 = _mm256_set1_epi8(0x0F);
-    const __m256i m3 = _mm256_set1_epi8(0x03);
     for (int h = 0; h < 2; ++h) {
-        const __m256i ql0 = load32(blk + 64 * h);
-        const __m256i ql1 = load32(blk + 64 * h + 32);
-        const __m256i qh = load32(blk + 128 + 32 * h);
-        // Two high bits at bit 4 of each byte: (qh >> 2i) & 3, then << 4. The 16-bit
-        // shifts stay inside the byte because of the masks.
-        const __m256i h0 = _mm256_slli_epi16(_mm256_and_si256(qh, m3), 4);
-        const __m256i h1 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), m3), 4);
-        const __m256i h2 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), m3), 4);
-        const __m256i h3 = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), m3), 4);
-        q[4 * h + 0] = _mm256_or_si256(_mm256_and_si256(ql0, m4), h0);
-        q[4 * h + 1] = _mm256_or_si256(_mm256_and_si256(ql1, m4), h1);
-        q[4 * h + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4), h2);
-        q[4 * h + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4), h3);
+        const __m256i ql0 = load32(blk + 64 * h), ql1 = load32(blk + 64 * h + 32), qh = load32(blk + 128 + 32 * h);
+        q[4 * h + 0] = q6k_quarter<0>(ql0, ql1, qh);
+        q[4 * h + 1] = q6k_quarter<1>(ql0, ql1, qh);
+        q[4 * h + 2] = q6k_quarter<2>(ql0, ql1, qh);
+        q[4 * h + 3] = q6k_quarter<3>(ql0, ql1, qh);
+    }
+}
+
+// The int16 multipliers of quarter i of a half from that half's eight scales, held in both
+// 128-bit halves of `eight`: after vpmaddubsw, int16 lanes 0-7 of a quarter hold pairs of
+// its elements 0-15 (scale 2i of the half) and lanes 8-15 its elements 16-31 (2i + 1).
+template <int i>
+static inline __m256i q6k_quarter_scale(__m256i eight) {
+    constexpr char lo = char(4 * i), hi = char(4 * i + 2);
+    const __m256i pick = _mm256_setr_epi8(lo, lo + 1, lo, lo + 1, lo, lo + 1, lo, lo + 1, lo, lo + 1, lo, lo + 1, lo,
+                                          lo + 1, lo, lo + 1, hi, hi + 1, hi, hi + 1, hi, hi + 1, hi, hi + 1, hi,
+                                          hi + 1, hi, hi + 1, hi, hi + 1, hi, hi + 1);
+    return _mm256_shuffle_epi8(eight, pick);
+}
+
+// Per quarter: the codes become signed weights (code - 32, in [-32, 31]) once for all
+// tokens; per token, |w| x (a with w's sign) into int16 pairs (at most 2 * 32 * 127, no
+// saturation) and one vpmaddwd with the sub-block scales into int32. The eight quarter
+// sums are reduced pairwise as they come (vphaddd), so few vectors stay live per token.
+template <int i, int N>
+static inline void q6k_quarter_dot(__m256i code, __m256i scale, const Q8Row* acts, int64_t k, __m256i pend[N],
+                                   __m256i pair[N][2]) {
+    const __m256i w = _mm256_sub_epi8(code, _mm256_set1_epi8(32));
+    const __m256i mag = _mm256_abs_epi8(w);
+    for (int t = 0; t < N; ++t) {
+        const __m256i a = _mm256_sign_epi8(load32(acts[t].q + k), w);
+        const __m256i v = _mm256_madd_epi16(_mm256_maddubs_epi16(mag, a), scale);
+        if constexpr (i % 2 == 0)
+            pend[t] = v;
+        else
+            pair[t][i / 2] = _mm256_hadd_epi32(pend[t], v);
     }
 }
 
@@ -327,7 +364,6 @@ template <int N>
 static void gemv_q6k_n(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t K, const Q8Row* acts, float* out,
                        int64_t ldo) {
     const int64_t nsb = K / 256;
-    const __m256i c32 = _mm256_set1_epi8(32);
     for (int64_t r = 0; r < nrows; ++r) {
         const uint8_t* row = w.row(row0 + r);
         __m256 acc[N];
@@ -336,26 +372,28 @@ static void gemv_q6k_n(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t 
         for (int64_t sb = 0; sb < nsb; ++sb) {
             const uint8_t* blk = row + sb * 210;
             prefetch_span(blk + kPrefetchAhead, 210);
-            const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
-            __m256i q[8], scv[8];
-            q6k_codes(blk, q);
-            // The scale of elements 0-15 of quarter j in the low half, of 16-31 in the high
-            // half, as int16 for vpmaddwd (the sub-block scales apply in integers).
-            for (int j = 0; j < 8; ++j)
-                scv[j] = _mm256_set_m128i(_mm_set1_epi16(sc[2 * j + 1]), _mm_set1_epi16(sc[2 * j]));
+            const __m256i s16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192)));
+            __m256i halves[N][2];
+            for (int h = 0; h < 2; ++h) {
+                const __m256i ql0 = load32(blk + 64 * h), ql1 = load32(blk + 64 * h + 32);
+                const __m256i qh = load32(blk + 128 + 32 * h);
+                const __m256i eight = h == 0 ? _mm256_permute4x64_epi64(s16, 0x44) : _mm256_permute4x64_epi64(s16, 0xEE);
+                const int64_t k = 256 * sb + 128 * h;
+                __m256i pend[N], pair[N][2];
+                q6k_quarter_dot<0, N>(q6k_quarter<0>(ql0, ql1, qh), q6k_quarter_scale<0>(eight), acts, k, pend, pair);
+                q6k_quarter_dot<1, N>(q6k_quarter<1>(ql0, ql1, qh), q6k_quarter_scale<1>(eight), acts, k + 32, pend, pair);
+                q6k_quarter_dot<2, N>(q6k_quarter<2>(ql0, ql1, qh), q6k_quarter_scale<2>(eight), acts, k + 64, pend, pair);
+                q6k_quarter_dot<3, N>(q6k_quarter<3>(ql0, ql1, qh), q6k_quarter_scale<3>(eight), acts, k + 96, pend, pair);
+                for (int t = 0; t < N; ++t) halves[t][h] = _mm256_hadd_epi32(pair[t][0], pair[t][1]);
+            }
+            const __m256 dw = _mm256_set1_ps(h2f(blk + 208));
             for (int t = 0; t < N; ++t) {
-                const int8_t* a = acts[t].q + 256 * sb;
-                __m256i v[8];
-                for (int j = 0; j < 8; ++j) {
-                    const __m256i av = load32(a + 32 * j);
-                    // (code - 32) * a in int16 pairs: |.| <= 2 * 32 * 127, no saturation.
-                    const __m256i p =
-                        _mm256_sub_epi16(_mm256_maddubs_epi16(q[j], av), _mm256_maddubs_epi16(c32, av));
-                    v[j] = _mm256_madd_epi16(p, scv[j]);
-                }
+                // halves = [quarters 0-3 | 0-3] and [4-7 | 4-7], partial sums per 128-bit half.
+                const __m256i a = halves[t][0], b = halves[t][1];
+                const __m256i sums =
+                    _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
                 const __m256 da = _mm256_loadu_ps(acts[t].d + 8 * sb);
-                acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(h2f(blk + 208)), da),
-                                         _mm256_cvtepi32_ps(hsum8(v)), acc[t]);
+                acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(dw, da), _mm256_cvtepi32_ps(sums), acc[t]);
             }
         }
         for (int t = 0; t < N; ++t) out[t * ldo + r] = hsum_ps(acc[t]);
