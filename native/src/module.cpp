@@ -416,8 +416,11 @@ void probe_phase(void* ctx, int node, int worker) {
 
 double measure_read_bandwidth(int64_t nbytes, int passes) {
     Executor& exec = executor();
-    std::vector<uint64_t> buf(size_t(std::max<int64_t>(nbytes / 8, 1024)));
-    ProbeCtx c{buf.data(), int64_t(buf.size()), exec.threads(), {}, std::vector<uint64_t>(size_t(exec.threads()))};
+    // Allocated as the weights' copies are (allocate_pages: huge pages where granted).
+    const size_t words = size_t(std::max<int64_t>(nbytes / 8, 1024));
+    const OwnedBytes owned = allocate_pages(int64_t(words * 8));
+    uint64_t* buf = reinterpret_cast<uint64_t*>(owned.get());
+    ProbeCtx c{buf, int64_t(words), exec.threads(), {}, std::vector<uint64_t>(size_t(exec.threads()))};
     for (int n = 0, acc = 0; n < exec.nodes(); ++n) {
         c.base.push_back(acc);
         acc += exec.threads_on(n);
@@ -425,7 +428,7 @@ double measure_read_bandwidth(int64_t nbytes, int passes) {
     {
         nb::gil_scoped_release release;
         // Fault the pages in from the threads that will read them (first touch places them).
-        for (size_t i = 0; i < buf.size(); i += 512) buf[i] = i;
+        for (size_t i = 0; i < words; i += 512) buf[i] = i;
         exec.run(probe_phase, &c);
     }
     double best = 1e30;
@@ -436,7 +439,7 @@ double measure_read_bandwidth(int64_t nbytes, int passes) {
         const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
         best = std::min(best, s);
     }
-    return double(buf.size()) * 8.0 / best;
+    return double(words) * 8.0 / best;
 }
 
 }  // namespace

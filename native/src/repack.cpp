@@ -1,5 +1,10 @@
 #include "repack.h"
 
+#include <sys/mman.h>
+
+#include <algorithm>
+#include <cstdlib>
+
 #include <atomic>
 #include <cstring>
 #include <new>
@@ -93,9 +98,14 @@ MatrixRef interleave_rows(Format fmt, const MatrixRef& src, int64_t rows, int64_
 }
 
 OwnedBytes allocate_pages(int64_t bytes) {
-    auto* p = static_cast<uint8_t*>(std::aligned_alloc(4096, size_t((bytes + 4095) / 4096 * 4096)));
-    if (!p) throw std::bad_alloc();
-    return OwnedBytes(p);
+    constexpr size_t kHuge = size_t(2) << 20;
+    const size_t size = (size_t(std::max<int64_t>(bytes, 1)) + 4095) / 4096 * 4096;
+    void* p = nullptr;
+    if (posix_memalign(&p, size >= kHuge ? kHuge : 4096, size) != 0) throw std::bad_alloc();
+    // Only whole huge pages: the tail stays in 4 KiB pages, so no copy takes more memory
+    // than it holds (a hint: where it is refused, all of it does).
+    if (size >= kHuge) madvise(p, size / kHuge * kHuge, MADV_HUGEPAGE);
+    return OwnedBytes(static_cast<uint8_t*>(p));
 }
 
 namespace {
