@@ -13,7 +13,8 @@ not one the engine then beats. It takes about a second and is skipped when the c
 Two implementations, neither of which touches process-wide settings:
 
 * the native extension's probe (``hybridmoe.backend.engine._native.measure_read_bandwidth``), run on
-  the thread pool that computes the CPU experts, so it measures what the experts get;
+  the thread pool that computes the CPU experts, on memory allocated as the experts' copies
+  are (transparent huge pages where the kernel grants them), so it measures what the experts get;
 * a portable one where the extension was not built: numpy sums from Python threads (numpy
   releases the GIL while it sums).
 
