@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "thread_pool.h"
+#include "topology.h"
 
 namespace hmoe {
 
@@ -200,13 +201,17 @@ void split(Call& c, const std::vector<DensePart>& parts, int unit_rows) {
 }  // namespace
 
 void DenseLinear::interleave(Executor& exec) {
-    const Format xfmt = interleaved_format(fmt_);
+    int64_t rows = 0;
+    bool in_file = true;
+    const ReadOnlyFileMappings files;
+    for (const DensePart& p : parts_) {
+        rows |= p.rows;  // a multiple of 8 when every part's is
+        in_file = in_file && files.holds(p.w.data, size_t(p.rows * p.w.row_stride));
+    }
+    const Format xfmt = copied_format(fmt_, rows, in_file);
     if (xfmt == FMT_COUNT) return;
     int64_t total = 0;
-    for (const DensePart& p : parts_) {
-        if (p.rows % 8) return;
-        total += interleaved_bytes(xfmt, p.rows, cols_);
-    }
+    for (const DensePart& p : parts_) total += interleaved_bytes(xfmt, p.rows, cols_);
     OwnedBytes block = allocate_pages(total);
     // The sources in runs of 256 rows, one job each: enough jobs to share out among the threads.
     size_t n_runs = 0;
@@ -221,7 +226,7 @@ void DenseLinear::interleave(Executor& exec) {
             m.data += r0 * m.row_stride;
             if (m.scales) m.scales += r0 * m.scale_row_stride;
             runs.push_back(m);
-            jobs.push_back({fmt_, &runs.back(), std::min<int64_t>(256, p.rows - r0), cols_,
+            jobs.push_back({fmt_, xfmt, &runs.back(), std::min<int64_t>(256, p.rows - r0), cols_,
                             d + interleaved_bytes(xfmt, r0, cols_), int(jobs.size()) % exec.nodes()});
         }
         d += interleaved_bytes(xfmt, p.rows, cols_);
@@ -229,7 +234,7 @@ void DenseLinear::interleave(Executor& exec) {
     interleave_all(exec, jobs);
     d = block.get();
     for (DensePart& p : parts_) {
-        p.w = MatrixRef{d, nullptr, interleaved_bytes(xfmt, 8, cols_), 0};
+        p.w = MatrixRef{d, nullptr, interleaved_bytes(xfmt, kFormats[xfmt].row_group, cols_), 0};
         d += interleaved_bytes(xfmt, p.rows, cols_);
     }
     owned_ = std::move(block);

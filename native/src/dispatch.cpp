@@ -133,7 +133,7 @@ std::string self_test(const KernelTable* t) {
             ROWS = 8;  // one group: fits the narrowest panel (the scalar one)
             random_rows(src, ROWS, K, rng, data, scales, w);
             copy.resize(size_t(interleaved_bytes(fmt, ROWS, K)));
-            w = interleave_rows(src, w, ROWS, K, copy.data());
+            w = interleave_rows(src, fmt, w, ROWS, K, copy.data());
         } else {
             random_rows(fmt, ROWS, K, rng, data, scales, w);
         }

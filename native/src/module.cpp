@@ -605,7 +605,7 @@ NB_MODULE(_native, m) {
         .def_prop_ro("rows", &DenseLinear::rows)
         .def_prop_ro("cols", &DenseLinear::cols)
         .def_prop_ro("bytes", &DenseLinear::bytes, "Stored bytes of the matrix (what one token reads).")
-        .def_prop_ro("interleaved_bytes", &DenseLinear::copied_bytes, "Bytes of the row-interleaved copy it owns.")
+        .def_prop_ro("interleaved_bytes", &DenseLinear::copied_bytes, "Bytes of the copy it owns (row-interleaved, or as stored out of a file mapping).")
         .def_prop_ro("prefill_min_tokens", [](const DenseLinear& l) { return dense_prefill_min_tokens(*current_table(), l.format()); },
                      "Tokens from which a call takes the GEMM path (the kernel set in use, the layout).");
 
@@ -721,7 +721,7 @@ NB_MODULE(_native, m) {
         .def_prop_ro("n_experts", &MoELayer::n_experts)
         .def_prop_ro("n_cpu_experts", &MoELayer::n_cpu_experts)
         .def_prop_ro("expert_bytes", &MoELayer::expert_bytes, "Stored bytes of one expert's gate, up and down.")
-        .def_prop_ro("interleaved_bytes", &MoELayer::copied_bytes, "Bytes of the row-interleaved copies the layer owns.")
+        .def_prop_ro("interleaved_bytes", &MoELayer::copied_bytes, "Bytes of the copies the layer owns (row-interleaved, or as stored out of a file mapping).")
         .def_prop_ro("prefill_min_tokens", [](const MoELayer& l) { return default_prefill_min_tokens(*current_table(), l.format()); },
                      "Tokens per expert from which an expert takes the prefill regime (the kernel set in use, the layout).");
 }

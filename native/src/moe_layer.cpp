@@ -401,27 +401,50 @@ int64_t span_bytes(Format fmt, const MatrixRef& m, int64_t rows) { return rows /
 void MoELayer::interleave(Executor& exec) {
     // Gate and up have I rows, down has H (multiples of 32 whenever the other matrices are
     // quantized, but a float down projection allows any I).
-    const Format xfmt = I_ % 8 ? FMT_COUNT : interleaved_format(fmt_);
-    const Format xdfmt = H_ % 8 ? FMT_COUNT : interleaved_format(down_fmt_);
+    bool gu_in_file = true, down_in_file = true;
+    const ReadOnlyFileMappings files;
+    for (size_t e = 0; e < experts_.size(); ++e) {
+        if (!cpu_[e]) continue;
+        const ExpertWeights& w = experts_[e];
+        gu_in_file = gu_in_file && files.holds(w.gate.data, size_t(span_bytes(fmt_, w.gate, I_))) &&
+                     files.holds(w.up.data, size_t(span_bytes(fmt_, w.up, I_)));
+        down_in_file = down_in_file && files.holds(w.down.data, size_t(span_bytes(down_fmt_, w.down, H_)));
+    }
+    const Format xfmt = copied_format(fmt_, I_, gu_in_file);
+    const Format xdfmt = copied_format(down_fmt_, H_, down_in_file);
     if (xfmt == FMT_COUNT && xdfmt == FMT_COUNT) return;
     const int64_t gu_bytes = xfmt != FMT_COUNT ? interleaved_bytes(xfmt, I_, H_) : 0;
     const int64_t per_expert = 2 * gu_bytes + (xdfmt != FMT_COUNT ? interleaved_bytes(xdfmt, H_, I_) : 0);
+    // One block per NUMA node for its experts, allocated before anything changes: contiguous,
+    // so that all but its last partial huge page are huge pages (an expert of 2-3 MB alone
+    // left a third of itself in 4 KiB pages).
+    std::vector<int64_t> on_node(size_t(exec.nodes()), 0);
+    for (int64_t e = 0; e < n_experts(); ++e)
+        if (cpu_[size_t(e)]) ++on_node[size_t(node_of(e, exec.nodes()))];
+    std::vector<OwnedBytes> blocks;
+    std::vector<uint8_t*> next(on_node.size(), nullptr);
+    for (size_t n = 0; n < on_node.size(); ++n)
+        if (on_node[n]) {
+            blocks.push_back(allocate_pages(on_node[n] * per_expert));
+            next[n] = blocks.back().get();
+        }
     std::vector<InterleaveJob> jobs;
-    std::vector<OwnedBytes> blocks;  // one per expert, allocated before anything changes
+    int64_t copied = 0;
     for (int64_t e = 0; e < n_experts(); ++e) {
         if (!cpu_[size_t(e)]) continue;
-        blocks.push_back(allocate_pages(per_expert));
-        uint8_t* d = blocks.back().get();
-        ExpertWeights& w = experts_[size_t(e)];
         const int node = node_of(e, exec.nodes());
+        uint8_t* d = next[size_t(node)];
+        next[size_t(node)] += per_expert;
+        ++copied;
+        ExpertWeights& w = experts_[size_t(e)];
         if (xfmt != FMT_COUNT) {
-            jobs.push_back({fmt_, &w.gate, I_, H_, d, node});
-            jobs.push_back({fmt_, &w.up, I_, H_, d + gu_bytes, node});
+            jobs.push_back({fmt_, xfmt, &w.gate, I_, H_, d, node});
+            jobs.push_back({fmt_, xfmt, &w.up, I_, H_, d + gu_bytes, node});
         }
-        if (xdfmt != FMT_COUNT) jobs.push_back({down_fmt_, &w.down, H_, I_, d + 2 * gu_bytes, node});
+        if (xdfmt != FMT_COUNT) jobs.push_back({down_fmt_, xdfmt, &w.down, H_, I_, d + 2 * gu_bytes, node});
     }
     interleave_all(exec, jobs);
-    owned_bytes_ += per_expert * int64_t(blocks.size());
+    owned_bytes_ += per_expert * copied;
     for (auto& b : blocks) owned_.push_back(std::move(b));
     if (xfmt != FMT_COUNT) fmt_ = xfmt;
     if (xdfmt != FMT_COUNT) down_fmt_ = xdfmt;

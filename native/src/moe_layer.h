@@ -85,7 +85,7 @@ private:
     std::vector<int> rank_;  // rank of each CPU expert among the CPU experts (node assignment)
     Activation act_;
     float alpha_, limit_;
-    std::vector<OwnedBytes> owned_;  // the interleaved copies, one block per expert
+    std::vector<OwnedBytes> owned_;  // the copies, one block per NUMA node
     int64_t owned_bytes_ = 0;
 };
 

@@ -22,7 +22,14 @@ Format interleaved_format(Format fmt) {
     return FMT_COUNT;
 }
 
+Format copied_format(Format fmt, int64_t rows, bool in_file) {
+    const Format x8 = interleaved_format(fmt);
+    if (x8 != FMT_COUNT && rows % 8 == 0) return x8;
+    return in_file && kFormats[fmt].scale_bytes == 0 ? fmt : FMT_COUNT;
+}
+
 int64_t interleaved_bytes(Format xfmt, int64_t rows, int64_t K) {
+    if (kFormats[xfmt].row_group == 1) return rows * (K / kFormats[xfmt].block) * kFormats[xfmt].block_bytes;
     if (xfmt == FMT_Q4_K_X8) return rows / 8 * (K / 256) * kQ4KX8Bytes;
     if (xfmt == FMT_Q8_0_X8) return rows / 8 * (K / 32) * kQ8X8BlockBytes;
     return rows / 8 * (K / 32) * kX8BlockBytes;
@@ -70,7 +77,12 @@ MatrixRef interleave_q8(const MatrixRef& src, int64_t rows, int64_t K, uint8_t* 
 
 }  // namespace
 
-MatrixRef interleave_rows(Format fmt, const MatrixRef& src, int64_t rows, int64_t K, uint8_t* dst) {
+MatrixRef interleave_rows(Format fmt, Format to, const MatrixRef& src, int64_t rows, int64_t K, uint8_t* dst) {
+    if (to == fmt) {  // as stored, row for row
+        const int64_t row_bytes = interleaved_bytes(fmt, 1, K);
+        for (int64_t r = 0; r < rows; ++r) std::memcpy(dst + r * row_bytes, src.row(r), size_t(row_bytes));
+        return MatrixRef{dst, nullptr, row_bytes, 0};
+    }
     if (fmt == FMT_Q4_K) return interleave_q4k(src, rows, K, dst);
     if (fmt == FMT_Q8_0) return interleave_q8(src, rows, K, dst);
     const int64_t nb = K / 32;
@@ -123,7 +135,7 @@ void interleave_phase(void* ctx, int node, int) {
         const size_t i = c.next[node].fetch_add(1, std::memory_order_relaxed);
         if (i >= mine.size()) return;
         InterleaveJob& j = (*c.jobs)[mine[i]];
-        *j.ref = interleave_rows(j.fmt, *j.ref, j.rows, j.K, j.dst);
+        *j.ref = interleave_rows(j.fmt, j.to, *j.ref, j.rows, j.K, j.dst);
     }
 }
 

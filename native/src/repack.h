@@ -10,7 +10,8 @@
 // per pass over the weights, then also beats dequantizing into fp32 panels for a prompt
 // (moe_layer.cpp and dense_linear.cpp have the tables). The copy has the stored size (q4_k:
 // +2.8 %, its scales unpacked); the source pages are released after it (interleave_all), so
-// host memory is not doubled.
+// host memory is not doubled. Formats without an x8 layout (q6_k, q5_k, f16, ...) are copied
+// out of a file mapping as stored, for the huge pages of allocate_pages alone.
 #pragma once
 
 #include <cstdint>
@@ -24,15 +25,22 @@ namespace hmoe {
 
 class Executor;
 
-// The x8 format `fmt` is copied into, or FMT_COUNT when it is read as stored.
+// The x8 format `fmt` is copied into, or FMT_COUNT when it has none.
 Format interleaved_format(Format fmt);
 
-// Bytes of the x8 copy (format xfmt) of a [rows, K] matrix (rows a multiple of 8).
+// The layout a [rows, K] matrix of `fmt` is copied into at load: its x8 layout (rows in whole
+// groups of 8), else, where `in_file` (its pages lie in a read-only file mapping, which
+// the copy then releases), `fmt` itself row for row (a single array: the copy buys the huge
+// pages of allocate_pages); else FMT_COUNT, read where it lies (a copy of memory the
+// process holds anyway would double it; the split-scale formats).
+Format copied_format(Format fmt, int64_t rows, bool in_file);
+
+// Bytes of the copy (format xfmt, from copied_format) of a [rows, K] matrix.
 int64_t interleaved_bytes(Format xfmt, int64_t rows, int64_t K);
 
-// Copy the [rows, K] matrix `src` of format `fmt` (q4_0, int4_g32, q4_k, q8_0) into dst in its
-// x8 layout; returns the MatrixRef that reads dst.
-MatrixRef interleave_rows(Format fmt, const MatrixRef& src, int64_t rows, int64_t K, uint8_t* dst);
+// Copy the [rows, K] matrix `src` of format `fmt` into dst in layout `to` (from copied_format:
+// fmt's x8 layout, rows a multiple of 8, or fmt itself); returns the MatrixRef that reads dst.
+MatrixRef interleave_rows(Format fmt, Format to, const MatrixRef& src, int64_t rows, int64_t K, uint8_t* dst);
 
 // Memory for copies: page-aligned (NUMA binding and page release work per page), freed with
 // free(). From 2 MiB up it starts on a 2 MiB boundary and asks for transparent huge pages
@@ -47,9 +55,10 @@ struct FreeBytes {
 using OwnedBytes = std::unique_ptr<uint8_t, FreeBytes>;
 OwnedBytes allocate_pages(int64_t bytes);  // throws std::bad_alloc
 
-// One matrix to copy: *ref (a [rows, K] matrix of `fmt`) is replaced by its x8 copy at dst.
+// One matrix to copy: *ref (a [rows, K] matrix of `fmt`) is replaced by its copy in layout
+// `to` at dst.
 struct InterleaveJob {
-    Format fmt;
+    Format fmt, to;
     MatrixRef* ref;
     int64_t rows, K;
     uint8_t* dst;

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <fstream>
+#include <iterator>
 #include <map>
 #include <set>
 #include <sstream>
@@ -195,16 +196,18 @@ ReadOnlyFileMappings::ReadOnlyFileMappings() {
 #endif
 }
 
+bool ReadOnlyFileMappings::holds(const void* addr, size_t len) const {
+    const uintptr_t a = reinterpret_cast<uintptr_t>(addr), b = a + len;
+    auto it = std::upper_bound(ranges_.begin(), ranges_.end(), std::make_pair(a, ~uintptr_t(0)));
+    return it != ranges_.begin() && a >= std::prev(it)->first && b <= std::prev(it)->second;
+}
+
 size_t ReadOnlyFileMappings::release(const void* addr, size_t len) const {
 #if defined(__linux__)
     const uintptr_t page = uintptr_t(sysconf(_SC_PAGESIZE));
     const uintptr_t a = (reinterpret_cast<uintptr_t>(addr) + page - 1) & ~(page - 1);
     const uintptr_t b = (reinterpret_cast<uintptr_t>(addr) + len) & ~(page - 1);
-    if (b <= a) return 0;
-    auto it = std::upper_bound(ranges_.begin(), ranges_.end(), std::make_pair(a, ~uintptr_t(0)));
-    if (it == ranges_.begin()) return 0;
-    --it;
-    if (a < it->first || b > it->second) return 0;  // not wholly inside one read-only file mapping
+    if (b <= a || !holds(reinterpret_cast<const void*>(a), b - a)) return 0;  // not in one such mapping
     return madvise(reinterpret_cast<void*>(a), b - a, MADV_DONTNEED) == 0 ? size_t(b - a) : 0;
 #else
     (void)addr, (void)len;

@@ -44,6 +44,8 @@ public:
     // Drop the whole pages of [addr, addr + len) that lie in one such mapping
     // (madvise MADV_DONTNEED); returns the bytes dropped.
     size_t release(const void* addr, size_t len) const;
+    // Whether [addr, addr + len) lies wholly inside one such mapping.
+    bool holds(const void* addr, size_t len) const;
 
 private:
     std::vector<std::pair<uintptr_t, uintptr_t>> ranges_;  // [begin, end), ascending

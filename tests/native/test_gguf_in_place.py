@@ -1,6 +1,6 @@
-"""The native kernels on experts read from a real GGUF file: the bytes are used where the
-file's read-only mapping has them, in the layout llama.cpp wrote, except q4_0, which is
-copied once into the row-interleaved layout (and its pages in the mapping let go)."""
+"""The native kernels on experts read from a real GGUF file: every matrix is copied once out
+of the file's read-only mapping (and its pages there let go), q4_0 into the row-interleaved
+layout, a format without one (f16 here) as stored, into memory that can have huge pages."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ E, H, I = 6, 256, 128
 def gguf_experts(tmp_path_factory):
     rng = np.random.default_rng(0)
     b = "blk.0."
-    tensors = {  # down in another type than gate/up, as Q4_K_M does; f16 is read where it lies
+    tensors = {  # down in another type than gate/up, as Q4_K_M does
         b + "ffn_gate_exps.weight": (rand(rng, E, I, H, scale=0.1), T.Q4_0),
         b + "ffn_up_exps.weight": (rand(rng, E, I, H, scale=0.1), T.Q4_0),
         b + "ffn_down_exps.weight": (rand(rng, E, H, I, scale=0.1), T.F16),
@@ -40,15 +40,15 @@ def gguf_experts(tmp_path_factory):
     return open_gguf(path)
 
 
-def test_reads_the_mapping_in_place(gguf_experts):
+def test_copies_the_mapping_once(gguf_experts):
     store = ExpertStore(gguf_experts, "model.layers.0.mlp", E, H, I)
     experts = HostExperts(store, [0, 2, 3, 5], torch.float32, ExpertActivation("silu"))
     native = native_experts.native_for(experts)
     assert native is not None, native_experts.unsupported_reason(experts)
     assert (native.format, native.down_format) == ("q4_0", "f16")
-    # q4_0 gate/up are copied into the interleaved layout; the f16 down is read where it lies.
+    # q4_0 gate/up are copied into the interleaved layout, the f16 down as it is stored.
     assert (native.layer.format, native.layer.down_format) == ("q4_0x8", "f16")
-    assert native.layer.interleaved_bytes == len(experts.ids) * 2 * I * H // 32 * 18
+    assert native.layer.interleaved_bytes == len(experts.ids) * (2 * I * H // 32 * 18 + H * I * 2)
     maps = [(r.data.ctypes.data, r.data.ctypes.data + r.data.nbytes) for r in gguf_experts._readers]
     assert native._keep and all(any(a <= t.data_ptr() < b for a, b in maps) for t in native._keep)
 

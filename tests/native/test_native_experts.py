@@ -177,6 +177,16 @@ def test_interleaved_copy_agrees_with_the_stored_layout(isa, fmt):
     check(experts, x, ids, w, "decode", fmt)  # and native_for() takes the copy
 
 
+def test_a_format_without_an_x8_layout_is_read_in_place_from_process_memory():
+    """q6_k has no interleaved layout: out of a file mapping it is copied as stored (for huge
+    pages, the file's pages let go: test_gguf_in_place.py); held in memory the process owns
+    anyway it is read where it lies, since a copy would double it."""
+    rng = np.random.default_rng(3)
+    experts = make_host_experts(rng, "q6_k", 4, 512, 256, range(4))
+    native = native_experts.NativeExperts(experts)
+    assert (native.layer.format, native.layer.down_format, native.layer.interleaved_bytes) == ("q6_k", "q6_k", 0)
+
+
 @pytest.mark.parametrize("fmt", ["q4_0", "q4_k", "int4_g32", "q8_0"])
 def test_long_prompt_all_experts_on_cpu(fmt):
     """T = 512, k = 8, every expert on the CPU: most experts take the prefill regime."""
