@@ -141,15 +141,15 @@ class MoeTransformer(nn.Module):
             segments.append(Segment(seq, start, len(ids), row))
             row += len(ids)
         flat = [t for _, ids, _ in calls for t in ids]
-        x = F.embedding(torch.tensor(flat, dtype=torch.long, device=self.device), self.embed)
         step = self._native_decode(len(segments)) if decode else None
         # A row's numbers must not depend on which rows share its call: tokens of a decode
         # step each as alone, a prompt's tokens however the prompt was chunked.
         with native_kernels.rows_are("decode" if decode else "prompt"):
             if step is not None:
-                logits = step(x, segments)
+                logits = step(flat, segments)  # it embeds the tokens itself
                 rows = [s.rows for s in segments]
             else:
+                x = F.embedding(torch.tensor(flat, dtype=torch.long, device=self.device), self.embed)
                 x = self._layers(x, segments)
                 if last_only:
                     x = x[[s.row + s.n - 1 for s in segments]]
