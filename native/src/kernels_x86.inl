@@ -343,20 +343,17 @@ static inline __m256i q6k_quarter_scale(__m256i eight) {
 
 // Per quarter: the codes become signed weights (code - 32, in [-32, 31]) once for all
 // tokens; per token, |w| x (a with w's sign) into int16 pairs (at most 2 * 32 * 127, no
-// saturation) and one vpmaddwd with the sub-block scales into int32. The eight quarter
-// sums are reduced pairwise as they come (vphaddd), so few vectors stay live per token.
-template <int i, int N>
-static inline void q6k_quarter_dot(__m256i code, __m256i scale, const Q8Row* acts, int64_t k, __m256i pend[N],
-                                   __m256i pair[N][2]) {
+// saturation), one vpmaddwd with the sub-block scales into int32, and one FMA with the
+// quarter's activation scale into the super-block's float lanes. No horizontal sum per
+// super-block (a tree of vphaddd cost more than the conversions): one per row at the end.
+template <int N>
+static inline void q6k_quarter_dot(__m256i code, __m256i scale, const Q8Row* acts, int64_t k, __m256 sums[N]) {
     const __m256i w = _mm256_sub_epi8(code, _mm256_set1_epi8(32));
     const __m256i mag = _mm256_abs_epi8(w);
     for (int t = 0; t < N; ++t) {
         const __m256i a = _mm256_sign_epi8(load32(acts[t].q + k), w);
         const __m256i v = _mm256_madd_epi16(_mm256_maddubs_epi16(mag, a), scale);
-        if constexpr (i % 2 == 0)
-            pend[t] = v;
-        else
-            pair[t][i / 2] = _mm256_hadd_epi32(pend[t], v);
+        sums[t] = _mm256_fmadd_ps(_mm256_set1_ps(acts[t].d[k / 32]), _mm256_cvtepi32_ps(v), sums[t]);
     }
 }
 
@@ -373,28 +370,20 @@ static void gemv_q6k_n(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t 
             const uint8_t* blk = row + sb * 210;
             prefetch_span(blk + kPrefetchAhead, 210);
             const __m256i s16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192)));
-            __m256i halves[N][2];
+            __m256 sums[N];  // sum over quarters of d_act * (scaled integer dot), per lane
+            for (int t = 0; t < N; ++t) sums[t] = _mm256_setzero_ps();
             for (int h = 0; h < 2; ++h) {
                 const __m256i ql0 = load32(blk + 64 * h), ql1 = load32(blk + 64 * h + 32);
                 const __m256i qh = load32(blk + 128 + 32 * h);
                 const __m256i eight = h == 0 ? _mm256_permute4x64_epi64(s16, 0x44) : _mm256_permute4x64_epi64(s16, 0xEE);
                 const int64_t k = 256 * sb + 128 * h;
-                __m256i pend[N], pair[N][2];
-                q6k_quarter_dot<0, N>(q6k_quarter<0>(ql0, ql1, qh), q6k_quarter_scale<0>(eight), acts, k, pend, pair);
-                q6k_quarter_dot<1, N>(q6k_quarter<1>(ql0, ql1, qh), q6k_quarter_scale<1>(eight), acts, k + 32, pend, pair);
-                q6k_quarter_dot<2, N>(q6k_quarter<2>(ql0, ql1, qh), q6k_quarter_scale<2>(eight), acts, k + 64, pend, pair);
-                q6k_quarter_dot<3, N>(q6k_quarter<3>(ql0, ql1, qh), q6k_quarter_scale<3>(eight), acts, k + 96, pend, pair);
-                for (int t = 0; t < N; ++t) halves[t][h] = _mm256_hadd_epi32(pair[t][0], pair[t][1]);
+                q6k_quarter_dot<N>(q6k_quarter<0>(ql0, ql1, qh), q6k_quarter_scale<0>(eight), acts, k, sums);
+                q6k_quarter_dot<N>(q6k_quarter<1>(ql0, ql1, qh), q6k_quarter_scale<1>(eight), acts, k + 32, sums);
+                q6k_quarter_dot<N>(q6k_quarter<2>(ql0, ql1, qh), q6k_quarter_scale<2>(eight), acts, k + 64, sums);
+                q6k_quarter_dot<N>(q6k_quarter<3>(ql0, ql1, qh), q6k_quarter_scale<3>(eight), acts, k + 96, sums);
             }
             const __m256 dw = _mm256_set1_ps(h2f(blk + 208));
-            for (int t = 0; t < N; ++t) {
-                // halves = [quarters 0-3 | 0-3] and [4-7 | 4-7], partial sums per 128-bit half.
-                const __m256i a = halves[t][0], b = halves[t][1];
-                const __m256i sums =
-                    _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
-                const __m256 da = _mm256_loadu_ps(acts[t].d + 8 * sb);
-                acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(dw, da), _mm256_cvtepi32_ps(sums), acc[t]);
-            }
+            for (int t = 0; t < N; ++t) acc[t] = _mm256_fmadd_ps(dw, sums[t], acc[t]);
         }
         for (int t = 0; t < N; ++t) out[t * ldo + r] = hsum_ps(acc[t]);
     }
