@@ -50,6 +50,9 @@ constexpr int kPrefetchAhead = 1024;
 
 // Prefetch [p, p + bytes) (whole cache lines) into L1.
 static inline void prefetch_span(const uint8_t* p, int bytes) {
+    // Unrolled (the sizes are constants): as a loop, its counter, compare and branch were
+    // three instructions per prefetch, ~15 % of a q4_kx8 super-block's instructions.
+#pragma GCC unroll 32
     for (int i = 0; i < bytes; i += 64) _mm_prefetch(reinterpret_cast<const char*>(p + i), _MM_HINT_T0);
 }
 

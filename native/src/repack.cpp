@@ -3,9 +3,8 @@
 #include <sys/mman.h>
 
 #include <algorithm>
-#include <cstdlib>
-
 #include <atomic>
+#include <cstdlib>
 #include <cstring>
 #include <new>
 
