@@ -89,7 +89,8 @@ def _np(t: torch.Tensor) -> np.ndarray:
 
 
 def _cache_view(t: torch.Tensor) -> np.ndarray:
-    """A NumPy view of a KV cache, bf16 as its uint16 bits (NumPy has no bfloat16)."""
+    """A NumPy view of a KV cache or the embedding table, bf16 as its uint16 bits (NumPy has no
+    bfloat16)."""
     return t.view(torch.uint16).numpy() if t.dtype == torch.bfloat16 else t.numpy()
 
 
@@ -414,11 +415,10 @@ class DecodeStep:
         self.layers = [_LayerStep(layer, max_rows) for layer in model.layers]
         self.chain = _Chain(self.layers, max_rows) if _Chain.covers(self.layers) else None
         self.norm = _Norm(model.norm)
-        # The embedding table as NumPy (bf16 as its bits) where it is float32 or bf16: a
-        # token's row is then two NumPy calls; F.embedding's dispatch and the copy into the
-        # residual stream cost ~0.2 ms a token on caches the weights have just streamed through.
-        embed = model.embed
-        self.embed = _cache_view(embed) if embed.dtype in (torch.float32, torch.bfloat16) else None
+        # The embedding table as NumPy (bf16 as its bits): a token's row is then one or two
+        # NumPy calls; F.embedding's dispatch and the copy into the residual stream cost
+        # ~0.2 ms a token on caches the weights have just streamed through.
+        self.embed = _cache_view(model.embed)
         # A head the kernels do not read is a PyTorch Linear in the model dtype.
         self.head = _Linear(model.lm_head, "head") if isinstance(model.lm_head, NativeLinear) else None
 
@@ -441,12 +441,10 @@ class DecodeStep:
             raise ValueError(f"{n} sequences in one step; the decode step was built for {self.max_rows}")
         xt, xa = self.x.rows(n)
         ht, ha = self.h.rows(n)
-        if self.embed is None:
-            xt.copy_(F.embedding(torch.tensor(tokens), self.model.embed))
-        elif self.embed.dtype == np.uint16:  # bf16 bits: the float32 with the same top half
+        if self.embed.dtype == np.uint16:  # bf16 bits: the float32 with the same top half
             np.left_shift(self.embed[tokens], 16, out=xa.view(np.uint32), dtype=np.uint32)
-        else:
-            np.take(self.embed, tokens, axis=0, out=xa)
+        else:  # float32, or float16 widened
+            xa[...] = self.embed[tokens]
         dtype = self.model.dtype
         if self.chain is not None:
             self.chain(xa, segments)

@@ -231,7 +231,7 @@ void DenseLinear::interleave(Executor& exec) {
         }
         d += interleaved_bytes(xfmt, p.rows, cols_);
     }
-    interleave_all(exec, jobs);
+    interleave_all(exec, jobs, files);
     d = block.get();
     for (DensePart& p : parts_) {
         p.w = MatrixRef{d, nullptr, interleaved_bytes(xfmt, kFormats[xfmt].row_group, cols_), 0};

@@ -5,6 +5,7 @@
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <numeric>
 
 #include "repack.h"
 #include "thread_pool.h"
@@ -429,13 +430,11 @@ void MoELayer::interleave(Executor& exec) {
             next[n] = blocks.back().get();
         }
     std::vector<InterleaveJob> jobs;
-    int64_t copied = 0;
     for (int64_t e = 0; e < n_experts(); ++e) {
         if (!cpu_[size_t(e)]) continue;
         const int node = node_of(e, exec.nodes());
         uint8_t* d = next[size_t(node)];
         next[size_t(node)] += per_expert;
-        ++copied;
         ExpertWeights& w = experts_[size_t(e)];
         if (xfmt != FMT_COUNT) {
             jobs.push_back({fmt_, xfmt, &w.gate, I_, H_, d, node});
@@ -443,8 +442,8 @@ void MoELayer::interleave(Executor& exec) {
         }
         if (xdfmt != FMT_COUNT) jobs.push_back({down_fmt_, xdfmt, &w.down, H_, I_, d + 2 * gu_bytes, node});
     }
-    interleave_all(exec, jobs);
-    owned_bytes_ += per_expert * copied;
+    interleave_all(exec, jobs, files);
+    owned_bytes_ += per_expert * std::accumulate(on_node.begin(), on_node.end(), int64_t(0));
     for (auto& b : blocks) owned_.push_back(std::move(b));
     if (xfmt != FMT_COUNT) fmt_ = xfmt;
     if (xdfmt != FMT_COUNT) down_fmt_ = xdfmt;

@@ -140,7 +140,7 @@ void interleave_phase(void* ctx, int node, int) {
 
 }  // namespace
 
-void interleave_all(Executor& exec, std::vector<InterleaveJob>& jobs) {
+void interleave_all(Executor& exec, std::vector<InterleaveJob>& jobs, const ReadOnlyFileMappings& files) {
     if (jobs.empty()) return;
     std::vector<MatrixRef> sources;
     for (const InterleaveJob& j : jobs) sources.push_back(*j.ref);
@@ -150,7 +150,6 @@ void interleave_all(Executor& exec, std::vector<InterleaveJob>& jobs) {
     for (size_t i = 0; i < jobs.size(); ++i) c.of_node[size_t(std::min(std::max(jobs[i].node, 0), nodes - 1))].push_back(i);
     for (int n = 0; n < nodes; ++n) c.next[n].store(0);
     exec.run(interleave_phase, &c);
-    const ReadOnlyFileMappings files;
     for (size_t i = 0; i < jobs.size(); ++i) {
         const MatrixRef& m = sources[i];
         files.release(m.data, size_t(jobs[i].rows * m.row_stride));

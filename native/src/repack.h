@@ -24,6 +24,7 @@
 namespace hmoe {
 
 class Executor;
+class ReadOnlyFileMappings;
 
 // The x8 format `fmt` is copied into, or FMT_COUNT when it has none.
 Format interleaved_format(Format fmt);
@@ -67,6 +68,7 @@ struct InterleaveJob {
 
 // Run the jobs on the pool's threads, then drop the sources' pages where they lie in a
 // read-only file mapping (the copy replaces them: host memory holds the weights once).
-void interleave_all(Executor& exec, std::vector<InterleaveJob>& jobs);
+// `files`: the process's read-only file mappings, as the caller read them to choose the layouts.
+void interleave_all(Executor& exec, std::vector<InterleaveJob>& jobs, const ReadOnlyFileMappings& files);
 
 }  // namespace hmoe
