@@ -128,7 +128,8 @@ class Attention(nn.Module):
     ):
         super().__init__()
         self.q, self.k, self.v, self.o = q, k, v, o
-        # On a CPU main device the three projections run as one native call.
+        # On a CPU main device the three projections run as one native call (also when they
+        # are stored in different formats: one wake-up of the threads, one pass over x).
         self.qkv = NativeLinear.fused(q, k, v)
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
         self.rotary = rotary

@@ -144,9 +144,7 @@ class _AttentionStep:
 
     def __init__(self, attn: Attention, max_rows: int):
         self.attn = attn
-        # One fused call, or (q, k, v stored in different formats) three into one buffer.
-        self.projections = [_Linear(p, "qkv")
-                            for p in ((attn.qkv,) if attn.qkv is not None else (attn.q, attn.k, attn.v))]
+        self.qkv_proj = _Linear(attn.qkv, "qkv")  # q, k and v joined, whatever formats they are stored in
         self.o = _Linear(attn.o, "o")
         self.q_norm = None if attn.q_norm is None else _np(attn.q_norm.weight)
         self.k_norm = None if attn.k_norm is None else _np(attn.k_norm.weight)
@@ -157,16 +155,7 @@ class _AttentionStep:
         self.k, self.v = _cache_view(attn.cache.k), _cache_view(attn.cache.v)  # [blocks, KV, B, d]
         kv_heads = self.k.shape[1]
         self.position_bytes = kv_heads * (self.k.shape[-1] * self.k.itemsize + self.v.shape[-1] * self.v.itemsize)
-        width = sum(p.out_features for p in self.projections)
-        self.qkv = np.empty((max_rows, width), dtype=np.float32)
-        self.bounds, at = [], 0
-        for p in self.projections:
-            self.bounds.append((at, at + p.out_features))
-            at += p.out_features
-        # Three projections write their own rows (the kernels want contiguous outputs), then
-        # each row's q|k|v is put together.
-        self.parts = [] if len(self.projections) == 1 else [
-            np.empty((max_rows, p.out_features), dtype=np.float32) for p in self.projections]
+        self.qkv = np.empty((max_rows, self.qkv_proj.out_features), dtype=np.float32)
         self.q = np.empty((max_rows, attn.n_heads, attn.head_dim), dtype=np.float32)
         self.att = np.empty((max_rows, attn.n_heads, self.v.shape[-1]), dtype=np.float32)
         self.lengths = np.empty(max_rows, dtype=np.int64)
@@ -176,8 +165,7 @@ class _AttentionStep:
     def supports(attn: nn.Module) -> bool:
         if type(attn) is not Attention:
             return False
-        native = attn.qkv is not None or all(isinstance(p, NativeLinear) for p in (attn.q, attn.k, attn.v))
-        return (native and isinstance(attn.o, NativeLinear)
+        return (attn.qkv is not None and isinstance(attn.o, NativeLinear)
                 and type(attn.cache) is PagedKV and attn.cache.window is None
                 and attn.sinks is None and attn.clip_qkv is None
                 and (attn.q_norm is None or attn.norm_per_head)
@@ -185,11 +173,7 @@ class _AttentionStep:
 
     def __call__(self, h: np.ndarray, segments: list[Segment]) -> np.ndarray:
         a, n = self.attn, h.shape[0]
-        qkv = self.qkv[:n]
-        if not self.parts:
-            self.projections[0](h, qkv)
-        for p, part, (lo, hi) in zip(self.projections, self.parts, self.bounds):
-            qkv[:, lo:hi] = p(h, part[:n])
+        qkv = self.qkv_proj(h, self.qkv[:n])
         q, att, lengths = self.q[:n], self.att[:n], self.lengths[:n]
         t0 = _clock()
         tables: list[np.ndarray] = [None] * n
@@ -357,12 +341,12 @@ class _Chain:
                                           first.v.shape[-1], first.k.shape[2], self.k, max_rows)
         for s in steps:
             at, ffn = s.attn, s.ffn
-            self.native.add_layer(s.attn_norm.w, s.attn_norm.eps, [p.native for p in at.projections], at.q_norm, at.k_norm,
+            self.native.add_layer(s.attn_norm.w, s.attn_norm.eps, at.qkv_proj.native, at.q_norm, at.k_norm,
                                   at.eps, at.cos, at.sin, at.pairs, at.k, at.v, at.attn.scale, at.o.native,
                                   s.ffn_norm.w, s.ffn_norm.eps, ffn.logits.native, ffn.moe.router.normalize,
                                   ffn.layer)
         # Bytes a step reads besides the experts and the cache (for a step profile).
-        self.fixed = {"qkv": sum(p.native.bytes for s in steps for p in s.attn.projections),
+        self.fixed = {"qkv": sum(s.attn.qkv_proj.native.bytes for s in steps),
                       "o": sum(s.attn.o.native.bytes for s in steps),
                       "router": sum(s.ffn.logits.native.bytes for s in steps)}
         self.position_bytes = sum(s.attn.position_bytes for s in steps)
@@ -376,7 +360,7 @@ class _Chain:
             at, ffn = s.attn, s.ffn
             if at is None or not isinstance(ffn, _MoEStep):
                 return False
-            if any(p.bias is not None for p in at.projections) or at.o.bias is not None or ffn.logits.bias is not None:
+            if at.qkv_proj.bias is not None or at.o.bias is not None or ffn.logits.bias is not None:
                 return False
             if (type(ffn.moe.router) is not SoftmaxTopK or ffn.shared is not None or ffn.shared_gate is not None):
                 return False

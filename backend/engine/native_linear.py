@@ -29,8 +29,7 @@ from hybridmoe.backend.engine.native_kernels import Unsupported, matrix_ref, nat
 
 class NativeLinear(nn.Module):
     """y = x W^T (+ b) from the stored matrix `stored` [out, in] (a float tensor or a quant
-    object); or, given several matrices of one format and width, their outputs side by side
-    (``fused``)."""
+    object); or, given several matrices of one width, their outputs side by side (``fused``)."""
 
     def __init__(self, stored: Any, bias: torch.Tensor | None = None, *, interleave: bool = True):
         super().__init__()
@@ -53,8 +52,9 @@ class NativeLinear(nn.Module):
 
     @classmethod
     def fused(cls, *linears: nn.Module) -> NativeLinear | None:
-        """One projection computing `linears` together (outputs concatenated), reading their
-        matrices (no second copy), or None when they cannot be (not all native, or formats
+        """One projection computing `linears` together (outputs concatenated) in one call,
+        reading their matrices (no second copy), each in its own format and layout (a K-quant
+        mix keeps v in Q6_K beside a Q4_K q and k); None when they cannot be (not all native,
         or widths differ)."""
         if not all(isinstance(lin, NativeLinear) for lin in linears):
             return None

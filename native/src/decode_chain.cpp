@@ -46,17 +46,11 @@ DecodeChain::DecodeChain(ChainShape shape, int max_rows) : s_(shape), max_rows_(
 
 void DecodeChain::add_layer(const ChainLayer& l) {
     const int64_t width = s_.Hq * s_.D + s_.Hkv * (s_.D + s_.Dv);
-    int64_t rows = 0;
-    for (const DenseLinear* p : l.qkv) {
-        if (p->cols() != s_.H) throw std::invalid_argument("a q/k/v projection does not fit the chain's shape");
-        rows += p->rows();
-    }
-    if ((l.qkv.size() != 1 && l.qkv.size() != 3) || rows != width || l.o->rows() != s_.H || l.o->cols() != s_.Hq * s_.Dv ||
+    if (l.qkv->cols() != s_.H || l.qkv->rows() != width || l.o->rows() != s_.H || l.o->cols() != s_.Hq * s_.Dv ||
         l.router->cols() != s_.H || l.experts->hidden() != s_.H || l.router->rows() != l.experts->n_experts() ||
         s_.k > l.router->rows() || 2 * l.rotary_half > s_.D)
         throw std::invalid_argument("a layer's projections do not fit the chain's shape");
     layers_.push_back(l);
-    if (l.qkv.size() > 1 && part_.size() < size_t(max_rows_ * width)) part_.resize(size_t(max_rows_ * width));
     if (logits_.size() < size_t(max_rows_ * l.router->rows())) logits_.resize(size_t(max_rows_ * l.router->rows()));
 }
 
@@ -109,18 +103,7 @@ void DecodeChain::run(Executor& exec, const KernelTable& kt, float* x, int64_t T
         // Attention.
         rms_norm(x, l.attn_norm, l.attn_eps, T, s.H, h_.data());
         laps.lap(CP_SMALL);
-        if (l.qkv.size() == 1) {
-            l.qkv[0]->forward(exec, kt, h_.data(), false, T, qkv_.data(), kGemv);
-        } else {  // each into its own rows, then each token's q|k|v put together
-            int64_t lo = 0;
-            for (const DenseLinear* p : l.qkv) {
-                const int64_t n = p->rows();
-                p->forward(exec, kt, h_.data(), false, T, part_.data(), kGemv);
-                for (int64_t t = 0; t < T; ++t)
-                    std::copy(part_.data() + t * n, part_.data() + (t + 1) * n, qkv_.data() + t * width + lo);
-                lo += n;
-            }
-        }
+        l.qkv->forward(exec, kt, h_.data(), false, T, qkv_.data(), kGemv);
         laps.lap(CP_QKV);
         store.q_norm = l.q_norm;
         store.k_norm = l.k_norm;

@@ -23,9 +23,7 @@ class Executor;
 struct ChainLayer {
     const float* attn_norm;
     float attn_eps;
-    // q (Hq * D), k (Hkv * D), v (Hkv * Dv) rows: one fused projection, or three (stored in
-    // different formats, as llama.cpp's K-quant mixes leave them) whose outputs are put together.
-    std::vector<const DenseLinear*> qkv;
+    const DenseLinear* qkv;  // q (Hq * D), k (Hkv * D), v (Hkv * Dv) rows, joined (any formats)
     const float* q_norm;     // [D] or null
     const float* k_norm;
     float qk_eps;
@@ -72,7 +70,7 @@ private:
     ChainShape s_;
     std::vector<ChainLayer> layers_;
     int max_rows_;
-    std::vector<float> h_, qkv_, part_, q_, att_, tmp_, logits_, weights_;
+    std::vector<float> h_, qkv_, q_, att_, tmp_, logits_, weights_;
 };
 
 }  // namespace hmoe

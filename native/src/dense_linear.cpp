@@ -55,10 +55,15 @@ namespace {
 
 constexpr int kMaxKc = 512;  // columns dequantized at a time (as in moe_layer.cpp)
 
+// Q8 activations of the call's tokens in one order (kFormats' `deinterleave`: the x8
+// formats read them permuted).
+struct Q8Acts {
+    std::vector<int8_t> q;
+    std::vector<float> d, s;
+};
 struct Workspace {
-    std::vector<float> xf;     // x as fp32 when it came as bf16
-    std::vector<int8_t> xq;    // Q8 of x
-    std::vector<float> xd, xs;
+    std::vector<float> xf;  // x as fp32 when it came as bf16
+    Q8Acts q8[2];           // natural order, permuted order
 };
 std::mutex g_mutex;  // one call at a time uses the workspace
 Workspace g_ws;
@@ -77,6 +82,7 @@ typename V::value_type* grow(V& v, size_t n) {
 
 // A run of rows of one part; its output columns start at `col`.
 struct Unit {
+    Format fmt;
     const MatrixRef* w;
     int64_t r0, col;
     int rows;
@@ -84,20 +90,19 @@ struct Unit {
 
 struct Call {
     const KernelTable* kt;
-    Format fmt;
-    const FormatInfo* fi;
     std::vector<Unit> work;
     int64_t N, K, T;
     const void* x;
     bool x_bf16;
-    bool quantize;  // the GEMV path of a quantized format reads Q8 activations
+    bool quantize[2];  // the GEMV parts of quantized formats read Q8 activations (in either order)
     const float* x32;
     float* out;
     int unit_rows;  // the most rows of a unit
     std::atomic<int64_t> next{0};
 
-    Q8Row q8(int64_t t) const {
-        return {g_ws.xq.data() + t * K, g_ws.xd.data() + t * (K / 32), g_ws.xs.data() + t * (K / 32)};
+    Q8Row q8(int64_t t, bool permuted) const {
+        const Q8Acts& a = g_ws.q8[permuted];
+        return {a.q.data() + t * K, a.d.data() + t * (K / 32), a.s.data() + t * (K / 32)};
     }
 };
 
@@ -107,9 +112,10 @@ void prepare_token(const Call& c, int64_t t) {
         float* dst = g_ws.xf.data() + t * c.K;
         for (int64_t i = 0; i < c.K; ++i) dst[i] = bf16_to_f32(src[i]);
     }
-    if (c.quantize) {
-        const Q8Row q = c.q8(t);
-        c.kt->quantize(c.x32 + t * c.K, c.K, c.fi->deinterleave, const_cast<int8_t*>(q.q), const_cast<float*>(q.d),
+    for (const bool permuted : {false, true}) {
+        if (!c.quantize[permuted]) continue;
+        const Q8Row q = c.q8(t, permuted);
+        c.kt->quantize(c.x32 + t * c.K, c.K, permuted, const_cast<int8_t*>(q.q), const_cast<float*>(q.d),
                        const_cast<float*>(q.s));
     }
 }
@@ -131,17 +137,18 @@ void phase_gemv(void* ctx, int, int) {
         const int64_t u = c.next.fetch_add(1, std::memory_order_relaxed);
         if (u >= int64_t(c.work.size())) return;
         const Unit& w = c.work[size_t(u)];
+        const FormatInfo& fi = kFormats[w.fmt];
         for (int64_t t0 = 0; t0 < c.T; t0 += kMaxGemvTokens) {
             const int nt = int(std::min<int64_t>(kMaxGemvTokens, c.T - t0));
             float* y = c.out + t0 * c.N + w.col;
-            if (c.fi->float_acts) {
+            if (fi.float_acts) {
                 const float* xs[kMaxGemvTokens];
                 for (int t = 0; t < nt; ++t) xs[t] = c.x32 + (t0 + t) * c.K;
-                c.kt->gemv_f32[c.fmt](*w.w, w.r0, w.rows, c.K, xs, nt, y, c.N);
+                c.kt->gemv_f32[w.fmt](*w.w, w.r0, w.rows, c.K, xs, nt, y, c.N);
             } else {
                 Q8Row acts[kMaxGemvTokens];
-                for (int t = 0; t < nt; ++t) acts[t] = c.q8(t0 + t);
-                c.kt->gemv_q8[c.fmt](*w.w, w.r0, w.rows, c.K, acts, nt, y, c.N);
+                for (int t = 0; t < nt; ++t) acts[t] = c.q8(t0 + t, fi.deinterleave);
+                c.kt->gemv_q8[w.fmt](*w.w, w.r0, w.rows, c.K, acts, nt, y, c.N);
             }
         }
     }
@@ -170,7 +177,7 @@ void phase_gemm(void* ctx, int, int) {
         for (int64_t k0 = 0; k0 < c.K; k0 += kc_max) {
             const int kc = int(std::min<int64_t>(kc_max, c.K - k0));
             for (int p = 0; p < np; ++p)
-                c.kt->dequant_panel(c.fmt, *w.w, w.r0 + int64_t(p) * P, std::min(P, rc - p * P), k0, kc,
+                c.kt->dequant_panel(w.fmt, *w.w, w.r0 + int64_t(p) * P, std::min(P, rc - p * P), k0, kc,
                                     W + int64_t(p) * kc * P, tmp);
             for (int64_t t = 0; t < c.T; ++t) a[t] = c.x32 + t * c.K + k0;
             c.kt->gemm_panels(a, int(c.T), W, np, kc, C, ldc);
@@ -181,26 +188,39 @@ void phase_gemm(void* ctx, int, int) {
 
 }  // namespace
 
-DenseLinear::DenseLinear(Format fmt, int64_t cols, std::vector<DensePart> parts)
-    : fmt_(fmt), rows_(0), cols_(cols), parts_(std::move(parts)) {
+DenseLinear::DenseLinear(int64_t cols, std::vector<DensePart> parts)
+    : rows_(0), cols_(cols), parts_(std::move(parts)) {
     for (const DensePart& p : parts_) rows_ += p.rows;
 }
 
+std::string format_names(const DenseLinear& lin) {
+    std::string names;
+    for (const DensePart& p : lin.parts()) {
+        const std::string name = kFormats[p.fmt].name;
+        if (names != name && names.find(name) == std::string::npos) names += (names.empty() ? "" : "+") + name;
+    }
+    return names;
+}
+
 namespace {
-// Each part's rows in runs of `unit_rows` (a part's last run may be shorter).
-void split(Call& c, const std::vector<DensePart>& parts, int unit_rows) {
+// The rows of the parts that `take` (each part's own output columns kept) in runs of
+// `unit_rows` (a part's last run may be shorter).
+template <class Take>
+void split(Call& c, const std::vector<DensePart>& parts, int unit_rows, Take take) {
     c.unit_rows = unit_rows;
     c.work.clear();
     int64_t col = 0;
     for (const DensePart& p : parts) {
-        for (int64_t r0 = 0; r0 < p.rows; r0 += unit_rows)
-            c.work.push_back(Unit{&p.w, r0, col + r0, int(std::min<int64_t>(unit_rows, p.rows - r0))});
+        if (take(p))
+            for (int64_t r0 = 0; r0 < p.rows; r0 += unit_rows)
+                c.work.push_back(Unit{p.fmt, &p.w, r0, col + r0, int(std::min<int64_t>(unit_rows, p.rows - r0))});
         col += p.rows;
     }
 }
 }  // namespace
 
 void DenseLinear::interleave(Executor& exec) {
+    const Format fmt = parts_[0].fmt;  // a projection as constructed: one format
     int64_t rows = 0;
     bool in_file = true;
     const ReadOnlyFileMappings files;
@@ -208,7 +228,7 @@ void DenseLinear::interleave(Executor& exec) {
         rows |= p.rows;  // a multiple of 8 when every part's is
         in_file = in_file && files.holds(p.w.data, size_t(p.rows * p.w.row_stride));
     }
-    const Format xfmt = copied_format(fmt_, rows, in_file);
+    const Format xfmt = copied_format(fmt, rows, in_file);
     if (xfmt == FMT_COUNT) return;
     int64_t total = 0;
     for (const DensePart& p : parts_) total += interleaved_bytes(xfmt, p.rows, cols_);
@@ -226,7 +246,7 @@ void DenseLinear::interleave(Executor& exec) {
             m.data += r0 * m.row_stride;
             if (m.scales) m.scales += r0 * m.scale_row_stride;
             runs.push_back(m);
-            jobs.push_back({fmt_, xfmt, &runs.back(), std::min<int64_t>(256, p.rows - r0), cols_,
+            jobs.push_back({fmt, xfmt, &runs.back(), std::min<int64_t>(256, p.rows - r0), cols_,
                             d + interleaved_bytes(xfmt, r0, cols_), int(jobs.size()) % exec.nodes()});
         }
         d += interleaved_bytes(xfmt, p.rows, cols_);
@@ -234,27 +254,30 @@ void DenseLinear::interleave(Executor& exec) {
     interleave_all(exec, jobs, files);
     d = block.get();
     for (DensePart& p : parts_) {
+        p.fmt = xfmt;
         p.w = MatrixRef{d, nullptr, interleaved_bytes(xfmt, kFormats[xfmt].row_group, cols_), 0};
         d += interleaved_bytes(xfmt, p.rows, cols_);
     }
     owned_ = std::move(block);
     owned_bytes_ = total;
-    fmt_ = xfmt;
 }
 
 DenseLinear DenseLinear::join(const std::vector<const DenseLinear*>& lins) {
     std::vector<DensePart> parts;
     for (const DenseLinear* l : lins) {
-        if (l->fmt_ != lins[0]->fmt_ || l->cols_ != lins[0]->cols_)
-            throw std::invalid_argument("projections of different formats or widths cannot be joined");
+        if (l->cols_ != lins[0]->cols_) throw std::invalid_argument("projections of different widths cannot be joined");
         parts.insert(parts.end(), l->parts_.begin(), l->parts_.end());
     }
-    return DenseLinear(lins[0]->fmt_, lins[0]->cols_, std::move(parts));
+    return DenseLinear(lins[0]->cols_, std::move(parts));
 }
 
 int64_t DenseLinear::bytes() const {
-    const FormatInfo& f = kFormats[fmt_];
-    return rows_ * (cols_ / f.block) * (f.block_bytes + f.scale_bytes);
+    int64_t total = 0;
+    for (const DensePart& p : parts_) {
+        const FormatInfo& f = kFormats[p.fmt];
+        total += p.rows * (cols_ / f.block) * (f.block_bytes + f.scale_bytes);
+    }
+    return total;
 }
 
 void DenseLinear::forward(Executor& exec, const KernelTable& kt, const void* x, bool x_bf16, int64_t T, float* out,
@@ -263,25 +286,33 @@ void DenseLinear::forward(Executor& exec, const KernelTable& kt, const void* x, 
     std::lock_guard<std::mutex> lock(g_mutex);
     Call c;
     c.kt = &kt;
-    c.fmt = fmt_;
-    c.fi = &kFormats[fmt_];
     c.N = rows_;
     c.K = cols_;
     c.T = T;
     c.x = x;
     c.x_bf16 = x_bf16;
     c.out = out;
-    const bool gemm = T >= prefill_min_tokens;
+    auto gemm = [&](const DensePart& p) {
+        return T >= (prefill_min_tokens > 0 ? prefill_min_tokens : dense_prefill_min_tokens(kt, p.fmt));
+    };
+    int64_t gemv_rows = 0, gemm_rows = 0;
+    c.quantize[0] = c.quantize[1] = false;
+    for (const DensePart& p : parts_) {
+        const FormatInfo& f = kFormats[p.fmt];
+        (gemm(p) ? gemm_rows : gemv_rows) += p.rows;
+        if (!gemm(p) && !f.float_acts) c.quantize[f.deinterleave] = true;
+    }
     if (x_bf16) grow(g_ws.xf, size_t(T * cols_));
     c.x32 = x_bf16 ? g_ws.xf.data() : static_cast<const float*>(x);
-    c.quantize = !gemm && !c.fi->float_acts;
-    if (c.quantize) {
-        grow(g_ws.xq, size_t(T * cols_));
-        grow(g_ws.xd, size_t(T * cols_ / 32));
-        grow(g_ws.xs, size_t(T * cols_ / 32));
+    for (const bool permuted : {false, true}) {
+        if (!c.quantize[permuted]) continue;
+        Q8Acts& a = g_ws.q8[permuted];
+        grow(a.q, size_t(T * cols_));
+        grow(a.d, size_t(T * cols_ / 32));
+        grow(a.s, size_t(T * cols_ / 32));
     }
     // Activations to fp32 / Q8: inline for a few tokens (a phase costs a wake-up), else in parallel.
-    if (x_bf16 || c.quantize) {
+    if (x_bf16 || c.quantize[0] || c.quantize[1]) {
         if (T <= 4) {
             for (int64_t t = 0; t < T; ++t) prepare_token(c, t);
         } else {
@@ -290,21 +321,22 @@ void DenseLinear::forward(Executor& exec, const KernelTable& kt, const void* x, 
         }
     }
     const int threads = exec.threads();
-    if (!gemm) {
+    if (gemv_rows) {
         // Units of 32 or 64 rows (64 when there are enough to keep every thread busy).
-        split(c, parts_, (rows_ / 64 >= 8 * threads) ? 64 : 32);
+        split(c, parts_, (gemv_rows / 64 >= 8 * threads) ? 64 : 32, [&](const DensePart& p) { return !gemm(p); });
         c.next.store(0, std::memory_order_relaxed);
         exec.run(phase_gemv, &c);
-        return;
     }
-    // Two panels per unit keep the dequantized rows (2 x kc x panel floats) within L2 and
-    // reuse each group of activation rows twice; one panel when that leaves too few units.
-    const int P = kt.panel;
-    int panels = 8;
-    while (panels > 1 && (rows_ + panels * P - 1) / (panels * P) < 4 * threads) panels /= 2;
-    split(c, parts_, panels * P);
-    c.next.store(0, std::memory_order_relaxed);
-    exec.run(phase_gemm, &c);
+    if (gemm_rows) {
+        // Two panels per unit keep the dequantized rows (2 x kc x panel floats) within L2 and
+        // reuse each group of activation rows twice; one panel when that leaves too few units.
+        const int P = kt.panel;
+        int panels = 8;
+        while (panels > 1 && (gemm_rows + panels * P - 1) / (panels * P) < 4 * threads) panels /= 2;
+        split(c, parts_, panels * P, gemm);
+        c.next.store(0, std::memory_order_relaxed);
+        exec.run(phase_gemm, &c);
+    }
 }
 
 }  // namespace hmoe

@@ -9,6 +9,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "formats.h"
@@ -21,15 +22,17 @@ class Executor;
 
 // One stored matrix of a projection; several (the query, key and value projections, or a
 // gate and an up projection) can be computed in one call, their outputs side by side, so
-// that the activations are converted once and the pool is woken once.
+// that the activations are converted once and the pool is woken once, also when they are
+// stored in different formats (llama.cpp's K-quant mixes keep v in Q6_K beside a Q4_K q and k).
 struct DensePart {
+    Format fmt;
     MatrixRef w;
     int64_t rows;
 };
 
 class DenseLinear {
 public:
-    DenseLinear(Format fmt, int64_t cols, std::vector<DensePart> parts);
+    DenseLinear(int64_t cols, std::vector<DensePart> parts);
     DenseLinear(DenseLinear&&) = default;
     DenseLinear(const DenseLinear&) = delete;  // it may own a copy of its matrices
 
@@ -38,23 +41,23 @@ public:
     void interleave(Executor& exec);
     int64_t copied_bytes() const { return owned_bytes_; }
 
-    // One projection computing `parts` (same format and width) together, outputs side by
+    // One projection computing `parts` (same width, any formats) together, outputs side by
     // side; it reads their matrices, which must outlive it.
     static DenseLinear join(const std::vector<const DenseLinear*>& parts);
 
     // x [T, cols] (fp32, or bf16 when x_bf16) -> out [T, rows] fp32 (overwritten; the parts'
-    // rows one after the other). Up to
-    // prefill_min_tokens - 1 tokens take the GEMV path, more the GEMM path.
+    // rows one after the other). Up to prefill_min_tokens - 1 tokens take the GEMV path, more
+    // the GEMM path; prefill_min_tokens <= 0: each part's measured switch point
+    // (dense_prefill_min_tokens), so that a joined part computes what it computes alone.
     void forward(Executor& exec, const KernelTable& kt, const void* x, bool x_bf16, int64_t T, float* out,
                  int prefill_min_tokens) const;
 
-    Format format() const { return fmt_; }
+    const std::vector<DensePart>& parts() const { return parts_; }
     int64_t rows() const { return rows_; }
     int64_t cols() const { return cols_; }
     int64_t bytes() const;  // stored bytes: what one token reads
 
 private:
-    Format fmt_;
     int64_t rows_, cols_;
     std::vector<DensePart> parts_;
     OwnedBytes owned_;
@@ -63,5 +66,8 @@ private:
 
 // Token count from which a dense projection of `fmt` takes the GEMM path (measured, see the .cpp).
 int dense_prefill_min_tokens(const KernelTable& kt, Format fmt);
+
+// The formats of a projection's parts by name, "+" between different ones ("q4_kx8+q6_k").
+std::string format_names(const DenseLinear& lin);
 
 }  // namespace hmoe

@@ -176,11 +176,12 @@ DenseLinear make_dense(const std::string& format, int64_t cols,
         if (rows <= 0) throw nb::value_error("a matrix needs rows");
         if (ref.size() != 4) throw nb::value_error("ref must be (data, scales, row stride, scale row stride)");
         if (!ref[0] || (f.scale_bytes && !ref[1])) throw nb::value_error("missing weight address");
-        out.push_back(DensePart{MatrixRef{reinterpret_cast<const uint8_t*>(ref[0]), reinterpret_cast<const uint8_t*>(ref[1]),
+        out.push_back(DensePart{fmt,
+                                MatrixRef{reinterpret_cast<const uint8_t*>(ref[0]), reinterpret_cast<const uint8_t*>(ref[1]),
                                           ref[2], ref[3]},
                                 rows});
     }
-    return DenseLinear(fmt, cols, std::move(out));
+    return DenseLinear(cols, std::move(out));
 }
 
 void dense_forward(const DenseLinear& lin, nb::ndarray<nb::ndim<2>, nb::c_contig, nb::device::cpu> x,
@@ -192,12 +193,11 @@ void dense_forward(const DenseLinear& lin, nb::ndarray<nb::ndim<2>, nb::c_contig
     if (int64_t(out.shape(0)) != T || int64_t(out.shape(1)) != lin.rows())
         throw nb::value_error("out must be float32 [T, rows]");
     const KernelTable& kt = *current_table();
-    const int threshold = prefill_min_tokens > 0 ? prefill_min_tokens : dense_prefill_min_tokens(kt, lin.format());
     Executor& exec = executor();
     const void* xp = x.data();
     float* op = out.data();
     nb::gil_scoped_release release;
-    lin.forward(exec, kt, xp, bf16, T, op, threshold);
+    lin.forward(exec, kt, xp, bf16, T, op, prefill_min_tokens);
 }
 
 using QueryRows = nb::ndarray<const float, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
@@ -598,16 +598,22 @@ NB_MODULE(_native, m) {
                     throw nb::value_error(e.what());
                 }
             },
-            "linears"_a, "One projection over the matrices of `linears` (kept alive by the caller), outputs side by side.")
+            "linears"_a,
+            "One projection over the matrices of `linears` (same width, any formats; kept alive by the caller), outputs side by side.")
         .def("forward", &dense_forward, "x"_a, "out"_a, "prefill_min_tokens"_a = 0,
              "out[T, rows] = x[T, cols] W^T in float32 (GIL released).")
-        .def_prop_ro("format", [](const DenseLinear& l) { return std::string(kFormats[l.format()].name); })
+        .def_prop_ro("format", &format_names, "The stored format, or a joined projection's formats (\"q4_kx8+q6_k\").")
         .def_prop_ro("rows", &DenseLinear::rows)
         .def_prop_ro("cols", &DenseLinear::cols)
         .def_prop_ro("bytes", &DenseLinear::bytes, "Stored bytes of the matrix (what one token reads).")
         .def_prop_ro("interleaved_bytes", &DenseLinear::copied_bytes, "Bytes of the copy it owns (row-interleaved, or as stored out of a file mapping).")
-        .def_prop_ro("prefill_min_tokens", [](const DenseLinear& l) { return dense_prefill_min_tokens(*current_table(), l.format()); },
-                     "Tokens from which a call takes the GEMM path (the kernel set in use, the layout).");
+        .def_prop_ro("prefill_min_tokens",
+                     [](const DenseLinear& l) {
+                         int most = 0;
+                         for (const DensePart& p : l.parts()) most = std::max(most, dense_prefill_min_tokens(*current_table(), p.fmt));
+                         return most;
+                     },
+                     "Tokens from which a call takes the GEMM path for every part (the kernel set in use, the layouts).");
 
     using Cache4 = nb::ndarray<nb::ndim<4>, nb::c_contig, nb::device::cpu>;
     using I64Rows = nb::ndarray<const int64_t, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
@@ -621,13 +627,12 @@ NB_MODULE(_native, m) {
              "hidden"_a, "n_heads"_a, "n_kv_heads"_a, "head_dim"_a, "value_dim"_a, "block"_a, "k"_a, "max_rows"_a)
         .def(
             "add_layer",
-            [](DecodeChain& c, F32Array attn_norm, float attn_eps, const std::vector<const DenseLinear*>& qkv,
+            [](DecodeChain& c, F32Array attn_norm, float attn_eps, const DenseLinear& qkv,
                std::optional<F32Array> q_norm,
                std::optional<F32Array> k_norm, float qk_eps, F32Array cos, F32Array sin, bool pairs, Cache4 k_cache,
                Cache4 v_cache, float scale, const DenseLinear& o, F32Array ffn_norm, float ffn_eps,
                const DenseLinear& router, bool normalize, const MoELayer& experts) {
-                if (qkv.empty() || !qkv[0]) throw nb::value_error("qkv: one projection, or three");
-                const int64_t H = qkv[0]->cols();
+                const int64_t H = qkv.cols();
                 if (int64_t(attn_norm.size()) != H || int64_t(ffn_norm.size()) != H)
                     throw nb::value_error("norm weights must have one entry per hidden feature");
                 if (cos.ndim() != 2 || sin.ndim() != 2 || cos.shape(0) != sin.shape(0) || cos.shape(1) != sin.shape(1))
@@ -644,7 +649,7 @@ NB_MODULE(_native, m) {
                 ChainLayer l{};
                 l.attn_norm = attn_norm.data();
                 l.attn_eps = attn_eps;
-                l.qkv = qkv;
+                l.qkv = &qkv;
                 l.q_norm = q_norm ? q_norm->data() : nullptr;
                 l.k_norm = k_norm ? k_norm->data() : nullptr;
                 l.qk_eps = qk_eps;

@@ -94,7 +94,28 @@ def test_fused_projection_reads_its_parts_copies():
     assert fused.out_features == 96 and fused.in_features == 128
     x = torch.randn(3, 128)
     assert rel_err(fused(x), torch.cat([p(x) for p in parts], dim=-1)) < 1e-6
-    assert NativeLinear.fused(parts[0], NativeLinear(random_matrix(rng, "q8_0", (8, 128)))) is None
+    assert NativeLinear.fused(parts[0], NativeLinear(random_matrix(rng, "q4_0", (8, 256)))) is None
+
+
+@pytest.mark.parametrize("tokens,threshold", [(1, 0), (3, 0), (40, 0), (40, 1), (5, 1_000_000)])
+def test_projections_of_different_formats_join_into_one_call(tokens, threshold):
+    """llama.cpp's K-quant mixes store v in Q6_K beside a Q4_K q and k: joined, each part
+    computes exactly what it computes alone (its own layout, activations and GEMV/GEMM
+    switch point), in one call."""
+    rng = np.random.default_rng(6)
+    parts = [NativeLinear(random_matrix(rng, fmt, (rows, 256))) for fmt, rows in
+             (("q4_k", 64), ("q4_k", 16), ("q6_k", 16), ("bf16", 8), ("q4_0", 24))]
+    fused = NativeLinear.fused(*parts)
+    assert fused.native.format == "q4_kx8+q6_k+bf16+q4_0x8"
+    assert fused.native.bytes == sum(p.native.bytes for p in parts)
+    x = torch.randn(tokens, 256)
+    joined = torch.empty(tokens, fused.out_features)
+    fused.native.forward(x, joined, threshold)
+    alone = []
+    for p in parts:
+        alone.append(torch.empty(tokens, p.out_features))
+        p.native.forward(x, alone[-1], threshold)
+    assert torch.equal(joined, torch.cat(alone, dim=-1))
 
 
 @pytest.mark.parametrize("fmt", ["q4_0", "bf16"])
