@@ -350,6 +350,9 @@ class _Chain:
                       "o": sum(s.attn.o.native.bytes for s in steps),
                       "router": sum(s.ffn.logits.native.bytes for s in steps)}
         self.position_bytes = sum(s.attn.position_bytes for s in steps)
+        self.recorder = steps[0].ffn.moe.recorder
+        self.count_cells = None if self.recorder is None else self.recorder.first_cells(
+            [s.ffn.moe.layer for s in steps])
 
     @staticmethod
     def covers(steps: list[_LayerStep]) -> bool:
@@ -365,7 +368,7 @@ class _Chain:
             if (type(ffn.moe.router) is not SoftmaxTopK or ffn.shared is not None or ffn.shared_gate is not None):
                 return False
             shapes.add((at.group, at.attn.n_heads, at.attn.n_kv_heads, at.attn.head_dim, at.k.shape[1:],
-                        at.v.shape[1:], at.k.dtype, ffn.moe.router.k))
+                        at.v.shape[1:], at.k.dtype, ffn.moe.router.k, id(ffn.moe.recorder)))
         return len(shapes) == 1
 
     def __call__(self, xa: np.ndarray, segments: list[Segment]) -> None:
@@ -376,8 +379,8 @@ class _Chain:
         profile = step_profile.active
         seconds = None if profile is None else np.zeros(len(_CHAIN_PARTS))
         self.native.run(xa, tables, positions, ids, seconds)
-        for s, chosen in zip(self.steps, ids):
-            s.ffn.moe.record(chosen)
+        if self.recorder is not None:
+            self.recorder.record_layers(self.count_cells, ids)
         if profile is not None:
             nbytes = dict(self.fixed, small=0, experts=sum(_distinct(c) * s.ffn.expert_bytes
                                                            for s, c in zip(self.steps, ids)),

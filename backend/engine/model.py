@@ -147,7 +147,7 @@ class MoeTransformer(nn.Module):
         with native_kernels.rows_are("decode" if decode else "prompt"):
             if step is not None:
                 logits = step(flat, segments)  # it embeds the tokens itself
-                rows = [s.rows for s in segments]
+                rows = None if len(segments) == 1 else [s.rows for s in segments]  # None: all of them
             else:
                 x = F.embedding(torch.tensor(flat, dtype=torch.long, device=self.device), self.embed)
                 x = self._layers(x, segments)
@@ -157,7 +157,7 @@ class MoeTransformer(nn.Module):
                 else:
                     rows = [s.rows for s in segments]
                 logits = self.lm_head(self.norm(x)).float()
-        outs = [logits[r] for r in rows]
+        outs = [logits] if rows is None else [logits[r] for r in rows]
         for seq, ids, start in calls:
             self.cache.commit(seq, start, ids)
         self.stats.add_tokens(len(flat))

@@ -56,7 +56,7 @@ def test_each_part_reads_what_the_engine_holds(profiled):
     expert_bytes = sum(step.ffn.expert_bytes for step in layers)
     assert profile.bytes["experts"] == STEPS * plan.experts_per_token * expert_bytes
     # Projections: their stored matrices, once a step.
-    qkv = sum(p.native.bytes for step in layers for p in step.attn.projections)
+    qkv = sum(step.attn.qkv_proj.native.bytes for step in layers)
     assert profile.bytes["qkv"] == STEPS * qkv
     assert profile.bytes["o"] == STEPS * sum(step.attn.o.native.bytes for step in layers)
     assert profile.bytes["router"] == STEPS * sum(step.ffn.logits.native.bytes for step in layers)
