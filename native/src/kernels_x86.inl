@@ -562,9 +562,18 @@ static void gemv_q4kx8_n(const MatrixRef& w, int64_t row0, int64_t nrows, int64_
             prefetch_span(blk + kPrefetchAhead, kQ4KX8Bytes);
             const __m256 d = load8_as_ps<FMT_F16>(blk, 0);
             const __m256 dmin = load8_as_ps<FMT_F16>(blk + 16, 0);
-            for (int j = 0; j < 8; ++j) {
-                const __m256 mn = _mm256_mul_ps(dmin, rows8_u8_ps(blk + 96 + 8 * j));
-                for (int t = 0; t < N; ++t) corr[t] = _mm256_fmadd_ps(mn, _mm256_set1_ps(acts[t].s[8 * sb + j]), corr[t]);
+            // The mins: sum_j m_j * s_act_j in two independent chains, times dmin once (one
+            // chain of eight dependent FMAs with dmin applied in each step held the super-block
+            // back: hot, one core, A/B processes in turn, median 23.0 -> 24.9 GB/s).
+            for (int t = 0; t < N; ++t) {
+                const float* sa = acts[t].s + 8 * sb;
+                __m256 m0 = _mm256_mul_ps(rows8_u8_ps(blk + 96), _mm256_set1_ps(sa[0]));
+                __m256 m1 = _mm256_mul_ps(rows8_u8_ps(blk + 104), _mm256_set1_ps(sa[1]));
+                for (int j = 2; j < 8; j += 2) {
+                    m0 = _mm256_fmadd_ps(rows8_u8_ps(blk + 96 + 8 * j), _mm256_set1_ps(sa[j]), m0);
+                    m1 = _mm256_fmadd_ps(rows8_u8_ps(blk + 104 + 8 * j), _mm256_set1_ps(sa[j + 1]), m1);
+                }
+                corr[t] = _mm256_fmadd_ps(dmin, _mm256_add_ps(m0, m1), corr[t]);
             }
             for (int c = 0; c < 4; ++c) {
                 __m256i lo16[N], hi16[N];
