@@ -194,10 +194,12 @@ DenseLinear::DenseLinear(int64_t cols, std::vector<DensePart> parts)
 }
 
 std::string format_names(const DenseLinear& lin) {
+    std::vector<Format> seen;
     std::string names;
     for (const DensePart& p : lin.parts()) {
-        const std::string name = kFormats[p.fmt].name;
-        if (names != name && names.find(name) == std::string::npos) names += (names.empty() ? "" : "+") + name;
+        if (std::find(seen.begin(), seen.end(), p.fmt) != seen.end()) continue;
+        names += (seen.empty() ? "" : "+") + std::string(kFormats[p.fmt].name);
+        seen.push_back(p.fmt);
     }
     return names;
 }

@@ -104,9 +104,9 @@ def test_projections_of_different_formats_join_into_one_call(tokens, threshold):
     switch point), in one call."""
     rng = np.random.default_rng(6)
     parts = [NativeLinear(random_matrix(rng, fmt, (rows, 256))) for fmt, rows in
-             (("q4_k", 64), ("q4_k", 16), ("q6_k", 16), ("bf16", 8), ("q4_0", 24))]
+             (("q4_k", 64), ("q4_k", 16), ("q6_k", 16), ("bf16", 8), ("q4_0", 24), ("q4_0", 4))]
     fused = NativeLinear.fused(*parts)
-    assert fused.native.format == "q4_kx8+q6_k+bf16+q4_0x8"
+    assert fused.native.format == "q4_kx8+q6_k+bf16+q4_0x8+q4_0"  # 4 rows: no x8 layout
     assert fused.native.bytes == sum(p.native.bytes for p in parts)
     x = torch.randn(tokens, 256)
     joined = torch.empty(tokens, fused.out_features)
