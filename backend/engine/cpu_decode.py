@@ -350,9 +350,8 @@ class _Chain:
                       "o": sum(s.attn.o.native.bytes for s in steps),
                       "router": sum(s.ffn.logits.native.bytes for s in steps)}
         self.position_bytes = sum(s.attn.position_bytes for s in steps)
-        self.recorder = steps[0].ffn.moe.recorder
-        self.count_cells = None if self.recorder is None else self.recorder.first_cells(
-            [s.ffn.moe.layer for s in steps])
+        self.recorder = steps[0].ffn.moe.recorder  # the chain counts the experts chosen in its table
+        self.counts = None if self.recorder is None else self.recorder.table([s.ffn.moe.layer for s in steps])
 
     @staticmethod
     def covers(steps: list[_LayerStep]) -> bool:
@@ -378,9 +377,8 @@ class _Chain:
         ids = np.empty((len(self.steps), n, self.k), dtype=np.int64)
         profile = step_profile.active
         seconds = None if profile is None else np.zeros(len(_CHAIN_PARTS))
-        self.native.run(xa, tables, positions, ids, seconds)
-        if self.recorder is not None:
-            self.recorder.record_layers(self.count_cells, ids)
+        counting = self.recorder is not None and self.recorder.enabled
+        self.native.run(xa, tables, positions, ids, seconds, *(self.counts if counting else (None, None)))
         if profile is not None:
             nbytes = dict(self.fixed, small=0, experts=sum(_distinct(c) * s.ffn.expert_bytes
                                                            for s, c in zip(self.steps, ids)),
@@ -426,8 +424,9 @@ class DecodeStep:
         n = len(tokens)
         if n > self.max_rows:
             raise ValueError(f"{n} sequences in one step; the decode step was built for {self.max_rows}")
-        xt, xa = self.x.rows(n)
-        ht, ha = self.h.rows(n)
+        # NumPy views: slicing the torch handles costs ~20 us each with cold caches, and only
+        # the layer-by-layer path and a PyTorch head use them.
+        xa, ha = self.x.a[:n], self.h.a[:n]
         if self.embed.dtype == np.uint16:  # bf16 bits: the float32 with the same top half
             np.left_shift(self.embed[tokens], 16, out=xa.view(np.uint32), dtype=np.uint32)
         else:  # float32, or float16 widened
@@ -437,10 +436,9 @@ class DecodeStep:
             self.chain(xa, segments)
         else:
             for step in self.layers:
-                step(xt, xa, ha, segments, dtype)
+                step(self.x.t[:n], xa, ha, segments, dtype)
         self.norm(xa, ha)
         if self.head is None:
-            return self.model.lm_head(ht.to(dtype)).float()
-        logits = torch.empty(n, self.head.out_features)  # a new tensor: callers may keep it
-        self.head(ha, logits.numpy())
-        return logits
+            return self.model.lm_head(self.h.t[:n].to(dtype)).float()
+        logits = np.empty((n, self.head.out_features), dtype=np.float32)  # new: callers may keep it
+        return torch.from_numpy(self.head(ha, logits))

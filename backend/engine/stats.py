@@ -2,8 +2,7 @@
 
 Counts accumulate in one int64 tensor per MoE layer, rows of one table (a NumPy bincount per
 layer call, no Python per token: PyTorch's bincount and in-place add cost about 60 us a call
-inside a decode step, against about 6 us; the native decode chain counts all its layers with
-one ``np.add.at``); ``to_expert_stats`` hands them to the planner's ``ExpertStats`` (its
+inside a decode step, against about 6 us; the native decode chain counts in place); ``to_expert_stats`` hands them to the planner's ``ExpertStats`` (its
 JSON file format is the one the ``frequency`` placement strategy reads), and ``main_share``
 says how many activations the main-device experts served under the current placement.
 """
@@ -40,15 +39,10 @@ class ExpertRecorder:
             ids = topk_ids if isinstance(topk_ids, np.ndarray) else topk_ids.numpy()
             self._views[layer] += np.bincount(ids.reshape(-1), minlength=self.n_experts)
 
-    def first_cells(self, layers: Collection[int]) -> np.ndarray:
-        """Where each of `layers`' counts start in the table (for ``record_layers``)."""
-        return np.array([self._row[layer] * self.n_experts for layer in layers], dtype=np.int64)
-
-    def record_layers(self, first_cells: np.ndarray, topk_ids: np.ndarray) -> None:
-        """Count the experts chosen by several layers at once: topk_ids [L, T, k], the layers'
-        ``first_cells``."""
-        if self.enabled:
-            np.add.at(self._flat, (topk_ids + first_cells[:, None, None]).ravel(), 1)
+    def table(self, layers: Collection[int]) -> tuple[np.ndarray, np.ndarray]:
+        """(every layer's counts as one flat int64 array, where each of `layers`' counts start
+        in it) for a caller that counts in place while ``enabled`` (the native decode chain)."""
+        return self._flat, np.array([self._row[layer] * self.n_experts for layer in layers], dtype=np.int64)
 
     def add_tokens(self, n: int) -> None:
         if self.enabled:

@@ -64,6 +64,7 @@ public:
              const int64_t* positions, int64_t* ids_out, double* seconds);
 
     int64_t layers() const { return int64_t(layers_.size()); }
+    int64_t experts(int64_t layer) const { return layers_[size_t(layer)].router->rows(); }
     const ChainShape& shape() const { return s_; }
 
 private:

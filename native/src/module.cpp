@@ -678,13 +678,22 @@ NB_MODULE(_native, m) {
             "run",
             [](DecodeChain& c, nb::ndarray<float, nb::ndim<2>, nb::c_contig, nb::device::cpu> x, I64Rows tables,
                I64Vec positions, nb::ndarray<int64_t, nb::ndim<3>, nb::c_contig, nb::device::cpu> ids_out,
-               std::optional<nb::ndarray<double, nb::ndim<1>, nb::c_contig, nb::device::cpu>> seconds) {
+               std::optional<nb::ndarray<double, nb::ndim<1>, nb::c_contig, nb::device::cpu>> seconds,
+               std::optional<nb::ndarray<int64_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>> counts,
+               std::optional<I64Vec> count_cells) {
                 const int64_t T = int64_t(x.shape(0));
                 if (int64_t(tables.shape(0)) != T || int64_t(positions.shape(0)) != T || int64_t(ids_out.shape(1)) != T ||
                     int64_t(ids_out.shape(0)) != c.layers())
                     throw nb::value_error("x, tables, positions and ids_out must have one row per sequence "
                                           "(ids_out: [layers, T, k])");
                 if (seconds && int64_t(seconds->size()) < CP_COUNT) throw nb::value_error("seconds needs 6 entries");
+                if (bool(counts) != bool(count_cells) || (count_cells && int64_t(count_cells->size()) != c.layers()))
+                    throw nb::value_error("counts and count_cells go together, count_cells one per layer");
+                for (int64_t li = 0; count_cells && li < c.layers(); ++li) {
+                    const int64_t cell = (*count_cells)(li);
+                    if (cell < 0 || cell + c.experts(li) > int64_t(counts->size()))
+                        throw nb::value_error("a layer's counts lie outside the counts table");
+                }
                 float* xp = x.data();
                 const int64_t* tp = tables.data();
                 const int64_t* pp = positions.data();
@@ -695,10 +704,17 @@ NB_MODULE(_native, m) {
                 Executor& exec = executor();
                 nb::gil_scoped_release release;
                 c.run(exec, kt, xp, T, tp, L, pp, ip, sp);
+                if (counts) {  // each layer's choices counted at count_cells[layer] + expert
+                    const int64_t k = c.shape().k;
+                    for (int64_t li = 0; li < c.layers(); ++li)
+                        for (int64_t i = 0; i < T * k; ++i) (*counts)((*count_cells)(li) + ip[li * T * k + i]) += 1;
+                }
             },
-            "x"_a, "tables"_a, "positions"_a, "ids_out"_a, "seconds"_a.none(),
-            "Every layer of a decode step on x [T, H] in place; the experts chosen go to ids_out [layers, T, k]; "
-            "seconds (if given) adds each part's time: experts, qkv, o, router, attend, small.");
+            "x"_a, "tables"_a, "positions"_a, "ids_out"_a, "seconds"_a.none(), "counts"_a.none() = nb::none(),
+            "count_cells"_a.none() = nb::none(),
+            "Every layer of a decode step on x [T, H] in place; the experts chosen go to ids_out [layers, T, k] and, "
+            "given counts, are counted there (layer l's expert e at count_cells[l] + e); seconds (if given) adds "
+            "each part's time: experts, qkv, o, router, attend, small.");
 
     nb::class_<MoELayer>(m, "MoELayer")
         .def("__init__",

@@ -119,6 +119,20 @@ def test_the_native_chain_gives_the_bits_of_the_calls(family, source, checkpoint
             assert torch.equal(a, b), float((a - b).abs().max())
 
 
+def test_the_native_chain_counts_the_experts_only_while_recording(checkpoints):  # noqa: F811
+    model = model_for(checkpoints("qwen3_moe").path)
+    ids = tokens(PROMPTS[0], seed=3).reshape(-1).tolist()
+    model.stats.enabled = False
+    alone(model, ids)
+    assert model._decode_step.chain is not None
+    assert all(not c.any() for c in model.stats.counts.values())
+    model.stats.enabled = True
+    model.stats.reset()
+    alone(model, ids)  # the prompt's rows (all but the last token) and the decode steps
+    k = model._decode_step.chain.k
+    assert all(int(c.sum()) == (len(ids) - 1 + STEPS) * k for c in model.stats.counts.values())
+
+
 def test_the_native_chain_refuses_what_does_not_fit(checkpoints):  # noqa: F811
     """The one-call chain checks its arguments (one message, nothing computed) rather than
     reading past a buffer."""
@@ -135,7 +149,12 @@ def test_the_native_chain_refuses_what_does_not_fit(checkpoints):  # noqa: F811
         native.run(x, np.zeros((2, 1), np.int64), np.array([0, 10_000], np.int64), ids, None)
     with pytest.raises(ValueError, match="block table entry out of range"):
         native.run(x, np.full((2, 1), 1 << 20, np.int64), np.zeros(2, np.int64), ids, None)
-    assert not x.any()  # refused before anything was computed
+    counts, cells = model.stats.table(range(layers))
+    with pytest.raises(ValueError, match="outside the counts table"):
+        native.run(x, np.zeros((2, 1), np.int64), np.zeros(2, np.int64), ids, None, counts[:-1], cells)
+    with pytest.raises(ValueError, match="go together"):
+        native.run(x, np.zeros((2, 1), np.int64), np.zeros(2, np.int64), ids, None, counts, None)
+    assert not x.any() and not counts.any()  # refused before anything was computed
     with pytest.raises(ValueError, match="rows out of range"):
         native.run(np.zeros((3, hidden), np.float32), np.zeros((3, 1), np.int64), np.zeros(3, np.int64),
                    np.zeros((layers, 3, k), np.int64), None)
