@@ -1,10 +1,11 @@
 """Counting which routed experts the running model activates.
 
-Counts accumulate in one int64 tensor per MoE layer, rows of one table (a NumPy bincount per
-layer call, no Python per token: PyTorch's bincount and in-place add cost about 60 us a call
-inside a decode step, against about 6 us; the native decode chain counts in place); ``to_expert_stats`` hands them to the planner's ``ExpertStats`` (its
-JSON file format is the one the ``frequency`` placement strategy reads), and ``main_share``
-says how many activations the main-device experts served under the current placement.
+Counts accumulate in one int64 tensor per MoE layer, the rows of one table (a NumPy bincount
+per layer call, no Python per token: PyTorch's bincount and in-place add cost about 60 us a
+call inside a decode step, against about 6 us; the native decode chain counts in the table
+itself); ``to_expert_stats`` hands them to the planner's ``ExpertStats`` (its JSON file format
+is the one the ``frequency`` placement strategy reads), and ``main_share`` says how many
+activations the main-device experts served under the current placement.
 """
 
 from __future__ import annotations
@@ -27,10 +28,11 @@ class ExpertRecorder:
         self.enabled = True
         layers = sorted(moe_layers)
         self._table = torch.zeros(len(layers), n_experts, dtype=torch.int64)
-        self._flat = self._table.numpy().reshape(-1)  # the same memory
+        table = self._table.numpy()  # the same memory
+        self._flat = table.reshape(-1)
         self._row = {layer: i for i, layer in enumerate(layers)}
-        self.counts = {layer: self._table[i] for i, layer in enumerate(layers)}
-        self._views = {layer: c.numpy() for layer, c in self.counts.items()}
+        self.counts = dict(zip(layers, self._table))
+        self._views = dict(zip(layers, table))
         self.placement = {int(k): tuple(int(e) for e in v) for k, v in (placement or {}).items()}
 
     def record(self, layer: int, topk_ids: torch.Tensor | np.ndarray) -> None:

@@ -301,8 +301,9 @@ void DenseLinear::forward(Executor& exec, const KernelTable& kt, const void* x, 
     c.quantize[0] = c.quantize[1] = false;
     for (const DensePart& p : parts_) {
         const FormatInfo& f = kFormats[p.fmt];
-        (gemm(p) ? gemm_rows : gemv_rows) += p.rows;
-        if (!gemm(p) && !f.float_acts) c.quantize[f.deinterleave] = true;
+        const bool on_gemm = gemm(p);
+        (on_gemm ? gemm_rows : gemv_rows) += p.rows;
+        if (!on_gemm && !f.float_acts) c.quantize[f.deinterleave] = true;
     }
     if (x_bf16) grow(g_ws.xf, size_t(T * cols_));
     c.x32 = x_bf16 ? g_ws.xf.data() : static_cast<const float*>(x);
