@@ -129,7 +129,7 @@ class _Linear:
 
     def __call__(self, x: np.ndarray, out: np.ndarray) -> np.ndarray:
         t0 = _clock()
-        self.native.forward(x, out, native_kernels.dense_threshold())
+        self.native.forward(x, out, native_kernels.dense_threshold("decode"))
         if self.bias is not None:
             np.add(out, self.bias, out=out)
         _lap(self.part, t0, self.native.bytes)
@@ -284,7 +284,7 @@ class _MoEStep:
         _lap("small", t0)
         self.moe.record(ids)
         t0 = _clock()
-        self.layer.forward(h, ids, weights, out, native_experts.REGIMES[native_kernels.expert_regime()], 0)
+        self.layer.forward(h, ids, weights, out, native_experts.REGIMES[native_kernels.expert_regime("decode")], 0)
         if t0:  # the experts of the union of the rows' choices, each read once
             _lap("experts", t0, _distinct(ids) * self.expert_bytes)
         if self.shared is not None:
@@ -400,9 +400,9 @@ class DecodeStep:
         self.layers = [_LayerStep(layer, max_rows) for layer in model.layers]
         self.chain = _Chain(self.layers, max_rows) if _Chain.covers(self.layers) else None
         self.norm = _Norm(model.norm)
-        # The embedding table as NumPy (bf16 as its bits): a token's row is then one or two
-        # NumPy calls; F.embedding's dispatch and the copy into the residual stream cost
-        # ~0.2 ms a token on caches the weights have just streamed through.
+        # The embedding table as NumPy (bf16 as its bits), which ``embed_rows`` reads: one
+        # native call per step; F.embedding's dispatch and the copy into the residual stream
+        # cost ~0.2 ms a token on caches the weights have just streamed through.
         self.embed = _cache_view(model.embed)
         # A head the kernels do not read is a PyTorch Linear in the model dtype.
         self.head = _Linear(model.lm_head, "head") if isinstance(model.lm_head, NativeLinear) else None
@@ -420,25 +420,27 @@ class DecodeStep:
         return step
 
     def __call__(self, tokens: list[int], segments: list[Segment]) -> torch.Tensor:
-        """tokens: one per segment -> float32 logits [T, V]."""
+        """tokens: one per segment -> float32 logits [T, V]. Decode rows by construction (the
+        kernels get the decode paths without ``native_kernels.rows_are``); the parts that run
+        PyTorch modules enter inference mode themselves, the native ones need no mode (entering
+        and leaving one cost ~0.1 ms a token, cold)."""
         n = len(tokens)
         if n > self.max_rows:
             raise ValueError(f"{n} sequences in one step; the decode step was built for {self.max_rows}")
         # NumPy views: slicing the torch handles costs ~20 us each with cold caches, and only
         # the layer-by-layer path and a PyTorch head use them.
         xa, ha = self.x.a[:n], self.h.a[:n]
-        if self.embed.dtype == np.uint16:  # bf16 bits: the float32 with the same top half
-            np.left_shift(self.embed[tokens], 16, out=xa.view(np.uint32), dtype=np.uint32)
-        else:  # float32, or float16 widened
-            xa[...] = self.embed[tokens]
+        _native.embed_rows(self.embed, tokens, xa)
         dtype = self.model.dtype
         if self.chain is not None:
             self.chain(xa, segments)
         else:
-            for step in self.layers:
-                step(self.x.t[:n], xa, ha, segments, dtype)
+            with torch.inference_mode():
+                for step in self.layers:
+                    step(self.x.t[:n], xa, ha, segments, dtype)
         self.norm(xa, ha)
         if self.head is None:
-            return self.model.lm_head(self.h.t[:n].to(dtype)).float()
+            with torch.inference_mode():
+                return self.model.lm_head(self.h.t[:n].to(dtype)).float()
         logits = np.empty((n, self.head.out_features), dtype=np.float32)  # new: callers may keep it
         return torch.from_numpy(self.head(ha, logits))

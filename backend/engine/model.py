@@ -116,10 +116,11 @@ class MoeTransformer(nn.Module):
         logits = self._run([(seq, ids.tolist(), start_pos)], last_only=last_only, decode=decode)[0]
         return logits.unsqueeze(0) if batched else logits
 
-    @torch.inference_mode()
     def forward_batch(self, calls: list[tuple[Sequence, list[int], int]], *, prompt: bool = False) -> list[torch.Tensor]:
         """(sequence, token ids, start_pos) per sequence -> each one's last logits [V]: one
-        decode token per sequence, or (prompt) a slice of each one's prompt."""
+        decode token per sequence, or (prompt) a slice of each one's prompt. Not a torch
+        inference-mode function as a whole: the native decode step does not need the mode
+        (``_run``)."""
         if not prompt and any(len(ids) != 1 for _, ids, _ in calls):
             raise ValueError("a decode step runs one token per sequence")
         return [logits[-1] for logits in self._run(calls, last_only=True, decode=not prompt)]
@@ -142,13 +143,15 @@ class MoeTransformer(nn.Module):
             row += len(ids)
         flat = [t for _, ids, _ in calls for t in ids]
         step = self._native_decode(len(segments)) if decode else None
-        # A row's numbers must not depend on which rows share its call: tokens of a decode
-        # step each as alone, a prompt's tokens however the prompt was chunked.
-        with native_kernels.rows_are("decode" if decode else "prompt"):
-            if step is not None:
-                logits = step(flat, segments)  # it embeds the tokens itself
-                rows = None if len(segments) == 1 else [s.rows for s in segments]  # None: all of them
-            else:
+        if step is not None:
+            # Decode rows by construction, and the mode its PyTorch parts need entered by
+            # them: neither context below, each tens of microseconds a token on cold caches.
+            logits = step(flat, segments)  # it embeds the tokens itself
+            rows = None if len(segments) == 1 else [s.rows for s in segments]  # None: all of them
+        else:
+            # A row's numbers must not depend on which rows share its call: tokens of a decode
+            # step each as alone, a prompt's tokens however the prompt was chunked.
+            with native_kernels.rows_are("decode" if decode else "prompt"), torch.inference_mode():
                 x = F.embedding(torch.tensor(flat, dtype=torch.long, device=self.device), self.embed)
                 x = self._layers(x, segments)
                 if last_only:

@@ -94,13 +94,14 @@ def rows_are(kind: str) -> Iterator[None]:
         _ROWS.reset(token)
 
 
-def dense_threshold() -> int:
-    """prefill_min_tokens for a dense projection's call now (0: the measured one)."""
-    return _DENSE_THRESHOLD[_ROWS.get()]
+def dense_threshold(rows: str | None = None) -> int:
+    """prefill_min_tokens for a dense projection's call over `rows` (default: this thread's,
+    ``rows_are``; 0: the measured one)."""
+    return _DENSE_THRESHOLD[rows or _ROWS.get()]
 
 
-def expert_regime() -> str:
-    return _EXPERT_REGIME[_ROWS.get()]
+def expert_regime(rows: str | None = None) -> str:
+    return _EXPERT_REGIME[rows or _ROWS.get()]
 
 
 def enabled() -> bool:
