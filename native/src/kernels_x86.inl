@@ -695,6 +695,11 @@ static void gemv_float_n(const MatrixRef& w, int64_t row0, int64_t nrows, int64_
         for (int t = 0; t < N; ++t) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
         int64_t k = 0;
         for (; k < k16; k += 16) {
+            // 16-bit weights: a line 1 KiB ahead every other step (cold, 2048 x 2048 bf16, one
+            // and two threads: 0.84-0.86 -> 0.94-0.99 of the probe). fp32 streams fast enough
+            // without: prefetching made it slower (1.00 -> 0.92).
+            if constexpr (F != FMT_F32)
+                if (k % 32 == 0) _mm_prefetch(reinterpret_cast<const char*>(row + 2 * k + kPrefetchAhead), _MM_HINT_T0);
             const __m256 w0 = load8_as_ps<F>(row, k), w1 = load8_as_ps<F>(row, k + 8);
             for (int t = 0; t < N; ++t) {
                 acc[t][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x[t] + k), acc[t][0]);
