@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -30,6 +31,28 @@ def test_rms_norm_matches_the_module(shape):
 def test_rms_norm_refuses_mismatched_shapes():
     with pytest.raises(ValueError, match="as long as w"):
         _native.rms_norm(torch.zeros(1, 8), torch.ones(4), 1e-6, torch.zeros(1, 8))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_embed_rows_is_the_embedding_in_float32(dtype):
+    table = torch.randn(50, 24, generator=torch.Generator().manual_seed(3)).to(dtype)
+    tokens = [7, 0, 49, 7]
+    out = np.full((5, 24), np.nan, dtype=np.float32)  # room for more rows than the step has
+    view = table.view(torch.uint16).numpy() if dtype == torch.bfloat16 else table.numpy()  # NumPy has no bf16
+    _native.embed_rows(view, tokens, out)
+    assert torch.equal(torch.from_numpy(out[:4]), table[tokens].float())  # exact: widening only
+    assert np.isnan(out[4]).all()
+
+
+def test_embed_rows_refuses_a_token_outside_the_vocabulary():
+    table, out = np.zeros((10, 4), np.float32), np.zeros((1, 4), np.float32)
+    for bad in (10, -1):
+        with pytest.raises(IndexError, match=f"token id {bad} is outside the vocabulary"):
+            _native.embed_rows(table, [bad], out)
+    with pytest.raises(ValueError, match="a row of the table's width"):
+        _native.embed_rows(table, [1, 2], out)
+    with pytest.raises(TypeError, match="float32, float16 or bfloat16"):
+        _native.embed_rows(np.zeros((10, 4), np.int32), [1], out)
 
 
 # (query heads, KV heads, head size, rotary dims, layout): Qwen3 (full rotary, q/k norm),
