@@ -36,7 +36,8 @@ path; a layer may mix the two.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import numpy as np
 import torch
@@ -92,6 +93,14 @@ def _cache_view(t: torch.Tensor) -> np.ndarray:
     """A NumPy view of a KV cache or the embedding table, bf16 as its uint16 bits (NumPy has no
     bfloat16)."""
     return t.view(torch.uint16).numpy() if t.dtype == torch.bfloat16 else t.numpy()
+
+
+@contextmanager
+def _torch_parts() -> Iterator[None]:
+    """Where a step runs PyTorch modules (layers it does not cover, a head the kernels do not
+    read): inference mode, and decode rows for the kernels those modules call."""
+    with native_kernels.rows_are("decode"), torch.inference_mode():
+        yield
 
 
 class _Buffer:
@@ -420,10 +429,10 @@ class DecodeStep:
         return step
 
     def __call__(self, tokens: list[int], segments: list[Segment]) -> torch.Tensor:
-        """tokens: one per segment -> float32 logits [T, V]. Decode rows by construction (the
-        kernels get the decode paths without ``native_kernels.rows_are``); the parts that run
-        PyTorch modules enter inference mode themselves, the native ones need no mode (entering
-        and leaving one cost ~0.1 ms a token, cold)."""
+        """tokens: one per segment -> float32 logits [T, V]. Decode rows by construction: the
+        native parts ask for the decode paths themselves and need no torch mode; the PyTorch
+        modules a step falls back to run in ``_torch_parts`` (entering and leaving those
+        contexts for every step cost ~0.1 ms a token on cold caches)."""
         n = len(tokens)
         if n > self.max_rows:
             raise ValueError(f"{n} sequences in one step; the decode step was built for {self.max_rows}")
@@ -435,12 +444,12 @@ class DecodeStep:
         if self.chain is not None:
             self.chain(xa, segments)
         else:
-            with torch.inference_mode():
+            with _torch_parts():
                 for step in self.layers:
                     step(self.x.t[:n], xa, ha, segments, dtype)
         self.norm(xa, ha)
         if self.head is None:
-            with torch.inference_mode():
+            with _torch_parts():
                 return self.model.lm_head(self.h.t[:n].to(dtype)).float()
         logits = np.empty((n, self.head.out_features), dtype=np.float32)  # new: callers may keep it
         return torch.from_numpy(self.head(ha, logits))

@@ -65,3 +65,25 @@ def test_rewinding_overwrites_what_the_native_step_wrote(checkpoints):
     _decode(model, other, 10)  # positions 12.. now hold the other continuation
     again = torch.cat([model(ids[:, t : t + 1], t) for t in range(12, 20)], dim=1)
     assert relative_error(again, first[:, 2:]) < 1e-6
+
+
+@pytest.mark.parametrize("family", sorted(set(FAMILY_NAMES) - NATIVE_ATTENTION - NO_NATIVE_STEP))
+def test_layers_the_step_falls_back_to_see_decode_rows(family, checkpoints, monkeypatch):
+    """The PyTorch modules a decode step runs (attention it does not cover) get what the layer
+    path gives them: inference mode, and decode rows for the kernels they call (each row on
+    the one-token paths however many share the step, as the batching tests require)."""
+    from hybridmoe.backend.engine.native_linear import NativeLinear
+
+    model = engine(checkpoints(family))
+    model(tokens(4, seed=1), 0)
+    seen = []
+    forward = NativeLinear.forward
+
+    def spy(self, x):
+        seen.append((native_kernels.dense_threshold(), torch.is_inference_mode_enabled()))
+        return forward(self, x)
+
+    monkeypatch.setattr(NativeLinear, "forward", spy)
+    model.forward_batch([(model.sequence, [5], 4)])
+    assert isinstance(model._decode_step, DecodeStep)
+    assert seen and set(seen) == {(native_kernels.dense_threshold("decode"), True)}
