@@ -72,12 +72,16 @@ bool is_bf16(const nb::dlpack::dtype& d) {
     return d.code == uint8_t(nb::dlpack::dtype_code::Bfloat) && d.bits == 16 && d.lanes == 1;
 }
 
-// Keys and values of a KV cache: whether they are bf16 (else float32; anything else is
-// refused). bf16 may come as its bits in uint16, which is how a NumPy view carries it: NumPy
-// has no bfloat16, and the decode step passes NumPy views because a torch tensor crosses into
-// an extension through DLPack, several microseconds an argument.
+// bf16, or its bits in uint16, which is how a NumPy view carries it: NumPy has no bfloat16, and
+// the decode step passes NumPy views because a torch tensor crosses into an extension through
+// DLPack, several microseconds an argument.
+bool is_bf16_or_bits(const nb::dlpack::dtype& d) {
+    return is_bf16(d) || (d.code == uint8_t(nb::dlpack::dtype_code::UInt) && d.bits == 16 && d.lanes == 1);
+}
+
+// Keys and values of a KV cache: whether they are bf16 (else float32; anything else is refused).
 bool cache_is_bf16(const nb::dlpack::dtype& k, const nb::dlpack::dtype& v) {
-    const bool bf16 = is_bf16(k) || (k.code == uint8_t(nb::dlpack::dtype_code::UInt) && k.bits == 16 && k.lanes == 1);
+    const bool bf16 = is_bf16_or_bits(k);
     if (!bf16 && k != nb::dtype<float>()) throw nb::type_error("the cache must be float32 or bfloat16");
     if (k != v) throw nb::type_error("keys and values must have one dtype");
     return bf16;
@@ -339,8 +343,8 @@ void rms_norm_py(F32Array x, F32Array w, float eps, F32Out out) {
 }
 
 // out[i] = table[tokens[i]] widened to float32; the table is float32, float16, or bfloat16 (or its
-// uint16 bits: NumPy has no bfloat16). A decode step's embedding in one call: NumPy's fancy index
-// and widening shift took ~0.1 ms a token on caches the weights had just streamed through.
+// bits). A decode step's embedding in one call: NumPy's fancy index and widening shift took
+// ~0.1 ms a token on caches the weights had just streamed through.
 void embed_rows_py(nb::ndarray<nb::ndim<2>, nb::c_contig, nb::device::cpu> table, const std::vector<int64_t>& tokens,
                    nb::ndarray<float, nb::ndim<2>, nb::c_contig, nb::device::cpu> out) {
     const int64_t V = int64_t(table.shape(0)), H = int64_t(table.shape(1));
@@ -349,7 +353,7 @@ void embed_rows_py(nb::ndarray<nb::ndim<2>, nb::c_contig, nb::device::cpu> table
     const nb::dlpack::dtype dt = table.dtype();
     const bool f32 = dt == nb::dtype<float>();
     const bool half = dt.code == uint8_t(nb::dlpack::dtype_code::Float) && dt.bits == 16 && dt.lanes == 1;
-    const bool bf16 = is_bf16(dt) || (dt.code == uint8_t(nb::dlpack::dtype_code::UInt) && dt.bits == 16 && dt.lanes == 1);
+    const bool bf16 = is_bf16_or_bits(dt);
     if (!f32 && !half && !bf16) throw nb::type_error("the table must be float32, float16 or bfloat16");
     for (const int64_t t : tokens)
         if (t < 0 || t >= V) throw nb::index_error(("token id " + std::to_string(t) + " is outside the vocabulary").c_str());
