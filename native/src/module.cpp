@@ -359,12 +359,13 @@ void embed_rows_py(nb::ndarray<nb::ndim<2>, nb::c_contig, nb::device::cpu> table
         if (t < 0 || t >= V) throw nb::index_error(("token id " + std::to_string(t) + " is outside the vocabulary").c_str());
     for (size_t i = 0; i < tokens.size(); ++i) {
         float* o = out.data() + int64_t(i) * H;
-        if (f32) {
-            std::memcpy(o, static_cast<const float*>(table.data()) + tokens[i] * H, size_t(H) * sizeof(float));
-            continue;
-        }
         const uint16_t* row = static_cast<const uint16_t*>(table.data()) + tokens[i] * H;
-        for (int64_t j = 0; j < H; ++j) o[j] = bf16 ? bf16_to_f32(row[j]) : fp16_to_f32(row[j]);
+        if (f32)
+            std::memcpy(o, static_cast<const float*>(table.data()) + tokens[i] * H, size_t(H) * sizeof(float));
+        else if (bf16)
+            for (int64_t j = 0; j < H; ++j) o[j] = bf16_to_f32(row[j]);
+        else
+            for (int64_t j = 0; j < H; ++j) o[j] = fp16_to_f32(row[j]);
     }
 }
 

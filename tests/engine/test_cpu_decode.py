@@ -8,6 +8,7 @@ import torch
 
 from hybridmoe.backend.engine import native_kernels
 from hybridmoe.backend.engine.cpu_decode import DecodeStep
+from hybridmoe.backend.engine.native_linear import NativeLinear
 from tests.engine.conftest import FAMILY_NAMES, engine, relative_error, tokens
 
 pytestmark = pytest.mark.skipif(not native_kernels.available(), reason="native extension not built")
@@ -72,8 +73,6 @@ def test_layers_the_step_falls_back_to_see_decode_rows(family, checkpoints, monk
     """The PyTorch modules a decode step runs (attention it does not cover) get what the layer
     path gives them: inference mode, and decode rows for the kernels they call (each row on
     the one-token paths however many share the step, as the batching tests require)."""
-    from hybridmoe.backend.engine.native_linear import NativeLinear
-
     model = engine(checkpoints(family))
     model(tokens(4, seed=1), 0)
     seen = []
