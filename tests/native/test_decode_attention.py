@@ -38,6 +38,21 @@ def test_matches_sdpa(isa, shape, dtype):
     assert err < (1e-5 if dtype == torch.float32 else 4e-3)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("d", [128, 64])
+def test_a_head_gets_the_same_bits_whatever_heads_share_its_keys(isa, dtype, d):
+    # Eight query heads per KV head take the kernels' four-head path, whose score sums are
+    # folded eight at a time; a head alone takes the one-head path. Same additions, same order.
+    g = torch.Generator().manual_seed(d)
+    k = torch.randn(1, 4, 600, d, generator=g).to(dtype)
+    v = torch.randn(1, 4, 600, d, generator=g).to(dtype)
+    q = (3 * torch.randn(1, 32, 1, d, generator=g)).to(dtype)
+    together = decode_attention(q, k, v, d**-0.5)
+    for h in range(32):
+        alone = decode_attention(q[:, h:h + 1], k[:, h // 8:h // 8 + 1], v[:, h // 8:h // 8 + 1], d**-0.5)
+        assert torch.equal(together[:, h], alone[:, 0]), h
+
+
 def test_not_taken_when_disabled_or_not_on_the_cpu(monkeypatch):
     q, k = torch.randn(1, 2, 1, 8), torch.randn(1, 2, 5, 8)
     assert decode_attention(q, k, k, 1.0) is not None
