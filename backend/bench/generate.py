@@ -185,7 +185,19 @@ def measure(model: str, *, prompt_tokens: int = 512, gen_tokens: int = 64, threa
         summary["decode_ratio"] = e["decode_median"] / l["decode_median"]
         summary["prefill_ratio"] = e["prefill_median"] / l["prefill_median"]
         summary["same_greedy_tokens"] = e["tokens"] == l["tokens"]
+        summary["greedy_tokens_in_common"] = common_prefix(e["tokens"], l["tokens"])
     return summary
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many tokens two greedy generations share before they first differ: after the
+    first difference they continue different texts, so later matches mean nothing."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def per_token(result: dict) -> dict:
@@ -243,8 +255,11 @@ def table(summary: dict) -> str:
     if "per_token" in engine:
         lines += ["", *breakdown_table(engine["per_token"], len(engine["breakdown"]), len(engine["probe"]))]
     if "decode_ratio" in summary:
+        tokens = len(engine.get("tokens", ()))
+        common = summary["greedy_tokens_in_common"]
+        agree = "the same" if summary["same_greedy_tokens"] else f"the same for the first {common} of {tokens}"
         lines.append(f"engine / llama.cpp: prefill {summary['prefill_ratio']:.2f}x, decode {summary['decode_ratio']:.2f}x; "
-                     f"same greedy tokens: {summary['same_greedy_tokens']}")
+                     f"greedy tokens {agree}")
     return "\n".join(lines)
 
 
