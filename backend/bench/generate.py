@@ -148,6 +148,7 @@ def measure(model: str, *, prompt_tokens: int = 512, gen_tokens: int = 64, threa
     import psutil
 
     from hybridmoe.backend.session import Progress
+    from hybridmoe.backend.text.generation import common_prefix
 
     threads = threads or psutil.cpu_count(logical=False) or 1
     results: dict[str, dict] = {}
@@ -185,19 +186,9 @@ def measure(model: str, *, prompt_tokens: int = 512, gen_tokens: int = 64, threa
         summary["decode_ratio"] = e["decode_median"] / l["decode_median"]
         summary["prefill_ratio"] = e["prefill_median"] / l["prefill_median"]
         summary["same_greedy_tokens"] = e["tokens"] == l["tokens"]
+        # After the first difference the two continue different texts: later matches mean nothing.
         summary["greedy_tokens_in_common"] = common_prefix(e["tokens"], l["tokens"])
     return summary
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    """How many tokens two greedy generations share before they first differ: after the
-    first difference they continue different texts, so later matches mean nothing."""
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def per_token(result: dict) -> dict:
