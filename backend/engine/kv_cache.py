@@ -33,6 +33,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from hybridmoe.backend.engine.host_memory import HostArena
 from hybridmoe.backend.errors import HybridMoeError
 from hybridmoe.backend.models.spec import KV_BLOCK_TOKENS
 
@@ -102,11 +103,18 @@ class CacheGroup:
     layers (window None), or the sliding layers of one window, which keep the last
     window + rewind positions."""
 
-    def __init__(self, n_blocks: int, window: int | None = None, rewind: int = 0):
+    def __init__(self, n_blocks: int, window: int | None = None, rewind: int = 0, arena: HostArena | None = None):
         self.pool = BlockPool(n_blocks)
         self.window = window
         self.keep = None if window is None else window + rewind
         self.stores: list[PagedKV | PagedLatent] = []
+        self.arena = arena  # where the stores' tensors come from on the CPU (huge pages)
+
+    def zeros(self, shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
+        """A store's zeroed tensor: from the host arena on the CPU, else where torch puts it."""
+        if self.arena is not None and torch.device(device).type == "cpu":
+            return self.arena.zeros(shape, dtype)
+        return torch.zeros(shape, dtype=dtype, device=device)
 
     def copy_block(self, src: int, dst: int) -> None:
         for store in self.stores:
@@ -296,8 +304,8 @@ class PagedKV(nn.Module):
         super().__init__()
         self.group = group
         n = group.pool.n_blocks
-        self.register_buffer("k", torch.zeros(n, n_kv_heads, B, key_dim, dtype=dtype, device=device), persistent=False)
-        self.register_buffer("v", torch.zeros(n, n_kv_heads, B, value_dim, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("k", group.zeros((n, n_kv_heads, B, key_dim), dtype, device), persistent=False)
+        self.register_buffer("v", group.zeros((n, n_kv_heads, B, value_dim), dtype, device), persistent=False)
         group.stores.append(self)
 
     @property
@@ -364,8 +372,7 @@ class PagedLatent(nn.Module):
         self.group = group
         self.kv_lora_rank = kv_lora_rank
         n = group.pool.n_blocks
-        self.register_buffer("kv", torch.zeros(n, B, kv_lora_rank + rope_dim, dtype=dtype, device=device),
-                             persistent=False)
+        self.register_buffer("kv", group.zeros((n, B, kv_lora_rank + rope_dim), dtype, device), persistent=False)
         group.stores.append(self)
 
     def copy_block(self, src: int, dst: int) -> None:

@@ -23,6 +23,7 @@ from hybridmoe.backend.engine.attention import Attention
 from hybridmoe.backend.engine.cpu_decode import DecodeStep
 from hybridmoe.backend.engine.experts import ExpertActivation, ExpertStore, HostExperts, ResidentExperts
 from hybridmoe.backend.engine.hf_config import HFConfig
+from hybridmoe.backend.engine.host_memory import HostArena
 from hybridmoe.backend.engine.hybrid import HybridOptions, attach
 from hybridmoe.backend.engine.kv_cache import CacheGroup, PagedCache, PagedKV, Segment, Sequence
 from hybridmoe.backend.engine.layers import GatedMLP, Linear, RMSNorm
@@ -209,6 +210,7 @@ class Build:
         self.on_cards = placement
         self.sequences = 1  # conversations the KV cache is sized for
         self.cache = PagedCache([], max_context)
+        self.host_memory = HostArena()  # the CPU's cache tensors, every group's, in huge pages
         self._memo: dict[str, Any] = {}
 
     def on(self, device: torch.device) -> None:
@@ -229,7 +231,8 @@ class Build:
             window = None  # a window as long as the context never bites
         def make() -> CacheGroup:
             tokens = self.spec.kv_tokens(i, self.max_context, self.sliding_rewind)
-            group = CacheGroup(self.sequences * tokens // KV_BLOCK_TOKENS, window, self.sliding_rewind)
+            blocks = self.sequences * tokens // KV_BLOCK_TOKENS
+            group = CacheGroup(blocks, window, self.sliding_rewind, self.host_memory)
             self.cache.groups.append(group)
             return group
         return self.memo(f"cache/{window}", make)
