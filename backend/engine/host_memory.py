@@ -2,10 +2,10 @@
 
 A decode step reads every layer's whole KV cache. In 4 KiB pages each 4 KiB of it is a TLB
 miss, and after a token's weights have streamed through the caches the page tables are out
-of them too, so each miss is a page walk from DRAM (in a virtual machine, a two-level one).
-Measured on the 8-layer benchmark model at 1024-1264 positions, two copies of it in one
-process, rounds in turn: attention 0.93x the time with the cache in huge pages, the decode
-token 1.02x faster. The weights' own copies are in huge pages already (the native
+of them too, so a miss can be a page walk to DRAM (in a virtual machine, a two-level one).
+Measured on the 8-layer benchmark model, two copies of it in one process, rounds in turn:
+attention took 0.93-0.96x the time with the cache in huge pages (64 to 2300 positions), the
+decode token 1.00-1.03x. The weights' own copies are in huge pages already (the native
 ``allocate_pages``); the cache's tensors come from here.
 
 One layer's cache is often smaller than a huge page (1.2 MB for the benchmark model at 1100
