@@ -37,8 +37,7 @@ class HostArena:
         self._used = 0
 
     def zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        count = math.prod(shape)
-        nbytes = count * torch.empty((), dtype=dtype).element_size()
+        nbytes = math.prod(shape) * dtype.itemsize
         if _ADVICE is None or nbytes == 0:
             return torch.zeros(shape, dtype=dtype)
         if self._chunk is None or self._used + nbytes > self._chunk.numel():
