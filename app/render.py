@@ -58,6 +58,11 @@ def hardware_text(hw: HardwareProfile, extra: list[tuple[str, str]] | None = Non
     ]
     if mem.hugepages_total:
         rows.append(("huge pages", f"{mem.hugepages_total} × {fmt_bytes(mem.hugepage_size_bytes)}"))
+    if mem.transparent_hugepages == "never":
+        rows.append(("transparent huge pages", "never: the CPU reads its weights and KV cache in 4 KiB pages, "
+                     "slower to decode (as root: echo madvise > /sys/kernel/mm/transparent_hugepage/enabled)"))
+    elif mem.transparent_hugepages:
+        rows.append(("transparent huge pages", f"{mem.transparent_hugepages} (the CPU's weights and KV cache use them)"))
     measured = fmt_rate(mem.bandwidth_measured_bytes_per_s)
     if mem.bandwidth_measured_bytes_per_s and mem.bandwidth_measured_note:
         measured += f" ({mem.bandwidth_measured_note})"

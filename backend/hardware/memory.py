@@ -315,6 +315,17 @@ def read_cgroup_memory(
 # --- putting it together ---------------------------------------------------------------------
 
 
+def read_transparent_hugepages(sys_root: str | os.PathLike[str] = "/sys") -> tuple[str | None, str]:
+    """The transparent huge pages mode, the bracketed word of "always [madvise] never", or
+    None and why not."""
+    path = Path(sys_root) / "kernel" / "mm" / "transparent_hugepage" / "enabled"
+    text = read_text(path)
+    if text is None:
+        return None, f"{path} is missing or unreadable"
+    chosen = re.search(r"\[(\w+)\]", text)
+    return (chosen.group(1), "") if chosen else (None, f"no [mode] in {path}: {text.strip()!r}")
+
+
 def detect_memory(
     proc_root: str | os.PathLike[str] = "/proc",
     sys_root: str | os.PathLike[str] = "/sys",
@@ -355,10 +366,13 @@ def detect_memory(
 
     total = fact("MemTotal", "total_bytes")
     available = fact("MemAvailable", "available_bytes")
-    hugepages_total = hugepage_size = None
+    hugepages_total = hugepage_size = thp = None
     if source != "psutil":
         hugepages_total = fact("HugePages_Total", "hugepages_total")
         hugepage_size = fact("Hugepagesize", "hugepage_size_bytes")
+        thp, thp_reason = read_transparent_hugepages(sys_root)
+        if thp is None:
+            unknown["memory.transparent_hugepages"] = thp_reason
 
     cgroup, cgroup_reason = read_cgroup_memory(proc_root, sys_root)
     limit = cgroup.limit_bytes if cgroup else None
@@ -380,6 +394,7 @@ def detect_memory(
         cgroup_limit_bytes=limit,
         hugepages_total=hugepages_total,
         hugepage_size_bytes=hugepage_size,
+        transparent_hugepages=thp,
         bandwidth_theoretical_bytes_per_s=theoretical,
         bandwidth_note=note if theoretical is not None else None,
     )

@@ -371,6 +371,7 @@ def _describe(values: dict[str, Any], source: _Source) -> HardwareProfile:
     )
     unknown["memory.bandwidth_measured_bytes_per_s"] = "described machine: nothing to measure"
     unknown["memory.hugepages_total"] = unknown["memory.hugepage_size_bytes"] = not_described
+    unknown["memory.transparent_hugepages"] = not_described
 
     cpu = CPU(
         model_name=cpu_model,

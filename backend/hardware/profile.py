@@ -40,6 +40,9 @@ class Memory:
     cgroup_limit_bytes: int | None = None  # None: no limit set (or unknown, see `unknown`)
     hugepages_total: int | None = None
     hugepage_size_bytes: int | None = None
+    # Linux's transparent huge pages: "always", "madvise" or "never". The CPU's weight copies
+    # and KV cache ask for them (madvise); in 4 KiB pages a decode step reads them slower.
+    transparent_hugepages: str | None = None
     bandwidth_measured_bytes_per_s: float | None = None
     bandwidth_measured_note: str | None = None  # how it was measured ("best of 3 probes 0.1 s apart")
     bandwidth_theoretical_bytes_per_s: float | None = None

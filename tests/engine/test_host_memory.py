@@ -12,6 +12,7 @@ import torch
 from hybridmoe.backend.engine import host_memory
 from hybridmoe.backend.engine.host_memory import ALIGN, HUGE_PAGE, HostArena
 from hybridmoe.backend.engine.kv_cache import CacheGroup, PagedKV
+from hybridmoe.backend.hardware.memory import read_transparent_hugepages
 
 needs_advice = pytest.mark.skipif(host_memory._ADVICE is None, reason="no MADV_HUGEPAGE on this platform")
 
@@ -35,9 +36,9 @@ def test_tensors_are_zeroed_apart_and_outlive_the_arena():
 
 @needs_advice
 def test_a_paged_cache_on_the_cpu_is_in_huge_pages():
-    enabled = Path("/sys/kernel/mm/transparent_hugepage/enabled")
-    if not enabled.exists() or "[never]" in enabled.read_text():
-        pytest.skip("transparent huge pages are off on this machine")
+    mode, why = read_transparent_hugepages()
+    if mode in (None, "never"):
+        pytest.skip(f"no transparent huge pages on this machine ({mode or why})")
     group = CacheGroup(n_blocks=64, arena=HostArena())
     store = PagedKV(group, n_kv_heads=4, key_dim=128, value_dim=128, dtype=torch.bfloat16, device="cpu")
     start = store.k.data_ptr()  # 4 MiB of keys, then 4 MiB of values

@@ -177,6 +177,7 @@ def epyc_two_socket(tmp: Path) -> tuple[Path, Path]:
         write_sys_cpu(sys, cpu, package=socket, core_cpus=f"{core},{core + 8}", l3=("32768K", shared))
     write_cpuinfo(proc, blocks)
     write_meminfo(proc, total=384 * GIB, available=370 * GIB, hugepages=16, hugepage_size=1 * GIB)
+    write(sys / "kernel" / "mm" / "transparent_hugepage" / "enabled", "always [madvise] never\n")
     write(sys / "devices" / "system" / "cpu" / "online", "0-15\n")
     write_node(sys, 0, cpulist="0-3,8-11", memory=192 * GIB)
     write_node(sys, 1, cpulist="4-7,12-15", memory=192 * GIB)

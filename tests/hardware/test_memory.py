@@ -60,6 +60,7 @@ def test_meminfo_hugepages_and_no_cgroup_limit(tmp_path):
     assert memory.total_bytes == 384 * GIB
     assert memory.available_bytes == 370 * GIB
     assert (memory.hugepages_total, memory.hugepage_size_bytes) == (16, GIB)
+    assert memory.transparent_hugepages == "madvise"
     assert memory.cgroup_limit_bytes is None  # every level says "max"
     assert memory.usable_bytes == 384 * GIB
     assert memory.bandwidth_bytes_per_s == pytest.approx(1_228.8e9)
@@ -136,3 +137,27 @@ def test_odd_meminfo_and_no_cgroup_information(tmp_path):
 
     memory, unknown = detect_memory(tmp_path / "nothing", sys)
     assert memory.total_bytes is None and "missing or unreadable" in unknown["memory.total_bytes"]
+
+
+def test_transparent_huge_pages_off_is_shown_with_what_to_do(tmp_path):
+    from hybridmoe.app.render import hardware_text
+    from hybridmoe.backend.hardware.profile import HardwareProfile
+
+    proc, sys = epyc_two_socket(tmp_path)
+    write(sys / "kernel" / "mm" / "transparent_hugepage" / "enabled", "always madvise [never]\n")
+    memory, unknown = detect_memory(proc, sys)
+    assert memory.transparent_hugepages == "never" and "memory.transparent_hugepages" not in unknown
+    text = hardware_text(HardwareProfile(memory=memory))
+    assert "transparent huge pages  never: the CPU reads its weights and KV cache in 4 KiB pages" in text
+    assert "echo madvise > /sys/kernel/mm/transparent_hugepage/enabled" in text
+
+    write(sys / "kernel" / "mm" / "transparent_hugepage" / "enabled", "[always] madvise never\n")
+    memory, _ = detect_memory(proc, sys)
+    assert "transparent huge pages  always (the CPU's weights and KV cache use them)" in hardware_text(
+        HardwareProfile(memory=memory))
+
+    (sys / "kernel" / "mm" / "transparent_hugepage" / "enabled").unlink()
+    memory, unknown = detect_memory(proc, sys)
+    assert memory.transparent_hugepages is None
+    assert "transparent_hugepage/enabled is missing" in unknown["memory.transparent_hugepages"]
+    assert "transparent huge pages" not in hardware_text(HardwareProfile(memory=memory))
