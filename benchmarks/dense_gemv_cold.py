@@ -22,14 +22,13 @@ from hybridmoe.backend.bench.synthetic_experts import random_matrix
 from hybridmoe.backend.engine.native_kernels import _native
 from hybridmoe.backend.engine.native_linear import NativeLinear
 
-BYTES_PER_WEIGHT = {"f32": 4, "bf16": 2, "f16": 2, "q8_0": 34 / 32, "q6_k": 210 / 256, "q5_k": 176 / 256,
-                    "q4_0": 18 / 32, "q4_k": 144 / 256}
+FORMATS = ("f32", "bf16", "f16", "q8_0", "q6_k", "q5_k", "q4_0", "q4_k")
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--formats", nargs="+", default=["f32", "bf16", "q8_0", "q6_k", "q4_0", "q4_k"],
-                   choices=sorted(BYTES_PER_WEIGHT))
+                   choices=FORMATS)
     p.add_argument("--rows", type=int, default=2048)
     p.add_argument("--cols", type=int, default=2048)
     p.add_argument("--threads", type=int, default=0, help="default: one per physical core")
@@ -43,8 +42,9 @@ def main() -> None:
     rng = np.random.default_rng(0)
     mats = {}
     for f in a.formats:
-        n = max(2, int(a.megabytes * 1e6 / (a.rows * a.cols * BYTES_PER_WEIGHT[f])))
-        mats[f] = [NativeLinear(random_matrix(rng, f, (a.rows, a.cols))) for _ in range(n)]
+        mats[f] = [NativeLinear(random_matrix(rng, f, (a.rows, a.cols)))]
+        n = max(2, int(a.megabytes * 1e6 / mats[f][0].native.bytes))  # the stored bytes say how many
+        mats[f] += [NativeLinear(random_matrix(rng, f, (a.rows, a.cols))) for _ in range(n - 1)]
     x = rng.standard_normal((1, a.cols)).astype(np.float32)
     out = np.empty((1, a.rows), np.float32)
 
