@@ -55,15 +55,15 @@ namespace {
 
 constexpr int kMaxKc = 512;  // columns dequantized at a time (as in moe_layer.cpp)
 
-// Q8 activations of the call's tokens in one order (kFormats' `deinterleave`: the x8
-// formats read them permuted).
+// Q8 activations of the call's tokens in one of the variants the formats read (order and
+// scale group, see act_variant).
 struct Q8Acts {
     std::vector<int8_t> q;
     std::vector<float> d, s;
 };
 struct Workspace {
     std::vector<float> xf;  // x as fp32 when it came as bf16
-    Q8Acts q8[2];           // natural order, permuted order
+    Q8Acts q8[kActVariants];
 };
 std::mutex g_mutex;  // one call at a time uses the workspace
 Workspace g_ws;
@@ -94,14 +94,14 @@ struct Call {
     int64_t N, K, T;
     const void* x;
     bool x_bf16;
-    bool quantize[2];  // the GEMV parts of quantized formats read Q8 activations (in either order)
+    bool quantize[kActVariants];  // the Q8 variants the GEMV parts of quantized formats read
     const float* x32;
     float* out;
     int unit_rows;  // the most rows of a unit
     std::atomic<int64_t> next{0};
 
-    Q8Row q8(int64_t t, bool permuted) const {
-        const Q8Acts& a = g_ws.q8[permuted];
+    Q8Row q8(int64_t t, int variant) const {
+        const Q8Acts& a = g_ws.q8[variant];
         return {a.q.data() + t * K, a.d.data() + t * (K / 32), a.s.data() + t * (K / 32)};
     }
 };
@@ -112,11 +112,11 @@ void prepare_token(const Call& c, int64_t t) {
         float* dst = g_ws.xf.data() + t * c.K;
         for (int64_t i = 0; i < c.K; ++i) dst[i] = bf16_to_f32(src[i]);
     }
-    for (const bool permuted : {false, true}) {
-        if (!c.quantize[permuted]) continue;
-        const Q8Row q = c.q8(t, permuted);
-        c.kt->quantize(c.x32 + t * c.K, c.K, permuted, const_cast<int8_t*>(q.q), const_cast<float*>(q.d),
-                       const_cast<float*>(q.s));
+    for (int v = 0; v < kActVariants; ++v) {
+        if (!c.quantize[v]) continue;
+        const Q8Row q = c.q8(t, v);
+        c.kt->quantize(c.x32 + t * c.K, c.K, act_variant_permuted(v), act_variant_group(v), const_cast<int8_t*>(q.q),
+                       const_cast<float*>(q.d), const_cast<float*>(q.s));
     }
 }
 
@@ -147,7 +147,7 @@ void phase_gemv(void* ctx, int, int) {
                 c.kt->gemv_f32[w.fmt](*w.w, w.r0, w.rows, c.K, xs, nt, y, c.N);
             } else {
                 Q8Row acts[kMaxGemvTokens];
-                for (int t = 0; t < nt; ++t) acts[t] = c.q8(t0 + t, fi.deinterleave);
+                for (int t = 0; t < nt; ++t) acts[t] = c.q8(t0 + t, act_variant(fi));
                 c.kt->gemv_q8[w.fmt](*w.w, w.r0, w.rows, c.K, acts, nt, y, c.N);
             }
         }
@@ -298,24 +298,26 @@ void DenseLinear::forward(Executor& exec, const KernelTable& kt, const void* x, 
         return T >= (prefill_min_tokens > 0 ? prefill_min_tokens : dense_prefill_min_tokens(kt, p.fmt));
     };
     int64_t gemv_rows = 0, gemm_rows = 0;
-    c.quantize[0] = c.quantize[1] = false;
+    std::fill(c.quantize, c.quantize + kActVariants, false);
     for (const DensePart& p : parts_) {
         const FormatInfo& f = kFormats[p.fmt];
         const bool on_gemm = gemm(p);
         (on_gemm ? gemm_rows : gemv_rows) += p.rows;
-        if (!on_gemm && !f.float_acts) c.quantize[f.deinterleave] = true;
+        if (!on_gemm && !f.float_acts) c.quantize[act_variant(f)] = true;
     }
     if (x_bf16) grow(g_ws.xf, size_t(T * cols_));
     c.x32 = x_bf16 ? g_ws.xf.data() : static_cast<const float*>(x);
-    for (const bool permuted : {false, true}) {
-        if (!c.quantize[permuted]) continue;
-        Q8Acts& a = g_ws.q8[permuted];
+    bool any_q8 = false;
+    for (int v = 0; v < kActVariants; ++v) {
+        if (!c.quantize[v]) continue;
+        any_q8 = true;
+        Q8Acts& a = g_ws.q8[v];
         grow(a.q, size_t(T * cols_));
         grow(a.d, size_t(T * cols_ / 32));
         grow(a.s, size_t(T * cols_ / 32));
     }
     // Activations to fp32 / Q8: inline for a few tokens (a phase costs a wake-up), else in parallel.
-    if (x_bf16 || c.quantize[0] || c.quantize[1]) {
+    if (x_bf16 || any_q8) {
         if (T <= 4) {
             for (int64_t t = 0; t < T; ++t) prepare_token(c, t);
         } else {

@@ -108,11 +108,13 @@ std::string self_test(const KernelTable* t) {
     // Activations: the quantizer itself, then shared Q8 inputs for the GEMV comparison.
     std::vector<float> x(size_t(NT) * K);
     for (auto& v : x) v = normal(rng);
-    for (bool deint : {false, true}) {
+    for (int mode = 0; mode < 3; ++mode) {
+        const bool deint = mode == 1;
+        const int group = mode == 2 ? 256 : 32;
         std::vector<int8_t> q1(K), q2(K);
         std::vector<float> d1(K / 32), d2(K / 32), s1(K / 32), s2(K / 32);
-        ref->quantize(x.data(), K, deint, q1.data(), d1.data(), s1.data());
-        t->quantize(x.data(), K, deint, q2.data(), d2.data(), s2.data());
+        ref->quantize(x.data(), K, deint, group, q1.data(), d1.data(), s1.data());
+        t->quantize(x.data(), K, deint, group, q2.data(), d2.data(), s2.data());
         for (int i = 0; i < K; ++i)
             if (std::abs(int(q1[size_t(i)]) - int(q2[size_t(i)])) > 1) return std::string(t->name) + ": quantize differs";
         for (int b = 0; b < K / 32; ++b)
@@ -151,8 +153,8 @@ std::string self_test(const KernelTable* t) {
             std::vector<float> d(size_t(NT) * K / 32), s(size_t(NT) * K / 32);
             Q8Row acts[NT];
             for (int i = 0; i < NT; ++i) {
-                ref->quantize(x.data() + i * K, K, f.deinterleave, q.data() + i * K, d.data() + i * K / 32,
-                              s.data() + i * K / 32);
+                ref->quantize(x.data() + i * K, K, f.deinterleave, f.act_group, q.data() + i * K,
+                              d.data() + i * K / 32, s.data() + i * K / 32);
                 acts[i] = Q8Row{q.data() + i * K, d.data() + i * K / 32, s.data() + i * K / 32};
             }
             ref->gemv_q8[fmt](w, 0, ROWS, K, acts, NT, o1.data(), ROWS);

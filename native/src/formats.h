@@ -86,17 +86,22 @@ struct FormatInfo {
     bool deinterleave;    // activations are quantized in the permuted (even, odd) order
     bool float_acts;      // decode reads fp32 activations (float formats) instead of Q8
     int row_group = 1;    // rows stored interleaved in groups of this many (the x8 layouts)
+    int act_group = 32;   // Q8 activations share one scale over this many (see below)
 };
 
 // Indexed by Format. Q8 activation blocks are 32 wide for every quantized format (K-quant
 // super-blocks of 256 are eight of them), which is why every quantized K must be a
-// multiple of 32 (of 256 for the K-quants, which the format itself requires).
+// multiple of 32 (of 256 for the K-quants, which the format itself requires). The K-quants
+// read activations quantized with one scale per 256 (every block of a super-block has the
+// same d, as llama.cpp's Q8_K): their SIMD kernels then add a super-block's integer dots in
+// int32 and convert once, instead of one int-to-float and FMA per 32 weights (hot GEMV, one
+// A/B process: q6_k 1.26x, q4_kx8 1.14x). The portable kernels read d per block as ever.
 static constexpr FormatInfo kFormats[FMT_COUNT] = {
     {"q8_0", 32, 34, 0, false, false},
     {"q4_0", 32, 18, 0, false, false},
-    {"q4_k", 256, 144, 0, false, false},
-    {"q5_k", 256, 176, 0, false, false},
-    {"q6_k", 256, 210, 0, false, false},
+    {"q4_k", 256, 144, 0, false, false, 1, 256},
+    {"q5_k", 256, 176, 0, false, false, 1, 256},
+    {"q6_k", 256, 210, 0, false, false, 1, 256},
     {"mxfp4", 32, 17, 0, false, false},
     {"mxfp4_hf", 32, 16, 1, true, false},
     {"int4_g32", 32, 16, 2, true, false},
@@ -105,7 +110,7 @@ static constexpr FormatInfo kFormats[FMT_COUNT] = {
     {"f32", 1, 4, 0, false, true},
     {"q4_0x8", 32, 18, 0, false, false, 8},
     {"int4_g32x8", 32, 18, 0, false, false, 8},
-    {"q4_kx8", 256, 148, 0, false, false, 8},
+    {"q4_kx8", 256, 148, 0, false, false, 8, 256},
     {"q8_0x8", 32, 34, 0, false, false, 8},
 };
 
@@ -137,9 +142,17 @@ struct MatrixRef {
     const uint8_t* scale_row(int64_t r) const { return scales + r * scale_row_stride; }
 };
 
+// The Q8 activation variants a call may need, one per (order, scale group) the formats read:
+// natural order, permuted order (both one scale per 32), natural order with one per 256.
+constexpr int kActVariants = 3;
+static inline int act_variant(const FormatInfo& f) { return f.deinterleave ? 1 : f.act_group == 256 ? 2 : 0; }
+static inline bool act_variant_permuted(int v) { return v == 1; }
+static inline int act_variant_group(int v) { return v == 2 ? 256 : 32; }
+
 // Q8 activations for one token (or one intermediate row): K int8 values in blocks of 32,
-// the scale d of each block, and s = d * sum(q) of each block (formats with an offset or a
-// min subtract it once per block instead of once per weight).
+// the scale d of each block (the same for all blocks of a group of the format's act_group),
+// and s = d * sum(q) of each block (formats with an offset or a min subtract it once per
+// block instead of once per weight).
 struct Q8Row {
     const int8_t* q;
     const float* d;

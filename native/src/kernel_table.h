@@ -27,8 +27,9 @@ using DequantPanelFn = void (*)(Format fmt, const MatrixRef& w, int64_t row0, in
 // p < npanels, j < panel. a[i] points at the token's k0-th activation; W panels are
 // consecutive blocks of kc * panel floats.
 using GemmPanelsFn = void (*)(const float* const* a, int m, const float* w, int npanels, int kc, float* c, int64_t ldc);
-// Activations to Q8 blocks of 32 (K a multiple of 32), optionally in the permuted order.
-using QuantizeFn = void (*)(const float* x, int64_t K, bool deinterleave, int8_t* q, float* d, float* s);
+// Activations to Q8 blocks of 32 (K a multiple of group), optionally in the permuted order,
+// with one scale per `group` elements (32 or 256: a FormatInfo's act_group).
+using QuantizeFn = void (*)(const float* x, int64_t K, bool deinterleave, int group, int8_t* q, float* d, float* s);
 // h[i] = silu(g[i]) * u[i]
 using SiluMulFn = void (*)(const float* g, const float* u, float* h, int64_t n);
 // GPT-OSS: g = min(g, limit), u = clamp(u, -limit, limit), h = (u + 1) * g * sigmoid(alpha g)

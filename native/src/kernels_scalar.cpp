@@ -85,12 +85,15 @@ static void gemm_panels(const float* const* a, int m, const float* w, int npanel
     }
 }
 
-static void quantize(const float* x, int64_t K, bool deint, int8_t* q, float* d, float* s) {
+static void quantize(const float* x, int64_t K, bool deint, int group, int8_t* q, float* d, float* s) {
+    float db = 0.f;
     for (int64_t b = 0; b < K / 32; ++b) {
         const float* xb = x + 32 * b;
-        float amax = 0.f;
-        for (int i = 0; i < 32; ++i) amax = std::fmax(amax, std::fabs(xb[i]));
-        const float db = amax / 127.f;
+        if ((32 * b) % group == 0) {
+            float amax = 0.f;
+            for (int i = 0; i < group; ++i) amax = std::fmax(amax, std::fabs(xb[i]));
+            db = amax / 127.f;
+        }
         const float id = db > 0.f ? 1.f / db : 0.f;
         int sum = 0;
         for (int e = 0; e < 32; ++e) {

@@ -382,18 +382,17 @@ static inline void sums16(const int8_t* q, int64_t K, int16_t* out) {
 }
 
 // Per quarter: the codes (0..63) go in unsigned, |code| x a into int16 pairs (at most
-// 2 * 63 * 127, no saturation), one vpmaddwd with the sub-block scales into int32, and one
-// FMA with the quarter's activation scale into the super-block's float lanes. The codes'
+// 2 * 63 * 127, no saturation), and one vpmaddwd with the sub-block scales adds them into
+// the super-block's int32 lanes (at most 8 x 2 x 16002 x 128 < 2^26). The codes'
 // offset of 32 comes off once per super-block: 32 * sum_j scale_j * (sum of sub-block j's
-// activations), one vpmaddwd of the 16 scales with the 16 sums, per quarter in lane order.
+// activations), one vpmaddwd of the 16 scales with the 16 sums. One activation scale per
+// super-block (act_group 256) leaves one int-to-float and one FMA per super-block.
 // The signed form (code - 32, its sign moved onto the activation) cost three more
 // instructions a quarter: ~20 % of the kernel (hot, one core: 14 -> 17 GB/s).
 template <int N>
-static inline void q6k_quarter_dot(__m256i code, __m256i scale, const Q8Row* acts, int64_t k, __m256 sums[N]) {
-    for (int t = 0; t < N; ++t) {
-        const __m256i v = _mm256_madd_epi16(_mm256_maddubs_epi16(code, load32(acts[t].q + k)), scale);
-        sums[t] = _mm256_fmadd_ps(_mm256_set1_ps(acts[t].d[k / 32]), _mm256_cvtepi32_ps(v), sums[t]);
-    }
+static inline void q6k_quarter_dot(__m256i code, __m256i scale, const Q8Row* acts, int64_t k, __m256i sums[N]) {
+    for (int t = 0; t < N; ++t)
+        sums[t] = _mm256_add_epi32(sums[t], _mm256_madd_epi16(_mm256_maddubs_epi16(code, load32(acts[t].q + k)), scale));
 }
 
 template <int N>
@@ -407,7 +406,6 @@ static void gemv_q6k_n(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t 
         sums16(acts[t].q, K, sums_buf.data() + t * K / 16);
         asum[t] = sums_buf.data() + t * K / 16;
     }
-    const __m256 m32 = _mm256_set1_ps(-32.f);
     for (int64_t r = 0; r < nrows; ++r) {
         const uint8_t* row = w.row(row0 + r);
         __m256 acc[N];
@@ -417,12 +415,10 @@ static void gemv_q6k_n(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t 
             const uint8_t* blk = row + sb * 210;
             prefetch_span(blk + kPrefetchAheadK, 210);
             const __m256i s16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192)));
-            __m256 sums[N];  // sum over quarters of d_act * (scaled integer dot), per lane
-            for (int t = 0; t < N; ++t) {
-                // The offset: lane i holds quarter i's sum of scale x activation sums.
-                const __m256i off = _mm256_madd_epi16(s16, load32(asum[t] + 16 * sb));
-                sums[t] = _mm256_mul_ps(_mm256_mul_ps(m32, _mm256_loadu_ps(acts[t].d + 8 * sb)), _mm256_cvtepi32_ps(off));
-            }
+            __m256i sums[N];  // the scaled integer dots less the offset, from -32 x the offset on
+            for (int t = 0; t < N; ++t)
+                sums[t] = _mm256_sub_epi32(_mm256_setzero_si256(),
+                                           _mm256_slli_epi32(_mm256_madd_epi16(s16, load32(asum[t] + 16 * sb)), 5));
             for (int h = 0; h < 2; ++h) {
                 const __m256i ql0 = load32(blk + 64 * h), ql1 = load32(blk + 64 * h + 32);
                 const __m256i qh = load32(blk + 128 + 32 * h);
@@ -433,8 +429,9 @@ static void gemv_q6k_n(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t 
                 q6k_quarter_dot<N>(q6k_quarter<2>(ql0, ql1, qh), q6k_quarter_scale<2>(eight), acts, k + 64, sums);
                 q6k_quarter_dot<N>(q6k_quarter<3>(ql0, ql1, qh), q6k_quarter_scale<3>(eight), acts, k + 96, sums);
             }
-            const __m256 dw = _mm256_set1_ps(h2f(blk + 208));
-            for (int t = 0; t < N; ++t) acc[t] = _mm256_fmadd_ps(dw, sums[t], acc[t]);
+            const float dw = h2f(blk + 208);
+            for (int t = 0; t < N; ++t)
+                acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(dw * acts[t].d[8 * sb]), _mm256_cvtepi32_ps(sums[t]), acc[t]);
         }
         for (int t = 0; t < N; ++t) out[t * ldo + r] = hsum_ps(acc[t]);
     }
@@ -568,19 +565,25 @@ static void gemv_x8_n(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t K
 // q4_kx8: the same eight-rows-per-vector scheme over q4_k super-blocks. A 32-byte code
 // chunk of a row holds two sub-blocks (low and high nibbles), each with its own scale and
 // min: per sub-block and token, eight u8 x s8 products into int16 (at most 16 * 15 * 127 =
-// 30480), one widening, and one FMA with (d * sc_j) of the eight rows times the
-// activation scale; the mins come off as dmin * m_j * s_act, per sub-block.
+// 30480), and one vpmaddwd with the eight rows' 6-bit scales sc_j into the super-block's
+// int32 sums (at most 8 * 2 * 30480 * 63 < 2^25); then, activations having one scale per
+// super-block, one FMA with d of the eight rows times that scale. The mins come off as
+// dmin * m_j * s_act, per sub-block.
 template <int N>
 static void gemv_q4kx8_n(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t K, const Q8Row* acts, float* out,
                          int64_t ldo) {
     const int64_t nsb = K / 256;
     const __m256i m4 = _mm256_set1_epi8(0x0F);
+    // Byte r of a 128-bit lane (row r of that lane's four) into both bytes 0 and 2 of 32-bit
+    // lane r, zeros between: (sc, sc) as int16 pairs. Indexes + 8 pick the next sub-block.
+    constexpr char z = char(0x80);
+    const __m256i kRowScalePairs = _mm256_setr_epi8(0, z, 0, z, 1, z, 1, z, 2, z, 2, z, 3, z, 3, z,  //
+                                                    4, z, 4, z, 5, z, 5, z, 6, z, 6, z, 7, z, 7, z);
     for (int64_t g = 0; g < nrows / 8; ++g) {
         const uint8_t* blk = w.data + (row0 / 8 + g) * w.row_stride;
         __m256 acc[N], corr[N];
         for (int t = 0; t < N; ++t) acc[t] = corr[t] = _mm256_setzero_ps();
         for (int64_t sb = 0; sb < nsb; ++sb, blk += kQ4KX8Bytes) {
-            const __m256 d = load8_as_ps<FMT_F16>(blk, 0);
             const __m256 dmin = load8_as_ps<FMT_F16>(blk + 16, 0);
             // The mins: sum_j m_j * s_act_j in two independent chains, times dmin once (one
             // chain of eight dependent FMAs with dmin applied in each step held the super-block
@@ -595,6 +598,8 @@ static void gemv_q4kx8_n(const MatrixRef& w, int64_t row0, int64_t nrows, int64_
                 }
                 corr[t] = _mm256_fmadd_ps(dmin, _mm256_add_ps(m0, m1), corr[t]);
             }
+            __m256i isum[N];  // sum_j sc_j * (sub-block j's integer dot), per row
+            for (int t = 0; t < N; ++t) isum[t] = _mm256_setzero_si256();
             for (int c = 0; c < 4; ++c) {
                 // A quarter of a later super-block per code chunk: its 19 prefetches at once, at
                 // the top of the super-block, held the chunk's loads back behind them (cold, 2
@@ -613,17 +618,19 @@ static void gemv_q4kx8_n(const MatrixRef& w, int64_t row0, int64_t nrows, int64_
                         hi16[t] = _mm256_add_epi16(hi16[t], _mm256_maddubs_epi16(hi, bcast4(a + 32)));
                     }
                 }
-                const __m256 sc_lo = _mm256_mul_ps(d, rows8_u8_ps(blk + 32 + 8 * (2 * c)));
-                const __m256 sc_hi = _mm256_mul_ps(d, rows8_u8_ps(blk + 32 + 8 * (2 * c + 1)));
-                const __m256i ones = _mm256_set1_epi16(1);
-                for (int t = 0; t < N; ++t) {
-                    const float* da = acts[t].d + 8 * sb + 2 * c;
-                    acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(sc_lo, _mm256_set1_ps(da[0])),
-                                             _mm256_cvtepi32_ps(_mm256_madd_epi16(lo16[t], ones)), acc[t]);
-                    acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(sc_hi, _mm256_set1_ps(da[1])),
-                                             _mm256_cvtepi32_ps(_mm256_madd_epi16(hi16[t], ones)), acc[t]);
-                }
+                // The rows' scales of sub-blocks 2c and 2c + 1 as int16 pairs, (sc_r, sc_r) in
+                // 32-bit lane r, so that vpmaddwd scales and adds each row's int16 pairs.
+                const __m256i sc = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 32 + 16 * c)));
+                const __m256i sc_lo = _mm256_shuffle_epi8(sc, kRowScalePairs);
+                const __m256i sc_hi = _mm256_shuffle_epi8(sc, _mm256_add_epi8(kRowScalePairs, _mm256_set1_epi8(8)));
+                for (int t = 0; t < N; ++t)
+                    isum[t] = _mm256_add_epi32(isum[t], _mm256_add_epi32(_mm256_madd_epi16(lo16[t], sc_lo),
+                                                                         _mm256_madd_epi16(hi16[t], sc_hi)));
             }
+            // One activation scale per super-block (act_group 256): one conversion and FMA.
+            const __m256 d = load8_as_ps<FMT_F16>(blk, 0);
+            for (int t = 0; t < N; ++t)
+                acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(acts[t].d[8 * sb])), _mm256_cvtepi32_ps(isum[t]), acc[t]);
         }
         for (int t = 0; t < N; ++t) _mm256_storeu_ps(out + t * ldo + 8 * g, _mm256_sub_ps(acc[t], corr[t]));
     }
@@ -1071,27 +1078,33 @@ static void gemm_panels(const float* const* a, int m, const float* w, int npanel
 
 // ---- activations ----------------------------------------------------------------------------
 
-static void quantize(const float* x, int64_t K, bool deint, int8_t* q, float* d, float* s) {
+// The largest |x[i]| of n (a multiple of 32) floats.
+static inline float amax_ps(const float* x, int64_t n) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 amax = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n; i += 8) amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + i)));
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    return _mm_cvtss_f32(m);
+}
+
+static void quantize(const float* x, int64_t K, bool deint, int group, int8_t* q, float* d, float* s) {
     // Byte order after the two packs, fixed by one dword permute: packs work per 128-bit half.
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     // Even elements of each 16 first, then odd ones (within each 128-bit half) ...
     const __m256i evens_odds = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15, 0, 2, 4, 6, 8, 10,
                                                 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+    float db = 0.f;
+    __m256 id = _mm256_setzero_ps();
     for (int64_t b = 0; b < K / 32; ++b) {
-        __m256 v[4];
-        __m256 amax = _mm256_setzero_ps();
-        for (int i = 0; i < 4; ++i) {
-            v[i] = _mm256_loadu_ps(x + 32 * b + 8 * i);
-            amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
+        if ((32 * b) % group == 0) {
+            db = amax_ps(x + 32 * b, group) / 127.f;
+            id = _mm256_set1_ps(db > 0.f ? 1.f / db : 0.f);
         }
-        __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
-        m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-        m = _mm_max_ss(m, _mm_movehdup_ps(m));
-        const float db = _mm_cvtss_f32(m) / 127.f;
-        const __m256 id = _mm256_set1_ps(db > 0.f ? 1.f / db : 0.f);
         __m256i iv[4];
-        for (int i = 0; i < 4; ++i) iv[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], id));  // round to nearest even
+        for (int i = 0; i < 4; ++i)  // round to nearest even
+            iv[i] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + 32 * b + 8 * i), id));
         const __m256i sum32 = _mm256_add_epi32(_mm256_add_epi32(iv[0], iv[1]), _mm256_add_epi32(iv[2], iv[3]));
         const __m256i p16 = _mm256_packs_epi16(_mm256_packs_epi32(iv[0], iv[1]), _mm256_packs_epi32(iv[2], iv[3]));
         __m256i q8 = _mm256_permutevar8x32_epi32(p16, order);

@@ -99,9 +99,14 @@ struct Workspace {
     std::vector<int8_t> xq;      // Q8 of x, [T, H]
     std::vector<float> xd, xs;   // [T, H / 32]
     std::vector<uint8_t> need_q; // tokens whose x must be quantized
-    std::vector<float> hf;       // fp32 intermediate per pair, [P, I] (prefill and float formats)
+    std::vector<float> hf;       // fp32 intermediate per pair, [P, I] (prefill, float formats, and
+                                 // decode rows waiting for the rest of their scale group)
     std::vector<int8_t> hq;      // Q8 intermediate per pair, [P, I] (decode)
     std::vector<float> hd, hs;   // [P, I / 32]
+    // Decode, a down format with one activation scale per 256 (see finish_intermediate): the
+    // rows of each (pair, group) finished so far, [P, I / 256].
+    std::unique_ptr<std::atomic<int32_t>[]> h_done;
+    size_t h_done_size = 0;
     std::vector<float> node_out; // partial outputs of nodes 1.., [(nodes - 1), T, H]
     std::vector<int64_t> pair_tok;
     std::vector<float> pair_w;
@@ -125,6 +130,7 @@ struct Call {
     Format fmt, fmt_dn;         // gate/up, down
     bool deint, float_fmt;      // gate/up: activation order, fp32 activations
     bool deint_dn, float_dn;    // down: the same for the intermediate
+    int group, group_dn;        // elements per activation scale (FormatInfo::act_group)
     int64_t T, H, I;
     const std::vector<ExpertWeights>* experts;
     Activation act;
@@ -167,8 +173,8 @@ void phase_prepare(void* ctx, int, int) {
             }
             if (ws.need_q[size_t(t)]) {
                 const Q8Row q = c.x_q8(t);
-                c.kt->quantize(c.x32 + t * c.H, c.H, c.deint, const_cast<int8_t*>(q.q), const_cast<float*>(q.d),
-                               const_cast<float*>(q.s));
+                c.kt->quantize(c.x32 + t * c.H, c.H, c.deint, c.group, const_cast<int8_t*>(q.q),
+                               const_cast<float*>(q.d), const_cast<float*>(q.s));
             }
         }
     }
@@ -178,7 +184,9 @@ void phase_prepare(void* ctx, int, int) {
 
 // Biases, the gated activation, then store the intermediate rows r0 .. r0+rc of one pair:
 // fp32 for the prefill regime and float formats, Q8 (in the format's activation order)
-// for the decode regime.
+// for the decode regime. A decode unit's rows are part of one group of a down format's
+// activation scale (256 rows for the K-quants, a unit has 32 or 64): they wait in fp32, and
+// the unit that finishes the group's last rows quantizes it (no phase in between).
 void finish_intermediate(const Call& c, const ExpertWeights& w, bool prefill, int64_t pair, int r0, int rc, float* g,
                          float* u) {
     if (w.gate_bias)
@@ -186,16 +194,25 @@ void finish_intermediate(const Call& c, const ExpertWeights& w, bool prefill, in
     if (w.up_bias)
         for (int i = 0; i < rc; ++i) u[i] += w.up_bias[r0 + i];
     const bool store_f32 = prefill || c.float_dn;
-    float* h = store_f32 ? c.ws->hf.data() + pair * c.I + r0 : g;  // in place is fine: elementwise
+    const bool part_of_group = !store_f32 && rc < c.group_dn;
+    float* h = store_f32 || part_of_group ? c.ws->hf.data() + pair * c.I + r0 : g;  // in place is fine: elementwise
     if (c.act == Activation::GptOss)
         c.kt->gptoss_glu(g, u, h, rc, c.alpha, c.limit);
     else
         c.kt->silu_mul(g, u, h, rc);
-    if (!store_f32) {
-        const Q8Row q = c.h_q8(pair);
-        c.kt->quantize(h, rc, c.deint_dn, const_cast<int8_t*>(q.q) + r0, const_cast<float*>(q.d) + r0 / 32,
-                       const_cast<float*>(q.s) + r0 / 32);
+    if (store_f32) return;
+    if (part_of_group) {
+        const int64_t g0 = r0 / c.group_dn * c.group_dn;  // units never straddle groups (see forward)
+        std::atomic<int32_t>& done = c.ws->h_done[size_t(pair * (c.I / c.group_dn) + g0 / c.group_dn)];
+        // acq_rel: the last unit of the group sees the other units' fp32 rows.
+        if (done.fetch_add(rc, std::memory_order_acq_rel) + rc < c.group_dn) return;
+        r0 = int(g0);
+        rc = c.group_dn;
+        h = c.ws->hf.data() + pair * c.I + r0;
     }
+    const Q8Row q = c.h_q8(pair);
+    c.kt->quantize(h, rc, c.deint_dn, c.group_dn, const_cast<int8_t*>(q.q) + r0, const_cast<float*>(q.d) + r0 / 32,
+                   const_cast<float*>(q.s) + r0 / 32);
 }
 
 void decode_gate_up(const Call& c, const Entry& en, int r0, int rc) {
@@ -526,6 +543,8 @@ void MoELayer::forward(Executor& exec, const KernelTable& kt, const void* x, boo
     c.float_fmt = fi.float_acts;
     c.deint_dn = fd.deinterleave;
     c.float_dn = fd.float_acts;
+    c.group = fi.act_group;
+    c.group_dn = fd.act_group;
     c.T = T;
     c.H = H_;
     c.I = I_;
@@ -551,7 +570,16 @@ void MoELayer::forward(Executor& exec, const KernelTable& kt, const void* x, boo
         grow(ws.hd, size_t(P * I_ / 32));
         grow(ws.hs, size_t(P * I_ / 32));
     }
-    if (any_prefill || fd.float_acts) grow(ws.hf, size_t(P * I_));
+    const bool group_dn_wide = !fd.float_acts && any_decode && fd.act_group > 32;
+    if (any_prefill || fd.float_acts || group_dn_wide) grow(ws.hf, size_t(P * I_));
+    if (group_dn_wide) {
+        const size_t n = size_t(P * I_ / fd.act_group);
+        if (ws.h_done_size < n) {
+            ws.h_done.reset(new std::atomic<int32_t>[n]);
+            ws.h_done_size = n;
+        }
+        for (size_t i = 0; i < n; ++i) ws.h_done[i].store(0, std::memory_order_relaxed);  // the pool's start publishes
+    }
     if (nodes > 1) grow(ws.node_out, size_t(int64_t(nodes - 1) * T * H_));
 
     // Work units. Phase B: (expert, rows) with prefill units first, so that the long ones

@@ -25,7 +25,7 @@ from hybridmoe.backend.engine.loader import Loader
 from hybridmoe.backend.engine.native_linear import NativeLinear
 from hybridmoe.backend.formats.weights import dense
 
-from .test_native_experts import q8, rel_err
+from .test_native_experts import act_group, q8, rel_err
 
 pytestmark = pytest.mark.skipif(not native_kernels.available(), reason="native extension not built")
 
@@ -57,7 +57,7 @@ def test_matches_reference(isa, fmt, tokens):
     if fmt in FLOAT_FORMATS or not gemv:
         assert rel_err(out, F.linear(x, ref_w)) < 1e-5
     else:
-        assert rel_err(out, F.linear(q8(x), ref_w)) < 5e-3
+        assert rel_err(out, F.linear(q8(x, act_group(fmt)), ref_w)) < 5e-3
 
 
 @pytest.mark.parametrize("tokens", [1, 5, 64, 300])

@@ -94,15 +94,22 @@ def reference(experts: HostExperts) -> ResidentExperts:
     return _references[key][1]
 
 
-def q8(x: torch.Tensor) -> torch.Tensor:
-    """x rounded as the kernels round activations: int8 per block of 32, scale max|x| / 127."""
-    xb = x.reshape(*x.shape[:-1], -1, 32)
+def act_group(fmt: str) -> int:
+    """Elements per activation scale the kernels use for a format: a super-block for the
+    K-quants (as llama.cpp's Q8_K), a block of 32 for the rest."""
+    return 256 if block_of(fmt) == 256 else 32
+
+
+def q8(x: torch.Tensor, group: int = 32) -> torch.Tensor:
+    """x rounded as the kernels round activations: int8, scale max|x| / 127 per `group`."""
+    xb = x.reshape(*x.shape[:-1], -1, group)
     d = xb.abs().amax(-1, keepdim=True) / 127
     q = torch.round(xb * torch.where(d > 0, 1.0 / d, torch.zeros_like(d)))  # half to even, as vcvtps2dq
     return (q * d).reshape(x.shape)
 
 
-def emulated(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, ref: ResidentExperts, rounded) -> torch.Tensor:
+def emulated(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, ref: ResidentExperts, rounded,
+             group: int) -> torch.Tensor:
     """The reference math with q8-rounded activations for the experts `rounded(n_tokens)` says."""
     out = torch.zeros(x.shape, dtype=torch.float32)
     for e in ref.ids:
@@ -110,7 +117,7 @@ def emulated(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, ref: ResidentE
         if not len(tok):
             continue
         m = ref.weights_of(e)
-        r = q8 if rounded(len(tok)) else (lambda v: v)
+        r = (lambda v: q8(v, group)) if rounded(len(tok)) else (lambda v: v)
         y = F.linear(r(ref.act(r(x[tok]), m)), m.down, m.down_bias)
         out.index_add_(0, tok, y * w[tok, slot][:, None])
     return out
@@ -129,7 +136,8 @@ def check(experts: HostExperts, x: torch.Tensor, ids: torch.Tensor, w: torch.Ten
         assert err < EXACT_TOL, f"{fmt} {regime}: relative error {err:.3g} (tolerance {EXACT_TOL})"
         return
     threshold = native.layer.prefill_min_tokens
-    em = emulated(x, ids, w, res, (lambda n: True) if regime == "decode" else (lambda n: n < threshold))
+    em = emulated(x, ids, w, res, (lambda n: True) if regime == "decode" else (lambda n: n < threshold),
+                  act_group(fmt))
     err, bound = rel_err(out, em), rel_err(out, ref)
     assert err < EMULATION_TOL, f"{fmt} {regime}: relative error {err:.3g} vs the q8 emulation"
     assert bound < DECODE_BOUND, f"{fmt} {regime}: relative error {bound:.3g} vs the fp32 reference"
