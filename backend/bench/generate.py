@@ -148,7 +148,6 @@ def measure(model: str, *, prompt_tokens: int = 512, gen_tokens: int = 64, threa
     import psutil
 
     from hybridmoe.backend.session import Progress
-    from hybridmoe.backend.text.generation import common_prefix
 
     threads = threads or psutil.cpu_count(logical=False) or 1
     results: dict[str, dict] = {}
@@ -173,6 +172,15 @@ def measure(model: str, *, prompt_tokens: int = 512, gen_tokens: int = 64, threa
             for key in ("prefill", "decode", "probe", "breakdown"):
                 kept[key] = kept.get(key, []) + run.get(key, [])
             kept["rss_peak"] = max(kept["rss_peak"], run["rss_peak"])
+    return summarize(model, prompt_tokens, gen_tokens, threads, repeats, rounds, results)
+
+
+def summarize(model: str, prompt_tokens: int, gen_tokens: int, threads: int, repeats: int, rounds: int,
+              results: dict[str, dict]) -> dict:
+    """The backends' runs (every round's timings together) -> medians, the engine's decode
+    token part by part, and the engine / llama.cpp ratios."""
+    from hybridmoe.backend.text.generation import common_prefix
+
     for r in results.values():
         if "error" not in r:
             r["prefill_median"] = statistics.median(r["prefill"])
@@ -188,6 +196,14 @@ def measure(model: str, *, prompt_tokens: int = 512, gen_tokens: int = 64, threa
         summary["same_greedy_tokens"] = e["tokens"] == l["tokens"]
         # After the first difference the two continue different texts: later matches mean nothing.
         summary["greedy_tokens_in_common"] = common_prefix(e["tokens"], l["tokens"])
+        if "per_token" in e:
+            # One sequence of the same file: llama.cpp reads the same weights and about the same
+            # cache per token. Its share of the probe bounds what a faster engine can show: at
+            # the wall, decode is at most 1 / that share times llama.cpp's.
+            per = e["per_token"]
+            share = per["end_to_end"]["bytes"] * l["decode_median"] / (per["probe_gbps"] * 1e9)
+            summary["llamacpp_of_probe"] = share
+            summary["decode_ratio_at_wall"] = 1 / share
     return summary
 
 
@@ -249,6 +265,9 @@ def table(summary: dict) -> str:
         tokens = len(engine.get("tokens", ()))
         common = summary["greedy_tokens_in_common"]
         agree = "the same" if summary["same_greedy_tokens"] else f"the same for the first {common} of {tokens}"
+        if "decode_ratio_at_wall" in summary:
+            lines.append(f"llama.cpp read {summary['llamacpp_of_probe']:.0%} of the probe on the same bytes per token: "
+                         f"at the wall, decode would be {summary['decode_ratio_at_wall']:.2f}x llama.cpp's")
         lines.append(f"engine / llama.cpp: prefill {summary['prefill_ratio']:.2f}x, decode {summary['decode_ratio']:.2f}x; "
                      f"greedy tokens {agree}")
     return "\n".join(lines)

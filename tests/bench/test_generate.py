@@ -130,3 +130,17 @@ def test_the_report_says_how_long_the_greedy_tokens_agree():
     assert table(summary).endswith("greedy tokens the same for the first 2 of 4")
     summary.update(same_greedy_tokens=True, greedy_tokens_in_common=4)
     assert table(summary).endswith("greedy tokens the same")
+
+
+def test_the_report_bounds_the_ratio_by_the_wall():
+    from hybridmoe.backend.bench.generate import summarize, table
+
+    passes = [{"experts": {"seconds": 0.01, "bytes": 200e6}, "rest": {"seconds": 0.002, "bytes": 0}}]
+    run = {"load_s": 1.0, "rss_after_load": 1 << 30, "rss_peak": 1 << 30, "prefill": [10.0], "probe": [20e9]}
+    engine = dict(run, decode=[80.0], tokens=[1, 2], breakdown=passes)
+    llama = dict(run, decode=[50.0], tokens=[1, 2])
+    summary = summarize("m.gguf", 8, 2, 2, 1, 1, {"engine": engine, "llamacpp": llama})
+    # 200 MB a token at 50 tokens/s is 10 GB/s: half of the 20 GB/s probe, so at most 2x at the wall.
+    assert summary["llamacpp_of_probe"] == pytest.approx(0.5)
+    assert summary["decode_ratio_at_wall"] == pytest.approx(2.0)
+    assert "llama.cpp read 50% of the probe on the same bytes per token: at the wall, decode would be 2.00x" in table(summary)
