@@ -292,6 +292,45 @@ static inline void kquant_codes(const uint8_t* blk, __m256i q[8]) {
     }
 }
 
+// Q5_K: the fifth bit of every element of sub-block j (bit j of its qh byte) as 16 or 0,
+// moved to bit 4 of the byte by one 16-bit shift (at most 4 places: bit 4 of either byte
+// takes a bit of the same byte) and one mask.
+template <int j>
+static inline __m256i q5k_fifth(__m256i qh) {
+    const __m256i m16 = _mm256_set1_epi8(0x10);
+    if constexpr (j < 4) return _mm256_and_si256(_mm256_slli_epi16(qh, 4 - j), m16);
+    else if constexpr (j == 4) return _mm256_and_si256(qh, m16);
+    else return _mm256_and_si256(_mm256_srli_epi16(qh, j - 4), m16);
+}
+
+// Q4_K / Q5_K code chunk c (sub-blocks 2c, 2c + 1) against every token: the codes into
+// int16 pairs (at most 2 * 31 * 127) and one vpmaddwd with the sub-block's scale (sc16 holds
+// the eight scales as int16 in both 128-bit halves; a byte shuffle spreads one over a vector)
+// into the super-block's int32 sums.
+template <bool kFive, int N, int c>
+static inline void q45k_chunk(const uint8_t* qs, __m256i qh, __m256i sc16, const Q8Row* acts, int64_t k,
+                              __m256i isum[N]) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    const __m256i raw = load32(qs + 32 * c);
+    __m256i q0 = _mm256_and_si256(raw, m4), q1 = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
+    if constexpr (kFive) {
+        q0 = _mm256_or_si256(q0, q5k_fifth<2 * c>(qh));
+        q1 = _mm256_or_si256(q1, q5k_fifth<2 * c + 1>(qh));
+    }
+    const __m256i s0 = _mm256_shuffle_epi8(sc16, _mm256_set1_epi16(short(4 * c | (4 * c + 1) << 8)));
+    const __m256i s1 = _mm256_shuffle_epi8(sc16, _mm256_set1_epi16(short((4 * c + 2) | (4 * c + 3) << 8)));
+    for (int t = 0; t < N; ++t) {
+        const int8_t* a = acts[t].q + k + 64 * c;
+        isum[t] = _mm256_add_epi32(isum[t], _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(q0, load32(a)), s0),
+                                                             _mm256_madd_epi16(_mm256_maddubs_epi16(q1, load32(a + 32)), s1)));
+    }
+}
+
+// Per super-block: the integer dots of all eight sub-blocks, each times its 6-bit scale, in
+// int32; one activation scale per super-block (act_group 256) leaves one conversion and FMA
+// with d; the mins come off as dmin * m_j * s_act_j, one FMA for all eight. (The float form,
+// eight dots reduced with vphaddd and scaled per sub-block, and a compare per fifth bit, ran
+// q5_k at 7 GB/s a core on weights in cache, under the bandwidth it should keep up with.)
 template <bool kFive, int N>
 static void gemv_q45k_n(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t K, const Q8Row* acts, float* out,
                         int64_t ldo) {
@@ -304,22 +343,24 @@ static void gemv_q45k_n(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t
         _mm_prefetch(reinterpret_cast<const char*>(w.row(row0 + r + 1)), _MM_HINT_T0);
         for (int64_t sb = 0; sb < nsb; ++sb) {
             const uint8_t* blk = row + sb * bytes;
-            prefetch_span(blk + kPrefetchAhead, bytes);
+            prefetch_span(blk + kPrefetchAheadK, bytes);
             uint32_t scw[2], mnw[2];
             k_scales_mins_words(blk + 4, scw, mnw);
-            const __m256 dsc = _mm256_mul_ps(_mm256_set1_ps(h2f(blk)), u8x8_to_ps(scw));
+            const __m256i sc16 =
+                _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_set_epi32(0, 0, int(scw[1]), int(scw[0]))));
             const __m256 dmn = _mm256_mul_ps(_mm256_set1_ps(h2f(blk + 2)), u8x8_to_ps(mnw));
-            __m256i q[8];
-            kquant_codes<kFive>(blk, q);
+            const __m256i qh = kFive ? load32(blk + 16) : _mm256_setzero_si256();
+            const uint8_t* qs = blk + (kFive ? 48 : 16);
+            __m256i isum[N];
+            for (int t = 0; t < N; ++t) isum[t] = _mm256_setzero_si256();
+            q45k_chunk<kFive, N, 0>(qs, qh, sc16, acts, 256 * sb, isum);
+            q45k_chunk<kFive, N, 1>(qs, qh, sc16, acts, 256 * sb, isum);
+            q45k_chunk<kFive, N, 2>(qs, qh, sc16, acts, 256 * sb, isum);
+            q45k_chunk<kFive, N, 3>(qs, qh, sc16, acts, 256 * sb, isum);
+            const float d = h2f(blk);
             for (int t = 0; t < N; ++t) {
-                const int8_t* a = acts[t].q + 256 * sb;
-                __m256i v[8];
-                for (int j = 0; j < 8; ++j) v[j] = dot_u8s8(_mm256_setzero_si256(), q[j], load32(a + 32 * j));
-                const __m256 da = _mm256_loadu_ps(acts[t].d + 8 * sb);
-                const __m256 sa = _mm256_loadu_ps(acts[t].s + 8 * sb);
-                // sum_j d*sc_j * d_act_j * isum_j  -  dmin*m_j * s_act_j
-                acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(dsc, da), _mm256_cvtepi32_ps(hsum8(v)), acc[t]);
-                accm[t] = _mm256_fmadd_ps(dmn, sa, accm[t]);
+                acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * acts[t].d[8 * sb]), _mm256_cvtepi32_ps(isum[t]), acc[t]);
+                accm[t] = _mm256_fmadd_ps(dmn, _mm256_loadu_ps(acts[t].s + 8 * sb), accm[t]);
             }
         }
         for (int t = 0; t < N; ++t) out[t * ldo + r] = hsum_ps(_mm256_sub_ps(acc[t], accm[t]));
