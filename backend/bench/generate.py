@@ -52,6 +52,7 @@ def _run_engine(model: str, prompt_tokens: int, gen_tokens: int, threads: int, r
     from hybridmoe.backend.hardware.bandwidth import measure_host_read_bandwidth
     from hybridmoe.backend.models import inspect_model
     from hybridmoe.backend.plan import Workload, make
+    from hybridmoe.backend.text.sampling import Sampler, SamplingParams
 
     torch.set_num_threads(threads)
     os.environ.setdefault("HYBRIDMOE_CPU_THREADS", str(threads))
@@ -67,6 +68,7 @@ def _run_engine(model: str, prompt_tokens: int, gen_tokens: int, threads: int, r
     probes = [measure_host_read_bandwidth(threads=threads, passes=5) for _ in range(3)]
     prefill, decode, tokens = [], [], []
     profiles = []
+    greedy = Sampler(SamplingParams(temperature=0))
     seq = net.sequence
     # The model's entry point the app's scheduler calls (``batching``), one sequence.
     for rep in range(repeats + 1):  # the first pass warms up, untimed
@@ -74,14 +76,14 @@ def _run_engine(model: str, prompt_tokens: int, gen_tokens: int, threads: int, r
         for pos in range(0, len(ids), chunk):
             (logits,) = net.forward_batch([(seq, ids[pos : pos + chunk], pos)], prompt=True)
         prefill_s = time.perf_counter() - t0
-        tok = int(logits.argmax())
+        tok = greedy.sample(logits)
         out = [tok]
         with step_profile.recording() as profile:
             t0 = time.perf_counter()
             for i in range(gen_tokens - 1):
                 (logits,) = net.forward_batch([(seq, [tok], len(ids) + i)])
                 t1 = time.perf_counter()
-                tok = int(logits.argmax())
+                tok = greedy.sample(logits)  # what `hybridmoe run` does at its default temperature 0
                 profile.add("sampling", time.perf_counter() - t1)
                 out.append(tok)
             decode_s = time.perf_counter() - t0

@@ -101,6 +101,8 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, previous_ids: Sequence[int] | torch.Tensor = ()) -> int:
         """The next token id for ``logits`` (shape [vocab], or [1, vocab])."""
+        if self.params.greedy and (self.params.repetition_penalty == 1.0 or len(previous_ids) == 0):
+            return int(torch.argmax(_vector(logits)))  # nothing reorders the logits: no copy
         x = self._penalised(logits, previous_ids)
         if self.params.greedy:
             return int(torch.argmax(x))
@@ -130,11 +132,7 @@ class Sampler:
     # -- steps ----------------------------------------------------------------------------------
 
     def _penalised(self, logits: torch.Tensor, previous_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
-        if logits.dim() == 2 and logits.shape[0] == 1:
-            logits = logits[0]
-        if logits.dim() != 1:
-            raise ValueError(f"expected logits of shape [vocab], got {tuple(logits.shape)}")
-        x = logits.to(torch.float32, copy=True)
+        x = _vector(logits).to(torch.float32, copy=True)
         penalty = self.params.repetition_penalty
         if penalty != 1.0 and len(previous_ids) > 0:
             ids = torch.as_tensor(previous_ids, dtype=torch.long, device=x.device).flatten().unique()
@@ -184,6 +182,15 @@ class Sampler:
             gen.manual_seed(self.seed)
             self._generators[device] = gen
         return gen
+
+
+def _vector(logits: torch.Tensor) -> torch.Tensor:
+    """[vocab] from [vocab] or [1, vocab]."""
+    if logits.dim() == 2 and logits.shape[0] == 1:
+        logits = logits[0]
+    if logits.dim() != 1:
+        raise ValueError(f"expected logits of shape [vocab], got {tuple(logits.shape)}")
+    return logits
 
 
 class StopStringMatcher:

@@ -31,6 +31,14 @@ def test_greedy_is_argmax() -> None:
     assert Sampler(SamplingParams(temperature=0)).sample(logits[None, :]) == int(torch.argmax(logits))  # [1, vocab]
     # bf16 logits (what a model hands over) work too.
     assert Sampler(SamplingParams(temperature=0)).sample(logits.to(torch.bfloat16)) == int(torch.argmax(logits.to(torch.bfloat16)))
+    # Ties go to the first, NaN wins, as torch.argmax has it.
+    for values in ([1.0, 3.0, 3.0, 2.0], [1.0, float("nan"), 5.0, float("nan")], [float("-inf")] * 3):
+        x = torch.tensor(values)
+        assert Sampler(SamplingParams(temperature=0)).sample(x) == int(torch.argmax(x))
+    # With a repetition penalty the greedy pick is the penalised argmax, and the logits stay as they were.
+    logits = torch.tensor([1.0, 2.0, 1.9])
+    assert Sampler(SamplingParams(temperature=0, repetition_penalty=1.2)).sample(logits, [1]) == 2
+    assert logits.tolist() == pytest.approx([1.0, 2.0, 1.9])
 
 
 def test_top_k_keeps_k_best_and_ties() -> None:
