@@ -269,29 +269,6 @@ static inline __m256 u8x8_to_ps(const uint32_t w[2]) {
     return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b));
 }
 
-// Q4_K / Q5_K: codes of sub-block j (0..7) of a super-block, 0..15 (or 0..31).
-template <bool kFive>
-static inline void kquant_codes(const uint8_t* blk, __m256i q[8]) {
-    const __m256i m4 = _mm256_set1_epi8(0x0F);
-    const uint8_t* qs = blk + (kFive ? 48 : 16);
-    for (int c = 0; c < 4; ++c) {
-        const __m256i raw = load32(qs + 32 * c);
-        q[2 * c] = _mm256_and_si256(raw, m4);
-        q[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
-    }
-    if constexpr (kFive) {
-        // Bit j of qh[l] is the fifth bit of element l of sub-block j: test it with a
-        // one-bit mask per sub-block and turn the 0xFF / 0x00 result into 16 / 0.
-        const __m256i qh = load32(blk + 16);
-        const __m256i sixteen = _mm256_set1_epi8(16);
-        for (int j = 0; j < 8; ++j) {
-            const __m256i bit = _mm256_set1_epi8(char(1 << j));
-            const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(qh, bit), bit);
-            q[j] = _mm256_or_si256(q[j], _mm256_and_si256(set, sixteen));
-        }
-    }
-}
-
 // Q5_K: the fifth bit of every element of sub-block j (bit j of its qh byte) as 16 or 0,
 // moved to bit 4 of the byte by one 16-bit shift (at most 4 places: bit 4 of either byte
 // takes a bit of the same byte) and one mask.
@@ -303,20 +280,44 @@ static inline __m256i q5k_fifth(__m256i qh) {
     else return _mm256_and_si256(_mm256_srli_epi16(qh, j - 4), m16);
 }
 
-// Q4_K / Q5_K code chunk c (sub-blocks 2c, 2c + 1) against every token: the codes into
-// int16 pairs (at most 2 * 31 * 127) and one vpmaddwd with the sub-block's scale (sc16 holds
-// the eight scales as int16 in both 128-bit halves; a byte shuffle spreads one over a vector)
-// into the super-block's int32 sums.
-template <bool kFive, int N, int c>
-static inline void q45k_chunk(const uint8_t* qs, __m256i qh, __m256i sc16, const Q8Row* acts, int64_t k,
-                              __m256i isum[N]) {
+// Q4_K / Q5_K: the codes (0..15, or 0..31) of code chunk c, sub-blocks 2c (q0) and 2c + 1
+// (q1); qs points at the super-block's 4-bit codes, qh holds its fifth bits (Q5_K).
+template <bool kFive, int c>
+static inline void q45k_codes(const uint8_t* qs, __m256i qh, __m256i& q0, __m256i& q1) {
     const __m256i m4 = _mm256_set1_epi8(0x0F);
     const __m256i raw = load32(qs + 32 * c);
-    __m256i q0 = _mm256_and_si256(raw, m4), q1 = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
+    q0 = _mm256_and_si256(raw, m4);
+    q1 = _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4);
     if constexpr (kFive) {
         q0 = _mm256_or_si256(q0, q5k_fifth<2 * c>(qh));
         q1 = _mm256_or_si256(q1, q5k_fifth<2 * c + 1>(qh));
     }
+}
+
+// Where a Q4_K / Q5_K super-block's 4-bit codes start, and its fifth bits (Q5_K; else zeros).
+static inline const uint8_t* q45k_qs(const uint8_t* blk, bool five) { return blk + (five ? 48 : 16); }
+static inline __m256i q45k_qh(const uint8_t* blk, bool five) { return five ? load32(blk + 16) : _mm256_setzero_si256(); }
+
+// Q4_K / Q5_K: codes of sub-block j (0..7) of a super-block (for dequantizing).
+template <bool kFive>
+static inline void kquant_codes(const uint8_t* blk, __m256i q[8]) {
+    const uint8_t* qs = q45k_qs(blk, kFive);
+    const __m256i qh = q45k_qh(blk, kFive);
+    q45k_codes<kFive, 0>(qs, qh, q[0], q[1]);
+    q45k_codes<kFive, 1>(qs, qh, q[2], q[3]);
+    q45k_codes<kFive, 2>(qs, qh, q[4], q[5]);
+    q45k_codes<kFive, 3>(qs, qh, q[6], q[7]);
+}
+
+// Q4_K / Q5_K code chunk c (sub-blocks 2c, 2c + 1) against every token: the codes times the
+// activations into int16 pairs (at most 2 * 31 * 127) and one vpmaddwd with the sub-block's
+// scale (sc16 holds the eight scales as int16 in both 128-bit halves; a byte shuffle spreads
+// one over a vector) into the super-block's int32 sums.
+template <bool kFive, int N, int c>
+static inline void q45k_chunk(const uint8_t* qs, __m256i qh, __m256i sc16, const Q8Row* acts, int64_t k,
+                              __m256i isum[N]) {
+    __m256i q0, q1;
+    q45k_codes<kFive, c>(qs, qh, q0, q1);
     const __m256i s0 = _mm256_shuffle_epi8(sc16, _mm256_set1_epi16(short(4 * c | (4 * c + 1) << 8)));
     const __m256i s1 = _mm256_shuffle_epi8(sc16, _mm256_set1_epi16(short((4 * c + 2) | (4 * c + 3) << 8)));
     for (int t = 0; t < N; ++t) {
@@ -349,8 +350,8 @@ static void gemv_q45k_n(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t
             const __m256i sc16 =
                 _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_set_epi32(0, 0, int(scw[1]), int(scw[0]))));
             const __m256 dmn = _mm256_mul_ps(_mm256_set1_ps(h2f(blk + 2)), u8x8_to_ps(mnw));
-            const __m256i qh = kFive ? load32(blk + 16) : _mm256_setzero_si256();
-            const uint8_t* qs = blk + (kFive ? 48 : 16);
+            const __m256i qh = q45k_qh(blk, kFive);
+            const uint8_t* qs = q45k_qs(blk, kFive);
             __m256i isum[N];
             for (int t = 0; t < N; ++t) isum[t] = _mm256_setzero_si256();
             q45k_chunk<kFive, N, 0>(qs, qh, sc16, acts, 256 * sb, isum);
