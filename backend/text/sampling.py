@@ -101,12 +101,11 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, previous_ids: Sequence[int] | torch.Tensor = ()) -> int:
         """The next token id for ``logits`` (shape [vocab], or [1, vocab])."""
-        if self.params.greedy and (self.params.repetition_penalty == 1.0 or len(previous_ids) == 0):
-            return int(torch.argmax(_vector(logits)))  # nothing reorders the logits: no copy
-        x = self._penalised(logits, previous_ids)
         if self.params.greedy:
+            # Unpenalised, the logits as they are: no float32 copy of the whole vocabulary.
+            x = self._penalised(logits, previous_ids) if self._penalises(previous_ids) else _vector(logits)
             return int(torch.argmax(x))
-        values, indices = self._candidates(x)
+        values, indices = self._candidates(self._penalised(logits, previous_ids))
         probs = torch.softmax(values, dim=-1)
         choice = torch.multinomial(probs, 1, generator=self._generator(probs.device))
         return int(indices[choice])
@@ -131,10 +130,13 @@ class Sampler:
 
     # -- steps ----------------------------------------------------------------------------------
 
+    def _penalises(self, previous_ids: Sequence[int] | torch.Tensor) -> bool:
+        return self.params.repetition_penalty != 1.0 and len(previous_ids) > 0
+
     def _penalised(self, logits: torch.Tensor, previous_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
         x = _vector(logits).to(torch.float32, copy=True)
         penalty = self.params.repetition_penalty
-        if penalty != 1.0 and len(previous_ids) > 0:
+        if self._penalises(previous_ids):
             ids = torch.as_tensor(previous_ids, dtype=torch.long, device=x.device).flatten().unique()
             ids = ids[(ids >= 0) & (ids < x.numel())]  # ids past the logits (padding rows) carry no score
             scores = x[ids]
