@@ -108,9 +108,9 @@ std::string self_test(const KernelTable* t) {
     // Activations: the quantizer itself, then shared Q8 inputs for the GEMV comparison.
     std::vector<float> x(size_t(NT) * K);
     for (auto& v : x) v = normal(rng);
-    for (int mode = 0; mode < 3; ++mode) {
-        const bool deint = mode == 1;
-        const int group = mode == 2 ? 256 : 32;
+    for (int v = 0; v < kActVariants; ++v) {
+        const bool deint = act_variant_permuted(v);
+        const int group = act_variant_group(v);
         std::vector<int8_t> q1(K), q2(K);
         std::vector<float> d1(K / 32), d2(K / 32), s1(K / 32), s2(K / 32);
         ref->quantize(x.data(), K, deint, group, q1.data(), d1.data(), s1.data());

@@ -1253,7 +1253,7 @@ struct PrefetchStream {
 
 // Two positions per step: 2 x G independent accumulator chains, enough to cover the FMA
 // latency (with one position the G chains waited on each other's latency, measured 2x slower).
-// With `next_k` and `v` (the first pass over a stretch), each step also prefetches a share
+// Given `next_k` and `v` (the first pass over a stretch), each step also prefetches a share
 // of the next stretch's keys into L1 and of this stretch's values into L2 (see attend_run_t).
 template <bool BF16, int G>
 static void attend_scores(const float* q, int64_t D, const void* k, int64_t ldk, int64_t n, float* sc, int64_t ld_sc,
@@ -1261,7 +1261,7 @@ static void attend_scores(const float* q, int64_t D, const void* k, int64_t ldk,
     const int64_t D8 = D / 8 * 8;
     int64_t s = 0;
     for (; s + 2 <= n; s += 2) {
-        if (next_k) {
+        if (v) {
             next_k->step<_MM_HINT_T0>();
             v->step<_MM_HINT_T1>();
         }
@@ -1368,8 +1368,9 @@ static void attend_values(const float* p, int64_t ld_p, int64_t Dv, const void* 
 // last step), and a stretch is one block's rows of a head, 16 KiB at 64 positions: too short
 // for the hardware prefetchers, which start again at every block. So the first pass over a
 // stretch prefetches the next stretch's keys and this stretch's values (read by the values
-// pass after the softmax, from L2) in shares per step: at 1024 and 4096 positions cold,
-// 0.27 -> 0.36 of the bandwidth probe (`/tmp` script, the ways in turn).
+// pass after the softmax, from L2) in shares per step: cold, 2 threads, without and with in
+// turn, 1024 positions 482 -> 336 us a layer (0.29 -> 0.43 of the bandwidth probe), 4096
+// 1805 -> 1287, 256 136 -> 110.
 template <bool BF16>
 static void attend_run_t(const float* q, int group, int64_t D, int64_t Dv, const KvSegment* segs, int n_segs,
                          int64_t ldk, int64_t ldv, int64_t n, float* scores, float* m, float* l, float* acc) {
@@ -1382,12 +1383,13 @@ static void attend_run_t(const float* q, int group, int64_t D, int64_t Dv, const
         for (int g0 = 0; g0 < group; g0 += 4) {
             const float* qb = q + int64_t(g0) * D;
             float* sb = scores + int64_t(g0) * n + off;
-            PrefetchStream* pk = g0 == 0 ? &next_k : nullptr;
+            PrefetchStream* pk = g0 == 0 ? &next_k : nullptr;  // the first pass prefetches
+            PrefetchStream* pv = g0 == 0 ? &v : nullptr;
             switch (std::min(4, group - g0)) {
-                case 4: attend_scores<BF16, 4>(qb, D, segs[i].k, ldk, segs[i].n, sb, n, pk, &v); break;
-                case 3: attend_scores<BF16, 3>(qb, D, segs[i].k, ldk, segs[i].n, sb, n, pk, &v); break;
-                case 2: attend_scores<BF16, 2>(qb, D, segs[i].k, ldk, segs[i].n, sb, n, pk, &v); break;
-                default: attend_scores<BF16, 1>(qb, D, segs[i].k, ldk, segs[i].n, sb, n, pk, &v); break;
+                case 4: attend_scores<BF16, 4>(qb, D, segs[i].k, ldk, segs[i].n, sb, n, pk, pv); break;
+                case 3: attend_scores<BF16, 3>(qb, D, segs[i].k, ldk, segs[i].n, sb, n, pk, pv); break;
+                case 2: attend_scores<BF16, 2>(qb, D, segs[i].k, ldk, segs[i].n, sb, n, pk, pv); break;
+                default: attend_scores<BF16, 1>(qb, D, segs[i].k, ldk, segs[i].n, sb, n, pk, pv); break;
             }
         }
     }
