@@ -43,10 +43,18 @@ constexpr int kMr = 6;
 
 // Software prefetch distance of the decode GEMV, in bytes ahead of the weights being read.
 // The rows a work unit reads are one contiguous run, but the hardware stream prefetcher
-// stops at every 4 KiB page and has to re-detect the stream; asking for the bytes 1 KiB
-// ahead keeps misses in flight across those boundaries (a fixed distance: the right one
-// is "far enough to cover DRAM latency at one core's share of the bandwidth", ~1 KiB).
+// stops at every 4 KiB page and has to re-detect the stream; asking for the bytes ahead
+// keeps misses in flight across those boundaries. The right distance is "far enough to
+// cover DRAM latency at one core's share of the bandwidth", so it grows with that share:
+// ~1 KiB on a 2-core Zen 3 VM (AVX2, ~8 GB/s a core; q4_0x8 flat from 512 to 2048, q8_0x8
+// best at 1024), 3 KiB on a 2-core Xeon VM with AVX-512 (~16 GB/s a core: the Q4_0 decode,
+// distances in turn in one process, 1.04x at 1536, 1.08x at 2048, 1.10x at 3072 over 1024).
+// The AVX-512 machines are the server cores with the larger share.
+#if defined(HMOE_AVX512)
+constexpr int kPrefetchAhead = 3072;
+#else
 constexpr int kPrefetchAhead = 1024;
+#endif
 // The K-quant kernels (q6_k, q4_kx8) are slower per byte, and twice that distance kept more
 // of the probe's bandwidth: cold GEMV of 2048 x 2048 matrices, 2 threads, distances in turn
 // against a probe per round, q6_k 0.82 -> 0.87 of the probe, q4_kx8 0.83 -> 0.86 (3072 and

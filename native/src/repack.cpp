@@ -108,15 +108,24 @@ MatrixRef interleave_rows(Format fmt, Format to, const MatrixRef& src, int64_t r
     return MatrixRef{dst, nullptr, nb * kX8BlockBytes, 0};
 }
 
+void UnmapBytes::operator()(uint8_t* p) const { munmap(p, size); }
+
 OwnedBytes allocate_pages(int64_t bytes) {
     constexpr size_t kHuge = size_t(2) << 20;
     const size_t size = (size_t(std::max<int64_t>(bytes, 1)) + 4095) / 4096 * 4096;
-    void* p = nullptr;
-    if (posix_memalign(&p, size >= kHuge ? kHuge : 4096, size) != 0) throw std::bad_alloc();
+    // Mapped with room to start on a 2 MiB boundary, the rest given back at once.
+    const size_t slack = size >= kHuge ? kHuge : 0;
+    void* m = mmap(nullptr, size + slack, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (m == MAP_FAILED) throw std::bad_alloc();
+    uint8_t* base = static_cast<uint8_t*>(m);
+    uint8_t* p = slack ? reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(base) + slack - 1) & ~uintptr_t(slack - 1)) : base;
+    const size_t before = size_t(p - base), after = slack - before;
+    if (before) munmap(base, before);
+    if (after) munmap(p + size, after);
     // Only whole huge pages: the tail stays in 4 KiB pages, so no copy takes more memory
     // than it holds (a hint: where it is refused, all of it does).
     if (size >= kHuge) madvise(p, size / kHuge * kHuge, MADV_HUGEPAGE);
-    return OwnedBytes(static_cast<uint8_t*>(p));
+    return OwnedBytes(p, UnmapBytes{size});
 }
 
 namespace {

@@ -43,17 +43,21 @@ int64_t interleaved_bytes(Format xfmt, int64_t rows, int64_t K);
 // fmt's x8 layout, rows a multiple of 8, or fmt itself); returns the MatrixRef that reads dst.
 MatrixRef interleave_rows(Format fmt, Format to, const MatrixRef& src, int64_t rows, int64_t K, uint8_t* dst);
 
-// Memory for copies: page-aligned (NUMA binding and page release work per page), freed with
-// free(). From 2 MiB up it starts on a 2 MiB boundary and asks for transparent huge pages
-// (MADV_HUGEPAGE, honoured where THP is "always" or "madvise"): the decode GEMVs stream
-// every weight once per token, and with 4 KiB pages each page is a TLB miss, a nested page
-// walk in a VM. The bandwidth probe reads memory allocated the same way, so that the two
-// stay comparable (on a 2-core Zen 3 VM, THP "madvise": the probe read ~20 % faster, the
-// engine decoded ~6 % faster).
-struct FreeBytes {
-    void operator()(uint8_t* p) const { std::free(p); }
+// Memory for copies: a mapping of its own (page-aligned, so NUMA binding and page release
+// work per page), never touched before it is asked for transparent huge pages. From 2 MiB up
+// it starts on a 2 MiB boundary with MADV_HUGEPAGE (honoured where THP is "always" or
+// "madvise"): the decode GEMVs stream every weight once per token, and with 4 KiB pages each
+// page is a TLB miss, a nested page walk in a VM. Not malloc: glibc serves large blocks from
+// memory freed earlier (its mmap threshold grows as large blocks are freed), whose pages were
+// already faulted in at 4 KiB and stay so. The bandwidth probe reads memory allocated the same
+// way, so that the two stay comparable (on a 2-core Zen 3 VM, THP "madvise": the probe read
+// ~20 % faster, the engine decoded ~6 % faster; on a 2-core Xeon VM a cold q4_0 GEMV read
+// 11 GB/s a core from 4 KiB pages and 16 GB/s from huge pages).
+struct UnmapBytes {
+    size_t size = 0;
+    void operator()(uint8_t* p) const;
 };
-using OwnedBytes = std::unique_ptr<uint8_t, FreeBytes>;
+using OwnedBytes = std::unique_ptr<uint8_t, UnmapBytes>;
 OwnedBytes allocate_pages(int64_t bytes);  // throws std::bad_alloc
 
 // One matrix to copy: *ref (a [rows, K] matrix of `fmt`) is replaced by its copy in layout

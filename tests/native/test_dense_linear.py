@@ -167,3 +167,33 @@ def test_storage_the_kernels_cannot_read_is_materialised_once(monkeypatch):
     assert rel_err(lin(x), x @ w.t()) < 1e-5
     monkeypatch.setenv("HYBRIDMOE_NATIVE", "0")
     assert not isinstance(loader.linear("p", 64, 96), NativeLinear)
+
+
+def _anon_huge_bytes() -> int:
+    with open("/proc/self/smaps_rollup") as f:
+        return next(int(line.split()[1]) << 10 for line in f if line.startswith("AnonHugePages:"))
+
+
+def _thp_mode() -> str | None:
+    try:
+        text = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+    except OSError:
+        return None
+    return text[text.index("[") + 1 : text.index("]")]
+
+
+@pytest.mark.skipif(_thp_mode() not in ("always", "madvise"), reason="no transparent huge pages here")
+def test_copies_get_huge_pages_after_large_blocks_were_freed():
+    """The interleaved copy is streamed once per token: on 4 KiB pages every page is a TLB
+    miss (a nested page walk in a VM). Freeing large blocks first makes malloc serve the next
+    ones from memory already faulted in at 4 KiB; the copies are mappings of their own."""
+    for _ in range(3):
+        block = np.ones(24 << 20, np.uint8)  # 24 MB, freed again: glibc raises its mmap threshold
+        del block
+    stored = random_matrix(np.random.default_rng(0), "q4_0", (8192, 2048))  # a 9.4 MB copy
+    before = _anon_huge_bytes()
+    lin = NativeLinear(stored)
+    gained = _anon_huge_bytes() - before
+    whole_pages = lin.native.interleaved_bytes // (2 << 20) * (2 << 20)
+    # The kernel may refuse a huge page where memory is fragmented: most, not all.
+    assert gained >= whole_pages // 2, (gained, whole_pages)
