@@ -96,8 +96,9 @@ def test_a_prompt_longer_than_the_context_is_a_clear_error(tiny_chat_model):
 
 
 def test_a_plan_for_another_model_is_refused(tiny_chat_model):
-    other = inspect_model(__import__("pathlib").Path(__file__).resolve().parents[2].parent
-                          / "shared" / "configs" / "Qwen__Qwen3-30B-A3B.json")
+    from hybridmoe.backend.hub.catalogue import load
+
+    other = inspect_model(load().find("qwen3-30b-a3b").config_path)  # the config the catalogue ships
     plan = make(other.spec, other.inventory, preset("cpu-only"), Workload(context=256))
     with pytest.raises(UsageError, match="plan was made for"):
         EngineBackend().load(tiny_chat_model, plan)
