@@ -261,6 +261,20 @@ def test_gpt_oss_mxfp4_checkpoint_layout(isa):
             check(experts, x, ids, w, regime, "mxfp4_hf")
 
 
+@pytest.mark.parametrize("fmt, I", [("q4_0", 448), ("q8_0", 448), ("int4_g32", 448), ("q4_k", 768)])
+def test_decode_step_in_long_work_units(isa, fmt, I):
+    """A decode step reads each expert's rows once, in units of many rows (a few per thread):
+    here units of 128 rows with a shorter last one (q4_0: 448 = 3 x 128 + 64), whole groups
+    of 256 for the K-quants' intermediate, and down rows well past 64."""
+    rng = np.random.default_rng(11)
+    E, H = 6, 1024
+    experts = make_host_experts(rng, fmt, E, H, I, range(E), layout="per_expert")
+    for T, k in ((1, 3), (2, 3), (4, 6)):
+        x = torch.from_numpy(rng.standard_normal((T, H)).astype(np.float32))
+        ids, w = random_routing(rng, T, E, k)
+        check(experts, x, ids, w, "decode", fmt)
+
+
 @pytest.mark.parametrize("fmts", [("q4_k", "q6_k"), ("q4_k", "q5_k"), ("q4_0", "q8_0")])
 def test_down_in_another_format(fmts):
     """GGUF quant mixes (Q4_K_M) keep ffn_down in a wider type than gate/up."""
