@@ -591,9 +591,10 @@ void MoELayer::forward(Executor& exec, const KernelTable& kt, const void* x, boo
     // Decode units: 64 rows when there are enough units to go round and 64 rows of one
     // matrix stay well inside L2 (reused by every group of four tokens), else 32. Where no
     // expert has more than one group of tokens (a decode step), its rows are read once: then
-    // as many rows as leave each thread four units, since every unit starts a new stream
-    // whose first reads wait the memory's full latency (the Q4_0 decode on a 2-core Xeon:
-    // 768-row units instead of 64 and 256 down rows instead of 64, 1.12x).
+    // as many rows as leave each thread four units. Short units kept the reads well below the
+    // wall on a 2-core Xeon VM, whose cores each need ~4 KiB in flight (the Q4_0 decode: 768-row
+    // units instead of 64 and 256 down rows instead of 64, 1.12x; not their cold first lines
+    // alone: prefetching the next unit's first lines while this one ran gained nothing).
     int64_t decode_rows_total = 0;
     bool one_pass = !any_prefill;
     for (const Entry& en : ws.entries)
