@@ -49,7 +49,8 @@ constexpr int kMr = 6;
 // ~1 KiB on a 2-core Zen 3 VM (AVX2, ~8 GB/s a core; q4_0x8 flat from 512 to 2048, q8_0x8
 // best at 1024), 3 KiB on a 2-core Xeon VM with AVX-512 (~16 GB/s a core: the Q4_0 decode,
 // distances in turn in one process, 1.04x at 1536, 1.08x at 2048, 1.10x at 3072 over 1024).
-// The AVX-512 machines are the server cores with the larger share.
+// AVX-512 is taken as the sign of the larger share: measured on that Xeon only (a Zen 5,
+// which has AVX-512 too, is not).
 #if defined(HMOE_AVX512)
 constexpr int kPrefetchAhead = 3072;
 #else

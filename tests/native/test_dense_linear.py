@@ -24,6 +24,7 @@ from hybridmoe.backend.engine import native_kernels
 from hybridmoe.backend.engine.loader import Loader
 from hybridmoe.backend.engine.native_linear import NativeLinear
 from hybridmoe.backend.formats.weights import dense
+from hybridmoe.backend.hardware.memory import read_transparent_hugepages
 
 from .test_native_experts import act_group, q8, rel_err
 
@@ -174,15 +175,7 @@ def _anon_huge_bytes() -> int:
         return next(int(line.split()[1]) << 10 for line in f if line.startswith("AnonHugePages:"))
 
 
-def _thp_mode() -> str | None:
-    try:
-        text = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
-    except OSError:
-        return None
-    return text[text.index("[") + 1 : text.index("]")]
-
-
-@pytest.mark.skipif(_thp_mode() not in ("always", "madvise"), reason="no transparent huge pages here")
+@pytest.mark.skipif(read_transparent_hugepages()[0] not in ("always", "madvise"), reason="no transparent huge pages here")
 def test_copies_get_huge_pages_after_large_blocks_were_freed():
     """The interleaved copy is streamed once per token: on 4 KiB pages every page is a TLB
     miss (a nested page walk in a VM). Freeing large blocks first makes malloc serve the next

@@ -264,8 +264,8 @@ def test_gpt_oss_mxfp4_checkpoint_layout(isa):
 @pytest.mark.parametrize("fmt, I", [("q4_0", 448), ("q8_0", 448), ("int4_g32", 448), ("q4_k", 768)])
 def test_decode_step_in_long_work_units(isa, fmt, I):
     """A decode step reads each expert's rows once, in units of many rows (a few per thread):
-    here units of 128 rows with a shorter last one (q4_0: 448 = 3 x 128 + 64), whole groups
-    of 256 for the K-quants' intermediate, and down rows well past 64."""
+    on two threads, units of 128 rows with a shorter last one (q4_0: 448 = 3 x 128 + 64),
+    whole groups of 256 for the K-quants' intermediate, and down rows well past 64."""
     rng = np.random.default_rng(11)
     E, H = 6, 1024
     experts = make_host_experts(rng, fmt, E, H, I, range(E), layout="per_expert")
