@@ -74,7 +74,10 @@ class StoredMessage:
 
 
 def _now() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+    # Microseconds: the list of conversations sorts by this text, and two conversations used
+    # within one second (a question answered, then another) must still sort by which came last.
+    # A history written with whole seconds sorts right beside it ("+" orders before ".").
+    return datetime.now(timezone.utc).isoformat(timespec="microseconds")
 
 
 def title_for(text: str) -> str:

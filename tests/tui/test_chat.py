@@ -159,6 +159,16 @@ async def test_history_is_kept_and_reopened(configured):
     assert len(history.messages(history.conversations()[0].id)) == 4
 
 
+def test_conversations_used_within_one_second_list_the_last_used_first(tmp_path):
+    history = History(tmp_path / "history.sqlite3")
+    first = history.create("model")
+    second = history.create("model")
+    history.add(first.id, "user", "again")  # well within the second `second` was made in
+    assert [c.id for c in history.conversations()] == [first.id, second.id]
+    history.update(second.id, title="renamed")
+    assert [c.id for c in history.conversations()] == [second.id, first.id]
+
+
 async def test_system_prompt_and_sampling_settings(configured):
     app = HybridMoeApp(configured)
     async with app.run_test(size=(120, 40)) as pilot:
