@@ -1263,7 +1263,7 @@ struct PrefetchStream {
 // Two positions per step: 2 x G independent accumulator chains, enough to cover the FMA
 // latency (with one position the G chains waited on each other's latency, measured 2x slower).
 // Given `next_k` and `v` (the first pass over a stretch), each step also prefetches a share
-// of the next stretch's keys into L1 and of this stretch's values into L2 (see attend_run_t).
+// of the next stretch's keys into L1 and of `v` (values) into L2 (see attend_run_t).
 template <bool BF16, int G>
 static void attend_scores(const float* q, int64_t D, const void* k, int64_t ldk, int64_t n, float* sc, int64_t ld_sc,
                           PrefetchStream* next_k = nullptr, PrefetchStream* v = nullptr) {
@@ -1329,13 +1329,14 @@ static void attend_scores(const float* q, int64_t D, const void* k, int64_t ldk,
 // as one pass over all the positions.
 template <bool BF16, int G>
 static void attend_values(const float* p, int64_t ld_p, int64_t Dv, const void* v, int64_t n, int64_t ldv,
-                          float* acc) {
+                          float* acc, PrefetchStream* pf) {
     int64_t j0 = 0;
     for (; j0 + 32 <= Dv; j0 += 32) {
         __m256 a[G][4];
         for (int j = 0; j < G; ++j)
             for (int c = 0; c < 4; ++c) a[j][c] = _mm256_loadu_ps(acc + j * Dv + j0 + 8 * c);
         for (int64_t s = 0; s < n; ++s) {
+            if (pf && j0 == 0) pf->step<_MM_HINT_T0>();  // spread over the first columns' pass
             const int64_t row = s * ldv + j0;
             const __m256 v0 = kv8<BF16>(v, row), v1 = kv8<BF16>(v, row + 8), v2 = kv8<BF16>(v, row + 16),
                          v3 = kv8<BF16>(v, row + 24);
@@ -1367,6 +1368,197 @@ static void attend_values(const float* p, int64_t ld_p, int64_t Dv, const void* 
         }
 }
 
+#if defined(HMOE_AVX512)
+// AVX-512: the same two passes on 512-bit vectors, up to eight heads of a group at once.
+// At the group sizes of the target models (4 to 16 query heads per KV head) decode attention
+// is bound by its multiply-adds, not by the cache reads: group x D of them per key row and
+// per value row. With 256-bit vectors it ran as fast hot as cold (bf16 cache, 1024
+// positions, group 8, 2 threads of a Zen 5: 16.4 GB/s hot, 13.9 cold, a third of the
+// bandwidth probe); twice the lanes, keys and values converted once for eight heads instead
+// of twice and four times, and the registers to hold eight heads' accumulators halve it.
+
+// Sixteen elements of a bf16 or fp32 cache row from i on as floats; with a mask, those of
+// its set bits (the rest zero: a row's tail, read without touching past its end).
+template <bool BF16>
+static inline __m512 kv16(const void* base, int64_t i) {
+    if constexpr (BF16)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(base) + i))), 16));
+    else
+        return _mm512_loadu_ps(static_cast<const float*>(base) + i);
+}
+template <bool BF16>
+static inline __m512 kv16(const void* base, int64_t i, __mmask16 m) {
+    if constexpr (BF16)
+        return _mm512_castsi512_ps(
+            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, static_cast<const uint16_t*>(base) + i)), 16));
+    else
+        return _mm512_maskz_loadu_ps(m, static_cast<const float*>(base) + i);
+}
+
+// The sums of sixteen vectors' lanes, transposed: lane 4k + e of the result is the sum of
+// x[4e + k] (sum16_lane). Each sum's additions depend on its own vector only, so a dot product
+// gets the same bits whichever vectors share the call.
+static inline __m512 hsum16_ps(const __m512* x) {
+    __m512 z[8], w[4], u[2];
+    for (int i = 0; i < 8; ++i)  // 256-bit halves added: x[2i] into 128-bit lanes 0-1, x[2i + 1] into 2-3
+        z[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_f32x4(x[2 * i], x[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    for (int i = 0; i < 4; ++i)  // 128-bit lanes added: lane e of w[i] holds x[4i + e]
+        w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(z[2 * i], z[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_f32x4(z[2 * i], z[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    for (int i = 0; i < 2; ++i)  // pairs of floats in each lane
+        u[i] = _mm512_add_ps(_mm512_shuffle_ps(w[2 * i], w[2 * i + 1], 0x44), _mm512_shuffle_ps(w[2 * i], w[2 * i + 1], 0xEE));
+    return _mm512_add_ps(_mm512_shuffle_ps(u[0], u[1], 0x88), _mm512_shuffle_ps(u[0], u[1], 0xDD));
+}
+constexpr int sum16_lane(int i) { return 4 * (i % 4) + i / 4; }
+
+// attend_scores for G heads and P positions per step (G x P <= 16 accumulators of 16 lanes,
+// x[P j + p]: head j at position s + p); positions past the stretch read its last row.
+template <bool BF16, int G, int P = 16 / G>
+static void attend_scores16(const float* q, int64_t D, const void* k, int64_t ldk, int64_t n, float* sc, int64_t ld_sc,
+                            PrefetchStream* next_k, PrefetchStream* v) {
+    const int64_t D16 = D / 16 * 16;
+    const __mmask16 tail = __mmask16((1u << (D - D16)) - 1);
+    for (int64_t s = 0; s < n; s += P) {
+        if (v) {
+            for (int p = 0; p < P; p += 2) {
+                next_k->step<_MM_HINT_T0>();
+                v->step<_MM_HINT_T1>();
+            }
+        }
+        int64_t r[P];
+        for (int p = 0; p < P; ++p) r[p] = std::min(s + p, n - 1) * ldk;
+        __m512 x[16];
+        for (int i = 0; i < 16; ++i) x[i] = _mm512_setzero_ps();
+        for (int64_t d = 0; d < D16; d += 16) {
+            __m512 kk[P];
+            for (int p = 0; p < P; ++p) kk[p] = kv16<BF16>(k, r[p] + d);
+            for (int j = 0; j < G; ++j) {
+                const __m512 qv = _mm512_loadu_ps(q + j * D + d);
+                for (int p = 0; p < P; ++p) x[P * j + p] = _mm512_fmadd_ps(qv, kk[p], x[P * j + p]);
+            }
+        }
+        if (tail) {
+            __m512 kk[P];
+            for (int p = 0; p < P; ++p) kk[p] = kv16<BF16>(k, r[p] + D16, tail);
+            for (int j = 0; j < G; ++j) {
+                const __m512 qv = _mm512_maskz_loadu_ps(tail, q + j * D + D16);
+                for (int p = 0; p < P; ++p) x[P * j + p] = _mm512_fmadd_ps(qv, kk[p], x[P * j + p]);
+            }
+        }
+        alignas(64) float out[16];
+        _mm512_store_ps(out, hsum16_ps(x));
+        for (int j = 0; j < G; ++j)
+            for (int p = 0; p < P && s + p < n; ++p) sc[j * ld_sc + s + p] = out[sum16_lane(P * j + p)];
+    }
+}
+
+// attend_values for G <= 8 heads: C vectors of 16 value columns per head (8 to 16
+// accumulators), the value rows converted once for all G heads; a masked last vector for
+// Dv's tail. Every column's chain of FMAs is the same however the columns are grouped.
+template <bool BF16, int G>
+static void attend_values16(const float* p, int64_t ld_p, int64_t Dv, const void* v, int64_t n, int64_t ldv,
+                            float* acc, PrefetchStream* pf) {
+    constexpr int C = G <= 4 ? 4 : 2;
+    int64_t j0 = 0;
+    for (; j0 + 16 * C <= Dv; j0 += 16 * C) {
+        __m512 a[G][C];
+        for (int j = 0; j < G; ++j)
+            for (int c = 0; c < C; ++c) a[j][c] = _mm512_loadu_ps(acc + j * Dv + j0 + 16 * c);
+        for (int64_t s = 0; s < n; ++s) {
+            if (pf && j0 == 0) pf->step<_MM_HINT_T0>();  // spread over the first columns' pass
+            __m512 vv[C];
+            for (int c = 0; c < C; ++c) vv[c] = kv16<BF16>(v, s * ldv + j0 + 16 * c);
+            for (int j = 0; j < G; ++j) {
+                const __m512 w = _mm512_set1_ps(p[j * ld_p + s]);
+                for (int c = 0; c < C; ++c) a[j][c] = _mm512_fmadd_ps(w, vv[c], a[j][c]);
+            }
+        }
+        for (int j = 0; j < G; ++j)
+            for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + j * Dv + j0 + 16 * c, a[j][c]);
+    }
+    for (; j0 < Dv; j0 += 16) {
+        const __mmask16 m = Dv - j0 >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (Dv - j0)) - 1);
+        __m512 a[G];
+        for (int j = 0; j < G; ++j) a[j] = _mm512_maskz_loadu_ps(m, acc + j * Dv + j0);
+        for (int64_t s = 0; s < n; ++s) {
+            const __m512 vv = kv16<BF16>(v, s * ldv + j0, m);
+            for (int j = 0; j < G; ++j) a[j] = _mm512_fmadd_ps(_mm512_set1_ps(p[j * ld_p + s]), vv, a[j]);
+        }
+        for (int j = 0; j < G; ++j) _mm512_mask_storeu_ps(acc + j * Dv + j0, m, a[j]);
+    }
+}
+
+// Heads g0 .. g0 + min(8, group - g0) of a stretch: the kernels above for that many heads.
+template <bool BF16>
+static void scores_heads(int g, const float* q, int64_t D, const void* k, int64_t ldk, int64_t n, float* sc,
+                         int64_t ld_sc, PrefetchStream* next_k, PrefetchStream* v) {
+    switch (g) {
+        case 8: return attend_scores16<BF16, 8>(q, D, k, ldk, n, sc, ld_sc, next_k, v);
+        case 7: return attend_scores16<BF16, 7>(q, D, k, ldk, n, sc, ld_sc, next_k, v);
+        case 6: return attend_scores16<BF16, 6>(q, D, k, ldk, n, sc, ld_sc, next_k, v);
+        case 5: return attend_scores16<BF16, 5>(q, D, k, ldk, n, sc, ld_sc, next_k, v);
+        case 4: return attend_scores16<BF16, 4>(q, D, k, ldk, n, sc, ld_sc, next_k, v);
+        case 3: return attend_scores16<BF16, 3>(q, D, k, ldk, n, sc, ld_sc, next_k, v);
+        case 2: return attend_scores16<BF16, 2>(q, D, k, ldk, n, sc, ld_sc, next_k, v);
+        default: return attend_scores16<BF16, 1>(q, D, k, ldk, n, sc, ld_sc, next_k, v);
+    }
+}
+template <bool BF16>
+static void values_heads(int g, const float* p, int64_t ld_p, int64_t Dv, const void* v, int64_t n, int64_t ldv,
+                         float* acc, PrefetchStream* pf) {
+    switch (g) {
+        case 8: return attend_values16<BF16, 8>(p, ld_p, Dv, v, n, ldv, acc, pf);
+        case 7: return attend_values16<BF16, 7>(p, ld_p, Dv, v, n, ldv, acc, pf);
+        case 6: return attend_values16<BF16, 6>(p, ld_p, Dv, v, n, ldv, acc, pf);
+        case 5: return attend_values16<BF16, 5>(p, ld_p, Dv, v, n, ldv, acc, pf);
+        case 4: return attend_values16<BF16, 4>(p, ld_p, Dv, v, n, ldv, acc, pf);
+        case 3: return attend_values16<BF16, 3>(p, ld_p, Dv, v, n, ldv, acc, pf);
+        case 2: return attend_values16<BF16, 2>(p, ld_p, Dv, v, n, ldv, acc, pf);
+        default: return attend_values16<BF16, 1>(p, ld_p, Dv, v, n, ldv, acc, pf);
+    }
+}
+constexpr int kScoreHeads = 4;
+constexpr int kValueHeads = 8;  // heads per pass of the kernels
+#else
+template <bool BF16>
+static void scores_heads(int g, const float* q, int64_t D, const void* k, int64_t ldk, int64_t n, float* sc,
+                         int64_t ld_sc, PrefetchStream* next_k, PrefetchStream* v) {
+    switch (g) {
+        case 4: return attend_scores<BF16, 4>(q, D, k, ldk, n, sc, ld_sc, next_k, v);
+        case 3: return attend_scores<BF16, 3>(q, D, k, ldk, n, sc, ld_sc, next_k, v);
+        case 2: return attend_scores<BF16, 2>(q, D, k, ldk, n, sc, ld_sc, next_k, v);
+        default: return attend_scores<BF16, 1>(q, D, k, ldk, n, sc, ld_sc, next_k, v);
+    }
+}
+template <bool BF16>
+static void values_heads(int g, const float* p, int64_t ld_p, int64_t Dv, const void* v, int64_t n, int64_t ldv,
+                         float* acc, PrefetchStream* pf) {
+    if (g >= 2) return attend_values<BF16, 2>(p, ld_p, Dv, v, n, ldv, acc, pf);
+    attend_values<BF16, 1>(p, ld_p, Dv, v, n, ldv, acc, pf);
+}
+constexpr int kScoreHeads = 4, kValueHeads = 2;
+#endif
+
+// The largest of x[0 .. n) (-inf for none), in four independent chains of 8 lanes: one
+// scalar chain waited out the latency of every max, a tenth of a 1024-position attention.
+// A maximum is exact, so the order of comparisons does not change it.
+static inline float max_of(const float* x, int64_t n) {
+    __m256 m[4];
+    for (int c = 0; c < 4; ++c) m[c] = _mm256_set1_ps(-INFINITY);
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32)
+        for (int c = 0; c < 4; ++c) m[c] = _mm256_max_ps(m[c], _mm256_loadu_ps(x + i + 8 * c));
+    for (; i + 8 <= n; i += 8) m[0] = _mm256_max_ps(m[0], _mm256_loadu_ps(x + i));
+    const __m256 m8 = _mm256_max_ps(_mm256_max_ps(m[0], m[1]), _mm256_max_ps(m[2], m[3]));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m8), _mm256_extractf128_ps(m8, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    float mx = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+    for (; i < n; ++i) mx = std::max(mx, x[i]);
+    return mx;
+}
+
 // A run of positions stretch by stretch (a stretch: the run's part of one cache block), every
 // head of the group over a stretch while its keys (then its values) are in L1. Head group by
 // head group, each pass read the whole run again from L2 (64 KiB of keys or values at 256
@@ -1375,11 +1567,13 @@ static void attend_values(const float* p, int64_t ld_p, int64_t Dv, const void* 
 //
 // The cache is read cold (a token's weights have streamed through the caches since the layer's
 // last step), and a stretch is one block's rows of a head, 16 KiB at 64 positions: too short
-// for the hardware prefetchers, which start again at every block. So the first pass over a
-// stretch prefetches the next stretch's keys and this stretch's values (read by the values
-// pass after the softmax, from L2) in shares per step: cold, 2 threads, without and with in
-// turn, 1024 positions 482 -> 336 us a layer (0.29 -> 0.43 of the bandwidth probe), 4096
-// 1805 -> 1287, 256 136 -> 110.
+// for the hardware prefetchers, which start again at every block. So each pass over a stretch
+// prefetches the next stretch it will read, in shares per step: the scores pass the next
+// stretch's keys (and during the last, the first stretch's values), the values pass the next
+// stretch's values. (Cold, 2 threads, without and with in turn, 1024 positions 482 -> 336 us a
+// layer, 0.29 -> 0.43 of the bandwidth probe. Prefetching each stretch's values during its
+// scores instead asked for twice the bandwidth in the scores pass and none in the values
+// pass: 4096 positions on a Zen 5, in turn, 419 -> 401 us.)
 template <bool BF16>
 static void attend_run_t(const float* q, int group, int64_t D, int64_t Dv, const KvSegment* segs, int n_segs,
                          int64_t ldk, int64_t ldv, int64_t n, float* scores, float* m, float* l, float* acc) {
@@ -1388,24 +1582,18 @@ static void attend_run_t(const float* q, int group, int64_t D, int64_t Dv, const
         const int64_t steps = std::max<int64_t>(1, segs[i].n / 2);
         PrefetchStream next_k = i + 1 < n_segs ? PrefetchStream(segs[i + 1].k, segs[i + 1].n * ldk * esz, steps)
                                                : PrefetchStream();
-        PrefetchStream v(segs[i].v, segs[i].n * ldv * esz, steps);
-        for (int g0 = 0; g0 < group; g0 += 4) {
-            const float* qb = q + int64_t(g0) * D;
-            float* sb = scores + int64_t(g0) * n + off;
+        PrefetchStream first_v = i + 1 == n_segs ? PrefetchStream(segs[0].v, segs[0].n * ldv * esz, steps)
+                                                 : PrefetchStream();
+        for (int g0 = 0; g0 < group; g0 += kScoreHeads) {
             PrefetchStream* pk = g0 == 0 ? &next_k : nullptr;  // the first pass prefetches
-            PrefetchStream* pv = g0 == 0 ? &v : nullptr;
-            switch (std::min(4, group - g0)) {
-                case 4: attend_scores<BF16, 4>(qb, D, segs[i].k, ldk, segs[i].n, sb, n, pk, pv); break;
-                case 3: attend_scores<BF16, 3>(qb, D, segs[i].k, ldk, segs[i].n, sb, n, pk, pv); break;
-                case 2: attend_scores<BF16, 2>(qb, D, segs[i].k, ldk, segs[i].n, sb, n, pk, pv); break;
-                default: attend_scores<BF16, 1>(qb, D, segs[i].k, ldk, segs[i].n, sb, n, pk, pv); break;
-            }
+            PrefetchStream* pv = g0 == 0 ? &first_v : nullptr;
+            scores_heads<BF16>(std::min(kScoreHeads, group - g0), q + int64_t(g0) * D, D, segs[i].k, ldk, segs[i].n,
+                               scores + int64_t(g0) * n + off, n, pk, pv);
         }
     }
     for (int g = 0; g < group; ++g) {
         float* sc = scores + int64_t(g) * n;
-        float mx = -INFINITY;
-        for (int64_t s = 0; s < n; ++s) mx = std::max(mx, sc[s]);
+        const float mx = max_of(sc, n);
         const __m256 vmx = _mm256_set1_ps(mx);
         __m256 vsum = _mm256_setzero_ps();
         int64_t s = 0;
@@ -1420,15 +1608,14 @@ static void attend_run_t(const float* q, int group, int64_t D, int64_t Dv, const
         l[g] = sum;
     }
     std::fill(acc, acc + int64_t(group) * Dv, 0.f);
-    for (int i = 0, off = 0; i < n_segs; off += int(segs[i].n), ++i)
-        for (int g0 = 0; g0 < group; g0 += 2) {
-            const float* pb = scores + int64_t(g0) * n + off;
-            float* ab = acc + int64_t(g0) * Dv;
-            if (group - g0 >= 2)
-                attend_values<BF16, 2>(pb, n, Dv, segs[i].v, segs[i].n, ldv, ab);
-            else
-                attend_values<BF16, 1>(pb, n, Dv, segs[i].v, segs[i].n, ldv, ab);
+    for (int i = 0, off = 0; i < n_segs; off += int(segs[i].n), ++i) {
+        PrefetchStream next_v = i + 1 < n_segs ? PrefetchStream(segs[i + 1].v, segs[i + 1].n * ldv * esz, segs[i].n)
+                                               : PrefetchStream();
+        for (int g0 = 0; g0 < group; g0 += kValueHeads) {
+            values_heads<BF16>(std::min(kValueHeads, group - g0), scores + int64_t(g0) * n + off, n, Dv, segs[i].v, segs[i].n, ldv,
+                               acc + int64_t(g0) * Dv, g0 == 0 && next_v.lines ? &next_v : nullptr);
         }
+    }
 }
 
 static void attend_run(const float* q, int group, int64_t D, int64_t Dv, const KvSegment* segs, int n_segs,
