@@ -45,7 +45,7 @@ __all__ = [
     "unsupported_reason",
 ]
 
-REGIMES = {"auto": 0, "decode": 1, "prefill": 2}
+REGIMES = {"auto": 0, "decode": 1, "prefill": 2, "prompt": 3}
 
 
 def _bias(b: torch.Tensor | None, start: int, step: int, n: int) -> torch.Tensor | None:

@@ -76,13 +76,17 @@ def summary() -> str:
 # What the rows of the kernels' calls in this thread are (``rows_are``): "decode" rows are
 # tokens of different sequences, each computed on the few-token paths (the integer GEMV on
 # Q8 activations, the experts' decode regime) at any count, so that a step of several
-# sequences computes each row as a step of one would; "prompt" rows are a prompt chunk,
-# computed on the many-token paths (dequantized panels and a GEMM) at any count, so that a
+# sequences computes each row as a step of one would; "prompt" rows are a prompt chunk, each
+# matrix computed on one path chosen by its stored format alone, at any count, so that a
 # prompt gives the same numbers however it was split into chunks (a conversation continued
-# from the cache gets the logits of a fresh prefill). "auto": by the measured switch points.
+# from the cache gets the logits of a fresh prefill): the many-token path (dequantized panels
+# and a GEMM), except for the formats with a row-interleaved copy (q4_0, q4_k, int4_g32,
+# q8_0), whose integer GEMV is the faster at every count (native prompt_takes_gemv; on the
+# mid-size Qwen3-MoE model, 2-core Zen 5: a 64-token prompt 1.5-1.6x, a 512-token one
+# 1.06-1.3x faster than on the GEMM). "auto": by the measured switch points.
 _ROWS: ContextVar[str] = ContextVar("hybridmoe_rows", default="auto")
-_DENSE_THRESHOLD = {"auto": 0, "decode": 1 << 30, "prompt": 1}
-_EXPERT_REGIME = {"auto": "auto", "decode": "decode", "prompt": "prefill"}
+_DENSE_THRESHOLD = {"auto": 0, "decode": 1 << 30, "prompt": -1}  # -1: native kPromptRows
+_EXPERT_REGIME = {"auto": "auto", "decode": "decode", "prompt": "prompt"}
 
 
 @contextmanager

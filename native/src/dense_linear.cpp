@@ -295,6 +295,7 @@ void DenseLinear::forward(Executor& exec, const KernelTable& kt, const void* x, 
     c.x_bf16 = x_bf16;
     c.out = out;
     auto gemm = [&](const DensePart& p) {
+        if (prefill_min_tokens == kPromptRows) return !prompt_takes_gemv(kt.name, p.fmt);
         return T >= (prefill_min_tokens > 0 ? prefill_min_tokens : dense_prefill_min_tokens(kt, p.fmt));
     };
     int64_t gemv_rows = 0, gemm_rows = 0;

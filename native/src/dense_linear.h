@@ -47,8 +47,10 @@ public:
 
     // x [T, cols] (fp32, or bf16 when x_bf16) -> out [T, rows] fp32 (overwritten; the parts'
     // rows one after the other). Up to prefill_min_tokens - 1 tokens take the GEMV path, more
-    // the GEMM path; prefill_min_tokens <= 0: each part's measured switch point
-    // (dense_prefill_min_tokens), so that a joined part computes what it computes alone.
+    // the GEMM path; prefill_min_tokens 0: each part's measured switch point
+    // (dense_prefill_min_tokens), so that a joined part computes what it computes alone;
+    // kPromptRows: each part's path by its format alone, at any count (prompt_takes_gemv), so
+    // that a prompt computes the same numbers however it was split into chunks.
     void forward(Executor& exec, const KernelTable& kt, const void* x, bool x_bf16, int64_t T, float* out,
                  int prefill_min_tokens) const;
 
@@ -66,6 +68,7 @@ private:
 
 // Token count from which a dense projection of `fmt` takes the GEMM path (measured, see the .cpp).
 int dense_prefill_min_tokens(const KernelTable& kt, Format fmt);
+constexpr int kPromptRows = -1;
 
 // The formats of a projection's parts by name, "+" between different ones ("q4_kx8+q6_k").
 std::string format_names(const DenseLinear& lin);

@@ -153,7 +153,7 @@ void layer_forward(const MoELayer& layer, nb::ndarray<nb::ndim<2>, nb::c_contig,
         throw nb::value_error("topk_weights must have the shape of topk_ids");
     if (int64_t(out.shape(0)) != T || int64_t(out.shape(1)) != layer.hidden())
         throw nb::value_error("out must be float32 [T, hidden]");
-    if (regime < 0 || regime > 2) throw nb::value_error("regime must be 0 (auto), 1 (decode) or 2 (prefill)");
+    if (regime < 0 || regime > 3) throw nb::value_error("regime must be 0 (auto), 1 (decode), 2 (prefill) or 3 (prompt)");
     const KernelTable& kt = *current_table();
     const int threshold = prefill_min_tokens > 0 ? prefill_min_tokens : default_prefill_min_tokens(kt, layer.format());
     Executor& exec = executor();
@@ -634,7 +634,8 @@ NB_MODULE(_native, m) {
             "linears"_a,
             "One projection over the matrices of `linears` (same width, any formats; kept alive by the caller), outputs side by side.")
         .def("forward", &dense_forward, "x"_a, "out"_a, "prefill_min_tokens"_a = 0,
-             "out[T, rows] = x[T, cols] W^T in float32 (GIL released).")
+             "out[T, rows] = x[T, cols] W^T in float32 (GIL released). prefill_min_tokens: from how many tokens "
+             "the GEMM path; 0 each part's measured switch point; -1 (prompt rows) each part's path by its format.")
         .def_prop_ro("format", &format_names, "The stored format, or a joined projection's formats (\"q4_kx8+q6_k\").")
         .def_prop_ro("rows", &DenseLinear::rows)
         .def_prop_ro("cols", &DenseLinear::cols)

@@ -486,6 +486,7 @@ int MoELayer::bind_to_nodes(const Executor& exec) {
 void MoELayer::forward(Executor& exec, const KernelTable& kt, const void* x, bool x_bf16, int64_t T, const int64_t* ids,
                        const float* weights, int k, float* out, Regime regime, int prefill_min_tokens) const {
     if (T <= 0) return;
+    if (regime == Regime::Prompt) regime = prompt_takes_gemv(kt.name, fmt_) ? Regime::Decode : Regime::Prefill;
     std::lock_guard<std::mutex> lock(g_call_mutex);
     Workspace& ws = g_ws;
     const int64_t E = n_experts();

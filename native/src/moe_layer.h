@@ -29,9 +29,11 @@ class Executor;
 
 enum class Activation : int { SwiGLU = 0, GptOss = 1 };
 
-// How a call picks the regime of each expert: by its token count (Auto), or forced (the
-// benchmark measures both sides of the switch point this way).
-enum class Regime : int { Auto = 0, Decode = 1, Prefill = 2 };
+// How a call picks the regime of each expert: by its token count (Auto), forced (the
+// benchmark measures both sides of the switch point this way), or (Prompt) by the stored
+// format alone, whatever the count (prompt_takes_gemv), so that a prompt computes the same
+// numbers however it was split into chunks.
+enum class Regime : int { Auto = 0, Decode = 1, Prefill = 2, Prompt = 3 };
 
 struct ExpertWeights {
     MatrixRef gate, up, down;  // [I, H], [I, H], [H, I]

@@ -21,6 +21,11 @@ Format interleaved_format(Format fmt) {
     return FMT_COUNT;
 }
 
+bool prompt_takes_gemv(const char* kernels, Format fmt) {
+    if (std::strcmp(kernels, "scalar") == 0) return false;
+    return kFormats[fmt].row_group == 8 || interleaved_format(fmt) != FMT_COUNT;
+}
+
 Format copied_format(Format fmt, int64_t rows, bool in_file) {
     const Format x8 = interleaved_format(fmt);
     if (x8 != FMT_COUNT && rows % 8 == 0) return x8;

@@ -29,6 +29,13 @@ class ReadOnlyFileMappings;
 // The x8 format `fmt` is copied into, or FMT_COUNT when it has none.
 Format interleaved_format(Format fmt);
 
+// Whether a prompt's rows take the GEMV path (the experts' decode regime) on a matrix stored
+// as `fmt`, at any count: for the formats with an x8 layout, whose integer GEMV is the faster
+// at every count, in that layout or as stored (rows not in groups of 8 stay so), so that a
+// matrix computes the same whichever way it was sliced; on kernels named "scalar" (portable),
+// whose GEMM is the faster from one token, never.
+bool prompt_takes_gemv(const char* kernels, Format fmt);
+
 // The layout a [rows, K] matrix of `fmt` is copied into at load: its x8 layout (rows in whole
 // groups of 8), else, where `in_file` (its pages lie in a read-only file mapping, which
 // the copy then releases), `fmt` itself row for row (a single array: the copy buys the huge

@@ -98,7 +98,7 @@ def test_fused_projection_reads_its_parts_copies():
     assert NativeLinear.fused(parts[0], NativeLinear(random_matrix(rng, "q4_0", (8, 256)))) is None
 
 
-@pytest.mark.parametrize("tokens,threshold", [(1, 0), (3, 0), (40, 0), (40, 1), (5, 1_000_000)])
+@pytest.mark.parametrize("tokens,threshold", [(1, 0), (3, 0), (40, 0), (40, 1), (5, 1_000_000), (3, -1), (40, -1)])
 def test_projections_of_different_formats_join_into_one_call(tokens, threshold):
     """llama.cpp's K-quant mixes store v in Q6_K beside a Q4_K q and k: joined, each part
     computes exactly what it computes alone (its own layout, activations and GEMV/GEMM
@@ -117,6 +117,27 @@ def test_projections_of_different_formats_join_into_one_call(tokens, threshold):
         alone.append(torch.empty(tokens, p.out_features))
         p.native.forward(x, alone[-1], threshold)
     assert torch.equal(joined, torch.cat(alone, dim=-1))
+
+
+@pytest.mark.parametrize("rows", [64, 63])  # 63: no x8 copy, read as stored
+@pytest.mark.parametrize("fmt", ["q4_0", "q8_0", "q4_k", "q6_k", "bf16"])
+def test_prompt_rows_take_one_path_by_format_at_any_count(isa, fmt, rows):
+    """Prompt rows (-1): the GEMV for the formats with a row-interleaved copy (its GEMV is the
+    faster at every count; as stored too, so that a matrix sliced into parts computes what it
+    computes whole), the GEMM for the rest, whatever the count: a prompt's numbers do not
+    depend on its chunks."""
+    lin = NativeLinear(random_matrix(np.random.default_rng(8), fmt, (rows, 512)))
+    assert lin.native.format.endswith("x8") == (rows == 64 and fmt in ("q4_0", "q8_0", "q4_k"))
+    x = torch.randn(40, 512)
+    whole = torch.empty(40, rows)
+    lin.native.forward(x, whole, -1)
+    path = torch.empty(40, rows)
+    lin.native.forward(x, path, 1_000_000 if fmt in ("q4_0", "q8_0", "q4_k") and isa != "scalar" else 1)
+    assert torch.equal(whole, path)
+    for a, b in ((0, 1), (1, 14), (14, 40)):
+        chunk = torch.empty(b - a, rows)
+        lin.native.forward(x[a:b], chunk, -1)
+        assert torch.equal(chunk, whole[a:b]), (a, b)
 
 
 @pytest.mark.parametrize("fmt", ["q4_0", "bf16"])

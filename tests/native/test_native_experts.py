@@ -195,6 +195,23 @@ def test_a_format_without_an_x8_layout_is_read_in_place_from_process_memory():
     assert (native.layer.format, native.layer.down_format, native.layer.interleaved_bytes) == ("q6_k", "q6_k", 0)
 
 
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_k", "q6_k", "bf16"])
+def test_prompt_rows_take_one_regime_by_format_at_any_count(isa, fmt):
+    """The prompt regime: the decode regime for the formats with a row-interleaved copy (its
+    integer GEMV is the faster at every count), the prefill regime for the rest, whatever each
+    expert's count, so that a prompt's numbers do not depend on how it was split into chunks."""
+    rng = np.random.default_rng(zlib.crc32(fmt.encode()))
+    H, I = sizes(fmt)
+    native = native_experts.NativeExperts(make_host_experts(rng, fmt, 6, H, I, range(6)))
+    x = torch.from_numpy(rng.standard_normal((40, H)).astype(np.float32))
+    ids, w = random_routing(rng, 40, 6, 3)
+    whole = native.forward(x, ids, w, regime="prompt")
+    gemv = fmt in ("q4_0", "q4_k") and isa != "scalar"
+    assert torch.equal(whole, native.forward(x, ids, w, regime="decode" if gemv else "prefill"))
+    for a, b in ((0, 1), (1, 14), (14, 40)):
+        assert torch.equal(native.forward(x[a:b], ids[a:b], w[a:b], regime="prompt"), whole[a:b]), (a, b)
+
+
 @pytest.mark.parametrize("fmt", ["q4_0", "q4_k", "int4_g32", "q8_0"])
 def test_long_prompt_all_experts_on_cpu(fmt):
     """T = 512, k = 8, every expert on the CPU: most experts take the prefill regime."""
