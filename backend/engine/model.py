@@ -158,9 +158,13 @@ class MoeTransformer(nn.Module):
                 if last_only:
                     x = x[[s.row + s.n - 1 for s in segments]]
                     rows = [slice(i, i + 1) for i in range(len(segments))]
+                    # One row per sequence, as a decode step's head: the few-token path at any
+                    # count (a prompt's GEMM dequantized a Q6_K head, 16K x 2K, for one row).
+                    with native_kernels.rows_are("decode"):
+                        logits = self.lm_head(self.norm(x)).float()
                 else:
                     rows = [s.rows for s in segments]
-                logits = self.lm_head(self.norm(x)).float()
+                    logits = self.lm_head(self.norm(x)).float()
         outs = [logits] if rows is None else [logits[r] for r in rows]
         for seq, ids, start in calls:
             self.cache.commit(seq, start, ids)

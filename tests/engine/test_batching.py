@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from hybridmoe.backend.engine import native_kernels
 from hybridmoe.backend.engine.cpu_decode import DecodeStep
 from hybridmoe.backend.engine.model import build_model
 from hybridmoe.backend.formats.weights import open_weights
@@ -180,3 +181,15 @@ def test_a_prompt_gives_the_same_logits_however_it_is_chunked(family, quant, che
     whole = last_logits(())
     for cuts in ((48,), (7, 48, 96), (97,), (64, 65)):
         assert torch.equal(last_logits(cuts), whole), cuts
+
+
+def test_a_prompts_last_rows_take_the_heads_few_token_path(converted, monkeypatch):  # noqa: F811
+    """The head sees one row per sequence of a prompt, as in a decode step: the few-token path
+    at any count, as there (a prompt's many-token path dequantized the whole head, in Q4_K_M
+    files a Q6_K matrix of vocabulary x hidden, for those rows)."""
+    model = model_for(converted("qwen3_moe", "q4_k_m"), sequences=1)
+    seen = []
+    head = model.lm_head.forward
+    monkeypatch.setattr(model.lm_head, "forward", lambda x: seen.append(native_kernels.dense_threshold()) or head(x))
+    model.forward_batch([(model.cache.new_sequence(), tokens(9, seed=1).reshape(-1).tolist(), 0)], prompt=True)
+    assert seen == [native_kernels.dense_threshold("decode")]
