@@ -26,6 +26,8 @@ from hybridmoe.backend.engine.native_linear import NativeLinear
 from hybridmoe.backend.formats.weights import dense
 from hybridmoe.backend.hardware.memory import read_transparent_hugepages
 
+from tests.native.conftest import ISAS
+
 from .test_native_experts import act_group, q8, rel_err
 
 pytestmark = pytest.mark.skipif(not native_kernels.available(), reason="native extension not built")
@@ -138,6 +140,24 @@ def test_prompt_rows_take_one_path_by_format_at_any_count(isa, fmt, rows):
         chunk = torch.empty(b - a, rows)
         lin.native.forward(x[a:b], chunk, -1)
         assert torch.equal(chunk, whole[a:b]), (a, b)
+
+
+@pytest.mark.skipif(not {"avx512_vnni", "avx2"} <= set(ISAS), reason="needs both x86 kernel sets")
+def test_q4_kx8_gemv_gives_the_same_bits_on_avx512_as_on_avx2():
+    """AVX-512 computes three or four tokens on pairs of 8-row groups (vpdpbusd into int32),
+    AVX2 group by group (vpmaddubsw into int16): exact integer sums, the same float steps."""
+    lin = NativeLinear(random_matrix(np.random.default_rng(9), "q4_k", (72, 1024)))  # 4 pairs and a group
+    assert lin.native.format == "q4_kx8"
+    x = torch.randn(9, 1024)
+    outs = {}
+    try:
+        for isa in ("avx512_vnni", "avx2"):
+            _native.set_isa(isa)
+            outs[isa] = torch.empty(9, 72)
+            lin.native.forward(x, outs[isa], 1 << 30)
+    finally:
+        _native.set_isa("")
+    assert torch.equal(outs["avx512_vnni"], outs["avx2"])
 
 
 @pytest.mark.parametrize("fmt", ["q4_0", "bf16"])
