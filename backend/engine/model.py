@@ -158,12 +158,11 @@ class MoeTransformer(nn.Module):
                 if last_only:
                     x = x[[s.row + s.n - 1 for s in segments]]
                     rows = [slice(i, i + 1) for i in range(len(segments))]
-                    # One row per sequence, as a decode step's head: the few-token path at any
-                    # count (a prompt's GEMM dequantized a Q6_K head, 16K x 2K, for one row).
-                    with native_kernels.rows_are("decode"):
-                        logits = self.lm_head(self.norm(x)).float()
                 else:
                     rows = [s.rows for s in segments]
+                # Last rows, one per sequence, take the head's few-token path at any count, as a
+                # decode step's do (a prompt's many-token path dequantized the whole head for them).
+                with native_kernels.rows_are("decode" if last_only or decode else "prompt"):
                     logits = self.lm_head(self.norm(x)).float()
         outs = [logits] if rows is None else [logits[r] for r in rows]
         for seq, ids, start in calls:
