@@ -1461,13 +1461,15 @@ static void attend_values(const float* p, int64_t ld_p, int64_t Dv, const void* 
 }
 
 #if defined(HMOE_AVX512)
-// AVX-512: the same two passes on 512-bit vectors, up to eight heads of a group at once.
-// At the group sizes of the target models (4 to 16 query heads per KV head) decode attention
-// is bound by its multiply-adds, not by the cache reads: group x D of them per key row and
-// per value row. With 256-bit vectors it ran as fast hot as cold (bf16 cache, 1024
-// positions, group 8, 2 threads of a Zen 5: 16.4 GB/s hot, 13.9 cold, a third of the
-// bandwidth probe); twice the lanes, keys and values converted once for eight heads instead
-// of twice and four times, and the registers to hold eight heads' accumulators halve it.
+// AVX-512: the same two passes on 512-bit vectors: scores four heads x four positions a step,
+// values eight heads a pass. At the group sizes of the target models (4 to 16 query heads per
+// KV head) decode attention is bound by its multiply-adds, not by the cache reads: group x D
+// of them per key row and per value row. With 256-bit vectors it ran nearly as fast hot as
+// cold (bf16 cache, 1024 positions, group 8, 2 threads of a Zen 5: 16.4 GB/s hot, 13.9 cold, a
+// third of the bandwidth probe); with twice the lanes, each key and value row converted once
+// per pass (not once per two and four heads) and the registers for more heads' accumulators,
+// about 128 -> 75 us hot (with the changes below, 151 -> 100 cold). Eight heads x two
+// positions of scores a step was 10-18 % slower than four x four, two x eight slower still.
 
 // Sixteen elements of a bf16 or fp32 cache row from i on as floats; with a mask, those of
 // its set bits (the rest zero: a row's tail, read without touching past its end).
