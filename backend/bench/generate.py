@@ -286,9 +286,10 @@ def breakdown_table(per: dict, passes: int, probes: int) -> list[str]:
     from hybridmoe.backend.engine.step_profile import PARTS
 
     total = sum(p["seconds"] for p in per["parts"].values())
-    lines = [f"engine decode, one token part by part (medians of {passes} timed passes, apart from those the "
-             "decode rate is of:", "the timers' own cost is in 'between calls'); "
-             f"host read probe {per['probe_gbps']:.1f} GB/s (median of {probes})",
+    lines = [f"engine decode, one token part by part (medians of {passes} passes with timers, run after the ones "
+             "the decode rate is of;",
+             f"the timers' own cost is in 'between calls'); host read probe {per['probe_gbps']:.1f} GB/s "
+             f"(median of {probes})",
              f"{'part':52} {'ms':>7} {'share':>6} {'MB read':>8} {'GB/s':>6} {'of probe':>8}"]
     for name, p in per["parts"].items():
         rate = f"{p['gbps']:6.1f} {p['of_probe']:8.0%}" if p["gbps"] else f"{'':6} {'':8}"

@@ -1507,7 +1507,7 @@ static inline __m512 hsum16_ps(const __m512* x) {
 }
 constexpr int sum16_lane(int i) { return 4 * (i % 4) + i / 4; }
 
-// attend_scores for G heads and P positions per step (G x P <= 16 accumulators of 16 lanes,
+// attend_scores for G <= 4 heads and P positions per step (G x P <= 16 accumulators of 16 lanes,
 // x[P j + p]: head j at position s + p); positions past the stretch read its last row.
 template <bool BF16, int G, int P = 16 / G>
 static void attend_scores16(const float* q, int64_t D, const void* k, int64_t ldk, int64_t n, float* sc, int64_t ld_sc,
@@ -1584,15 +1584,11 @@ static void attend_values16(const float* p, int64_t ld_p, int64_t Dv, const void
     }
 }
 
-// Heads g0 .. g0 + min(8, group - g0) of a stretch: the kernels above for that many heads.
+// g (at most kScoreHeads, kValueHeads) heads of a stretch: the kernels above for that many.
 template <bool BF16>
 static void scores_heads(int g, const float* q, int64_t D, const void* k, int64_t ldk, int64_t n, float* sc,
                          int64_t ld_sc, PrefetchStream* next_k, PrefetchStream* v) {
     switch (g) {
-        case 8: return attend_scores16<BF16, 8>(q, D, k, ldk, n, sc, ld_sc, next_k, v);
-        case 7: return attend_scores16<BF16, 7>(q, D, k, ldk, n, sc, ld_sc, next_k, v);
-        case 6: return attend_scores16<BF16, 6>(q, D, k, ldk, n, sc, ld_sc, next_k, v);
-        case 5: return attend_scores16<BF16, 5>(q, D, k, ldk, n, sc, ld_sc, next_k, v);
         case 4: return attend_scores16<BF16, 4>(q, D, k, ldk, n, sc, ld_sc, next_k, v);
         case 3: return attend_scores16<BF16, 3>(q, D, k, ldk, n, sc, ld_sc, next_k, v);
         case 2: return attend_scores16<BF16, 2>(q, D, k, ldk, n, sc, ld_sc, next_k, v);
@@ -1613,8 +1609,7 @@ static void values_heads(int g, const float* p, int64_t ld_p, int64_t Dv, const 
         default: return attend_values16<BF16, 1>(p, ld_p, Dv, v, n, ldv, acc, pf);
     }
 }
-constexpr int kScoreHeads = 4;
-constexpr int kValueHeads = 8;  // heads per pass of the kernels
+constexpr int kScoreHeads = 4, kValueHeads = 8;  // heads per pass of the kernels
 #else
 template <bool BF16>
 static void scores_heads(int g, const float* q, int64_t D, const void* k, int64_t ldk, int64_t n, float* sc,
@@ -1632,7 +1627,7 @@ static void values_heads(int g, const float* p, int64_t ld_p, int64_t Dv, const 
     if (g >= 2) return attend_values<BF16, 2>(p, ld_p, Dv, v, n, ldv, acc, pf);
     attend_values<BF16, 1>(p, ld_p, Dv, v, n, ldv, acc, pf);
 }
-constexpr int kScoreHeads = 4, kValueHeads = 2;
+constexpr int kScoreHeads = 4, kValueHeads = 2;  // heads per pass of the kernels
 #endif
 
 // The largest of x[0 .. n) (-inf for none), in four independent chains of 8 lanes: one
@@ -1707,7 +1702,7 @@ static void attend_run_t(const float* q, int group, int64_t D, int64_t Dv, const
                                                : PrefetchStream();
         for (int g0 = 0; g0 < group; g0 += kValueHeads) {
             values_heads<BF16>(std::min(kValueHeads, group - g0), scores + int64_t(g0) * n + off, n, Dv, segs[i].v, segs[i].n, ldv,
-                               acc + int64_t(g0) * Dv, g0 == 0 && next_v.lines ? &next_v : nullptr);
+                               acc + int64_t(g0) * Dv, g0 == 0 ? &next_v : nullptr);  // the first pass prefetches
         }
     }
 }
