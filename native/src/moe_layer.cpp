@@ -108,6 +108,7 @@ struct Workspace {
     std::unique_ptr<std::atomic<int32_t>[]> h_done;
     size_t h_done_size = 0;
     std::vector<float> node_out; // partial outputs of nodes 1.., [(nodes - 1), T, H]
+    std::vector<float> pair_out; // whole experts: each pair's down output, [P, H]
     std::vector<int64_t> pair_tok;
     std::vector<float> pair_w;
     std::vector<int64_t> counts;
@@ -360,6 +361,35 @@ void phase_down(void* ctx, int node, int) {
     }
 }
 
+// ---- or phases B and C in one: whole experts ---------------------------------------------
+
+// A decode step's expert in one unit: gate, up and the intermediate over all of I, then down
+// over all of H into the pairs' rows of pair_out (weighted and added up after the phase).
+void phase_whole_experts(void* ctx, int, int) {
+    Call& c = *static_cast<Call*>(ctx);
+    const std::vector<Entry>& entries = c.ws->entries;
+    for (;;) {
+        const int64_t u = c.next[0].fetch_add(1, std::memory_order_relaxed);
+        if (u >= int64_t(entries.size())) return;
+        const Entry& en = entries[size_t(u)];
+        decode_gate_up(c, en, 0, int(c.I));
+        const MatrixRef& down = (*c.experts)[size_t(en.e)].down;
+        float* Y = c.ws->pair_out.data() + en.begin * c.H;
+        for (int64_t i = 0; i < en.n; i += kMaxGemvTokens) {
+            const int nt = int(std::min<int64_t>(kMaxGemvTokens, en.n - i));
+            if (c.float_dn) {
+                const float* hs[kMaxGemvTokens];
+                for (int t = 0; t < nt; ++t) hs[t] = c.ws->hf.data() + (en.begin + i + t) * c.I;
+                c.kt->gemv_f32[c.fmt_dn](down, 0, int(c.H), c.I, hs, nt, Y + i * c.H, c.H);
+            } else {
+                Q8Row acts[kMaxGemvTokens];
+                for (int t = 0; t < nt; ++t) acts[t] = c.h_q8(en.begin + i + t);
+                c.kt->gemv_q8[c.fmt_dn](down, 0, int(c.H), c.I, acts, nt, Y + i * c.H, c.H);
+            }
+        }
+    }
+}
+
 // ---- phase D (more than one node): add the other nodes' partial outputs ----------------
 
 void phase_reduce(void* ctx, int, int) {
@@ -583,10 +613,41 @@ void MoELayer::forward(Executor& exec, const KernelTable& kt, const void* x, boo
     }
     if (nodes > 1) grow(ws.node_out, size_t(int64_t(nodes - 1) * T * H_));
 
+    c.a_units = (T + 3) / 4;
+    if (x_bf16 || any_decode) {
+        reset_counters(c);
+        if (c.a_units == 1)
+            phase_prepare(&c, 0, 0);  // one unit of work: a phase would only add a wake-up
+        else
+            exec.run(phase_prepare, &c);
+    }
+
+    const int threads = exec.threads();
+    // A decode step (no expert with more than one group of tokens) reads each expert's rows once.
+    bool one_pass = !any_prefill;
+    for (const Entry& en : ws.entries) one_pass &= en.n <= kMaxGemvTokens;
+    // Such a step with two or more experts per thread computes each expert whole in one unit,
+    // without phase C: one stream through the expert's gate, up and down (one block in the
+    // interleaved copy) instead of down rows in pieces of every expert, and one wait for the
+    // threads fewer. The pairs' outputs are added up as phase C adds them, expert by expert, so
+    // a token gets the same bits either way. A Qwen3-30B-A3B-shaped layer, 8 of 128 experts at
+    // one token, 2-core Zen 5, in turn in one process: q4_0 1.04x, q4_k 1.02x, q8_0 1.015x;
+    // decode of the 8-layer benchmark models 1.023x (Q4_0), 1.036x (Q4_K_M). Fewer experts
+    // than that would leave threads idle; several NUMA nodes keep their own experts (phase C).
+    if (one_pass && nodes == 1 && int64_t(ws.entries.size()) >= 2 * threads) {
+        grow(ws.pair_out, size_t(P * H_));
+        reset_counters(c);
+        exec.run(phase_whole_experts, &c);
+        std::fill(out, out + T * H_, 0.f);
+        for (const Entry& en : ws.entries)
+            for (int64_t i = 0; i < en.n; ++i)
+                accumulate(c, out, experts_[size_t(en.e)], en.begin + i, 0, int(H_), ws.pair_out.data() + (en.begin + i) * H_);
+        return;
+    }
+
     // Work units. Phase B: (expert, rows) with prefill units first, so that the long ones
     // start early and the short decode units fill the gaps at the end. Decode rows come in
     // multiples of 32 (one Q8 block of the intermediate per 32 rows).
-    const int threads = exec.threads();
     ws.units_b.assign(size_t(nodes), {});
     ws.entries_of.assign(size_t(nodes), {});
     // Decode units: 64 rows when there are enough units to go round and 64 rows of one
@@ -597,12 +658,8 @@ void MoELayer::forward(Executor& exec, const KernelTable& kt, const void* x, boo
     // units instead of 64 and 256 down rows instead of 64, 1.12x; not their cold first lines
     // alone: prefetching the next unit's first lines while this one ran gained nothing).
     int64_t decode_rows_total = 0;
-    bool one_pass = !any_prefill;
     for (const Entry& en : ws.entries)
-        if (!en.prefill) {
-            decode_rows_total += I_;
-            one_pass &= en.n <= kMaxGemvTokens;
-        }
+        if (!en.prefill) decode_rows_total += I_;
     const int64_t row_bytes = H_ / fi.block * (fi.block_bytes + fi.scale_bytes);
     int decode_rows = (decode_rows_total / 64 >= 8 * threads && 64 * row_bytes <= 256 * 1024) ? 64 : 32;
     if (one_pass) {
@@ -634,14 +691,6 @@ void MoELayer::forward(Executor& exec, const KernelTable& kt, const void* x, boo
         c.rows_c = rows;
     }
 
-    c.a_units = (T + 3) / 4;
-    if (x_bf16 || any_decode) {
-        reset_counters(c);
-        if (c.a_units == 1)
-            phase_prepare(&c, 0, 0);  // one unit of work: a phase would only add a wake-up
-        else
-            exec.run(phase_prepare, &c);
-    }
     reset_counters(c);
     exec.run(phase_gate_up, &c);
     reset_counters(c);

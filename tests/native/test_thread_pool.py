@@ -77,6 +77,28 @@ def test_result_does_not_depend_on_the_thread_count(restore_pool):
         assert torch.equal(outs[0], outs[1]), regime
 
 
+@pytest.mark.parametrize("fmts", [("q4_0", "q4_0"), ("q4_k", "q6_k"), ("bf16", "bf16")])
+def test_whole_experts_give_the_bits_of_the_phases(restore_pool, fmts):
+    """A decode step with two or more experts per thread computes each expert whole in one
+    unit; with fewer it splits their rows into two phases. The sums are the same either way:
+    one token, three experts, is the first on one thread and the second on two."""
+    if _native.physical_cores() < 2:
+        pytest.skip("needs two cores")
+    rng = np.random.default_rng(12)
+    fmt, down = fmts
+    E, H, I = 6, 512, 256
+    experts = make_host_experts(rng, fmt, E, H, I, range(E), down_fmt=down, layout="per_expert")
+    native = native_experts.native_for(experts)
+    for T, k in ((1, 3), (2, 2), (3, 1)):
+        x = torch.randn(T, H)
+        ids, w = random_routing(rng, T, E, k)
+        outs = []
+        for threads in (1, 2):
+            _native.set_num_threads(threads)
+            outs.append(native.forward(x, ids, w, regime="decode"))
+        assert torch.equal(outs[0], outs[1]), (fmts, T, k)
+
+
 def test_multi_node_split_matches_one_node(restore_pool):
     """Experts spread over two (simulated) nodes, each with its own pool and partial output."""
     native, x, ids, w = _layer(seed=9, fmt="q8_0")
