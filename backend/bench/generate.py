@@ -44,13 +44,21 @@ def _prompt(vocab: int, n: int, seed: int = 0) -> list[int]:
     return [rng.randrange(min(1000, vocab // 2), vocab) for _ in range(n)]
 
 
+def _probe(threads: int) -> float:
+    """Host read bandwidth, bytes/s, taken right before and right after each timed decode pass:
+    on a shared host it moves by tens of percent within minutes (37-78 GB/s within an hour on
+    a 2-core Zen 5 VM), so a pass is set against the probes around it, not a median of others."""
+    from hybridmoe.backend.hardware.bandwidth import measure_host_read_bandwidth
+
+    return measure_host_read_bandwidth(threads=threads, passes=3)
+
+
 def _run_engine(model: str, prompt_tokens: int, gen_tokens: int, threads: int, repeats: int) -> dict:
     import torch
 
     from hybridmoe.backend.engine import native_kernels, step_profile
     from hybridmoe.backend.engine.session import EngineBackend
     from hybridmoe.backend.hardware import detect
-    from hybridmoe.backend.hardware.bandwidth import measure_host_read_bandwidth
     from hybridmoe.backend.models import inspect_model
     from hybridmoe.backend.plan import Workload, make
     from hybridmoe.backend.text.sampling import Sampler, SamplingParams
@@ -66,8 +74,7 @@ def _run_engine(model: str, prompt_tokens: int, gen_tokens: int, threads: int, r
     rss_load = _vm_hwm()
     ids = _prompt(net.config.require("vocab_size"), prompt_tokens)
     chunk = plan.workload.prefill_chunk
-    probes = [measure_host_read_bandwidth(threads=threads, passes=5) for _ in range(3)]
-    prefill, decode, tokens = [], [], []
+    prefill, decode, decode_probe, probes, tokens = [], [], [], [], []
     profiles = []
     greedy = Sampler(SamplingParams(temperature=0))
     seq = net.sequence
@@ -79,12 +86,14 @@ def _run_engine(model: str, prompt_tokens: int, gen_tokens: int, threads: int, r
         prefill_s = time.perf_counter() - t0
         tok = greedy.sample(logits)
         out = [tok]
+        before = _probe(threads) if rep else 0.0
         t0 = time.perf_counter()
         for i in range(gen_tokens - 1):
             (logits,) = net.forward_batch([(seq, [tok], len(ids) + i)])
             tok = greedy.sample(logits)  # what `hybridmoe run` does at its default temperature 0
             out.append(tok)
         decode_s = time.perf_counter() - t0
+        after = _probe(threads) if rep else 0.0
         # The same tokens again (the cache rewound to the prompt), timed part by part: the
         # timers cost about 0.2 ms a token, so the decode rate is the pass above's.
         with step_profile.recording() as profile:
@@ -98,12 +107,14 @@ def _run_engine(model: str, prompt_tokens: int, gen_tokens: int, threads: int, r
         if rep:
             prefill.append(len(ids) / prefill_s)
             decode.append((gen_tokens - 1) / decode_s)
+            decode_probe.append((before + after) / 2)
+            probes += [before, after]
             profiles.append(profile.per_token(gen_tokens - 1))
         tokens = out
-    probes += [measure_host_read_bandwidth(threads=threads, passes=5) for _ in range(3)]
 
     return {"load_s": load_s, "rss_after_load": rss_load, "prefill": prefill, "decode": decode,
-            "tokens": tokens, "kernels": native_kernels.isa(), "probe": probes, "breakdown": profiles}
+            "decode_probe": decode_probe, "tokens": tokens, "kernels": native_kernels.isa(), "probe": probes,
+            "breakdown": profiles}
 
 
 def _run_llamacpp(model: str, prompt_tokens: int, gen_tokens: int, threads: int, repeats: int) -> dict:
@@ -118,7 +129,7 @@ def _run_llamacpp(model: str, prompt_tokens: int, gen_tokens: int, threads: int,
     load_s = time.perf_counter() - t0
     rss_load = _vm_hwm()
     ids = _prompt(llm.n_vocab(), prompt_tokens)
-    prefill, decode, tokens = [], [], []
+    prefill, decode, decode_probe, probes, tokens = [], [], [], [], []
     for rep in range(repeats + 1):  # the first pass warms up, untimed
         llm.reset()
         t0 = time.perf_counter()
@@ -126,17 +137,22 @@ def _run_llamacpp(model: str, prompt_tokens: int, gen_tokens: int, threads: int,
         prefill_s = time.perf_counter() - t0
         tok = int(np.argmax(logits[-1]))
         out = [tok]
+        before = _probe(threads) if rep else 0.0
         t0 = time.perf_counter()
         for _ in range(gen_tokens - 1):
             tok = int(np.argmax(llm.eval([tok])[-1]))
             out.append(tok)
+        decode_s = time.perf_counter() - t0
         if rep:
+            after = _probe(threads)
             prefill.append(len(ids) / prefill_s)
-            decode.append((gen_tokens - 1) / (time.perf_counter() - t0))
+            decode.append((gen_tokens - 1) / decode_s)
+            decode_probe.append((before + after) / 2)
+            probes += [before, after]
         tokens = out
     llm.close()
-    return {"load_s": load_s, "rss_after_load": rss_load, "prefill": prefill, "decode": decode, "tokens": tokens,
-            "version": version("llama-cpp-python")}
+    return {"load_s": load_s, "rss_after_load": rss_load, "prefill": prefill, "decode": decode,
+            "decode_probe": decode_probe, "probe": probes, "tokens": tokens, "version": version("llama-cpp-python")}
 
 
 def run_worker(backend: str, model: str, prompt_tokens: int, gen_tokens: int, threads: int, repeats: int) -> dict:
@@ -178,7 +194,7 @@ def measure(model: str, *, prompt_tokens: int = 512, gen_tokens: int = 64, threa
             results[backend] = run
         else:  # timings accumulate; load figures are the first round's, peaks the highest
             kept = results[backend]
-            for key in ("prefill", "decode", "probe", "breakdown"):
+            for key in ("prefill", "decode", "decode_probe", "probe", "breakdown"):
                 kept[key] = kept.get(key, []) + run.get(key, [])
             kept["rss_peak"] = max(kept["rss_peak"], run["rss_peak"])
     return summarize(model, prompt_tokens, gen_tokens, threads, repeats, rounds, results)
@@ -209,17 +225,27 @@ def summarize(model: str, prompt_tokens: int, gen_tokens: int, threads: int, rep
             # One sequence of the same file: llama.cpp reads the same weights and about the same
             # cache per token. Its share of the probe bounds what a faster engine can show: at
             # the wall, decode is at most 1 / that share times llama.cpp's.
-            per = e["per_token"]
-            share = per["end_to_end"]["bytes"] * l["decode_median"] / (per["probe_gbps"] * 1e9)
+            share = of_probe(l, e["per_token"]["end_to_end"]["bytes"])
             summary["llamacpp_of_probe"] = share
             summary["decode_ratio_at_wall"] = 1 / share
+            # The two shares' ratio: the decode ratio with each pass set against the bandwidth
+            # of its own moment.
+            summary["decode_ratio_per_bandwidth"] = e["per_token"]["end_to_end"]["of_probe"] / share
     return summary
+
+
+def of_probe(result: dict, nbytes: float) -> float:
+    """The median over a backend's decode passes of `nbytes` a token at the pass's rate against
+    the probes taken around it (``decode_probe``; without them, the median of all probes)."""
+    probes = result.get("decode_probe") or [statistics.median(result["probe"])] * len(result["decode"])
+    return statistics.median(nbytes * rate / probe for rate, probe in zip(result["decode"], probes))
 
 
 def per_token(result: dict) -> dict:
     """The engine's decode token, part by part (medians over the passes): seconds, bytes read,
-    GB/s and the share of the bandwidth probe's median; and the whole token end to end, its
-    bytes over its time (1 / the median decode rate) against the same probe."""
+    GB/s and the share of the bandwidth probes' median; and the whole token end to end, its
+    bytes over its time (1 / the median decode rate), its share of the probe pass by pass
+    (``of_probe``)."""
     from hybridmoe.backend.engine.step_profile import PARTS
 
     probe = statistics.median(result["probe"])
@@ -238,7 +264,7 @@ def per_token(result: dict) -> dict:
     nbytes = sum(p["bytes"] for p in parts.values())
     return {"probe_gbps": probe / 1e9, "parts": parts,
             "end_to_end": {"seconds": seconds, "bytes": nbytes, "gbps": nbytes / seconds / 1e9,
-                           "of_probe": nbytes / seconds / probe}}
+                           "of_probe": of_probe(result, nbytes)}}
 
 
 def _run_worker(cmd: list[str], cancel) -> tuple[int, str, str]:
@@ -277,8 +303,10 @@ def table(summary: dict) -> str:
         if "decode_ratio_at_wall" in summary:
             lines.append(f"llama.cpp read {summary['llamacpp_of_probe']:.0%} of the probe on the same bytes per token: "
                          f"at the wall, decode would be {summary['decode_ratio_at_wall']:.2f}x llama.cpp's")
-        lines.append(f"engine / llama.cpp: prefill {summary['prefill_ratio']:.2f}x, decode {summary['decode_ratio']:.2f}x; "
-                     f"greedy tokens {agree}")
+        matched = (f" ({summary['decode_ratio_per_bandwidth']:.2f}x pass by pass against the probes around each)"
+                   if "decode_ratio_per_bandwidth" in summary else "")
+        lines.append(f"engine / llama.cpp: prefill {summary['prefill_ratio']:.2f}x, decode {summary['decode_ratio']:.2f}x"
+                     f"{matched}; greedy tokens {agree}")
     return "\n".join(lines)
 
 
@@ -297,7 +325,8 @@ def breakdown_table(per: dict, passes: int, probes: int) -> list[str]:
                      f"{p['bytes'] / 1e6:8.1f} {rate}")
     e = per["end_to_end"]
     lines.append(f"end to end: {e['bytes'] / 1e6:.1f} MB read per token in {e['seconds'] * 1e3:.2f} ms = "
-                 f"{e['gbps']:.1f} GB/s, {e['of_probe']:.0%} of the probe")
+                 f"{e['gbps']:.1f} GB/s; {e['of_probe']:.0%} of the probe (median over the passes, each against "
+                 "the probes taken just before and after it)")
     return lines
 
 

@@ -102,7 +102,8 @@ def test_the_report_has_the_breakdown(tiny_gguf, capsys):
     assert code == 0, out
     engine = json.loads(out)["results"]["engine"]
     per = engine["per_token"]
-    assert per["probe_gbps"] > 0 and len(engine["probe"]) == 6
+    # One probe right before and one right after each timed decode pass.
+    assert per["probe_gbps"] > 0 and len(engine["probe"]) == 2 and len(engine["decode_probe"]) == 1
     assert {"experts", "qkv", "o", "router", "attend", "small", "head", "sampling", "rest"} <= set(per["parts"])
     # The rate is the plain pass's; the parts are those of the same tokens again, timed.
     assert per["end_to_end"]["seconds"] == pytest.approx(1 / engine["decode_median"])
@@ -144,3 +145,23 @@ def test_the_report_bounds_the_ratio_by_the_wall():
     assert summary["llamacpp_of_probe"] == pytest.approx(0.5)
     assert summary["decode_ratio_at_wall"] == pytest.approx(2.0)
     assert "llama.cpp read 50% of the probe on the same bytes per token: at the wall, decode would be 2.00x" in table(summary)
+
+
+def test_each_pass_is_set_against_the_probes_around_it():
+    """The bandwidth moves between the passes: a pass's share of the probe is its own rate
+    against the probes taken around it, and the ratio of the two backends' median shares is
+    the decode ratio with the drift taken out."""
+    from hybridmoe.backend.bench.generate import summarize, table
+
+    passes = [{"experts": {"seconds": 0.01, "bytes": 200e6}}] * 3
+    run = {"load_s": 1.0, "rss_after_load": 1 << 30, "rss_peak": 1 << 30, "prefill": [10.0] * 3}
+    # The engine ran while the machine gave 40, 20, 40 GB/s; llama.cpp while it gave 20 GB/s.
+    engine = dict(run, decode=[160.0, 80.0, 160.0], decode_probe=[40e9, 20e9, 40e9], probe=[40e9, 20e9, 40e9],
+                  tokens=[1], breakdown=passes)
+    llama = dict(run, decode=[50.0] * 3, decode_probe=[20e9] * 3, probe=[20e9] * 3, tokens=[1])
+    summary = summarize("m.gguf", 8, 2, 2, 3, 1, {"engine": engine, "llamacpp": llama})
+    assert summary["results"]["engine"]["per_token"]["end_to_end"]["of_probe"] == pytest.approx(0.8)
+    assert summary["llamacpp_of_probe"] == pytest.approx(0.5)
+    assert summary["decode_ratio"] == pytest.approx(3.2)  # 160 / 50: the engine's fast moments counted
+    assert summary["decode_ratio_per_bandwidth"] == pytest.approx(1.6)
+    assert "decode 3.20x (1.60x pass by pass against the probes around each)" in table(summary)
