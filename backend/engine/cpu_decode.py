@@ -245,13 +245,23 @@ class _GatedStep:
         return self.down(act_a, self.out[:n])
 
 
+def _router_matrix(router: nn.Module) -> torch.Tensor:
+    """The router's matrix as the decode step reads it: in the 16-bit compute dtype the model
+    holds it in (the router computes with it widened to float32, which is exact), half the
+    bytes for the same products, and what the plan counts. 2-core Zen 5, decode of the 8-layer
+    benchmark models, in turn in one process: 1.013x (Q4_0), 1.018x (Q4_K_M), the same logits."""
+    w = router.weight
+    return w.to(router.held_dtype) if router.held_dtype in (torch.bfloat16, torch.float16) else w
+
+
 class _MoEStep:
     """Router, the routed experts (all in host memory, one call over the union of the rows'
     choices), shared experts."""
 
     def __init__(self, moe: MoE, experts: native_experts.NativeExperts, choose: Callable, max_rows: int):
         self.moe, self.layer = moe, experts.layer
-        self.logits = _Linear(NativeLinear(moe.router.weight, getattr(moe.router, "bias", None)), "router")
+        self.logits = _Linear(NativeLinear(_router_matrix(moe.router), getattr(moe.router, "bias", None)),
+                              "router")
         self.choose = choose
         self.shared = None if moe.shared is None else _GatedStep(moe.shared, max_rows, "shared")
         self.shared_gate = None if moe.shared_gate is None else _Linear(moe.shared_gate, "shared")

@@ -21,12 +21,20 @@ def _cpu_float(t: torch.Tensor) -> torch.Tensor:
     return t.float() if t.device.type == "cpu" else t
 
 
+def _keep_weight(router: nn.Module, weight: torch.Tensor, computed: torch.Tensor) -> None:
+    """The router's matrix as it computes with it, and the dtype the model holds it in (the
+    compute dtype the loader gave it): the native decode step reads it in that dtype
+    (``cpu_decode``), the bytes the plan counts for it."""
+    router.register_buffer("weight", computed, persistent=False)
+    router.held_dtype = weight.dtype
+
+
 class SoftmaxTopK(nn.Module):
     """softmax over all experts, top k, optionally renormalised (Qwen2/3-MoE, OLMoE, Mixtral)."""
 
     def __init__(self, weight: torch.Tensor, k: int, *, normalize: bool, float32_weights: bool = False):
         super().__init__()
-        self.register_buffer("weight", _cpu_float(weight), persistent=False)
+        _keep_weight(self, weight, _cpu_float(weight))
         self.k = k
         self.normalize = normalize
         # Mixtral keeps its routing weights in float32; the others round to the logits' dtype.
@@ -63,7 +71,7 @@ class SigmoidGroupedTopK(nn.Module):
         scaling: float,
     ):
         super().__init__()
-        self.register_buffer("weight", weight.float(), persistent=False)
+        _keep_weight(self, weight, weight.float())
         self.register_buffer("correction_bias", None if correction_bias is None else correction_bias.float(), persistent=False)
         self.k, self.n_group, self.topk_group = k, n_group, topk_group
         self.normalize, self.scaling = normalize, scaling
@@ -126,7 +134,7 @@ class TopKSoftmax(nn.Module):
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor, k: int):
         super().__init__()
-        self.register_buffer("weight", _cpu_float(weight), persistent=False)
+        _keep_weight(self, weight, _cpu_float(weight))
         self.register_buffer("bias", _cpu_float(bias), persistent=False)
         self.k = k
 

@@ -45,6 +45,10 @@ class TensorInventory:
     expert_bits_per_weight: float  # average, scales included
     files: tuple[str, ...] = ()
     notes: tuple[str, ...] = field(default=())
+    # The routers' matrices (their vectors aside): elements and stored bytes. The engine holds a
+    # router in its compute dtype whatever the file stores (GGUF files keep them in F32).
+    router_matrix_params: int = 0
+    router_matrix_bytes: int = 0
 
     @property
     def total_bytes(self) -> int:
@@ -57,6 +61,12 @@ class TensorInventory:
     @property
     def always_read_bytes(self) -> int:
         return sum(self.bytes_by_class.get(c, 0) for c in ALWAYS_READ)
+
+    def router_bytes_held(self, element_bytes: int) -> int:
+        """The router class with its matrices at `element_bytes` an element (the compute dtype's):
+        what a decoded token reads of it."""
+        return (self.bytes_by_class.get(TensorClass.ROUTER, 0) - self.router_matrix_bytes
+                + self.router_matrix_params * element_bytes)
 
     def bytes_per_expert(self, layer: int) -> float:
         return self.routed_bytes_by_layer[layer] / self.n_routed_experts

@@ -12,6 +12,7 @@ or for a conversion not yet made).
 
 from __future__ import annotations
 
+import math
 import re
 from collections import Counter
 from collections.abc import Iterable, Mapping
@@ -136,10 +137,14 @@ def inventory_from_records(records: Iterable[TensorRecord], spec: ModelSpec, *, 
     classify = classify_gguf if source == "gguf" else classify_hf
     by_class = {c: 0 for c in TensorClass}
     by_layer: dict[int, int] = {}
+    router = [0, 0]  # matrix elements, bytes
     unknown: list[str] = []
     for r in records:
         c = classify(r.name, spec.num_layers)
         by_class[c.cls] += r.nbytes
+        if c.cls is C.ROUTER and len(r.shape) >= 2:
+            router[0] += math.prod(r.shape)
+            router[1] += r.nbytes
         if c.cls is C.ROUTED_EXPERTS:
             by_layer[c.layer] = by_layer.get(c.layer, 0) + r.nbytes
         if not c.known:
@@ -158,6 +163,8 @@ def inventory_from_records(records: Iterable[TensorRecord], spec: ModelSpec, *, 
         expert_bits_per_weight=_expert_bits(spec, by_class[C.ROUTED_EXPERTS]),
         files=files,
         notes=tuple(notes),
+        router_matrix_params=router[0],
+        router_matrix_bytes=router[1],
     )
 
 
@@ -302,6 +309,7 @@ def inventory_from_config(spec: ModelSpec, *, expert_format: str | None = None,
 
     by_class = {c: 0 for c in TensorClass}
     by_layer: dict[int, int] = {}
+    router = [0, 0]  # matrix elements, bytes
     for t in family.expected_tensors(spec):
         c = classify_hf(t.name, spec.num_layers)
         if gguf_mode and (t.role == "vision" or (c.layer is not None and c.layer >= spec.num_layers
@@ -311,6 +319,9 @@ def inventory_from_config(spec: ModelSpec, *, expert_format: str | None = None,
         fmt = _config_tensor_format(t, structural, c.layer, ef, of, plain, gguf_mode, n_blocks, n_expert)
         nbytes = _bytes(fmt, t.shape, gguf_mode) * t.count
         by_class[c.cls] += nbytes
+        if c.cls is C.ROUTER and len(t.shape) >= 2:
+            router[0] += math.prod(t.shape) * t.count
+            router[1] += nbytes
         if c.cls is C.ROUTED_EXPERTS:
             by_layer[c.layer] = by_layer.get(c.layer, 0) + nbytes
 
@@ -325,6 +336,8 @@ def inventory_from_config(spec: ModelSpec, *, expert_format: str | None = None,
         expert_format=ef,
         expert_bits_per_weight=_expert_bits(spec, by_class[C.ROUTED_EXPERTS]),
         notes=tuple(notes),
+        router_matrix_params=router[0],
+        router_matrix_bytes=router[1],
     )
 
 

@@ -109,7 +109,8 @@ class _Planner:
         n_moe = len(spec.moe_layers) or 1
         self.attn_l = cls.get(TensorClass.ATTENTION, 0) / spec.num_layers
         self.dense_l = cls.get(TensorClass.DENSE_FFN, 0) / n_dense
-        self.moe_fixed_l = (cls.get(TensorClass.SHARED_EXPERTS, 0) + cls.get(TensorClass.ROUTER, 0)) / n_moe
+        router = inventory.router_bytes_held(B.compute_dtype_bytes(spec))  # held (and read) in the compute dtype
+        self.moe_fixed_l = (cls.get(TensorClass.SHARED_EXPERTS, 0) + router) / n_moe
         self.embedding = cls.get(TensorClass.EMBEDDING, 0)
         self.lm_head = cls.get(TensorClass.LM_HEAD, 0)
         # A tied head reads the embedding matrix in full every token.

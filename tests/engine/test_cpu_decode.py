@@ -86,3 +86,28 @@ def test_layers_the_step_falls_back_to_see_decode_rows(family, checkpoints, monk
     model.forward_batch([(model.sequence, [5], 4)])
     assert isinstance(model._decode_step, DecodeStep)
     assert seen and set(seen) == {(native_kernels.dense_threshold("decode"), True)}
+
+
+def test_the_decode_step_reads_each_router_in_the_compute_dtype(checkpoints):
+    """A bf16 model's router is read in bf16 (the router computes with it widened to float32,
+    which holds it exactly): the bytes the plan counts for it, and the numbers of the same step
+    reading it widened."""
+    from hybridmoe.backend.models import inspect_model
+
+    path = checkpoints("qwen3_moe", torch.bfloat16)
+    model = engine(path)
+    ids = tokens(16, seed=3)
+    native = _decode(model, ids, 8)
+
+    def router_bytes() -> int:
+        return sum(s.ffn.logits.native.bytes for s in model._decode_step.layers if hasattr(s.ffn, "logits"))
+
+    read = router_bytes()
+    assert read == inspect_model(path).inventory.router_bytes_held(2)
+    for layer in model.layers:
+        if hasattr(layer.ffn, "router"):
+            layer.ffn.router.held_dtype = torch.float32
+    model._decode_step = False  # rebuilt on the next step, reading the widened matrices
+    widened = _decode(model, ids, 8)
+    assert router_bytes() == 2 * read
+    assert relative_error(native, widened) < 1e-6
