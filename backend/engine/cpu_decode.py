@@ -406,6 +406,13 @@ class _Chain:
                 profile.add(part, float(sec), nbytes[part])
 
 
+# How long the kernels' threads keep spinning after a step's last calls: longer than the
+# Python between two steps (0.2-0.5 ms here), so that the next call does not begin with a
+# sleeping thread to wake (in a VM, tens of microseconds in which the caller works alone);
+# short enough that a generation's end leaves them spinning for no more than that.
+_GAP_US = 2000
+
+
 class DecodeStep:
     """The layers, final norm and LM head of a CPU-main-device model for one token of each
     of up to ``max_rows`` sequences, or (``build``) None when no layer would run natively."""
@@ -457,9 +464,12 @@ class DecodeStep:
             with _torch_parts():
                 for step in self.layers:
                     step(self.x.t[:n], xa, ha, segments, dtype)
+        _native.stay_awake(_GAP_US)  # through the Python before the head
         self.norm(xa, ha)
         if self.head is None:
             with _torch_parts():
                 return self.model.lm_head(self.h.t[:n].to(dtype)).float()
         logits = np.empty((n, self.head.out_features), dtype=np.float32)  # new: callers may keep it
-        return torch.from_numpy(self.head(ha, logits))
+        self.head(ha, logits)
+        _native.stay_awake(_GAP_US)  # through the caller's sampling and bookkeeping before the next step
+        return torch.from_numpy(logits)

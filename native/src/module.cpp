@@ -532,6 +532,9 @@ NB_MODULE(_native, m) {
         throw nb::value_error(("kernel set not supported on this CPU: " + name).c_str());
     }, "Compare a kernel set with the portable one; '' when they agree.");
     m.def("num_threads", [] { return executor().threads(); });
+    m.def("stay_awake", [](int us) { executor().stay_awake(us); }, "microseconds"_a,
+          "Keep the pool's threads spinning, not sleeping, for this long: the caller's next call follows a gap "
+          "longer than their spin (a decode loop between two steps).");
     m.def(
         "set_num_threads",
         [](int n) {

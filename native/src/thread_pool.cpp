@@ -18,25 +18,32 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-// Spin until pred() or `us` microseconds passed; true if pred() became true. The clock is
+int64_t now_ns() {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch()).count();
+}
+
+// Spin until pred(), or until `us` microseconds have passed and the time is past *until
+// (steady-clock nanoseconds; none: no such bound); true if pred() became true. The clock is
 // read every 64 polls: a poll is a few nanoseconds, a clock read a few tens.
 template <class Pred>
-bool spin_until(Pred pred, int us) {
-    if (us <= 0) return pred();
-    const auto deadline = Clock::now() + std::chrono::microseconds(us);
+bool spin_until(Pred pred, int us, const std::atomic<int64_t>* until = nullptr) {
+    const int64_t deadline = now_ns() + int64_t(us) * 1000;
+    auto over = [&](int64_t now) { return now >= deadline && (!until || now >= until->load(std::memory_order_relaxed)); };
+    if (us <= 0 && over(deadline)) return pred();
     for (;;) {
         for (int i = 0; i < 64; ++i) {
             if (pred()) return true;
             HMOE_PAUSE();
         }
-        if (Clock::now() >= deadline) return pred();
+        if (over(now_ns())) return pred();
     }
 }
 
 }  // namespace
 
-NodePool::NodePool(int node, std::vector<int> cpus, int caller_slots, bool pin, int spin_us)
-    : node_(node), caller_slots_(caller_slots), pin_(pin), spin_us_(spin_us) {
+NodePool::NodePool(int node, std::vector<int> cpus, int caller_slots, bool pin, int spin_us,
+                   const std::atomic<int64_t>* awake_until)
+    : node_(node), caller_slots_(caller_slots), pin_(pin), spin_us_(spin_us), awake_until_(awake_until) {
     for (size_t i = size_t(caller_slots); i < cpus.size(); ++i) {
         const int worker = int(i);
         const int cpu = cpus[i];
@@ -78,7 +85,8 @@ void NodePool::loop(int worker, int cpu) {
     if (pin_) pin_current_thread(cpu);
     uint64_t seen = 0;
     for (;;) {
-        const bool ready = spin_until([&] { return generation_.load(std::memory_order_acquire) != seen; }, spin_us_);
+        const bool ready =
+            spin_until([&] { return generation_.load(std::memory_order_acquire) != seen; }, spin_us_, awake_until_);
         PhaseFn fn;
         void* ctx;
         {
@@ -123,11 +131,11 @@ Executor::Executor(const Topology& topo, int threads, bool pin, int spin_us) {
     }
     for (int i = 0; i < n_nodes; ++i) {
         std::vector<int> cpus(topo.nodes[i].cpus.begin(), topo.nodes[i].cpus.begin() + share[i]);
-        pools_.push_back(std::make_unique<NodePool>(i, std::move(cpus), i == 0 ? 1 : 0, pin, spin_us));
+        pools_.push_back(std::make_unique<NodePool>(i, std::move(cpus), i == 0 ? 1 : 0, pin, spin_us, &awake_until_));
         node_ids_.push_back(topo.nodes[i].id);
     }
     if (pools_.empty()) {  // no topology at all: the caller alone
-        pools_.push_back(std::make_unique<NodePool>(0, std::vector<int>{0}, 1, false, spin_us));
+        pools_.push_back(std::make_unique<NodePool>(0, std::vector<int>{0}, 1, false, spin_us, &awake_until_));
         node_ids_.push_back(0);
     }
 }
@@ -137,6 +145,8 @@ int Executor::threads() const {
     for (const auto& p : pools_) n += p->threads();
     return n;
 }
+
+void Executor::stay_awake(int us) { awake_until_.store(now_ns() + int64_t(us) * 1000, std::memory_order_relaxed); }
 
 void Executor::run(PhaseFn fn, void* ctx) {
     // Callers on different Python threads (the MoE layers, the dense projections) take turns:

@@ -8,7 +8,8 @@
 // Waiting: after a phase a worker spins for a short while (HYBRIDMOE_SPIN_US, default 50
 // microseconds) because the next phase or the next layer usually follows within
 // microseconds; then it sleeps on a condition variable, so idle workers never steal the
-// cores from PyTorch or the rest of the process between calls.
+// cores from PyTorch or the rest of the process between calls. A caller that knows its next
+// phase comes after a longer gap (the decode step, between two tokens) asks them to stay awake.
 //
 // The calling thread takes part as worker 0 of node 0 (node 0's pool has one thread fewer
 // than its cores): no core idles while the caller waits, and the caller never needs to be
@@ -34,7 +35,8 @@ class NodePool {
 public:
     // `cpus`: the cores of this node to run on; the first `caller_slots` of them are left
     // to the calling thread (1 for node 0, else 0).
-    NodePool(int node, std::vector<int> cpus, int caller_slots, bool pin, int spin_us);
+    NodePool(int node, std::vector<int> cpus, int caller_slots, bool pin, int spin_us,
+             const std::atomic<int64_t>* awake_until);
     ~NodePool();
     NodePool(const NodePool&) = delete;
     NodePool& operator=(const NodePool&) = delete;
@@ -50,6 +52,7 @@ private:
     const int caller_slots_;
     const bool pin_;
     const int spin_us_;
+    const std::atomic<int64_t>* awake_until_;  // the executor's (stay_awake)
     std::vector<std::thread> workers_;
 
     std::mutex mutex_;
@@ -71,12 +74,19 @@ public:
     // Run fn on every thread of every node, the caller included, and return when all are done.
     void run(PhaseFn fn, void* ctx);
 
+    // Keep the workers spinning, not sleeping, for the next `us` microseconds: for a caller
+    // whose next phase follows a gap longer than the spin (a decode loop's Python between the
+    // steps). Waking a sleeping worker takes a futex and, in a VM, an interrupt to a halted
+    // virtual CPU: tens of microseconds in which the caller starts the phase alone.
+    void stay_awake(int us);
+
     int nodes() const { return int(pools_.size()); }
     int threads_on(int node) const { return pools_[node]->threads(); }
     int threads() const;
     int node_id(int node) const { return node_ids_[node]; }  // the OS NUMA node number
 
 private:
+    std::atomic<int64_t> awake_until_{0};  // steady-clock nanoseconds
     std::vector<std::unique_ptr<NodePool>> pools_;
     std::vector<int> node_ids_;
     std::mutex run_mutex_;

@@ -143,3 +143,24 @@ def test_the_call_releases_the_gil():
     # With the GIL held for the calls, this loop would run only between them (a small
     # fraction of the time); released, it shares the cores with the kernel threads.
     assert elapsed > 0.01 and ticks / elapsed > 0.2 * rate, (ticks, elapsed, rate)
+
+
+def test_the_pool_stays_awake_when_asked(restore_pool):
+    """After a phase the workers spin for 50 us, then sleep; stay_awake keeps them spinning for
+    as long as asked (a decode loop's Python between two steps), and no longer."""
+    if _native.physical_cores() < 2:
+        pytest.skip("needs a worker thread")
+    native, x, ids, w = _layer(seed=13)
+    _native.set_num_threads(2)
+
+    def cpu_while_sleeping(awake_us: int) -> float:
+        native.forward(x, ids, w)  # a phase: the worker is up
+        if awake_us:
+            _native.stay_awake(awake_us)
+        cpu = time.process_time()
+        time.sleep(0.1)  # this thread idles; a spinning worker does not
+        return time.process_time() - cpu
+
+    asleep = cpu_while_sleeping(0)
+    awake = cpu_while_sleeping(60_000)
+    assert asleep < 0.02 and 0.03 < awake < 0.09, (asleep, awake)
