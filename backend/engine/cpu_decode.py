@@ -464,7 +464,8 @@ class DecodeStep:
             with _torch_parts():
                 for step in self.layers:
                     step(self.x.t[:n], xa, ha, segments, dtype)
-        _native.stay_awake(_GAP_US)  # through the Python before the head
+        if self.head is not None:  # (a PyTorch head would have them spin against its threads)
+            _native.stay_awake(_GAP_US)  # through the Python before the head
         self.norm(xa, ha)
         if self.head is None:
             with _torch_parts():

@@ -314,6 +314,19 @@ void accumulate(const Call& c, float* out, const ExpertWeights& w, int64_t pair,
     }
 }
 
+// Y[t, 0 .. rc) = down rows r0 .. r0 + rc times the intermediate of pair `pair` + t, t < nt.
+void decode_down(const Call& c, const MatrixRef& down, int64_t pair, int nt, int r0, int rc, float* Y, int64_t ldy) {
+    if (c.float_dn) {
+        const float* hs[kMaxGemvTokens];
+        for (int t = 0; t < nt; ++t) hs[t] = c.ws->hf.data() + (pair + t) * c.I;
+        c.kt->gemv_f32[c.fmt_dn](down, r0, rc, c.I, hs, nt, Y, ldy);
+    } else {
+        Q8Row acts[kMaxGemvTokens];
+        for (int t = 0; t < nt; ++t) acts[t] = c.h_q8(pair + t);
+        c.kt->gemv_q8[c.fmt_dn](down, r0, rc, c.I, acts, nt, Y, ldy);
+    }
+}
+
 void down_rows(const Call& c, int node, int r0, int rc) {
     float* out = c.out_of(node);
     for (int64_t t = 0; t < c.T; ++t) std::fill(out + t * c.H + r0, out + t * c.H + r0 + rc, 0.f);
@@ -335,15 +348,7 @@ void down_rows(const Call& c, int node, int r0, int rc) {
         float* Y = tls.get(0, size_t(kMaxGemvTokens) * rc);
         for (int64_t i = 0; i < en.n; i += kMaxGemvTokens) {
             const int nt = int(std::min<int64_t>(kMaxGemvTokens, en.n - i));
-            if (c.float_dn) {
-                const float* hs[kMaxGemvTokens];
-                for (int t = 0; t < nt; ++t) hs[t] = c.ws->hf.data() + (en.begin + i + t) * c.I;
-                c.kt->gemv_f32[c.fmt_dn](w.down, r0, rc, c.I, hs, nt, Y, rc);
-            } else {
-                Q8Row acts[kMaxGemvTokens];
-                for (int t = 0; t < nt; ++t) acts[t] = c.h_q8(en.begin + i + t);
-                c.kt->gemv_q8[c.fmt_dn](w.down, r0, rc, c.I, acts, nt, Y, rc);
-            }
+            decode_down(c, w.down, en.begin + i, nt, r0, rc, Y, rc);
             for (int t = 0; t < nt; ++t) accumulate(c, out, w, en.begin + i + t, r0, rc, Y + t * rc);
         }
     }
@@ -374,19 +379,9 @@ void phase_whole_experts(void* ctx, int, int) {
         const Entry& en = entries[size_t(u)];
         decode_gate_up(c, en, 0, int(c.I));
         const MatrixRef& down = (*c.experts)[size_t(en.e)].down;
-        float* Y = c.ws->pair_out.data() + en.begin * c.H;
-        for (int64_t i = 0; i < en.n; i += kMaxGemvTokens) {
-            const int nt = int(std::min<int64_t>(kMaxGemvTokens, en.n - i));
-            if (c.float_dn) {
-                const float* hs[kMaxGemvTokens];
-                for (int t = 0; t < nt; ++t) hs[t] = c.ws->hf.data() + (en.begin + i + t) * c.I;
-                c.kt->gemv_f32[c.fmt_dn](down, 0, int(c.H), c.I, hs, nt, Y + i * c.H, c.H);
-            } else {
-                Q8Row acts[kMaxGemvTokens];
-                for (int t = 0; t < nt; ++t) acts[t] = c.h_q8(en.begin + i + t);
-                c.kt->gemv_q8[c.fmt_dn](down, 0, int(c.H), c.I, acts, nt, Y + i * c.H, c.H);
-            }
-        }
+        for (int64_t i = 0; i < en.n; i += kMaxGemvTokens)
+            decode_down(c, down, en.begin + i, int(std::min<int64_t>(kMaxGemvTokens, en.n - i)), 0, int(c.H),
+                        c.ws->pair_out.data() + (en.begin + i) * c.H, c.H);
     }
 }
 
