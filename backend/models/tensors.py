@@ -137,14 +137,14 @@ def inventory_from_records(records: Iterable[TensorRecord], spec: ModelSpec, *, 
     classify = classify_gguf if source == "gguf" else classify_hf
     by_class = {c: 0 for c in TensorClass}
     by_layer: dict[int, int] = {}
-    router = [0, 0]  # matrix elements, bytes
+    router_params = router_bytes = 0  # the routers' matrices
     unknown: list[str] = []
     for r in records:
         c = classify(r.name, spec.num_layers)
         by_class[c.cls] += r.nbytes
         if c.cls is C.ROUTER and len(r.shape) >= 2:
-            router[0] += math.prod(r.shape)
-            router[1] += r.nbytes
+            router_params += math.prod(r.shape)
+            router_bytes += r.nbytes
         if c.cls is C.ROUTED_EXPERTS:
             by_layer[c.layer] = by_layer.get(c.layer, 0) + r.nbytes
         if not c.known:
@@ -163,8 +163,8 @@ def inventory_from_records(records: Iterable[TensorRecord], spec: ModelSpec, *, 
         expert_bits_per_weight=_expert_bits(spec, by_class[C.ROUTED_EXPERTS]),
         files=files,
         notes=tuple(notes),
-        router_matrix_params=router[0],
-        router_matrix_bytes=router[1],
+        router_matrix_params=router_params,
+        router_matrix_bytes=router_bytes,
     )
 
 
@@ -309,7 +309,7 @@ def inventory_from_config(spec: ModelSpec, *, expert_format: str | None = None,
 
     by_class = {c: 0 for c in TensorClass}
     by_layer: dict[int, int] = {}
-    router = [0, 0]  # matrix elements, bytes
+    router_params = router_bytes = 0  # the routers' matrices
     for t in family.expected_tensors(spec):
         c = classify_hf(t.name, spec.num_layers)
         if gguf_mode and (t.role == "vision" or (c.layer is not None and c.layer >= spec.num_layers
@@ -320,8 +320,8 @@ def inventory_from_config(spec: ModelSpec, *, expert_format: str | None = None,
         nbytes = _bytes(fmt, t.shape, gguf_mode) * t.count
         by_class[c.cls] += nbytes
         if c.cls is C.ROUTER and len(t.shape) >= 2:
-            router[0] += math.prod(t.shape) * t.count
-            router[1] += nbytes
+            router_params += math.prod(t.shape) * t.count
+            router_bytes += nbytes
         if c.cls is C.ROUTED_EXPERTS:
             by_layer[c.layer] = by_layer.get(c.layer, 0) + nbytes
 
@@ -336,8 +336,8 @@ def inventory_from_config(spec: ModelSpec, *, expert_format: str | None = None,
         expert_format=ef,
         expert_bits_per_weight=_expert_bits(spec, by_class[C.ROUTED_EXPERTS]),
         notes=tuple(notes),
-        router_matrix_params=router[0],
-        router_matrix_bytes=router[1],
+        router_matrix_params=router_params,
+        router_matrix_bytes=router_bytes,
     )
 
 
