@@ -208,31 +208,39 @@ class PagedCache:
         rewind), copy shared blocks it writes into, allocate the missing ones."""
         self.check(seq, start, n)
         del seq.tokens[start:]
-        for group in self.groups:
-            table = seq.tables[group]
-            if group.window is None:
-                first_written, lo = start, 0
-            else:
-                # Kept: the window before `start` (its queries read it) and the last keep
-                # positions after the call; older blocks go back to the pool now.
-                first_written = max(start, start + n - group.keep)
-                lo = max(0, min(start - group.window + 1, first_written))
-            self._truncate(group, table, _blocks(start))
-            for j in range(min(lo // B, len(table))):
-                if table[j] != NO_BLOCK:
-                    group.pool.release(table[j])
-                    table[j] = NO_BLOCK
-            for j in range(first_written // B, _blocks(start + n)):
-                while len(table) <= j:  # positions a sliding group skips hold no block
-                    table.append(NO_BLOCK)
-                if table[j] == NO_BLOCK:
-                    table[j] = self._take(group)
-                elif group.pool.refs[table[j]] > 1:  # shared with another sequence: copy first
-                    fresh = self._take(group)
-                    group.copy_block(table[j], fresh)
-                    group.pool.release(table[j])
-                    table[j] = fresh
-        seq.changed()
+        changed = False  # most decode steps write into a block they hold: the tables stay as made
+        try:
+            for group in self.groups:
+                table = seq.tables[group]
+                if group.window is None:
+                    first_written, lo = start, 0
+                else:
+                    # Kept: the window before `start` (its queries read it) and the last keep
+                    # positions after the call; older blocks go back to the pool now.
+                    first_written = max(start, start + n - group.keep)
+                    lo = max(0, min(start - group.window + 1, first_written))
+                changed |= self._truncate(group, table, _blocks(start))
+                for j in range(min(lo // B, len(table))):
+                    if table[j] != NO_BLOCK:
+                        group.pool.release(table[j])
+                        table[j] = NO_BLOCK
+                        changed = True
+                for j in range(first_written // B, _blocks(start + n)):
+                    while len(table) <= j:  # positions a sliding group skips hold no block
+                        table.append(NO_BLOCK)
+                        changed = True
+                    if table[j] == NO_BLOCK:
+                        table[j] = self._take(group)
+                        changed = True
+                    elif group.pool.refs[table[j]] > 1:  # shared with another sequence: copy first
+                        fresh = self._take(group)
+                        group.copy_block(table[j], fresh)
+                        group.pool.release(table[j])
+                        table[j] = fresh
+                        changed = True
+        finally:  # a refused block leaves what was done before it: tables the arrays must follow
+            if changed:
+                seq.changed()
 
     def commit(self, seq: Sequence, start: int, tokens: list[int]) -> None:
         """The call wrote `tokens` at start..: the cache now holds them."""
@@ -279,11 +287,15 @@ class PagedCache:
                                    f"it keeps the last {group.keep}")
 
     @staticmethod
-    def _truncate(group: CacheGroup, table: list[int], n_blocks: int) -> None:
+    def _truncate(group: CacheGroup, table: list[int], n_blocks: int) -> bool:
+        """Release the table's blocks from n_blocks on; whether there were any."""
+        if len(table) <= n_blocks:
+            return False
         for block in table[n_blocks:]:
             if block != NO_BLOCK:
                 group.pool.release(block)
         del table[n_blocks:]
+        return True
 
     def _take(self, group: CacheGroup) -> int:
         while True:

@@ -135,8 +135,9 @@ class MoeTransformer(nn.Module):
         seqs = [seq for seq, _, _ in calls]
         if len(set(map(id, seqs))) != len(seqs):
             raise ValueError("a sequence appears twice in one batch")
-        for seq, ids, start in calls:
-            self.cache.check(seq, start, len(ids))
+        if len(calls) > 1:  # (one sequence: prepare checks before it changes anything)
+            for seq, ids, start in calls:
+                self.cache.check(seq, start, len(ids))
         segments, row = [], 0
         for seq, ids, start in calls:
             self.cache.prepare(seq, start, len(ids))

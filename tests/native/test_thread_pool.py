@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -164,3 +167,32 @@ def test_the_pool_stays_awake_when_asked(restore_pool):
     asleep = cpu_while_sleeping(0)
     awake = cpu_while_sleeping(60_000)
     assert asleep < 0.02 and 0.03 < awake < 0.09, (asleep, awake)
+
+
+_HANDOFF_SCRIPT = """
+import time, numpy as np, torch
+from hybridmoe.backend.bench.synthetic_experts import make_host_experts, random_routing
+from hybridmoe.backend.engine import native_experts
+rng = np.random.default_rng(14)
+native = native_experts.native_for(make_host_experts(rng, "q8_0", 4, 256, 256, range(4)))
+x = torch.randn(1, 256)
+ids, w = random_routing(rng, 1, 4, 2)
+want = native.forward(x, ids, w, regime="decode")
+for i in range(4000):
+    assert torch.equal(native.forward(x, ids, w, regime="decode"), want), i
+    if i % 7 == 0:
+        time.sleep(20e-6)  # now and then long enough for a worker to start falling asleep
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("spin_us", [0, 3])
+def test_phase_handoff_never_loses_a_wakeup(spin_us):
+    """Thousands of short phases while the workers fall asleep and wake between them (no spin
+    at all, or a spin of a few microseconds, as long as a phase): a lost wake-up on either
+    side (worker or caller) would hang here, a worker running a stale phase would change the sums."""
+    if _native.physical_cores() < 2:
+        pytest.skip("needs a worker thread")
+    env = {**os.environ, "HYBRIDMOE_SPIN_US": str(spin_us), "HYBRIDMOE_CPU_THREADS": "2"}
+    out = subprocess.run([sys.executable, "-c", _HANDOFF_SCRIPT], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
