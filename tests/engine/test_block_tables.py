@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from hybridmoe.backend.engine.kv_cache import B, CacheFullError, CacheGroup, PagedCache
+from hybridmoe.backend.engine.kv_cache import NO_BLOCK, B, CacheFullError, CacheGroup, PagedCache
 
 
 def _same(cache: PagedCache, seq) -> None:
@@ -36,7 +36,7 @@ def test_arrays_follow_the_tables_and_are_kept_while_they_stay():
     assert len(seq.table_array(full)) == 1
     for start in range(3, 4 * B, 7):  # the sliding group drops blocks behind its window
         step(start, 7)
-    assert -1 in seq.tables[sliding]
+    assert NO_BLOCK in seq.tables[sliding]
 
 
 def test_a_refused_call_leaves_arrays_that_match_what_it_did():
