@@ -142,62 +142,118 @@ def tiny_checkpoint(family: str, out: Path) -> Path:
     return make_checkpoint(family, out, torch.float32)
 
 
-def write_qwen3_moe(out: Path, *, layers: int, experts: int, hidden: int, inter: int, heads: int, kv_heads: int,
-                    head_dim: int, vocab: int, dtype: torch.dtype, scale: float = 0.02, k: int = 8) -> Path:
-    """A random Qwen3-MoE checkpoint, one safetensors shard per layer. Tensors are drawn from
-    one pool of random numbers at random offsets (fast; every tensor has its own memory)."""
-    from safetensors.torch import save_file
+class _RandomShards:
+    """A random checkpoint written one safetensors shard at a time. Tensors are drawn from one
+    pool of random numbers at random offsets (fast; every tensor has its own memory)."""
 
-    out.mkdir(parents=True, exist_ok=True)
-    g = torch.Generator().manual_seed(0)
-    pool = (torch.randn(1 << 24, generator=g) * scale).to(dtype)
+    def __init__(self, out: Path, dtype: torch.dtype, scale: float):
+        out.mkdir(parents=True, exist_ok=True)
+        self.out, self.dtype, self.weight_map = out, dtype, {}
+        self.g = torch.Generator().manual_seed(0)
+        self.pool = (torch.randn(1 << 24, generator=self.g) * scale).to(dtype)
 
-    def rand(*shape):
+    def rand(self, *shape: int) -> torch.Tensor:
         n = 1
         for s in shape:
             n *= s
         parts, left = [], n
         while left:
-            take = min(left, pool.numel() // 2)
-            start = int(torch.randint(0, pool.numel() - take, (1,), generator=g))
-            parts.append(pool[start : start + take])
+            take = min(left, self.pool.numel() // 2)
+            start = int(torch.randint(0, self.pool.numel() - take, (1,), generator=self.g))
+            parts.append(self.pool[start : start + take])
             left -= take
         return torch.cat(parts).reshape(shape).clone()
 
-    def ones(n):
-        return torch.ones(n, dtype=dtype)
+    def ones(self, n: int) -> torch.Tensor:
+        return torch.ones(n, dtype=self.dtype)
 
-    weight_map = {}
+    def save(self, tensors: dict, name: str) -> None:
+        from safetensors.torch import save_file
 
-    def save(tensors, name):
-        save_file(tensors, str(out / name), metadata={"format": "pt"})
-        weight_map.update({key: name for key in tensors})
+        save_file(tensors, str(self.out / name), metadata={"format": "pt"})
+        self.weight_map.update({key: name for key in tensors})
 
-    save({"model.embed_tokens.weight": rand(vocab, hidden), "lm_head.weight": rand(vocab, hidden),
-          "model.norm.weight": ones(hidden)}, "model-embed.safetensors")
+    def finish(self, config: dict) -> Path:
+        (self.out / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {}, "weight_map": self.weight_map}))
+        (self.out / "config.json").write_text(json.dumps({**config, "torch_dtype": str(self.dtype).split(".")[-1]}))
+        return self.out
+
+    def embeddings(self, vocab: int, hidden: int) -> None:
+        self.save({"model.embed_tokens.weight": self.rand(vocab, hidden), "lm_head.weight": self.rand(vocab, hidden),
+                   "model.norm.weight": self.ones(hidden)}, "model-embed.safetensors")
+
+    def experts(self, p: str, experts: int, hidden: int, inter: int) -> dict:
+        t = {}
+        for e in range(experts):
+            t |= self.mlp(f"{p}.experts.{e}", hidden, inter)
+        return t
+
+    def mlp(self, p: str, hidden: int, inter: int) -> dict:
+        return {f"{p}.gate_proj.weight": self.rand(inter, hidden), f"{p}.up_proj.weight": self.rand(inter, hidden),
+                f"{p}.down_proj.weight": self.rand(hidden, inter)}
+
+
+def _attention(w: _RandomShards, p: str, hidden: int, heads: int, kv_heads: int, head_dim: int,
+               bias: bool = False) -> dict:
+    t = {f"{p}.input_layernorm.weight": w.ones(hidden), f"{p}.post_attention_layernorm.weight": w.ones(hidden),
+         f"{p}.self_attn.q_proj.weight": w.rand(heads * head_dim, hidden),
+         f"{p}.self_attn.k_proj.weight": w.rand(kv_heads * head_dim, hidden),
+         f"{p}.self_attn.v_proj.weight": w.rand(kv_heads * head_dim, hidden),
+         f"{p}.self_attn.o_proj.weight": w.rand(hidden, heads * head_dim),
+         f"{p}.self_attn.q_norm.weight": w.ones(head_dim), f"{p}.self_attn.k_norm.weight": w.ones(head_dim)}
+    if bias:
+        t |= {f"{p}.self_attn.{x}_proj.bias": w.rand(n * head_dim)
+              for x, n in (("q", heads), ("k", kv_heads), ("v", kv_heads))}
+    return t
+
+
+def write_qwen3_moe(out: Path, *, layers: int, experts: int, hidden: int, inter: int, heads: int, kv_heads: int,
+                    head_dim: int, vocab: int, dtype: torch.dtype, scale: float = 0.02, k: int = 8) -> Path:
+    """A random Qwen3-MoE checkpoint, one safetensors shard per layer."""
+    w = _RandomShards(out, dtype, scale)
+    w.embeddings(vocab, hidden)
     for i in range(layers):
         p = f"model.layers.{i}"
-        t = {f"{p}.input_layernorm.weight": ones(hidden), f"{p}.post_attention_layernorm.weight": ones(hidden),
-             f"{p}.self_attn.q_proj.weight": rand(heads * head_dim, hidden),
-             f"{p}.self_attn.k_proj.weight": rand(kv_heads * head_dim, hidden),
-             f"{p}.self_attn.v_proj.weight": rand(kv_heads * head_dim, hidden),
-             f"{p}.self_attn.o_proj.weight": rand(hidden, heads * head_dim),
-             f"{p}.self_attn.q_norm.weight": ones(head_dim), f"{p}.self_attn.k_norm.weight": ones(head_dim),
-             f"{p}.mlp.gate.weight": rand(experts, hidden)}
-        for e in range(experts):
-            t[f"{p}.mlp.experts.{e}.gate_proj.weight"] = rand(inter, hidden)
-            t[f"{p}.mlp.experts.{e}.up_proj.weight"] = rand(inter, hidden)
-            t[f"{p}.mlp.experts.{e}.down_proj.weight"] = rand(hidden, inter)
-        save(t, f"model-{i:05d}.safetensors")
-    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    (out / "config.json").write_text(json.dumps({
+        t = _attention(w, p, hidden, heads, kv_heads, head_dim)
+        t[f"{p}.mlp.gate.weight"] = w.rand(experts, hidden)
+        w.save(t | w.experts(f"{p}.mlp", experts, hidden, inter), f"model-{i:05d}.safetensors")
+    return w.finish({
         "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": hidden,
         "intermediate_size": 4 * hidden, "moe_intermediate_size": inter, "num_hidden_layers": layers,
         "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim,
         "num_experts": experts, "num_experts_per_tok": k if experts >= k else 2, "norm_topk_prob": True,
         "vocab_size": vocab, "max_position_embeddings": 32768, "rope_theta": 1e6, "rms_norm_eps": 1e-6,
-        "tie_word_embeddings": False, "torch_dtype": str(dtype).split(".")[-1]}))
-    return out
+        "tie_word_embeddings": False})
+
+
+def write_glm4_moe(out: Path, *, layers: int, experts: int, hidden: int, inter: int, heads: int, kv_heads: int,
+                   head_dim: int, vocab: int, dtype: torch.dtype, scale: float = 0.02, k: int = 8,
+                   dense_inter: int | None = None) -> Path:
+    """A random GLM-4.5-shaped checkpoint (one safetensors shard per layer): q|k|v bias, per-head
+    q/k norm, half the head rotated, a dense first layer, sigmoid routing with a correction
+    bias, one shared expert of the routed experts' size."""
+    w = _RandomShards(out, dtype, scale)
+    w.embeddings(vocab, hidden)
+    dense_inter = dense_inter or 4 * inter
+    for i in range(layers):
+        p = f"model.layers.{i}"
+        t = _attention(w, p, hidden, heads, kv_heads, head_dim, bias=True)
+        if i == 0:
+            t |= w.mlp(f"{p}.mlp", hidden, dense_inter)
+        else:
+            t |= {f"{p}.mlp.gate.weight": w.rand(experts, hidden),
+                  f"{p}.mlp.gate.e_score_correction_bias": torch.zeros(experts, dtype=torch.float32)}
+            t |= w.experts(f"{p}.mlp", experts, hidden, inter) | w.mlp(f"{p}.mlp.shared_experts", hidden, inter)
+        w.save(t, f"model-{i:05d}.safetensors")
+    return w.finish({
+        "architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe", "hidden_size": hidden,
+        "intermediate_size": dense_inter, "moe_intermediate_size": inter, "num_hidden_layers": layers,
+        "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim,
+        "n_routed_experts": experts, "num_experts_per_tok": k, "n_shared_experts": 1, "n_group": 1,
+        "topk_group": 1, "first_k_dense_replace": 1, "routed_scaling_factor": 2.5, "norm_topk_prob": True,
+        "attention_bias": True, "use_qk_norm": True, "partial_rotary_factor": 0.5, "vocab_size": vocab,
+        "max_position_embeddings": 32768, "rope_theta": 1e6, "rms_norm_eps": 1e-5, "tie_word_embeddings": False})
 
 
 def build(path: Path, **kwargs):

@@ -19,11 +19,13 @@ about 20 us a call with four tensor arguments, against 2 us with NumPy arrays (m
 tenth of the step over its hundred calls. NumPy has no bfloat16: a bf16 cache travels as its
 uint16 bits, which the bindings read as bf16.
 
-When every layer has the common shape (q|k|v without bias, per-head q/k norm, one cache group,
-softmax top-k routing, routed experts only: Qwen3-MoE, Mixtral), ``_Chain`` runs all of them in
-one native call (``native/src/decode_chain.cpp``) with the same kernels in the same order: the
-same bits, without the Python between the calls, which the weights streaming through the
-caches make run cold (about 2 ms a token on the 8-layer benchmark model).
+When every layer has a shape the chain covers (one cache group, q|k|v and output projections
+with or without bias, per-head or no q/k norm; a dense gated MLP, or routed experts under any
+router below with or without shared experts: Qwen3-MoE, Mixtral, GLM-4.5, Qwen2-MoE), ``_Chain``
+runs all of them in one native call (``native/src/decode_chain.cpp``) with the same kernels in
+the same order: the same bits, without the Python between the calls, which the weights
+streaming through the caches make run cold (about 2 ms a token on the 8-layer benchmark model;
+1.07x decode on its GLM-4.5-shaped twin, where the chain replaced the calls).
 
 Numerics: float32 throughout (the reference rounds to the model dtype after every op; the
 KV cache is still written in its own dtype, as prefill writes it), so a decode step is at
@@ -202,21 +204,30 @@ class _AttentionStep:
         return self.o(att.reshape(n, -1), self.out[:n])
 
 
-def _router(router: nn.Module) -> Callable[[np.ndarray, np.ndarray, np.ndarray], None] | None:
-    """fn(logits, ids out, weights out) choosing one token's experts as `router` does; None
-    for routers this module does not cover."""
+def _route(router: nn.Module) -> dict | None:
+    """How `router` chooses a token's experts from its logits, as the native routers take it
+    (``decode_ops.h``); None for routers this module does not cover."""
     if isinstance(router, SoftmaxTopK):
-        k, normalize = router.k, router.normalize
-        return lambda logits, ids, w: _native.softmax_topk(logits, k, normalize, ids, w)
+        return dict(route="softmax_topk", normalize=router.normalize)
     if isinstance(router, SigmoidGroupedTopK):
-        r = router
-        bias = None if r.correction_bias is None else _np(r.correction_bias)
-        return lambda logits, ids, w: _native.sigmoid_group_topk(logits, bias, r.k, r.n_group, r.topk_group,
-                                                                 r.normalize, float(r.scaling), ids, w)
+        return dict(route="sigmoid_group_topk", normalize=router.normalize, n_group=router.n_group,
+                    topk_group=router.topk_group, scaling=float(router.scaling),
+                    correction_bias=None if router.correction_bias is None else _np(router.correction_bias))
     if isinstance(router, TopKSoftmax):
-        k = router.k
-        return lambda logits, ids, w: _native.topk_softmax(logits, k, ids, w)
+        return dict(route="topk_softmax", normalize=False)
     return None
+
+
+def _chooser(route: dict, k: int) -> Callable[[np.ndarray, np.ndarray, np.ndarray], None]:
+    """fn(logits, ids out, weights out): one token's choice, as ``route`` (from ``_route``) says."""
+    kind, normalize = route["route"], route["normalize"]
+    if kind == "softmax_topk":
+        return lambda logits, ids, w: _native.softmax_topk(logits, k, normalize, ids, w)
+    if kind == "sigmoid_group_topk":
+        bias, groups, keep, scaling = (route[key] for key in ("correction_bias", "n_group", "topk_group", "scaling"))
+        return lambda logits, ids, w: _native.sigmoid_group_topk(logits, bias, k, groups, keep, normalize, scaling,
+                                                                 ids, w)
+    return lambda logits, ids, w: _native.topk_softmax(logits, k, ids, w)
 
 
 class _GatedStep:
@@ -224,8 +235,8 @@ class _GatedStep:
 
     def __init__(self, mlp: GatedMLP, max_rows: int, part: str):
         self.gate_up, self.down = _Linear(mlp.gate_up, part), _Linear(mlp.down, part)
-        self.gu = _Buffer(max_rows, self.gate_up.out_features)
-        self.act = _Buffer(max_rows, self.gate_up.out_features // 2)
+        self.gu = np.empty((max_rows, self.gate_up.out_features), dtype=np.float32)
+        self.act = np.empty((max_rows, self.gate_up.out_features // 2), dtype=np.float32)
         self.out = np.empty((max_rows, self.down.out_features), dtype=np.float32)
 
     @staticmethod
@@ -235,14 +246,11 @@ class _GatedStep:
 
     def __call__(self, h: np.ndarray) -> np.ndarray:
         n = h.shape[0]
-        gu_t, gu_a = self.gu.rows(n)
-        act_t, act_a = self.act.rows(n)
-        self.gate_up(h, gu_a)
-        gate, up = gu_t.chunk(2, dim=-1)
+        gu, act = self.gate_up(h, self.gu[:n]), self.act[:n]
         t0 = _clock()
-        torch.mul(F.silu(gate), up, out=act_t)
+        _native.silu_mul_rows(gu, act)
         _lap("small", t0)
-        return self.down(act_a, self.out[:n])
+        return self.down(act, self.out[:n])
 
 
 def _router_matrix(router: nn.Module) -> torch.Tensor:
@@ -258,11 +266,12 @@ class _MoEStep:
     """Router, the routed experts (all in host memory, one call over the union of the rows'
     choices), shared experts."""
 
-    def __init__(self, moe: MoE, experts: native_experts.NativeExperts, choose: Callable, max_rows: int):
+    def __init__(self, moe: MoE, experts: native_experts.NativeExperts, route: dict, max_rows: int):
         self.moe, self.layer = moe, experts.layer
         self.logits = _Linear(NativeLinear(_router_matrix(moe.router), getattr(moe.router, "bias", None)),
                               "router")
-        self.choose = choose
+        self.route = route
+        self.choose = _chooser(route, moe.router.k)
         self.shared = None if moe.shared is None else _GatedStep(moe.shared, max_rows, "shared")
         self.shared_gate = None if moe.shared_gate is None else _Linear(moe.shared_gate, "shared")
         self.expert_bytes = experts.expert_bytes
@@ -278,8 +287,8 @@ class _MoEStep:
     def build(cls, moe: nn.Module, max_rows: int) -> _MoEStep | None:
         if type(moe) is not MoE or moe.scheduler is not None or len(moe.main) or not len(moe.host):
             return None
-        choose = _router(moe.router)
-        if choose is None or moe.router.weight.dtype != torch.float32:
+        route = _route(moe.router)
+        if route is None or moe.router.weight.dtype != torch.float32:
             return None
         if moe.shared is not None and not _GatedStep.supports(moe.shared):
             return None
@@ -289,7 +298,7 @@ class _MoEStep:
         if experts is None:
             return None
         try:
-            return cls(moe, experts, choose, max_rows)
+            return cls(moe, experts, route, max_rows)
         except native_kernels.Unsupported:
             return None
 
@@ -308,9 +317,10 @@ class _MoEStep:
             _lap("experts", t0, _distinct(ids) * self.expert_bytes)
         if self.shared is not None:
             shared = self.shared(h)
-            if self.shared_gate is not None:
-                shared = shared / (1.0 + np.exp(-self.shared_gate(h, self.gate[:n])))  # sigmoid(gate) * shared
-            np.add(out, shared, out=out)
+            gate = None if self.shared_gate is None else self.shared_gate(h, self.gate[:n])
+            t0 = _clock()
+            _native.add_gated(out, shared, gate)  # out += sigmoid(gate) * shared
+            _lap("small", t0)
         return out
 
 
@@ -342,68 +352,83 @@ class _LayerStep:
 
 
 # The native chain's parts, in the order its `seconds` array holds them (decode_chain.h).
-_CHAIN_PARTS = ("experts", "qkv", "o", "router", "attend", "small")
+_CHAIN_PARTS = ("experts", "qkv", "o", "router", "attend", "small", "shared", "mlp")
 
 
 class _Chain:
     """Every layer of the step in one native call (``native/src/decode_chain.h``), when all
-    of them have its shape: q|k|v projections without bias, per-head (or no) q/k norm, one cache
-    group, softmax top-k routing without bias, routed experts only. Same kernels, same order,
-    same bits as the layer-by-layer calls; none of the Python between them."""
+    of them have its shape: one cache group, q|k|v and output projections (with or without
+    bias), per-head (or no) q/k norm, and a dense gated MLP or routed experts (any router
+    ``_route`` covers, the same k in every layer) with or without shared experts. Same
+    kernels, same order, same bits as the layer-by-layer calls; none of the Python between them."""
 
     def __init__(self, steps: list[_LayerStep], max_rows: int):
         first = steps[0].attn
         a = first.attn
         self.steps, self.group = steps, first.group
-        self.k = steps[0].ffn.moe.router.k
+        self.moe = [s.ffn for s in steps if isinstance(s.ffn, _MoEStep)]
+        self.k = self.moe[0].k if self.moe else 1
         self.native = _native.DecodeChain(steps[0].attn_norm.w.shape[0], a.n_heads, a.n_kv_heads, a.head_dim,
                                           first.v.shape[-1], first.k.shape[2], self.k, max_rows)
         for s in steps:
             at, ffn = s.attn, s.ffn
-            self.native.add_layer(s.attn_norm.w, s.attn_norm.eps, at.qkv_proj.native, at.q_norm, at.k_norm,
-                                  at.eps, at.cos, at.sin, at.pairs, at.k, at.v, at.attn.scale, at.o.native,
-                                  s.ffn_norm.w, s.ffn_norm.eps, ffn.logits.native, ffn.moe.router.normalize,
-                                  ffn.layer)
+            if isinstance(ffn, _MoEStep):
+                routed = dict(router=ffn.logits.native, router_bias=ffn.logits.bias, experts=ffn.layer, **ffn.route,
+                              shared_gate=None if ffn.shared_gate is None else ffn.shared_gate.native)
+                mlp = ffn.shared
+            else:
+                routed, mlp = {}, ffn
+            if mlp is not None:
+                routed.update(gate_up=mlp.gate_up.native, down=mlp.down.native)
+            self.native.add_layer(s.attn_norm.w, s.attn_norm.eps, at.qkv_proj.native, at.qkv_proj.bias, at.q_norm,
+                                  at.k_norm, at.eps, at.cos, at.sin, at.pairs, at.k, at.v, at.attn.scale, at.o.native,
+                                  at.o.bias, s.ffn_norm.w, s.ffn_norm.eps, **routed)
         # Bytes a step reads besides the experts and the cache (for a step profile).
         self.fixed = {"qkv": sum(s.attn.qkv_proj.native.bytes for s in steps),
                       "o": sum(s.attn.o.native.bytes for s in steps),
-                      "router": sum(s.ffn.logits.native.bytes for s in steps)}
+                      "router": sum(m.logits.native.bytes for m in self.moe),
+                      "shared": sum(_gated_bytes(m.shared) + (m.shared_gate.native.bytes if m.shared_gate else 0)
+                                    for m in self.moe if m.shared is not None),
+                      "mlp": sum(_gated_bytes(s.ffn) for s in steps if isinstance(s.ffn, _GatedStep))}
         self.position_bytes = sum(s.attn.position_bytes for s in steps)
-        self.recorder = steps[0].ffn.moe.recorder  # the chain counts the experts chosen in its table
-        self.counts = None if self.recorder is None else self.recorder.table([s.ffn.moe.layer for s in steps])
+        # The chain counts the experts chosen in its table.
+        self.recorder = self.moe[0].moe.recorder if self.moe else None
+        self.counts = None if self.recorder is None else self.recorder.table([m.moe.layer for m in self.moe])
 
     @staticmethod
     def covers(steps: list[_LayerStep]) -> bool:
         if not steps:
             return False
-        shapes = set()
+        shapes, ks = set(), set()
         for s in steps:
             at, ffn = s.attn, s.ffn
-            if at is None or not isinstance(ffn, _MoEStep):
-                return False
-            if at.qkv_proj.bias is not None or at.o.bias is not None or ffn.logits.bias is not None:
-                return False
-            if (type(ffn.moe.router) is not SoftmaxTopK or ffn.shared is not None or ffn.shared_gate is not None):
+            if at is None or not isinstance(ffn, (_MoEStep, _GatedStep)):
                 return False
             shapes.add((at.group, at.attn.n_heads, at.attn.n_kv_heads, at.attn.head_dim, at.k.shape[1:],
-                        at.v.shape[1:], at.k.dtype, ffn.moe.router.k, id(ffn.moe.recorder)))
-        return len(shapes) == 1
+                        at.v.shape[1:], at.k.dtype))
+            if isinstance(ffn, _MoEStep):
+                ks.add((ffn.k, id(ffn.moe.recorder)))
+        return len(shapes) == 1 and len(ks) <= 1
 
     def __call__(self, xa: np.ndarray, segments: list[Segment]) -> None:
         n = xa.shape[0]
         tables = _stack([seg.seq.table_array(self.group) for seg in segments])
         positions = np.fromiter((seg.start for seg in segments), dtype=np.int64, count=n)
-        ids = np.empty((len(self.steps), n, self.k), dtype=np.int64)
+        ids = np.empty((len(self.moe), n, self.k), dtype=np.int64)
         profile = step_profile.active
         seconds = None if profile is None else np.zeros(len(_CHAIN_PARTS))
         counting = self.recorder is not None and self.recorder.enabled
         self.native.run(xa, tables, positions, ids, seconds, *(self.counts if counting else (None, None)))
         if profile is not None:
-            nbytes = dict(self.fixed, small=0, experts=sum(_distinct(c) * s.ffn.expert_bytes
-                                                           for s, c in zip(self.steps, ids)),
+            nbytes = dict(self.fixed, small=0, experts=sum(_distinct(c) * m.expert_bytes
+                                                           for m, c in zip(self.moe, ids)),
                           attend=int(positions.sum() + n) * self.position_bytes)
             for part, sec in zip(_CHAIN_PARTS, seconds):
                 profile.add(part, float(sec), nbytes[part])
+
+
+def _gated_bytes(mlp: _GatedStep) -> int:
+    return mlp.gate_up.native.bytes + mlp.down.native.bytes
 
 
 # How long the kernels' threads keep spinning after a step's last calls: longer than the

@@ -13,6 +13,8 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
+constexpr int kGemv = 1 << 30;  // decode rows: the few-token paths at any count (rows_are)
+
 // Adds the time since the last lap to a part, when profiling.
 struct Laps {
     double* seconds;
@@ -41,17 +43,44 @@ DecodeChain::DecodeChain(ChainShape shape, int max_rows) : s_(shape), max_rows_(
     q_.resize(R * size_t(s_.Hq * s_.D));
     att_.resize(R * size_t(s_.Hq * s_.Dv));
     tmp_.resize(R * size_t(s_.H));
+    mlp_.resize(R * size_t(s_.H));
+    gate_.resize(R);
     weights_.resize(R * size_t(s_.k));
 }
 
 void DecodeChain::add_layer(const ChainLayer& l) {
     const int64_t width = s_.Hq * s_.D + s_.Hkv * (s_.D + s_.Dv);
     if (l.qkv->cols() != s_.H || l.qkv->rows() != width || l.o->rows() != s_.H || l.o->cols() != s_.Hq * s_.Dv ||
-        l.router->cols() != s_.H || l.experts->hidden() != s_.H || l.router->rows() != l.experts->n_experts() ||
-        s_.k > l.router->rows() || 2 * l.rotary_half > s_.D)
-        throw std::invalid_argument("a layer's projections do not fit the chain's shape");
+        2 * l.rotary_half > s_.D)
+        throw std::invalid_argument("a layer's attention projections do not fit the chain's shape");
+    if (bool(l.router) != bool(l.experts) || bool(l.gate_up) != bool(l.down) || (!l.experts && !l.gate_up) ||
+        (l.shared_gate && !(l.experts && l.gate_up)))
+        throw std::invalid_argument("a layer needs routed experts with their router, a gated MLP, or both (shared)");
+    if (l.experts && (l.router->cols() != s_.H || l.experts->hidden() != s_.H ||
+                      l.router->rows() != l.experts->n_experts() || s_.k > l.router->rows()))
+        throw std::invalid_argument("a layer's router or experts do not fit the chain's shape");
+    if (l.gate_up && (l.gate_up->cols() != s_.H || l.gate_up->rows() % 2 || l.down->rows() != s_.H ||
+                      l.down->cols() != l.gate_up->rows() / 2))
+        throw std::invalid_argument("a layer's gated MLP does not fit the chain's shape");
+    if (l.shared_gate && (l.shared_gate->rows() != 1 || l.shared_gate->cols() != s_.H))
+        throw std::invalid_argument("a shared experts' gate must be [1, hidden]");
+    const size_t R = size_t(max_rows_);
+    if (l.experts) {
+        moe_.push_back(layers_.size());
+        logits_.resize(std::max(logits_.size(), R * size_t(l.router->rows())));
+    }
+    if (l.gate_up) {
+        gu_.resize(std::max(gu_.size(), R * size_t(l.gate_up->rows())));
+        act_.resize(std::max(act_.size(), R * size_t(l.down->cols())));
+    }
     layers_.push_back(l);
-    if (logits_.size() < size_t(max_rows_ * l.router->rows())) logits_.resize(size_t(max_rows_ * l.router->rows()));
+}
+
+void DecodeChain::gated_mlp(Executor& exec, const KernelTable& kt, const ChainLayer& l, int64_t T, float* out) {
+    const int64_t I = l.down->cols();
+    l.gate_up->forward(exec, kt, h_.data(), false, T, gu_.data(), kGemv);
+    silu_mul_rows(kt, gu_.data(), T, I, act_.data());
+    l.down->forward(exec, kt, act_.data(), false, T, out, kGemv);
 }
 
 void DecodeChain::run(Executor& exec, const KernelTable& kt, float* x, int64_t T, const int64_t* tables,
@@ -70,7 +99,6 @@ void DecodeChain::run(Executor& exec, const KernelTable& kt, float* x, int64_t T
         }
     }
     const int64_t width = s.Hq * s.D + s.Hkv * (s.D + s.Dv);
-    constexpr int kGemv = 1 << 30;  // decode rows: the few-token paths at any count (rows_are)
     Laps laps{seconds};
     // What every row's cache write and attention share: the heads and the strides of the
     // block-allocated caches ([n_blocks, Hkv, B, D] and [n_blocks, Hkv, B, Dv]).
@@ -97,13 +125,14 @@ void DecodeChain::run(Executor& exec, const KernelTable& kt, float* x, int64_t T
     attend.k_block = k_block;
     attend.v_block = v_block;
     std::vector<DecodeAttention> rows(static_cast<size_t>(T));
-    for (size_t li = 0; li < layers_.size(); ++li) {
-        const ChainLayer& l = layers_[li];
+    int64_t moe = 0;  // the layers with experts so far: ids_out's index
+    for (const ChainLayer& l : layers_) {
         const size_t esz = l.cache_bf16 ? 2 : 4;
         // Attention.
         rms_norm(x, l.attn_norm, l.attn_eps, T, s.H, h_.data());
         laps.lap(CP_SMALL);
         l.qkv->forward(exec, kt, h_.data(), false, T, qkv_.data(), kGemv);
+        if (l.qkv_bias) add_bias(qkv_.data(), l.qkv_bias, T, width);
         laps.lap(CP_QKV);
         store.q_norm = l.q_norm;
         store.k_norm = l.k_norm;
@@ -138,19 +167,46 @@ void DecodeChain::run(Executor& exec, const KernelTable& kt, float* x, int64_t T
         attend_decode_rows(exec, kt, rows.data(), int(T));
         laps.lap(CP_ATTEND);
         l.o->forward(exec, kt, att_.data(), false, T, tmp_.data(), kGemv);
+        if (l.o_bias) add_bias(tmp_.data(), l.o_bias, T, s.H);
         add_into(x, tmp_.data(), T * s.H);
         laps.lap(CP_O);
-        // Routed experts.
+        // The feed-forward block.
         rms_norm(x, l.ffn_norm, l.ffn_eps, T, s.H, h_.data());
         laps.lap(CP_SMALL);
+        if (!l.experts) {  // a dense layer
+            gated_mlp(exec, kt, l, T, tmp_.data());
+            add_into(x, tmp_.data(), T * s.H);
+            laps.lap(CP_MLP);
+            continue;
+        }
         const int64_t E = l.router->rows();
         l.router->forward(exec, kt, h_.data(), false, T, logits_.data(), kGemv);
+        if (l.router_bias) add_bias(logits_.data(), l.router_bias, T, E);
         laps.lap(CP_ROUTER);
-        int64_t* ids = ids_out + int64_t(li) * T * s.k;
-        for (int64_t t = 0; t < T; ++t)
-            softmax_topk(logits_.data() + t * E, E, int(s.k), l.normalize, ids + t * s.k, weights_.data() + t * s.k);
+        int64_t* ids = ids_out + moe * T * s.k;
+        ++moe;
+        const ChainRoute& r = l.route;
+        for (int64_t t = 0; t < T; ++t) {
+            const float* lg = logits_.data() + t * E;
+            int64_t* id = ids + t * s.k;
+            float* w = weights_.data() + t * s.k;
+            switch (r.kind) {
+            case ChainRoute::SoftmaxTopK: softmax_topk(lg, E, int(s.k), r.normalize, id, w); break;
+            case ChainRoute::SigmoidGroupTopK:
+                sigmoid_group_topk(lg, r.bias, E, int(s.k), r.n_group, r.topk_group, r.normalize, r.scaling, id, w);
+                break;
+            case ChainRoute::TopKSoftmax: topk_softmax(lg, E, int(s.k), id, w); break;
+            }
+        }
         laps.lap(CP_SMALL);
         l.experts->forward(exec, kt, h_.data(), false, T, ids, weights_.data(), int(s.k), tmp_.data(), Regime::Decode, 0);
+        laps.lap(CP_EXPERTS);
+        if (l.gate_up) {  // the shared experts, added to the routed ones' sum before the residual
+            gated_mlp(exec, kt, l, T, mlp_.data());
+            if (l.shared_gate) l.shared_gate->forward(exec, kt, h_.data(), false, T, gate_.data(), kGemv);
+            add_gated(tmp_.data(), mlp_.data(), l.shared_gate ? gate_.data() : nullptr, T, s.H);
+            laps.lap(CP_SHARED);
+        }
         add_into(x, tmp_.data(), T * s.H);
         laps.lap(CP_EXPERTS);
     }

@@ -1,7 +1,10 @@
-// Every decoder layer of one decode step in one native call, for the common layer shape:
-// RMSNorm, a fused q|k|v projection, per-head q/k norm and rotary embedding, attention over a
-// block-allocated cache, the output projection; RMSNorm, softmax top-k routing and the routed
-// experts, all in host memory.
+// Every decoder layer of one decode step in one native call: RMSNorm, a fused q|k|v projection
+// (with or without bias), per-head q/k norm and rotary embedding (whole or partial), attention
+// over a block-allocated cache, the output projection; RMSNorm and the feed-forward block: a
+// dense gated MLP, or a router (softmax top-k, DeepSeek-V3's sigmoid groups, or top-k softmax),
+// the routed experts in host memory and optional shared experts (optionally sigmoid-gated).
+// That is Qwen3-MoE, Mixtral, GLM-4.5 and Qwen2-MoE; MLA, sliding windows and attention sinks
+// keep the per-call path.
 //
 // The same kernels as the per-call path (cpu_decode.py), in the same order on the same
 // buffers, so a token gets the same bits; what goes is the Python between the calls. That
@@ -20,10 +23,20 @@ namespace hmoe {
 
 class Executor;
 
+// How a layer's router turns its logits into experts and weights (decode_ops.h).
+struct ChainRoute {
+    enum Kind { SoftmaxTopK, SigmoidGroupTopK, TopKSoftmax } kind = SoftmaxTopK;
+    bool normalize = false;      // renormalise the top k weights (not TopKSoftmax)
+    const float* bias = nullptr; // SigmoidGroupTopK: the choice's correction bias [E] or null
+    int n_group = 1, topk_group = 1;
+    float scaling = 1.f;
+};
+
 struct ChainLayer {
     const float* attn_norm;
     float attn_eps;
     const DenseLinear* qkv;  // q (Hq * D), k (Hkv * D), v (Hkv * Dv) rows, joined (any formats)
+    const float* qkv_bias;   // [rows of qkv] or null
     const float* q_norm;     // [D] or null
     const float* k_norm;
     float qk_eps;
@@ -38,15 +51,23 @@ struct ChainLayer {
     int64_t n_blocks;
     float scale;
     const DenseLinear* o;
+    const float* o_bias;  // [H] or null
     const float* ffn_norm;
     float ffn_eps;
-    const DenseLinear* router;  // [E, H]
-    bool normalize;             // renormalise the top k weights
+    // The feed-forward block: routed experts with their router, and/or a gated MLP (gate|up
+    // joined, then down), which is the layer's own when there are no experts and the shared
+    // experts' when there are.
+    const DenseLinear* router;  // [E, H], or null for a dense layer
+    const float* router_bias;   // [E] or null: added to the logits
+    ChainRoute route;
     const MoELayer* experts;
+    const DenseLinear* gate_up;      // [2 I, H] or null
+    const DenseLinear* down;         // [H, I]
+    const DenseLinear* shared_gate;  // [1, H] or null: sigmoid(h . g) scales the shared experts
 };
 
 // Per-part seconds a step adds to when profiling (step_profile.py's names).
-enum ChainPart : int { CP_EXPERTS = 0, CP_QKV, CP_O, CP_ROUTER, CP_ATTEND, CP_SMALL, CP_COUNT };
+enum ChainPart : int { CP_EXPERTS = 0, CP_QKV, CP_O, CP_ROUTER, CP_ATTEND, CP_SMALL, CP_SHARED, CP_MLP, CP_COUNT };
 
 struct ChainShape {
     int64_t H, Hq, Hkv, D, Dv, block, k;
@@ -58,20 +79,25 @@ public:
     void add_layer(const ChainLayer& layer);  // checks it against the shape
 
     // x [T, H] fp32, the residual stream, in place; tables [T, table_len] each row's block
-    // ids; positions [T]; ids_out [layers, T, k] the experts chosen (for the statistics);
-    // seconds (CP_COUNT doubles) or null.
+    // ids; positions [T]; ids_out [MoE layers, T, k] the experts chosen by each layer with
+    // experts, in order (for the statistics); seconds (CP_COUNT doubles) or null.
     void run(Executor& exec, const KernelTable& kt, float* x, int64_t T, const int64_t* tables, int64_t table_len,
              const int64_t* positions, int64_t* ids_out, double* seconds);
 
-    int64_t layers() const { return int64_t(layers_.size()); }
-    int64_t experts(int64_t layer) const { return layers_[size_t(layer)].router->rows(); }
+    // The layers with routed experts, in order, and the experts of the i-th of them.
+    int64_t moe_layers() const { return int64_t(moe_.size()); }
+    int64_t experts(int64_t i) const { return layers_[moe_[size_t(i)]].router->rows(); }
     const ChainShape& shape() const { return s_; }
 
 private:
     ChainShape s_;
     std::vector<ChainLayer> layers_;
+    std::vector<size_t> moe_;  // the indices of the layers with routed experts
     int max_rows_;
-    std::vector<float> h_, qkv_, q_, att_, tmp_, logits_, weights_;
+    std::vector<float> h_, qkv_, q_, att_, tmp_, logits_, weights_, gu_, act_, mlp_, gate_;
+
+    // down(silu(gate(h)) * up(h)) of the first T rows of h_ into out.
+    void gated_mlp(Executor& exec, const KernelTable& kt, const ChainLayer& l, int64_t T, float* out);
 };
 
 }  // namespace hmoe

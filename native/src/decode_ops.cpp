@@ -1,5 +1,7 @@
 #include "decode_ops.h"
 
+#include "kernel_table.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -95,6 +97,28 @@ void rope_store(const RopeStore& a) {
         store(a.k_cache, a.cache_bf16, h * a.k_head + a.pos * a.k_pos, buf, a.D);
         store(a.v_cache, a.cache_bf16, h * a.v_head + a.pos * a.v_pos, v + h * a.Dv, a.Dv);
     }
+}
+
+void silu_mul_rows(const KernelTable& kt, const float* gu, int64_t rows, int64_t I, float* out) {
+    for (int64_t r = 0; r < rows; ++r) kt.silu_mul(gu + r * 2 * I, gu + r * 2 * I + I, out + r * I, I);
+}
+
+void add_gated(float* out, const float* y, const float* gate, int64_t rows, int64_t n) {
+    for (int64_t r = 0; r < rows; ++r) {
+        float* o = out + r * n;
+        const float* v = y + r * n;
+        if (gate) {
+            const float d = 1.f + std::exp(-gate[r]);
+            for (int64_t i = 0; i < n; ++i) o[i] += v[i] / d;
+        } else {
+            for (int64_t i = 0; i < n; ++i) o[i] += v[i];
+        }
+    }
+}
+
+void add_bias(float* out, const float* bias, int64_t rows, int64_t n) {
+    for (int64_t r = 0; r < rows; ++r)
+        for (int64_t i = 0; i < n; ++i) out[r * n + i] += bias[i];
 }
 
 void softmax_topk(const float* logits, int64_t E, int k, bool normalize, int64_t* ids, float* weights) {

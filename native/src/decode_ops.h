@@ -11,6 +11,8 @@
 
 namespace hmoe {
 
+struct KernelTable;
+
 // out[r, :] = x[r, :] / sqrt(mean(x[r, :]^2) + eps) * w for r < rows (out may be x).
 void rms_norm(const float* x, const float* w, float eps, int64_t rows, int64_t n, float* out);
 
@@ -36,6 +38,17 @@ struct RopeStore {
     float* q_out;
 };
 void rope_store(const RopeStore& a);
+
+// A gated MLP's activation (a dense layer's or the shared experts'): out[r, i] =
+// silu(gu[r, i]) * gu[r, I + i] for i < I, with the kernels' silu (the one the experts use).
+void silu_mul_rows(const KernelTable& kt, const float* gu, int64_t rows, int64_t I, float* out);
+
+// out[r, :] += y[r, :] / (1 + exp(-gate[r])) (a sigmoid-gated shared expert, Qwen2-MoE), or
+// out += y where gate is null.
+void add_gated(float* out, const float* y, const float* gate, int64_t rows, int64_t n);
+
+// out[r, :] += bias for each of `rows` rows (a projection's bias).
+void add_bias(float* out, const float* bias, int64_t rows, int64_t n);
 
 // Routers over one token's logits [E] -> ids [k], weights [k] (k <= E).
 // softmax over all, top k, optionally renormalised (Qwen, Mixtral, OLMoE).

@@ -577,6 +577,24 @@ NB_MODULE(_native, m) {
 
     m.def("rms_norm", &rms_norm_py, "x"_a, "w"_a, "eps"_a, "out"_a,
           "out = x / sqrt(mean(x^2) + eps) * w over the last axis, float32 (out may be x).");
+    m.def(
+        "silu_mul_rows",
+        [](nb::ndarray<const float, nb::ndim<2>, nb::c_contig, nb::device::cpu> gu,
+           nb::ndarray<float, nb::ndim<2>, nb::c_contig, nb::device::cpu> out) {
+            if (gu.shape(0) != out.shape(0) || gu.shape(1) != 2 * out.shape(1))
+                throw nb::value_error("gu must be [T, 2 I] and out [T, I]");
+            silu_mul_rows(*current_table(), gu.data(), int64_t(out.shape(0)), int64_t(out.shape(1)), out.data());
+        },
+        "gu"_a, "out"_a, "A gated MLP's activation: out = silu(gu[:, :I]) * gu[:, I:], with the experts' silu.");
+    m.def(
+        "add_gated",
+        [](nb::ndarray<float, nb::ndim<2>, nb::c_contig, nb::device::cpu> out,
+           nb::ndarray<const float, nb::ndim<2>, nb::c_contig, nb::device::cpu> y, std::optional<F32Array> gate) {
+            if (out.shape(0) != y.shape(0) || out.shape(1) != y.shape(1) || (gate && gate->size() != out.shape(0)))
+                throw nb::value_error("out and y must be [T, n], gate [T]");
+            add_gated(out.data(), y.data(), gate ? gate->data() : nullptr, int64_t(out.shape(0)), int64_t(out.shape(1)));
+        },
+        "out"_a, "y"_a, "gate"_a.none(), "out += y / (1 + exp(-gate)) row by row (a sigmoid-gated shared expert), or out += y.");
     m.def("embed_rows", &embed_rows_py, "table"_a, "tokens"_a, "out"_a,
           "out[i] = table[tokens[i]] as float32 (table float32, float16, or bfloat16 or its uint16 bits).");
     m.def("rope_store", &rope_store_py, "qkv"_a, "n_heads"_a, "n_kv_heads"_a, "q_norm"_a.none(), "k_norm"_a.none(),
@@ -665,10 +683,13 @@ NB_MODULE(_native, m) {
         .def(
             "add_layer",
             [](DecodeChain& c, F32Array attn_norm, float attn_eps, const DenseLinear& qkv,
-               std::optional<F32Array> q_norm,
-               std::optional<F32Array> k_norm, float qk_eps, F32Array cos, F32Array sin, bool pairs, Cache4 k_cache,
-               Cache4 v_cache, float scale, const DenseLinear& o, F32Array ffn_norm, float ffn_eps,
-               const DenseLinear& router, bool normalize, const MoELayer& experts) {
+               std::optional<F32Array> qkv_bias, std::optional<F32Array> q_norm, std::optional<F32Array> k_norm,
+               float qk_eps, F32Array cos, F32Array sin, bool pairs, Cache4 k_cache, Cache4 v_cache, float scale,
+               const DenseLinear& o, std::optional<F32Array> o_bias, F32Array ffn_norm, float ffn_eps,
+               const DenseLinear* router, std::optional<F32Array> router_bias, const std::string& route, bool normalize,
+               std::optional<F32Array> correction_bias, int n_group, int topk_group, float scaling,
+               const MoELayer* experts, const DenseLinear* gate_up, const DenseLinear* down,
+               const DenseLinear* shared_gate) {
                 const int64_t H = qkv.cols();
                 if (int64_t(attn_norm.size()) != H || int64_t(ffn_norm.size()) != H)
                     throw nb::value_error("norm weights must have one entry per hidden feature");
@@ -683,10 +704,30 @@ NB_MODULE(_native, m) {
                 for (const auto* w : {&q_norm, &k_norm})
                     if (*w && int64_t((*w)->size()) != int64_t(k_cache.shape(3)))
                         throw nb::value_error("q/k norm weights must have head_dim entries");
+                const int64_t E = router ? router->rows() : 0;
+                if ((qkv_bias && int64_t(qkv_bias->size()) != qkv.rows()) || (o_bias && int64_t(o_bias->size()) != o.rows()) ||
+                    (router_bias && int64_t(router_bias->size()) != E) ||
+                    (correction_bias && int64_t(correction_bias->size()) != E))
+                    throw nb::value_error("a bias must have one entry per output row");
+                ChainRoute r;
+                if (route == "softmax_topk") r.kind = ChainRoute::SoftmaxTopK;
+                else if (route == "sigmoid_group_topk") r.kind = ChainRoute::SigmoidGroupTopK;
+                else if (route == "topk_softmax") r.kind = ChainRoute::TopKSoftmax;
+                else throw nb::value_error("route must be softmax_topk, sigmoid_group_topk or topk_softmax");
+                if (r.kind == ChainRoute::SigmoidGroupTopK && router &&
+                    (n_group < 1 || E % n_group || (n_group > 1 && E / n_group < 2) || topk_group < 1 ||
+                     topk_group > n_group || s.k > int64_t(topk_group) * (E / n_group)))
+                    throw nb::value_error("n_group must divide the experts into groups of two or more, and topk_group of them hold k");
+                r.normalize = normalize;
+                r.bias = correction_bias ? correction_bias->data() : nullptr;
+                r.n_group = n_group;
+                r.topk_group = topk_group;
+                r.scaling = scaling;
                 ChainLayer l{};
                 l.attn_norm = attn_norm.data();
                 l.attn_eps = attn_eps;
                 l.qkv = &qkv;
+                l.qkv_bias = qkv_bias ? qkv_bias->data() : nullptr;
                 l.q_norm = q_norm ? q_norm->data() : nullptr;
                 l.k_norm = k_norm ? k_norm->data() : nullptr;
                 l.qk_eps = qk_eps;
@@ -701,16 +742,27 @@ NB_MODULE(_native, m) {
                 l.n_blocks = int64_t(k_cache.shape(0));
                 l.scale = scale;
                 l.o = &o;
+                l.o_bias = o_bias ? o_bias->data() : nullptr;
                 l.ffn_norm = ffn_norm.data();
                 l.ffn_eps = ffn_eps;
-                l.router = &router;
-                l.normalize = normalize;
-                l.experts = &experts;
+                l.router = router;
+                l.router_bias = router_bias ? router_bias->data() : nullptr;
+                l.route = r;
+                l.experts = experts;
+                l.gate_up = gate_up;
+                l.down = down;
+                l.shared_gate = shared_gate;
                 c.add_layer(l);
             },
-            "attn_norm"_a, "attn_eps"_a, "qkv"_a, "q_norm"_a.none(), "k_norm"_a.none(), "qk_eps"_a, "cos"_a, "sin"_a,
-            "pairs"_a, "k_cache"_a, "v_cache"_a, "scale"_a, "o"_a, "ffn_norm"_a, "ffn_eps"_a, "router"_a, "normalize"_a,
-            "experts"_a, "One decoder layer; the caller keeps every argument alive as long as the chain.")
+            "attn_norm"_a, "attn_eps"_a, "qkv"_a, "qkv_bias"_a.none(), "q_norm"_a.none(), "k_norm"_a.none(), "qk_eps"_a,
+            "cos"_a, "sin"_a, "pairs"_a, "k_cache"_a, "v_cache"_a, "scale"_a, "o"_a, "o_bias"_a.none(), "ffn_norm"_a,
+            "ffn_eps"_a, "router"_a.none() = nb::none(), "router_bias"_a.none() = nb::none(), "route"_a = "softmax_topk",
+            "normalize"_a = false, "correction_bias"_a.none() = nb::none(), "n_group"_a = 1, "topk_group"_a = 1,
+            "scaling"_a = 1.f, "experts"_a.none() = nb::none(), "gate_up"_a.none() = nb::none(),
+            "down"_a.none() = nb::none(), "shared_gate"_a.none() = nb::none(),
+            "One decoder layer: attention, then routed experts (router and experts), a gated MLP (gate_up and down: "
+            "a dense layer's, or the shared experts' beside routed ones), or both. The caller keeps every argument "
+            "alive as long as the chain.")
         .def(
             "run",
             [](DecodeChain& c, nb::ndarray<float, nb::ndim<2>, nb::c_contig, nb::device::cpu> x, I64Rows tables,
@@ -720,13 +772,14 @@ NB_MODULE(_native, m) {
                std::optional<I64Vec> count_cells) {
                 const int64_t T = int64_t(x.shape(0));
                 if (int64_t(tables.shape(0)) != T || int64_t(positions.shape(0)) != T || int64_t(ids_out.shape(1)) != T ||
-                    int64_t(ids_out.shape(0)) != c.layers())
+                    int64_t(ids_out.shape(0)) != c.moe_layers() || int64_t(ids_out.shape(2)) != c.shape().k)
                     throw nb::value_error("x, tables, positions and ids_out must have one row per sequence "
-                                          "(ids_out: [layers, T, k])");
-                if (seconds && int64_t(seconds->size()) < CP_COUNT) throw nb::value_error("seconds needs 6 entries");
-                if (bool(counts) != bool(count_cells) || (count_cells && int64_t(count_cells->size()) != c.layers()))
-                    throw nb::value_error("counts and count_cells go together, count_cells one per layer");
-                for (int64_t li = 0; count_cells && li < c.layers(); ++li) {
+                                          "(ids_out: [layers with experts, T, k])");
+                static_assert(CP_COUNT == 8, "the message below counts the parts");
+                if (seconds && int64_t(seconds->size()) < CP_COUNT) throw nb::value_error("seconds needs 8 entries");
+                if (bool(counts) != bool(count_cells) || (count_cells && int64_t(count_cells->size()) != c.moe_layers()))
+                    throw nb::value_error("counts and count_cells go together, count_cells one per layer with experts");
+                for (int64_t li = 0; count_cells && li < c.moe_layers(); ++li) {
                     const int64_t cell = (*count_cells)(li);
                     if (cell < 0 || cell + c.experts(li) > int64_t(counts->size()))
                         throw nb::value_error("a layer's counts lie outside the counts table");
@@ -743,15 +796,15 @@ NB_MODULE(_native, m) {
                 c.run(exec, kt, xp, T, tp, L, pp, ip, sp);
                 if (counts) {  // each layer's choices counted at count_cells[layer] + expert
                     const int64_t k = c.shape().k;
-                    for (int64_t li = 0; li < c.layers(); ++li)
+                    for (int64_t li = 0; li < c.moe_layers(); ++li)
                         for (int64_t i = 0; i < T * k; ++i) (*counts)((*count_cells)(li) + ip[li * T * k + i]) += 1;
                 }
             },
             "x"_a, "tables"_a, "positions"_a, "ids_out"_a, "seconds"_a.none(), "counts"_a.none() = nb::none(),
             "count_cells"_a.none() = nb::none(),
-            "Every layer of a decode step on x [T, H] in place; the experts chosen go to ids_out [layers, T, k] and, "
-            "given counts, are counted there (layer l's expert e at count_cells[l] + e); seconds (if given) adds "
-            "each part's time: experts, qkv, o, router, attend, small.");
+            "Every layer of a decode step on x [T, H] in place; the experts chosen go to ids_out [layers with "
+            "experts, T, k] and, given counts, are counted there (the l-th such layer's expert e at count_cells[l] "
+            "+ e); seconds (if given) adds each part's time: experts, qkv, o, router, attend, small, shared, mlp.");
 
     nb::class_<MoELayer>(m, "MoELayer")
         .def("__init__",

@@ -89,11 +89,12 @@ def test_each_sequence_of_a_batch_gets_its_solo_tokens(family, source, checkpoin
 
 
 # Where the one-call native chain (cpu_decode._Chain) covers every layer of the tiny models:
-# OLMoE's q/k norm spans all heads, the other families have MLA, sliding windows, sinks, shared
-# experts or another router, and under q4_k_m the tiny experts' rows are too short for K-quant
-# blocks (no native MoE step at all).
-CHAIN_CASES = {("qwen3_moe", "bf16-checkpoint"), ("qwen3_moe", "q8_0-gguf"), ("mixtral", "bf16-checkpoint"),
-               ("mixtral", "q8_0-gguf")}
+# GLM-4.5's (a dense first layer, q|k|v bias, partial rotary, sigmoid group routing, a shared
+# expert) and Qwen2-MoE's (q|k|v bias, a sigmoid-gated shared expert) among them. OLMoE's q/k norm
+# spans all heads, DeepSeek has MLA, GPT-OSS sliding windows and sinks; under q4_k_m the tiny
+# experts' rows are too short for K-quant blocks (no native MoE step at all).
+CHAIN_CASES = {(family, source) for family in ("qwen3_moe", "mixtral", "glm4_moe", "qwen2_moe")
+               for source in ("bf16-checkpoint", "q8_0-gguf")}
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
