@@ -48,8 +48,9 @@ from torch import nn
 
 from hybridmoe.backend.engine import native_experts, native_kernels, step_profile
 from hybridmoe.backend.engine.attention import Attention
-from hybridmoe.backend.engine.kv_cache import B, PagedKV, Segment
+from hybridmoe.backend.engine.kv_cache import B, PagedKV, PagedLatent, Segment
 from hybridmoe.backend.engine.layers import GatedMLP, RMSNorm
+from hybridmoe.backend.engine.mla import MLAttention
 from hybridmoe.backend.engine.moe import MoE
 from hybridmoe.backend.engine.native_linear import NativeLinear
 from hybridmoe.backend.engine.routing import SigmoidGroupedTopK, SoftmaxTopK, TopKSoftmax
@@ -204,6 +205,72 @@ class _AttentionStep:
         return self.o(att.reshape(n, -1), self.out[:n])
 
 
+class _MLAStep:
+    """Multi-head latent attention of one token per sequence (DeepSeek, Kimi): the q and
+    compressed-kv projections over all rows, per row the rotary parts and the cache row
+    (``mla_rope_store``), one call for every row's absorbed attention over its latent cache
+    (``mla_attend_rows``: kv_b folded into the queries and applied to the attended latents),
+    then the output projection. The expanded form, where it is forced (``set_mla_absorb(False)``:
+    tests compare the two), is PyTorch's."""
+
+    def __init__(self, attn: MLAttention, max_rows: int):
+        self.attn = attn
+        if attn.q_proj is not None:
+            self.q, self.q_a = _Linear(attn.q_proj, "qkv"), None
+        else:
+            self.q_a, self.q_a_norm, self.q = _Linear(attn.q_a, "qkv"), _Norm(attn.q_a_norm), _Linear(attn.q_b, "qkv")
+            self.qa = np.empty((max_rows, self.q_a.out_features), dtype=np.float32)
+        self.kv_a = _Linear(attn.kv_a, "qkv")
+        self.kv_norm, self.eps = _np(attn.kv_a_norm.weight), float(attn.kv_a_norm.eps)
+        self.o = _Linear(attn.o, "o")
+        self.kv_b = _cache_view(attn.kv_b_weight)
+        self.cos, self.sin = _np(attn.rotary.cos), _np(attn.rotary.sin)
+        self.pairs = attn.rotary.layout == "pairs"
+        self.group = attn.cache.group
+        self.cache = _cache_view(attn.cache.kv)  # [blocks, B, latent + rotary key]
+        self.position_bytes = self.cache.shape[-1] * self.cache.itemsize
+        self.q_buf = np.empty((max_rows, self.q.out_features), dtype=np.float32)
+        self.kv = np.empty((max_rows, self.kv_a.out_features), dtype=np.float32)
+        self.lengths = np.empty(max_rows, dtype=np.int64)
+        self.att = np.empty((max_rows, attn.n_heads * attn.v_dim), dtype=np.float32)
+        self.out = np.empty((max_rows, self.o.out_features), dtype=np.float32)
+
+    @staticmethod
+    def supports(attn: nn.Module) -> bool:
+        if type(attn) is not MLAttention:
+            return False
+        linears = [attn.kv_a, attn.o] + ([attn.q_proj] if attn.q_proj is not None else [attn.q_a, attn.q_b])
+        return (all(isinstance(lin, NativeLinear) for lin in linears) and type(attn.cache) is PagedLatent
+                and attn.rotary.rotary_dim == attn.rope_dim and type(attn.kv_a_norm) is RMSNorm
+                and (attn.q_a_norm is None or type(attn.q_a_norm) is RMSNorm)
+                and attn.kv_b_weight.dtype in (torch.float32, torch.bfloat16, torch.float16)
+                and attn.cache.kv.dtype in (torch.float32, torch.bfloat16))
+
+    def __call__(self, h: np.ndarray, segments: list[Segment]) -> np.ndarray:
+        a, n = self.attn, h.shape[0]
+        if self.q_a is None:
+            q = self.q(h, self.q_buf[:n])
+        else:
+            qa = self.q_a(h, self.qa[:n])
+            q = self.q(self.q_a_norm(qa, qa), self.q_buf[:n])
+        kv, lengths = self.kv_a(h, self.kv[:n]), self.lengths[:n]
+        t0 = _clock()
+        tables: list[np.ndarray] = [None] * n
+        for seg in segments:
+            pos, t = seg.start, seg.row
+            table = seg.seq.table_array(self.group)
+            _native.mla_rope_store(q[t], kv[t], self.kv_norm, self.eps, self.cos[pos], self.sin[pos], self.pairs,
+                                   self.cache[table[pos // B], pos % B], a.n_heads, a.rope_dim)
+            lengths[t], tables[t] = pos + 1, table
+        _lap("small", t0)
+        t0 = _clock()
+        att = self.att[:n]
+        _native.mla_attend_rows(q, self.kv_b, self.cache, _stack(tables), lengths, a.n_heads, a.nope_dim, a.rope_dim,
+                                a.v_dim, a.scale, att)
+        _lap("attend", t0, int(lengths.sum()) * self.position_bytes + self.kv_b.nbytes)
+        return self.o(att, self.out[:n])
+
+
 def _route(router: nn.Module) -> dict | None:
     """How `router` chooses a token's experts from its logits, as the native routers take it
     (``decode_ops.h``); None for routers this module does not cover."""
@@ -328,7 +395,10 @@ class _LayerStep:
     def __init__(self, layer: nn.Module, max_rows: int):
         self.layer = layer
         self.attn_norm, self.ffn_norm = _Norm(layer.attn_norm), _Norm(layer.ffn_norm)
-        self.attn = _AttentionStep(layer.attn, max_rows) if _AttentionStep.supports(layer.attn) else None
+        if _AttentionStep.supports(layer.attn):
+            self.attn = _AttentionStep(layer.attn, max_rows)
+        else:
+            self.attn = _MLAStep(layer.attn, max_rows) if _MLAStep.supports(layer.attn) else None
         if _GatedStep.supports(layer.ffn):
             self.ffn = _GatedStep(layer.ffn, max_rows, "mlp")
         else:
@@ -341,7 +411,7 @@ class _LayerStep:
         slicing and conversions cost microseconds each, and with the weights streaming
         through the caches every Python step between the kernels runs cold."""
         layer = self.layer
-        if self.attn is not None:
+        if self.attn is not None and not (isinstance(self.attn, _MLAStep) and layer.attn.absorb is False):
             np.add(xa, self.attn(self.attn_norm(xa, h), segments), out=xa)
         else:
             x += layer.attn(layer.attn_norm(x.to(dtype)), segments).float()
@@ -402,7 +472,7 @@ class _Chain:
         shapes, ks = set(), set()
         for s in steps:
             at, ffn = s.attn, s.ffn
-            if at is None or not isinstance(ffn, (_MoEStep, _GatedStep)):
+            if not isinstance(at, _AttentionStep) or not isinstance(ffn, (_MoEStep, _GatedStep)):
                 return False
             shapes.add((at.group, at.attn.n_heads, at.attn.n_kv_heads, at.attn.head_dim, at.k.shape[1:],
                         at.v.shape[1:], at.k.dtype))

@@ -39,22 +39,28 @@ uint16_t f32_to_bf16(float f) {
 // Normalise (when w) and rotate one head in place.
 void head(float* h, const float* w, float eps, const RopeStore& a) {
     if (w) norm_row(h, w, eps, a.D, h);
-    const int64_t half = a.rotary_dim / 2;
+    rotate(h, a.cos, a.sin, a.rotary_dim, a.pairs);
+}
+
+}  // namespace
+
+void rotate(float* h, const float* cos, const float* sin, int64_t rotary_dim, bool pairs) {
+    const int64_t half = rotary_dim / 2;
     float rot[kMaxHeadDim];
-    if (a.pairs) {
+    if (pairs) {
         for (int64_t i = 0; i < half; ++i) {
             const float x1 = h[2 * i], x2 = h[2 * i + 1];
-            rot[i] = x1 * a.cos[i] - x2 * a.sin[i];
-            rot[half + i] = x2 * a.cos[i] + x1 * a.sin[i];
+            rot[i] = x1 * cos[i] - x2 * sin[i];
+            rot[half + i] = x2 * cos[i] + x1 * sin[i];
         }
     } else {
         for (int64_t i = 0; i < half; ++i) {
             const float x1 = h[i], x2 = h[half + i];
-            rot[i] = x1 * a.cos[i] - x2 * a.sin[i];
-            rot[half + i] = x2 * a.cos[i] + x1 * a.sin[i];
+            rot[i] = x1 * cos[i] - x2 * sin[i];
+            rot[half + i] = x2 * cos[i] + x1 * sin[i];
         }
     }
-    std::memcpy(h, rot, size_t(a.rotary_dim) * 4);
+    std::memcpy(h, rot, size_t(rotary_dim) * 4);
 }
 
 void store(void* cache, bool bf16, int64_t at, const float* src, int64_t n) {
@@ -65,6 +71,8 @@ void store(void* cache, bool bf16, int64_t at, const float* src, int64_t n) {
         std::memcpy(static_cast<float*>(cache) + at, src, size_t(n) * 4);
     }
 }
+
+namespace {
 
 // The k largest of v[0..E) by value (ties: the lower index first), in descending order.
 void top_k(const float* v, int64_t E, int k, int64_t* ids) {
@@ -119,6 +127,16 @@ void add_gated(float* out, const float* y, const float* gate, int64_t rows, int6
 void add_bias(float* out, const float* bias, int64_t rows, int64_t n) {
     for (int64_t r = 0; r < rows; ++r)
         for (int64_t i = 0; i < n; ++i) out[r * n + i] += bias[i];
+}
+
+void mla_rope_store(const MlaRopeStore& a) {
+    const int64_t width = a.nope + a.rope;
+    for (int64_t h = 0; h < a.H; ++h) rotate(a.q + h * width + a.nope, a.cos, a.sin, a.rope, a.pairs);
+    float row[2 * kMaxHeadDim];
+    norm_row(a.kv, a.kv_norm, a.eps, a.c, row);
+    std::memcpy(row + a.c, a.kv + a.c, size_t(a.rope) * 4);
+    rotate(row + a.c, a.cos, a.sin, a.rope, a.pairs);
+    store(a.cache_row, a.cache_bf16, 0, row, a.c + a.rope);
 }
 
 void softmax_topk(const float* logits, int64_t E, int k, bool normalize, int64_t* ids, float* weights) {

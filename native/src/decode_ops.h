@@ -39,6 +39,30 @@ struct RopeStore {
 };
 void rope_store(const RopeStore& a);
 
+// The rotary embedding of one head's first rotary_dim features in place (cos, sin:
+// rotary_dim / 2 each, for the token's position); `pairs` as in RopeStore.
+void rotate(float* h, const float* cos, const float* sin, int64_t rotary_dim, bool pairs);
+
+// n floats to cache + at (elements): bf16 rounded to nearest even, or fp32.
+void store(void* cache, bool bf16, int64_t at, const float* src, int64_t n);
+
+// Multi-head latent attention's small steps for one token: each head's rotary part of q
+// [H, nope + rope] rotated in place; the compressed kv [c + rope]: its latent (c) normalised
+// by kv_norm, its rotary key rotated, both stored as one cache row [c + rope].
+struct MlaRopeStore {
+    float* q;
+    const float* kv;
+    int64_t H, nope, rope, c;  // c + rope <= 2 * kMaxHeadDim
+    const float* kv_norm;      // [c]
+    float eps;
+    const float* cos;          // [rope / 2] for this position
+    const float* sin;
+    bool pairs;
+    void* cache_row;
+    bool cache_bf16;
+};
+void mla_rope_store(const MlaRopeStore& a);
+
 // A gated MLP's activation (a dense layer's or the shared experts'): out[r, i] =
 // silu(gu[r, i]) * gu[r, I + i] for i < I, with the kernels' silu (the one the experts use).
 void silu_mul_rows(const KernelTable& kt, const float* gu, int64_t rows, int64_t I, float* out);

@@ -25,6 +25,7 @@
 #include "decode_ops.h"
 #include "dense_linear.h"
 #include "dispatch.h"
+#include "mla_decode.h"
 #include "moe_layer.h"
 #include "repack.h"
 #include "thread_pool.h"
@@ -412,6 +413,85 @@ void rope_store_py(F32Array qkv, int64_t n_heads, int64_t n_kv_heads, std::optio
     rope_store(a);
 }
 
+// Multi-head latent attention's small steps for one token (decode_ops.h): q [H, nope + rope]
+// and the compressed kv [c + rope] of the token; the cache row it goes to; cos, sin [rope / 2].
+void mla_rope_store_py(F32Out q, F32Array kv, F32Array kv_norm, float eps, F32Array cos, F32Array sin, bool pairs,
+                       nb::ndarray<nb::ndim<1>, nb::c_contig, nb::device::cpu> cache_row, int64_t n_heads, int64_t rope) {
+    MlaRopeStore a;
+    a.H = n_heads;
+    a.rope = rope;
+    a.c = int64_t(kv_norm.size());
+    a.nope = n_heads > 0 ? int64_t(q.size()) / n_heads - rope : 0;
+    if (n_heads <= 0 || rope <= 0 || rope % 2 || a.nope < 0 || int64_t(q.size()) != n_heads * (a.nope + rope))
+        throw nb::value_error("q must hold n_heads heads of nope + rope features (rope even)");
+    if (int64_t(kv.size()) != a.c + rope || int64_t(cache_row.shape(0)) != a.c + rope)
+        throw nb::value_error("kv and the cache row must hold the latent (kv_norm's size) and the rotary key");
+    if (a.c + rope > 2 * kMaxHeadDim || rope > kMaxHeadDim) throw nb::value_error("latent or rotary key over the limit");
+    if (int64_t(cos.size()) != rope / 2 || int64_t(sin.size()) != rope / 2)
+        throw nb::value_error("cos and sin must hold rope / 2 entries (the token's position)");
+    a.q = q.data();
+    a.kv = kv.data();
+    a.kv_norm = kv_norm.data();
+    a.eps = eps;
+    a.cos = cos.data();
+    a.sin = sin.data();
+    a.pairs = pairs;
+    a.cache_row = cache_row.data();
+    a.cache_bf16 = cache_is_bf16(cache_row.dtype(), cache_row.dtype());
+    mla_rope_store(a);
+}
+
+// q [T, H * (nope + rope)], kv_b [H * (nope + v), c] (float32, float16, bfloat16 or its bits),
+// cache [n_blocks, B, c + rope], tables [T, L], lengths [T] -> out [T, H * v].
+void mla_attend_rows_py(nb::ndarray<const float, nb::ndim<2>, nb::c_contig, nb::device::cpu> q,
+                        nb::ndarray<nb::ndim<2>, nb::c_contig, nb::device::cpu> kv_b,
+                        nb::ndarray<nb::ndim<3>, nb::c_contig, nb::device::cpu> cache,
+                        nb::ndarray<const int64_t, nb::ndim<2>, nb::c_contig, nb::device::cpu> tables,
+                        nb::ndarray<const int64_t, nb::ndim<1>, nb::c_contig, nb::device::cpu> lengths, int64_t n_heads,
+                        int64_t nope, int64_t rope, int64_t v, float scale,
+                        nb::ndarray<float, nb::ndim<2>, nb::c_contig, nb::device::cpu> out) {
+    MlaDecode m;
+    m.H = n_heads;
+    m.nope = nope;
+    m.rope = rope;
+    m.v = v;
+    m.c = int64_t(kv_b.shape(1));
+    const int64_t T = int64_t(q.shape(0)), L = int64_t(tables.shape(1));
+    if (n_heads <= 0 || nope < 0 || rope <= 0 || v <= 0 || int64_t(q.shape(1)) != n_heads * (nope + rope) ||
+        int64_t(kv_b.shape(0)) != n_heads * (nope + v) || int64_t(out.shape(0)) != T ||
+        int64_t(out.shape(1)) != n_heads * v)
+        throw nb::value_error("q [T, H*(nope+rope)], kv_b [H*(nope+v), c] and out [T, H*v] do not agree");
+    if (int64_t(cache.shape(2)) != m.c + rope || m.c + rope > kMaxHeadDim)
+        throw nb::value_error("cache rows must be [latent | rotary key], at most 1024 wide");
+    if (int64_t(tables.shape(0)) != T || int64_t(lengths.shape(0)) != T)
+        throw nb::value_error("tables and lengths need one row per query");
+    const nb::dlpack::dtype dt = kv_b.dtype();
+    if (dt == nb::dtype<float>()) m.kv_b_fmt = FMT_F32;
+    else if (is_bf16_or_bits(dt)) m.kv_b_fmt = FMT_BF16;
+    else if (dt.code == uint8_t(nb::dlpack::dtype_code::Float) && dt.bits == 16 && dt.lanes == 1) m.kv_b_fmt = FMT_F16;
+    else throw nb::type_error("kv_b must be float32, float16 or bfloat16");
+    m.block = int64_t(cache.shape(1));
+    const int64_t n_blocks = int64_t(cache.shape(0));
+    for (int64_t t = 0; t < T; ++t) {
+        const int64_t S = lengths(t);
+        if (S < 1 || (S + m.block - 1) / m.block > L) throw nb::value_error("a length is outside its block table");
+        for (int64_t b = 0; b < (S + m.block - 1) / m.block; ++b)
+            if (tables(t, b) < 0 || tables(t, b) >= n_blocks) throw nb::value_error("block table entry out of range");
+    }
+    m.kv_b = kv_b.data();
+    m.cache = cache.data();
+    m.cache_bf16 = cache_is_bf16(cache.dtype(), cache.dtype());
+    m.scale = scale;
+    const float* qp = q.data();
+    const int64_t* tp = tables.data();
+    const int64_t* lp = lengths.data();
+    float* op = out.data();
+    const KernelTable& kt = *current_table();
+    Executor& exec = executor();
+    nb::gil_scoped_release release;
+    mla_attend_rows(exec, kt, m, qp, T, tp, L, lp, op);
+}
+
 void check_route(F32Array logits, int k, I64Out ids, F32Out weights) {
     if (k <= 0 || int64_t(k) > int64_t(logits.size())) throw nb::value_error("k must be between 1 and the number of experts");
     if (int64_t(ids.size()) != k || int64_t(weights.size()) != k) throw nb::value_error("ids and weights must hold k entries");
@@ -595,6 +675,13 @@ NB_MODULE(_native, m) {
             add_gated(out.data(), y.data(), gate ? gate->data() : nullptr, int64_t(out.shape(0)), int64_t(out.shape(1)));
         },
         "out"_a, "y"_a, "gate"_a.none(), "out += y / (1 + exp(-gate)) row by row (a sigmoid-gated shared expert), or out += y.");
+    m.def("mla_rope_store", &mla_rope_store_py, "q"_a, "kv"_a, "kv_norm"_a, "eps"_a, "cos"_a, "sin"_a, "pairs"_a,
+          "cache_row"_a, "n_heads"_a, "rope"_a,
+          "Latent attention, one token: each head's rotary part of q rotated in place; the latent normalised and the "
+          "rotary key rotated, stored as the cache row.");
+    m.def("mla_attend_rows", &mla_attend_rows_py, "q"_a, "kv_b"_a, "cache"_a, "tables"_a, "lengths"_a, "n_heads"_a,
+          "nope"_a, "rope"_a, "v"_a, "scale"_a, "out"_a,
+          "Latent attention of one query per sequence over its latent cache, kv_b absorbed (mla_decode.h).");
     m.def("embed_rows", &embed_rows_py, "table"_a, "tokens"_a, "out"_a,
           "out[i] = table[tokens[i]] as float32 (table float32, float16, or bfloat16 or its uint16 bits).");
     m.def("rope_store", &rope_store_py, "qkv"_a, "n_heads"_a, "n_kv_heads"_a, "q_norm"_a.none(), "k_norm"_a.none(),

@@ -14,9 +14,10 @@ from tests.engine.conftest import FAMILY_NAMES, engine, relative_error, tokens
 pytestmark = pytest.mark.skipif(not native_kernels.available(), reason="native extension not built")
 
 # Which blocks run natively on the tiny fp32 checkpoints: grouped-query attention without
-# sinks, clipping or whole-projection q/k norms; every router but DeepSeek-V2's; GPT-OSS'
-# experts in transformers' fp32 layout are not read natively (its GGUF/MXFP4 ones are).
-NATIVE_ATTENTION = {"qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe"}
+# sinks, clipping or whole-projection q/k norms, and latent attention (DeepSeek-V2/V3: with
+# and without a q LoRA); every router but DeepSeek-V2's; GPT-OSS' experts in transformers'
+# fp32 layout are not read natively (its GGUF/MXFP4 ones are).
+NATIVE_ATTENTION = {"qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "deepseek_v3", "deepseek_v2"}
 NO_NATIVE_STEP = {"gpt_oss"}
 
 
@@ -111,3 +112,33 @@ def test_the_decode_step_reads_each_router_in_the_compute_dtype(checkpoints):
     widened = _decode(model, ids, 8)
     assert router_bytes() == 2 * read
     assert relative_error(native, widened) < 1e-6
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v2"])
+def test_native_latent_attention_in_bf16_is_as_accurate_as_pytorchs(family, checkpoints):
+    """The native latent attention (absorbed) computes in fp32 on the bf16 weights and cache,
+    where PyTorch's rounds to bf16 after each op. Against fp32 arithmetic on the same weights,
+    step by step, its typical error is no larger than that of PyTorch's expanded form, the
+    transformers reference's order of operations. The median, not the largest: one near-tie
+    in routing, flipped by any rounding change, makes one step's error jump either way."""
+    from hybridmoe.backend.engine.cpu_decode import _MLAStep
+
+    path = checkpoints(family, torch.bfloat16)
+    ids = tokens(44, seed=5)
+    exact = engine(path, dtype=torch.float32)(ids)[0, 11:43]
+
+    def decode(native: bool) -> torch.Tensor:
+        model = engine(path)
+        model.native_decode = native
+        if not native:
+            model.set_mla_absorb(False)
+        steps = [model(ids[:, :12], 0, last_only=True)[0, -1]]
+        steps += [model(ids[:, t : t + 1], t)[0, -1] for t in range(12, 43)]
+        if native:
+            assert all(isinstance(s.attn, _MLAStep) for s in model._decode_step.layers)
+        return torch.stack(steps).float()
+
+    def median_error(out: torch.Tensor) -> float:
+        return float(((out - exact).abs().amax(-1) / exact.abs().max()).median())
+
+    assert median_error(decode(True)) <= median_error(decode(False))

@@ -1,0 +1,38 @@
+// Multi-head latent attention (DeepSeek-V2/V3, Kimi K2) of one new token per sequence over
+// the latent cache, on the CPU: the decode step's form, with kv_b_proj absorbed.
+//
+// A cache row is [latent (c) | rotary key (rope)], shared by all heads. Per head h, with
+// W_UK[h] [nope, c] and W_UV[h] [v, c] the two parts of kv_b_proj's rows for that head:
+//   q_latent = W_UK[h]^T q_nope,  scores_s = scale (q_latent . latent_s + q_rope . key_s),
+//   out[h] = W_UV[h] (sum_s softmax(scores)_s latent_s).
+// So attention is one KV head of width c + rope (values: its first c columns) read once for
+// all query heads, by the grouped-query kernel (attention_decode.h); nothing per cached
+// token is expanded. PyTorch ran this as some fifteen ops a layer, 2.6 ms a layer on a
+// 16-head model on two cores (measured), more than the layer's experts.
+#pragma once
+
+#include <cstdint>
+
+#include "formats.h"
+#include "kernel_table.h"
+
+namespace hmoe {
+
+class Executor;
+
+struct MlaDecode {
+    int64_t H, nope, rope, v, c;
+    const void* kv_b;  // [H * (nope + v), c]: per head, nope rows of W_UK then v rows of W_UV
+    Format kv_b_fmt;   // FMT_BF16, FMT_F16 or FMT_F32
+    const void* cache; // [n_blocks, block, c + rope]
+    bool cache_bf16;
+    int64_t block;
+    float scale;
+};
+
+// q [T, H * (nope + rope)] (rotary parts rotated), each row over positions 0 .. lengths[t]-1
+// of its block table (tables [T, table_len]) -> out [T, H * v].
+void mla_attend_rows(Executor& exec, const KernelTable& kt, const MlaDecode& m, const float* q, int64_t T,
+                     const int64_t* tables, int64_t table_len, const int64_t* lengths, float* out);
+
+}  // namespace hmoe
