@@ -158,6 +158,7 @@ class _AttentionStep:
         self.attn = attn
         self.qkv_proj = _Linear(attn.qkv, "qkv")  # q, k and v joined, whatever formats they are stored in
         self.o = _Linear(attn.o, "o")
+        self.qkv_bytes, self.attend_bytes = self.qkv_proj.native.bytes, 0  # what a token reads besides the cache
         self.q_norm = None if attn.q_norm is None else _np(attn.q_norm.weight)
         self.k_norm = None if attn.k_norm is None else _np(attn.k_norm.weight)
         self.eps = float(attn.q_norm.eps) if attn.q_norm is not None else 1e-6
@@ -210,8 +211,8 @@ class _MLAStep:
     compressed-kv projections over all rows, per row the rotary parts and the cache row
     (``mla_rope_store``), one call for every row's absorbed attention over its latent cache
     (``mla_attend_rows``: kv_b folded into the queries and applied to the attended latents),
-    then the output projection. The expanded form, where it is forced (``set_mla_absorb(False)``:
-    tests compare the two), is PyTorch's."""
+    then the output projection. The expanded form, where it is forced (``set_mla_absorb(False)``,
+    which rebuilds the step: tests compare the two), is PyTorch's."""
 
     def __init__(self, attn: MLAttention, max_rows: int):
         self.attn = attn
@@ -224,6 +225,9 @@ class _MLAStep:
         self.kv_norm, self.eps = _np(attn.kv_a_norm.weight), float(attn.kv_a_norm.eps)
         self.o = _Linear(attn.o, "o")
         self.kv_b = _cache_view(attn.kv_b_weight)
+        # What a token reads besides the cache: the projections; kv_b, whole, in the attention.
+        self.qkv_bytes = sum(lin.native.bytes for lin in (self.q, self.q_a, self.kv_a) if lin is not None)
+        self.attend_bytes = self.kv_b.nbytes
         self.cos, self.sin = _np(attn.rotary.cos), _np(attn.rotary.sin)
         self.pairs = attn.rotary.layout == "pairs"
         self.group = attn.cache.group
@@ -240,7 +244,8 @@ class _MLAStep:
         if type(attn) is not MLAttention:
             return False
         linears = [attn.kv_a, attn.o] + ([attn.q_proj] if attn.q_proj is not None else [attn.q_a, attn.q_b])
-        return (all(isinstance(lin, NativeLinear) for lin in linears) and type(attn.cache) is PagedLatent
+        return (attn.absorb is not False and all(isinstance(lin, NativeLinear) for lin in linears)
+                and type(attn.cache) is PagedLatent
                 and attn.rotary.rotary_dim == attn.rope_dim and type(attn.kv_a_norm) is RMSNorm
                 and (attn.q_a_norm is None or type(attn.q_a_norm) is RMSNorm)
                 and attn.kv_b_weight.dtype in (torch.float32, torch.bfloat16, torch.float16)
@@ -267,7 +272,7 @@ class _MLAStep:
         att = self.att[:n]
         _native.mla_attend_rows(q, self.kv_b, self.cache, _stack(tables), lengths, a.n_heads, a.nope_dim, a.rope_dim,
                                 a.v_dim, a.scale, att)
-        _lap("attend", t0, int(lengths.sum()) * self.position_bytes + self.kv_b.nbytes)
+        _lap("attend", t0, int(lengths.sum()) * self.position_bytes + self.attend_bytes)
         return self.o(att, self.out[:n])
 
 
@@ -411,7 +416,7 @@ class _LayerStep:
         slicing and conversions cost microseconds each, and with the weights streaming
         through the caches every Python step between the kernels runs cold."""
         layer = self.layer
-        if self.attn is not None and not (isinstance(self.attn, _MLAStep) and layer.attn.absorb is False):
+        if self.attn is not None:
             np.add(xa, self.attn(self.attn_norm(xa, h), segments), out=xa)
         else:
             x += layer.attn(layer.attn_norm(x.to(dtype)), segments).float()
@@ -427,10 +432,11 @@ _CHAIN_PARTS = ("experts", "qkv", "o", "router", "attend", "small", "shared", "m
 
 class _Chain:
     """Every layer of the step in one native call (``native/src/decode_chain.h``), when all
-    of them have its shape: one cache group, q|k|v and output projections (with or without
-    bias), per-head (or no) q/k norm, and a dense gated MLP or routed experts (any router
-    ``_route`` covers, the same k in every layer) with or without shared experts. Same
-    kernels, same order, same bits as the layer-by-layer calls; none of the Python between them."""
+    of them have its shape: one cache group; grouped-query attention (q|k|v and output
+    projections with or without bias, per-head or no q/k norm) or latent attention in every
+    layer; and a dense gated MLP or routed experts (any router ``_route`` covers, the same k in
+    every layer) with or without shared experts. Same kernels, same order, same bits as the
+    layer-by-layer calls; none of the Python between them."""
 
     def __init__(self, steps: list[_LayerStep], max_rows: int):
         first = steps[0].attn
@@ -438,28 +444,42 @@ class _Chain:
         self.steps, self.group = steps, first.group
         self.moe = [s.ffn for s in steps if isinstance(s.ffn, _MoEStep)]
         self.k = self.moe[0].k if self.moe else 1
-        self.native = _native.DecodeChain(steps[0].attn_norm.w.shape[0], a.n_heads, a.n_kv_heads, a.head_dim,
-                                          first.v.shape[-1], first.k.shape[2], self.k, max_rows)
+        hidden = steps[0].attn_norm.w.shape[0]
+        if isinstance(first, _MLAStep):
+            c, rope = a.kv_lora_rank, a.rope_dim
+            self.native = _native.DecodeChain(hidden, a.n_heads, 1, c + rope, c, first.cache.shape[1], self.k, max_rows,
+                                              latent_nope=a.nope_dim, latent_v=a.v_dim)
+        else:
+            self.native = _native.DecodeChain(hidden, a.n_heads, a.n_kv_heads, a.head_dim, first.v.shape[-1],
+                                              first.k.shape[2], self.k, max_rows)
         for s in steps:
             at, ffn = s.attn, s.ffn
             if isinstance(ffn, _MoEStep):
-                routed = dict(router=ffn.logits.native, router_bias=ffn.logits.bias, experts=ffn.layer, **ffn.route,
-                              shared_gate=None if ffn.shared_gate is None else ffn.shared_gate.native)
+                block = dict(router=ffn.logits.native, router_bias=ffn.logits.bias, experts=ffn.layer, **ffn.route,
+                             shared_gate=None if ffn.shared_gate is None else ffn.shared_gate.native)
                 mlp = ffn.shared
             else:
-                routed, mlp = {}, ffn
+                block, mlp = {}, ffn
             if mlp is not None:
-                routed.update(gate_up=mlp.gate_up.native, down=mlp.down.native)
-            self.native.add_layer(s.attn_norm.w, s.attn_norm.eps, at.qkv_proj.native, at.qkv_proj.bias, at.q_norm,
-                                  at.k_norm, at.eps, at.cos, at.sin, at.pairs, at.k, at.v, at.attn.scale, at.o.native,
-                                  at.o.bias, s.ffn_norm.w, s.ffn_norm.eps, **routed)
+                block.update(gate_up=mlp.gate_up.native, down=mlp.down.native)
+            if isinstance(at, _MLAStep):
+                self.native.add_latent_layer(
+                    s.attn_norm.w, s.attn_norm.eps, None if at.q_a is None else at.q_a.native,
+                    None if at.q_a is None else at.q_a_norm.w, 0.0 if at.q_a is None else at.q_a_norm.eps,
+                    at.q.native, at.kv_a.native, at.kv_norm, at.eps, at.kv_b, at.cos, at.sin, at.pairs, at.cache,
+                    at.attn.scale, at.o.native, at.o.bias, s.ffn_norm.w, s.ffn_norm.eps, **block)
+            else:
+                self.native.add_layer(s.attn_norm.w, s.attn_norm.eps, at.qkv_proj.native, at.qkv_proj.bias, at.q_norm,
+                                      at.k_norm, at.eps, at.cos, at.sin, at.pairs, at.k, at.v, at.attn.scale,
+                                      at.o.native, at.o.bias, s.ffn_norm.w, s.ffn_norm.eps, **block)
         # Bytes a step reads besides the experts and the cache (for a step profile).
-        self.fixed = {"qkv": sum(s.attn.qkv_proj.native.bytes for s in steps),
+        self.fixed = {"qkv": sum(s.attn.qkv_bytes for s in steps),
                       "o": sum(s.attn.o.native.bytes for s in steps),
                       "router": sum(m.logits.native.bytes for m in self.moe),
                       "shared": sum(_gated_bytes(m.shared) + (m.shared_gate.native.bytes if m.shared_gate else 0)
                                     for m in self.moe if m.shared is not None),
                       "mlp": sum(_gated_bytes(s.ffn) for s in steps if isinstance(s.ffn, _GatedStep))}
+        self.attend_bytes = sum(s.attn.attend_bytes for s in steps)
         self.position_bytes = sum(s.attn.position_bytes for s in steps)
         # The chain counts the experts chosen in its table.
         self.recorder = self.moe[0].moe.recorder if self.moe else None
@@ -472,10 +492,15 @@ class _Chain:
         shapes, ks = set(), set()
         for s in steps:
             at, ffn = s.attn, s.ffn
-            if not isinstance(at, _AttentionStep) or not isinstance(ffn, (_MoEStep, _GatedStep)):
+            if not isinstance(at, (_AttentionStep, _MLAStep)) or not isinstance(ffn, (_MoEStep, _GatedStep)):
                 return False
-            shapes.add((at.group, at.attn.n_heads, at.attn.n_kv_heads, at.attn.head_dim, at.k.shape[1:],
-                        at.v.shape[1:], at.k.dtype))
+            if isinstance(at, _MLAStep):
+                a = at.attn
+                shapes.add(("latent", at.group, a.n_heads, a.nope_dim, a.rope_dim, a.v_dim, a.kv_lora_rank,
+                            at.cache.shape[1:], at.cache.dtype))
+            else:
+                shapes.add((at.group, at.attn.n_heads, at.attn.n_kv_heads, at.attn.head_dim, at.k.shape[1:],
+                            at.v.shape[1:], at.k.dtype))
             if isinstance(ffn, _MoEStep):
                 ks.add((ffn.k, id(ffn.moe.recorder)))
         return len(shapes) == 1 and len(ks) <= 1
@@ -492,7 +517,7 @@ class _Chain:
         if profile is not None:
             nbytes = dict(self.fixed, small=0, experts=sum(_distinct(c) * m.expert_bytes
                                                            for m, c in zip(self.moe, ids)),
-                          attend=int(positions.sum() + n) * self.position_bytes)
+                          attend=int(positions.sum() + n) * self.position_bytes + self.attend_bytes)
             for part, sec in zip(_CHAIN_PARTS, seconds):
                 profile.add(part, float(sec), nbytes[part])
 

@@ -185,6 +185,7 @@ class MoeTransformer(nn.Module):
         for m in self.modules():
             if isinstance(m, MLAttention):
                 m.absorb = absorb
+        self._decode_step = False  # rebuilt for the next decode: the native one is absorbed only
 
 
 class Build:

@@ -6,6 +6,7 @@
 
 #include "attention_decode.h"
 #include "decode_ops.h"
+#include "mla_decode.h"
 
 namespace hmoe {
 
@@ -35,13 +36,20 @@ void add_into(float* x, const float* y, int64_t n) {
 
 DecodeChain::DecodeChain(ChainShape shape, int max_rows) : s_(shape), max_rows_(max_rows) {
     if (max_rows < 1 || s_.Hkv < 1 || s_.Hq % s_.Hkv || s_.block < 1 || s_.k < 1 || s_.D > kMaxHeadDim ||
-        s_.Dv > kMaxHeadDim)
+        s_.Dv > kMaxHeadDim || (s_.latent && (s_.Hkv != 1 || s_.Dv >= s_.D || s_.nope < 0 || s_.v < 1)))
         throw std::invalid_argument("bad chain shape");
     const size_t R = size_t(max_rows);
     h_.resize(R * size_t(s_.H));
-    qkv_.resize(R * size_t(s_.Hq * s_.D + s_.Hkv * (s_.D + s_.Dv)));
-    q_.resize(R * size_t(s_.Hq * s_.D));
-    att_.resize(R * size_t(s_.Hq * s_.Dv));
+    if (s_.latent) {
+        qkv_.resize(R * size_t(s_.Hq * (s_.nope + s_.D - s_.Dv)));  // q
+        kv_.resize(R * size_t(s_.D));
+        att_.resize(R * size_t(s_.Hq * s_.v));
+    } else {
+        qkv_.resize(R * size_t(s_.Hq * s_.D + s_.Hkv * (s_.D + s_.Dv)));
+        q_.resize(R * size_t(s_.Hq * s_.D));
+        att_.resize(R * size_t(s_.Hq * s_.Dv));
+    }
+    lengths_.resize(R);
     tmp_.resize(R * size_t(s_.H));
     mlp_.resize(R * size_t(s_.H));
     gate_.resize(R);
@@ -49,10 +57,22 @@ DecodeChain::DecodeChain(ChainShape shape, int max_rows) : s_(shape), max_rows_(
 }
 
 void DecodeChain::add_layer(const ChainLayer& l) {
-    const int64_t width = s_.Hq * s_.D + s_.Hkv * (s_.D + s_.Dv);
-    if (l.qkv->cols() != s_.H || l.qkv->rows() != width || l.o->rows() != s_.H || l.o->cols() != s_.Hq * s_.Dv ||
-        2 * l.rotary_half > s_.D)
-        throw std::invalid_argument("a layer's attention projections do not fit the chain's shape");
+    const size_t R = size_t(max_rows_);
+    if (s_.latent) {
+        const int64_t rope = s_.D - s_.Dv;
+        const bool q_fits = l.q_a ? l.q_a->cols() == s_.H && l.qkv->cols() == l.q_a->rows() && l.q_a_norm
+                                  : l.qkv->cols() == s_.H;
+        if (!q_fits || l.qkv->rows() != s_.Hq * (s_.nope + rope) || !l.kv_a || !l.kv_norm || !l.kv_b ||
+            l.kv_a->cols() != s_.H || l.kv_a->rows() != s_.D || l.o->rows() != s_.H || l.o->cols() != s_.Hq * s_.v ||
+            2 * l.rotary_half != rope)
+            throw std::invalid_argument("a layer's latent attention does not fit the chain's shape");
+        if (l.q_a) qa_.resize(std::max(qa_.size(), R * size_t(l.q_a->rows())));
+    } else {
+        const int64_t width = s_.Hq * s_.D + s_.Hkv * (s_.D + s_.Dv);
+        if (l.qkv->cols() != s_.H || l.qkv->rows() != width || l.o->rows() != s_.H || l.o->cols() != s_.Hq * s_.Dv ||
+            2 * l.rotary_half > s_.D)
+            throw std::invalid_argument("a layer's attention projections do not fit the chain's shape");
+    }
     if (bool(l.router) != bool(l.experts) || bool(l.gate_up) != bool(l.down) || (!l.experts && !l.gate_up) ||
         (l.shared_gate && !(l.experts && l.gate_up)))
         throw std::invalid_argument("a layer needs routed experts with their router, a gated MLP, or both (shared)");
@@ -64,7 +84,6 @@ void DecodeChain::add_layer(const ChainLayer& l) {
         throw std::invalid_argument("a layer's gated MLP does not fit the chain's shape");
     if (l.shared_gate && (l.shared_gate->rows() != 1 || l.shared_gate->cols() != s_.H))
         throw std::invalid_argument("a shared experts' gate must be [1, hidden]");
-    const size_t R = size_t(max_rows_);
     if (l.experts) {
         moe_.push_back(layers_.size());
         logits_.resize(std::max(logits_.size(), R * size_t(l.router->rows())));
@@ -125,12 +144,9 @@ void DecodeChain::run(Executor& exec, const KernelTable& kt, float* x, int64_t T
     attend.k_block = k_block;
     attend.v_block = v_block;
     std::vector<DecodeAttention> rows(static_cast<size_t>(T));
-    int64_t moe = 0;  // the layers with experts so far: ids_out's index
-    for (const ChainLayer& l : layers_) {
+    // Grouped-query attention of the normed input h_ into att_.
+    auto grouped = [&](const ChainLayer& l) {
         const size_t esz = l.cache_bf16 ? 2 : 4;
-        // Attention.
-        rms_norm(x, l.attn_norm, l.attn_eps, T, s.H, h_.data());
-        laps.lap(CP_SMALL);
         l.qkv->forward(exec, kt, h_.data(), false, T, qkv_.data(), kGemv);
         if (l.qkv_bias) add_bias(qkv_.data(), l.qkv_bias, T, width);
         laps.lap(CP_QKV);
@@ -166,6 +182,52 @@ void DecodeChain::run(Executor& exec, const KernelTable& kt, float* x, int64_t T
         laps.lap(CP_SMALL);
         attend_decode_rows(exec, kt, rows.data(), int(T));
         laps.lap(CP_ATTEND);
+    };
+    // Latent attention of h_ into att_: the calls of cpu_decode's _MLAStep, in its order.
+    auto latent = [&](const ChainLayer& l) {
+        const size_t esz = l.cache_bf16 ? 2 : 4;
+        const int64_t rope = s.D - s.Dv, q_width = s.Hq * (s.nope + rope);
+        if (l.q_a) {
+            l.q_a->forward(exec, kt, h_.data(), false, T, qa_.data(), kGemv);
+            rms_norm(qa_.data(), l.q_a_norm, l.q_a_eps, T, l.q_a->rows(), qa_.data());
+            l.qkv->forward(exec, kt, qa_.data(), false, T, qkv_.data(), kGemv);
+        } else {
+            l.qkv->forward(exec, kt, h_.data(), false, T, qkv_.data(), kGemv);
+        }
+        l.kv_a->forward(exec, kt, h_.data(), false, T, kv_.data(), kGemv);
+        laps.lap(CP_QKV);
+        MlaRopeStore row{};
+        row.H = s.Hq;
+        row.nope = s.nope;
+        row.rope = rope;
+        row.c = s.Dv;
+        row.kv_norm = l.kv_norm;
+        row.eps = l.kv_eps;
+        row.pairs = l.pairs;
+        row.cache_bf16 = l.cache_bf16;
+        for (int64_t t = 0; t < T; ++t) {
+            const int64_t pos = positions[t], block = tables[t * table_len + pos / s.block];
+            row.q = qkv_.data() + t * q_width;
+            row.kv = kv_.data() + t * s.D;
+            row.cos = l.cos + pos * l.rotary_half;
+            row.sin = l.sin + pos * l.rotary_half;
+            row.cache_row = static_cast<uint8_t*>(l.k_cache) + size_t((block * s.block + pos % s.block) * s.D) * esz;
+            mla_rope_store(row);
+            lengths_[size_t(t)] = pos + 1;
+        }
+        laps.lap(CP_SMALL);
+        const MlaDecode m{s.Hq, s.nope, rope, s.v, s.Dv, l.kv_b, l.kv_b_fmt, l.k_cache, l.cache_bf16, s.block, l.scale};
+        mla_attend_rows(exec, kt, m, qkv_.data(), T, tables, table_len, lengths_.data(), att_.data());
+        laps.lap(CP_ATTEND);
+    };
+    int64_t moe = 0;  // the layers with experts so far: ids_out's index
+    for (const ChainLayer& l : layers_) {
+        rms_norm(x, l.attn_norm, l.attn_eps, T, s.H, h_.data());
+        laps.lap(CP_SMALL);
+        if (s.latent)
+            latent(l);
+        else
+            grouped(l);
         l.o->forward(exec, kt, att_.data(), false, T, tmp_.data(), kGemv);
         if (l.o_bias) add_bias(tmp_.data(), l.o_bias, T, s.H);
         add_into(x, tmp_.data(), T * s.H);

@@ -3,8 +3,9 @@
 // over a block-allocated cache, the output projection; RMSNorm and the feed-forward block: a
 // dense gated MLP, or a router (softmax top-k, DeepSeek-V3's sigmoid groups, or top-k softmax),
 // the routed experts in host memory and optional shared experts (optionally sigmoid-gated).
-// That is Qwen3-MoE, Mixtral, GLM-4.5 and Qwen2-MoE; MLA, sliding windows and attention sinks
-// keep the per-call path.
+// Or, in place of the grouped-query attention, multi-head latent attention (mla_decode.h). That
+// is Qwen3-MoE, Mixtral, GLM-4.5, Qwen2-MoE, DeepSeek-V3 and Kimi K2; sliding windows and
+// attention sinks (GPT-OSS) keep the per-call path.
 //
 // The same kernels as the per-call path (cpu_decode.py), in the same order on the same
 // buffers, so a token gets the same bits; what goes is the Python between the calls. That
@@ -17,6 +18,7 @@
 #include <vector>
 
 #include "dense_linear.h"
+#include "formats.h"
 #include "moe_layer.h"
 
 namespace hmoe {
@@ -45,11 +47,22 @@ struct ChainLayer {
     int64_t positions;
     int64_t rotary_half;
     bool pairs;
-    void* k_cache;  // [n_blocks, Hkv, B, D]
-    void* v_cache;  // [n_blocks, Hkv, B, Dv]
+    void* k_cache;  // [n_blocks, Hkv, B, D]; latent attention: [n_blocks, B, c + rope]
+    void* v_cache;  // [n_blocks, Hkv, B, Dv]; latent attention: unused
     bool cache_bf16;
     int64_t n_blocks;
     float scale;
+    // Latent attention (ChainShape::latent) in place of q|k|v: `qkv` is then q (q_proj, or q_b
+    // after q_a and its norm), kv_a the compressed kv [c + rope], normalised by kv_norm, and
+    // kv_b [H * (nope + v), c] the per-head key and value maps of the latent.
+    const DenseLinear* q_a;  // or null
+    const float* q_a_norm;
+    float q_a_eps;
+    const DenseLinear* kv_a;
+    const float* kv_norm;
+    float kv_eps;
+    const void* kv_b;
+    Format kv_b_fmt;
     const DenseLinear* o;
     const float* o_bias;  // [H] or null
     const float* ffn_norm;
@@ -71,6 +84,10 @@ enum ChainPart : int { CP_EXPERTS = 0, CP_QKV, CP_O, CP_ROUTER, CP_ATTEND, CP_SM
 
 struct ChainShape {
     int64_t H, Hq, Hkv, D, Dv, block, k;
+    // Latent attention: one KV head (Hkv 1) of D = c + rope features, values its first Dv = c;
+    // q heads of nope + rope features, v the value head size after kv_b.
+    bool latent = false;
+    int64_t nope = 0, v = 0;
 };
 
 class DecodeChain {
@@ -94,7 +111,8 @@ private:
     std::vector<ChainLayer> layers_;
     std::vector<size_t> moe_;  // the indices of the layers with routed experts
     int max_rows_;
-    std::vector<float> h_, qkv_, q_, att_, tmp_, logits_, weights_, gu_, act_, mlp_, gate_;
+    std::vector<float> h_, qkv_, q_, att_, tmp_, logits_, weights_, gu_, act_, mlp_, gate_, qa_, kv_;
+    std::vector<int64_t> lengths_;
 
     // down(silu(gate(h)) * up(h)) of the first T rows of h_ into out.
     void gated_mlp(Executor& exec, const KernelTable& kt, const ChainLayer& l, int64_t T, float* out);

@@ -88,6 +88,14 @@ bool cache_is_bf16(const nb::dlpack::dtype& k, const nb::dlpack::dtype& v) {
     return bf16;
 }
 
+// A float matrix's format from its dtype: float32, float16, or bfloat16 (or its bits).
+Format half_format(const nb::dlpack::dtype& dt, const char* what) {
+    if (dt == nb::dtype<float>()) return FMT_F32;
+    if (is_bf16_or_bits(dt)) return FMT_BF16;
+    if (dt.code == uint8_t(nb::dlpack::dtype_code::Float) && dt.bits == 16 && dt.lanes == 1) return FMT_F16;
+    throw nb::type_error((std::string(what) + " must be float32, float16 or bfloat16").c_str());
+}
+
 using I64Array = nb::ndarray<const int64_t, nb::c_contig, nb::device::cpu>;
 using F32Array = nb::ndarray<const float, nb::c_contig, nb::device::cpu>;
 
@@ -465,11 +473,7 @@ void mla_attend_rows_py(nb::ndarray<const float, nb::ndim<2>, nb::c_contig, nb::
         throw nb::value_error("cache rows must be [latent | rotary key], at most 1024 wide");
     if (int64_t(tables.shape(0)) != T || int64_t(lengths.shape(0)) != T)
         throw nb::value_error("tables and lengths need one row per query");
-    const nb::dlpack::dtype dt = kv_b.dtype();
-    if (dt == nb::dtype<float>()) m.kv_b_fmt = FMT_F32;
-    else if (is_bf16_or_bits(dt)) m.kv_b_fmt = FMT_BF16;
-    else if (dt.code == uint8_t(nb::dlpack::dtype_code::Float) && dt.bits == 16 && dt.lanes == 1) m.kv_b_fmt = FMT_F16;
-    else throw nb::type_error("kv_b must be float32, float16 or bfloat16");
+    m.kv_b_fmt = half_format(kv_b.dtype(), "kv_b");
     m.block = int64_t(cache.shape(1));
     const int64_t n_blocks = int64_t(cache.shape(0));
     for (int64_t t = 0; t < T; ++t) {
@@ -552,6 +556,67 @@ double measure_read_bandwidth(int64_t nbytes, int passes) {
     }
     return double(words) * 8.0 / best;
 }
+
+// ---- the decode chain's bindings: what a grouped-query and a latent layer share ----------
+
+void chain_common(ChainLayer& l, const ChainShape& s, F32Array attn_norm, float attn_eps, F32Array cos, F32Array sin,
+                  bool pairs, float scale, const DenseLinear& o, std::optional<F32Array> o_bias) {
+    if (int64_t(attn_norm.size()) != s.H) throw nb::value_error("norm weights must have one entry per hidden feature");
+    if (cos.ndim() != 2 || sin.ndim() != 2 || cos.shape(0) != sin.shape(0) || cos.shape(1) != sin.shape(1))
+        throw nb::value_error("cos and sin must be [positions, rotary_dim / 2]");
+    if (o_bias && int64_t(o_bias->size()) != o.rows()) throw nb::value_error("o_bias must have o's rows");
+    l.attn_norm = attn_norm.data();
+    l.attn_eps = attn_eps;
+    l.cos = cos.data();
+    l.sin = sin.data();
+    l.positions = int64_t(cos.shape(0));
+    l.rotary_half = int64_t(cos.shape(1));
+    l.pairs = pairs;
+    l.scale = scale;
+    l.o = &o;
+    l.o_bias = o_bias ? o_bias->data() : nullptr;
+}
+
+void chain_ffn(ChainLayer& l, const ChainShape& s, F32Array ffn_norm, float ffn_eps, const DenseLinear* router,
+               std::optional<F32Array> router_bias, const std::string& route, bool normalize,
+               std::optional<F32Array> correction_bias, int n_group, int topk_group, float scaling,
+               const MoELayer* experts, const DenseLinear* gate_up, const DenseLinear* down,
+               const DenseLinear* shared_gate) {
+    if (int64_t(ffn_norm.size()) != s.H) throw nb::value_error("norm weights must have one entry per hidden feature");
+    const int64_t E = router ? router->rows() : 0;
+    if ((router_bias && int64_t(router_bias->size()) != E) || (correction_bias && int64_t(correction_bias->size()) != E))
+        throw nb::value_error("a router's bias must have one entry per expert");
+    ChainRoute r;
+    if (route == "softmax_topk") r.kind = ChainRoute::SoftmaxTopK;
+    else if (route == "sigmoid_group_topk") r.kind = ChainRoute::SigmoidGroupTopK;
+    else if (route == "topk_softmax") r.kind = ChainRoute::TopKSoftmax;
+    else throw nb::value_error("route must be softmax_topk, sigmoid_group_topk or topk_softmax");
+    if (r.kind == ChainRoute::SigmoidGroupTopK && router &&
+        (n_group < 1 || E % n_group || (n_group > 1 && E / n_group < 2) || topk_group < 1 || topk_group > n_group ||
+         s.k > int64_t(topk_group) * (E / n_group)))
+        throw nb::value_error("n_group must divide the experts into groups of two or more, and topk_group of them hold k");
+    r.normalize = normalize;
+    r.bias = correction_bias ? correction_bias->data() : nullptr;
+    r.n_group = n_group;
+    r.topk_group = topk_group;
+    r.scaling = scaling;
+    l.ffn_norm = ffn_norm.data();
+    l.ffn_eps = ffn_eps;
+    l.router = router;
+    l.router_bias = router_bias ? router_bias->data() : nullptr;
+    l.route = r;
+    l.experts = experts;
+    l.gate_up = gate_up;
+    l.down = down;
+    l.shared_gate = shared_gate;
+}
+
+// The feed-forward block's arguments, as chain_ffn takes them (after ffn_norm and ffn_eps).
+#define CHAIN_FFN_ARGS                                                                                              \
+    "router"_a.none() = nb::none(), "router_bias"_a.none() = nb::none(), "route"_a = "softmax_topk",                \
+        "normalize"_a = false, "correction_bias"_a.none() = nb::none(), "n_group"_a = 1, "topk_group"_a = 1,        \
+        "scaling"_a = 1.f, "experts"_a.none() = nb::none(), "gate_up"_a.none() = nb::none(),                        \
+        "down"_a.none() = nb::none(), "shared_gate"_a.none() = nb::none()
 
 }  // namespace
 }  // namespace hmoe
@@ -763,10 +828,17 @@ NB_MODULE(_native, m) {
     nb::class_<DecodeChain>(m, "DecodeChain")
         .def("__init__",
              [](DecodeChain* self, int64_t hidden, int64_t n_heads, int64_t n_kv_heads, int64_t head_dim,
-                int64_t value_dim, int64_t block, int64_t k, int max_rows) {
-                 new (self) DecodeChain(ChainShape{hidden, n_heads, n_kv_heads, head_dim, value_dim, block, k}, max_rows);
+                int64_t value_dim, int64_t block, int64_t k, int max_rows, int64_t latent_nope, int64_t latent_v) {
+                 ChainShape s{hidden, n_heads, n_kv_heads, head_dim, value_dim, block, k};
+                 s.latent = latent_v > 0;
+                 s.nope = latent_nope;
+                 s.v = latent_v;
+                 new (self) DecodeChain(s, max_rows);
              },
-             "hidden"_a, "n_heads"_a, "n_kv_heads"_a, "head_dim"_a, "value_dim"_a, "block"_a, "k"_a, "max_rows"_a)
+             "hidden"_a, "n_heads"_a, "n_kv_heads"_a, "head_dim"_a, "value_dim"_a, "block"_a, "k"_a, "max_rows"_a,
+             "latent_nope"_a = 0, "latent_v"_a = 0,
+             "A chain of grouped-query layers; with latent_v > 0, of latent-attention layers (n_kv_heads 1, head_dim "
+             "c + rope, value_dim c; queries of latent_nope + rope features, value heads of latent_v).")
         .def(
             "add_layer",
             [](DecodeChain& c, F32Array attn_norm, float attn_eps, const DenseLinear& qkv,
@@ -777,79 +849,79 @@ NB_MODULE(_native, m) {
                std::optional<F32Array> correction_bias, int n_group, int topk_group, float scaling,
                const MoELayer* experts, const DenseLinear* gate_up, const DenseLinear* down,
                const DenseLinear* shared_gate) {
-                const int64_t H = qkv.cols();
-                if (int64_t(attn_norm.size()) != H || int64_t(ffn_norm.size()) != H)
-                    throw nb::value_error("norm weights must have one entry per hidden feature");
-                if (cos.ndim() != 2 || sin.ndim() != 2 || cos.shape(0) != sin.shape(0) || cos.shape(1) != sin.shape(1))
-                    throw nb::value_error("cos and sin must be [positions, rotary_dim / 2]");
                 const ChainShape& s = c.shape();
+                if (s.latent) throw nb::value_error("a latent-attention chain takes add_latent_layer");
                 if (k_cache.shape(0) != v_cache.shape(0) || int64_t(k_cache.shape(1)) != s.Hkv ||
                     int64_t(v_cache.shape(1)) != s.Hkv || int64_t(k_cache.shape(2)) != s.block ||
                     int64_t(v_cache.shape(2)) != s.block || int64_t(k_cache.shape(3)) != s.D ||
                     int64_t(v_cache.shape(3)) != s.Dv)
                     throw nb::value_error("the caches must be [n_blocks, n_kv_heads, block, head_dim / value_dim]");
                 for (const auto* w : {&q_norm, &k_norm})
-                    if (*w && int64_t((*w)->size()) != int64_t(k_cache.shape(3)))
-                        throw nb::value_error("q/k norm weights must have head_dim entries");
-                const int64_t E = router ? router->rows() : 0;
-                if ((qkv_bias && int64_t(qkv_bias->size()) != qkv.rows()) || (o_bias && int64_t(o_bias->size()) != o.rows()) ||
-                    (router_bias && int64_t(router_bias->size()) != E) ||
-                    (correction_bias && int64_t(correction_bias->size()) != E))
-                    throw nb::value_error("a bias must have one entry per output row");
-                ChainRoute r;
-                if (route == "softmax_topk") r.kind = ChainRoute::SoftmaxTopK;
-                else if (route == "sigmoid_group_topk") r.kind = ChainRoute::SigmoidGroupTopK;
-                else if (route == "topk_softmax") r.kind = ChainRoute::TopKSoftmax;
-                else throw nb::value_error("route must be softmax_topk, sigmoid_group_topk or topk_softmax");
-                if (r.kind == ChainRoute::SigmoidGroupTopK && router &&
-                    (n_group < 1 || E % n_group || (n_group > 1 && E / n_group < 2) || topk_group < 1 ||
-                     topk_group > n_group || s.k > int64_t(topk_group) * (E / n_group)))
-                    throw nb::value_error("n_group must divide the experts into groups of two or more, and topk_group of them hold k");
-                r.normalize = normalize;
-                r.bias = correction_bias ? correction_bias->data() : nullptr;
-                r.n_group = n_group;
-                r.topk_group = topk_group;
-                r.scaling = scaling;
+                    if (*w && int64_t((*w)->size()) != s.D) throw nb::value_error("q/k norm weights must have head_dim entries");
+                if (qkv_bias && int64_t(qkv_bias->size()) != qkv.rows()) throw nb::value_error("qkv_bias must have qkv's rows");
                 ChainLayer l{};
-                l.attn_norm = attn_norm.data();
-                l.attn_eps = attn_eps;
                 l.qkv = &qkv;
                 l.qkv_bias = qkv_bias ? qkv_bias->data() : nullptr;
                 l.q_norm = q_norm ? q_norm->data() : nullptr;
                 l.k_norm = k_norm ? k_norm->data() : nullptr;
                 l.qk_eps = qk_eps;
-                l.cos = cos.data();
-                l.sin = sin.data();
-                l.positions = int64_t(cos.shape(0));
-                l.rotary_half = int64_t(cos.shape(1));
-                l.pairs = pairs;
                 l.k_cache = k_cache.data();
                 l.v_cache = v_cache.data();
                 l.cache_bf16 = cache_is_bf16(k_cache.dtype(), v_cache.dtype());
                 l.n_blocks = int64_t(k_cache.shape(0));
-                l.scale = scale;
-                l.o = &o;
-                l.o_bias = o_bias ? o_bias->data() : nullptr;
-                l.ffn_norm = ffn_norm.data();
-                l.ffn_eps = ffn_eps;
-                l.router = router;
-                l.router_bias = router_bias ? router_bias->data() : nullptr;
-                l.route = r;
-                l.experts = experts;
-                l.gate_up = gate_up;
-                l.down = down;
-                l.shared_gate = shared_gate;
+                chain_common(l, s, attn_norm, attn_eps, cos, sin, pairs, scale, o, o_bias);
+                chain_ffn(l, s, ffn_norm, ffn_eps, router, router_bias, route, normalize, correction_bias, n_group,
+                          topk_group, scaling, experts, gate_up, down, shared_gate);
                 c.add_layer(l);
             },
             "attn_norm"_a, "attn_eps"_a, "qkv"_a, "qkv_bias"_a.none(), "q_norm"_a.none(), "k_norm"_a.none(), "qk_eps"_a,
             "cos"_a, "sin"_a, "pairs"_a, "k_cache"_a, "v_cache"_a, "scale"_a, "o"_a, "o_bias"_a.none(), "ffn_norm"_a,
-            "ffn_eps"_a, "router"_a.none() = nb::none(), "router_bias"_a.none() = nb::none(), "route"_a = "softmax_topk",
-            "normalize"_a = false, "correction_bias"_a.none() = nb::none(), "n_group"_a = 1, "topk_group"_a = 1,
-            "scaling"_a = 1.f, "experts"_a.none() = nb::none(), "gate_up"_a.none() = nb::none(),
-            "down"_a.none() = nb::none(), "shared_gate"_a.none() = nb::none(),
-            "One decoder layer: attention, then routed experts (router and experts), a gated MLP (gate_up and down: "
-            "a dense layer's, or the shared experts' beside routed ones), or both. The caller keeps every argument "
-            "alive as long as the chain.")
+            "ffn_eps"_a, CHAIN_FFN_ARGS,
+            "One decoder layer: grouped-query attention, then routed experts (router and experts), a gated MLP "
+            "(gate_up and down: a dense layer's, or the shared experts' beside routed ones), or both. The caller "
+            "keeps every argument alive as long as the chain.")
+        .def(
+            "add_latent_layer",
+            [](DecodeChain& c, F32Array attn_norm, float attn_eps, const DenseLinear* q_a, std::optional<F32Array> q_a_norm,
+               float q_a_eps, const DenseLinear& q, const DenseLinear& kv_a, F32Array kv_norm, float kv_eps,
+               nb::ndarray<nb::ndim<2>, nb::c_contig, nb::device::cpu> kv_b, F32Array cos, F32Array sin, bool pairs,
+               nb::ndarray<nb::ndim<3>, nb::c_contig, nb::device::cpu> cache, float scale, const DenseLinear& o,
+               std::optional<F32Array> o_bias, F32Array ffn_norm, float ffn_eps, const DenseLinear* router,
+               std::optional<F32Array> router_bias, const std::string& route, bool normalize,
+               std::optional<F32Array> correction_bias, int n_group, int topk_group, float scaling,
+               const MoELayer* experts, const DenseLinear* gate_up, const DenseLinear* down,
+               const DenseLinear* shared_gate) {
+                const ChainShape& s = c.shape();
+                if (!s.latent) throw nb::value_error("a grouped-query chain takes add_layer");
+                if (int64_t(cache.shape(1)) != s.block || int64_t(cache.shape(2)) != s.D)
+                    throw nb::value_error("the latent cache must be [n_blocks, block, c + rope]");
+                if (int64_t(kv_norm.size()) != s.Dv || (q_a && (!q_a_norm || int64_t(q_a_norm->size()) != q_a->rows())))
+                    throw nb::value_error("kv_norm must have c entries, q_a_norm one per q_a row");
+                if (int64_t(kv_b.shape(0)) != s.Hq * (s.nope + s.v) || int64_t(kv_b.shape(1)) != s.Dv)
+                    throw nb::value_error("kv_b must be [n_heads * (nope + v), c]");
+                ChainLayer l{};
+                l.qkv = &q;
+                l.q_a = q_a;
+                l.q_a_norm = q_a_norm ? q_a_norm->data() : nullptr;
+                l.q_a_eps = q_a_eps;
+                l.kv_a = &kv_a;
+                l.kv_norm = kv_norm.data();
+                l.kv_eps = kv_eps;
+                l.kv_b = kv_b.data();
+                l.kv_b_fmt = half_format(kv_b.dtype(), "kv_b");
+                l.k_cache = cache.data();
+                l.cache_bf16 = cache_is_bf16(cache.dtype(), cache.dtype());
+                l.n_blocks = int64_t(cache.shape(0));
+                chain_common(l, s, attn_norm, attn_eps, cos, sin, pairs, scale, o, o_bias);
+                chain_ffn(l, s, ffn_norm, ffn_eps, router, router_bias, route, normalize, correction_bias, n_group,
+                          topk_group, scaling, experts, gate_up, down, shared_gate);
+                c.add_layer(l);
+            },
+            "attn_norm"_a, "attn_eps"_a, "q_a"_a.none(), "q_a_norm"_a.none(), "q_a_eps"_a, "q"_a, "kv_a"_a, "kv_norm"_a,
+            "kv_eps"_a, "kv_b"_a, "cos"_a, "sin"_a, "pairs"_a, "cache"_a, "scale"_a, "o"_a, "o_bias"_a.none(),
+            "ffn_norm"_a, "ffn_eps"_a, CHAIN_FFN_ARGS,
+            "One decoder layer with latent attention (DeepSeek, Kimi: mla_decode.h), then its feed-forward block as "
+            "add_layer's. The caller keeps every argument alive as long as the chain.")
         .def(
             "run",
             [](DecodeChain& c, nb::ndarray<float, nb::ndim<2>, nb::c_contig, nb::device::cpu> x, I64Rows tables,

@@ -90,24 +90,19 @@ def test_each_sequence_of_a_batch_gets_its_solo_tokens(family, source, checkpoin
 
 # Where the one-call native chain (cpu_decode._Chain) covers every layer of the tiny models:
 # GLM-4.5's (a dense first layer, q|k|v bias, partial rotary, sigmoid group routing, a shared
-# expert) and Qwen2-MoE's (q|k|v bias, a sigmoid-gated shared expert) among them. OLMoE's q/k norm
-# spans all heads, DeepSeek has MLA, GPT-OSS sliding windows and sinks; under q4_k_m the tiny
-# experts' rows are too short for K-quant blocks (no native MoE step at all).
-CHAIN_CASES = {(family, source) for family in ("qwen3_moe", "mixtral", "glm4_moe", "qwen2_moe")
+# expert), Qwen2-MoE's (q|k|v bias, a sigmoid-gated shared expert) and DeepSeek-V3's (latent
+# attention with a q LoRA, eight groups of experts) among them. OLMoE's q/k norm spans all heads,
+# GPT-OSS has sliding windows and sinks; under q4_k_m the tiny experts' rows are too short for
+# K-quant blocks (no native MoE step at all).
+CHAIN_CASES = {(family, source) for family in ("qwen3_moe", "mixtral", "glm4_moe", "qwen2_moe", "deepseek_v3")
                for source in ("bf16-checkpoint", "q8_0-gguf")}
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
-def test_the_native_chain_gives_the_bits_of_the_calls(family, source, checkpoints, converted):  # noqa: F811
-    """A decode step through every layer in one native call computes what the layer-by-layer
-    native calls compute, for a batch of sequences of different lengths."""
-    path = checkpoints(family).path if source == "bf16-checkpoint" else converted(family, source.split("-")[0])
-    model = model_for(path)
+def chain_against_calls(model) -> None:
+    """The chain's tokens and logits for a batch of sequences of different lengths are those of
+    the layer-by-layer native calls, bit for bit."""
     step = model._native_decode(len(PROMPTS))
-    chain = step.chain if step is not None else None
-    assert (chain is not None) == ((family, source) in CHAIN_CASES), (family, source)
-    if chain is None:
-        return
+    chain = step.chain
     prompts = [tokens(n, seed=n).reshape(-1).tolist() for n in PROMPTS]
     chained = together(model, prompts)
     step.chain = None
@@ -119,6 +114,27 @@ def test_the_native_chain_gives_the_bits_of_the_calls(family, source, checkpoint
     for got, expected in zip(chained[1], calls[1]):
         for a, b in zip(got, expected):
             assert torch.equal(a, b), float((a - b).abs().max())
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_the_native_chain_gives_the_bits_of_the_calls(family, source, checkpoints, converted):  # noqa: F811
+    """A decode step through every layer in one native call computes what the layer-by-layer
+    native calls compute, for a batch of sequences of different lengths."""
+    path = checkpoints(family).path if source == "bf16-checkpoint" else converted(family, source.split("-")[0])
+    model = model_for(path)
+    step = model._native_decode(len(PROMPTS))
+    assert (step is not None and step.chain is not None) == ((family, source) in CHAIN_CASES), (family, source)
+    if (family, source) in CHAIN_CASES:
+        chain_against_calls(model)
+
+
+def test_the_native_chain_takes_latent_attention_without_a_q_lora(tmp_path):
+    """DeepSeek-V2-Lite's shape: q straight from the hidden state (no q_a, q_b)."""
+    from tests.convert.conftest import build_checkpoint
+
+    model = model_for(build_checkpoint(tmp_path, "deepseek_v3", overrides=dict(q_lora_rank=None)).path)
+    assert model._native_decode(len(PROMPTS)).chain is not None
+    chain_against_calls(model)
 
 
 def test_the_native_chain_counts_the_experts_only_while_recording(checkpoints):  # noqa: F811
