@@ -19,20 +19,25 @@ about 20 us a call with four tensor arguments, against 2 us with NumPy arrays (m
 tenth of the step over its hundred calls. NumPy has no bfloat16: a bf16 cache travels as its
 uint16 bits, which the bindings read as bf16.
 
-When every layer has a shape the chain covers (one cache group, q|k|v and output projections
-with or without bias, per-head or no q/k norm; a dense gated MLP, or routed experts under any
-router below with or without shared experts: Qwen3-MoE, Mixtral, GLM-4.5, Qwen2-MoE), ``_Chain``
-runs all of them in one native call (``native/src/decode_chain.cpp``) with the same kernels in
-the same order: the same bits, without the Python between the calls, which the weights
-streaming through the caches make run cold (about 2 ms a token on the 8-layer benchmark model;
-1.07x decode on its GLM-4.5-shaped twin, where the chain replaced the calls).
+Multi-head latent attention (DeepSeek, Kimi) runs natively too (``_MLAStep``, in the absorbed
+form: ``native/src/mla_decode.h``); in PyTorch it took 2.6 ms a layer on a 16-head model, and
+the DeepSeek-shaped benchmark model decoded at 0.34x llama.cpp (now 1.44x).
+
+When every layer has a shape the chain covers (one cache group; grouped-query attention, with
+or without bias and per-head q/k norm, or latent attention; a dense gated MLP, or routed experts
+under any router below with or without shared experts: Qwen3-MoE, Mixtral, GLM-4.5, Qwen2-MoE,
+DeepSeek-V3, Kimi K2), ``_Chain`` runs all of them in one native call
+(``native/src/decode_chain.cpp``) with the same kernels in the same order: the same bits,
+without the Python between the calls, which the weights streaming through the caches make run
+cold (about 2 ms a token on the 8-layer benchmark model; 1.06-1.12x decode on its GLM-4.5- and
+DeepSeek-shaped twins, where the chain replaced the calls: ``benchmarks/decode_chain_ab.py``).
 
 Numerics: float32 throughout (the reference rounds to the model dtype after every op; the
 KV cache is still written in its own dtype, as prefill writes it), so a decode step is at
 least as close to the float32 truth as the layer-by-layer path. Prompts (more than one
 token per sequence), GPU main devices and blocks this module does not cover (sliding
-windows, attention sinks, MLA, q/k clipping, main-device experts) keep the layer-by-layer
-path; a layer may mix the two.
+windows, attention sinks, q/k clipping, MLA's expanded form where it is forced,
+main-device experts) keep the layer-by-layer path; a layer may mix the two.
 """
 
 from __future__ import annotations
