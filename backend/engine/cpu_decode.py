@@ -254,6 +254,7 @@ class _MLAStep:
                 and attn.rotary.rotary_dim == attn.rope_dim and type(attn.kv_a_norm) is RMSNorm
                 and (attn.q_a_norm is None or type(attn.q_a_norm) is RMSNorm)
                 and attn.kv_b_weight.dtype in (torch.float32, torch.bfloat16, torch.float16)
+                and attn.kv_b_weight.is_contiguous()
                 and attn.cache.kv.dtype in (torch.float32, torch.bfloat16))
 
     def __call__(self, h: np.ndarray, segments: list[Segment]) -> np.ndarray:
