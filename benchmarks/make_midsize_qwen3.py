@@ -1,6 +1,6 @@
 """The mid-size Qwen3-MoE-shaped benchmark model of issue 17, as a checkpoint and a GGUF.
 
-    python benchmarks/make_midsize_qwen3.py OUT_DIR [--quant q4_0] [--family glm4_moe]
+    python benchmarks/make_midsize_qwen3.py OUT_DIR [--quant q4_0] [--family glm4_moe|deepseek_v3]
 
 Writes OUT_DIR (a random bf16 checkpoint: 8 layers, hidden 2048, 128 experts of 768, top 8,
 32 query heads and 4 key/value heads of 128, a vocabulary of 16384; about 10 GB) with a
@@ -17,6 +17,9 @@ from words that are one token each (``hybridmoe bench serve`` does).
 ``--family glm4_moe`` writes the same sizes in GLM-4.5's layer shape instead: q|k|v bias, half
 of each head rotated, a dense first layer (intermediate 3072), sigmoid routing with a correction
 bias, and a shared expert of the routed experts' size in the other seven layers.
+``--family deepseek_v3``: DeepSeek-V3's instead, with 16 heads of latent attention (q LoRA 1536,
+latent 512, rotary 64, nope and value heads 128), a dense first layer (intermediate 3072), and
+sigmoid routing over eight groups of which four are kept.
 """
 
 from __future__ import annotations
@@ -76,7 +79,7 @@ def make(out_dir: Path, quant: str = "q4_0", family: str = "qwen3_moe") -> Path:
     import torch
 
     from hybridmoe.backend.convert import to_gguf
-    from scripts.gpu_check import write_glm4_moe, write_qwen3_moe
+    from scripts.gpu_check import write_deepseek_v3, write_glm4_moe, write_qwen3_moe
 
     started = time.perf_counter()
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -84,8 +87,9 @@ def make(out_dir: Path, quant: str = "q4_0", family: str = "qwen3_moe") -> Path:
     if size > VOCAB:  # the converter pads a smaller vocabulary to the embedding's rows, never the reverse
         raise SystemExit(f"the trained tokenizer has {size} tokens, more than the model's {VOCAB}")
     print(f"tokenizer: {size} tokens ({time.perf_counter() - started:.0f} s)", flush=True)
-    write = write_glm4_moe if family == "glm4_moe" else write_qwen3_moe
-    write(out_dir, vocab=VOCAB, dtype=torch.bfloat16, **SHAPE)
+    write = {"glm4_moe": write_glm4_moe, "deepseek_v3": write_deepseek_v3}.get(family, write_qwen3_moe)
+    shape = dict(SHAPE, heads=16) if family == "deepseek_v3" else SHAPE
+    write(out_dir, vocab=VOCAB, dtype=torch.bfloat16, **shape)
     print(f"checkpoint: {out_dir} ({time.perf_counter() - started:.0f} s)", flush=True)
     gguf = out_dir.with_name(f"{out_dir.name}-{quant}.gguf")
     to_gguf(out_dir, gguf, quant, overwrite=True)
@@ -97,7 +101,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out_dir", type=Path)
     ap.add_argument("--quant", default="q4_0", choices=("bf16", "q8_0", "q4_0", "q4_k_m"))
-    ap.add_argument("--family", default="qwen3_moe", choices=("qwen3_moe", "glm4_moe"))
+    ap.add_argument("--family", default="qwen3_moe", choices=("qwen3_moe", "glm4_moe", "deepseek_v3"))
     args = ap.parse_args()
     make(args.out_dir, args.quant, args.family)
     return 0

@@ -256,6 +256,43 @@ def write_glm4_moe(out: Path, *, layers: int, experts: int, hidden: int, inter: 
         "max_position_embeddings": 32768, "rope_theta": 1e6, "rms_norm_eps": 1e-5, "tie_word_embeddings": False})
 
 
+def write_deepseek_v3(out: Path, *, layers: int, experts: int, hidden: int, inter: int, heads: int, kv_heads: int,
+                      head_dim: int, vocab: int, dtype: torch.dtype, scale: float = 0.02, k: int = 8) -> Path:
+    """A random DeepSeek-V3-shaped checkpoint (one safetensors shard per layer): latent attention
+    (``heads`` heads; DeepSeek-V3's q LoRA 1536, latent 512, rotary 64, nope and value heads
+    ``head_dim``), a dense first layer, sigmoid routing over eight groups (four kept) with a
+    correction bias, one shared expert of the routed experts' size. ``kv_heads`` is unused (the
+    latent cache is one head) and kept for the writers' common signature."""
+    w = _RandomShards(out, dtype, scale)
+    w.embeddings(vocab, hidden)
+    q_lora, kv_lora, rope, nope, v = 1536, 512, 64, head_dim, head_dim
+    for i in range(layers):
+        p = f"model.layers.{i}"
+        a = f"{p}.self_attn"
+        t = {f"{p}.input_layernorm.weight": w.ones(hidden), f"{p}.post_attention_layernorm.weight": w.ones(hidden),
+             f"{a}.q_a_proj.weight": w.rand(q_lora, hidden), f"{a}.q_a_layernorm.weight": w.ones(q_lora),
+             f"{a}.q_b_proj.weight": w.rand(heads * (nope + rope), q_lora),
+             f"{a}.kv_a_proj_with_mqa.weight": w.rand(kv_lora + rope, hidden),
+             f"{a}.kv_a_layernorm.weight": w.ones(kv_lora), f"{a}.kv_b_proj.weight": w.rand(heads * (nope + v), kv_lora),
+             f"{a}.o_proj.weight": w.rand(hidden, heads * v)}
+        if i == 0:
+            t |= w.mlp(f"{p}.mlp", hidden, 4 * inter)
+        else:
+            t |= {f"{p}.mlp.gate.weight": w.rand(experts, hidden),
+                  f"{p}.mlp.gate.e_score_correction_bias": torch.zeros(experts, dtype=torch.float32)}
+            t |= w.experts(f"{p}.mlp", experts, hidden, inter) | w.mlp(f"{p}.mlp.shared_experts", hidden, inter)
+        w.save(t, f"model-{i:05d}.safetensors")
+    return w.finish({
+        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": hidden,
+        "intermediate_size": 4 * inter, "moe_intermediate_size": inter, "num_hidden_layers": layers,
+        "num_attention_heads": heads, "num_key_value_heads": heads, "n_routed_experts": experts,
+        "num_experts_per_tok": k, "n_shared_experts": 1, "n_group": 8, "topk_group": 4, "first_k_dense_replace": 1,
+        "routed_scaling_factor": 2.5, "norm_topk_prob": True, "scoring_func": "sigmoid", "topk_method": "noaux_tc",
+        "q_lora_rank": q_lora, "kv_lora_rank": kv_lora, "qk_rope_head_dim": rope, "qk_nope_head_dim": nope,
+        "v_head_dim": v, "vocab_size": vocab, "max_position_embeddings": 32768, "rope_theta": 10000.0,
+        "rms_norm_eps": 1e-6, "tie_word_embeddings": False})
+
+
 def build(path: Path, **kwargs):
     from hybridmoe.backend.engine.model import build_model
     from hybridmoe.backend.formats.weights import open_weights
