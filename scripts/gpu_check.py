@@ -260,8 +260,8 @@ def write_deepseek_v3(out: Path, *, layers: int, experts: int, hidden: int, inte
                       head_dim: int, vocab: int, dtype: torch.dtype, scale: float = 0.02, k: int = 8) -> Path:
     """A random DeepSeek-V3-shaped checkpoint (one safetensors shard per layer): latent attention
     (``heads`` heads; DeepSeek-V3's q LoRA 1536, latent 512, rotary 64, nope and value heads
-    ``head_dim``), a dense first layer, sigmoid routing over eight groups (four kept) with a
-    correction bias, one shared expert of the routed experts' size. ``kv_heads`` is unused (the
+    ``head_dim``), a dense first layer, sigmoid routing over eight groups (four kept; one group
+    under 16 experts) with a correction bias, one shared expert of the routed experts' size. ``kv_heads`` is unused (the
     latent cache is one head) and kept for the writers' common signature."""
     w = _RandomShards(out, dtype, scale)
     w.embeddings(vocab, hidden)
@@ -286,7 +286,9 @@ def write_deepseek_v3(out: Path, *, layers: int, experts: int, hidden: int, inte
         "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": hidden,
         "intermediate_size": 4 * inter, "moe_intermediate_size": inter, "num_hidden_layers": layers,
         "num_attention_heads": heads, "num_key_value_heads": heads, "n_routed_experts": experts,
-        "num_experts_per_tok": k, "n_shared_experts": 1, "n_group": 8, "topk_group": 4, "first_k_dense_replace": 1,
+        # Eight groups of at least two experts, four kept, as DeepSeek-V3; one group for fewer experts.
+        "num_experts_per_tok": k, "n_shared_experts": 1, "n_group": 8 if experts >= 16 else 1,
+        "topk_group": 4 if experts >= 16 else 1, "first_k_dense_replace": 1,
         "routed_scaling_factor": 2.5, "norm_topk_prob": True, "scoring_func": "sigmoid", "topk_method": "noaux_tc",
         "q_lora_rank": q_lora, "kv_lora_rank": kv_lora, "qk_rope_head_dim": rope, "qk_nope_head_dim": nope,
         "v_head_dim": v, "vocab_size": vocab, "max_position_embeddings": 32768, "rope_theta": 10000.0,
