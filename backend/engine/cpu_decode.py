@@ -112,15 +112,11 @@ def _torch_parts() -> Iterator[None]:
 
 
 class _Buffer:
-    """A float32 tensor and its NumPy view: one memory, two handles; ``rows(T)`` gives the
-    first T rows of both (a step of T sequences)."""
+    """A float32 tensor and its NumPy view: one memory, two handles."""
 
     def __init__(self, *shape: int):
         self.t = torch.empty(*shape)
         self.a = self.t.numpy()
-
-    def rows(self, n: int) -> tuple[torch.Tensor, np.ndarray]:
-        return self.t[:n], self.a[:n]
 
 
 class _Norm:
