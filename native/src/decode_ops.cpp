@@ -1,12 +1,12 @@
 #include "decode_ops.h"
 
-#include "kernel_table.h"
-
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
 #include <vector>
+
+#include "kernel_table.h"
 
 namespace hmoe {
 namespace {
@@ -36,14 +36,8 @@ uint16_t f32_to_bf16(float f) {
     return uint16_t(u >> 16);
 }
 
-// Normalise (when w) and rotate one head in place.
-void head(float* h, const float* w, float eps, const RopeStore& a) {
-    if (w) norm_row(h, w, eps, a.D, h);
-    rotate(h, a.cos, a.sin, a.rotary_dim, a.pairs);
-}
-
-}  // namespace
-
+// The rotary embedding of one head's first rotary_dim features in place (cos, sin:
+// rotary_dim / 2 each, for the token's position); `pairs` as in RopeStore.
 void rotate(float* h, const float* cos, const float* sin, int64_t rotary_dim, bool pairs) {
     const int64_t half = rotary_dim / 2;
     float rot[kMaxHeadDim];
@@ -63,6 +57,12 @@ void rotate(float* h, const float* cos, const float* sin, int64_t rotary_dim, bo
     std::memcpy(h, rot, size_t(rotary_dim) * 4);
 }
 
+// Normalise (when w) and rotate one head in place.
+void head(float* h, const float* w, float eps, const RopeStore& a) {
+    if (w) norm_row(h, w, eps, a.D, h);
+    rotate(h, a.cos, a.sin, a.rotary_dim, a.pairs);
+}
+
 void store(void* cache, bool bf16, int64_t at, const float* src, int64_t n) {
     if (bf16) {
         uint16_t* dst = static_cast<uint16_t*>(cache) + at;
@@ -71,8 +71,6 @@ void store(void* cache, bool bf16, int64_t at, const float* src, int64_t n) {
         std::memcpy(static_cast<float*>(cache) + at, src, size_t(n) * 4);
     }
 }
-
-namespace {
 
 // The k largest of v[0..E) by value (ties: the lower index first), in descending order.
 void top_k(const float* v, int64_t E, int k, int64_t* ids) {

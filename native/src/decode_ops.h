@@ -39,13 +39,6 @@ struct RopeStore {
 };
 void rope_store(const RopeStore& a);
 
-// The rotary embedding of one head's first rotary_dim features in place (cos, sin:
-// rotary_dim / 2 each, for the token's position); `pairs` as in RopeStore.
-void rotate(float* h, const float* cos, const float* sin, int64_t rotary_dim, bool pairs);
-
-// n floats to cache + at (elements): bf16 rounded to nearest even, or fp32.
-void store(void* cache, bool bf16, int64_t at, const float* src, int64_t n);
-
 // Multi-head latent attention's small steps for one token: each head's rotary part of q
 // [H, nope + rope] rotated in place; the compressed kv [c + rope]: its latent (c) normalised
 // by kv_norm, its rotary key rotated, both stored as one cache row [c + rope].
