@@ -189,6 +189,17 @@ class _RandomShards:
             t |= self.mlp(f"{p}.experts.{e}", hidden, inter)
         return t
 
+    def first_dense_then_shared_moe(self, p: str, layer: int, experts: int, hidden: int, inter: int,
+                                    dense_inter: int) -> dict:
+        """GLM-4.5's and DeepSeek-V3's feed-forward block: a dense MLP in the first layer; after
+        it a sigmoid router with its (zero) correction bias, the routed experts and one shared
+        expert of their size."""
+        if layer == 0:
+            return self.mlp(p, hidden, dense_inter)
+        return ({f"{p}.gate.weight": self.rand(experts, hidden),
+                 f"{p}.gate.e_score_correction_bias": torch.zeros(experts, dtype=torch.float32)}
+                | self.experts(p, experts, hidden, inter) | self.mlp(f"{p}.shared_experts", hidden, inter))
+
     def mlp(self, p: str, hidden: int, inter: int) -> dict:
         return {f"{p}.gate_proj.weight": self.rand(inter, hidden), f"{p}.up_proj.weight": self.rand(inter, hidden),
                 f"{p}.down_proj.weight": self.rand(hidden, inter)}
@@ -239,12 +250,7 @@ def write_glm4_moe(out: Path, *, layers: int, experts: int, hidden: int, inter: 
     for i in range(layers):
         p = f"model.layers.{i}"
         t = _attention(w, p, hidden, heads, kv_heads, head_dim, bias=True)
-        if i == 0:
-            t |= w.mlp(f"{p}.mlp", hidden, dense_inter)
-        else:
-            t |= {f"{p}.mlp.gate.weight": w.rand(experts, hidden),
-                  f"{p}.mlp.gate.e_score_correction_bias": torch.zeros(experts, dtype=torch.float32)}
-            t |= w.experts(f"{p}.mlp", experts, hidden, inter) | w.mlp(f"{p}.mlp.shared_experts", hidden, inter)
+        t |= w.first_dense_then_shared_moe(f"{p}.mlp", i, experts, hidden, inter, dense_inter)
         w.save(t, f"model-{i:05d}.safetensors")
     return w.finish({
         "architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe", "hidden_size": hidden,
@@ -275,12 +281,7 @@ def write_deepseek_v3(out: Path, *, layers: int, experts: int, hidden: int, inte
              f"{a}.kv_a_proj_with_mqa.weight": w.rand(kv_lora + rope, hidden),
              f"{a}.kv_a_layernorm.weight": w.ones(kv_lora), f"{a}.kv_b_proj.weight": w.rand(heads * (nope + v), kv_lora),
              f"{a}.o_proj.weight": w.rand(hidden, heads * v)}
-        if i == 0:
-            t |= w.mlp(f"{p}.mlp", hidden, 4 * inter)
-        else:
-            t |= {f"{p}.mlp.gate.weight": w.rand(experts, hidden),
-                  f"{p}.mlp.gate.e_score_correction_bias": torch.zeros(experts, dtype=torch.float32)}
-            t |= w.experts(f"{p}.mlp", experts, hidden, inter) | w.mlp(f"{p}.mlp.shared_experts", hidden, inter)
+        t |= w.first_dense_then_shared_moe(f"{p}.mlp", i, experts, hidden, inter, 4 * inter)
         w.save(t, f"model-{i:05d}.safetensors")
     return w.finish({
         "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": hidden,
