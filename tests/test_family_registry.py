@@ -22,6 +22,7 @@ CONVERTER_KEYS = ("backend/convert/hparams.py", "backend/convert/gguf_keys.py")
 # What every family module declares (see the registry's docstring).
 FAMILY_INTERFACE = (
     "FAMILY", "DISPLAY_NAME", "HF_ARCHITECTURES", "MODEL_TYPES", "GGUF_ARCH", "GGUF_KEEPS_MTP",
+    "ROUTER_FLOAT32",
     "LLAMA_PRE_TOKENIZERS", "SPECIAL_TOKEN_ROLES", "RMS_EPS_DEFAULT", "ROPE_THETA_DEFAULT",
     "PARTIAL_ROTARY_DEFAULT", "GGUF_PARTIAL_ROTARY", "GGUF_TENSOR_NAMES", "GGUF_PERMUTES_QK",
     "spec_from_config", "config_from_gguf", "expected_tensors",

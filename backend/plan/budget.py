@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 from hybridmoe.backend.hardware.profile import GPU
+from hybridmoe.backend.models.families import family_by_name
 from hybridmoe.backend.models.formats import int4_resident_layout
 from hybridmoe.backend.models.spec import ModelSpec
 
@@ -74,6 +75,13 @@ def compute_dtype_bytes(spec: ModelSpec) -> int:
     """Bytes of one element of the engine's compute dtype for this model: float32 for a float32
     checkpoint (as the engine chooses from the embedding's dtype), else bfloat16."""
     return 4 if spec.other_format in ("f32", "fp32") else 2
+
+
+def router_element_bytes(spec: ModelSpec) -> int:
+    """Bytes of one element of a router's matrix as the engine holds (and reads) it: float32
+    for the families that route in float32 (their ``ROUTER_FLOAT32``), else the compute dtype;
+    GGUF files store routers in F32 either way."""
+    return 4 if family_by_name(spec.family).ROUTER_FLOAT32 else compute_dtype_bytes(spec)
 
 
 def resident_expert_bytes(spec: ModelSpec, form: str) -> int:

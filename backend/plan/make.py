@@ -23,6 +23,7 @@ from hybridmoe.backend.hardware.profile import HardwareProfile
 from hybridmoe.backend.models.formats import FORMATS, int4_resident_layout
 from hybridmoe.backend.models.inventory import TensorClass, TensorInventory
 from hybridmoe.backend.models.spec import ModelSpec
+from hybridmoe.backend.models.tensors import inventory_from_config
 from hybridmoe.backend.plan import budget as B
 from hybridmoe.backend.plan import placement
 from hybridmoe.backend.plan.estimate import (
@@ -73,6 +74,42 @@ class _Layout:
     multi: DecodeEstimate | None = None
 
 
+@dataclass(frozen=True)
+class _AlwaysRead:
+    """The weights every token reads, in bytes as one side holds them: per decoder layer
+    (attention, and the dense MLP or the shared experts and router) and the model's embedding
+    and head."""
+
+    attention: float  # per layer
+    dense_mlp: float  # per dense layer
+    moe_fixed: float  # per MoE layer: shared experts and router
+    moe_layers: frozenset[int]
+    embedding: float
+    lm_head: float
+    head_read: float  # what a token reads of the head (a tied head: the embedding matrix)
+
+    @classmethod
+    def of(cls, spec: ModelSpec, inventory: TensorInventory) -> _AlwaysRead:
+        by = inventory.bytes_by_class
+        router = inventory.router_bytes_held(B.router_element_bytes(spec))
+        lm_head, embedding = by.get(TensorClass.LM_HEAD, 0), by.get(TensorClass.EMBEDDING, 0)
+        return cls(attention=by.get(TensorClass.ATTENTION, 0) / spec.num_layers,
+                   dense_mlp=by.get(TensorClass.DENSE_FFN, 0) / (len(spec.dense_layers) or 1),
+                   moe_fixed=(by.get(TensorClass.SHARED_EXPERTS, 0) + router) / (len(spec.moe_layers) or 1),
+                   moe_layers=frozenset(spec.moe_layers), embedding=embedding, lm_head=lm_head,
+                   head_read=lm_head or (embedding if spec.tie_word_embeddings else 0))
+
+    def layer(self, layer: int) -> float:
+        return self.attention + (self.moe_fixed if layer in self.moe_layers else self.dense_mlp)
+
+
+def held_on_gpu(spec: ModelSpec) -> TensorInventory:
+    """Every tensor in the engine's compute dtype, as it holds the always-read weights on a GPU
+    (the routed experts' forms there are budget.RESIDENT_FORMS, not this)."""
+    dtype = "fp32" if B.compute_dtype_bytes(spec) == 4 else "bf16"
+    return inventory_from_config(spec, expert_format=dtype, other_format=dtype)
+
+
 class _Planner:
     def __init__(self, spec, inventory, hardware, workload):
         self.spec: ModelSpec = spec
@@ -104,25 +141,16 @@ class _Planner:
             )
         self.resident = {form: float(B.resident_expert_bytes(spec, form))
                          for form in B.RESIDENT_FORMS if form != "int4" or self.int4}
-        cls = inventory.bytes_by_class
-        n_dense = len(spec.dense_layers) or 1
-        n_moe = len(spec.moe_layers) or 1
-        self.attn_l = cls.get(TensorClass.ATTENTION, 0) / spec.num_layers
-        self.dense_l = cls.get(TensorClass.DENSE_FFN, 0) / n_dense
-        router = inventory.router_bytes_held(B.compute_dtype_bytes(spec))  # held (and read) in the compute dtype
-        self.moe_fixed_l = (cls.get(TensorClass.SHARED_EXPERTS, 0) + router) / n_moe
-        self.embedding = cls.get(TensorClass.EMBEDDING, 0)
-        self.lm_head = cls.get(TensorClass.LM_HEAD, 0)
-        # A tied head reads the embedding matrix in full every token.
-        self.head_read = self.lm_head or (self.embedding if spec.tie_word_embeddings else 0)
+        # The always-read weights as each side holds them: host RAM in the stored form (the
+        # CPU kernels read it as stored); a GPU, for the engine, in the compute dtype (it
+        # dequantizes every quantized projection, norm and embedding there at load: a Q4_K
+        # attention takes 3.6x its file size on the card), for llama.cpp as stored.
+        self.host = _AlwaysRead.of(spec, inventory)
+        self.gpu = self.host if workload.backend == "llamacpp" else _AlwaysRead.of(spec, held_on_gpu(spec))
         self.kv_elem = workload.kv_bytes_per_element
         self.kv_layer_token = spec.kv_bytes_per_token_per_layer(self.kv_elem)
 
     # ---- per-layer arithmetic ----------------------------------------------------------------
-
-    def fixed_bytes(self, layer: int) -> float:
-        """Always-read weights of one decoder layer."""
-        return self.attn_l + (self.moe_fixed_l if layer in self.moe else self.dense_l)
 
     def kv_layer(self, layer: int, users: int) -> float:
         return users * self.spec.kv_tokens(layer, self.wl.context) * self.kv_layer_token
@@ -314,18 +342,18 @@ class _Planner:
             for c, run in enumerate(lay.runs):
                 b = 0.0
                 for layer in run:
-                    b += lay.share * self.fixed_bytes(layer) + lay.kv_share * self.kv_layer(layer, users)
+                    b += lay.share * self.gpu.layer(layer) + lay.kv_share * self.kv_layer(layer, users)
                     held = len(lay.experts_by_card[c].get(layer, ()))
                     if held:  # this card's part of the GPU experts the step touches
                         gpu_share = 1 - self._cpu_share(layer, gpu_experts[layer])
                         b += touched * gpu_share * held / len(gpu_experts[layer]) * lay.gbpe[layer]
                 if lay.kind == "tp" or c == len(lay.runs) - 1:
-                    b += lay.share * self.head_read
+                    b += lay.share * self.gpu.head_read
                 gpu_reads.append((b, gpus[c].memory_bandwidth_bytes_per_s))
         else:
             # CPU-only: the always-read weights and the cache come from host memory too.
-            host += sum(self.fixed_bytes(layer) + self.kv_layer(layer, users) for layer in range(self.spec.num_layers))
-            host += self.head_read
+            host += sum(self.host.layer(layer) + self.kv_layer(layer, users) for layer in range(self.spec.num_layers))
+            host += self.host.head_read
         if lay.kind == "tp":
             return decode_step(host_bytes=host, host_bandwidth=self.hw.memory.bandwidth_bytes_per_s,
                                gpu_bytes_by_card=gpu_reads, cards_in_parallel=True,
@@ -346,11 +374,12 @@ class _Planner:
         moe_by_card = [[layer for layer in run if layer in self.moe] for run in runs]
         card_classes, lefts = [], []
         for c, run in enumerate(runs):
-            always = sum(self.fixed_bytes(layer) for layer in run)
+            held = self.gpu  # the always-read weights as a card holds them
+            always = sum(held.layer(layer) for layer in run)
             if kind == "tp":
-                always += self.embedding + self.lm_head
+                always += held.embedding + held.lm_head
             else:
-                always += (self.embedding if c == 0 else 0) + (self.lm_head if c == len(runs) - 1 else 0)
+                always += (held.embedding if c == 0 else 0) + (held.lm_head if c == len(runs) - 1 else 0)
             parts = {
                 "always_read": share * always,
                 "kv_cache": kv_share * sum(self.kv_layer(layer, wl.users) for layer in run),

@@ -17,7 +17,8 @@ family to the whole list):
 
 - identity: ``FAMILY``, ``DISPLAY_NAME``, ``HF_ARCHITECTURES``, ``MODEL_TYPES``,
   ``GGUF_ARCH`` (llama.cpp's architecture, read and written), ``GGUF_KEEPS_MTP`` (whether a
-  GGUF keeps the NextN/MTP layers as extra blocks);
+  GGUF keeps the NextN/MTP layers as extra blocks), ``ROUTER_FLOAT32`` (the engine holds the
+  routers' matrices in float32 rather than the compute dtype: the planner counts them so);
 - what the converter writes: ``LLAMA_PRE_TOKENIZERS`` (llama.cpp's names for the family's
   pre-tokenizer, most faithful first: several share one set of split expressions and differ
   in BOS handling and regex support), ``SPECIAL_TOKEN_ROLES`` ("eot", "eom", "bos" -> token

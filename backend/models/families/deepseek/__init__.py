@@ -41,6 +41,8 @@ MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "kimi_k2", "kimi_k25")
 GGUF_ARCH = "deepseek2"
 # llama.cpp's converter drops DeepSeek's MTP layer, so a GGUF estimate leaves it out.
 GGUF_KEEPS_MTP = False
+# The engine holds (and reads) the routers' matrices in float32, as the reference routes.
+ROUTER_FLOAT32 = True
 LLAMA_PRE_TOKENIZERS = ("kimi-k2", "deepseek-v3", "qwen2", "llama-bpe")
 SPECIAL_TOKEN_ROLES: dict[str, tuple[str, ...]] = {}
 RMS_EPS_DEFAULT = 1e-6

@@ -31,6 +31,8 @@ MODEL_TYPES = ("glm4_moe",)
 GGUF_ARCH = "glm4moe"
 # llama.cpp's converter keeps GLM's NextN layer (as blk.N with nextn.* tensors).
 GGUF_KEEPS_MTP = True
+# The engine holds (and reads) the routers' matrices in float32, as the reference routes.
+ROUTER_FLOAT32 = True
 
 LLAMA_PRE_TOKENIZERS = ("glm4",)
 # GLM-4.5 ends an assistant turn by starting the next one: <|user|> is its end of turn and

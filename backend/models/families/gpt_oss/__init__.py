@@ -32,6 +32,7 @@ HF_ARCHITECTURES = ("GptOssForCausalLM",)
 MODEL_TYPES = ("gpt_oss",)
 GGUF_ARCH = "gpt-oss"
 GGUF_KEEPS_MTP = False
+ROUTER_FLOAT32 = False
 LLAMA_PRE_TOKENIZERS = ("gpt-4o",)
 # Harmony ends every message with <|end|>, including the reasoning ("analysis") ones the
 # answer follows; only <|return|> (the EOS) and <|call|> end the turn, so no EOT is named, and

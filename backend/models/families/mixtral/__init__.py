@@ -27,6 +27,7 @@ HF_ARCHITECTURES = ("MixtralForCausalLM",)
 MODEL_TYPES = ("mixtral",)
 GGUF_ARCH = "llama"  # only with expert_count > 0: see the registry
 GGUF_KEEPS_MTP = False
+ROUTER_FLOAT32 = False
 LLAMA_PRE_TOKENIZERS = ("llama-bpe", "tekken")
 SPECIAL_TOKEN_ROLES: dict[str, tuple[str, ...]] = {}
 RMS_EPS_DEFAULT = 1e-6

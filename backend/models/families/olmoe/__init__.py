@@ -25,6 +25,7 @@ HF_ARCHITECTURES = ("OlmoeForCausalLM",)
 MODEL_TYPES = ("olmoe",)
 GGUF_ARCH = "olmoe"
 GGUF_KEEPS_MTP = False
+ROUTER_FLOAT32 = False
 LLAMA_PRE_TOKENIZERS = ("gpt-2", "olmo")
 SPECIAL_TOKEN_ROLES: dict[str, tuple[str, ...]] = {}
 RMS_EPS_DEFAULT = 1e-6

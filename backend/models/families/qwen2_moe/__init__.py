@@ -30,6 +30,7 @@ HF_ARCHITECTURES = ("Qwen2MoeForCausalLM",)
 MODEL_TYPES = ("qwen2_moe",)
 GGUF_ARCH = "qwen2moe"
 GGUF_KEEPS_MTP = False
+ROUTER_FLOAT32 = False
 LLAMA_PRE_TOKENIZERS = ("qwen2",)
 SPECIAL_TOKEN_ROLES: dict[str, tuple[str, ...]] = {}
 RMS_EPS_DEFAULT = 1e-6

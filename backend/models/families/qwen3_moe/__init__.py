@@ -30,6 +30,7 @@ HF_ARCHITECTURES = ("Qwen3MoeForCausalLM",)
 MODEL_TYPES = ("qwen3_moe",)
 GGUF_ARCH = "qwen3moe"
 GGUF_KEEPS_MTP = False
+ROUTER_FLOAT32 = False
 LLAMA_PRE_TOKENIZERS = ("qwen2",)
 SPECIAL_TOKEN_ROLES: dict[str, tuple[str, ...]] = {}
 RMS_EPS_DEFAULT = 1e-6

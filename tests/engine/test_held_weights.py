@@ -1,0 +1,71 @@
+"""The planner's always-read figure for a GPU is what the engine holds there, for every family,
+from a Q8_0 GGUF and from a Hugging Face checkpoint (docs/sizing.md §1).
+
+A GPU takes the engine's projections, norms, embedding and head in the compute dtype (it
+dequantizes a quantized file's at load) and the routers as the family routes; the figure is
+measured here on the CPU with the native kernels off, where the loader takes the same path
+as for a GPU (``Loader.projection``: no native form, so the compute dtype on the device)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from hybridmoe.backend.engine.model import build_model
+from hybridmoe.backend.formats.weights import open_weights
+from hybridmoe.backend.models import inspect_model
+from hybridmoe.backend.models.inventory import TensorClass
+from hybridmoe.backend.plan import Workload, make
+from tests.convert.conftest import FAMILIES, build_checkpoint
+from tests.engine.test_hybrid_resident import _workstation
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[tuple[str, str], Path]:
+    """(family, "hf" | "q8_0") -> path of a tiny bf16 checkpoint or its Q8_0 GGUF."""
+    from hybridmoe.backend.convert import to_gguf
+
+    cache: dict[tuple[str, str], Path] = {}
+
+    def get(family: str, source: str) -> Path:
+        if (family, "hf") not in cache:
+            cache[family, "hf"] = build_checkpoint(tmp_path_factory.mktemp(family), family).path
+        if source != "hf" and (family, source) not in cache:
+            out = tmp_path_factory.mktemp(f"gguf_{family}") / f"{family}-{source}.gguf"
+            cache[family, source] = to_gguf(cache[family, "hf"], out, source)
+        return cache[family, source]
+
+    return get
+
+
+def _held_bytes(model) -> int:
+    """Bytes of every weight the model holds but the routed experts (not buffers of the
+    model: they stay in host RAM or are placed by the plan), the KV cache and the rotary
+    tables (computed, not weights)."""
+    total = 0
+    for name, module in model.named_modules():
+        if ".cache" in name or name.endswith(".rotary"):
+            continue
+        for key, buffer in module.named_buffers(recurse=False):
+            # A router on the CPU computes with its matrix and bias widened to float32; a GPU
+            # holds them in the dtype the loader gave (routing._cpu_float, _keep_weight).
+            dtype = getattr(module, "held_dtype", buffer.dtype) if key in ("weight", "bias") else buffer.dtype
+            total += buffer.numel() * dtype.itemsize
+    return total
+
+
+@pytest.mark.parametrize("source", ["hf", "q8_0"])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_the_plans_gpu_always_read_bytes_are_what_the_engine_holds(models, family, source, monkeypatch):
+    path = models(family, source)
+    inspected = inspect_model(path)
+    plan = make(inspected.spec, inspected.inventory, _workstation(), Workload(context=64, prefill_reserve="off"))
+    planned = plan.devices[0].bytes_by_class["always_read"]
+    monkeypatch.setenv("HYBRIDMOE_NATIVE", "0")
+    model = build_model(inspected.spec, open_weights(path), max_context=64)
+    assert planned == _held_bytes(model)
+    if source == "q8_0":  # a quantized file's weights take more on the card than in the file
+        stored = sum(inspected.inventory.bytes_by_class[c] for c in (TensorClass.ATTENTION, TensorClass.LM_HEAD))
+        assert planned > stored
