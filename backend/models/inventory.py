@@ -49,6 +49,10 @@ class TensorInventory:
     # router in its compute dtype whatever the file stores (GGUF files keep them in F32).
     router_matrix_params: int = 0
     router_matrix_bytes: int = 0
+    # Tensors the engine holds in its compute dtype on every device, whatever the file stores
+    # (the embedding table, and MLA's kv_b, which latent attention reads whole every token):
+    # class -> (their stored bytes, their elements).
+    widened: dict[TensorClass, tuple[int, int]] = field(default_factory=dict)
 
     @property
     def total_bytes(self) -> int:
@@ -67,6 +71,15 @@ class TensorInventory:
         what a decoded token reads of it."""
         return (self.bytes_by_class.get(TensorClass.ROUTER, 0) - self.router_matrix_bytes
                 + self.router_matrix_params * element_bytes)
+
+    def held_bytes(self, cls: TensorClass, element_bytes: int, router_element_bytes: int) -> int:
+        """What the engine holds of `cls` where it keeps the stored form (host RAM): as stored,
+        but the widened tensors at `element_bytes` an element (the compute dtype's) and the
+        routers' matrices at `router_element_bytes`."""
+        if cls is TensorClass.ROUTER:
+            return self.router_bytes_held(router_element_bytes)
+        stored, elements = self.widened.get(cls, (0, 0))
+        return self.bytes_by_class.get(cls, 0) - stored + elements * element_bytes
 
     def bytes_per_expert(self, layer: int) -> float:
         return self.routed_bytes_by_layer[layer] / self.n_routed_experts

@@ -131,6 +131,22 @@ def classify_gguf(name: str, num_layers: int) -> Classified:
 # --- from files ---------------------------------------------------------------------------
 
 
+# MLA's kv_b as a checkpoint (kv_b_proj, with an fp8 checkpoint's scales) or a GGUF (attn_kv_b,
+# or split into attn_k_b and attn_v_b) names it.
+_SCALES = re.compile(r"(?:\.weight_scale(?:_inv)?|\.weight_shape|_scales)$")  # a quantized weight's companions
+_KV_B = re.compile(r"(?:\.self_attn\.kv_b_proj\.|\.attn_kv_b\.|\.attn_[kv]_b\.)")
+
+
+def _widened(cls: TensorClass, name: str) -> bool:
+    """Whether the engine holds this tensor in its compute dtype whatever the file stores."""
+    return cls is C.EMBEDDING or (cls is C.ATTENTION and _KV_B.search(name) is not None)
+
+
+def _add_widened(widened: dict[TensorClass, tuple[int, int]], cls: TensorClass, nbytes: int, elements: int) -> None:
+    stored, count = widened.get(cls, (0, 0))
+    widened[cls] = (stored + nbytes, count + elements)
+
+
 def inventory_from_records(records: Iterable[TensorRecord], spec: ModelSpec, *, source: str,
                            files: Iterable[str] = (), expert_format: str | None = None) -> TensorInventory:
     """Inventory of real tensors (``source`` "safetensors" or "gguf")."""
@@ -138,10 +154,13 @@ def inventory_from_records(records: Iterable[TensorRecord], spec: ModelSpec, *, 
     by_class = {c: 0 for c in TensorClass}
     by_layer: dict[int, int] = {}
     router_params = router_bytes = 0  # the routers' matrices
+    widened: dict[TensorClass, tuple[int, int]] = {}
     unknown: list[str] = []
     for r in records:
         c = classify(r.name, spec.num_layers)
         by_class[c.cls] += r.nbytes
+        if _widened(c.cls, r.name):  # a weight's elements; its quantization scales, none
+            _add_widened(widened, c.cls, r.nbytes, 0 if _SCALES.search(r.name) else math.prod(r.shape))
         if c.cls is C.ROUTER and len(r.shape) >= 2:
             router_params += math.prod(r.shape)
             router_bytes += r.nbytes
@@ -165,6 +184,7 @@ def inventory_from_records(records: Iterable[TensorRecord], spec: ModelSpec, *, 
         notes=tuple(notes),
         router_matrix_params=router_params,
         router_matrix_bytes=router_bytes,
+        widened=widened,
     )
 
 
@@ -310,6 +330,7 @@ def inventory_from_config(spec: ModelSpec, *, expert_format: str | None = None,
     by_class = {c: 0 for c in TensorClass}
     by_layer: dict[int, int] = {}
     router_params = router_bytes = 0  # the routers' matrices
+    widened: dict[TensorClass, tuple[int, int]] = {}
     for t in family.expected_tensors(spec):
         c = classify_hf(t.name, spec.num_layers)
         if gguf_mode and (t.role == "vision" or (c.layer is not None and c.layer >= spec.num_layers
@@ -322,6 +343,8 @@ def inventory_from_config(spec: ModelSpec, *, expert_format: str | None = None,
         if c.cls is C.ROUTER and len(t.shape) >= 2:
             router_params += math.prod(t.shape) * t.count
             router_bytes += nbytes
+        if _widened(c.cls, t.name):
+            _add_widened(widened, c.cls, nbytes, math.prod(t.shape) * t.count)
         if c.cls is C.ROUTED_EXPERTS:
             by_layer[c.layer] = by_layer.get(c.layer, 0) + nbytes
 
@@ -338,6 +361,7 @@ def inventory_from_config(spec: ModelSpec, *, expert_format: str | None = None,
         notes=tuple(notes),
         router_matrix_params=router_params,
         router_matrix_bytes=router_bytes,
+        widened=widened,
     )
 
 

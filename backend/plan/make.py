@@ -90,17 +90,21 @@ class _AlwaysRead:
 
     @classmethod
     def of(cls, spec: ModelSpec, inventory: TensorInventory) -> _AlwaysRead:
-        by = inventory.bytes_by_class
-        router = inventory.router_bytes_held(B.router_element_bytes(spec))
-        lm_head, embedding = by.get(TensorClass.LM_HEAD, 0), by.get(TensorClass.EMBEDDING, 0)
-        return cls(attention=by.get(TensorClass.ATTENTION, 0) / spec.num_layers,
-                   dense_mlp=by.get(TensorClass.DENSE_FFN, 0) / (len(spec.dense_layers) or 1),
-                   moe_fixed=(by.get(TensorClass.SHARED_EXPERTS, 0) + router) / (len(spec.moe_layers) or 1),
+        def held(c: TensorClass) -> int:
+            return inventory.held_bytes(c, B.compute_dtype_bytes(spec), B.router_element_bytes(spec))
+
+        lm_head, embedding = held(TensorClass.LM_HEAD), held(TensorClass.EMBEDDING)
+        return cls(attention=held(TensorClass.ATTENTION) / spec.num_layers,
+                   dense_mlp=held(TensorClass.DENSE_FFN) / (len(spec.dense_layers) or 1),
+                   moe_fixed=(held(TensorClass.SHARED_EXPERTS) + held(TensorClass.ROUTER)) / (len(spec.moe_layers) or 1),
                    moe_layers=frozenset(spec.moe_layers), embedding=embedding, lm_head=lm_head,
                    head_read=lm_head or (embedding if spec.tie_word_embeddings else 0))
 
     def layer(self, layer: int) -> float:
         return self.attention + (self.moe_fixed if layer in self.moe_layers else self.dense_mlp)
+
+    def whole(self, num_layers: int) -> float:
+        return self.embedding + self.lm_head + sum(self.layer(layer) for layer in range(num_layers))
 
 
 def held_on_gpu(spec: ModelSpec) -> TensorInventory:
@@ -142,9 +146,10 @@ class _Planner:
         self.resident = {form: float(B.resident_expert_bytes(spec, form))
                          for form in B.RESIDENT_FORMS if form != "int4" or self.int4}
         # The always-read weights as each side holds them: host RAM in the stored form (the
-        # CPU kernels read it as stored); a GPU, for the engine, in the compute dtype (it
-        # dequantizes every quantized projection, norm and embedding there at load: a Q4_K
-        # attention takes 3.6x its file size on the card), for llama.cpp as stored.
+        # CPU kernels read it as stored; the embedding and MLA's kv_b widened, the routers as
+        # routed); a GPU, for the engine, in the compute dtype (it dequantizes every quantized
+        # projection, norm and embedding there at load: a Q4_K attention takes 3.6x its file
+        # size on the card), for llama.cpp as stored.
         self.host = _AlwaysRead.of(spec, inventory)
         self.gpu = self.host if workload.backend == "llamacpp" else _AlwaysRead.of(spec, held_on_gpu(spec))
         self.kv_elem = workload.kv_bytes_per_element
@@ -204,7 +209,7 @@ class _Planner:
         host_parts = {"routed_experts": host_routed}
         host_parts["kv_cache"] = 0
         if not gpus:
-            host_parts["always_read"] = self.inv.always_read_bytes
+            host_parts["always_read"] = int(self.host.whole(spec.num_layers))
             host_parts["kv_cache"] = int(sum(self.kv_layer(layer, wl.users) for layer in range(spec.num_layers)))
             host_parts["activations"] = activations
         host_needed = int(sum(host_parts.values()) + host_reserve)

@@ -1,5 +1,6 @@
 """The planner's always-read figure for a GPU is what the engine holds there, for every family,
-from a Q8_0 GGUF and from a Hugging Face checkpoint (docs/sizing.md §1).
+from a Q8_0 GGUF and from a Hugging Face checkpoint; and a CPU-only plan's bytes per token are
+what the decode step reads (docs/sizing.md §1, §6).
 
 A GPU takes the engine's projections, norms, embedding and head in the compute dtype (it
 dequantizes a quantized file's at load) and the routers as the family routes; the figure is
@@ -13,7 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from hybridmoe.backend.engine import step_profile
 from hybridmoe.backend.engine.model import build_model
+from hybridmoe.backend.engine.session import EngineBackend
 from hybridmoe.backend.formats.weights import open_weights
 from hybridmoe.backend.models import inspect_model
 from hybridmoe.backend.models.inventory import TensorClass
@@ -69,3 +72,27 @@ def test_the_plans_gpu_always_read_bytes_are_what_the_engine_holds(models, famil
     if source == "q8_0":  # a quantized file's weights take more on the card than in the file
         stored = sum(inspected.inventory.bytes_by_class[c] for c in (TensorClass.ATTENTION, TensorClass.LM_HEAD))
         assert planned > stored
+
+
+# OLMoE's and GPT-OSS' attention runs in PyTorch in the decode step (per-projection q/k norm;
+# sinks), whose reads the step's profile does not count.
+STEPPED = [f for f in FAMILIES if f not in ("olmoe", "gpt_oss")]
+
+
+@pytest.mark.parametrize("source", ["hf", "q8_0"])
+@pytest.mark.parametrize("family", STEPPED)
+def test_a_cpu_only_plans_bytes_per_token_are_what_the_decode_step_reads(models, family, source):
+    """One token at the plan's full context: its experts, projections, routers, cache and head,
+    as the step counts them, against the plan's figure (which also counts the norms' vectors,
+    up to 3 % of these tiny models' bytes; MLA's kv_b is read in the compute dtype, 1.9x a
+    Q8_0 file's bytes, and the plan says so)."""
+    path = models(family, source)
+    inspected = inspect_model(path)
+    context = 64
+    plan = make(inspected.spec, inspected.inventory, _workstation(), Workload(context=context, strategy="cpu-only"))
+    model = EngineBackend().load(str(path), plan).model
+    model.forward_batch([(model.sequence, list(range(3, 2 + context)), 0)], prompt=True)
+    with step_profile.recording() as profile:
+        model.forward_batch([(model.sequence, [5], context - 1)])
+    read = sum(profile.bytes.values())
+    assert 0.97 * plan.host_bytes_per_token <= read <= plan.host_bytes_per_token
