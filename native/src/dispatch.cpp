@@ -197,6 +197,23 @@ std::string self_test(const KernelTable* t) {
     t->gptoss_glu(x.data(), x.data() + 64, h2.data(), 37, 1.702f, 0.5f);
     for (int i = 0; i < 37; ++i)
         if (!close(h1[size_t(i)], h2[size_t(i)], std::fabs(h1[size_t(i)]), 1e-5f)) return std::string(t->name) + ": glu differs";
+    // The transposed GEMV: 9 rows of 37 (a tail past the vectors) for two tokens, each float format.
+    for (const Format fmt : {FMT_BF16, FMT_F16, FMT_F32}) {
+        std::vector<uint8_t> rows;
+        std::vector<uint8_t> unused;
+        MatrixRef w;
+        random_rows(fmt, 9, 37, rng, rows, unused, w);
+        std::vector<float> o1(2 * 37, 0.5f), o2(2 * 37, 0.5f);
+        const float* xs[2] = {x.data(), x.data() + 9};
+        float* ref_out[2] = {o1.data(), o1.data() + 37};
+        float* t_out[2] = {o2.data(), o2.data() + 37};
+        ref->rows_axpy(fmt, w.data, w.row_stride, 9, 37, xs, 2, ref_out);
+        t->rows_axpy(fmt, w.data, w.row_stride, 9, 37, xs, 2, t_out);
+        float mag = 0.f;
+        for (float v : o1) mag = std::fmax(mag, std::fabs(v));
+        for (size_t i = 0; i < o1.size(); ++i)
+            if (!close(o1[i], o2[i], mag, 1e-5f)) return std::string(t->name) + " " + kFormats[fmt].name + ": rows_axpy differs";
+    }
     return "";
 }
 

@@ -53,6 +53,12 @@ using AttendRunFn = void (*)(const float* q, int group, int64_t D, int64_t Dv, c
                              bool kv_bf16, int64_t ldk, int64_t ldv, int64_t n, float* scores, float* m, float* l,
                              float* acc);
 
+// A GEMV with the matrix's transpose, streaming its rows: out[t][j] += sum_{i < m} x[t][i] *
+// row_i[j] for j < n, t < ntok, row i at rows + i * stride bytes in a float format (bf16,
+// f16, f32). Latent attention folds kv_b's key maps into the queries with it.
+using RowsAxpyFn = void (*)(Format fmt, const uint8_t* rows, int64_t stride, int64_t m, int64_t n, const float* const* x,
+                            int ntok, float* const* out);
+
 constexpr int kMaxGemvTokens = 4;
 
 // A prefill switch point no call reaches: the GEMV path at every token count.
@@ -69,6 +75,7 @@ struct KernelTable {
     SiluMulFn silu_mul;
     GptOssGluFn gptoss_glu;
     AttendRunFn attend_run;
+    RowsAxpyFn rows_axpy;
 };
 
 const KernelTable* kernels_scalar();

@@ -147,6 +147,19 @@ static void attend_run(const float* q, int group, int64_t D, int64_t Dv, const K
     }
 }
 
+static void rows_axpy(Format fmt, const uint8_t* rows, int64_t stride, int64_t m, int64_t n, const float* const* x,
+                      int ntok, float* const* out) {
+    const MatrixRef w{rows, nullptr, stride, 0};
+    float wr[256];
+    for (int64_t i = 0; i < m; ++i)
+        for (int64_t j0 = 0; j0 < n; j0 += 256) {
+            const int kc = int(n - j0 < 256 ? n - j0 : 256);
+            dequant_row_portable(fmt, w, i, j0, kc, wr);
+            for (int t = 0; t < ntok; ++t)
+                for (int j = 0; j < kc; ++j) out[t][j0 + j] += x[t][i] * wr[j];
+        }
+}
+
 }  // namespace scalar_isa
 
 const KernelTable* kernels_scalar() {
@@ -166,6 +179,7 @@ const KernelTable* kernels_scalar() {
         silu_mul,
         gptoss_glu,
         attend_run,
+        rows_axpy,
     };
     return &table;
 }

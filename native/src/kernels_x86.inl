@@ -894,6 +894,37 @@ static void gemv_float(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t 
     }
 }
 
+// out[t] += x[t][i] * row i, row by row: each row streams once for all tokens, the output
+// stays in L1 (latent attention's kv_b halves: 512 floats a token).
+template <Format F>
+static void rows_axpy_t(const uint8_t* rows, int64_t stride, int64_t m, int64_t n, const float* const* x, int ntok,
+                        float* const* out) {
+    constexpr int64_t esz = F == FMT_F32 ? 4 : 2;
+    const int64_t n8 = n / 8 * 8;
+    for (int64_t i = 0; i < m; ++i) {
+        const uint8_t* row = rows + i * stride;
+        for (int64_t j = 0; j < n8; j += 8) {
+            if ((j * esz) % 64 == 0) _mm_prefetch(reinterpret_cast<const char*>(row + j * esz + kPrefetchAhead), _MM_HINT_T0);
+            const __m256 w = load8_as_ps<F>(row, j);
+            for (int t = 0; t < ntok; ++t)
+                _mm256_storeu_ps(out[t] + j, _mm256_fmadd_ps(_mm256_set1_ps(x[t][i]), w, _mm256_loadu_ps(out[t] + j)));
+        }
+        if (n8 < n) {
+            float wt[8];
+            dequant_row_portable(F, MatrixRef{rows, nullptr, stride, 0}, i, n8, int(n - n8), wt);
+            for (int t = 0; t < ntok; ++t)
+                for (int64_t j = n8; j < n; ++j) out[t][j] += x[t][i] * wt[j - n8];
+        }
+    }
+}
+
+static void rows_axpy(Format fmt, const uint8_t* rows, int64_t stride, int64_t m, int64_t n, const float* const* x,
+                      int ntok, float* const* out) {
+    if (fmt == FMT_BF16) return rows_axpy_t<FMT_BF16>(rows, stride, m, n, x, ntok, out);
+    if (fmt == FMT_F16) return rows_axpy_t<FMT_F16>(rows, stride, m, n, x, ntok, out);
+    rows_axpy_t<FMT_F32>(rows, stride, m, n, x, ntok, out);
+}
+
 // ---- prefill: dequantize to a k-major panel ------------------------------------------------
 
 // 32 int8 values (element order) times d, minus m, to 32 floats; d1 scales the second 16
@@ -1731,6 +1762,7 @@ static const KernelTable* make_table(const char* name) {
         silu_mul,
         gptoss_glu,
         attend_run,
+        rows_axpy,
     };
     return &table;
 }
