@@ -89,8 +89,11 @@ class _AlwaysRead:
     head_read: float  # what a token reads of the head (a tied head: the embedding matrix)
 
     @classmethod
-    def of(cls, spec: ModelSpec, inventory: TensorInventory) -> _AlwaysRead:
+    def of(cls, spec: ModelSpec, inventory: TensorInventory, *, as_stored: bool = False) -> _AlwaysRead:
+        """As the engine holds `inventory` (or, `as_stored`, as the file stores it: llama.cpp)."""
         def held(c: TensorClass) -> int:
+            if as_stored:
+                return inventory.bytes_by_class.get(c, 0)
             return inventory.held_bytes(c, B.compute_dtype_bytes(spec), B.router_element_bytes(spec))
 
         lm_head, embedding = held(TensorClass.LM_HEAD), held(TensorClass.EMBEDDING)
@@ -102,6 +105,14 @@ class _AlwaysRead:
 
     def layer(self, layer: int) -> float:
         return self.attention + (self.moe_fixed if layer in self.moe_layers else self.dense_mlp)
+
+    def on_card(self, kind: str, runs: list[tuple[int, ...]], c: int) -> float:
+        """What card `c` holds of them, its share aside: its layers' (every layer under tensor
+        parallelism), and the embedding on the first card and the head on the last."""
+        always = sum(self.layer(layer) for layer in runs[c])
+        if kind == "tp":
+            return always + self.embedding + self.lm_head
+        return always + (self.embedding if c == 0 else 0) + (self.lm_head if c == len(runs) - 1 else 0)
 
     def whole(self, num_layers: int) -> float:
         return self.embedding + self.lm_head + sum(self.layer(layer) for layer in range(num_layers))
@@ -149,9 +160,10 @@ class _Planner:
         # CPU kernels read it as stored; the embedding and MLA's kv_b widened, the routers as
         # routed); a GPU, for the engine, in the compute dtype (it dequantizes every quantized
         # projection, norm and embedding there at load: a Q4_K attention takes 3.6x its file
-        # size on the card), for llama.cpp as stored.
+        # size on the card); llama.cpp keeps all of them as the file stores them.
         self.host = _AlwaysRead.of(spec, inventory)
-        self.gpu = self.host if workload.backend == "llamacpp" else _AlwaysRead.of(spec, held_on_gpu(spec))
+        self.stored = _AlwaysRead.of(spec, inventory, as_stored=True)
+        self.gpu = self.stored if workload.backend == "llamacpp" else _AlwaysRead.of(spec, held_on_gpu(spec))
         self.kv_elem = workload.kv_bytes_per_element
         self.kv_layer_token = spec.kv_bytes_per_token_per_layer(self.kv_elem)
 
@@ -379,14 +391,8 @@ class _Planner:
         moe_by_card = [[layer for layer in run if layer in self.moe] for run in runs]
         card_classes, lefts = [], []
         for c, run in enumerate(runs):
-            held = self.gpu  # the always-read weights as a card holds them
-            always = sum(held.layer(layer) for layer in run)
-            if kind == "tp":
-                always += held.embedding + held.lm_head
-            else:
-                always += (held.embedding if c == 0 else 0) + (held.lm_head if c == len(runs) - 1 else 0)
             parts = {
-                "always_read": share * always,
+                "always_read": share * self.gpu.on_card(kind, runs, c),
                 "kv_cache": kv_share * sum(self.kv_layer(layer, wl.users) for layer in run),
                 # The sizing rule for described cards already covers activations (and the
                 # scratch of one expert widened on the card).
@@ -493,6 +499,11 @@ class _Planner:
                 )
                 room = budgets[c] - parts["always_read"] - parts["activations"] - reserves[c]
                 suggestions += self._kv_suggestions(room, lay.runs[c], lay.kv_share)
+                stored = lay.share * self.stored.on_card(lay.kind, lay.runs, c)
+                if stored < parts["always_read"] and lay.kind in RUNS["llamacpp"]:
+                    suggestions.append(
+                        f"llama.cpp keeps these weights as the file stores them ({stored / GIB:.1f} GiB on GPU {c} "
+                        f"where the engine widens them to {parts['always_read'] / GIB:.1f} GiB): --backend llamacpp.")
                 if reserves[c]:
                     suggestions.append("Turn the prefill reserve off (--prefill-reserve off).")
         if usable is None:

@@ -96,3 +96,26 @@ def test_a_cpu_only_plans_bytes_per_token_are_what_the_decode_step_reads(models,
         model.forward_batch([(model.sequence, [5], context - 1)])
     read = sum(profile.bytes.values())
     assert 0.97 * plan.host_bytes_per_token <= read <= plan.host_bytes_per_token
+
+
+def test_a_card_too_small_for_the_widened_weights_is_pointed_to_llamacpp(models):
+    """A quantized file's always-read weights that fit on the card as stored but not as the
+    engine widens them: the engine's plan does not fit and says that llama.cpp would hold
+    them as stored; llama.cpp's plan counts them so, and fits."""
+    from tests.engine.test_hybrid_resident import replace_gpu_total
+
+    inspected = inspect_model(models("qwen3_moe", "q8_0"))
+    spec, inv = inspected.spec, inspected.inventory
+
+    def plan(hw, backend="auto"):
+        return make(spec, inv, hw, Workload(context=64, prefill_reserve="off", backend=backend))
+
+    widened = plan(_workstation()).devices[0].bytes_by_class
+    stored = plan(_workstation(), "llamacpp").devices[0].bytes_by_class
+    assert stored["always_read"] < widened["always_read"]
+    # A card whose budget (0.9 x its memory less 3 GiB) holds the stored weights and the cache, not the widened.
+    budget = (stored["always_read"] + widened["always_read"]) // 2 + stored["kv_cache"]
+    small = replace_gpu_total(_workstation(), int((budget + 3 * 2**30) / 0.9) + 1)
+    engine_plan, llama_plan = plan(small), plan(small, "llamacpp")
+    assert not engine_plan.fits and llama_plan.fits
+    assert any("--backend llamacpp" in s for s in engine_plan.suggestions)
