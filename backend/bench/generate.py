@@ -114,7 +114,8 @@ def _run_engine(model: str, prompt_tokens: int, gen_tokens: int, threads: int, r
 
     return {"load_s": load_s, "rss_after_load": rss_load, "prefill": prefill, "decode": decode,
             "decode_probe": decode_probe, "tokens": tokens, "kernels": native_kernels.isa(), "probe": probes,
-            "breakdown": profiles}
+            "breakdown": profiles, "plan_bytes_per_token": plan.host_bytes_per_token,
+            "plan_context": plan.workload.context}
 
 
 def _run_llamacpp(model: str, prompt_tokens: int, gen_tokens: int, threads: int, repeats: int) -> dict:
@@ -296,6 +297,9 @@ def table(summary: dict) -> str:
     engine = summary["results"].get("engine", {})
     if "per_token" in engine:
         lines += ["", *breakdown_table(engine["per_token"], len(engine["breakdown"]), len(engine["probe"]))]
+        if "plan_bytes_per_token" in engine:  # what `hybridmoe plan --strategy cpu-only` promised
+            lines.append(f"the plan's figure: {engine['plan_bytes_per_token'] / 1e6:.1f} MB read per token (its cache "
+                         f"at the full {engine['plan_context']} tokens)")
     if "decode_ratio" in summary:
         tokens = len(engine.get("tokens", ()))
         common = summary["greedy_tokens_in_common"]

@@ -118,6 +118,7 @@ def test_the_report_has_the_breakdown(tiny_gguf, capsys):
     assert "engine decode, one token part by part" in text
     assert "routed experts" in text and "between calls" in text
     assert "end to end:" in text and "of the probe" in text
+    assert "the plan's figure:" in text and engine["plan_bytes_per_token"] > per["end_to_end"]["bytes"] * 0.9
 
 
 def test_the_report_says_how_long_the_greedy_tokens_agree():
