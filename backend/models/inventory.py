@@ -53,6 +53,11 @@ class TensorInventory:
     # (the embedding table, and MLA's kv_b, which latent attention reads whole every token):
     # class -> (their stored bytes, their elements).
     widened: dict[TensorClass, tuple[int, int]] = field(default_factory=dict)
+    # What the engine's CPU copies of the weights take beyond the file's bytes (Q4_K matrices
+    # in the kernels' row-interleaved layout, scales unpacked: 148 bytes a row and super-block
+    # instead of 144), per class and, for the routed experts, per MoE layer.
+    copy_extra: dict[TensorClass, int] = field(default_factory=dict)
+    copy_extra_by_layer: dict[int, int] = field(default_factory=dict)
 
     @property
     def total_bytes(self) -> int:
@@ -79,7 +84,11 @@ class TensorInventory:
         if cls is TensorClass.ROUTER:
             return self.router_bytes_held(router_element_bytes)
         stored, elements = self.widened.get(cls, (0, 0))
-        return self.bytes_by_class.get(cls, 0) - stored + elements * element_bytes
+        return self.bytes_by_class.get(cls, 0) - stored + elements * element_bytes + self.copy_extra.get(cls, 0)
+
+    def host_bytes_per_expert(self, layer: int) -> float:
+        """One routed expert of `layer` as the engine's CPU side holds and reads it."""
+        return (self.routed_bytes_by_layer[layer] + self.copy_extra_by_layer.get(layer, 0)) / self.n_routed_experts
 
     def bytes_per_expert(self, layer: int) -> float:
         return self.routed_bytes_by_layer[layer] / self.n_routed_experts

@@ -147,6 +147,20 @@ def _add_widened(widened: dict[TensorClass, tuple[int, int]], cls: TensorClass, 
     widened[cls] = (stored + nbytes, count + elements)
 
 
+def _copy_extra(fmt: str, shape: tuple[int, ...], nbytes: int) -> int:
+    """Bytes the engine's CPU copy of a matrix takes beyond the stored ones: a Q4_K matrix
+    whose rows come in eights goes into the row-interleaved layout with unpacked scales
+    (native/src/formats.h, q4_kx8: 148 bytes a row and super-block where the file has 144)."""
+    if fmt != "q4_k" or len(shape) < 2 or shape[-2] % 8:
+        return 0
+    return nbytes * 4 // 144
+
+
+def _add(d: dict, key, value: int) -> None:
+    if value:
+        d[key] = d.get(key, 0) + value
+
+
 def inventory_from_records(records: Iterable[TensorRecord], spec: ModelSpec, *, source: str,
                            files: Iterable[str] = (), expert_format: str | None = None) -> TensorInventory:
     """Inventory of real tensors (``source`` "safetensors" or "gguf")."""
@@ -155,12 +169,18 @@ def inventory_from_records(records: Iterable[TensorRecord], spec: ModelSpec, *, 
     by_layer: dict[int, int] = {}
     router_params = router_bytes = 0  # the routers' matrices
     widened: dict[TensorClass, tuple[int, int]] = {}
+    extra: dict[TensorClass, int] = {}
+    extra_by_layer: dict[int, int] = {}
     unknown: list[str] = []
     for r in records:
         c = classify(r.name, spec.num_layers)
         by_class[c.cls] += r.nbytes
         if _widened(c.cls, r.name):  # a weight's elements; its quantization scales, none
             _add_widened(widened, c.cls, r.nbytes, 0 if _SCALES.search(r.name) else math.prod(r.shape))
+        elif c.cls is not C.OTHER:
+            _add(extra, c.cls, _copy_extra(r.dtype, r.shape, r.nbytes))
+            if c.cls is C.ROUTED_EXPERTS:
+                _add(extra_by_layer, c.layer, _copy_extra(r.dtype, r.shape, r.nbytes))
         if c.cls is C.ROUTER and len(r.shape) >= 2:
             router_params += math.prod(r.shape)
             router_bytes += r.nbytes
@@ -185,6 +205,8 @@ def inventory_from_records(records: Iterable[TensorRecord], spec: ModelSpec, *, 
         router_matrix_params=router_params,
         router_matrix_bytes=router_bytes,
         widened=widened,
+        copy_extra=extra,
+        copy_extra_by_layer=dict(sorted(extra_by_layer.items())),
     )
 
 
@@ -331,6 +353,8 @@ def inventory_from_config(spec: ModelSpec, *, expert_format: str | None = None,
     by_layer: dict[int, int] = {}
     router_params = router_bytes = 0  # the routers' matrices
     widened: dict[TensorClass, tuple[int, int]] = {}
+    extra: dict[TensorClass, int] = {}
+    extra_by_layer: dict[int, int] = {}
     for t in family.expected_tensors(spec):
         c = classify_hf(t.name, spec.num_layers)
         if gguf_mode and (t.role == "vision" or (c.layer is not None and c.layer >= spec.num_layers
@@ -345,6 +369,10 @@ def inventory_from_config(spec: ModelSpec, *, expert_format: str | None = None,
             router_bytes += nbytes
         if _widened(c.cls, t.name):
             _add_widened(widened, c.cls, nbytes, math.prod(t.shape) * t.count)
+        elif c.cls is not C.OTHER:
+            _add(extra, c.cls, _copy_extra(fmt, t.shape, nbytes))
+            if c.cls is C.ROUTED_EXPERTS:
+                _add(extra_by_layer, c.layer, _copy_extra(fmt, t.shape, nbytes))
         if c.cls is C.ROUTED_EXPERTS:
             by_layer[c.layer] = by_layer.get(c.layer, 0) + nbytes
 
@@ -362,6 +390,8 @@ def inventory_from_config(spec: ModelSpec, *, expert_format: str | None = None,
         router_matrix_params=router_params,
         router_matrix_bytes=router_bytes,
         widened=widened,
+        copy_extra=extra,
+        copy_extra_by_layer=dict(sorted(extra_by_layer.items())),
     )
 
 

@@ -147,6 +147,11 @@ class _Planner:
         self.E, self.k = spec.n_routed_experts, spec.experts_per_token
         self.moe = set(spec.moe_layers)
         self.bpe = {layer: inventory.bytes_per_expert(layer) for layer in spec.moe_layers}
+        # A CPU expert as host RAM holds it and a token reads it: the engine's copy (a Q4_K
+        # expert's row-interleaved layout takes 148 bytes for the file's 144); llama.cpp's
+        # repacked layout is the file's size.
+        self.host_bpe = (self.bpe if workload.backend == "llamacpp" else
+                         {layer: inventory.host_bytes_per_expert(layer) for layer in spec.moe_layers})
         # Bytes per expert on a GPU, by form (a layout picks one: _Layout.gbpe).
         self.int4 = int4_resident_layout(spec.expert_format) is not None
         if workload.gpu_expert_form == "int4" and not self.int4:
@@ -157,13 +162,17 @@ class _Planner:
         self.resident = {form: float(B.resident_expert_bytes(spec, form))
                          for form in B.RESIDENT_FORMS if form != "int4" or self.int4}
         # The always-read weights as each side holds them: host RAM in the stored form (the
-        # CPU kernels read it as stored; the embedding and MLA's kv_b widened, the routers as
-        # routed); a GPU, for the engine, in the compute dtype (it dequantizes every quantized
-        # projection, norm and embedding there at load: a Q4_K attention takes 3.6x its file
-        # size on the card); llama.cpp keeps all of them as the file stores them.
-        self.host = _AlwaysRead.of(spec, inventory)
+        # CPU kernels read it as stored, Q4_K in a layout 2.8 % larger; the embedding and MLA's
+        # kv_b widened, the routers as routed); a GPU, for the engine, in the compute dtype (it
+        # dequantizes every quantized projection, norm and embedding there at load: a Q4_K
+        # attention takes 3.6x its file size on the card); llama.cpp keeps all of them as the
+        # file stores them.
         self.stored = _AlwaysRead.of(spec, inventory, as_stored=True)
-        self.gpu = self.stored if workload.backend == "llamacpp" else _AlwaysRead.of(spec, held_on_gpu(spec))
+        if workload.backend == "llamacpp":
+            self.host = self.gpu = self.stored
+        else:
+            self.host = _AlwaysRead.of(spec, inventory)
+            self.gpu = _AlwaysRead.of(spec, held_on_gpu(spec))
         self.kv_elem = workload.kv_bytes_per_element
         self.kv_layer_token = spec.kv_bytes_per_token_per_layer(self.kv_elem)
 
@@ -217,7 +226,7 @@ class _Planner:
         routed_total = self.inv.routed_expert_bytes
         gpu_routed = int(sum(len(ids) * lay.gbpe[layer] for layer, ids in gpu_experts.items()))
         # Host RAM holds the stored form of every expert not on a GPU.
-        host_routed = routed_total - int(sum(len(ids) * self.bpe[layer] for layer, ids in gpu_experts.items()))
+        host_routed = int(sum((self.E - len(gpu_experts[layer])) * self.host_bpe[layer] for layer in spec.moe_layers))
         host_parts = {"routed_experts": host_routed}
         host_parts["kv_cache"] = 0
         if not gpus:
@@ -353,7 +362,7 @@ class _Planner:
         """One decode step for `users` conversations (one token each) in layout `lay`."""
         touched = experts_touched(self.E, self.k, users)
         gpu_experts = lay.gpu_experts
-        host = sum(touched * self._cpu_share(layer, gpu_experts[layer]) * self.bpe[layer] for layer in self.moe)
+        host = sum(touched * self._cpu_share(layer, gpu_experts[layer]) * self.host_bpe[layer] for layer in self.moe)
         gpu_reads = []
         if gpus:
             for c, run in enumerate(lay.runs):
