@@ -16,7 +16,7 @@ import math
 import re
 from collections import Counter
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from hybridmoe.backend.errors import ModelError
 from hybridmoe.backend.models.families import family_by_name
@@ -137,16 +137,6 @@ _SCALES = re.compile(r"(?:\.weight_scale(?:_inv)?|\.weight_shape|_scales)$")  # 
 _KV_B = re.compile(r"(?:\.self_attn\.kv_b_proj\.|\.attn_kv_b\.|\.attn_[kv]_b\.)")
 
 
-def _widened(cls: TensorClass, name: str) -> bool:
-    """Whether the engine holds this tensor in its compute dtype whatever the file stores."""
-    return cls is C.EMBEDDING or (cls is C.ATTENTION and _KV_B.search(name) is not None)
-
-
-def _add_widened(widened: dict[TensorClass, tuple[int, int]], cls: TensorClass, nbytes: int, elements: int) -> None:
-    stored, count = widened.get(cls, (0, 0))
-    widened[cls] = (stored + nbytes, count + elements)
-
-
 def _copy_extra(fmt: str, shape: tuple[int, ...], nbytes: int) -> int:
     """Bytes the engine's CPU copy of a matrix takes beyond the stored ones: a Q4_K matrix
     whose rows come in eights goes into the row-interleaved layout with unpacked scales
@@ -156,9 +146,28 @@ def _copy_extra(fmt: str, shape: tuple[int, ...], nbytes: int) -> int:
     return nbytes * 4 // 144
 
 
-def _add(d: dict, key, value: int) -> None:
-    if value:
-        d[key] = d.get(key, 0) + value
+@dataclass
+class _Held:
+    """Where the engine holds a model otherwise than its file stores it (TensorInventory's
+    ``widened``, ``copy_extra``, ``copy_extra_by_layer``), tensor by tensor."""
+
+    widened: dict[TensorClass, tuple[int, int]] = field(default_factory=dict)
+    extra: dict[TensorClass, int] = field(default_factory=dict)
+    extra_by_layer: dict[int, int] = field(default_factory=dict)
+
+    def add(self, c: Classified, name: str, fmt: str, shape: tuple[int, ...], elements: int, nbytes: int) -> None:
+        # The engine holds the embedding table and MLA's kv_b in its compute dtype whatever the file stores.
+        if c.cls is C.EMBEDDING or (c.cls is C.ATTENTION and _KV_B.search(name)):
+            stored, count = self.widened.get(c.cls, (0, 0))
+            self.widened[c.cls] = (stored + nbytes, count + elements)
+        elif c.cls is not C.OTHER and (extra := _copy_extra(fmt, shape, nbytes)):
+            self.extra[c.cls] = self.extra.get(c.cls, 0) + extra
+            if c.cls is C.ROUTED_EXPERTS:
+                self.extra_by_layer[c.layer] = self.extra_by_layer.get(c.layer, 0) + extra
+
+    def fields(self) -> dict:
+        return {"widened": self.widened, "copy_extra": self.extra,
+                "copy_extra_by_layer": dict(sorted(self.extra_by_layer.items()))}
 
 
 def inventory_from_records(records: Iterable[TensorRecord], spec: ModelSpec, *, source: str,
@@ -168,19 +177,13 @@ def inventory_from_records(records: Iterable[TensorRecord], spec: ModelSpec, *, 
     by_class = {c: 0 for c in TensorClass}
     by_layer: dict[int, int] = {}
     router_params = router_bytes = 0  # the routers' matrices
-    widened: dict[TensorClass, tuple[int, int]] = {}
-    extra: dict[TensorClass, int] = {}
-    extra_by_layer: dict[int, int] = {}
+    held = _Held()
     unknown: list[str] = []
     for r in records:
         c = classify(r.name, spec.num_layers)
         by_class[c.cls] += r.nbytes
-        if _widened(c.cls, r.name):  # a weight's elements; its quantization scales, none
-            _add_widened(widened, c.cls, r.nbytes, 0 if _SCALES.search(r.name) else math.prod(r.shape))
-        elif c.cls is not C.OTHER:
-            _add(extra, c.cls, _copy_extra(r.dtype, r.shape, r.nbytes))
-            if c.cls is C.ROUTED_EXPERTS:
-                _add(extra_by_layer, c.layer, _copy_extra(r.dtype, r.shape, r.nbytes))
+        # A weight's elements; its quantization scales, none.
+        held.add(c, r.name, r.dtype, r.shape, 0 if _SCALES.search(r.name) else math.prod(r.shape), r.nbytes)
         if c.cls is C.ROUTER and len(r.shape) >= 2:
             router_params += math.prod(r.shape)
             router_bytes += r.nbytes
@@ -204,9 +207,7 @@ def inventory_from_records(records: Iterable[TensorRecord], spec: ModelSpec, *, 
         notes=tuple(notes),
         router_matrix_params=router_params,
         router_matrix_bytes=router_bytes,
-        widened=widened,
-        copy_extra=extra,
-        copy_extra_by_layer=dict(sorted(extra_by_layer.items())),
+        **held.fields(),
     )
 
 
@@ -352,9 +353,7 @@ def inventory_from_config(spec: ModelSpec, *, expert_format: str | None = None,
     by_class = {c: 0 for c in TensorClass}
     by_layer: dict[int, int] = {}
     router_params = router_bytes = 0  # the routers' matrices
-    widened: dict[TensorClass, tuple[int, int]] = {}
-    extra: dict[TensorClass, int] = {}
-    extra_by_layer: dict[int, int] = {}
+    held = _Held()
     for t in family.expected_tensors(spec):
         c = classify_hf(t.name, spec.num_layers)
         if gguf_mode and (t.role == "vision" or (c.layer is not None and c.layer >= spec.num_layers
@@ -367,12 +366,7 @@ def inventory_from_config(spec: ModelSpec, *, expert_format: str | None = None,
         if c.cls is C.ROUTER and len(t.shape) >= 2:
             router_params += math.prod(t.shape) * t.count
             router_bytes += nbytes
-        if _widened(c.cls, t.name):
-            _add_widened(widened, c.cls, nbytes, math.prod(t.shape) * t.count)
-        elif c.cls is not C.OTHER:
-            _add(extra, c.cls, _copy_extra(fmt, t.shape, nbytes))
-            if c.cls is C.ROUTED_EXPERTS:
-                _add(extra_by_layer, c.layer, _copy_extra(fmt, t.shape, nbytes))
+        held.add(c, t.name, fmt, t.shape, math.prod(t.shape) * t.count, nbytes)
         if c.cls is C.ROUTED_EXPERTS:
             by_layer[c.layer] = by_layer.get(c.layer, 0) + nbytes
 
@@ -389,9 +383,7 @@ def inventory_from_config(spec: ModelSpec, *, expert_format: str | None = None,
         notes=tuple(notes),
         router_matrix_params=router_params,
         router_matrix_bytes=router_bytes,
-        widened=widened,
-        copy_extra=extra,
-        copy_extra_by_layer=dict(sorted(extra_by_layer.items())),
+        **held.fields(),
     )
 
 

@@ -225,7 +225,7 @@ class _Planner:
 
         routed_total = self.inv.routed_expert_bytes
         gpu_routed = int(sum(len(ids) * lay.gbpe[layer] for layer, ids in gpu_experts.items()))
-        # Host RAM holds the stored form of every expert not on a GPU.
+        # Host RAM holds every expert not on a GPU, as the CPU side copies it (host_bpe).
         host_routed = int(sum((self.E - len(gpu_experts[layer])) * self.host_bpe[layer] for layer in spec.moe_layers))
         host_parts = {"routed_experts": host_routed}
         host_parts["kv_cache"] = 0

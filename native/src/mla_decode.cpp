@@ -25,9 +25,10 @@ struct Heads {
 };
 
 // q_latent[t, h] = [W_UK[h]^T q_nope[t, h] | q_rope[t, h]]: a sum of W_UK[h]'s rows, which the
-// kernels' transposed GEMV streams once for all the step's rows. (As plain loops in this
-// baseline-compiled file: the DeepSeek-shaped benchmark model's attention, 8 layers of 16
-// heads, 2.43 -> 2.08 ms a token, medians of 9 passes, builds in turn; 2-core Zen 4.)
+// kernels' transposed GEMV streams once for all the step's rows. (Plain loops in this
+// baseline-compiled file did it before: the kernel took the DeepSeek-shaped benchmark model's
+// decode attention, 8 layers of 16 heads, from 2.43 to 2.08 ms a token, medians of 9 passes,
+// the two builds in turn; 2-core Zen 4.)
 void phase_absorb(void* ctx, int, int) {
     Heads& a = *static_cast<Heads*>(ctx);
     const MlaDecode& m = *a.m;
