@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from hybridmoe.backend.formats.quant import QuantTensor
+from hybridmoe.backend.models.formats import GGUF_CPU_KERNEL_TYPES
 
 try:  # built by the package build; absent in a source tree that was never installed
     from hybridmoe import _native
@@ -38,7 +39,7 @@ __all__ = [
     "summary",
 ]
 
-_GGUF_NATIVE = {"q8_0", "q4_0", "q4_k", "q5_k", "q6_k", "mxfp4"}
+_GGUF_NATIVE = GGUF_CPU_KERNEL_TYPES
 _FLOAT_NATIVE = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
 
 

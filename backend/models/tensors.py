@@ -22,6 +22,7 @@ from hybridmoe.backend.errors import ModelError
 from hybridmoe.backend.models.families import family_by_name
 from hybridmoe.backend.models.families.common import TensorShape
 from hybridmoe.backend.models.formats import (
+    CPU_KERNEL_DTYPES,
     TORCH_DTYPES,
     file_type_name,
     get_format,
@@ -146,6 +147,22 @@ def _copy_extra(fmt: str, shape: tuple[int, ...], nbytes: int) -> int:
     return nbytes * 4 // 144
 
 
+_FP8_SCALES = re.compile(r"\.weight_scale_inv$")  # an fp8 weight's block scales
+_INT4_PARTS = re.compile(r"\.weight_(?:packed|scale|shape|zero_point)$")  # compressed-tensors int4, read in place
+
+
+def _widened(c: Classified, name: str, fmt: str, shape: tuple[int, ...]) -> bool:
+    """Whether the engine holds this always-read tensor in its compute dtype on the CPU
+    whatever the file stores: the embedding table (lookups), MLA's kv_b (its decode step
+    reads it so), vectors (norms, biases), and matrices in a format the kernels do not read
+    (with their scales)."""
+    if c.cls is C.EMBEDDING or (c.cls is C.ATTENTION and _KV_B.search(name)):
+        return True
+    if c.cls not in (C.ATTENTION, C.DENSE_FFN, C.SHARED_EXPERTS, C.LM_HEAD) or _INT4_PARTS.search(name):
+        return False
+    return len(shape) < 2 or _FP8_SCALES.search(name) is not None or fmt.lower() not in CPU_KERNEL_DTYPES
+
+
 @dataclass
 class _Held:
     """Where the engine holds a model otherwise than its file stores it (TensorInventory's
@@ -156,8 +173,7 @@ class _Held:
     extra_by_layer: dict[int, int] = field(default_factory=dict)
 
     def add(self, c: Classified, name: str, fmt: str, shape: tuple[int, ...], elements: int, nbytes: int) -> None:
-        # The engine holds the embedding table and MLA's kv_b in its compute dtype whatever the file stores.
-        if c.cls is C.EMBEDDING or (c.cls is C.ATTENTION and _KV_B.search(name)):
+        if _widened(c, name, fmt, shape):
             stored, count = self.widened.get(c.cls, (0, 0))
             self.widened[c.cls] = (stored + nbytes, count + elements)
         elif c.cls is not C.OTHER and (extra := _copy_extra(fmt, shape, nbytes)):

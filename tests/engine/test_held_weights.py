@@ -25,21 +25,24 @@ from tests.convert.conftest import FAMILIES, build_checkpoint
 from tests.engine.test_hybrid_resident import _workstation
 
 
-# Rows and columns K-quants take (multiples of 256) in every matrix of the Q4_K_M variant.
-K_QUANT_SIZES = dict(hidden_size=256, intermediate_size=512, moe_intermediate_size=256, head_dim=64)
+# Rows and columns K-quants take (multiples of 256) in every matrix of the Q4_K_M variant; with
+# the narrow heads, the output projection's 128 columns are not, and the converter writes it
+# in Q5_1, a format the CPU kernels do not read (the engine widens it to bf16 there).
+K_QUANT_SIZES = {"q4_k_m": dict(hidden_size=256, intermediate_size=512, moe_intermediate_size=256, head_dim=64),
+                 "q4_k_m narrow heads": dict(hidden_size=256, intermediate_size=512, moe_intermediate_size=256)}
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict[tuple[str, str], Path]:
-    """(family, "hf" | "q8_0" | "q4_k_m") -> path of a tiny bf16 checkpoint or its GGUF (for
-    Q4_K_M, of a checkpoint with K_QUANT_SIZES)."""
+    """(family, "hf" | "q8_0" | a K_QUANT_SIZES key) -> path of a tiny bf16 checkpoint or its
+    GGUF (for the Q4_K_M ones, of a checkpoint of those sizes)."""
     from hybridmoe.backend.convert import to_gguf
 
     cache: dict[tuple[str, str], Path] = {}
 
     def get(family: str, source: str) -> Path:
-        if source == "q4_k_m" and (family, source) not in cache:
-            hf = build_checkpoint(tmp_path_factory.mktemp(f"{family}_k"), family, overrides=K_QUANT_SIZES).path
+        if source in K_QUANT_SIZES and (family, source) not in cache:
+            hf = build_checkpoint(tmp_path_factory.mktemp(f"{family}_k"), family, overrides=K_QUANT_SIZES[source]).path
             out = tmp_path_factory.mktemp(f"gguf_{family}") / f"{family}-q4_k_m.gguf"
             cache[family, source] = to_gguf(hf, out, "q4_k_m")
         if (family, "hf") not in cache:
@@ -88,13 +91,15 @@ def test_the_plans_gpu_always_read_bytes_are_what_the_engine_holds(models, famil
 STEPPED = [f for f in FAMILIES if f not in ("olmoe", "gpt_oss")]
 
 
-@pytest.mark.parametrize("family,source", [(f, s) for f in STEPPED for s in ("hf", "q8_0")] + [("qwen3_moe", "q4_k_m")])
+@pytest.mark.parametrize("family,source", [(f, s) for f in STEPPED for s in ("hf", "q8_0")]
+                         + [("qwen3_moe", s) for s in K_QUANT_SIZES])
 def test_a_cpu_only_plans_bytes_per_token_are_what_the_decode_step_reads(models, family, source):
     """One token at the plan's full context: its experts, projections, routers, cache and head,
     as the step counts them, against the plan's figure (which also counts the norms' vectors,
     up to 3 % of these tiny models' bytes; MLA's kv_b is read in the compute dtype, 1.9x a
-    Q8_0 file's bytes, and Q4_K matrices in the kernels' layout, 148 bytes for the file's 144,
-    and the plan says so). Host RAM holds the experts' copies the plan counts."""
+    Q8_0 file's bytes, Q4_K matrices in the kernels' layout, 148 bytes for the file's 144, and
+    a Q5_1 projection in bf16, and the plan says so). Host RAM holds the experts' copies the
+    plan counts."""
     path = models(family, source)
     inspected = inspect_model(path)
     context = 64
@@ -105,7 +110,7 @@ def test_a_cpu_only_plans_bytes_per_token_are_what_the_decode_step_reads(models,
         model.forward_batch([(model.sequence, [5], context - 1)])
     read = sum(profile.bytes.values())
     assert 0.97 * plan.host_bytes_per_token <= read <= plan.host_bytes_per_token
-    if source == "q4_k_m":  # the experts' copies: the Q4_K ones 4 bytes in 148 more than the file's
+    if source in K_QUANT_SIZES:  # the experts' copies: the Q4_K ones 4 bytes in 148 more than the file's
         copied = sum(step.ffn.layer.interleaved_bytes for step in model._decode_step.layers)
         assert copied == plan.devices[-1].bytes_by_class["routed_experts"] > inspected.inventory.routed_expert_bytes
 
