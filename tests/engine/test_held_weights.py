@@ -12,7 +12,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
 from hybridmoe.backend.engine import step_profile
 from hybridmoe.backend.engine.model import build_model
@@ -41,10 +40,12 @@ def models(tmp_path_factory) -> dict[tuple[str, str], Path]:
     cache: dict[tuple[str, str], Path] = {}
 
     def get(family: str, source: str) -> Path:
-        if source in K_QUANT_SIZES and (family, source) not in cache:
-            hf = build_checkpoint(tmp_path_factory.mktemp(f"{family}_k"), family, overrides=K_QUANT_SIZES[source]).path
-            out = tmp_path_factory.mktemp(f"gguf_{family}") / f"{family}-q4_k_m.gguf"
-            cache[family, source] = to_gguf(hf, out, "q4_k_m")
+        if source in K_QUANT_SIZES:
+            if (family, source) not in cache:
+                hf = build_checkpoint(tmp_path_factory.mktemp(f"{family}_k"), family, overrides=K_QUANT_SIZES[source]).path
+                out = tmp_path_factory.mktemp(f"gguf_{family}") / f"{family}-q4_k_m.gguf"
+                cache[family, source] = to_gguf(hf, out, "q4_k_m")
+            return cache[family, source]
         if (family, "hf") not in cache:
             cache[family, "hf"] = build_checkpoint(tmp_path_factory.mktemp(family), family).path
         if source != "hf" and (family, source) not in cache:
