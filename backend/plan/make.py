@@ -15,7 +15,7 @@ as many as dense.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from hybridmoe.backend.errors import ModelError, PlanError
@@ -47,7 +47,16 @@ Q4_K_M_BITS = FORMATS["q4_k_m"].bits_per_weight
 
 
 def make(spec: ModelSpec, inventory: TensorInventory, hardware: HardwareProfile, workload: Workload) -> Plan:
-    return _Planner(spec, inventory, hardware, workload).plan()
+    plan = _Planner(spec, inventory, hardware, workload).plan()
+    if workload.backend == "auto" and not plan.fits and inventory.source == "gguf" and plan.main_device == "cuda":
+        # The engine widens a quantized file's always-read weights on the GPUs; llama.cpp keeps
+        # them as the file stores them, so a layout the engine cannot fit may fit there.
+        llama = _Planner(spec, inventory, hardware, replace(workload, backend="llamacpp")).plan()
+        if llama.fits:
+            return replace(llama, warnings=llama.warnings + (
+                f"The embedded engine's layout does not fit ({plan.reason}): this plan is for llama.cpp, which keeps "
+                "the always-read weights on the GPUs as the file stores them (--backend engine plans for the engine).",))
+    return plan
 
 
 # The GPU layouts each backend runs: the engine both (its pipeline stages, ``tensor_parallel``),

@@ -116,10 +116,11 @@ def test_a_cpu_only_plans_bytes_per_token_are_what_the_decode_step_reads(models,
         assert copied == plan.devices[-1].bytes_by_class["routed_experts"] > inspected.inventory.routed_expert_bytes
 
 
-def test_a_card_too_small_for_the_widened_weights_is_pointed_to_llamacpp(models):
+def test_a_card_too_small_for_the_widened_weights_is_planned_for_llamacpp(models):
     """A quantized file's always-read weights that fit on the card as stored but not as the
     engine widens them: the engine's plan does not fit and says that llama.cpp would hold
-    them as stored; llama.cpp's plan counts them so, and fits."""
+    them as stored; llama.cpp's plan counts them so, and fits; and an automatic choice of
+    backend plans for llama.cpp, saying why (the session then runs it there)."""
     from tests.engine.test_hybrid_resident import replace_gpu_total
 
     inspected = inspect_model(models("qwen3_moe", "q8_0"))
@@ -134,6 +135,10 @@ def test_a_card_too_small_for_the_widened_weights_is_pointed_to_llamacpp(models)
     # A card whose budget (0.9 x its memory less 3 GiB) holds the stored weights and the cache, not the widened.
     budget = (stored["always_read"] + widened["always_read"]) // 2 + stored["kv_cache"]
     small = replace_gpu_total(_workstation(), int((budget + 3 * 2**30) / 0.9) + 1)
-    engine_plan, llama_plan = plan(small), plan(small, "llamacpp")
+    engine_plan, llama_plan, auto = plan(small, "engine"), plan(small, "llamacpp"), plan(small)
     assert not engine_plan.fits and llama_plan.fits
     assert any("--backend llamacpp" in s for s in engine_plan.suggestions)
+    assert auto.fits and auto.workload.backend == "llamacpp" and auto.gpu_experts == llama_plan.gpu_experts
+    assert any("this plan is for llama.cpp" in w for w in auto.warnings)
+    # Where the engine fits, the automatic choice stays the engine's.
+    assert plan(_workstation()).workload.backend == "auto"
