@@ -93,8 +93,13 @@ void NodePool::loop(int worker, int cpu) {
             std::unique_lock<std::mutex> lock(mutex_);
             if (!ready) {
                 ++sleepers_;
-                wake_.wait(lock, [&] { return stop_ || generation_.load(std::memory_order_acquire) != seen; });
+                wake_.wait(lock, [&] {
+                    return stop_ || generation_.load(std::memory_order_acquire) != seen ||
+                           now_ns() < awake_until_->load(std::memory_order_relaxed);
+                });
                 --sleepers_;
+                // Roused by stay_awake with no phase yet: back to spinning until its time is up.
+                if (!stop_ && generation_.load(std::memory_order_acquire) == seen) continue;
             }
             if (stop_) return;
             seen = generation_.load(std::memory_order_acquire);
@@ -146,7 +151,17 @@ int Executor::threads() const {
     return n;
 }
 
-void Executor::stay_awake(int us) { awake_until_.store(now_ns() + int64_t(us) * 1000, std::memory_order_relaxed); }
+void NodePool::rouse() {
+    std::lock_guard<std::mutex> lock(mutex_);  // orders the notify after a sleeper's predicate check
+    if (sleepers_ > 0) wake_.notify_all();
+}
+
+// A worker that went to sleep before the call (its spin after the last phase ran out first:
+// the caller's Python took longer than the spin) is woken to spin too.
+void Executor::stay_awake(int us) {
+    awake_until_.store(now_ns() + int64_t(us) * 1000, std::memory_order_relaxed);
+    for (auto& p : pools_) p->rouse();
+}
 
 void Executor::run(PhaseFn fn, void* ctx) {
     // Callers on different Python threads (the MoE layers, the dense projections) take turns:

@@ -43,6 +43,7 @@ public:
 
     void start(PhaseFn fn, void* ctx);  // wake every worker thread on fn
     void wait();                        // until every worker thread has returned from fn
+    void rouse();                       // sleeping workers back to spinning (stay_awake)
     int threads() const { return int(workers_.size()) + caller_slots_; }
 
 private:

@@ -150,14 +150,16 @@ def test_the_call_releases_the_gil():
 
 def test_the_pool_stays_awake_when_asked(restore_pool):
     """After a phase the workers spin for 50 us, then sleep; stay_awake keeps them spinning for
-    as long as asked (a decode loop's Python between two steps), and no longer."""
+    as long as asked (a decode loop's Python between two steps), and no longer; asked after
+    they went to sleep (the caller's Python took longer than their spin), it wakes them to spin."""
     if _native.physical_cores() < 2:
         pytest.skip("needs a worker thread")
     native, x, ids, w = _layer(seed=13)
     _native.set_num_threads(2)
 
-    def cpu_while_sleeping(awake_us: int) -> float:
+    def cpu_while_sleeping(awake_us: int, gap_s: float = 0.0) -> float:
         native.forward(x, ids, w)  # a phase: the worker is up
+        time.sleep(gap_s)
         if awake_us:
             _native.stay_awake(awake_us)
         cpu = time.process_time()
@@ -166,7 +168,8 @@ def test_the_pool_stays_awake_when_asked(restore_pool):
 
     asleep = cpu_while_sleeping(0)
     awake = cpu_while_sleeping(60_000)
-    assert asleep < 0.02 and 0.03 < awake < 0.09, (asleep, awake)
+    roused = cpu_while_sleeping(60_000, gap_s=0.005)  # the worker is asleep when asked
+    assert asleep < 0.02 and 0.03 < awake < 0.09 and 0.03 < roused < 0.09, (asleep, awake, roused)
 
 
 _HANDOFF_SCRIPT = """
