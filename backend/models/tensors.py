@@ -132,9 +132,9 @@ def classify_gguf(name: str, num_layers: int) -> Classified:
 # --- from files ---------------------------------------------------------------------------
 
 
+_SCALES = re.compile(r"(?:\.weight_scale(?:_inv)?|\.weight_shape|_scales)$")  # a quantized weight's companions
 # MLA's kv_b as a checkpoint (kv_b_proj, with an fp8 checkpoint's scales) or a GGUF (attn_kv_b,
 # or split into attn_k_b and attn_v_b) names it.
-_SCALES = re.compile(r"(?:\.weight_scale(?:_inv)?|\.weight_shape|_scales)$")  # a quantized weight's companions
 _KV_B = re.compile(r"(?:\.self_attn\.kv_b_proj\.|\.attn_kv_b\.|\.attn_[kv]_b\.)")
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from functools import cached_property
 from typing import Any
 
 from hybridmoe.backend.errors import ModelError, PlanError
@@ -177,13 +178,17 @@ class _Planner:
         # attention takes 3.6x its file size on the card); llama.cpp keeps all of them as the
         # file stores them.
         self.stored = _AlwaysRead.of(spec, inventory, as_stored=True)
-        if workload.backend == "llamacpp":
-            self.host = self.gpu = self.stored
-        else:
-            self.host = _AlwaysRead.of(spec, inventory)
-            self.gpu = _AlwaysRead.of(spec, held_on_gpu(spec))
+        self.host = self.stored if workload.backend == "llamacpp" else _AlwaysRead.of(spec, inventory)
         self.kv_elem = workload.kv_bytes_per_element
         self.kv_layer_token = spec.kv_bytes_per_token_per_layer(self.kv_elem)
+
+    @cached_property
+    def gpu(self) -> _AlwaysRead:
+        """The always-read weights as a card holds them (see above); sized from the config's
+        shapes (~10 ms for Kimi K2), so only for plans that place anything on a GPU."""
+        if self.wl.backend == "llamacpp":
+            return self.stored
+        return _AlwaysRead.of(self.spec, held_on_gpu(self.spec))
 
     # ---- per-layer arithmetic ----------------------------------------------------------------
 
