@@ -225,10 +225,14 @@ class _MLAStep:
         self.kv_a = _Linear(attn.kv_a, "qkv")
         self.kv_norm, self.eps = _np(attn.kv_a_norm.weight), float(attn.kv_a_norm.eps)
         self.o = _Linear(attn.o, "o")
-        self.kv_b = _cache_view(attn.kv_b_weight)
+        if attn.stored_maps is not None:  # kv_b as the file stores it
+            self.maps = attn.stored_maps.native
+        else:  # kv_b_proj in the compute dtype (its NumPy view kept with the maps that read it)
+            self.kv_b = _cache_view(attn.kv_b_weight)
+            self.maps = _native.LatentMaps.joined(self.kv_b, attn.n_heads, attn.nope_dim, attn.v_dim)
         # What a token reads besides the cache: the projections; kv_b, whole, in the attention.
         self.qkv_bytes = sum(lin.native.bytes for lin in (self.q, self.q_a, self.kv_a) if lin is not None)
-        self.attend_bytes = self.kv_b.nbytes
+        self.attend_bytes = self.maps.bytes
         self.cos, self.sin = _np(attn.rotary.cos), _np(attn.rotary.sin)
         self.pairs = attn.rotary.layout == "pairs"
         self.group = attn.cache.group
@@ -249,8 +253,9 @@ class _MLAStep:
                 and type(attn.cache) is PagedLatent
                 and attn.rotary.rotary_dim == attn.rope_dim and type(attn.kv_a_norm) is RMSNorm
                 and (attn.q_a_norm is None or type(attn.q_a_norm) is RMSNorm)
-                and attn.kv_b_weight.dtype in (torch.float32, torch.bfloat16, torch.float16)
-                and attn.kv_b_weight.is_contiguous()
+                and (attn.stored_maps is not None
+                     or (attn.kv_b_weight.dtype in (torch.float32, torch.bfloat16, torch.float16)
+                         and attn.kv_b_weight.is_contiguous()))
                 and attn.cache.kv.dtype in (torch.float32, torch.bfloat16))
 
     def __call__(self, h: np.ndarray, segments: list[Segment]) -> np.ndarray:
@@ -272,8 +277,7 @@ class _MLAStep:
         _lap("small", t0)
         t0 = _clock()
         att = self.att[:n]
-        _native.mla_attend_rows(q, self.kv_b, self.cache, _stack(tables), lengths, a.n_heads, a.nope_dim, a.rope_dim,
-                                a.v_dim, a.scale, att)
+        _native.mla_attend_rows(q, self.maps, self.cache, _stack(tables), lengths, a.rope_dim, a.scale, att)
         _lap("attend", t0, int(lengths.sum()) * self.position_bytes + self.attend_bytes)
         return self.o(att, self.out[:n])
 
@@ -468,7 +472,7 @@ class _Chain:
                 self.native.add_latent_layer(
                     s.attn_norm.w, s.attn_norm.eps, None if at.q_a is None else at.q_a.native,
                     None if at.q_a is None else at.q_a_norm.w, 0.0 if at.q_a is None else at.q_a_norm.eps,
-                    at.q.native, at.kv_a.native, at.kv_norm, at.eps, at.kv_b, at.cos, at.sin, at.pairs, at.cache,
+                    at.q.native, at.kv_a.native, at.kv_norm, at.eps, at.maps, at.cos, at.sin, at.pairs, at.cache,
                     at.attn.scale, at.o.native, at.o.bias, s.ffn_norm.w, s.ffn_norm.eps, **block)
             else:
                 self.native.add_layer(s.attn_norm.w, s.attn_norm.eps, at.qkv_proj.native, at.qkv_proj.bias, at.q_norm,

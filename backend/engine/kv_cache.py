@@ -393,13 +393,18 @@ class PagedLatent(nn.Module):
     def nbytes(self) -> int:
         return self.kv.numel() * self.kv.element_size()
 
-    def update(self, seq: Sequence, latent: torch.Tensor, rope_key: torch.Tensor, start: int) -> torch.Tensor:
-        """Store latent [T, kv_lora_rank] and rope_key [T, rope_dim]; return rows 0..start+T-1."""
-        end = start + latent.shape[0]
-        pos = torch.arange(start, end)
+    def write(self, seq: Sequence, latent: torch.Tensor, rope_key: torch.Tensor, start: int) -> None:
+        """Store latent [T, kv_lora_rank] and rope_key [T, rope_dim] at positions start.."""
+        pos = torch.arange(start, start + latent.shape[0])
         table = seq.table_tensor(self.group, self.kv.device)
         blocks, rows = table[(pos // B).to(self.kv.device)], (pos % B).to(self.kv.device)
         self.kv[blocks, rows] = torch.cat((latent, rope_key), dim=-1).to(self.kv.dtype)
+
+    def update(self, seq: Sequence, latent: torch.Tensor, rope_key: torch.Tensor, start: int) -> torch.Tensor:
+        """``write``, then return rows 0..start+T-1."""
+        self.write(seq, latent, rope_key, start)
+        end = start + latent.shape[0]
+        table = seq.table_tensor(self.group, self.kv.device)
         return self.kv[table[: _blocks(end)]].reshape(-1, self.kv.shape[-1])[:end]
 
 

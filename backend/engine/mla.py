@@ -12,6 +12,10 @@ Two ways to attend over the cache, with the same result:
   taken against the latents directly, and apply W_UV after attention to the attended
   latent. Nothing per cached token is recomputed, which is what decode needs.
 A cost model picks one per call; ``absorb`` forces either (tests compare them).
+
+On a CPU main device a GGUF's kv_b stays as the file stores it (``latent_maps``): the absorbed
+form then runs natively on the stored maps, and the expanded form rebuilds kv_b for its call,
+which the cost model counts.
 """
 
 from __future__ import annotations
@@ -22,8 +26,15 @@ from torch import nn
 
 from hybridmoe.backend.engine.attention import attend, eager_attention
 from hybridmoe.backend.engine.kv_cache import PagedLatent, Segment, causal_mask
+from hybridmoe.backend.engine.latent_maps import StoredMaps
 from hybridmoe.backend.engine.layers import Linear, RMSNorm
 from hybridmoe.backend.engine.rope import Rotary
+
+# The expanded form's cost of rebuilding stored maps for its call, in multiply-adds per kv_b
+# weight. Measured on the DeepSeek-shaped Q4_0 benchmark model (2-core Zen 4, whole prompts,
+# both forms forced): the two take the same time at 64 tokens, the expanded one 1.3x less at
+# 512; this puts the cost model's switch for a whole prompt at about 64 tokens.
+_REBUILD_COST = 24
 
 
 class MLAttention(nn.Module):
@@ -36,7 +47,7 @@ class MLAttention(nn.Module):
         q_b: Linear | None,
         kv_a: Linear,
         kv_a_norm: RMSNorm,
-        kv_b_weight: torch.Tensor,
+        kv_b_weight: torch.Tensor | None,
         o: Linear,
         n_heads: int,
         nope_dim: int,
@@ -46,11 +57,14 @@ class MLAttention(nn.Module):
         rotary: Rotary,
         cache: PagedLatent,
         scale: float,
+        stored_maps: StoredMaps | None = None,
     ):
         super().__init__()
         self.q_proj, self.q_a, self.q_a_norm, self.q_b = q_proj, q_a, q_a_norm, q_b
         self.kv_a, self.kv_a_norm, self.o = kv_a, kv_a_norm, o
-        self.register_buffer("kv_b_weight", kv_b_weight, persistent=False)  # [H*(nope+v), kv_lora]
+        # kv_b [H*(nope+v), kv_lora] in the compute dtype, or (stored_maps) as the file stores it.
+        self.register_buffer("kv_b_weight", kv_b_weight, persistent=False)
+        self.stored_maps = stored_maps
         self.n_heads, self.nope_dim, self.rope_dim, self.v_dim = n_heads, nope_dim, rope_dim, v_dim
         self.kv_lora_rank = kv_lora_rank
         self.rotary = rotary
@@ -65,7 +79,13 @@ class MLAttention(nn.Module):
         per_token_expand = h * c * (self.nope_dim + self.v_dim)
         absorbed = n_q * per_token_expand + n_q * n_keys * h * (2 * c + r)
         expanded = n_keys * per_token_expand + n_q * n_keys * h * (self.nope_dim + r + self.v_dim)
+        if self.stored_maps is not None:  # kv_b rebuilt for the call
+            expanded += _REBUILD_COST * per_token_expand
         return absorbed <= expanded
+
+    def kv_b(self, dtype: torch.dtype) -> torch.Tensor:
+        """kv_b [H*(nope+v), kv_lora]: the held one, or the stored maps dequantized now."""
+        return self.kv_b_weight if self.kv_b_weight is not None else self.stored_maps.dense(dtype)
 
     def forward(self, x: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
         """x [T, hidden]: the rows of one or more sequences; projections over all rows,
@@ -91,10 +111,16 @@ class MLAttention(nn.Module):
         cos, sin = self.rotary.tables(start_pos, n, q.dtype)
         q_rope = self.rotary.apply(q_rope, cos, sin)
         k_rope = self.rotary.apply(k_rope, cos, sin)
+        if self.stored_maps is not None and self._use_absorbed(n, start_pos + n):
+            self.cache.write(seg.seq, latent, k_rope.reshape(n, rope), start_pos)
+            q_full = torch.cat((q_nope, q_rope), dim=-1).squeeze(0).transpose(0, 1).reshape(n, -1)
+            table = seg.seq.table_array(self.cache.group)
+            return self.stored_maps.attend(q_full, self.cache.kv, table, start_pos, self.scale).to(q.dtype)
         cached = self.cache.update(seg.seq, latent, k_rope.reshape(n, rope), start_pos)  # [S, c + rope]
         n_keys = cached.shape[0]
 
-        w = self.kv_b_weight.view(h, nope + self.v_dim, c)
+        kv_b = self.kv_b(q.dtype)
+        w = kv_b.view(h, nope + self.v_dim, c)
         if self._use_absorbed(n, n_keys):
             q_latent = torch.matmul(q_nope, w[:, :nope])  # [1, H, n, c]: W_UK folded into q
             q_full = torch.cat((q_latent, q_rope), dim=-1)
@@ -107,7 +133,7 @@ class MLAttention(nn.Module):
             attended = eager_attention(q_full, keys, values, mask, self.scale)  # [1, H, n, c]
             out = torch.matmul(attended, w[:, nope:].transpose(1, 2))  # W_UV after attention
         else:
-            kv = F.linear(cached[:, :c], self.kv_b_weight).view(n_keys, h, nope + self.v_dim).transpose(0, 1)
+            kv = F.linear(cached[:, :c], kv_b).view(n_keys, h, nope + self.v_dim).transpose(0, 1)
             k_nope, values = kv[..., :nope], kv[..., nope:]
             k_shared = cached[:, c:].view(1, n_keys, rope).expand(h, n_keys, rope)
             keys = torch.cat((k_nope, k_shared), dim=-1).unsqueeze(0)

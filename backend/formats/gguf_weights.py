@@ -13,7 +13,8 @@ needs undone:
   are returned with that permutation undone (a gather of those rows: attention weights, small).
 * ``deepseek2`` conversions newer than spring 2025 store MLA's ``kv_b_proj`` split into
   ``attn_k_b`` (transposed) and ``attn_v_b``; ``kv_b_proj.weight`` is rebuilt from them
-  (dequantized, float32) when the file has no ``attn_kv_b``.
+  (dequantized, float32) when the file has no ``attn_kv_b``, and ``kv_b_split`` gives the two
+  as stored (the CPU decode reads them so: ``engine/latent_maps``).
 
 Routed experts: llama.cpp merges them into one ``[E, out, in]`` tensor per projection
 (``ffn_gate_exps`` ...); each expert is exposed as a view
@@ -293,8 +294,8 @@ class GGUFWeights:
             return self._unpermute(raw, e)
         if e.op == "row_vector":
             return raw.reshape(1, -1) if isinstance(raw, torch.Tensor) and raw.dim() == 1 else raw
-        if e.op == "kv_b":
-            return self._rebuild_kv_b(raw, self.get_gguf(e.extra), e.layer)
+        if e.op == "kv_b":  # rebuilt from the split parts
+            return join_kv_b(*self.kv_b_split(name), self._arch_int("attention.head_count", e.layer))
         raise AssertionError(e.op)
 
     def _unpermute(self, raw: QuantTensor | torch.Tensor, e: _Entry) -> QuantTensor | torch.Tensor:
@@ -316,25 +317,20 @@ class GGUFWeights:
         perm = torch.arange(rows).reshape(n_head, rows // n_head // 2, 2).transpose(1, 2).reshape(-1)
         return raw[perm]
 
-    def _rebuild_kv_b(self, k_b: Any, v_b: Any, layer: int | None) -> torch.Tensor:
-        """kv_b_proj [n_head*(nope+v), kv_lora] from k_b [n_head, kv_lora, nope], v_b [n_head, v, kv_lora].
-
-        The converter splits each head's kv_b rows into nope (k) and v parts and stores k
-        transposed for MLA weight absorption; this is the inverse.
-        """
-        floats = [t for t in (k_b, v_b) if isinstance(t, torch.Tensor)]
-        dtype = floats[0].dtype if len(floats) == 2 and floats[0].dtype == floats[1].dtype else torch.float32
-        k = k_b.dequantize(dtype) if isinstance(k_b, QuantTensor) else k_b.to(dtype)
-        v = v_b.dequantize(dtype) if isinstance(v_b, QuantTensor) else v_b.to(dtype)
-        if k.dim() == 2 or v.dim() == 2:  # flattened heads: recover them from the metadata
-            n_head = self._arch_int("attention.head_count", layer)
-            k = k.reshape(n_head, -1, k.shape[-1])
-            v = v.reshape(n_head, -1, v.shape[-1])
-        if k.shape[0] != v.shape[0] or k.shape[1] != v.shape[2]:
+    def kv_b_split(self, name: str) -> tuple[Any, Any] | None:
+        """MLA's kv_b_proj (`name`) as the file stores it where it is split: attn_k_b as rows
+        [n_head * kv_lora, nope] (each head's W_UK transposed) and attn_v_b as rows
+        [n_head * v, kv_lora] (W_UV), views of the mapping, quantized or not; None where the
+        file stores kv_b whole."""
+        e = self._entry(name)
+        if e.op != "kv_b":
+            return None
+        k, v = _as_rows(self.get_gguf(e.gguf)), _as_rows(self.get_gguf(e.extra))
+        n_head = self._arch_int("attention.head_count", e.layer)
+        if not n_head or k.shape[0] % n_head or v.shape[0] % n_head or k.shape[0] // n_head != v.shape[1]:
             raise ModelError(f"{self.files[0]}: attn_k_b {tuple(k.shape)} and attn_v_b {tuple(v.shape)} of layer "
-                             f"{layer} do not fit together.")
-        kv = torch.cat((k.transpose(1, 2), v), dim=1)  # [n_head, nope + v, kv_lora]
-        return kv.reshape(-1, kv.shape[-1])
+                             f"{e.layer} do not fit together ({n_head} heads).")
+        return k, v
 
     # ---- lifetime ----------------------------------------------------------------------
 
@@ -354,6 +350,27 @@ class GGUFWeights:
 
     def __repr__(self) -> str:
         return f"GGUFWeights({self.files[0].name!r}, arch={self.architecture!r}, {len(self._map)} tensors)"
+
+
+def _as_rows(t: Any) -> Any:
+    """A stored [..., K] tensor (quantized or not) as the 2-D rows [N, K] of the same bytes."""
+    if t.dim() == 2:
+        return t
+    if isinstance(t, torch.Tensor):
+        return t.reshape(-1, t.shape[-1])
+    data = t.parts["data"]
+    return from_gguf(data.reshape(-1, data.shape[-1]), t.meta["ggml_type"], (data.numel() // data.shape[-1], t.shape[-1]))
+
+
+def join_kv_b(k_b: Any, v_b: Any, n_head: int) -> torch.Tensor:
+    """kv_b_proj [n_head * (nope + v), kv_lora] from GGUF's split rows (``kv_b_split``): each
+    head's nope rows (k_b transposed back) then its v rows, dequantized. Float32 unless both
+    parts share a float dtype."""
+    floats = [t for t in (k_b, v_b) if isinstance(t, torch.Tensor)]
+    dtype = floats[0].dtype if len(floats) == 2 and floats[0].dtype == floats[1].dtype else torch.float32
+    k = (k_b.dequantize(dtype) if isinstance(k_b, QuantTensor) else k_b.to(dtype)).reshape(n_head, -1, k_b.shape[-1])
+    v = (v_b.dequantize(dtype) if isinstance(v_b, QuantTensor) else v_b.to(dtype)).reshape(n_head, -1, v_b.shape[-1])
+    return torch.cat((k.transpose(1, 2), v), dim=1).reshape(-1, v.shape[-1])
 
 
 # --------------------------------------------------------------------------------------

@@ -50,8 +50,8 @@ class TensorInventory:
     router_matrix_params: int = 0
     router_matrix_bytes: int = 0
     # Always-read tensors the engine holds in its compute dtype on the CPU whatever the file
-    # stores (the embedding table; MLA's kv_b, which latent attention reads whole every token;
-    # vectors; matrices in a format the CPU kernels do not read): class -> (their stored
+    # stores (the embedding table; MLA's kv_b stored whole, which latent attention reads whole
+    # every token; vectors; matrices in a format the CPU kernels do not read): class -> (their stored
     # bytes, their elements). On a GPU it holds every one of them so.
     widened: dict[TensorClass, tuple[int, int]] = field(default_factory=dict)
     # What the engine's CPU copies of the weights take beyond the file's bytes (Q4_K matrices

@@ -133,9 +133,10 @@ def classify_gguf(name: str, num_layers: int) -> Classified:
 
 
 _SCALES = re.compile(r"(?:\.weight_scale(?:_inv)?|\.weight_shape|_scales)$")  # a quantized weight's companions
-# MLA's kv_b as a checkpoint (kv_b_proj, with an fp8 checkpoint's scales) or a GGUF (attn_kv_b,
-# or split into attn_k_b and attn_v_b) names it.
-_KV_B = re.compile(r"(?:\.self_attn\.kv_b_proj\.|\.attn_kv_b\.|\.attn_[kv]_b\.)")
+# MLA's kv_b whole, as a checkpoint (kv_b_proj, with an fp8 checkpoint's scales) or an older GGUF
+# (attn_kv_b) names it. (Split into attn_k_b and attn_v_b, as newer GGUFs store it, the CPU
+# reads each as stored where the kernels read its format: engine/latent_maps.py.)
+_KV_B_WHOLE = re.compile(r"(?:\.self_attn\.kv_b_proj\.|\.attn_kv_b\.)")
 
 
 def _copy_extra(fmt: str, shape: tuple[int, ...], nbytes: int) -> int:
@@ -153,10 +154,10 @@ _INT4_PARTS = re.compile(r"\.weight_(?:packed|scale|shape|zero_point)$")  # comp
 
 def _widened(c: Classified, name: str, fmt: str, shape: tuple[int, ...]) -> bool:
     """Whether the engine holds this always-read tensor in its compute dtype on the CPU
-    whatever the file stores: the embedding table (lookups), MLA's kv_b (its decode step
-    reads it so), vectors (norms, biases), and matrices in a format the kernels do not read
-    (with their scales)."""
-    if c.cls is C.EMBEDDING or (c.cls is C.ATTENTION and _KV_B.search(name)):
+    whatever the file stores: the embedding table (lookups), MLA's kv_b stored whole (its
+    decode step reads it so), vectors (norms, biases), and matrices in a format the kernels do
+    not read (with their scales)."""
+    if c.cls is C.EMBEDDING or (c.cls is C.ATTENTION and _KV_B_WHOLE.search(name)):
         return True
     if c.cls not in (C.ATTENTION, C.DENSE_FFN, C.SHARED_EXPERTS, C.LM_HEAD) or _INT4_PARTS.search(name):
         return False

@@ -173,7 +173,7 @@ class _Planner:
                          for form in B.RESIDENT_FORMS if form != "int4" or self.int4}
         # The always-read weights as each side holds them: host RAM in the stored form (the
         # CPU kernels read it as stored, Q4_K in a layout 2.8 % larger; the embedding and MLA's
-        # kv_b widened, the routers as routed); a GPU, for the engine, in the compute dtype (it
+        # kv_b stored whole widened, the routers as routed); a GPU, for the engine, in the compute dtype (it
         # dequantizes every quantized projection, norm and embedding there at load: a Q4_K
         # attention takes 3.6x its file size on the card); llama.cpp keeps all of them as the
         # file stores them.

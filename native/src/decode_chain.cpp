@@ -62,9 +62,10 @@ void DecodeChain::add_layer(const ChainLayer& l) {
         const int64_t rope = s_.D - s_.Dv;
         const bool q_fits = l.q_a ? l.q_a->cols() == s_.H && l.qkv->cols() == l.q_a->rows() && l.q_a_norm
                                   : l.qkv->cols() == s_.H;
-        if (!q_fits || l.qkv->rows() != s_.Hq * (s_.nope + rope) || !l.kv_a || !l.kv_norm || !l.kv_b ||
+        if (!q_fits || l.qkv->rows() != s_.Hq * (s_.nope + rope) || !l.kv_a || !l.kv_norm || !l.maps ||
             l.kv_a->cols() != s_.H || l.kv_a->rows() != s_.D || l.o->rows() != s_.H || l.o->cols() != s_.Hq * s_.v ||
-            2 * l.rotary_half != rope)
+            2 * l.rotary_half != rope || l.maps->H != s_.Hq || l.maps->nope != s_.nope || l.maps->v != s_.v ||
+            l.maps->c != s_.Dv)
             throw std::invalid_argument("a layer's latent attention does not fit the chain's shape");
         if (l.q_a) qa_.resize(std::max(qa_.size(), R * size_t(l.q_a->rows())));
     } else {
@@ -216,7 +217,7 @@ void DecodeChain::run(Executor& exec, const KernelTable& kt, float* x, int64_t T
             lengths_[size_t(t)] = pos + 1;
         }
         laps.lap(CP_SMALL);
-        const MlaDecode m{s.Hq, s.nope, rope, s.v, s.Dv, l.kv_b, l.kv_b_fmt, l.k_cache, l.cache_bf16, s.block, l.scale};
+        const MlaDecode m{s.Hq, s.nope, rope, s.v, s.Dv, l.maps, l.k_cache, l.cache_bf16, s.block, l.scale};
         mla_attend_rows(exec, kt, m, qkv_.data(), T, tables, table_len, lengths_.data(), att_.data());
         laps.lap(CP_ATTEND);
     };

@@ -19,6 +19,7 @@
 
 #include "dense_linear.h"
 #include "formats.h"
+#include "mla_decode.h"
 #include "moe_layer.h"
 
 namespace hmoe {
@@ -54,15 +55,14 @@ struct ChainLayer {
     float scale;
     // Latent attention (ChainShape::latent) in place of q|k|v: `qkv` is then q (q_proj, or q_b
     // after q_a and its norm), kv_a the compressed kv [c + rope], normalised by kv_norm, and
-    // kv_b [H * (nope + v), c] the per-head key and value maps of the latent.
+    // maps kv_b's per-head key and value maps of the latent.
     const DenseLinear* q_a;  // or null
     const float* q_a_norm;
     float q_a_eps;
     const DenseLinear* kv_a;
     const float* kv_norm;
     float kv_eps;
-    const void* kv_b;
-    Format kv_b_fmt;
+    const LatentMaps* maps;
     const DenseLinear* o;
     const float* o_bias;  // [H] or null
     const float* ffn_norm;

@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <stdexcept>
+#include <string>
 #include <vector>
 
 #include "attention_decode.h"
@@ -11,7 +13,7 @@
 namespace hmoe {
 namespace {
 
-// Heads are the work units of both projections: a head's rows of kv_b are read once for
+// Heads are the work units of both projections: a head's rows of the maps are read once for
 // all the step's rows.
 struct Heads {
     const MlaDecode* m;
@@ -24,50 +26,109 @@ struct Heads {
     std::atomic<int64_t> next{0};
 };
 
-// q_latent[t, h] = [W_UK[h]^T q_nope[t, h] | q_rope[t, h]]: a sum of W_UK[h]'s rows, which the
-// kernels' transposed GEMV streams once for all the step's rows. (Plain loops in this
-// baseline-compiled file did it before: the kernel took the DeepSeek-shaped benchmark model's
-// decode attention, 8 layers of 16 heads, from 2.43 to 2.08 ms a token, medians of 9 passes,
-// the two builds in turn; 2-core Zen 4.)
+// Q8 activations of up to kMaxGemvTokens rows, per thread.
+struct Q8Scratch {
+    std::vector<int8_t> q;
+    std::vector<float> d, s;
+};
+thread_local Q8Scratch tls_q8;
+
+// out[t * ldo + r] = row row0 + r of w . x[t] for r < nrows, t < T: the kernels' GEMV in
+// groups of four rows of x, whose activations are quantized here for a quantized format.
+void head_gemv(const KernelTable& kt, Format fmt, const MatrixRef& w, int64_t row0, int64_t nrows, int64_t K,
+               const float* const* x, int64_t T, float* out, int64_t ldo) {
+    const FormatInfo& fi = kFormats[fmt];
+    for (int64_t t0 = 0; t0 < T; t0 += kMaxGemvTokens) {
+        const int n = int(std::min<int64_t>(kMaxGemvTokens, T - t0));
+        if (fi.float_acts) {
+            kt.gemv_f32[fmt](w, row0, nrows, K, x + t0, n, out + t0 * ldo, ldo);
+            continue;
+        }
+        const int v = act_variant(fi);
+        Q8Scratch& b = tls_q8;
+        b.q.resize(size_t(kMaxGemvTokens * K));
+        b.d.resize(size_t(kMaxGemvTokens * K / 32));
+        b.s.resize(b.d.size());
+        Q8Row acts[kMaxGemvTokens];
+        for (int i = 0; i < n; ++i) {
+            int8_t* q = b.q.data() + i * K;
+            float *d = b.d.data() + i * (K / 32), *s = b.s.data() + i * (K / 32);
+            kt.quantize(x[t0 + i], K, act_variant_permuted(v), act_variant_group(v), q, d, s);
+            acts[i] = {q, d, s};
+        }
+        kt.gemv_q8[fmt](w, row0, nrows, K, acts, n, out + t0 * ldo, ldo);
+    }
+}
+
+// q_latent[t, h] = [W_UK[h]^T q_nope[t, h] | q_rope[t, h]]. Joined maps hold W_UK[h]'s rows,
+// whose sum the kernels' transposed GEMV streams once for all the step's rows (plain loops
+// in this baseline-compiled file did it before: the kernel took the DeepSeek-shaped
+// benchmark model's decode attention, 8 layers of 16 heads, from 2.43 to 2.08 ms a token,
+// medians of 9 passes, the two builds in turn; 2-core Zen 4); split maps hold it transposed,
+// an ordinary GEMV.
 void phase_absorb(void* ctx, int, int) {
     Heads& a = *static_cast<Heads*>(ctx);
     const MlaDecode& m = *a.m;
-    const int64_t esz = m.kv_b_fmt == FMT_F32 ? 4 : 2, width = m.nope + m.rope, cr = m.c + m.rope;
+    const LatentMaps& maps = *m.maps;
+    const int64_t width = m.nope + m.rope, cr = m.c + m.rope;
     std::vector<const float*> x(size_t(a.T));
     std::vector<float*> out(size_t(a.T));
     for (int64_t h; (h = a.next.fetch_add(1, std::memory_order_relaxed)) < m.H;) {
         for (int64_t t = 0; t < a.T; ++t) {
             float* dst = a.q_latent + (t * m.H + h) * cr;
-            std::fill(dst, dst + m.c, 0.f);
+            if (!maps.split) std::fill(dst, dst + m.c, 0.f);
             std::memcpy(dst + m.c, a.q + t * m.H * width + h * width + m.nope, size_t(m.rope) * 4);
             x[size_t(t)] = a.q + t * m.H * width + h * width;
             out[size_t(t)] = dst;
         }
-        const auto* rows = static_cast<const uint8_t*>(m.kv_b) + h * (m.nope + m.v) * m.c * esz;
-        a.kt->rows_axpy(m.kv_b_fmt, rows, m.c * esz, m.nope, m.c, x.data(), int(a.T), out.data());
-    }
-}
-
-// out[t, h] = W_UV[h] latent[t, h], by the kernels' float GEMV (up to kMaxGemvTokens rows a call).
-void phase_expand(void* ctx, int, int) {
-    Heads& a = *static_cast<Heads*>(ctx);
-    const MlaDecode& m = *a.m;
-    const int64_t esz = m.kv_b_fmt == FMT_F32 ? 4 : 2;
-    MatrixRef w;
-    w.data = static_cast<const uint8_t*>(m.kv_b);
-    w.row_stride = m.c * esz;
-    for (int64_t h; (h = a.next.fetch_add(1, std::memory_order_relaxed)) < m.H;) {
-        for (int64_t t0 = 0; t0 < a.T; t0 += kMaxGemvTokens) {
-            const int n = int(std::min<int64_t>(kMaxGemvTokens, a.T - t0));
-            const float* x[kMaxGemvTokens];
-            for (int i = 0; i < n; ++i) x[i] = a.latent + ((t0 + i) * m.H + h) * m.c;
-            a.kt->gemv_f32[m.kv_b_fmt](w, h * (m.nope + m.v) + m.nope, m.v, m.c, x, n, a.out + t0 * m.H * m.v + h * m.v,
-                                       m.H * m.v);
+        if (maps.split) {
+            head_gemv(*a.kt, maps.k_fmt, maps.k_map, h * m.c, m.c, m.nope, x.data(), a.T, a.q_latent + h * cr, m.H * cr);
+        } else {
+            const uint8_t* rows = maps.k_map.row(h * (m.nope + m.v));
+            a.kt->rows_axpy(maps.k_fmt, rows, maps.k_map.row_stride, m.nope, m.c, x.data(), int(a.T), out.data());
         }
     }
 }
 
+// out[t, h] = W_UV[h] latent[t, h].
+void phase_expand(void* ctx, int, int) {
+    Heads& a = *static_cast<Heads*>(ctx);
+    const MlaDecode& m = *a.m;
+    const LatentMaps& maps = *m.maps;
+    std::vector<const float*> x(size_t(a.T));
+    for (int64_t h; (h = a.next.fetch_add(1, std::memory_order_relaxed)) < m.H;) {
+        for (int64_t t = 0; t < a.T; ++t) x[size_t(t)] = a.latent + (t * m.H + h) * m.c;
+        const int64_t row0 = maps.split ? h * m.v : h * (m.nope + m.v) + m.nope;
+        head_gemv(*a.kt, maps.v_fmt, maps.v_map, row0, m.v, m.c, x.data(), a.T, a.out + h * m.v, m.H * m.v);
+    }
+}
+
+int64_t row_bytes(Format fmt, int64_t K) { return K / kFormats[fmt].block * kFormats[fmt].block_bytes; }
+
+// A quantized GEMV needs whole blocks and whole Q8 activation groups along K, rows in place.
+bool readable(Format fmt, int64_t K) {
+    const FormatInfo& f = kFormats[fmt];
+    return f.row_group == 1 && f.scale_bytes == 0 && K % f.block == 0 && (f.float_acts || K % f.act_group == 0);
+}
+
 }  // namespace
+
+LatentMaps::LatentMaps(int64_t H_, int64_t nope_, int64_t v_, int64_t c_, bool split_, Format k_fmt_, MatrixRef k_map_,
+                       Format v_fmt_, MatrixRef v_map_)
+    : H(H_), nope(nope_), v(v_), c(c_), split(split_), k_fmt(k_fmt_), v_fmt(v_fmt_), k_map(k_map_), v_map(v_map_) {
+    if (H < 1 || nope < 1 || v < 1 || c < 1 || !k_map.data || !v_map.data) throw std::invalid_argument("bad latent maps");
+    if (!split && (!kFormats[k_fmt].float_acts || k_fmt != v_fmt || k_map.data != v_map.data))
+        throw std::invalid_argument("joined latent maps are one float kv_b matrix");
+    if (split && (!readable(k_fmt, nope) || !readable(v_fmt, c)))
+        throw std::invalid_argument(std::string("latent maps in ") + kFormats[k_fmt].name + " / " + kFormats[v_fmt].name +
+                                    " the kernels do not read at rows of " + std::to_string(nope) + " / " +
+                                    std::to_string(c));
+}
+
+int64_t LatentMaps::bytes() const {
+    if (!split) return H * (nope + v) * row_bytes(k_fmt, c);
+    return H * c * row_bytes(k_fmt, nope) + H * v * row_bytes(v_fmt, c);
+}
 
 void mla_attend_rows(Executor& exec, const KernelTable& kt, const MlaDecode& m, const float* q, int64_t T,
                      const int64_t* tables, int64_t table_len, const int64_t* lengths, float* out) {

@@ -20,10 +20,28 @@ namespace hmoe {
 
 class Executor;
 
+// kv_b's per-head maps of the latent, as the model file stores them (read in place):
+// - joined, a checkpoint's kv_b_proj [H * (nope + v), c] in a float format: per head nope
+//   rows of W_UK, then v rows of W_UV;
+// - split, a GGUF's attn_k_b [H * c, nope] (W_UK[h] transposed, which the absorbed form
+//   reads as rows) and attn_v_b [H * v, c] (W_UV[h]), each in any format the GEMVs read: a
+//   Q4_0 file's decode reads them at 4.5 bits a weight instead of widened to 16 (DeepSeek-V3:
+//   0.58 GB a token instead of 2.05).
+struct LatentMaps {
+    int64_t H, nope, v, c;
+    bool split;
+    Format k_fmt, v_fmt;
+    MatrixRef k_map, v_map;  // joined: both the kv_b matrix
+
+    // Checks the shapes and formats (std::invalid_argument).
+    LatentMaps(int64_t H, int64_t nope, int64_t v, int64_t c, bool split, Format k_fmt, MatrixRef k_map, Format v_fmt,
+               MatrixRef v_map);
+    int64_t bytes() const;  // what one token's attention reads of them
+};
+
 struct MlaDecode {
     int64_t H, nope, rope, v, c;
-    const void* kv_b;  // [H * (nope + v), c]: per head, nope rows of W_UK then v rows of W_UV
-    Format kv_b_fmt;   // FMT_BF16, FMT_F16 or FMT_F32
+    const LatentMaps* maps;
     const void* cache; // [n_blocks, block, c + rope]
     bool cache_bf16;
     int64_t block;

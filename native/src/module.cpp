@@ -449,31 +449,58 @@ void mla_rope_store_py(F32Out q, F32Array kv, F32Array kv_norm, float eps, F32Ar
     mla_rope_store(a);
 }
 
-// q [T, H * (nope + rope)], kv_b [H * (nope + v), c] (float32, float16, bfloat16 or its bits),
-// cache [n_blocks, B, c + rope], tables [T, L], lengths [T] -> out [T, H * v].
-void mla_attend_rows_py(nb::ndarray<const float, nb::ndim<2>, nb::c_contig, nb::device::cpu> q,
-                        nb::ndarray<nb::ndim<2>, nb::c_contig, nb::device::cpu> kv_b,
+// kv_b_proj [H * (nope + v), c] (float32, float16, bfloat16 or its bits) as joined maps.
+LatentMaps joined_maps(nb::ndarray<nb::ndim<2>, nb::c_contig, nb::device::cpu> kv_b, int64_t n_heads, int64_t nope,
+                       int64_t v) {
+    const Format fmt = half_format(kv_b.dtype(), "kv_b");
+    if (n_heads < 1 || nope < 1 || v < 1 || int64_t(kv_b.shape(0)) != n_heads * (nope + v))
+        throw nb::value_error("kv_b must be [n_heads * (nope + v), c]");
+    const int64_t c = int64_t(kv_b.shape(1));
+    MatrixRef ref{static_cast<const uint8_t*>(kv_b.data()), nullptr, c * int64_t(kFormats[fmt].block_bytes), 0};
+    return LatentMaps(n_heads, nope, v, c, false, fmt, ref, fmt, ref);
+}
+
+// GGUF's attn_k_b [H * c, nope] and attn_v_b [H * v, c], each (format, ref) as DenseLinear's parts.
+LatentMaps split_maps(const std::string& k_format, const std::vector<int64_t>& k_ref, const std::string& v_format,
+                      const std::vector<int64_t>& v_ref, int64_t n_heads, int64_t nope, int64_t v, int64_t c) {
+    auto ref = [](const std::vector<int64_t>& r) {
+        if (r.size() != 4 || !r[0] || r[1]) throw nb::value_error("ref must be (data, 0, row stride, 0)");
+        return MatrixRef{reinterpret_cast<const uint8_t*>(r[0]), nullptr, r[2], 0};
+    };
+    try {
+        return LatentMaps(n_heads, nope, v, c, true, parse_format(k_format), ref(k_ref), parse_format(v_format), ref(v_ref));
+    } catch (const std::invalid_argument& e) {
+        throw nb::value_error(e.what());
+    }
+}
+
+std::string maps_format(const LatentMaps& maps) {
+    const std::string k = kFormats[maps.k_fmt].name, v = kFormats[maps.v_fmt].name;
+    return k == v ? k : k + "+" + v;
+}
+
+// q [T, H * (nope + rope)], maps (LatentMaps), cache [n_blocks, B, c + rope], tables [T, L],
+// lengths [T] -> out [T, H * v].
+void mla_attend_rows_py(nb::ndarray<const float, nb::ndim<2>, nb::c_contig, nb::device::cpu> q, const LatentMaps& maps,
                         nb::ndarray<nb::ndim<3>, nb::c_contig, nb::device::cpu> cache,
                         nb::ndarray<const int64_t, nb::ndim<2>, nb::c_contig, nb::device::cpu> tables,
-                        nb::ndarray<const int64_t, nb::ndim<1>, nb::c_contig, nb::device::cpu> lengths, int64_t n_heads,
-                        int64_t nope, int64_t rope, int64_t v, float scale,
-                        nb::ndarray<float, nb::ndim<2>, nb::c_contig, nb::device::cpu> out) {
+                        nb::ndarray<const int64_t, nb::ndim<1>, nb::c_contig, nb::device::cpu> lengths, int64_t rope,
+                        float scale, nb::ndarray<float, nb::ndim<2>, nb::c_contig, nb::device::cpu> out) {
     MlaDecode m;
-    m.H = n_heads;
-    m.nope = nope;
+    m.H = maps.H;
+    m.nope = maps.nope;
     m.rope = rope;
-    m.v = v;
-    m.c = int64_t(kv_b.shape(1));
+    m.v = maps.v;
+    m.c = maps.c;
+    m.maps = &maps;
     const int64_t T = int64_t(q.shape(0)), L = int64_t(tables.shape(1));
-    if (n_heads <= 0 || nope < 0 || rope <= 0 || v <= 0 || int64_t(q.shape(1)) != n_heads * (nope + rope) ||
-        int64_t(kv_b.shape(0)) != n_heads * (nope + v) || int64_t(out.shape(0)) != T ||
-        int64_t(out.shape(1)) != n_heads * v)
-        throw nb::value_error("q [T, H*(nope+rope)], kv_b [H*(nope+v), c] and out [T, H*v] do not agree");
+    if (rope <= 0 || int64_t(q.shape(1)) != m.H * (m.nope + rope) || int64_t(out.shape(0)) != T ||
+        int64_t(out.shape(1)) != m.H * m.v)
+        throw nb::value_error("q [T, H*(nope+rope)] and out [T, H*v] do not agree with the maps");
     if (int64_t(cache.shape(2)) != m.c + rope || m.c + rope > kMaxHeadDim)
         throw nb::value_error("cache rows must be [latent | rotary key], at most 1024 wide");
     if (int64_t(tables.shape(0)) != T || int64_t(lengths.shape(0)) != T)
         throw nb::value_error("tables and lengths need one row per query");
-    m.kv_b_fmt = half_format(kv_b.dtype(), "kv_b");
     m.block = int64_t(cache.shape(1));
     const int64_t n_blocks = int64_t(cache.shape(0));
     for (int64_t t = 0; t < T; ++t) {
@@ -482,7 +509,6 @@ void mla_attend_rows_py(nb::ndarray<const float, nb::ndim<2>, nb::c_contig, nb::
         for (int64_t b = 0; b < (S + m.block - 1) / m.block; ++b)
             if (tables(t, b) < 0 || tables(t, b) >= n_blocks) throw nb::value_error("block table entry out of range");
     }
-    m.kv_b = kv_b.data();
     m.cache = cache.data();
     m.cache_bf16 = cache_is_bf16(cache.dtype(), cache.dtype());
     m.scale = scale;
@@ -744,9 +770,23 @@ NB_MODULE(_native, m) {
           "cache_row"_a, "n_heads"_a, "rope"_a,
           "Latent attention, one token: each head's rotary part of q rotated in place; the latent normalised and the "
           "rotary key rotated, stored as the cache row.");
-    m.def("mla_attend_rows", &mla_attend_rows_py, "q"_a, "kv_b"_a, "cache"_a, "tables"_a, "lengths"_a, "n_heads"_a,
-          "nope"_a, "rope"_a, "v"_a, "scale"_a, "out"_a,
-          "Latent attention of one query per sequence over its latent cache, kv_b absorbed (mla_decode.h).");
+    nb::class_<LatentMaps>(m, "LatentMaps")
+        .def_static("joined", &joined_maps, "kv_b"_a, "n_heads"_a, "nope"_a, "v"_a,
+                    "A checkpoint's kv_b_proj [n_heads * (nope + v), c] in a float dtype; the caller keeps it alive.")
+        .def_static("split", &split_maps, "k_format"_a, "k_ref"_a, "v_format"_a, "v_ref"_a, "n_heads"_a, "nope"_a, "v"_a,
+                    "c"_a,
+                    "A GGUF's attn_k_b [n_heads * c, nope] and attn_v_b [n_heads * v, c] as stored (format, ref as "
+                    "DenseLinear's parts); the caller keeps them alive.")
+        .def_ro("n_heads", &LatentMaps::H)
+        .def_ro("nope", &LatentMaps::nope)
+        .def_ro("v", &LatentMaps::v)
+        .def_ro("c", &LatentMaps::c)
+        .def_prop_ro("bytes", &LatentMaps::bytes, "Stored bytes of both maps (what one token's attention reads).")
+        .def_prop_ro("format", &maps_format, "The maps' format, \"k+v\" when they differ.");
+    m.def("mla_attend_rows", &mla_attend_rows_py, "q"_a, "maps"_a, "cache"_a, "tables"_a, "lengths"_a, "rope"_a,
+          "scale"_a, "out"_a,
+          "Latent attention of each query row over its sequence's latent cache, kv_b absorbed (mla_decode.h); a row "
+          "reads positions 0 .. lengths[t] - 1.");
     m.def("embed_rows", &embed_rows_py, "table"_a, "tokens"_a, "out"_a,
           "out[i] = table[tokens[i]] as float32 (table float32, float16, or bfloat16 or its uint16 bits).");
     m.def("rope_store", &rope_store_py, "qkv"_a, "n_heads"_a, "n_kv_heads"_a, "q_norm"_a.none(), "k_norm"_a.none(),
@@ -884,7 +924,7 @@ NB_MODULE(_native, m) {
             "add_latent_layer",
             [](DecodeChain& c, F32Array attn_norm, float attn_eps, const DenseLinear* q_a, std::optional<F32Array> q_a_norm,
                float q_a_eps, const DenseLinear& q, const DenseLinear& kv_a, F32Array kv_norm, float kv_eps,
-               nb::ndarray<nb::ndim<2>, nb::c_contig, nb::device::cpu> kv_b, F32Array cos, F32Array sin, bool pairs,
+               const LatentMaps& kv_b, F32Array cos, F32Array sin, bool pairs,
                nb::ndarray<nb::ndim<3>, nb::c_contig, nb::device::cpu> cache, float scale, const DenseLinear& o,
                std::optional<F32Array> o_bias, F32Array ffn_norm, float ffn_eps, const DenseLinear* router,
                std::optional<F32Array> router_bias, const std::string& route, bool normalize,
@@ -897,8 +937,8 @@ NB_MODULE(_native, m) {
                     throw nb::value_error("the latent cache must be [n_blocks, block, c + rope]");
                 if (int64_t(kv_norm.size()) != s.Dv || (q_a && (!q_a_norm || int64_t(q_a_norm->size()) != q_a->rows())))
                     throw nb::value_error("kv_norm must have c entries, q_a_norm one per q_a row");
-                if (int64_t(kv_b.shape(0)) != s.Hq * (s.nope + s.v) || int64_t(kv_b.shape(1)) != s.Dv)
-                    throw nb::value_error("kv_b must be [n_heads * (nope + v), c]");
+                if (kv_b.H != s.Hq || kv_b.nope != s.nope || kv_b.v != s.v || kv_b.c != s.Dv)
+                    throw nb::value_error("kv_b's maps do not fit the chain's heads");
                 ChainLayer l{};
                 l.qkv = &q;
                 l.q_a = q_a;
@@ -907,8 +947,7 @@ NB_MODULE(_native, m) {
                 l.kv_a = &kv_a;
                 l.kv_norm = kv_norm.data();
                 l.kv_eps = kv_eps;
-                l.kv_b = kv_b.data();
-                l.kv_b_fmt = half_format(kv_b.dtype(), "kv_b");
+                l.maps = &kv_b;
                 l.k_cache = cache.data();
                 l.cache_bf16 = cache_is_bf16(cache.dtype(), cache.dtype());
                 l.n_blocks = int64_t(cache.shape(0));

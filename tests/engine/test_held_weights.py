@@ -97,8 +97,8 @@ STEPPED = [f for f in FAMILIES if f not in ("olmoe", "gpt_oss")]
 def test_a_cpu_only_plans_bytes_per_token_are_what_the_decode_step_reads(models, family, source):
     """One token at the plan's full context: its experts, projections, routers, cache and head,
     as the step counts them, against the plan's figure (which also counts the norms' vectors,
-    up to 3 % of these tiny models' bytes; MLA's kv_b is read in the compute dtype, 1.9x a
-    Q8_0 file's bytes, Q4_K matrices in the kernels' layout, 148 bytes for the file's 144, and
+    up to 3 % of these tiny models' bytes; MLA's kv_b is read in the compute dtype from a
+    checkpoint and as stored from a GGUF, Q4_K matrices in the kernels' layout, 148 bytes for the file's 144, and
     a Q5_1 projection in bf16, and the plan says so). Host RAM holds the experts' copies the
     plan counts."""
     path = models(family, source)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from hybridmoe.backend.engine.kv_cache import PagedLatent
+from hybridmoe.backend.engine.latent_maps import stored_maps
 from hybridmoe.backend.engine.mla import MLAttention
 from hybridmoe.backend.engine.rope import softmax_scale_multiplier
 from hybridmoe.backend.engine.routing import SigmoidGroupedTopK, SoftmaxGroupedGreedy
@@ -48,12 +49,16 @@ def attention(b, i: int) -> MLAttention:
     layout = "pairs" if v2 or cfg.get("rope_interleave", True) else "halves"
     rotary = b.rotary(rope, layout=layout, float32_math=v2)
     params = cfg.rope()
+    kv_b = f"{p}.kv_b_proj.weight"
+    # On the CPU a GGUF's split kv_b is read as stored (engine/latent_maps.py).
+    maps = stored_maps(b.load.weights, kv_b, heads, nope, v_dim, kv_lora, b.device, b.dtype)
     return MLAttention(
         q_proj=q_proj, q_a=q_a, q_a_norm=q_a_norm, q_b=q_b,
         kv_a=b.load.linear(f"{p}.kv_a_proj_with_mqa", kv_lora + rope, h),
         kv_a_norm=b.norm(f"{p}.kv_a_layernorm.weight", kv_lora),
-        kv_b_weight=b.load.tensor(f"{p}.kv_b_proj.weight", (n_heads * (nope + v_dim), kv_lora),
-                                  rows=(heads[0] * (nope + v_dim), heads[1] * (nope + v_dim))),
+        kv_b_weight=None if maps else b.load.tensor(kv_b, (n_heads * (nope + v_dim), kv_lora),
+                                                    rows=(heads[0] * (nope + v_dim), heads[1] * (nope + v_dim))),
+        stored_maps=maps,
         o=b.load.linear(f"{p}.o_proj", h, n_heads * v_dim,
                         cols=None if b.card is None else (heads[0] * v_dim, heads[1] * v_dim)),
         n_heads=heads[1] - heads[0], nope_dim=nope, rope_dim=rope, v_dim=v_dim, kv_lora_rank=kv_lora,
