@@ -30,11 +30,13 @@ from hybridmoe.backend.engine.latent_maps import StoredMaps
 from hybridmoe.backend.engine.layers import Linear, RMSNorm
 from hybridmoe.backend.engine.rope import Rotary
 
-# The expanded form's cost of rebuilding stored maps for its call, in multiply-adds per kv_b
-# weight. Measured on the DeepSeek-shaped Q4_0 benchmark model (2-core Zen 4, whole prompts,
-# both forms forced): the two take the same time at 64 tokens, the expanded one 1.3x less at
-# 512; this puts the cost model's switch for a whole prompt at about 64 tokens.
-_REBUILD_COST = 24
+# The expanded form's cost of rebuilding stored maps for its call (StoredMaps.dense, ~2 ms a
+# layer of 2 M weights), in multiply-adds per kv_b weight. Measured on the DeepSeek-shaped
+# Q4_0 benchmark model (2-core Zen 4, whole prompts, both forms forced; attention ms for 8
+# layers, absorbed / expanded): 16 tokens 20 / 28, 32 tokens 31 / 22, 64 tokens 65 / 29, 128
+# tokens 145 / 53. This puts the cost model's switch for a whole prompt at about 24 tokens;
+# a chat turn's few tokens after a long history stay absorbed.
+_REBUILD_COST = 3
 
 
 class MLAttention(nn.Module):

@@ -177,6 +177,12 @@ static inline uint32_t bits_from_f32(float f) {
 }
 
 static inline float bf16_to_f32(uint16_t h) { return f32_from_bits(uint32_t(h) << 16); }
+static inline uint16_t f32_to_bf16(float f) {  // round to nearest even, as PyTorch's conversion
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40);  // NaN stays NaN
+    return uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
 
 // IEEE half to float without F16C (portable path; the SIMD paths use vcvtph2ps).
 static inline float fp16_to_f32(uint16_t h) {

@@ -130,6 +130,70 @@ int64_t LatentMaps::bytes() const {
     return H * c * row_bytes(k_fmt, nope) + H * v * row_bytes(v_fmt, c);
 }
 
+namespace {
+
+struct Dense {
+    const LatentMaps* m;
+    const KernelTable* kt;
+    void* out;
+    bool bf16;
+    std::atomic<int64_t> next{0};
+};
+
+inline void store(float* p, float x) { *p = x; }
+inline void store(uint16_t* p, float x) { *p = f32_to_bf16(x); }
+
+thread_local std::vector<float> tls_panel, tls_tmp;
+
+// Rows [row0, row0 + n) of `w` (K columns) into out, through the kernels' k-major panels:
+// transposed (out[k * ld + r], which the panels already are) or not (out[r * ld + k]).
+template <class T>
+void dequant_rows(const KernelTable& kt, Format fmt, const MatrixRef& w, int64_t row0, int64_t n, int64_t K,
+                  bool transposed, T* out, int64_t ld) {
+    const int P = kt.panel, kc_max = int(std::min<int64_t>(K, 512));
+    tls_panel.resize(size_t(P) * kc_max);
+    tls_tmp.resize(size_t(P) * (kc_max + 16));
+    const float* panel = tls_panel.data();
+    for (int64_t r0 = 0; r0 < n; r0 += P) {
+        const int rows = int(std::min<int64_t>(P, n - r0));
+        for (int64_t k0 = 0; k0 < K; k0 += kc_max) {
+            const int kc = int(std::min<int64_t>(kc_max, K - k0));
+            kt.dequant_panel(fmt, w, row0 + r0, rows, k0, kc, tls_panel.data(), tls_tmp.data());
+            if (transposed) {
+                for (int k = 0; k < kc; ++k) {
+                    T* dst = out + (k0 + k) * ld + r0;
+                    for (int r = 0; r < rows; ++r) store(dst + r, panel[size_t(k) * P + r]);
+                }
+            } else {
+                for (int r = 0; r < rows; ++r) {
+                    T* dst = out + (r0 + r) * ld + k0;
+                    for (int k = 0; k < kc; ++k) store(dst + k, panel[size_t(k) * P + r]);
+                }
+            }
+        }
+    }
+}
+
+// Head h's rows of kv_b_proj: W_UK[h] (k_b[h] [c, nope] transposed) then W_UV[h] (v_b[h] [v, c]).
+template <class T>
+void phase_dense(void* ctx, int, int) {
+    Dense& d = *static_cast<Dense*>(ctx);
+    const LatentMaps& m = *d.m;
+    for (int64_t h; (h = d.next.fetch_add(1, std::memory_order_relaxed)) < m.H;) {
+        T* head = static_cast<T*>(d.out) + h * (m.nope + m.v) * m.c;
+        dequant_rows(*d.kt, m.k_fmt, m.k_map, h * m.c, m.c, m.nope, true, head, m.c);
+        dequant_rows(*d.kt, m.v_fmt, m.v_map, h * m.v, m.v, m.c, false, head + m.nope * m.c, m.c);
+    }
+}
+
+}  // namespace
+
+void LatentMaps::to_dense(Executor& exec, const KernelTable& kt, void* out, bool bf16) const {
+    if (!split) throw std::invalid_argument("joined maps are kv_b_proj already");
+    Dense d{this, &kt, out, bf16};
+    exec.run(bf16 ? phase_dense<uint16_t> : phase_dense<float>, &d);
+}
+
 void mla_attend_rows(Executor& exec, const KernelTable& kt, const MlaDecode& m, const float* q, int64_t T,
                      const int64_t* tables, int64_t table_len, const int64_t* lengths, float* out) {
     const int64_t cr = m.c + m.rope;

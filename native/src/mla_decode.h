@@ -37,6 +37,9 @@ struct LatentMaps {
     LatentMaps(int64_t H, int64_t nope, int64_t v, int64_t c, bool split, Format k_fmt, MatrixRef k_map, Format v_fmt,
                MatrixRef v_map);
     int64_t bytes() const;  // what one token's attention reads of them
+    // Split maps as kv_b_proj [H * (nope + v), c] in float32 or bf16 (the expanded form's, for
+    // a long prompt), dequantized by the kernels on the pool's threads, a head at a time.
+    void to_dense(Executor& exec, const KernelTable& kt, void* out, bool bf16) const;
 };
 
 struct MlaDecode {

@@ -781,6 +781,20 @@ NB_MODULE(_native, m) {
         .def_ro("nope", &LatentMaps::nope)
         .def_ro("v", &LatentMaps::v)
         .def_ro("c", &LatentMaps::c)
+        .def(
+            "to_dense",
+            [](const LatentMaps& maps, nb::ndarray<nb::ndim<2>, nb::c_contig, nb::device::cpu> out) {
+                if (int64_t(out.shape(0)) != maps.H * (maps.nope + maps.v) || int64_t(out.shape(1)) != maps.c)
+                    throw nb::value_error("out must be [n_heads * (nope + v), c]");
+                const bool bf16 = is_bf16_or_bits(out.dtype());
+                if (!bf16 && out.dtype() != nb::dtype<float>()) throw nb::type_error("out must be float32 or bfloat16");
+                void* o = out.data();
+                const KernelTable& kt = *current_table();
+                Executor& exec = executor();
+                nb::gil_scoped_release release;
+                maps.to_dense(exec, kt, o, bf16);
+            },
+            "out"_a, "Split maps as kv_b_proj [n_heads * (nope + v), c] in float32 or bfloat16 (GIL released).")
         .def_prop_ro("bytes", &LatentMaps::bytes, "Stored bytes of both maps (what one token's attention reads).")
         .def_prop_ro("format", &maps_format, "The maps' format, \"k+v\" when they differ.");
     m.def("mla_attend_rows", &mla_attend_rows_py, "q"_a, "maps"_a, "cache"_a, "tables"_a, "lengths"_a, "rope"_a,

@@ -11,6 +11,7 @@ from hybridmoe.backend.bench.synthetic_experts import FLOAT_FORMATS, random_matr
 from hybridmoe.backend.engine import native_kernels
 from hybridmoe.backend.engine.latent_maps import StoredMaps
 from hybridmoe.backend.engine.native_kernels import Unsupported
+from hybridmoe.backend.formats.gguf_weights import join_kv_b
 from hybridmoe.backend.formats.weights import dense
 
 from .test_native_experts import act_group, q8, rel_err
@@ -71,3 +72,13 @@ def test_maps_of_another_shape_than_the_configs_are_refused():
     v_b = random_matrix(rng, "q8_0", (H * V, C))
     with pytest.raises(Unsupported):
         StoredMaps(random_matrix(rng, "q8_0", (H * C, NOPE)), v_b, H + 1, NOPE, V, C, torch.float32)
+
+
+@pytest.mark.parametrize("k_fmt,v_fmt", [("bf16", "f16"), ("q8_0", "q8_0"), ("q4_0", "q4_k"), ("q8_0", "q6_k")])
+def test_the_expanded_forms_kv_b_is_the_maps_rebuilt(isa, k_fmt, v_fmt):
+    """kv_b_proj from the maps (the kernels' dequantization) is GGUF's split undone exactly."""
+    rng = np.random.default_rng(1)
+    k_b, v_b = random_matrix(rng, k_fmt, (H * C, NOPE)), random_matrix(rng, v_fmt, (H * V, C))
+    maps, want = StoredMaps(k_b, v_b, H, NOPE, V, C, torch.float32), join_kv_b(k_b, v_b, H).float()
+    assert torch.equal(maps.dense(torch.float32), want)
+    assert torch.equal(maps.dense(torch.bfloat16), want.to(torch.bfloat16))  # rounded as PyTorch rounds
