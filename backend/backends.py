@@ -8,8 +8,9 @@ there too, or the user asked to stop.
 
 ``auto`` never picks llama.cpp where it is known to crash (an AMX CPU with a llama-cpp-python
 too old to keep its weights off the AMX buffer type, hybridmoe.backend.llamacpp.model.crash_risk): a plan
-made for llama.cpp is then served by the engine, and a model only llama.cpp serves is refused
-with the reason. An explicit `--backend llamacpp` is refused there with the same reason.
+made for llama.cpp is then served by the engine, unless the planner chose llama.cpp because the
+engine's own layout does not fit (``Plan.engine_misfit``), and a model only llama.cpp serves is
+refused with the reason. An explicit `--backend llamacpp` is refused there with the same reason.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
-from hybridmoe.backend.errors import UnsupportedModelError, UsageError
+from hybridmoe.backend.errors import PlanError, UnsupportedModelError, UsageError
 from hybridmoe.backend.models.inspect import InspectedModel
 from hybridmoe.backend.plan.plan import Plan
 from hybridmoe.backend.plan.workload import BACKENDS
@@ -46,6 +47,11 @@ def load_session(
         choice = plan.workload.backend
         reason = f"the plan was made for {BACKEND_NAMES[choice]}"
         if choice == "llamacpp" and (risk := _llamacpp_crash_risk()):
+            if plan.engine_misfit:
+                raise PlanError(f"This model's layout fits only on llama.cpp here (the embedded engine's does not: "
+                                f"{plan.engine_misfit}), and {risk}.",
+                                "Update llama-cpp-python (pip install -U llama-cpp-python), or plan for the engine "
+                                "with a shorter context or fewer GPU experts (hybridmoe plan --backend engine).")
             choice, reason = "engine", f"{reason}, but {risk}"
         if on_choice is not None:
             on_choice(choice, reason)

@@ -54,7 +54,7 @@ def make(spec: ModelSpec, inventory: TensorInventory, hardware: HardwareProfile,
         # them as the file stores them, so a layout the engine cannot fit may fit there.
         llama = _Planner(spec, inventory, hardware, replace(workload, backend="llamacpp")).plan()
         if llama.fits:
-            return replace(llama, warnings=llama.warnings + (
+            return replace(llama, engine_misfit=plan.reason, warnings=llama.warnings + (
                 f"The embedded engine's layout does not fit ({plan.reason}): this plan is for llama.cpp, which keeps "
                 "the always-read weights on the GPUs as the file stores them (--backend engine plans for the engine).",))
     return plan

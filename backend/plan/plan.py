@@ -90,6 +90,9 @@ class Plan:
     outgrown: bool = False
     serving: dict[str, Any] | None = None
     warnings: tuple[str, ...] = ()
+    # Why the embedded engine's own layout does not fit, where that made `--backend auto` plan
+    # for llama.cpp (plan.make): a session must then not hand this plan to the engine.
+    engine_misfit: str | None = None
     format: str = field(default=PLAN_FORMAT)
     # How routed experts are held on the GPUs ("bf16"/"f32": dense in the compute dtype,
     # "int8": weight-only with per-row scales, "int4": the stored 4-bit codes) and the bytes each then takes there, per MoE

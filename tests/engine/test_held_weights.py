@@ -120,7 +120,8 @@ def test_a_card_too_small_for_the_widened_weights_is_planned_for_llamacpp(models
     """A quantized file's always-read weights that fit on the card as stored but not as the
     engine widens them: the engine's plan does not fit and says that llama.cpp would hold
     them as stored; llama.cpp's plan counts them so, and fits; and an automatic choice of
-    backend plans for llama.cpp, saying why (the session then runs it there)."""
+    backend plans for llama.cpp, saying why (the session then runs it there, and nowhere else:
+    tests/llamacpp/test_loading.py)."""
     from tests.engine.test_hybrid_resident import replace_gpu_total
 
     inspected = inspect_model(models("qwen3_moe", "q8_0"))
@@ -140,5 +141,6 @@ def test_a_card_too_small_for_the_widened_weights_is_planned_for_llamacpp(models
     assert any("--backend llamacpp" in s for s in engine_plan.suggestions)
     assert auto.fits and auto.workload.backend == "llamacpp" and auto.gpu_experts == llama_plan.gpu_experts
     assert any("this plan is for llama.cpp" in w for w in auto.warnings)
+    assert auto.engine_misfit == engine_plan.reason and llama_plan.engine_misfit is None  # (a session then keeps it off the engine)
     # Where the engine fits, the automatic choice stays the engine's.
     assert plan(_workstation()).workload.backend == "auto"

@@ -172,6 +172,25 @@ def test_auto_serves_with_the_engine_where_llama_cpp_is_known_to_crash(ggufs, ll
     assert "hybridmoe: backend: the embedded engine, because the plan was made for llama.cpp, but llama.cpp's AMX" in err
 
 
+def test_a_plan_only_llama_cpp_fits_is_refused_where_it_is_known_to_crash(ggufs, llamacpp_plan, monkeypatch, capsys):
+    """`--backend auto` planned llama.cpp because the engine's layout does not fit (plan.make):
+    the engine must not be handed that plan instead."""
+    import dataclasses
+
+    import hybridmoe.backend.backends
+    from hybridmoe.backend.plan import Plan
+
+    misfit = "the GPUs hold 4.1 GB of the 5.2 GB the layout needs"
+    dataclasses.replace(Plan.load(llamacpp_plan), engine_misfit=misfit).save(llamacpp_plan)
+    assert Plan.load(llamacpp_plan).engine_misfit == misfit
+    risk = llamacpp_model.crash_risk(AMX_CPU, type("Old", (), {"_fields_": []}))
+    monkeypatch.setattr(hybridmoe.backend.backends, "_llamacpp_crash_risk", lambda: risk)
+    code, result, err = run_json(capsys, "-m", ggufs("qwen3_moe"), "--plan", llamacpp_plan)
+    assert code != 0 and result is None
+    assert f"the embedded engine's does not: {misfit}), and llama.cpp's AMX matmul crashes" in err
+    assert "hybridmoe plan --backend engine" in err and "Traceback" not in err
+
+
 def test_auto_does_not_fall_back_to_llama_cpp_where_it_is_known_to_crash(ggufs, tmp_path, own_dirs, monkeypatch, capsys):
     import hybridmoe.backend.backends
     from tests.llamacpp.conftest import copy_gguf
