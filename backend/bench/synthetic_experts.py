@@ -21,7 +21,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from hybridmoe.backend.engine.experts import ExpertActivation, ExpertStore, HostExperts
 from hybridmoe.backend.formats.quant import QuantTensor, from_compressed_int4, from_gguf, from_mxfp4
 
-GGUF_FORMATS = ("q8_0", "q4_0", "q4_k", "q5_k", "q6_k", "mxfp4")
+GGUF_FORMATS = ("q8_0", "q4_0", "q5_0", "q4_k", "q5_k", "q6_k", "mxfp4")
 HF_FORMATS = ("mxfp4_hf", "int4_g32")
 FLOAT_FORMATS = ("bf16", "f16", "f32")
 ALL_FORMATS = GGUF_FORMATS + HF_FORMATS + FLOAT_FORMATS
@@ -68,8 +68,8 @@ def random_matrix(rng: np.random.Generator, fmt: str, shape: tuple[int, ...], sc
 
     # Divisors: the spread of what each scale multiplies (uniform codes; 6-bit sub-block
     # scales average 32; q6_k's int8 scales about 73).
-    if fmt in ("q8_0", "q4_0"):
-        data[:, 0:2] = _f16_bytes(scales(nb, True) / (73 if fmt == "q8_0" else 4.6))
+    if fmt in ("q8_0", "q4_0", "q5_0"):
+        data[:, 0:2] = _f16_bytes(scales(nb, True) / {"q8_0": 73, "q4_0": 4.6, "q5_0": 9.2}[fmt])
     elif fmt in ("q4_k", "q5_k"):
         spread = 32 * (4.6 if fmt == "q4_k" else 9.2)
         data[:, 0:2] = _f16_bytes(scales(nb, False) / spread)  # d

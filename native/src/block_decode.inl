@@ -40,6 +40,16 @@ static inline void dequant_block(Format fmt, const uint8_t* row, const uint8_t* 
             }
             return;
         }
+        case FMT_Q5_0: {
+            const uint8_t* p = row + b * 22;
+            const float d = fp16_to_f32(load_u16(p));
+            const uint32_t qh = load_u32(p + 2);
+            for (int j = 0; j < 16; ++j) {
+                dst[j] = d * float(int((p[6 + j] & 0x0F) | (((qh >> j) & 1) << 4)) - 16);
+                dst[j + 16] = d * float(int((p[6 + j] >> 4) | (((qh >> (j + 16)) & 1) << 4)) - 16);
+            }
+            return;
+        }
         case FMT_Q4_K:
         case FMT_Q5_K: {
             const bool five = fmt == FMT_Q5_K;

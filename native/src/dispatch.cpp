@@ -52,7 +52,8 @@ void random_rows(Format fmt, int rows, int K, std::mt19937& rng, std::vector<uin
             uint8_t* blk = row + int64_t(b) * f.block_bytes;
             switch (fmt) {
                 case FMT_Q8_0:
-                case FMT_Q4_0: put_f16(blk, small(rng)); break;
+                case FMT_Q4_0:
+                case FMT_Q5_0: put_f16(blk, small(rng)); break;
                 case FMT_Q4_K:
                 case FMT_Q5_K: put_f16(blk, small(rng)); put_f16(blk + 2, small(rng)); break;
                 case FMT_Q6_K: put_f16(blk + 208, small(rng)); break;

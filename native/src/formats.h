@@ -10,6 +10,10 @@
 //   q8_0   d:fp16 | q[32]:int8                                   value = d * q
 //   q4_0   d:fp16 | qs[16]  element j in the low nibble of qs[j], element 16+j in the
 //          high nibble                                           value = d * (nib - 8)
+//   q5_0   d:fp16 | qh[4] | qs[16]  as q4_0, plus bit j of the little-endian 32-bit qh as
+//          the fifth bit of element j                           value = d * (q5 - 16)
+//          (llama.cpp's quantizer writes it where a row is not whole K-quant super-blocks:
+//          a Q4_K_M DeepSeek's attn_k_b, rows of 128)
 //   q4_k   d:fp16 | dmin:fp16 | scales[12] (eight 6-bit scales + eight 6-bit mins) |
 //          qs[128]: 32-byte chunk c holds sub-block 2c in the low nibbles and 2c+1 in the
 //          high nibbles                                          value = d*sc*nib - dmin*m
@@ -75,6 +79,7 @@ enum Format : int {
     FMT_INT4_X8,   // int4_g32 rows interleaved in groups of 8, bf16 scales (made at load)
     FMT_Q4_K_X8,   // q4_k rows interleaved in groups of 8, scales unpacked (made at load)
     FMT_Q8_0_X8,   // q8_0 rows interleaved in groups of 8 (made at load)
+    FMT_Q5_0,
     FMT_COUNT
 };
 
@@ -113,6 +118,7 @@ static constexpr FormatInfo kFormats[FMT_COUNT] = {
     {"int4_g32x8", 32, 18, 0, false, false, 8},
     {"q4_kx8", 256, 148, 0, false, false, 8, 256},
     {"q8_0x8", 32, 34, 0, false, false, 8},
+    {"q5_0", 32, 22, 0, false, false},
 };
 
 // Bytes of one block of a group of eight rows in the x8 layouts: 32 columns of q4_0x8 /
@@ -200,6 +206,11 @@ static inline float fp16_to_f32(uint16_t h) {
 static inline uint16_t load_u16(const uint8_t* p) {
     uint16_t v;
     std::memcpy(&v, p, 2);
+    return v;
+}
+static inline uint32_t load_u32(const uint8_t* p) {
+    uint32_t v;
+    std::memcpy(&v, p, 4);
     return v;
 }
 

@@ -139,18 +139,32 @@ static inline __m256i hsum8(const __m256i v[8]) {
     return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
 }
 
-// ---- decode: blocks of 32 (q8_0, q4_0, mxfp4, mxfp4_hf, int4_g32) ------------------------
+// ---- decode: blocks of 32 (q8_0, q4_0, q5_0, mxfp4, mxfp4_hf, int4_g32) ------------------
 
-// One 32-weight block as int8 codes plus its scale. kUnsigned: codes are 0..15 with an
-// implicit -8 (q4_0, int4); otherwise signed values.
+// q5_0's fifth bits: bit j of the 32-bit word at p as 0x10 in byte j. Byte j of the broadcast
+// word is picked by j / 8 (a byte shuffle within each 128-bit half, where every byte of the
+// word is at hand), then tested against a mask holding bit j % 8.
+static inline __m256i fifth_bits32(const uint8_t* p) {
+    const __m256i word = _mm256_set1_epi32(int(load_u32(p)));
+    const __m256i bytes = _mm256_shuffle_epi8(word, _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                                                      2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+    const __m256i bit = _mm256_set1_epi64x(int64_t(0x8040201008040201ull));
+    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(bytes, bit), bit), _mm256_set1_epi8(0x10));
+}
+
+// One 32-weight block as int8 codes plus its scale. kUnsigned: codes are 0..15 (0..31 for
+// q5_0) with an implicit -kOffset (q4_0, q5_0, int4); otherwise signed values.
 template <Format F>
 struct Block32 {
-    static constexpr bool kUnsigned = F == FMT_Q4_0 || F == FMT_INT4_G32;
+    static constexpr bool kUnsigned = F == FMT_Q4_0 || F == FMT_Q5_0 || F == FMT_INT4_G32;
+    static constexpr float kOffset = F == FMT_Q5_0 ? 16.f : 8.f;
     static inline __m256i codes(const uint8_t* row, int64_t b) {
         if constexpr (F == FMT_Q8_0) {
             return load32(row + b * 34 + 2);
         } else if constexpr (F == FMT_Q4_0) {
             return nibbles32(row + b * 18 + 2);
+        } else if constexpr (F == FMT_Q5_0) {
+            return _mm256_or_si256(nibbles32(row + b * 22 + 6), fifth_bits32(row + b * 22 + 2));
         } else if constexpr (F == FMT_INT4_G32 || F == FMT_MXFP4_HF) {
             const __m256i n = nibbles32(row + b * 16);
             if constexpr (F == FMT_INT4_G32) return n;
@@ -162,6 +176,7 @@ struct Block32 {
     static inline float scale(const uint8_t* row, const uint8_t* srow, int64_t b) {
         if constexpr (F == FMT_Q8_0) return h2f(row + b * 34);
         if constexpr (F == FMT_Q4_0) return h2f(row + b * 18);
+        if constexpr (F == FMT_Q5_0) return h2f(row + b * 22);
         if constexpr (F == FMT_INT4_G32) return bf16_to_f32(load_u16(srow + 2 * b));
         if constexpr (F == FMT_MXFP4_HF) return e8m0_half(srow[b]);
         return e8m0_half(row[b * 17]);
@@ -176,8 +191,8 @@ struct Block32 {
 // The scales of blocks b .. b+7 as eight floats (one vector multiply applies them all).
 template <Format F>
 static inline __m256 scales8(const uint8_t* row, const uint8_t* srow, int64_t b) {
-    if constexpr (F == FMT_Q8_0 || F == FMT_Q4_0) {
-        constexpr int S = F == FMT_Q8_0 ? 34 : 18;  // fp16 d at the start of each block
+    if constexpr (F == FMT_Q8_0 || F == FMT_Q4_0 || F == FMT_Q5_0) {
+        constexpr int S = kFormats[F].block_bytes;  // fp16 d at the start of each block
         const uint8_t* p = row + b * S;
         const __m128i h = _mm_setr_epi16(short(load_u16(p)), short(load_u16(p + S)), short(load_u16(p + 2 * S)),
                                          short(load_u16(p + 3 * S)), short(load_u16(p + 4 * S)),
@@ -247,12 +262,12 @@ static void gemv_b32_n(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t 
                 const __m256i isum = B::kUnsigned ? dot_u8s8(_mm256_setzero_si256(), q, a)
                                                   : dot_s8s8(_mm256_setzero_si256(), q, a);
                 tail[t] += dw * acts[t].d[b] * hsum_ps(_mm256_cvtepi32_ps(isum));
-                if constexpr (B::kUnsigned) tail[t] -= 8.f * dw * acts[t].s[b];
+                if constexpr (B::kUnsigned) tail[t] -= B::kOffset * dw * acts[t].s[b];
             }
         }
         for (int t = 0; t < N; ++t) {
             __m256 v = acc[t];
-            if constexpr (B::kUnsigned) v = _mm256_fnmadd_ps(_mm256_set1_ps(8.f), corr[t], v);
+            if constexpr (B::kUnsigned) v = _mm256_fnmadd_ps(_mm256_set1_ps(B::kOffset), corr[t], v);
             out[t * ldo + r] = hsum_ps(v) + tail[t];
         }
     }
@@ -950,6 +965,7 @@ static void dequant_row_simd(Format fmt, const MatrixRef& w, int64_t r, int64_t 
     switch (fmt) {
         case FMT_Q8_0:
         case FMT_Q4_0:
+        case FMT_Q5_0:
         case FMT_INT4_G32:
         case FMT_MXFP4:
         case FMT_MXFP4_HF:
@@ -964,6 +980,11 @@ static void dequant_row_simd(Format fmt, const MatrixRef& w, int64_t r, int64_t 
                     case FMT_Q4_0: {
                         const float d = Block32<FMT_Q4_0>::scale(row, srow, b);
                         store32(o, Block32<FMT_Q4_0>::codes(row, b), d, d, 8.f * d);
+                        break;
+                    }
+                    case FMT_Q5_0: {
+                        const float d = Block32<FMT_Q5_0>::scale(row, srow, b);
+                        store32(o, Block32<FMT_Q5_0>::codes(row, b), d, d, 16.f * d);
                         break;
                     }
                     case FMT_INT4_G32: {
@@ -1754,7 +1775,7 @@ static const KernelTable* make_table(const char* name) {
         quantize,
         {gemv_q8_b32<FMT_Q8_0>, gemv_q8_b32<FMT_Q4_0>, gemv_q8_q4k, gemv_q8_q5k, gemv_q8_q6k, gemv_q8_b32<FMT_MXFP4>,
          gemv_q8_b32<FMT_MXFP4_HF>, gemv_q8_b32<FMT_INT4_G32>, nullptr, nullptr, nullptr, gemv_q8_x8<FMT_Q4_0_X8>,
-         gemv_q8_x8<FMT_INT4_X8>, gemv_q8_q4kx8, gemv_q8_q8x8},
+         gemv_q8_x8<FMT_INT4_X8>, gemv_q8_q4kx8, gemv_q8_q8x8, gemv_q8_b32<FMT_Q5_0>},
         {nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, gemv_float<FMT_BF16>,
          gemv_float<FMT_F16>, gemv_float<FMT_F32>, nullptr, nullptr, nullptr, nullptr},
         dequant_panel,

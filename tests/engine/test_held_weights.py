@@ -29,6 +29,9 @@ from tests.engine.test_hybrid_resident import _workstation
 # in Q5_1, a format the CPU kernels do not read (the engine widens it to bf16 there).
 K_QUANT_SIZES = {"q4_k_m": dict(hidden_size=256, intermediate_size=512, moe_intermediate_size=256, head_dim=64),
                  "q4_k_m narrow heads": dict(hidden_size=256, intermediate_size=512, moe_intermediate_size=256)}
+# A DeepSeek of such sizes: its attn_k_b (rows of nope = 128) is written in Q5_0, attn_v_b in Q4_K.
+MLA_K_QUANT = dict(hidden_size=256, intermediate_size=512, moe_intermediate_size=256, q_lora_rank=256,
+                   kv_lora_rank=256, qk_nope_head_dim=128, v_head_dim=128)
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +45,8 @@ def models(tmp_path_factory) -> dict[tuple[str, str], Path]:
     def get(family: str, source: str) -> Path:
         if source in K_QUANT_SIZES:
             if (family, source) not in cache:
-                hf = build_checkpoint(tmp_path_factory.mktemp(f"{family}_k"), family, overrides=K_QUANT_SIZES[source]).path
+                sizes = MLA_K_QUANT if family.startswith("deepseek") else K_QUANT_SIZES[source]
+                hf = build_checkpoint(tmp_path_factory.mktemp(f"{family}_k"), family, overrides=sizes).path
                 out = tmp_path_factory.mktemp(f"gguf_{family}") / f"{family}-q4_k_m.gguf"
                 cache[family, source] = to_gguf(hf, out, "q4_k_m")
             return cache[family, source]
@@ -93,14 +97,14 @@ STEPPED = [f for f in FAMILIES if f not in ("olmoe", "gpt_oss")]
 
 
 @pytest.mark.parametrize("family,source", [(f, s) for f in STEPPED for s in ("hf", "q8_0")]
-                         + [("qwen3_moe", s) for s in K_QUANT_SIZES])
+                         + [("qwen3_moe", s) for s in K_QUANT_SIZES] + [("deepseek_v3", "q4_k_m")])
 def test_a_cpu_only_plans_bytes_per_token_are_what_the_decode_step_reads(models, family, source):
     """One token at the plan's full context: its experts, projections, routers, cache and head,
     as the step counts them, against the plan's figure (which also counts the norms' vectors,
     up to 3 % of these tiny models' bytes; MLA's kv_b is read in the compute dtype from a
-    checkpoint and as stored from a GGUF, Q4_K matrices in the kernels' layout, 148 bytes for the file's 144, and
-    a Q5_1 projection in bf16, and the plan says so). Host RAM holds the experts' copies the
-    plan counts."""
+    checkpoint and as stored from a GGUF (a Q4_K_M DeepSeek's Q5_0 attn_k_b too), Q4_K
+    matrices in the kernels' layout, 148 bytes for the file's 144, and a Q5_1 projection in
+    bf16, and the plan says so). Host RAM holds the experts' copies the plan counts."""
     path = models(family, source)
     inspected = inspect_model(path)
     context = 64
@@ -112,7 +116,8 @@ def test_a_cpu_only_plans_bytes_per_token_are_what_the_decode_step_reads(models,
     read = sum(profile.bytes.values())
     assert 0.97 * plan.host_bytes_per_token <= read <= plan.host_bytes_per_token
     if source in K_QUANT_SIZES:  # the experts' copies: the Q4_K ones 4 bytes in 148 more than the file's
-        copied = sum(step.ffn.layer.interleaved_bytes for step in model._decode_step.layers)
+        copied = sum(step.ffn.layer.interleaved_bytes for step in model._decode_step.layers
+                     if hasattr(step.ffn, "layer"))  # (not DeepSeek's leading dense layer)
         assert copied == plan.devices[-1].bytes_by_class["routed_experts"] > inspected.inventory.routed_expert_bytes
 
 

@@ -44,7 +44,7 @@ def reference(q, k_b, v_b, cache, table, start):
 
 @pytest.mark.parametrize("rows", [1, 3, 6])  # 6: a second group of four rows in the GEMVs
 @pytest.mark.parametrize("k_fmt,v_fmt", [("bf16", "bf16"), ("f32", "f16"), ("q8_0", "q8_0"), ("q4_0", "q4_k"),
-                                         ("q8_0", "q6_k")])
+                                         ("q8_0", "q6_k"), ("q5_0", "q4_k")])  # the last: a Q4_K_M DeepSeek's
 def test_stored_maps_compute_the_absorbed_form(isa, k_fmt, v_fmt, rows):
     rng = np.random.default_rng(rows)
     k_b, v_b = random_matrix(rng, k_fmt, (H * C, NOPE)), random_matrix(rng, v_fmt, (H * V, C))
@@ -74,7 +74,7 @@ def test_maps_of_another_shape_than_the_configs_are_refused():
         StoredMaps(random_matrix(rng, "q8_0", (H * C, NOPE)), v_b, H + 1, NOPE, V, C, torch.float32)
 
 
-@pytest.mark.parametrize("k_fmt,v_fmt", [("bf16", "f16"), ("q8_0", "q8_0"), ("q4_0", "q4_k"), ("q8_0", "q6_k")])
+@pytest.mark.parametrize("k_fmt,v_fmt", [("bf16", "f16"), ("q8_0", "q8_0"), ("q4_0", "q4_k"), ("q5_0", "q6_k")])
 def test_the_expanded_forms_kv_b_is_the_maps_rebuilt(isa, k_fmt, v_fmt):
     """kv_b_proj from the maps (the kernels' dequantization) is GGUF's split undone exactly."""
     rng = np.random.default_rng(1)
