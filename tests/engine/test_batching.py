@@ -91,11 +91,11 @@ def test_each_sequence_of_a_batch_gets_its_solo_tokens(family, source, checkpoin
 # Where the one-call native chain (cpu_decode._Chain) covers every layer of the tiny models:
 # GLM-4.5's (a dense first layer, q|k|v bias, partial rotary, sigmoid group routing, a shared
 # expert), Qwen2-MoE's (q|k|v bias, a sigmoid-gated shared expert) and DeepSeek-V3's (latent
-# attention with a q LoRA, eight groups of experts) among them. OLMoE's q/k norm spans all heads,
-# GPT-OSS has sliding windows and sinks; under q4_k_m the tiny experts' rows are too short for
-# K-quant blocks (no native MoE step at all).
+# attention with a q LoRA, eight groups of experts) among them; under q4_k_m too, where the tiny
+# models' rows, too short for K-quant blocks, are written in Q5_0, which the kernels read.
+# OLMoE's q/k norm spans all heads, GPT-OSS has sliding windows and sinks.
 CHAIN_CASES = {(family, source) for family in ("qwen3_moe", "mixtral", "glm4_moe", "qwen2_moe", "deepseek_v3")
-               for source in ("bf16-checkpoint", "q8_0-gguf")}
+               for source in ("bf16-checkpoint", "q8_0-gguf", "q4_k_m-gguf")}
 
 
 def chain_against_calls(model) -> None:
