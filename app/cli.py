@@ -222,7 +222,7 @@ def cmd_bench_generate(args) -> int:
 
     summary = generate.measure(args.model, prompt_tokens=args.prompt_tokens, gen_tokens=args.gen_tokens,
                                threads=args.threads, repeats=args.repeats, rounds=args.rounds,
-                               backends=args.backends)
+                               pairs=args.pairs, backends=args.backends)
     print(json.dumps(summary, indent=1) if args.json else generate.table(summary))
     return EXIT_OK
 
@@ -386,6 +386,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=positive_int, default=2, help="timed passes per process (after an untimed one)")
     p.add_argument("--rounds", type=positive_int, default=2,
                    help="processes per backend, the backends taking turns (a drifting machine slows both alike)")
+    p.add_argument("--pairs", type=non_negative_int, default=12,
+                   help="then both backends in one process, decoding 16-token passes in alternation: how many "
+                        "pairs (default 12; 0: none). Their median ratio is steadier on a shared host")
     p.add_argument("--backends", type=comma_separated(("engine", "llamacpp")), default=["engine", "llamacpp"],
                    help="which to measure (default engine,llamacpp)")
     p.add_argument("--json", action="store_true", help="the results, the engine's per-token breakdown "

@@ -8,7 +8,9 @@ untimed pass first (page faults on the mapped file, lazily built kernels' state)
 part); the backends take turns for `rounds` rounds, so that a machine whose
 speed drifts over minutes (a shared host) slows both alike. Reported: load time, peak RSS
 after load and at the end, prefill tokens/s on the prompt and decode tokens/s, medians over
-all timed passes. A benchmark, not a test: compare the ratio printed at the end.
+all timed passes. Then both backends in one process decode short passes in alternation
+(``_run_paired``), whose median ratio is the steadiest on a shared host. A benchmark, not a
+test: compare the ratios printed at the end.
 """
 
 from __future__ import annotations
@@ -53,23 +55,29 @@ def _probe(threads: int) -> float:
     return measure_host_read_bandwidth(threads=threads, passes=3)
 
 
-def _run_engine(model: str, prompt_tokens: int, gen_tokens: int, threads: int, repeats: int) -> dict:
+def _load_engine(model: str, context: int, threads: int):
+    """The engine's model of `model` for one sequence of `context` tokens on the CPU, and its plan."""
     import torch
 
-    from hybridmoe.backend.engine import native_kernels, step_profile
     from hybridmoe.backend.engine.session import EngineBackend
     from hybridmoe.backend.hardware import detect
     from hybridmoe.backend.models import inspect_model
     from hybridmoe.backend.plan import Workload, make
-    from hybridmoe.backend.text.sampling import Sampler, SamplingParams
 
     torch.set_num_threads(threads)
     os.environ.setdefault("HYBRIDMOE_CPU_THREADS", str(threads))
     inspected = inspect_model(model)
     plan = make(inspected.spec, inspected.inventory, detect(measure_bandwidth=False),
-                Workload(context=prompt_tokens + gen_tokens + 8, strategy="cpu-only"))
+                Workload(context=context, strategy="cpu-only"))
+    return EngineBackend().load(model, plan).model, plan
+
+
+def _run_engine(model: str, prompt_tokens: int, gen_tokens: int, threads: int, repeats: int) -> dict:
+    from hybridmoe.backend.engine import native_kernels, step_profile
+    from hybridmoe.backend.text.sampling import Sampler, SamplingParams
+
     t0 = time.perf_counter()
-    net = EngineBackend().load(model, plan).model
+    net, plan = _load_engine(model, prompt_tokens + gen_tokens + 8, threads)
     load_s = time.perf_counter() - t0
     rss_load = _vm_hwm()
     ids = _prompt(net.config.require("vocab_size"), prompt_tokens)
@@ -156,7 +164,59 @@ def _run_llamacpp(model: str, prompt_tokens: int, gen_tokens: int, threads: int,
             "decode_probe": decode_probe, "probe": probes, "tokens": tokens, "version": version("llama-cpp-python")}
 
 
-def run_worker(backend: str, model: str, prompt_tokens: int, gen_tokens: int, threads: int, repeats: int) -> dict:
+def _run_paired(model: str, prompt_tokens: int, threads: int, pairs: int, tokens: int) -> dict:
+    """Both backends in one process, decoding in alternation from the same prompt: in pair i each
+    decodes `tokens` tokens at the same positions, right after the other (which goes first
+    alternates). On a shared host whose bandwidth moves by tens of percent within minutes, the
+    ratio of two passes a fraction of a second apart is steadier than that of medians taken
+    minutes apart in separate processes; its median over the pairs is the figure."""
+    import numpy as np
+
+    from hybridmoe.backend.llamacpp.model import RawModel
+    from hybridmoe.backend.text.sampling import Sampler, SamplingParams
+
+    context = prompt_tokens + pairs * tokens + 8
+    net, plan = _load_engine(model, context, threads)
+    llm = RawModel(model, n_ctx=context, n_batch=2048, n_threads=threads)
+    try:
+        ids = _prompt(llm.n_vocab(), prompt_tokens)
+        greedy, seq = Sampler(SamplingParams(temperature=0)), net.sequence
+        chunk = plan.workload.prefill_chunk
+        for pos in range(0, len(ids), chunk):
+            (logits,) = net.forward_batch([(seq, ids[pos : pos + chunk], pos)], prompt=True)
+        state = {"engine": greedy.sample(logits), "llamacpp": int(np.argmax(llm.eval(ids)[-1]))}
+
+        def engine(start: int) -> None:
+            tok = state["engine"]
+            for i in range(tokens):
+                (out,) = net.forward_batch([(seq, [tok], start + i)])
+                tok = greedy.sample(out)
+            state["engine"] = tok
+
+        def llama(start: int) -> None:
+            tok = state["llamacpp"]
+            for _ in range(tokens):
+                tok = int(np.argmax(llm.eval([tok])[-1]))
+            state["llamacpp"] = tok
+
+        rates: dict[str, list[float]] = {"engine": [], "llamacpp": []}
+        for i in range(pairs):
+            start = prompt_tokens + i * tokens
+            for name in (("engine", "llamacpp") if i % 2 == 0 else ("llamacpp", "engine")):
+                time.sleep(0.02)  # the other's threads spin a while after its last call: let them go idle
+                t0 = time.perf_counter()
+                (engine if name == "engine" else llama)(start)
+                rates[name].append(tokens / (time.perf_counter() - t0))
+    finally:
+        llm.close()
+    return {"pairs": pairs, "tokens": tokens, **rates,
+            "ratios": [e / lc for e, lc in zip(rates["engine"], rates["llamacpp"])]}
+
+
+def run_worker(backend: str, model: str, prompt_tokens: int, gen_tokens: int, threads: int, repeats: int,
+               pairs: int = 0) -> dict:
+    if backend == "paired":
+        return _run_paired(model, prompt_tokens, threads, pairs, gen_tokens)
     runner = _run_engine if backend == "engine" else _run_llamacpp
     result = runner(model, prompt_tokens, gen_tokens, threads, repeats)
     result["rss_peak"] = _vm_hwm()
@@ -165,9 +225,12 @@ def run_worker(backend: str, model: str, prompt_tokens: int, gen_tokens: int, th
 
 
 def measure(model: str, *, prompt_tokens: int = 512, gen_tokens: int = 64, threads: int | None = None,
-            repeats: int = 2, rounds: int = 2, backends=BACKENDS, on_progress=None, cancel=None) -> dict:
+            repeats: int = 2, rounds: int = 2, pairs: int = 12, pair_tokens: int = 16, backends=BACKENDS,
+            on_progress=None, cancel=None) -> dict:
     """Run the backends in turn, each in its own process, `rounds` times; return their results
-    (timings of every round together) and the engine/llama.cpp ratios of the medians.
+    (timings of every round together) and the engine/llama.cpp ratios of the medians; then,
+    with both measured and `pairs` > 0, both in one process decoding in alternation
+    (``_run_paired``: `pairs` pairs of `pair_tokens`-token passes).
 
     ``on_progress`` (a hybridmoe.backend.session.ProgressCallback) hears which backend starts;
     ``cancel`` (a CancelToken) kills the running worker and raises ``Cancelled``."""
@@ -178,15 +241,15 @@ def measure(model: str, *, prompt_tokens: int = 512, gen_tokens: int = 64, threa
     threads = threads or psutil.cpu_count(logical=False) or 1
     results: dict[str, dict] = {}
     runs = [(r, b) for r in range(rounds) for b in backends]
+    paired = pairs > 0 and set(BACKENDS) <= set(backends)
     for i, (r, backend) in enumerate(runs):
         if on_progress is not None:
-            on_progress(Progress("bench", i, len(runs), unit="runs", message=f"measuring {backend}, round {r + 1}"))
+            on_progress(Progress("bench", i, len(runs) + paired, unit="runs",
+                                 message=f"measuring {backend}, round {r + 1}"))
         if "error" in results.get(backend, {}):
             continue
-        cmd = [sys.executable, "-m", "hybridmoe.backend.bench.generate", "--worker", backend, model,
-               "--prompt-tokens", str(prompt_tokens), "--gen-tokens", str(gen_tokens),
-               "--threads", str(threads), "--repeats", str(repeats)]
-        returncode, stdout, stderr = _run_worker(cmd, cancel)
+        returncode, stdout, stderr = _run_worker(_worker_cmd(backend, model, prompt_tokens, gen_tokens, threads, repeats),
+                                                 cancel)
         if returncode != 0:
             results[backend] = {"error": stderr.strip().splitlines()[-1] if stderr.strip() else "failed"}
             continue
@@ -198,7 +261,27 @@ def measure(model: str, *, prompt_tokens: int = 512, gen_tokens: int = 64, threa
             for key in ("prefill", "decode", "decode_probe", "probe", "breakdown"):
                 kept[key] = kept.get(key, []) + run.get(key, [])
             kept["rss_peak"] = max(kept["rss_peak"], run["rss_peak"])
-    return summarize(model, prompt_tokens, gen_tokens, threads, repeats, rounds, results)
+    summary = summarize(model, prompt_tokens, gen_tokens, threads, repeats, rounds, results)
+    if paired and all("error" not in results[b] for b in BACKENDS):
+        if on_progress is not None:
+            on_progress(Progress("bench", len(runs), len(runs) + 1, unit="runs",
+                                 message="both backends in one process, in alternation"))
+        cmd = _worker_cmd("paired", model, prompt_tokens, pair_tokens, threads, repeats) + ["--pairs", str(pairs)]
+        returncode, stdout, stderr = _run_worker(cmd, cancel)
+        if returncode != 0:
+            summary["paired"] = {"error": stderr.strip().splitlines()[-1] if stderr.strip() else "failed"}
+        else:
+            run = json.loads(stdout.strip().splitlines()[-1])
+            ratios = run["ratios"]
+            q1, median, q3 = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else ratios * 3
+            summary["paired"] = {**run, "median": median, "quartiles": [q1, q3]}
+    return summary
+
+
+def _worker_cmd(backend: str, model: str, prompt_tokens: int, gen_tokens: int, threads: int, repeats: int) -> list[str]:
+    return [sys.executable, "-m", "hybridmoe.backend.bench.generate", "--worker", backend, model,
+            "--prompt-tokens", str(prompt_tokens), "--gen-tokens", str(gen_tokens),
+            "--threads", str(threads), "--repeats", str(repeats)]
 
 
 def summarize(model: str, prompt_tokens: int, gen_tokens: int, threads: int, repeats: int, rounds: int,
@@ -311,6 +394,14 @@ def table(summary: dict) -> str:
                    if "decode_ratio_per_bandwidth" in summary else "")
         lines.append(f"engine / llama.cpp: prefill {summary['prefill_ratio']:.2f}x, decode {summary['decode_ratio']:.2f}x"
                      f"{matched}; greedy tokens {agree}")
+    paired = summary.get("paired")
+    if paired and "error" in paired:
+        lines.append(f"in alternation in one process: error: {paired['error']}")
+    elif paired:
+        lines.append(f"in alternation in one process ({paired['pairs']} pairs of {paired['tokens']}-token passes at the "
+                     f"same positions): decode {paired['median']:.2f}x (quartiles {paired['quartiles'][0]:.2f}-"
+                     f"{paired['quartiles'][1]:.2f}; engine {statistics.median(paired['engine']):.1f}, llama.cpp "
+                     f"{statistics.median(paired['llamacpp']):.1f} tok/s)")
     return "\n".join(lines)
 
 
@@ -336,21 +427,22 @@ def breakdown_table(per: dict, passes: int, probes: int) -> list[str]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--worker", choices=BACKENDS, help=argparse.SUPPRESS)
+    p.add_argument("--worker", choices=(*BACKENDS, "paired"), help=argparse.SUPPRESS)
     p.add_argument("model")
     p.add_argument("--prompt-tokens", type=int, default=512)
     p.add_argument("--gen-tokens", type=int, default=64)
     p.add_argument("--threads", type=int)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--pairs", type=int, default=12)
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     if args.worker:
         print(json.dumps(run_worker(args.worker, args.model, args.prompt_tokens, args.gen_tokens,
-                                    args.threads or 1, args.repeats)))
+                                    args.threads or 1, args.repeats, args.pairs)))
         return 0
     summary = measure(args.model, prompt_tokens=args.prompt_tokens, gen_tokens=args.gen_tokens,
-                      threads=args.threads, repeats=args.repeats, rounds=args.rounds)
+                      threads=args.threads, repeats=args.repeats, rounds=args.rounds, pairs=args.pairs)
     print(json.dumps(summary, indent=1) if args.json else table(summary))
     return 0
 

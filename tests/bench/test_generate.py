@@ -121,6 +121,24 @@ def test_the_report_has_the_breakdown(tiny_gguf, capsys):
     assert "the plan's figure:" in text and engine["plan_bytes_per_token"] > per["end_to_end"]["bytes"] * 0.9
 
 
+@pytest.mark.slow
+def test_both_backends_decode_in_alternation_in_one_process(tiny_gguf, capsys):
+    """The paired figure: each pair's passes cover the same positions, the order alternating."""
+    pytest.importorskip("llama_cpp")
+    code = cli.main(["bench", "generate", str(tiny_gguf), "--prompt-tokens", "16", "--gen-tokens", "5",
+                     "--threads", "1", "--repeats", "1", "--rounds", "1", "--pairs", "3", "--json"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    paired = json.loads(out)["paired"]
+    assert paired["pairs"] == 3 and len(paired["engine"]) == len(paired["llamacpp"]) == len(paired["ratios"]) == 3
+    assert paired["ratios"] == [e / lc for e, lc in zip(paired["engine"], paired["llamacpp"])]
+    low, high = paired["quartiles"]
+    assert min(paired["ratios"]) <= low <= paired["median"] <= high <= max(paired["ratios"])
+    cli.main(["bench", "generate", str(tiny_gguf), "--prompt-tokens", "16", "--gen-tokens", "5", "--threads", "1",
+              "--repeats", "1", "--rounds", "1", "--pairs", "2"])
+    assert "in alternation in one process (2 pairs of 16-token passes at the same positions): decode" in capsys.readouterr().out
+
+
 def test_the_report_says_how_long_the_greedy_tokens_agree():
     from hybridmoe.backend.bench.generate import table
 
