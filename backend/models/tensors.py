@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import re
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from hybridmoe.backend.errors import ModelError
@@ -371,7 +371,8 @@ def inventory_from_config(spec: ModelSpec, *, expert_format: str | None = None,
     by_layer: dict[int, int] = {}
     router_params = router_bytes = 0  # the routers' matrices
     held = _Held()
-    for t in family.expected_tensors(spec):
+    tensors = family.expected_tensors(spec)
+    for t in (part for t in tensors for part in _as_gguf_stores(t, spec)) if gguf_mode else tensors:
         c = classify_hf(t.name, spec.num_layers)
         if gguf_mode and (t.role == "vision" or (c.layer is not None and c.layer >= spec.num_layers
                                                  and not family.GGUF_KEEPS_MTP)):
@@ -402,6 +403,19 @@ def inventory_from_config(spec: ModelSpec, *, expert_format: str | None = None,
         router_matrix_bytes=router_bytes,
         **held.fields(),
     )
+
+
+def _as_gguf_stores(t: TensorShape, spec: ModelSpec) -> Iterator[TensorShape]:
+    """A checkpoint's tensor as a GGUF stores it: MLA's kv_b_proj split into attn_k_b (each
+    head's nope rows transposed: rows of qk_nope_head_dim, which take a K-quant's 32-weight
+    fallback) and attn_v_b (rows of kv_lora_rank), as llama.cpp's converter and ours write it;
+    the CPU reads both as stored (engine/latent_maps.py). Anything else as it is."""
+    if not t.name.endswith(".self_attn.kv_b_proj.weight"):
+        yield t
+        return
+    heads, c, base = spec.num_attention_heads, spec.kv_lora_rank, t.name.removesuffix("kv_b_proj.weight")
+    yield TensorShape(f"{base}k_b.weight", (heads * c, spec.qk_nope_head_dim), t.role, t.count)
+    yield TensorShape(f"{base}v_b.weight", (heads * spec.v_head_dim, c), t.role, t.count)
 
 
 def _config_tensor_format(t: TensorShape, cls: TensorClass, layer: int | None, ef: str, of: str,

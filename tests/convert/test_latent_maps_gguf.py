@@ -59,3 +59,19 @@ def test_both_forms_of_a_prompt_agree_on_stored_maps(converted):
     absorbed = model(ids, 0)
     model.set_mla_absorb(False)
     assert relative_error(absorbed, model(ids, 0)) < 1e-4
+
+
+@pytest.mark.parametrize("quant", ["q8_0", "q4_0", "q4_k_m"])
+def test_a_plan_before_conversion_counts_kv_b_as_the_file_will_hold_it(converted, quant):
+    """From the config alone (a plan before converting or downloading), kv_b is the two split
+    tensors the GGUF will hold, in their formats (a K-quant's 32-weight fallback for rows too
+    short), read as stored: the attention's bytes, and what the engine holds of it, are the
+    converted file's."""
+    from hybridmoe.backend.models.inventory import TensorClass
+    from hybridmoe.backend.models.tensors import inventory_from_config
+
+    inspected = inspect_model(converted("deepseek_v3", quant))
+    file, config = inspected.inventory, inventory_from_config(inspected.spec, expert_format=quant)
+    attention = TensorClass.ATTENTION
+    assert config.bytes_by_class[attention] == file.bytes_by_class[attention]
+    assert config.held_bytes(attention, 2, 4) == file.held_bytes(attention, 2, 4)
