@@ -26,7 +26,8 @@ import numpy as np
 import torch
 
 from hybridmoe.backend.engine import native_kernels
-from hybridmoe.backend.engine.native_kernels import Unsupported, matrix_ref, native_format
+from hybridmoe.backend.engine.native_kernels import Unsupported, native_format
+from hybridmoe.backend.engine.native_linear import NativeLinear
 from hybridmoe.backend.formats.quant import dequantize
 from hybridmoe.backend.formats.weights import WeightSource
 
@@ -37,18 +38,17 @@ class StoredMaps:
     def __init__(self, k_b: Any, v_b: Any, n_heads: int, nope: int, v_dim: int, kv_lora: int, dtype: torch.dtype):
         if tuple(k_b.shape) != (n_heads * kv_lora, nope) or tuple(v_b.shape) != (n_heads * v_dim, kv_lora):
             raise Unsupported("maps of another shape than the config's")  # loaded whole, whose check names it
-        # A map in a format the kernels do not read is held in the compute dtype, as the plan
-        # counts every such matrix (models/tensors.py).
-        k_map, v_map = (t if native_format(t) is not None else dequantize(t, dtype) for t in (k_b, v_b))
-        k_fmt, v_fmt = native_format(k_map), native_format(v_map)
-        k_ref, k_keep = matrix_ref(k_map, k_fmt, int(k_b.shape[0]))
-        v_ref, v_keep = matrix_ref(v_map, v_fmt, int(v_b.shape[0]))
+        # Each map as a dense projection's matrix: the row-interleaved copy where the format has
+        # one (q4_0x8 reads the 128-long key rows eight at a time, as it does every projection's),
+        # else the stored form; a map in a format the kernels do not read is held in the compute
+        # dtype, as the plan counts every such matrix (models/tensors.py).
+        k_map, v_map = (NativeLinear(t if native_format(t) is not None else dequantize(t, dtype)) for t in (k_b, v_b))
         try:
-            self.native = native_kernels._native.LatentMaps.split(k_fmt, k_ref, v_fmt, v_ref, n_heads, nope, v_dim,
+            self.native = native_kernels._native.LatentMaps.split(k_map.native, v_map.native, n_heads, nope, v_dim,
                                                                   kv_lora)
         except ValueError as err:
             raise Unsupported(str(err)) from None
-        self._keep = k_keep + v_keep  # what the kernels read
+        self._keep = [k_map, v_map]  # what the kernels read
 
     @property
     def bytes(self) -> int:

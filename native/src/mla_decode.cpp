@@ -105,10 +105,11 @@ void phase_expand(void* ctx, int, int) {
 
 int64_t row_bytes(Format fmt, int64_t K) { return K / kFormats[fmt].block * kFormats[fmt].block_bytes; }
 
-// A quantized GEMV needs whole blocks and whole Q8 activation groups along K, rows in place.
-bool readable(Format fmt, int64_t K) {
+// A quantized GEMV needs whole blocks and whole Q8 activation groups along K, the scales in
+// the blocks, and a head's `rows` whole groups of a row-interleaved layout.
+bool readable(Format fmt, int64_t K, int64_t rows) {
     const FormatInfo& f = kFormats[fmt];
-    return f.row_group == 1 && f.scale_bytes == 0 && K % f.block == 0 && (f.float_acts || K % f.act_group == 0);
+    return rows % f.row_group == 0 && f.scale_bytes == 0 && K % f.block == 0 && (f.float_acts || K % f.act_group == 0);
 }
 
 }  // namespace
@@ -119,7 +120,7 @@ LatentMaps::LatentMaps(int64_t H_, int64_t nope_, int64_t v_, int64_t c_, bool s
     if (H < 1 || nope < 1 || v < 1 || c < 1 || !k_map.data || !v_map.data) throw std::invalid_argument("bad latent maps");
     if (!split && (!kFormats[k_fmt].float_acts || k_fmt != v_fmt || k_map.data != v_map.data))
         throw std::invalid_argument("joined latent maps are one float kv_b matrix");
-    if (split && (!readable(k_fmt, nope) || !readable(v_fmt, c)))
+    if (split && (!readable(k_fmt, nope, c) || !readable(v_fmt, c, v)))
         throw std::invalid_argument(std::string("latent maps in ") + kFormats[k_fmt].name + " / " + kFormats[v_fmt].name +
                                     " the kernels do not read at rows of " + std::to_string(nope) + " / " +
                                     std::to_string(c));

@@ -24,9 +24,10 @@ class Executor;
 // - joined, a checkpoint's kv_b_proj [H * (nope + v), c] in a float format: per head nope
 //   rows of W_UK, then v rows of W_UV;
 // - split, a GGUF's attn_k_b [H * c, nope] (W_UK[h] transposed, which the absorbed form
-//   reads as rows) and attn_v_b [H * v, c] (W_UV[h]), each in any format the GEMVs read: a
-//   Q4_0 file's decode reads them at 4.5 bits a weight instead of widened to 16 (DeepSeek-V3:
-//   0.58 GB a token instead of 2.05).
+//   reads as rows) and attn_v_b [H * v, c] (W_UV[h]), each in any format the GEMVs read, the
+//   row-interleaved copies included (a dense projection's: q4_0x8 reads the 128-long key rows
+//   eight at a time): a Q4_0 file's decode reads them at 4.5 bits a weight instead of widened
+//   to 16 (DeepSeek-V3: 0.58 GB a token instead of 2.05).
 struct LatentMaps {
     int64_t H, nope, v, c;
     bool split;

@@ -460,15 +460,16 @@ LatentMaps joined_maps(nb::ndarray<nb::ndim<2>, nb::c_contig, nb::device::cpu> k
     return LatentMaps(n_heads, nope, v, c, false, fmt, ref, fmt, ref);
 }
 
-// GGUF's attn_k_b [H * c, nope] and attn_v_b [H * v, c], each (format, ref) as DenseLinear's parts.
-LatentMaps split_maps(const std::string& k_format, const std::vector<int64_t>& k_ref, const std::string& v_format,
-                      const std::vector<int64_t>& v_ref, int64_t n_heads, int64_t nope, int64_t v, int64_t c) {
-    auto ref = [](const std::vector<int64_t>& r) {
-        if (r.size() != 4 || !r[0] || r[1]) throw nb::value_error("ref must be (data, 0, row stride, 0)");
-        return MatrixRef{reinterpret_cast<const uint8_t*>(r[0]), nullptr, r[2], 0};
-    };
+// GGUF's attn_k_b [H * c, nope] and attn_v_b [H * v, c] as the matrices of two one-part dense
+// projections (their stored form or row-interleaved copy), which the caller keeps alive.
+LatentMaps split_maps(const DenseLinear& k, const DenseLinear& v, int64_t n_heads, int64_t nope, int64_t v_dim,
+                      int64_t c) {
+    if (k.parts().size() != 1 || v.parts().size() != 1 || k.rows() != n_heads * c || k.cols() != nope ||
+        v.rows() != n_heads * v_dim || v.cols() != c)
+        throw nb::value_error("the maps must be [n_heads * c, nope] and [n_heads * v, c]");
+    const DensePart &kp = k.parts()[0], &vp = v.parts()[0];
     try {
-        return LatentMaps(n_heads, nope, v, c, true, parse_format(k_format), ref(k_ref), parse_format(v_format), ref(v_ref));
+        return LatentMaps(n_heads, nope, v_dim, c, true, kp.fmt, kp.w, vp.fmt, vp.w);
     } catch (const std::invalid_argument& e) {
         throw nb::value_error(e.what());
     }
@@ -773,10 +774,9 @@ NB_MODULE(_native, m) {
     nb::class_<LatentMaps>(m, "LatentMaps")
         .def_static("joined", &joined_maps, "kv_b"_a, "n_heads"_a, "nope"_a, "v"_a,
                     "A checkpoint's kv_b_proj [n_heads * (nope + v), c] in a float dtype; the caller keeps it alive.")
-        .def_static("split", &split_maps, "k_format"_a, "k_ref"_a, "v_format"_a, "v_ref"_a, "n_heads"_a, "nope"_a, "v"_a,
-                    "c"_a,
-                    "A GGUF's attn_k_b [n_heads * c, nope] and attn_v_b [n_heads * v, c] as stored (format, ref as "
-                    "DenseLinear's parts); the caller keeps them alive.")
+        .def_static("split", &split_maps, "k"_a, "v"_a, "n_heads"_a, "nope"_a, "v_dim"_a, "c"_a,
+                    "A GGUF's attn_k_b [n_heads * c, nope] and attn_v_b [n_heads * v, c] as the matrices of two "
+                    "DenseLinear; the caller keeps them alive.")
         .def_ro("n_heads", &LatentMaps::H)
         .def_ro("nope", &LatentMaps::nope)
         .def_ro("v", &LatentMaps::v)

@@ -49,7 +49,9 @@ def test_stored_maps_compute_the_absorbed_form(isa, k_fmt, v_fmt, rows):
     rng = np.random.default_rng(rows)
     k_b, v_b = random_matrix(rng, k_fmt, (H * C, NOPE)), random_matrix(rng, v_fmt, (H * V, C))
     maps = StoredMaps(k_b, v_b, H, NOPE, V, C, torch.float32)
-    assert maps.native.format == (k_fmt if k_fmt == v_fmt else f"{k_fmt}+{v_fmt}")
+    # The row-interleaved copy where the format has one (as every dense projection's).
+    held = [f"{f}x8" if f in ("q4_0", "q8_0", "q4_k") else f for f in (k_fmt, v_fmt)]
+    assert maps.native.format == (held[0] if held[0] == held[1] else "+".join(held))
     cache = torch.randn(3, B, C + ROPE, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
     table, start = np.array([2, 0, 1], dtype=np.int64), 40 - rows  # the rows' positions span blocks
     q = torch.randn(rows, H * (NOPE + ROPE), generator=torch.Generator().manual_seed(7))
