@@ -22,7 +22,7 @@ from hybridmoe.backend.bench.synthetic_experts import random_matrix
 from hybridmoe.backend.engine.native_kernels import _native
 from hybridmoe.backend.engine.native_linear import NativeLinear
 
-FORMATS = ("f32", "bf16", "f16", "q8_0", "q6_k", "q5_k", "q4_0", "q4_k")
+FORMATS = ("f32", "bf16", "f16", "q8_0", "q6_k", "q5_k", "q5_0", "q4_0", "q4_k", "mxfp4")
 
 
 def main() -> None:
