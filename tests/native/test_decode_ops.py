@@ -130,6 +130,38 @@ def test_routers_choose_what_the_modules_choose(seed):
     torch.testing.assert_close(ours[1], ref[1])
 
 
+def test_group_routing_chooses_what_transformers_chooses_at_deepseek_v3s_shape():
+    """Eight groups of 16 experts, the best four groups by their top-two scores, the top 8 of
+    those, by score plus correction bias (the tiny models' parity tests have 8 experts in 4
+    groups): the module and the native router against transformers' own router."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+    torch.manual_seed(0)
+    config = transformers.DeepseekV3Config(hidden_size=64, n_routed_experts=128, num_experts_per_tok=8, n_group=8,
+                                           topk_group=4, norm_topk_prob=True, routed_scaling_factor=2.5)
+    router = DeepseekV3TopkRouter(config)
+    with torch.no_grad():
+        router.weight.normal_(0, 0.5)
+        router.e_score_correction_bias.normal_(0, 0.3)
+        x = torch.randn(200, 64)
+        _, want_w, want_ids = router(x)
+        weight, bias = router.weight.detach().clone(), router.e_score_correction_bias.detach().clone()
+        module = SigmoidGroupedTopK(weight, bias, 8, n_group=8, topk_group=4, normalize=True, scaling=2.5)
+        ids, w = module(x)
+        logits = x @ weight.T
+    for t in range(len(x)):
+        order, want = want_ids[t].argsort(), want_ids[t].sort().values
+        ours = ids[t].argsort()
+        assert torch.equal(ids[t][ours], want)
+        torch.testing.assert_close(w[t].float()[ours], want_w[t][order])
+        native_ids, native_w = torch.empty(1, 8, dtype=torch.int64), torch.empty(1, 8)
+        _native.sigmoid_group_topk(logits[t : t + 1], bias, 8, 8, 4, True, 2.5, native_ids, native_w)
+        mine = native_ids[0].argsort()
+        assert torch.equal(native_ids[0][mine], want)
+        torch.testing.assert_close(native_w[0][mine], want_w[t][order])
+
+
 def test_router_arguments_are_checked():
     ids, w = torch.empty(1, 2, dtype=torch.int64), torch.empty(1, 2)
     with pytest.raises(ValueError, match="k must be"):
