@@ -30,13 +30,14 @@ from hybridmoe.backend.engine.latent_maps import StoredMaps
 from hybridmoe.backend.engine.layers import Linear, RMSNorm
 from hybridmoe.backend.engine.rope import Rotary
 
-# The expanded form's cost of rebuilding stored maps for its call (StoredMaps.dense, ~2 ms a
-# layer of 2 M weights), in multiply-adds per kv_b weight. Measured on the DeepSeek-shaped
-# Q4_0 benchmark model (2-core Zen 4, whole prompts, both forms forced; attention ms for 8
-# layers, absorbed / expanded): 16 tokens 20 / 28, 32 tokens 31 / 22, 64 tokens 65 / 29, 128
-# tokens 145 / 53. This puts the cost model's switch for a whole prompt at about 24 tokens;
-# a chat turn's few tokens after a long history stay absorbed.
-_REBUILD_COST = 3
+# The expanded form's cost of rebuilding stored maps for its call (StoredMaps.dense, ~0.8 ms a
+# layer of 2 M weights), in multiply-adds per kv_b weight, against the absorbed form's native
+# path. Measured on the DeepSeek-shaped Q4_0 benchmark model (2-core Zen 4, whole prompts, both
+# forms forced; attention ms for 8 layers, absorbed / expanded, two runs): 16 tokens 12 / 25,
+# 24 tokens 13 / 21, 32 tokens 19-22 / 31-35, 48 tokens 24 / 22, 64 tokens 26-47 / 28-31, 128
+# tokens 71 / 48. This puts the cost model's switch for a whole prompt at about 52 tokens; a
+# chat turn's few tokens after a long history stay absorbed.
+_REBUILD_COST = 16
 
 
 class MLAttention(nn.Module):
