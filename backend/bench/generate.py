@@ -248,13 +248,8 @@ def measure(model: str, *, prompt_tokens: int = 512, gen_tokens: int = 64, threa
                                  message=f"measuring {backend}, round {r + 1}"))
         if "error" in results.get(backend, {}):
             continue
-        returncode, stdout, stderr = _run_worker(_worker_cmd(backend, model, prompt_tokens, gen_tokens, threads, repeats),
-                                                 cancel)
-        if returncode != 0:
-            results[backend] = {"error": stderr.strip().splitlines()[-1] if stderr.strip() else "failed"}
-            continue
-        run = json.loads(stdout.strip().splitlines()[-1])
-        if backend not in results:
+        run = worker_result(_worker_cmd(backend, model, prompt_tokens, gen_tokens, threads, repeats), cancel)
+        if backend not in results or "error" in run:
             results[backend] = run
         else:  # timings accumulate; load figures are the first round's, peaks the highest
             kept = results[backend]
@@ -266,12 +261,10 @@ def measure(model: str, *, prompt_tokens: int = 512, gen_tokens: int = 64, threa
         if on_progress is not None:
             on_progress(Progress("bench", len(runs), len(runs) + 1, unit="runs",
                                  message="both backends in one process, in alternation"))
-        cmd = _worker_cmd("paired", model, prompt_tokens, pair_tokens, threads, repeats) + ["--pairs", str(pairs)]
-        returncode, stdout, stderr = _run_worker(cmd, cancel)
-        if returncode != 0:
-            summary["paired"] = {"error": stderr.strip().splitlines()[-1] if stderr.strip() else "failed"}
-        else:
-            run = json.loads(stdout.strip().splitlines()[-1])
+        run = worker_result(_worker_cmd("paired", model, prompt_tokens, pair_tokens, threads, repeats)
+                            + ["--pairs", str(pairs)], cancel)
+        summary["paired"] = run
+        if "error" not in run:
             ratios = run["ratios"]
             q1, median, q3 = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else ratios * 3
             summary["paired"] = {**run, "median": median, "quartiles": [q1, q3]}
@@ -351,18 +344,34 @@ def per_token(result: dict) -> dict:
                            "of_probe": of_probe(result, nbytes)}}
 
 
-def _run_worker(cmd: list[str], cancel) -> tuple[int, str, str]:
-    """subprocess.run, except that a cancel kills the worker (a long benchmark must stop when asked)."""
+def worker_result(cmd: list[str], cancel) -> dict:
+    """Run a benchmark worker: its JSON result (its last line of output), or {"error": what it
+    died of}. A cancel kills the worker (a long benchmark must stop when asked)."""
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     while True:
         try:
             stdout, stderr = proc.communicate(timeout=0.1)  # retrying after a timeout loses no output
-            return proc.returncode, stdout, stderr
+            break
         except subprocess.TimeoutExpired:
             if cancel is not None and cancel.cancelled:
                 proc.kill()
                 proc.communicate()
                 cancel.raise_if_cancelled("the benchmark")
+    if proc.returncode != 0:
+        return {"error": worker_error(stderr)}
+    return json.loads(stdout.strip().splitlines()[-1])
+
+
+def worker_error(stderr: str) -> str:
+    """What a failed worker died of: its exception's line (the first unindented line after the
+    last traceback header; native code may print more after it), else its last line."""
+    lines = stderr.strip().splitlines()
+    headers = [i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last)")]
+    if headers:
+        for line in lines[headers[-1] + 1 :]:
+            if line and not line[0].isspace():
+                return line
+    return lines[-1] if lines else "failed"
 
 
 def table(summary: dict) -> str:

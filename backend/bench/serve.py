@@ -36,7 +36,7 @@ import time
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 
-from hybridmoe.backend.bench.generate import _run_worker, _vm_hwm
+from hybridmoe.backend.bench.generate import _vm_hwm, worker_result
 
 BACKENDS = ("engine", "llamacpp")
 NEW_WORDS_PER_TURN = 20
@@ -422,25 +422,9 @@ def measure(model: str, *, streams: Sequence[int] = (1, 2, 4, 8), prompt_tokens:
         cmd = [sys.executable, "-m", "hybridmoe.backend.bench.serve", "--worker", backend, model,
                "--streams", ",".join(map(str, streams)), "--prompt", str(prompt_tokens), "--tokens", str(gen_tokens),
                "--threads", str(threads), "--turns", str(turns), "--repeats", str(repeats)]
-        returncode, stdout, stderr = _run_worker(cmd, cancel)
-        if returncode != 0:
-            summary["results"][backend] = {"error": worker_error(stderr)}
-        else:
-            summary["results"][backend] = json.loads(stdout.strip().splitlines()[-1])
+        summary["results"][backend] = worker_result(cmd, cancel)
     summary["ratios"] = ratios(summary)
     return summary
-
-
-def worker_error(stderr: str) -> str:
-    """What a failed worker died of: its exception's line (the first unindented line after the
-    last traceback header; native code may print more after it), else its last line."""
-    lines = stderr.strip().splitlines()
-    headers = [i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last)")]
-    if headers:
-        for line in lines[headers[-1] + 1 :]:
-            if line and not line[0].isspace():
-                return line
-    return lines[-1] if lines else "failed"
 
 
 def ratios(summary: dict) -> dict:

@@ -951,8 +951,6 @@ NB_MODULE(_native, m) {
                     throw nb::value_error("the latent cache must be [n_blocks, block, c + rope]");
                 if (int64_t(kv_norm.size()) != s.Dv || (q_a && (!q_a_norm || int64_t(q_a_norm->size()) != q_a->rows())))
                     throw nb::value_error("kv_norm must have c entries, q_a_norm one per q_a row");
-                if (kv_b.H != s.Hq || kv_b.nope != s.nope || kv_b.v != s.v || kv_b.c != s.Dv)
-                    throw nb::value_error("kv_b's maps do not fit the chain's heads");
                 ChainLayer l{};
                 l.qkv = &q;
                 l.q_a = q_a;

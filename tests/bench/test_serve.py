@@ -12,6 +12,7 @@ import torch
 
 from hybridmoe.app import cli
 from hybridmoe.backend.bench import serve
+from hybridmoe.backend.bench.generate import worker_error
 from hybridmoe.backend.text.generation import Prefilled, max_new_tokens, stream
 from hybridmoe.backend.text.sampling import SamplingParams
 from tests.convert.conftest import build_checkpoint, needs_llama_cpp
@@ -111,10 +112,10 @@ def test_ignore_eos_generates_through_end_tokens(tiny_gguf):
 
 
 def test_a_failed_worker_is_reported_by_its_exception():
-    """Native code may print after Python's traceback (nanobind's leak report did): the report
+    """(Both benchmarks' workers.) Native code may print after Python's traceback (nanobind's leak report did): the report
     names the exception, not that last line."""
     stderr = ("Traceback (most recent call last):\n  File \"serve.py\", line 1, in <module>\n    run()\n"
               "ModelError: llama.cpp could not load m.gguf\nnanobind: leaked 2 instances!\n"
               "See https://nanobind.readthedocs.io/en/latest/refleaks.html\n")
-    assert serve.worker_error(stderr) == "ModelError: llama.cpp could not load m.gguf"
-    assert serve.worker_error("Killed\n") == "Killed"
+    assert worker_error(stderr) == "ModelError: llama.cpp could not load m.gguf"
+    assert worker_error("Killed\n") == "Killed"
