@@ -18,12 +18,18 @@ Sections, each guarded (a failure is reported and the next section runs):
    the CPU experts computed on the CPU (0 %), and streamed to the GPU (0 %, 50 %); then the
    issue's targets: decode at 0 % at least CPU-only decode plus the saved attention time,
    decode rising with the GPU share, streamed prefill at least 3x the CPU-expert prefill;
-5. flagship (issue 18): 4-bit GPU experts: the Triton GEMV on a Kimi-shaped Q4_0 expert
-   (gate+up [4096, 7168], down [7168, 2048]) against its dequantized matrix, timed at 1, 4
-   and 8 tokens against the int8 and bf16 forms of the same expert and the card's copy
-   bandwidth; a tiny Q4_0 model with int4 GPU experts against the same experts on the CPU;
-   tensor parallelism over two cards against the CPU-only engine (with two or more GPUs; the
-   CPU stands in for the cards on a machine without CUDA, as for parity).
+5. flagship (issue 18): a tiny Q4_0 model with int4 GPU experts against the same experts on
+   the CPU; tensor parallelism over two cards against the CPU-only engine (with two or more
+   GPUs; the CPU stands in for the cards on a machine without CUDA, as for parity);
+6. decode kernels: one MoE layer's GPU experts through ``engine.decode_experts`` (two
+   launches) at 1 and 4 tokens, mid-size shape in bf16 and int8, Kimi's (hidden 7168, 2048)
+   in 4-bit: error against the dequantized matrices, time and bytes over time; block sizes
+   tried at one token;
+7. launch cost: what one small kernel launch costs the host thread.
+
+The speed section also decodes with the reference loop over the GPU experts instead of the
+decode kernels (same run, for the ratio), profiles a decode step by operator, and decodes
+with one core fewer for the CPU experts.
 
 Prints a table and writes JSON (to --json, default $OUT/gpu_check.json or ./gpu_check.json).
 Without CUDA (a CPU-only machine) the GPU sections are skipped with a message and parity
@@ -349,7 +355,8 @@ def parity_case(r: Report, results: list, family: str, name: str, run) -> bool:
         traceback.print_exc()
         return False
     results.append({"family": family, "case": name, "rel_err": err, "ok": ok, **extra})
-    r.say(f"{family:12} {name:28} rel err {err:.2e}  {'ok' if ok else 'MISMATCH'}  {extra.get('calls', '')}".rstrip())
+    r.say(f"{family:12} {name:28} rel err {err:.2e}  {'ok' if ok else 'MISMATCH'}  "
+          + "  ".join(f"{k} {v}" for k, v in extra.items()))
     return ok
 
 
@@ -373,6 +380,7 @@ def parity(r: Report, work: Path) -> dict:
         layers = [m.layer for m in moe_layers_of(reference)]
         n = reference.stats.n_experts
         expected = run_tokens(reference, ids, prefill=16, chunk=8)
+        expected_counts = {layer: c.clone() for layer, c in reference.stats.counts.items()}
         half = {layer: list(range(0, n, 2)) for layer in layers}
         everything = {layer: list(range(n)) for layer in layers}
         cases = [
@@ -402,7 +410,11 @@ def parity(r: Report, work: Path) -> dict:
                 err = rel_err(run_tokens(model, ids, prefill=16, chunk=8), want)
                 calls = dict(model.scheduler.calls) if model.scheduler else {}
                 model.scheduler and model.scheduler.close()
-                return err, err < tolerance, {"calls": calls}
+                # The activation counts (kept on the device in decode) are the CPU engine's; int8
+                # experts may route a token otherwise, so there they are only reported.
+                counts = all(torch.equal(model.stats.counts[layer], c) for layer, c in expected_counts.items())
+                ok = err < tolerance and (counts or "resident_form" in kwargs)
+                return err, ok, {"calls": calls, "counts": "same" if counts else "DIFFER"}
 
             failures += not parity_case(r, results, family, name, one_sequence)
 
@@ -499,7 +511,7 @@ def speed(r: Report, work: Path, args) -> dict:
     stream_min = min(1024, prompt)  # every 2048-token chunk streams in the streamed runs
     rows: dict[str, dict] = {}
 
-    def measure(label: str, *, prefill: bool, **kwargs) -> None:
+    def measure(label: str, *, prefill: bool, profile: bool = False, **kwargs) -> None:
         if r.left() < 20:
             r.say(f"{label}: skipped, time budget spent")
             return
@@ -531,12 +543,23 @@ def speed(r: Report, work: Path, args) -> dict:
         step = (time.perf_counter() - t0) / (decode_n - 4)
         row["decode_tok_s"] = 1 / step
         row["cpu_experts_ms_per_token"] = 1000 * sum(busy) / (decode_n - 4)
+        if profile:  # where a decode step's time goes, by operator (host time and launches)
+            from torch.profiler import ProfilerActivity
+            from torch.profiler import profile as profiler
+
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+            with profiler(activities=activities) as prof:
+                for i in range(decode_n, decode_n + 4):
+                    int(model(ids[:, start + i : start + i + 1], start + i)[0, -1].argmax())
+            table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=40)
+            row["profile"] = table
+            r.say(f"{label}: 4 decode steps by operator\n{table}")
         if model.scheduler is not None:
             row["calls"] = dict(model.scheduler.calls)
             model.scheduler.close()
         rows[label] = row
         r.say(f"{label:34} " + "  ".join(f"{k} {v:,.1f}" if isinstance(v, float) else f"{k} {v}"
-                                          for k, v in row.items()))
+                                          for k, v in row.items() if k != "profile"))
         del model
         if on_gpu:
             torch.cuda.empty_cache()
@@ -552,8 +575,39 @@ def speed(r: Report, work: Path, args) -> dict:
                 hybrid=HybridOptions(stream_min_tokens=stream_min))
     measure("hybrid 100% GPU, int8", prefill=False, device=device, placement=_share(path, n, 100),
             resident_form="int8")
+    # The same decode with the reference loop over the GPU experts instead of the two kernel
+    # launches, and a profile of the step as it now runs.
+    from hybridmoe.backend.engine import decode_experts
+
+    kernel_tokens, decode_experts.MAX_TOKENS = decode_experts.MAX_TOKENS, 0
+    try:
+        measure("hybrid 100% GPU, reference loop", prefill=False, device=device, placement=_share(path, n, 100),
+                hybrid=HybridOptions())
+    finally:
+        decode_experts.MAX_TOKENS = kernel_tokens
+    measure("hybrid 100% GPU, profiled", prefill=False, profile=True, device=device,
+            placement=_share(path, n, 100), hybrid=HybridOptions())
+    # One core fewer for the CPU experts: the thread that feeds the GPU keeps one to itself.
+    native = _native_module()
+    if native is not None and native.num_threads() > 2:
+        threads = native.num_threads()
+        native.set_num_threads(threads - 1)
+        try:
+            for share in (25, 50):
+                measure(f"hybrid {share}% GPU, {threads - 1} CPU threads", prefill=False, device=device,
+                        placement=_share(path, n, share), hybrid=HybridOptions())
+        finally:
+            native.set_num_threads(threads)
     return {"dims": dims, "prompt_tokens": prompt, "rows": rows, "targets": targets(r, rows),
             "crossover": measured_crossover(r, rows, dims, prompt)}
+
+
+def _native_module():
+    try:
+        from hybridmoe import _native
+    except ImportError:
+        return None
+    return _native
 
 
 def measured_crossover(r: Report, rows: dict, dims: dict, prompt: int) -> dict:
@@ -656,11 +710,9 @@ def flagship(r: Report, work: Path) -> dict:
     from hybridmoe.backend.formats.weights import open_weights
     from hybridmoe.backend.models import inspect_model
 
-    out: dict = {"gemv": []}
-    if cuda():
-        gemv_speed(r, out)
-    else:
-        r.say("no CUDA device: GEMV timings skipped; the model checks run with the CPU standing in")
+    out: dict = {}
+    if not cuda():
+        r.say("no CUDA device: the model checks run with the CPU standing in")
     device = "cuda" if cuda() else "cpu"
 
     # A model with int4 GPU experts: the same stored experts on the CPU give the same logits.
@@ -719,48 +771,117 @@ def flagship(r: Report, work: Path) -> dict:
     return out
 
 
-def gemv_speed(r: Report, out: dict) -> None:
-    """The int4 GEMV on a Kimi-shaped Q4_0 expert: error against its dequantized matrix, and
-    time against the int8 and bf16 forms of the same expert and the card's copy bandwidth."""
+# ---- 6. decode kernels: a decode step's GPU experts in two launches ----------------------
+
+
+def decode_kernels(r: Report) -> dict:
+    """One MoE layer's GPU experts through ``decode_experts`` at 1 and 4 tokens (8 experts a
+    token): the mid-size shape (hidden 2048, 768) in bf16 and int8, Kimi's (7168, 2048) in
+    4-bit (Q4_0 codes); error against the dequantized matrices, time, and the distinct experts'
+    bytes over that time; then block sizes tried at one token."""
+    if not cuda():
+        raise Skip("no CUDA device")
     import torch.nn.functional as F
 
+    from hybridmoe.backend.engine import decode_experts
     from hybridmoe.backend.formats import int4_weights
-    from hybridmoe.backend.formats.int8_weights import quantize_int8
 
-    copy = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    n = 16
+
+    def dense_stack(rows, cols):
+        return decode_experts.Stack("dense", (torch.randn(n, rows, cols, device="cuda", generator=g) * 0.02).to(torch.bfloat16))
+
+    def int8_stack(rows, cols):
+        q = torch.randint(-127, 128, (n, rows, cols), device="cuda", dtype=torch.int8, generator=g)
+        return decode_experts.Stack("int8", q, (torch.rand(n, rows, device="cuda", generator=g) * 1e-3).to(torch.bfloat16))
+
+    def int4_stack(rows, cols):
+        parts = [int4_weights.from_quant(q4_0_matrix(rows, cols, seed=rows + e), "cuda") for e in range(n)]
+        return decode_experts.Stack("int4", torch.stack([w.codes for w in parts]), torch.stack([w.scale for w in parts]),
+                                    None, parts[0].table_tensor(), parts[0].table, parts[0].group)
+
+    def dequantized(stack, e):
+        if stack.form == "dense":
+            return stack.w[e].float()
+        if stack.form == "int8":
+            return stack.w[e].float() * stack.scale[e].float()[:, None]
+        return int4_weights.Int4Weight(stack.w[e], stack.scale[e], None, stack.table_name, stack.group).dequantize()
+
+    def nbytes(stack):
+        return sum(t.numel() * t.element_size() for t in (stack.w, stack.scale, stack.min) if t is not None) // n
+
+    def timed(fn, reps=50):
+        fn()
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        sync()
+        return (time.perf_counter() - t0) / reps
+
+    out = {"rows": [], "sweep": []}
+    slot_of = torch.arange(n, dtype=torch.int32, device="cuda")
+    shapes = {"bf16 2048x768": (dense_stack, 2048, 768), "int8 2048x768": (int8_stack, 2048, 768),
+              "int4 7168x2048": (int4_stack, 7168, 2048)}
+    sweep = [{"gate_up": (4, 256), "down": (8, 256)}, {"gate_up": (8, 256), "down": (16, 256)},
+             {"gate_up": (8, 128), "down": (16, 128)}, {"gate_up": (8, 512), "down": (16, 512)},
+             {"gate_up": (32, 256), "down": (64, 256)}]
+    for label, (make, hidden, inter) in shapes.items():
+        if r.left() < 30:
+            r.say(f"{label}: skipped, time budget spent")
+            continue
+        gate_up, down = make(2 * inter, hidden), make(hidden, inter)
+        per_expert = nbytes(gate_up) + nbytes(down)
+        for tokens in (1, 4):
+            x = torch.randn(tokens, hidden, device="cuda", generator=g).to(torch.bfloat16)
+            ids = torch.stack([torch.randperm(n, device="cuda", generator=g)[:8] for _ in range(tokens)])
+            weights = torch.rand(tokens, 8, device="cuda", generator=g)
+            got = decode_experts.forward(x, ids, weights, slot_of, gate_up, down, "silu")
+            want = torch.zeros(tokens, hidden, device="cuda")
+            for t in range(tokens):
+                for j, e in enumerate(ids[t].tolist()):
+                    gu = F.linear(x[t].float(), dequantized(gate_up, e))
+                    want[t] += weights[t, j] * F.linear(F.silu(gu[:inter]) * gu[inter:], dequantized(down, e))
+            err = rel_err(got, want)
+            dt = timed(lambda: decode_experts.forward(x, ids, weights, slot_of, gate_up, down, "silu"))
+            distinct = len(set(ids.flatten().tolist()))
+            row = {"shape": label, "tokens": tokens, "us": dt * 1e6, "gb_s": distinct * per_expert / dt / GB,
+                   "rel_err": err}
+            out["rows"].append(row)
+            r.say(f"{label:15} T={tokens}: {row['us']:7.1f} us, {row['gb_s']:6.0f} GB/s over {distinct} experts' "
+                  f"{per_expert / 1e6:.1f} MB, rel err {err:.1e}")
+        x = torch.randn(1, hidden, device="cuda", generator=g).to(torch.bfloat16)
+        ids = torch.randperm(n, device="cuda", generator=g)[:8][None]
+        weights = torch.rand(1, 8, device="cuda", generator=g)
+        for blocks in sweep:
+            dt = timed(lambda: decode_experts.forward(x, ids, weights, slot_of, gate_up, down, "silu", blocks=blocks))
+            out["sweep"].append({"shape": label, "blocks": blocks, "us": dt * 1e6, "gb_s": 8 * per_expert / dt / GB})
+            r.say(f"{label:15} T=1 blocks {blocks}: {dt * 1e6:7.1f} us ({8 * per_expert / dt / GB:5.0f} GB/s)")
+        del gate_up, down
+        torch.cuda.empty_cache()
+    out["ok"] = all(row["rel_err"] < 2e-2 for row in out["rows"])
+    return out
+
+
+def launch_cost(r: Report) -> dict:
+    """What one small kernel launch costs this machine's host thread (a decode step on the GPU
+    is some 400 of them: the speed section's profile)."""
+    if not cuda():
+        raise Skip("no CUDA device")
+    a = torch.zeros(16, device="cuda")
+    per_op = min(_launches(a) for _ in range(3))
+    r.say(f"one tiny kernel launch from Python: {per_op * 1e6:.1f} us")
+    return {"launch_us": per_op * 1e6}
+
+
+def _launches(a: torch.Tensor, n: int = 2000) -> float:
     sync()
     t0 = time.perf_counter()
-    for _ in range(5):
-        copy.clone()
+    for _ in range(n):
+        a.add_(1)
     sync()
-    out["copy_gb_s"] = 2 * 5 * copy.numel() / (time.perf_counter() - t0) / GB  # read + write
-    del copy
-    r.say(f"device copy: {out['copy_gb_s']:.0f} GB/s (read + write)")
-    for name, (rows, cols) in {"gate_up": (4096, 7168), "down": (7168, 2048)}.items():
-        stored = q4_0_matrix(rows, cols, seed=rows)
-        w4 = int4_weights.from_quant(stored, "cuda")
-        dense = w4.dequantize(torch.bfloat16)
-        w8 = quantize_int8(stored.dequantize(device="cuda"), torch.bfloat16)
-        for tokens in (1, 4, 8):
-            x = torch.randn(tokens, cols, device="cuda", dtype=torch.bfloat16)
-            err = rel_err(int4_weights.gemv(x, w4), x.float() @ w4.dequantize().t())
-            row = {"matrix": name, "tokens": tokens, "rel_err": err}
-            for form, fn, nbytes in (("int4", lambda: int4_weights.gemv(x, w4), w4.nbytes),
-                                     ("int8", lambda: w8.linear(x), w8.nbytes),
-                                     ("bf16", lambda: F.linear(x, dense), dense.numel() * 2)):
-                fn()
-                sync()
-                t0 = time.perf_counter()
-                for _ in range(50):
-                    fn()
-                sync()
-                dt = (time.perf_counter() - t0) / 50
-                row[f"{form}_us"] = dt * 1e6
-                row[f"{form}_gb_s"] = nbytes / dt / GB
-            out["gemv"].append(row)
-            r.say(f"{name:8} T={tokens}: int4 {row['int4_us']:7.1f} us ({row['int4_gb_s']:6.0f} GB/s, rel err "
-                  f"{err:.1e}), int8 {row['int8_us']:7.1f} us, bf16 {row['bf16_us']:7.1f} us")
-    out["gemv_ok"] = all(row["rel_err"] < 1e-2 for row in out["gemv"])
+    return (time.perf_counter() - t0) / n
 
 
 # ---- main -------------------------------------------------------------------------------
@@ -783,6 +904,8 @@ def main(argv=None) -> int:
         report.run("bandwidth", bandwidth)
         report.run("speed", speed, work, args)
         report.run("flagship", flagship, work)
+        report.run("decode kernels", decode_kernels)
+        report.run("launch cost", launch_cost)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     summary(report)

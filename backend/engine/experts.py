@@ -31,6 +31,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from hybridmoe.backend.engine import decode_experts
+from hybridmoe.backend.formats.int4_weights import TABLES as INT4_TABLES
 from hybridmoe.backend.formats.int4_weights import Int4Weight, cat_rows
 from hybridmoe.backend.formats.int4_weights import from_quant as int4_from_quant
 from hybridmoe.backend.formats.int8_weights import Int8Weight, quantize_int8
@@ -242,6 +244,12 @@ class ResidentExperts(ExpertGroup):
                     self._parts[name] = torch.empty((n, *t.shape), dtype=t.dtype, device=self.device)
                 self._parts[name][j].copy_(t)
         self._matrices = {e: self._view(j) for e, j in self.slot.items()}
+        # For the decode kernels (``decode_experts``): each expert's index in the stacks, -1
+        # for the experts this group does not hold.
+        self.slot_of = torch.full((self.n_experts,), -1, dtype=torch.int32)
+        self.slot_of[list(self.slot)] = torch.tensor(list(self.slot.values()), dtype=torch.int32)
+        self.slot_of = self.slot_of.to(self.device)
+        self.stacks = {role: self._stack(role) for role in ("gate_up", "down")} if n else {}
 
     def _expert_parts(self, store: ExpertStore, e: int, dtype: torch.dtype, *, first: bool) -> dict[str, torch.Tensor]:
         int4 = self._int4_matrices(store, e) if self.form == "int4" else {}
@@ -301,6 +309,19 @@ class ResidentExperts(ExpertGroup):
                 roles[role] = p[role]
         return ExpertMatrices(down=roles["down"], gate_up=roles["gate_up"], gate_up_bias=p.get("gate_up_bias"),
                               down_bias=p.get("down_bias"))
+
+    def _stack(self, role: str) -> decode_experts.Stack:
+        """All the group's `role` ("gate_up" or "down") matrices as one ``decode_experts.Stack``."""
+        p = self._parts
+        bias = p.get(f"{role}_bias")
+        if role in self._int4:
+            table, group = self._int4[role]
+            values = torch.tensor(INT4_TABLES[table], dtype=torch.float32, device=self.device)
+            return decode_experts.Stack("int4", p[f"{role}_codes"], p[f"{role}_scale"], p.get(f"{role}_min"),
+                                        values, table, group, bias)
+        if self.form != "dense":
+            return decode_experts.Stack("int8", p[role], p[f"{role}_scale"], bias=bias)
+        return decode_experts.Stack("dense", p[role], bias=bias)
 
     @property
     def nbytes(self) -> int:
@@ -366,6 +387,11 @@ def add_expert_output(out: torch.Tensor, x: torch.Tensor, tokens: torch.Tensor, 
     out.index_add_(0, tokens, (y * weights[:, None]).float())
 
 
+def decode_kernels_apply(x: torch.Tensor, experts: ExpertGroup) -> bool:
+    """Whether `experts_forward` of `x` runs as ``decode_experts``' two kernel launches."""
+    return isinstance(experts, ResidentExperts) and decode_experts.applies(x, experts.act.kind)
+
+
 def experts_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, experts: ExpertGroup,
                     host_ids: torch.Tensor | None = None) -> torch.Tensor:
     """Sum over the (token, slot) pairs routed to an expert of `experts` of
@@ -374,9 +400,15 @@ def experts_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
     x [T, H], topk_ids [T, k] int64, topk_weights [T, k], all on the group's device.
     Returns [T, H] in float32: the k contributions of a token (and the main-device and CPU
     halves) are summed in float32 and rounded once by the caller, as transformers' default
-    (grouped) experts path does. Loops over the experts actually hit, each over all its
-    tokens at once. `host_ids`: see ``routed_groups``.
+    (grouped) experts path does. On CUDA, calls of a few tokens run as the two launches of
+    ``decode_experts``; others loop over the experts actually hit, each over all its tokens
+    at once. `host_ids`: see ``routed_groups``.
     """
+    if decode_kernels_apply(x, experts):
+        act = experts.act
+        return decode_experts.forward(x, topk_ids, topk_weights, experts.slot_of, experts.stacks["gate_up"],
+                                      experts.stacks["down"], act.kind, interleaved=act.interleaved,
+                                      alpha=act.alpha, limit=act.limit)
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for e, tokens, weights in routed_groups(topk_ids, topk_weights, experts, host_ids):
         add_expert_output(out, x, tokens, weights, experts.weights_of(e), experts.act)

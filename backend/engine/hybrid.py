@@ -7,9 +7,11 @@ Per MoE layer, for a decode step or a short prompt (``HybridScheduler._overlappe
 2. the CPU half is handed to the worker: one long-lived thread that waits for the marker,
    runs the layer's CPU experts in the native kernels (which release the GIL) and writes
    the float32 result into the slot;
-3. meanwhile this thread issues the shared experts and, once the ids have reached the host
-   (needed to count activations and to loop over the GPU experts hit, grouped on the host so
-   that nothing waits for the device), the GPU experts;
+3. meanwhile this thread issues the shared experts and the GPU experts: for a decode step
+   two kernel launches that read the ids on the device (``decode_experts``); for longer calls,
+   once the ids have reached the host, the loop over the GPU experts hit (grouped on the host
+   so that nothing waits for the device). The ids come to the host only for the CPU experts
+   and that loop (activations are counted on the device, ``stats``);
 4. when the worker is done, the result goes back to the device without blocking and is
    added, in the order the CPU-only path adds it (``MoE.combine``).
 
@@ -50,7 +52,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hybridmoe.backend.engine.expert_streaming import ExpertStreamer
-from hybridmoe.backend.engine.experts import experts_forward
+from hybridmoe.backend.engine.experts import decode_kernels_apply, experts_forward
 from hybridmoe.backend.engine.moe import MoE
 from hybridmoe.backend.engine.streams import Edge, Marker, Worker, close_at_exit
 
@@ -182,14 +184,21 @@ class HybridScheduler:
         if self._staging is None:
             self._staging = HostStaging(edge)  # host buffers serve every device of a pipeline
         topk_ids, topk_weights = moe.router(x)
-        slot = self._staging.take(x, topk_ids, topk_weights)
-        inputs = edge.mark()
+        # Only the reference loop over the device's experts needs the ids on the host; the
+        # decode kernels and the activation counts read them where they are, so a layer with no
+        # CPU experts copies nothing and never waits for the device.
+        kernels = bool(len(moe.main)) and decode_kernels_apply(x, moe.main)
+        loop = bool(len(moe.main)) and not kernels
+        slot = self._staging.take(x, topk_ids, topk_weights) if len(moe.host) or loop else None
+        inputs = edge.mark() if slot is not None else None
         job = self.worker.submit(_cpu_half, moe, slot, inputs) if len(moe.host) else None
         try:
             shared = moe.shared_part(x)
-            inputs.wait()
-            moe.record(slot.ids)
-            main = experts_forward(x, topk_ids, topk_weights, moe.main, slot.ids) if len(moe.main) else None
+            moe.record(topk_ids)
+            main = experts_forward(x, topk_ids, topk_weights, moe.main) if kernels else None
+            if loop:
+                inputs.wait()
+                main = experts_forward(x, topk_ids, topk_weights, moe.main, slot.ids)
             part = None
             if job is not None:
                 job.result()

@@ -362,6 +362,11 @@ def _family_module(name: str):
     return importlib.import_module(f"{family_by_name(name).__name__}.engine")
 
 
+def default_device() -> str:
+    """The main device when none is named: CUDA when present, else the CPU."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def build_model(
     model: ModelSpec | Mapping[str, Any],
     weights: WeightSource,
@@ -410,9 +415,7 @@ def build_model(
     module = _family_module(family)
     config = spec.config
     weights = text_model_weights(weights)
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    device = _device(device)
+    device = _device(device if device is not None else default_device())
     if dtype is None:
         dtype = _default_dtype(require(weights, "model.embed_tokens.weight"))
     cards = [(_device(d), _placement(p)) for d, p in tensor_parallel or ()]

@@ -21,15 +21,12 @@ PyTorch's int4 weight-only matmul (``torch._weight_int4pack_mm``) was the first 
 is not used: it takes a bf16 scale *and* zero point for every group, 5 bits a weight at groups
 of 32 (27.53 MB a Kimi expert, 11 % more than stored, so 11 % fewer experts on the cards), its
 CUDA build has no fp16 scales (Q4_0's would be rounded), and no table (IQ4 and MXFP4 would be
-requantized). The product here is a Triton kernel of the project's own for the few tokens a
-decode step routes to an expert (``linear``), and the matrix widened once for cuBLAS when a
-prompt routes many; on the CPU (tests, and a main device that is the CPU) the widened form.
-Triton ships with PyTorch's CUDA builds; the kernel is tested here by Triton's interpreter.
+requantized). A decode step's experts are read as stored by the project's own Triton kernels
+(``engine.decode_experts``); a longer call widens the matrix once for cuBLAS (``linear``), as
+does the CPU (tests, and a main device that is the CPU).
 """
 
 from __future__ import annotations
-
-from functools import cache
 
 import torch
 import torch.nn.functional as F
@@ -37,10 +34,6 @@ import torch.nn.functional as F
 from hybridmoe.backend.formats import quant
 from hybridmoe.backend.formats.quant import QuantTensor
 from hybridmoe.backend.models.formats import int4_resident_layout
-
-# Tokens per call up to which the GEMV kernel runs on CUDA; above it the matrix is widened for
-# one cuBLAS matmul (the kernel has no tiling across tokens).
-CUDA_GEMV_MAX_TOKENS = 8
 
 _INT = tuple(float(v) for v in range(-8, 8))  # symmetric int4: code − 8
 _UINT = tuple(float(v) for v in range(16))  # with a min: code as is
@@ -82,7 +75,7 @@ class Int4Weight:
         return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.min) if t is not None)
 
     def table_tensor(self) -> torch.Tensor:
-        """The 16 values as float32 on the codes' device (made once: the kernel reads it)."""
+        """The 16 values as float32 on the codes' device (made once)."""
         if self._table_t is None or self._table_t.device != self.codes.device:
             self._table_t = torch.tensor(TABLES[self.table], dtype=torch.float32, device=self.codes.device)
         return self._table_t
@@ -97,13 +90,10 @@ class Int4Weight:
         return w.reshape(out, k).to(dtype)
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
-        """x W^T for x [..., in]; the result has x's dtype."""
+        """x W^T for x [..., in] through the widened matrix; the result has x's dtype. (A decode
+        step's experts on a GPU are read as stored by ``engine.decode_experts``.)"""
         out, k = self.shape
-        flat = x.reshape(-1, k)
-        if x.device.type == "cuda" and flat.shape[0] <= CUDA_GEMV_MAX_TOKENS and triton_available():
-            y = gemv(flat, self)
-        else:
-            y = F.linear(flat, self.dequantize(x.dtype))
+        y = F.linear(x.reshape(-1, k), self.dequantize(x.dtype))
         return y.reshape(*x.shape[:-1], out)
 
 
@@ -188,37 +178,3 @@ def _narrow(s: torch.Tensor) -> torch.Tensor:
     if torch.isfinite(half).all() and not ((half == 0) & (s32 != 0)).any():
         return half.contiguous()
     return s32.to(torch.bfloat16).contiguous()
-
-
-# ---- the GEMV kernel ---------------------------------------------------------------------
-
-
-@cache
-def triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def gemv(x: torch.Tensor, w: Int4Weight) -> torch.Tensor:
-    """x [T, in] @ W^T with the Triton kernel: T × out outputs, each a float32 sum over `in`."""
-    import triton
-
-    t, k = x.shape
-    out = w.shape[0]
-    x = x.contiguous()
-    y = torch.empty((t, out), dtype=x.dtype, device=x.device)
-    block_t = min(4, triton.next_power_of_2(t))
-    block_n, block_k = 16, 128
-    grid = (triton.cdiv(out, block_n), triton.cdiv(t, block_t))
-    scale = w.scale
-    mins = w.min if w.min is not None else scale  # not read when HAS_MIN is off
-    from hybridmoe.backend.formats import int4_kernel
-
-    int4_kernel.compiled()[grid](
-        x, w.codes, scale, mins, w.table_tensor(), y, t, out, k, k // w.group,
-        GROUP=w.group, HAS_MIN=w.min is not None, BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_K=block_k,
-    )
-    return y

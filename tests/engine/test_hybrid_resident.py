@@ -70,8 +70,8 @@ def test_int8_experts_compute_what_their_dequantized_weights_do(checkpoints):
     matrices, and the model stays close to the dense one (int8 rounding only)."""
     path = checkpoints("qwen3_moe")
     placement = {1: [0, 2, 3, 7], 2: list(range(8))}
-    int8 = engine(path, placement=placement, resident_form="int8")
-    dense = engine(path, placement=placement)
+    int8 = engine(path, placement=placement, resident_form="int8", device="cpu")  # x below is on the CPU
+    dense = engine(path, placement=placement, device="cpu")
     moe = _moes(int8)[0]
     x = torch.randn(6, 64, generator=torch.Generator().manual_seed(2))
     ids, weights = moe.router(x)

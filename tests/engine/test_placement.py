@@ -49,7 +49,8 @@ def test_outputs_do_not_depend_on_the_placement(family, checkpoints):
 
 def test_cpu_experts_forward_is_the_partial_sum_over_cpu_experts(checkpoints):
     """The reference CPU path on its own: the main half plus the CPU half is the whole."""
-    model = engine(checkpoints("qwen3_moe"), placement={1: [0, 2, 4, 6]})
+    # On the CPU whatever the machine has: the inputs below are CPU tensors.
+    model = engine(checkpoints("qwen3_moe"), placement={1: [0, 2, 4, 6]}, device="cpu")
     moe = next(m for m in model.modules() if isinstance(m, MoE) and m.layer == 1)
     assert isinstance(moe.main, ResidentExperts) and isinstance(moe.host, HostExperts)
     x = torch.randn(5, 64, generator=torch.Generator().manual_seed(0))
@@ -59,7 +60,7 @@ def test_cpu_experts_forward_is_the_partial_sum_over_cpu_experts(checkpoints):
     # Tokens routed only to main-device experts get nothing from the CPU half.
     on_cpu = torch.isin(ids, torch.tensor(moe.host.ids)).any(dim=1)
     assert torch.all(cpu[~on_cpu] == 0)
-    all_cpu = engine(checkpoints("qwen3_moe"))
+    all_cpu = engine(checkpoints("qwen3_moe"), device="cpu")
     moe_all = next(m for m in all_cpu.modules() if isinstance(m, MoE) and m.layer == 1)
     whole = cpu_experts_forward(x, ids, weights, moe_all.host)
     from hybridmoe.backend.engine.experts import experts_forward
