@@ -21,7 +21,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from hybridmoe.backend.engine.experts import ExpertActivation, ExpertStore, HostExperts
 from hybridmoe.backend.formats.quant import QuantTensor, from_compressed_int4, from_gguf, from_mxfp4
 
-GGUF_FORMATS = ("q8_0", "q4_0", "q5_0", "q4_k", "q5_k", "q6_k", "mxfp4")
+GGUF_FORMATS = ("q8_0", "q4_0", "q5_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "mxfp4")
 HF_FORMATS = ("mxfp4_hf", "int4_g32")
 FLOAT_FORMATS = ("bf16", "f16", "f32")
 ALL_FORMATS = GGUF_FORMATS + HF_FORMATS + FLOAT_FORMATS
@@ -76,6 +76,11 @@ def random_matrix(rng: np.random.Generator, fmt: str, shape: tuple[int, ...], sc
         data[:, 2:4] = _f16_bytes(scales(nb, False) / spread)  # dmin
     elif fmt == "q6_k":
         data[:, 208:210] = _f16_bytes(scales(nb, False) / (73 * 18))
+    elif fmt == "q3_k":  # 6-bit scales less 32 (about 16 in size) times codes -4..3
+        data[:, 108:110] = _f16_bytes(scales(nb, False) / (16 * 2.3))
+    elif fmt == "q2_k":  # 4-bit scales and mins (about 7.5) times codes 0..3
+        data[:, 80:82] = _f16_bytes(scales(nb, False) / (7.5 * 1.1))  # d
+        data[:, 82:84] = _f16_bytes(scales(nb, False) / (7.5 * 1.1))  # dmin
     elif fmt == "mxfp4":
         data[:, 0] = rng.integers(118, 124, size=nb)
     return from_gguf(data.reshape(*lead, rows, K // block * size), qtype, shape)

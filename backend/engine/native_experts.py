@@ -15,7 +15,7 @@ the source pages are released when they are a read-only file mapping (GGUF).
 and the layer's storage is one it reads (see ``native_kernels.native_format``), else ``None``
 and the caller runs the reference. ``HYBRIDMOE_NATIVE=0`` turns the native path off.
 
-Formats: GGUF q8_0, q4_0, q5_0, q4_k, q5_k, q6_k, mxfp4, bf16, f16, f32 tensors; compressed-tensors
+Formats: GGUF q8_0, q4_0, q5_0, q2_k, q3_k, q4_k, q5_k, q6_k, mxfp4, bf16, f16, f32 tensors; compressed-tensors
 int4 with groups of 32 and bf16 scales (Kimi K2); GPT-OSS MXFP4 safetensors. gate and up
 must share a format; down may differ (GGUF quant mixes). Not native: fp8_block, other int4
 group sizes, the GGUF types without a kernel (q2_k, q3_k, iq*), GPT-OSS float checkpoints

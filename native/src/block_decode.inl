@@ -21,6 +21,15 @@ static inline void q6k_values(const uint8_t* blk, int8_t q[256]) {
     }
 }
 
+// Q3_K: the sixteen 6-bit scales of a super-block, minus 32 (ggml's unpacking of its 12 bytes).
+static inline void q3k_scales(const uint8_t* sc12, int8_t out[16]) {
+    for (int i = 0; i < 16; ++i) {
+        const int low = (sc12[i % 8] >> (4 * (i / 8))) & 0x0F;
+        const int high = (sc12[8 + i % 4] >> (2 * (i / 4))) & 0x03;
+        out[i] = int8_t((low | (high << 4)) - 32);
+    }
+}
+
 // Dequantize block `b` of a row (block index along K) into dst[0 .. block). `row` and
 // `srow` are the row's data and (split formats) scale pointers.
 static inline void dequant_block(Format fmt, const uint8_t* row, const uint8_t* srow, int64_t b, float* dst) {
@@ -79,6 +88,31 @@ static inline void dequant_block(Format fmt, const uint8_t* row, const uint8_t* 
             int8_t q[256];
             q6k_values(p, q);
             for (int i = 0; i < 256; ++i) dst[i] = d * float(int8_t(p[192 + i / 16])) * float(q[i]);
+            return;
+        }
+        case FMT_Q3_K: {
+            const uint8_t* p = row + b * 110;
+            const float d = fp16_to_f32(load_u16(p + 108));
+            int8_t sc[16];
+            q3k_scales(p + 96, sc);
+            for (int i = 0; i < 256; ++i) {
+                const int h = i / 128, j = (i % 128) / 32, l = i % 32;
+                const int low = (p[32 + 32 * h + l] >> (2 * j)) & 3;
+                const int high = (p[l] >> (4 * h + j)) & 1;
+                dst[i] = d * float(sc[i / 16]) * float(low - (high ? 0 : 4));
+            }
+            return;
+        }
+        case FMT_Q2_K: {
+            const uint8_t* p = row + b * 84;
+            const float d = fp16_to_f32(load_u16(p + 80));
+            const float dmin = fp16_to_f32(load_u16(p + 82));
+            for (int i = 0; i < 256; ++i) {
+                const int h = i / 128, j = (i % 128) / 32, l = i % 32;
+                const int q = (p[16 + 32 * h + l] >> (2 * j)) & 3;
+                const uint8_t sm = p[i / 16];
+                dst[i] = d * float(sm & 0x0F) * float(q) - dmin * float(sm >> 4);
+            }
             return;
         }
         case FMT_MXFP4: {

@@ -57,6 +57,8 @@ void random_rows(Format fmt, int rows, int K, std::mt19937& rng, std::vector<uin
                 case FMT_Q4_K:
                 case FMT_Q5_K: put_f16(blk, small(rng)); put_f16(blk + 2, small(rng)); break;
                 case FMT_Q6_K: put_f16(blk + 208, small(rng)); break;
+                case FMT_Q3_K: put_f16(blk + 108, small(rng)); break;
+                case FMT_Q2_K: put_f16(blk + 80, small(rng)); put_f16(blk + 82, small(rng)); break;
                 case FMT_MXFP4: blk[0] = uint8_t(118 + rng() % 12); break;
                 default: break;
             }

@@ -22,6 +22,13 @@
 //   q6_k   ql[128] | qh[64] | scales[16]:int8 | d:fp16; two halves of 128, quarters of 32
 //          take low/high nibbles of ql[0:32]/ql[32:64] and 2-bit pairs of qh (see
 //          kernels_scalar.cpp)                                    value = d*sc16*(q6 - 32)
+//   q3_k   hmask[32] | qs[64] | scales[12] | d:fp16; halves and quarters as q6_k: quarter j
+//          of half h takes bits 2j, 2j+1 of qs[32h .. 32h+31] and bit 4h + j of hmask as the
+//          third bit; sixteen 6-bit scales (low 4 bits in bytes 0-7, two a byte, high 2 in
+//          bytes 8-11)                                             value = d*(sc - 32)*(q3 - 4)
+//   q2_k   scales[16] (low nibble the scale, high the min of a 16) | qs[64] | d:fp16 |
+//          dmin:fp16; quarters as q3_k's low bits                  value = d*sc*q2 - dmin*m
+//          (q2_k and q3_k: the low-bit experts of DeepSeek/Kimi GGUFs, Q2_K and Q3_K mixes)
 //   mxfp4  e:e8m0 | qs[16] (GGUF: element j low nibble, 16+j high) value = e2m1(nib)*2^(e-127)
 //   mxfp4_hf  blocks [out, K/32, 16] + scales [out, K/32] in separate arrays; in each byte
 //          the low nibble is the even element, the high nibble the odd one
@@ -80,6 +87,8 @@ enum Format : int {
     FMT_Q4_K_X8,   // q4_k rows interleaved in groups of 8, scales unpacked (made at load)
     FMT_Q8_0_X8,   // q8_0 rows interleaved in groups of 8 (made at load)
     FMT_Q5_0,
+    FMT_Q3_K,
+    FMT_Q2_K,
     FMT_COUNT
 };
 
@@ -119,6 +128,8 @@ static constexpr FormatInfo kFormats[FMT_COUNT] = {
     {"q4_kx8", 256, 148, 0, false, false, 8, 256},
     {"q8_0x8", 32, 34, 0, false, false, 8},
     {"q5_0", 32, 22, 0, false, false},
+    {"q3_k", 256, 110, 0, false, false, 1, 256},
+    {"q2_k", 256, 84, 0, false, false, 1, 256},
 };
 
 // Bytes of one block of a group of eight rows in the x8 layouts: 32 columns of q4_0x8 /

@@ -171,7 +171,7 @@ const KernelTable* kernels_scalar() {
         {gemv_q8_fmt<FMT_Q8_0>, gemv_q8_fmt<FMT_Q4_0>, gemv_q8_fmt<FMT_Q4_K>, gemv_q8_fmt<FMT_Q5_K>,
          gemv_q8_fmt<FMT_Q6_K>, gemv_q8_fmt<FMT_MXFP4>, gemv_q8_fmt<FMT_MXFP4_HF>, gemv_q8_fmt<FMT_INT4_G32>, nullptr,
          nullptr, nullptr, gemv_q8_fmt<FMT_Q4_0_X8>, gemv_q8_fmt<FMT_INT4_X8>, gemv_q8_fmt<FMT_Q4_K_X8>,
-         gemv_q8_fmt<FMT_Q8_0_X8>, gemv_q8_fmt<FMT_Q5_0>},
+         gemv_q8_fmt<FMT_Q8_0_X8>, gemv_q8_fmt<FMT_Q5_0>, gemv_q8_fmt<FMT_Q3_K>, gemv_q8_fmt<FMT_Q2_K>},
         {nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, gemv_f32_fmt<FMT_BF16>,
          gemv_f32_fmt<FMT_F16>, gemv_f32_fmt<FMT_F32>, nullptr, nullptr, nullptr, nullptr},
         dequant_panel,

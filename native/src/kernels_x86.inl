@@ -522,6 +522,116 @@ static void gemv_q6k_n(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t 
     }
 }
 
+// Q3_K and Q2_K, the low-bit experts of DeepSeek/Kimi GGUFs: the same halves and quarters as
+// Q6_K. Quarter j of half h takes bits 2j, 2j+1 of the half's 32 qs bytes (Q3_K: and bit
+// 4h + j of the 32 hmask bytes as the third), one scale per 16 as Q6_K, so the quarter dot
+// and its scale multipliers are Q6_K's. Q3_K's codes (0..7) are offset by 4, taken off per
+// super-block with the activation sums as Q6_K's 32; Q2_K's unsigned codes (0..3) have a
+// min per 16 instead, dmin * sum_j m_j * (sub-block j's activation sum), kept apart in float
+// since dmin is not d. (llama.cpp's Q3_K subtracts 4 where the mask bit is clear: code 0..7
+// here is q3 + 4.)
+// Q3_K's sixteen 6-bit scales, less 32, as int8 in one register: four 32-bit words of masks
+// and shifts (ggml's unpacking). Unpacked into bytes in memory and loaded back, they cost a
+// failed store-to-load forwarding per super-block: the kernel ran at a third of the speed.
+static inline __m128i q3k_scales16(const uint8_t* p) {
+    uint32_t a0, a1, t;
+    std::memcpy(&a0, p, 4);
+    std::memcpy(&a1, p + 4, 4);
+    std::memcpy(&t, p + 8, 4);
+    constexpr uint32_t k4 = 0x0F0F0F0F, k2 = 0x03030303;
+    const uint32_t s0 = (a0 & k4) | ((t & k2) << 4), s1 = (a1 & k4) | (((t >> 2) & k2) << 4);
+    const uint32_t s2 = ((a0 >> 4) & k4) | (((t >> 4) & k2) << 4), s3 = ((a1 >> 4) & k4) | (((t >> 6) & k2) << 4);
+    return _mm_sub_epi8(_mm_setr_epi32(int(s0), int(s1), int(s2), int(s3)), _mm_set1_epi8(32));
+}
+
+template <bool kThree, int j, int bit>
+static inline __m256i q23k_quarter(__m256i qs, __m256i hm) {
+    const __m256i low = _mm256_and_si256(_mm256_srli_epi16(qs, 2 * j), _mm256_set1_epi8(3));
+    if constexpr (!kThree) {
+        return low;
+    } else {
+        const __m256i four = _mm256_set1_epi8(4);
+        const __m256i high = bit >= 2 ? _mm256_and_si256(_mm256_srli_epi16(hm, bit >= 2 ? bit - 2 : 0), four)
+                                      : _mm256_and_si256(_mm256_slli_epi16(hm, bit < 2 ? 2 - bit : 0), four);
+        return _mm256_or_si256(low, high);
+    }
+}
+
+// The 32 codes of each quarter j (0..7) of a super-block (Q3_K: 0..7, q3 + 4; Q2_K: 0..3).
+template <bool kThree>
+static inline void q23k_codes(const uint8_t* blk, __m256i q[8]) {
+    const __m256i hm = kThree ? load32(blk) : _mm256_setzero_si256();
+    const __m256i qs0 = load32(blk + (kThree ? 32 : 16)), qs1 = load32(blk + (kThree ? 64 : 48));
+    q[0] = q23k_quarter<kThree, 0, 0>(qs0, hm);
+    q[1] = q23k_quarter<kThree, 1, 1>(qs0, hm);
+    q[2] = q23k_quarter<kThree, 2, 2>(qs0, hm);
+    q[3] = q23k_quarter<kThree, 3, 3>(qs0, hm);
+    q[4] = q23k_quarter<kThree, 0, 4>(qs1, hm);
+    q[5] = q23k_quarter<kThree, 1, 5>(qs1, hm);
+    q[6] = q23k_quarter<kThree, 2, 6>(qs1, hm);
+    q[7] = q23k_quarter<kThree, 3, 7>(qs1, hm);
+}
+
+template <bool kThree, int h, int N>
+static inline void q23k_half(const uint8_t* blk, __m256i s16, const Q8Row* acts, int64_t k, __m256i sums[N]) {
+    const __m256i qs = load32(blk + (kThree ? 32 : 16) + 32 * h);
+    const __m256i hm = kThree ? load32(blk) : _mm256_setzero_si256();
+    const __m256i eight = _mm256_permute4x64_epi64(s16, h == 0 ? 0x44 : 0xEE);
+    q6k_quarter_dot<N>(q23k_quarter<kThree, 0, 4 * h + 0>(qs, hm), q6k_quarter_scale<0>(eight), acts, k, sums);
+    q6k_quarter_dot<N>(q23k_quarter<kThree, 1, 4 * h + 1>(qs, hm), q6k_quarter_scale<1>(eight), acts, k + 32, sums);
+    q6k_quarter_dot<N>(q23k_quarter<kThree, 2, 4 * h + 2>(qs, hm), q6k_quarter_scale<2>(eight), acts, k + 64, sums);
+    q6k_quarter_dot<N>(q23k_quarter<kThree, 3, 4 * h + 3>(qs, hm), q6k_quarter_scale<3>(eight), acts, k + 96, sums);
+}
+
+template <bool kThree, int N>
+static void gemv_q23k_n(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t K, const Q8Row* acts, float* out,
+                        int64_t ldo) {
+    constexpr int kBytes = kThree ? 110 : 84;
+    const int64_t nsb = K / 256;
+    thread_local std::vector<int16_t> sums_buf;
+    if (sums_buf.size() < size_t(N * K / 16)) sums_buf.resize(size_t(N * K / 16));
+    const int16_t* asum[N];
+    for (int t = 0; t < N; ++t) {
+        sums16(acts[t].q, K, sums_buf.data() + t * K / 16);
+        asum[t] = sums_buf.data() + t * K / 16;
+    }
+    for (int64_t r = 0; r < nrows; ++r) {
+        const uint8_t* row = w.row(row0 + r);
+        __m256 acc[N], accm[N];
+        for (int t = 0; t < N; ++t) acc[t] = accm[t] = _mm256_setzero_ps();
+        _mm_prefetch(reinterpret_cast<const char*>(w.row(row0 + r + 1)), _MM_HINT_T0);
+        for (int64_t sb = 0; sb < nsb; ++sb) {
+            const uint8_t* blk = row + sb * kBytes;
+            prefetch_span(blk + kPrefetchAheadK, kBytes);
+            __m256i s16, sums[N];
+            if constexpr (kThree) {
+                s16 = _mm256_cvtepi8_epi16(q3k_scales16(blk + 96));
+                for (int t = 0; t < N; ++t)  // the codes' offset of 4, as Q6_K's 32
+                    sums[t] = _mm256_sub_epi32(_mm256_setzero_si256(),
+                                               _mm256_slli_epi32(_mm256_madd_epi16(s16, load32(asum[t] + 16 * sb)), 2));
+            } else {
+                const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk));
+                const __m128i m4 = _mm_set1_epi8(0x0F);
+                s16 = _mm256_cvtepu8_epi16(_mm_and_si128(raw, m4));
+                const __m256i m16 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), m4));
+                const float dmin = h2f(blk + 82);
+                for (int t = 0; t < N; ++t) {
+                    sums[t] = _mm256_setzero_si256();
+                    accm[t] = _mm256_fmadd_ps(_mm256_set1_ps(dmin * acts[t].d[8 * sb]),
+                                              _mm256_cvtepi32_ps(_mm256_madd_epi16(m16, load32(asum[t] + 16 * sb))),
+                                              accm[t]);
+                }
+            }
+            q23k_half<kThree, 0, N>(blk, s16, acts, 256 * sb, sums);
+            q23k_half<kThree, 1, N>(blk, s16, acts, 256 * sb + 128, sums);
+            const float dw = h2f(blk + (kThree ? 108 : 80));
+            for (int t = 0; t < N; ++t)
+                acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(dw * acts[t].d[8 * sb]), _mm256_cvtepi32_ps(sums[t]), acc[t]);
+        }
+        for (int t = 0; t < N; ++t) out[t * ldo + r] = hsum_ps(_mm256_sub_ps(acc[t], accm[t]));
+    }
+}
+
 // ---- decode dispatch on the token count (a compile-time N keeps accumulators in registers)
 
 template <template <int> class G>
@@ -553,6 +663,15 @@ struct KQ {
         }
     };
 };
+template <bool kThree>
+struct Q23 {
+    template <int N>
+    struct G {
+        static void run(const MatrixRef& w, int64_t r0, int64_t n, int64_t K, const Q8Row* a, float* o, int64_t l) {
+            gemv_q23k_n<kThree, N>(w, r0, n, K, a, o, l);
+        }
+    };
+};
 template <int N>
 struct Q6G {
     static void run(const MatrixRef& w, int64_t r0, int64_t n, int64_t K, const Q8Row* a, float* o, int64_t l) {
@@ -576,6 +695,14 @@ static void gemv_q8_q5k(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t
 static void gemv_q8_q6k(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t K, const Q8Row* acts, int ntok,
                         float* out, int64_t ldo) {
     by_tokens<Q6G>(w, row0, nrows, K, acts, ntok, out, ldo);
+}
+static void gemv_q8_q3k(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t K, const Q8Row* acts, int ntok,
+                        float* out, int64_t ldo) {
+    by_tokens<Q23<true>::template G>(w, row0, nrows, K, acts, ntok, out, ldo);
+}
+static void gemv_q8_q2k(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t K, const Q8Row* acts, int ntok,
+                        float* out, int64_t ldo) {
+    by_tokens<Q23<false>::template G>(w, row0, nrows, K, acts, ntok, out, ldo);
 }
 
 // ---- decode: the row-interleaved x8 layouts (q4_0x8, int4_g32x8) -------------------------
@@ -1058,6 +1185,39 @@ static void dequant_row_simd(Format fmt, const MatrixRef& w, int64_t r, int64_t 
                             d * float(sc[2 * j + 1]), 0.f);
             }
             return;
+        case FMT_Q3_K:
+        case FMT_Q2_K: {
+            const bool three = fmt == FMT_Q3_K;
+            for (int64_t sb = k0 / 256; sb < (k0 + kc) / 256; ++sb) {
+                const uint8_t* blk = row + sb * (three ? 110 : 84);
+                float* o = dst + (sb * 256 - k0);
+                if (three) {
+                    alignas(16) int8_t sc[16];
+                    _mm_store_si128(reinterpret_cast<__m128i*>(sc), q3k_scales16(blk + 96));
+                    const float d = h2f(blk + 108);
+                    __m256i q[8];
+                    q23k_codes<true>(blk, q);
+                    for (int j = 0; j < 8; ++j)
+                        store32(o + 32 * j, _mm256_sub_epi8(q[j], _mm256_set1_epi8(4)), d * float(sc[2 * j]),
+                                d * float(sc[2 * j + 1]), 0.f);
+                } else {
+                    const float d = h2f(blk + 80), dmin = h2f(blk + 82);
+                    __m256i q[8];
+                    q23k_codes<false>(blk, q);
+                    for (int j = 0; j < 8; ++j) {  // a min per 16: each half of the quarter on its own
+                        const uint8_t lo = blk[2 * j], hi = blk[2 * j + 1];
+                        float tmp[32];
+                        store32(tmp, q[j], d * float(lo & 0x0F), d * float(hi & 0x0F), 0.f);
+                        const float mlo = dmin * float(lo >> 4), mhi = dmin * float(hi >> 4);
+                        for (int e = 0; e < 16; ++e) {
+                            o[32 * j + e] = tmp[e] - mlo;
+                            o[32 * j + 16 + e] = tmp[16 + e] - mhi;
+                        }
+                    }
+                }
+            }
+            return;
+        }
         case FMT_BF16:
         case FMT_F16:
         case FMT_F32: {
@@ -1794,7 +1954,7 @@ static const KernelTable* make_table(const char* name) {
         quantize,
         {gemv_q8_b32<FMT_Q8_0>, gemv_q8_b32<FMT_Q4_0>, gemv_q8_q4k, gemv_q8_q5k, gemv_q8_q6k, gemv_q8_b32<FMT_MXFP4>,
          gemv_q8_b32<FMT_MXFP4_HF>, gemv_q8_b32<FMT_INT4_G32>, nullptr, nullptr, nullptr, gemv_q8_x8<FMT_Q4_0_X8>,
-         gemv_q8_x8<FMT_INT4_X8>, gemv_q8_q4kx8, gemv_q8_q8x8, gemv_q8_b32<FMT_Q5_0>},
+         gemv_q8_x8<FMT_INT4_X8>, gemv_q8_q4kx8, gemv_q8_q8x8, gemv_q8_b32<FMT_Q5_0>, gemv_q8_q3k, gemv_q8_q2k},
         {nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, gemv_float<FMT_BF16>,
          gemv_float<FMT_F16>, gemv_float<FMT_F32>, nullptr, nullptr, nullptr, nullptr},
         dequant_panel,

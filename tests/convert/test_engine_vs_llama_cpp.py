@@ -10,13 +10,18 @@ formats or kernels under test.
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
+from gguf import GGUFReader
 
 from hybridmoe.backend.engine.model import build_model
 from hybridmoe.backend.formats.weights import open_weights
 from hybridmoe.backend.models import inspect_model
-from tests.convert.conftest import llama_greedy, llama_logits, open_llama
+from tests.convert.conftest import build_checkpoint, llama_greedy, llama_logits, open_llama
 
 PROMPT = [5, 77, 123, 9, 250, 31, 64, 199, 12, 88, 140, 3]
 STEPS = 16
@@ -47,6 +52,58 @@ def test_engine_matches_llama_cpp_on_the_same_file(family, quant, converted):
     assert_same_choices(ours, theirs.argmax(-1), tolerance)
 
     # Greedy: follow llama.cpp's tokens and check the engine would have chosen each of them.
+    sequence = PROMPT + their_tokens
+    logits = model(torch.tensor(sequence), 0)[len(PROMPT) - 1 : -1]
+    assert_same_choices(logits, torch.tensor(their_tokens), tolerance)
+
+
+# llama.cpp's quantizer in a child process (it can abort the process it runs in).
+QUANTIZE = textwrap.dedent("""
+    import sys, llama_cpp
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q2_K
+    sys.exit(llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), params))
+""")
+
+
+def test_engine_matches_llama_cpp_on_its_q2_k_mix(tmp_path):
+    """llama.cpp's own Q2_K mix of a model whose rows are whole K-quant super-blocks (hidden
+    and widths 256): routed experts in Q2_K (gate, up) and Q3_K (down), attention in Q2_K to
+    Q4_K. The engine reads the experts in place in the CPU kernels and agrees with llama.cpp
+    as on the Q8_0 and Q4_0 files above."""
+    from hybridmoe.backend.convert import to_gguf
+    from hybridmoe.backend.engine import native_experts
+    from hybridmoe.backend.engine.moe import MoE
+
+    sizes = dict(hidden_size=256, intermediate_size=256, moe_intermediate_size=256, head_dim=64,
+                 num_experts_per_tok=8)
+    checkpoint = build_checkpoint(tmp_path / "ckpt", "qwen3_moe", overrides=sizes)
+    bf16 = to_gguf(checkpoint.path, tmp_path / "m-bf16.gguf", "bf16")
+    path = tmp_path / "m-q2_k.gguf"
+    subprocess.run([sys.executable, "-c", QUANTIZE, str(bf16), str(path)], check=True, timeout=300,
+                   capture_output=True)
+    types = {t.name.split(".")[-2]: t.tensor_type.name for t in GGUFReader(path).tensors if ".0." in t.name}
+    assert (types["ffn_gate_exps"], types["ffn_up_exps"], types["ffn_down_exps"]) == ("Q2_K", "Q2_K", "Q3_K"), types
+
+    spec = inspect_model(path).spec
+    model = build_model(spec.config, open_weights(path), max_context=64, dtype=torch.float32)
+    native = native_experts.native_for(next(m for m in model.modules() if isinstance(m, MoE)).host)
+    assert (native.layer.format, native.layer.down_format) == ("q2_k", "q3_k")
+    ours = model(torch.tensor(PROMPT), 0)
+    decode = [model(torch.tensor([t]), len(PROMPT) + i)[-1] for i, t in enumerate(PROMPT[:4])]
+
+    llm = open_llama(path)
+    try:
+        theirs = llama_logits(llm, PROMPT)
+        theirs_decode = llama_logits(llm, PROMPT + PROMPT[:4])[len(PROMPT):]
+        their_tokens = llama_greedy(llm, PROMPT, STEPS)
+    finally:
+        llm.close()
+    spread = float(theirs.abs().max())
+    tolerance = 0.06 * spread  # as above
+    assert float((ours - theirs).abs().max()) <= tolerance
+    assert float((torch.stack(decode) - theirs_decode).abs().max()) <= tolerance  # the decode kernels
+    assert_same_choices(ours, theirs.argmax(-1), tolerance)
     sequence = PROMPT + their_tokens
     logits = model(torch.tensor(sequence), 0)[len(PROMPT) - 1 : -1]
     assert_same_choices(logits, torch.tensor(their_tokens), tolerance)
