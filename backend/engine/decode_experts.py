@@ -21,7 +21,7 @@ path's matmuls do better.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cache
+from functools import cache, cached_property
 
 import torch
 
@@ -58,13 +58,21 @@ class Stack:
     group: int = 32
     bias: torch.Tensor | None = None
 
-    def kernel_args(self) -> tuple:
-        """w, scale, min, table pointers and the strides of w and scale (unused ones: w's)."""
-        scale = self.scale if self.scale is not None else self.w
-        return (self.w, scale, self.min if self.min is not None else scale,
-                self.table if self.table is not None else scale,
-                self.w.stride(0), self.w.stride(1), scale.stride(0), scale.stride(1) if scale.dim() > 1 else 1)
+    # Worked out once per group: a decode step launches these kernels at every MoE layer, and
+    # on a GPU the host's time per launch is what a decode step costs.
+    @cached_property
+    def pointers(self) -> tuple:
+        """w, scale, min, table and bias (each unused one standing in as w)."""
+        w = self.w
+        return tuple(t if t is not None else w for t in (w, self.scale, self.min, self.table, self.bias))
 
+    @cached_property
+    def strides(self) -> tuple[int, int, int, int]:
+        """Of w, then of scale (and min) by expert and by row."""
+        scale = self.scale if self.scale is not None else self.w
+        return self.w.stride(0), self.w.stride(1), scale.stride(0), scale.stride(1) if scale.dim() > 1 else 1
+
+    @cached_property
     def constants(self) -> dict:
         from hybridmoe.backend.engine import decode_experts_kernels as k
 
@@ -118,17 +126,15 @@ def forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
     gate_step, up_first, up_step = (2, 1, 2) if interleaved else (1, inter, 1)
     grid = (pairs, -(-inter // block_i))
     kernels.gate_up_kernel[grid](
-        x, ids, slot_of, h, *gate_up.kernel_args()[:4], gate_up.bias if gate_up.bias is not None else x,
-        hidden, inter, k, n_experts, *gate_up.kernel_args()[4:], gate_step, up_first, up_step, alpha, limit,
-        ACT=kernels.ACTS["gpt_oss" if activation == "gpt_oss" else "silu"], BLOCK_I=block_i, BLOCK_K=block_k,
-        num_warps=4, **gate_up.constants())
+        x, ids, slot_of, h, *gate_up.pointers, hidden, inter, k, n_experts, *gate_up.strides, gate_step, up_first,
+        up_step, alpha, limit, ACT=kernels.ACTS["gpt_oss" if activation == "gpt_oss" else "silu"], BLOCK_I=block_i,
+        BLOCK_K=block_k, num_warps=4, **gate_up.constants)
 
     block_h, block_k = blocks.get("down") or BLOCKS[down.form]["down"]
     if down.form == "int4":
         block_k *= 2
     grid = (pairs, -(-hidden // block_h))
     kernels.down_kernel[grid](
-        h, ids, slot_of, weights, y, x, *down.kernel_args()[:4], down.bias if down.bias is not None else x,
-        inter, hidden, n_experts, *down.kernel_args()[4:], BLOCK_H=block_h, BLOCK_K=block_k, num_warps=4,
-        **down.constants())
+        h, ids, slot_of, weights, y, x, *down.pointers, inter, hidden, n_experts, *down.strides, BLOCK_H=block_h,
+        BLOCK_K=block_k, num_warps=4, **down.constants)
     return y.view(t, k, hidden).sum(dim=1)

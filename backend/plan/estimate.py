@@ -5,17 +5,22 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-# Theoretical per-core throughput for expert matmuls on the CPU, by the best ISA present
-# (dense multiply-adds per cycle × 2 flops). A sustained all-core clock is not knowable
-# from here, so the prefill crossover assumes 2.5 GHz and says so.
+# The rate at which the engine's CPU kernels compute experts in a prefill, for the crossover
+# with streaming them to a GPU: cores × an assumed 2.5 GHz (a sustained all-core clock is not
+# knowable from here; the plan says so) × the fp32 FMA peak of the best vector ISA present ×
+# the share of it the kernels reach. They multiply dequantized panels in fp32 (or int8 dot
+# products), never with AMX tiles or bf16 dot instructions, so those do not count: measured on
+# an H200 machine's host (Xeon, 16 cores, AVX-512 and AMX), the CPU experts of a 4K-token
+# prefill ran at 1.27-1.30 TFLOP/s, half the 2.56 of its FMA peak at 2.5 GHz. Planned with
+# AMX's peak (41 TFLOP/s), the streaming threshold was 5,201 tokens where the measured rates
+# put it at 189.
 ASSUMED_CPU_HZ = 2.5e9
 FLOPS_PER_CYCLE = (
-    ("amx_bf16", 1024.0),  # AMX tiles: 16×32 bf16 dot products per cycle
-    ("avx512_bf16", 128.0),  # two VDPBF16PS ports × 32 bf16 pairs
-    ("avx512f", 64.0),  # two FMA ports × 16 fp32
-    ("avx2", 32.0),  # two FMA ports × 8 fp32
+    ("avx512f", 64.0),  # two FMA ports × 16 fp32 × 2 flops
+    ("avx2", 32.0),  # two FMA ports × 8 fp32 × 2 flops
 )
 PORTABLE_FLOPS_PER_CYCLE = 8.0
+KERNEL_SHARE_OF_PEAK = 0.5
 
 # One all-reduce of a token's hidden state across the cards of one machine (a few KB: latency,
 # not bandwidth). NCCL's small-message all-reduce over PCIe peer-to-peer takes about 10 us; the
@@ -39,7 +44,7 @@ def cpu_flops(physical_cores: int | None, features: tuple[str, ...]) -> float | 
     if not physical_cores:
         return None
     per_cycle = next((f for name, f in FLOPS_PER_CYCLE if name in features), PORTABLE_FLOPS_PER_CYCLE)
-    return physical_cores * ASSUMED_CPU_HZ * per_cycle
+    return physical_cores * ASSUMED_CPU_HZ * per_cycle * KERNEL_SHARE_OF_PEAK
 
 
 def prefill_crossover_tokens(bits_per_weight: float, cpu_flops_per_s: float | None, pcie_bytes_per_s: float | None):
