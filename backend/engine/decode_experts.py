@@ -20,10 +20,13 @@ path's matmuls do better.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from functools import cache, cached_property
 
 import torch
+
+log = logging.getLogger(__name__)
 
 # Tokens per call up to which the kernels run: each (token, slot) pair reads its expert's
 # matrices, so beyond a few tokens an expert hit by several of them is read several times.
@@ -93,9 +96,22 @@ def triton_available() -> bool:
     return True
 
 
+# Devices on which the kernels failed (Triton could not build them for the card, say): their
+# calls take the reference loop from then on, and the reason is logged once.
+_failed: dict[torch.device, str] = {}
+
+
 def applies(x: torch.Tensor, activation: str) -> bool:
     """Whether a call with hidden states `x` [T, H] runs here (else the reference loop)."""
-    return x.device.type == "cuda" and x.shape[0] <= MAX_TOKENS and supported(activation) and triton_available()
+    return (x.device.type == "cuda" and x.shape[0] <= MAX_TOKENS and supported(activation)
+            and x.device not in _failed and triton_available())
+
+
+def failed(device: torch.device, error: Exception) -> None:
+    """The kernels raised on `device`: the loop serves its calls from now on."""
+    _failed[device] = f"{type(error).__name__}: {error}"
+    log.warning("GPU decode kernels unavailable on %s (%s); routed experts there take the slower loop",
+                device, _failed[device])
 
 
 def forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, slot_of: torch.Tensor,

@@ -406,9 +406,12 @@ def experts_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
     """
     if decode_kernels_apply(x, experts):
         act = experts.act
-        return decode_experts.forward(x, topk_ids, topk_weights, experts.slot_of, experts.stacks["gate_up"],
-                                      experts.stacks["down"], act.kind, interleaved=act.interleaved,
-                                      alpha=act.alpha, limit=act.limit)
+        try:
+            return decode_experts.forward(x, topk_ids, topk_weights, experts.slot_of, experts.stacks["gate_up"],
+                                          experts.stacks["down"], act.kind, interleaved=act.interleaved,
+                                          alpha=act.alpha, limit=act.limit)
+        except Exception as error:  # noqa: BLE001 - a card or Triton build the kernels cannot run on
+            decode_experts.failed(x.device, error)
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for e, tokens, weights in routed_groups(topk_ids, topk_weights, experts, host_ids):
         add_expert_output(out, x, tokens, weights, experts.weights_of(e), experts.act)

@@ -135,3 +135,31 @@ def test_the_decode_kernels_compute_what_the_expert_loop_computes(checkpoints, c
         # torch rounds, but Triton's interpreter rounds by truncation (up to one bf16 step).
         tolerance = 2e-5 if row["dtype"] == "float32" else 2e-2
         assert row["err"] < tolerance, row
+
+
+def test_a_device_the_kernels_fail_on_takes_the_loop(checkpoints, monkeypatch, caplog):  # noqa: F811
+    """Where the kernels cannot run (a card Triton cannot build for; standing in here: CPU
+    tensors, which compiled Triton kernels cannot read), the call computes what the loop
+    computes, the device is remembered (no second try) and the reason is logged once."""
+    import torch
+
+    from hybridmoe.backend.engine import decode_experts
+    from hybridmoe.backend.engine.experts import experts_forward
+    from hybridmoe.backend.engine.moe import MoE
+    from tests.engine.conftest import engine
+
+    model = engine(checkpoints("qwen3_moe").path, placement={1: [0, 2, 3, 5]}, device="cpu")
+    main = next(m for m in model.modules() if isinstance(m, MoE) and m.layer == 1).main
+    x = torch.randn(2, main.stacks["gate_up"].w.shape[2], generator=torch.Generator().manual_seed(0)).to(model.dtype)
+    ids, weights = torch.tensor([[0, 2], [3, 7]]), torch.rand(2, 2)
+    want = experts_forward(x, ids, weights, main)  # the loop: applies() is false on the CPU
+
+    monkeypatch.setattr(decode_experts, "_failed", {})
+    monkeypatch.setattr(decode_experts, "applies", lambda x, act: x.device not in decode_experts._failed)
+    tries, launch = [], decode_experts.forward
+    monkeypatch.setattr(decode_experts, "forward", lambda *args, **kw: tries.append(1) or launch(*args, **kw))
+    with caplog.at_level("WARNING", logger=decode_experts.__name__):
+        assert torch.equal(experts_forward(x, ids, weights, main), want)
+        assert torch.equal(experts_forward(x, ids, weights, main), want)
+    assert list(decode_experts._failed) == [torch.device("cpu")] and len(tries) == 1
+    assert len([r for r in caplog.records if "GPU decode kernels unavailable" in r.getMessage()]) == 1
