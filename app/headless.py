@@ -148,7 +148,7 @@ def cmd_run(args) -> int:
         cancel.cancel()
 
     backend_choice = _BackendChoice(args)
-    previous = signal.signal(signal.SIGINT, on_sigint)
+    signal.signal(signal.SIGINT, on_sigint)
     try:
         with chat_template:
             session = load_session(args.backend, model, plan, progress, cancel,
@@ -170,7 +170,11 @@ def cmd_run(args) -> int:
             session.save_expert_stats(args.record_stats)
         session.close()  # its threads end before the interpreter does
     finally:
-        signal.signal(signal.SIGINT, previous)
+        # The run is over: a Ctrl-C from here on could only interrupt the way out. Python hands
+        # SIGINT back to the system's default while it shuts down, so one sent as a run ended
+        # killed it (1 of 20 tries at the moment of exit), once with a SIGABRT; ignored stays
+        # ignored through the shutdown.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     if args.json:
         json.dump(
             {
