@@ -588,7 +588,8 @@ def speed(r: Report, work: Path, args) -> dict:
     measure("hybrid 100% GPU, profiled", prefill=False, profile=True, device=device,
             placement=_share(path, n, 100), hybrid=HybridOptions())
     # One core fewer for the CPU experts: the thread that feeds the GPU keeps one to itself.
-    native = _native_module()
+    from hybridmoe.backend.engine.native_kernels import _native as native
+
     if native is not None and native.num_threads() > 2:
         threads = native.num_threads()
         native.set_num_threads(threads - 1)
@@ -600,14 +601,6 @@ def speed(r: Report, work: Path, args) -> dict:
             native.set_num_threads(threads)
     return {"dims": dims, "prompt_tokens": prompt, "rows": rows, "targets": targets(r, rows),
             "crossover": measured_crossover(r, rows, dims, prompt)}
-
-
-def _native_module():
-    try:
-        from hybridmoe import _native
-    except ImportError:
-        return None
-    return _native
 
 
 def measured_crossover(r: Report, rows: dict, dims: dict, prompt: int) -> dict:

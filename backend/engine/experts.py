@@ -32,7 +32,6 @@ import torch
 import torch.nn.functional as F
 
 from hybridmoe.backend.engine import decode_experts
-from hybridmoe.backend.formats.int4_weights import TABLES as INT4_TABLES
 from hybridmoe.backend.formats.int4_weights import Int4Weight, cat_rows
 from hybridmoe.backend.formats.int4_weights import from_quant as int4_from_quant
 from hybridmoe.backend.formats.int8_weights import Int8Weight, quantize_int8
@@ -316,7 +315,7 @@ class ResidentExperts(ExpertGroup):
         bias = p.get(f"{role}_bias")
         if role in self._int4:
             table, group = self._int4[role]
-            values = torch.tensor(INT4_TABLES[table], dtype=torch.float32, device=self.device)
+            values = getattr(self._matrices[self.ids[0]], role).table_tensor()  # the same for every expert
             return decode_experts.Stack("int4", p[f"{role}_codes"], p[f"{role}_scale"], p.get(f"{role}_min"),
                                         values, table, group, bias)
         if self.form != "dense":

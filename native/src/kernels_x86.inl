@@ -557,30 +557,33 @@ static inline __m256i q23k_quarter(__m256i qs, __m256i hm) {
     }
 }
 
-// The 32 codes of each quarter j (0..7) of a super-block (Q3_K: 0..7, q3 + 4; Q2_K: 0..3).
+// The 32 codes of each quarter j (0..3) of half h of a super-block (Q3_K: 0..7, q3 + 4; Q2_K: 0..3).
+template <bool kThree, int h>
+static inline void q23k_half_codes(const uint8_t* blk, __m256i q[4]) {
+    const __m256i qs = load32(blk + (kThree ? 32 : 16) + 32 * h);
+    const __m256i hm = kThree ? load32(blk) : _mm256_setzero_si256();
+    q[0] = q23k_quarter<kThree, 0, 4 * h + 0>(qs, hm);
+    q[1] = q23k_quarter<kThree, 1, 4 * h + 1>(qs, hm);
+    q[2] = q23k_quarter<kThree, 2, 4 * h + 2>(qs, hm);
+    q[3] = q23k_quarter<kThree, 3, 4 * h + 3>(qs, hm);
+}
+
+// All eight quarters (for dequantizing).
 template <bool kThree>
 static inline void q23k_codes(const uint8_t* blk, __m256i q[8]) {
-    const __m256i hm = kThree ? load32(blk) : _mm256_setzero_si256();
-    const __m256i qs0 = load32(blk + (kThree ? 32 : 16)), qs1 = load32(blk + (kThree ? 64 : 48));
-    q[0] = q23k_quarter<kThree, 0, 0>(qs0, hm);
-    q[1] = q23k_quarter<kThree, 1, 1>(qs0, hm);
-    q[2] = q23k_quarter<kThree, 2, 2>(qs0, hm);
-    q[3] = q23k_quarter<kThree, 3, 3>(qs0, hm);
-    q[4] = q23k_quarter<kThree, 0, 4>(qs1, hm);
-    q[5] = q23k_quarter<kThree, 1, 5>(qs1, hm);
-    q[6] = q23k_quarter<kThree, 2, 6>(qs1, hm);
-    q[7] = q23k_quarter<kThree, 3, 7>(qs1, hm);
+    q23k_half_codes<kThree, 0>(blk, q);
+    q23k_half_codes<kThree, 1>(blk, q + 4);
 }
 
 template <bool kThree, int h, int N>
 static inline void q23k_half(const uint8_t* blk, __m256i s16, const Q8Row* acts, int64_t k, __m256i sums[N]) {
-    const __m256i qs = load32(blk + (kThree ? 32 : 16) + 32 * h);
-    const __m256i hm = kThree ? load32(blk) : _mm256_setzero_si256();
+    __m256i q[4];
+    q23k_half_codes<kThree, h>(blk, q);
     const __m256i eight = _mm256_permute4x64_epi64(s16, h == 0 ? 0x44 : 0xEE);
-    q6k_quarter_dot<N>(q23k_quarter<kThree, 0, 4 * h + 0>(qs, hm), q6k_quarter_scale<0>(eight), acts, k, sums);
-    q6k_quarter_dot<N>(q23k_quarter<kThree, 1, 4 * h + 1>(qs, hm), q6k_quarter_scale<1>(eight), acts, k + 32, sums);
-    q6k_quarter_dot<N>(q23k_quarter<kThree, 2, 4 * h + 2>(qs, hm), q6k_quarter_scale<2>(eight), acts, k + 64, sums);
-    q6k_quarter_dot<N>(q23k_quarter<kThree, 3, 4 * h + 3>(qs, hm), q6k_quarter_scale<3>(eight), acts, k + 96, sums);
+    q6k_quarter_dot<N>(q[0], q6k_quarter_scale<0>(eight), acts, k, sums);
+    q6k_quarter_dot<N>(q[1], q6k_quarter_scale<1>(eight), acts, k + 32, sums);
+    q6k_quarter_dot<N>(q[2], q6k_quarter_scale<2>(eight), acts, k + 64, sums);
+    q6k_quarter_dot<N>(q[3], q6k_quarter_scale<3>(eight), acts, k + 96, sums);
 }
 
 template <bool kThree, int N>
@@ -1088,16 +1091,17 @@ static void rows_axpy(Format fmt, const uint8_t* rows, int64_t stride, int64_t m
 
 // ---- prefill: dequantize to a k-major panel ------------------------------------------------
 
-// 32 int8 values (element order) times d, minus m, to 32 floats; d1 scales the second 16
-// (q6_k has a scale per 16; everyone else passes d1 = d).
-static inline void store32(float* dst, __m256i q, float d, float d1, float m) {
+// 32 int8 values (element order) times d, minus m, to 32 floats; d1 and m1 serve the second
+// 16 (q6_k, q3_k have a scale per 16, q2_k a scale and a min; everyone else passes the same).
+static inline void store32(float* dst, __m256i q, float d, float d1, float m, float m1) {
     const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
-    const __m256 vd = _mm256_set1_ps(d), vd1 = _mm256_set1_ps(d1), vm = _mm256_set1_ps(m);
+    const __m256 vd = _mm256_set1_ps(d), vd1 = _mm256_set1_ps(d1), vm = _mm256_set1_ps(m), vm1 = _mm256_set1_ps(m1);
     _mm256_storeu_ps(dst, _mm256_fmsub_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo)), vd, vm));
     _mm256_storeu_ps(dst + 8, _mm256_fmsub_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8))), vd, vm));
-    _mm256_storeu_ps(dst + 16, _mm256_fmsub_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi)), vd1, vm));
-    _mm256_storeu_ps(dst + 24, _mm256_fmsub_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8))), vd1, vm));
+    _mm256_storeu_ps(dst + 16, _mm256_fmsub_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi)), vd1, vm1));
+    _mm256_storeu_ps(dst + 24, _mm256_fmsub_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8))), vd1, vm1));
 }
+static inline void store32(float* dst, __m256i q, float d, float d1, float m) { store32(dst, q, d, d1, m, m); }
 
 // The interleaved formats' codes (low nibble = even element) back in element order.
 static inline __m256i interleave_nibbles(__m256i n) {
@@ -1204,15 +1208,10 @@ static void dequant_row_simd(Format fmt, const MatrixRef& w, int64_t r, int64_t 
                     const float d = h2f(blk + 80), dmin = h2f(blk + 82);
                     __m256i q[8];
                     q23k_codes<false>(blk, q);
-                    for (int j = 0; j < 8; ++j) {  // a min per 16: each half of the quarter on its own
-                        const uint8_t lo = blk[2 * j], hi = blk[2 * j + 1];
-                        float tmp[32];
-                        store32(tmp, q[j], d * float(lo & 0x0F), d * float(hi & 0x0F), 0.f);
-                        const float mlo = dmin * float(lo >> 4), mhi = dmin * float(hi >> 4);
-                        for (int e = 0; e < 16; ++e) {
-                            o[32 * j + e] = tmp[e] - mlo;
-                            o[32 * j + 16 + e] = tmp[16 + e] - mhi;
-                        }
+                    for (int j = 0; j < 8; ++j) {
+                        const uint8_t lo = blk[2 * j], hi = blk[2 * j + 1];  // scale and min of each 16
+                        store32(o + 32 * j, q[j], d * float(lo & 0x0F), d * float(hi & 0x0F), dmin * float(lo >> 4),
+                                dmin * float(hi >> 4));
                     }
                 }
             }
