@@ -64,6 +64,12 @@ echo "== hybridmoe --version"
 "$WORK/venv/bin/hybridmoe" --version
 echo "== hybridmoe doctor --no-bandwidth"
 "$WORK/venv/bin/hybridmoe" doctor --no-bandwidth
+echo "== the installed copy finds its model catalogue"
+"$WORK/venv/bin/python" -c "
+from hybridmoe.backend.hub import catalogue
+where, n = catalogue.assets_dir(), len(catalogue.load().entries)
+assert str(where).startswith('$WORK/venv') and n, (where, n)
+print('ok:', n, 'models in', where)"
 echo "== the terminal UI's stylesheet is where Textual looks for it"
 "$WORK/venv/bin/python" -c "
 from pathlib import Path

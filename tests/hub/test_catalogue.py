@@ -144,3 +144,27 @@ def test_the_wheel_installs_one_import_package():
     assert "DESTINATION hybridmoe)" in (ROOT / "native" / "CMakeLists.txt").read_text()
     assert config["project"]["scripts"] == {"hybridmoe": "hybridmoe.app.cli:main"}
     assert catalogue.assets_dir().samefile(ROOT / "assets")
+
+
+def test_an_installed_copy_finds_its_catalogue(tmp_path):
+    """Installed from the wheel (not editable), the package's folders sit under one
+    ``hybridmoe`` directory on sys.path; the catalogue and the configs must be found there.
+    (``assets`` once lacked an __init__.py: as a namespace package its ``files()`` was a
+    MultiplexedPath whose str() is not a path, so every installed copy missed its catalogue.)"""
+    import shutil
+    import subprocess
+    import sys
+    import sysconfig
+
+    root = Path(__file__).resolve().parents[2]
+    installed = tmp_path / "site" / "hybridmoe"
+    for folder in ("app", "backend", "assets"):  # as pyproject's wheel.packages maps them
+        shutil.copytree(root / folder, installed / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    # -S: no .pth files, so no editable-install finder; then this site's packages after the copy.
+    code = (f"import sys; sys.path[:0] = [{str(tmp_path / 'site')!r}]; sys.path.append({sysconfig.get_paths()['purelib']!r})\n"
+            "from hybridmoe.backend.hub import catalogue\n"
+            "print(catalogue.assets_dir()); print(len(catalogue.load().entries))")
+    r = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    where, entries = r.stdout.split()
+    assert Path(where) == installed / "assets" and int(entries) > 0
