@@ -28,8 +28,10 @@ Sections, each guarded (a failure is reported and the next section runs):
 7. launch cost: what one small kernel launch costs the host thread.
 
 The speed section also decodes with the reference loop over the GPU experts instead of the
-decode kernels (same run, for the ratio), profiles a decode step by operator, and decodes
-with one core fewer for the CPU experts.
+decode kernels, with the reference attention instead of the decode-attention kernels
+(``engine.paged_decode``), and with the CPU half of decode steps on the scheduler's worker
+thread (``engine.hybrid``), in the same run for the ratios; it profiles a decode step by operator, and the hybrid rows' host time by
+part of a MoE layer (``engine.step_profile``).
 
 Prints a table and writes JSON (to --json, default $OUT/gpu_check.json or ./gpu_check.json).
 Without CUDA (a CPU-only machine) the GPU sections are skipped with a message and parity
@@ -543,6 +545,15 @@ def speed(r: Report, work: Path, args) -> dict:
         step = (time.perf_counter() - t0) / (decode_n - 4)
         row["decode_tok_s"] = 1 / step
         row["cpu_experts_ms_per_token"] = 1000 * sum(busy) / (decode_n - 4)
+        if model.scheduler is not None:  # where a decode step's host time goes (``step_profile``)
+            from hybridmoe.backend.engine import step_profile
+
+            with step_profile.recording() as recorded:
+                t0 = time.perf_counter()
+                for i in range(decode_n, decode_n + 8):
+                    int(model(ids[:, start + i : start + i + 1], start + i)[0, -1].argmax())
+                recorded.close(time.perf_counter() - t0)
+            row["host_ms_per_token"] = {p: round(1000 * v["seconds"], 2) for p, v in recorded.per_token(8).items()}
         if profile:  # where a decode step's time goes, by operator (host time and launches)
             from torch.profiler import ProfilerActivity
             from torch.profiler import profile as profiler
@@ -587,18 +598,28 @@ def speed(r: Report, work: Path, args) -> dict:
         decode_experts.MAX_TOKENS = kernel_tokens
     measure("hybrid 100% GPU, profiled", prefill=False, profile=True, device=device,
             placement=_share(path, n, 100), hybrid=HybridOptions())
-    # One core fewer for the CPU experts: the thread that feeds the GPU keeps one to itself.
-    from hybridmoe.backend.engine.native_kernels import _native as native
+    # The same decode with the reference attention instead of the two decode-attention kernels.
+    from hybridmoe.backend.engine import paged_decode
 
-    if native is not None and native.num_threads() > 2:
-        threads = native.num_threads()
-        native.set_num_threads(threads - 1)
-        try:
-            for share in (25, 50):
-                measure(f"hybrid {share}% GPU, {threads - 1} CPU threads", prefill=False, device=device,
-                        placement=_share(path, n, share), hybrid=HybridOptions())
-        finally:
-            native.set_num_threads(threads)
+    measure("hybrid 0% GPU, decode from 64", prefill=False, device=device, placement=_share(path, n, 0),
+            hybrid=HybridOptions())
+    max_keys, paged_decode.MAX_KEYS = paged_decode.MAX_KEYS, 0
+    try:
+        for share in (0, 100):
+            measure(f"hybrid {share}% GPU, reference attention", prefill=False, device=device,
+                    placement=_share(path, n, share), hybrid=HybridOptions())
+    finally:
+        paged_decode.MAX_KEYS = max_keys
+    # The CPU half of decode steps handed to the scheduler's worker thread, as longer calls do.
+    from hybridmoe.backend.engine import hybrid
+
+    inline_rows, hybrid.INLINE_ROWS = hybrid.INLINE_ROWS, 0
+    try:
+        for share in (0, 50):
+            measure(f"hybrid {share}% GPU, worker thread", prefill=False, device=device,
+                    placement=_share(path, n, share), hybrid=HybridOptions())
+    finally:
+        hybrid.INLINE_ROWS = inline_rows
     return {"dims": dims, "prompt_tokens": prompt, "rows": rows, "targets": targets(r, rows),
             "crossover": measured_crossover(r, rows, dims, prompt)}
 

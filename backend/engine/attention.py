@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from hybridmoe.backend.engine import paged_decode
 from hybridmoe.backend.engine.kv_cache import PagedKV, Segment, causal_mask
 from hybridmoe.backend.engine.layers import Linear, RMSNorm
 from hybridmoe.backend.engine.native_attention import decode_attention
@@ -165,7 +166,15 @@ class Attention(nn.Module):
         q = q.view(n, self.n_heads, self.head_dim)
         k = k.view(n, self.n_kv_heads, self.head_dim)
         v = v.view(n, self.n_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.norm_per_head:
+        per_head = self.q_norm is not None and self.norm_per_head
+        if paged_decode.applies(x, segments, self.cache, self.head_dim, self.head_dim, self.sinks):
+            try:
+                out = paged_decode.attend(q, k, v, segments, self.cache, self.rotary, self.q_norm if per_head else None,
+                                          self.k_norm if per_head else None, self.scale)
+                return self.o(out)
+            except Exception as error:  # noqa: BLE001 - a card or Triton build the kernels cannot run on
+                paged_decode.failed(x.device, error)
+        if per_head:
             q, k = self.q_norm(q), self.k_norm(k)
         out = q.new_empty(n, self.n_heads * self.head_dim)
         for seg in segments:

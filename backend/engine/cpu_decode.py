@@ -42,7 +42,6 @@ main-device experts) keep the layer-by-layer path; a layer may mix the two.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -63,15 +62,7 @@ from hybridmoe.backend.engine.routing import SigmoidGroupedTopK, SoftmaxTopK, To
 _native = native_kernels._native
 
 
-def _clock() -> float:
-    """The start of a timed call while a step profile records (``step_profile``), else 0."""
-    return time.perf_counter() if step_profile.active is not None else 0.0
-
-
-def _lap(part: str, t0: float, nbytes: int = 0) -> None:
-    """Add the time since `t0` (from ``_clock``) and `nbytes` read to `part` of the profile."""
-    if step_profile.active is not None:
-        step_profile.active.timed(part, t0, nbytes)
+_clock, _lap = step_profile.clock, step_profile.lap
 
 
 def _distinct(ids: np.ndarray) -> int:

@@ -4,18 +4,23 @@ Per MoE layer, for a decode step or a short prompt (``HybridScheduler._overlappe
 
 1. the router runs on the device; the hidden states, expert ids and routing weights are
    copied into a pinned host slot without blocking, and a marker is issued after the copies;
-2. the CPU half is handed to the worker: one long-lived thread that waits for the marker,
-   runs the layer's CPU experts in the native kernels (which release the GIL) and writes
-   the float32 result into the slot;
-3. meanwhile this thread issues the shared experts and the GPU experts: for a decode step
-   two kernel launches that read the ids on the device (``decode_experts``); for longer calls,
-   once the ids have reached the host, the loop over the GPU experts hit (grouped on the host
-   so that nothing waits for the device). The ids come to the host only for the CPU experts
-   and that loop (activations are counted on the device, ``stats``);
-4. when the worker is done, the result goes back to the device without blocking and is
-   added, in the order the CPU-only path adds it (``MoE.combine``).
+2. this thread issues the shared experts and the GPU experts: for a decode step two kernel
+   launches that read the ids on the device (``decode_experts``); for longer calls, once the
+   ids have reached the host, the loop over the GPU experts hit (grouped on the host so that
+   nothing waits for the device). The ids come to the host only for the CPU experts and that
+   loop (activations are counted on the device, ``stats``);
+3. the CPU half waits for the marker, runs the layer's CPU experts in the native kernels and
+   writes the float32 result into the slot, while the device computes what step 2 issued. For
+   calls of up to ``INLINE_ROWS`` rows (decode steps) this thread does it, after step 2; for
+   longer ones a worker (one long-lived thread) does it from the start, overlapping the host
+   time of step 2's many launches. For a decode step the hand-over to the worker and back
+   (two thread wake-ups a layer) cost more than the few launches it overlapped: on an H200
+   machine's 16-core host, the mid-size model with every expert on the CPU decoded at 46.7
+   tokens/s this way and at 38.5 through the worker (`scripts/gpu_check.py`, same run);
+4. the result goes back to the device without blocking and is added, in the order the
+   CPU-only path adds it (``MoE.combine``).
 
-The only waits are the ones the data needs: the worker waits for its inputs, this thread
+The only waits are the ones the data needs: the CPU half waits for its inputs, this thread
 for the ids and for the CPU result. Two host slots alternate between consecutive MoE layers,
 so a slot is never rewritten while the asynchronous copy of its result to the device may
 still be queued.
@@ -27,8 +32,10 @@ layer runs on the device (``expert_streaming``).
 
 No CUDA graphs (yet): the decode step returns to the host at every MoE layer (its CPU
 experts need the ids), so a graph could only cover the stretches between (attention,
-router, shared experts), and the attention takes its position as a Python int with shapes
-that grow with the cache; capturing it needs static-shape attention first.
+router, shared and GPU experts). Since the decode attention reads its positions and block
+tables from the device (``paged_decode``), those stretches have static shapes for a given
+number of rows; capturing them is the next step (the host's time per launch, some 10-30 us,
+is what a decode step on the GPU costs: ``step_profile``'s parts, printed by the GPU check).
 
 Both threads (the CPU-expert worker and each streamer's copier) are daemon threads that
 every wait of theirs can be woken from (``streams``): ``HybridScheduler.close`` stops them,
@@ -51,10 +58,16 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hybridmoe.backend.engine import step_profile
 from hybridmoe.backend.engine.expert_streaming import ExpertStreamer
 from hybridmoe.backend.engine.experts import decode_kernels_apply, experts_forward
 from hybridmoe.backend.engine.moe import MoE
 from hybridmoe.backend.engine.streams import Edge, Marker, Worker, close_at_exit
+
+
+# Calls of up to this many rows run their CPU half on the calling thread (see the module
+# docstring, step 3).
+INLINE_ROWS = 8
 
 
 @dataclass(frozen=True)
@@ -180,6 +193,7 @@ class HybridScheduler:
         return self._overlapped(moe, x)
 
     def _overlapped(self, moe: MoE, x: torch.Tensor) -> torch.Tensor:
+        t = step_profile.clock()
         edge = self.edge(x.device)
         if self._staging is None:
             self._staging = HostStaging(edge)  # host buffers serve every device of a pipeline
@@ -191,7 +205,9 @@ class HybridScheduler:
         loop = bool(len(moe.main)) and not kernels
         slot = self._staging.take(x, topk_ids, topk_weights) if len(moe.host) or loop else None
         inputs = edge.mark() if slot is not None else None
-        job = self.worker.submit(_cpu_half, moe, slot, inputs) if len(moe.host) else None
+        inline = x.shape[0] <= INLINE_ROWS
+        job = self.worker.submit(_cpu_half, moe, slot, inputs) if len(moe.host) and not inline else None
+        t = step_profile.lap("router", t)
         try:
             shared = moe.shared_part(x)
             moe.record(topk_ids)
@@ -199,16 +215,25 @@ class HybridScheduler:
             if loop:
                 inputs.wait()
                 main = experts_forward(x, topk_ids, topk_weights, moe.main, slot.ids)
+            t = step_profile.lap("gpu_experts", t)
             part = None
-            if job is not None:
-                job.result()
+            if len(moe.host):
+                if inline:  # _cpu_half on this thread; the device works through what was issued above
+                    inputs.wait()
+                    t = step_profile.lap("device_wait", t)
+                    slot.out.copy_(moe.cpu_part(slot.x, slot.ids, slot.weights))
+                else:
+                    job.result()
+                t = step_profile.lap("experts", t)  # (with the worker: its time as this thread waits for it)
                 part = edge.to_device(slot.out)
         finally:
             if job is not None and not job.done():
                 # This thread failed first: let the worker finish with the slot before anyone reuses it.
                 with contextlib.suppress(BaseException):  # this thread's own error is the one to raise
                     job.result()
-        return moe.combine(x, main, part, shared)
+        out = moe.combine(x, main, part, shared)
+        step_profile.lap("small", t)
+        return out
 
     def _streamed(self, moe: MoE, x: torch.Tensor, streamer: ExpertStreamer) -> torch.Tensor:
         # Entering first starts the copy of this layer (unless the previous one already did)

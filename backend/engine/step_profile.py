@@ -2,6 +2,8 @@
 
 A decode token on the CPU is a chain of native calls (``cpu_decode``); the end-to-end speed
 is the memory bandwidth only if every call reads at the wall and nothing sits between them.
+With a GPU, the hybrid scheduler's MoE layers record the host's time in the parts of a layer
+(``hybrid``): issuing the router and the GPU experts, waiting for the GPU, the CPU experts.
 While ``recording()`` is active, the decode step times each call and adds it to its part,
 with the bytes the call read (the stored weights of a projection once per step, the experts
 of the union of the rows' choices, each row's cache positions), so that a benchmark can set
@@ -25,6 +27,8 @@ PARTS = {
     "mlp": "dense MLP layers",
     "router": "router logits",
     "attend": "attention over the cache",
+    "gpu_experts": "GPU and shared experts (issuing them)",
+    "device_wait": "waiting for the GPU (a layer's inputs to the CPU experts)",
     "small": "norms, rope, cache write, top-k, activations",
     "head": "LM head",
     "sampling": "sampling",
@@ -43,10 +47,6 @@ class StepProfile:
         self.seconds[part] += seconds
         self.bytes[part] += nbytes
 
-    def timed(self, part: str, t0: float, nbytes: int = 0) -> None:
-        """Add the time since `t0` to `part`."""
-        self.add(part, time.perf_counter() - t0, nbytes)
-
     def close(self, total_seconds: float) -> None:
         """The parts measured inside steps that took `total_seconds` in all: what no part
         holds is time between the calls."""
@@ -59,6 +59,21 @@ class StepProfile:
 
 
 active: StepProfile | None = None
+
+
+def clock() -> float:
+    """The start of a timed call while a profile records, else 0 (no clock read)."""
+    return time.perf_counter() if active is not None else 0.0
+
+
+def lap(part: str, t0: float, nbytes: int = 0) -> float:
+    """Add the time since `t0` (from ``clock`` or a previous lap) and `nbytes` read to `part`
+    of the recording profile; the time now, for the next lap (0 when not recording)."""
+    if active is None:
+        return 0.0
+    now = time.perf_counter()
+    active.add(part, now - t0, nbytes)
+    return now
 
 
 @contextmanager

@@ -121,7 +121,7 @@ def test_the_decode_kernels_compute_what_the_expert_loop_computes(checkpoints, c
     script = tmp_path / "check.py"
     script.write_text(CHECK)
     r = subprocess.run([sys.executable, str(script), json.dumps(cases)], capture_output=True, text=True,
-                       timeout=600, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                       timeout=600, cwd=ROOT, env={**os.environ, "PYTHONPATH": os.pathsep.join((str(ROOT), os.environ.get("PYTHONPATH", "")))})
     assert r.returncode == 0, r.stderr[-3000:]
     results = json.loads(r.stdout.splitlines()[-1])
     seen = {tuple(row["forms"]) for row in results}

@@ -70,19 +70,27 @@ def test_overlapped_decode_equals_the_cpu_only_path(family, checkpoints):
         assert model.scheduler.calls == {"overlapped": 7 * n_moe, "streamed": 0}, name
 
 
-def test_the_cpu_half_runs_on_the_worker_thread(checkpoints):
+def test_the_cpu_half_of_long_calls_runs_on_the_worker_thread(checkpoints):
+    """Calls of more than INLINE_ROWS rows hand the CPU half to the worker; decode-sized
+    calls run it on the calling thread (no hand-over to wait for)."""
+    from hybridmoe.backend.engine.hybrid import INLINE_ROWS
+
     model = engine(checkpoints("qwen3_moe"), hybrid=HybridOptions())
     moe = _moe_layers(model)[0]
     seen = []
     cpu_part = moe.cpu_part
 
     def spy(*args):
-        seen.append(threading.current_thread().name)
+        seen.append((args[0].shape[0], threading.current_thread().name))
         return cpu_part(*args)
 
     moe.cpu_part = spy
-    model(tokens(4), 0)
-    assert seen and all(name.startswith("hybridmoe-cpu-experts") for name in seen)
+    model(tokens(INLINE_ROWS + 1), 0)
+    model(tokens(1), INLINE_ROWS + 1)
+    model(tokens(INLINE_ROWS), INLINE_ROWS + 2)
+    assert [(n, name.startswith("hybridmoe-cpu-experts")) for n, name in seen] == [
+        (INLINE_ROWS + 1, True), (1, False), (INLINE_ROWS, False)]
+    assert seen[1][1] == threading.current_thread().name
     # A CPU-only model without options has no scheduler: nothing runs on another thread.
     plain = engine(checkpoints("qwen3_moe"))
     assert plain.scheduler is None and all(m.scheduler is None for m in _moe_layers(plain))
@@ -339,11 +347,14 @@ def test_a_layer_call_that_fails_midway_gives_up_what_it_started(checkpoints, mo
 
 
 @pytest.mark.timeout(60)
-def test_closing_wakes_every_wait_and_stops_the_threads(checkpoints):
+def test_closing_wakes_every_wait_and_stops_the_threads(checkpoints, monkeypatch):
     """With the copier waiting for slots a layer left open will never release, close() fails
     the markers still owed, so the waits end and both threads (daemons) stop at once."""
     import time
 
+    from hybridmoe.backend.engine import hybrid
+
+    monkeypatch.setattr(hybrid, "INLINE_ROWS", 0)  # short calls use the worker too
     model, streamer, moes = _streaming(checkpoints("qwen2_moe"))
     model(tokens(4), 0)  # a short prompt: the CPU-expert worker runs
     streamer.layer(moes[0])  # never left: the prefetched layer's copies wait for its slots
@@ -365,9 +376,12 @@ def test_closing_wakes_every_wait_and_stops_the_threads(checkpoints):
 
 
 @pytest.mark.timeout(60)
-def test_a_scheduler_nobody_closed_stops_its_threads_when_collected(checkpoints):
+def test_a_scheduler_nobody_closed_stops_its_threads_when_collected(checkpoints, monkeypatch):
     import gc
 
+    from hybridmoe.backend.engine import hybrid
+
+    monkeypatch.setattr(hybrid, "INLINE_ROWS", 0)  # short calls use the worker too
     ids = tokens(16, seed=9)
     model, streamer, moes = _streaming(checkpoints("qwen2_moe"))
     _run(model, ids[:, :12], prefill=8)  # streamed, then overlapped: both threads started
@@ -399,11 +413,13 @@ _UNCLOSED = """
 import sys, time
 from pathlib import Path
 import torch
+from hybridmoe.backend.engine import hybrid
 from hybridmoe.backend.engine.hybrid import HybridOptions
 from hybridmoe.backend.engine.moe import MoE
 from tests.engine.conftest import engine, tokens
 
 torch.set_num_threads(1)
+hybrid.INLINE_ROWS = 0  # short calls use the worker too
 model = engine(Path(sys.argv[1]), hybrid=HybridOptions(stream_min_tokens=8))
 (streamer,) = model.scheduler.streamers.values()
 moes = [m for m in model.modules() if isinstance(m, MoE)]
@@ -457,3 +473,16 @@ def test_a_process_with_an_unclosed_scheduler_exits(checkpoints, tmp_path):
                 proc.kill()
                 proc.wait()
             proc.stdout.close()
+
+
+def test_a_recorded_decode_step_shows_the_moe_layers_host_parts(checkpoints):
+    """``step_profile`` records the host's time in a hybrid MoE layer's parts (what the GPU
+    check prints for a decode step bound by the host)."""
+    from hybridmoe.backend.engine import step_profile
+
+    model = engine(checkpoints("qwen3_moe"), placement={1: [0, 2, 3, 5]}, hybrid=HybridOptions())
+    model(tokens(4), 0)
+    with step_profile.recording() as recorded:
+        model(tokens(1), 4)
+    parts = {p for p, s in recorded.seconds.items() if s > 0}
+    assert {"router", "gpu_experts", "device_wait", "experts", "small"} <= parts, parts
