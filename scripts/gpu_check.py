@@ -29,9 +29,10 @@ Sections, each guarded (a failure is reported and the next section runs):
 
 The speed section also decodes with the reference loop over the GPU experts instead of the
 decode kernels, with the reference attention instead of the decode-attention kernels
-(``engine.paged_decode``), and with the CPU half of decode steps on the scheduler's worker
-thread (``engine.hybrid``), in the same run for the ratios; it profiles a decode step by operator, and the hybrid rows' host time by
-part of a MoE layer (``engine.step_profile``).
+(``engine.paged_decode``; also for a DeepSeek-V3-shaped model's latent attention), and with
+the CPU half of decode steps on the scheduler's worker thread (``engine.hybrid``), in the
+same run for the ratios; it profiles a decode step by operator, and the hybrid rows' host
+time by part of a MoE layer (``engine.step_profile``).
 
 Prints a table and writes JSON (to --json, default $OUT/gpu_check.json or ./gpu_check.json).
 Without CUDA (a CPU-only machine) the GPU sections are skipped with a message and parity
@@ -513,11 +514,11 @@ def speed(r: Report, work: Path, args) -> dict:
     stream_min = min(1024, prompt)  # every 2048-token chunk streams in the streamed runs
     rows: dict[str, dict] = {}
 
-    def measure(label: str, *, prefill: bool, profile: bool = False, **kwargs) -> None:
+    def measure(label: str, *, prefill: bool, profile: bool = False, checkpoint: Path | None = None, **kwargs) -> None:
         if r.left() < 20:
             r.say(f"{label}: skipped, time budget spent")
             return
-        model = build(path, max_context=prompt + decode_n + 16, **kwargs)
+        model = build(checkpoint or path, max_context=prompt + decode_n + 16, **kwargs)
         busy = _time_cpu_experts(model)
         model(ids[:, :8], 0)  # warm up kernels and allocators
         row = {}
@@ -603,11 +604,18 @@ def speed(r: Report, work: Path, args) -> dict:
 
     measure("hybrid 0% GPU, decode from 64", prefill=False, device=device, placement=_share(path, n, 0),
             hybrid=HybridOptions())
+    # Latent attention (DeepSeek-V3-shaped layers, 16 heads), kernels and reference alike.
+    latent = write_deepseek_v3(work / "mid-latent", dtype=torch.bfloat16, **{**dims, "layers": min(4, dims["layers"]),
+                                                                               "heads": 16, "head_dim": 128})
+    measure("latent, 100% GPU", prefill=False, device=device, placement=_share(latent, n, 100),
+            hybrid=HybridOptions(), checkpoint=latent)
     max_keys, paged_decode.MAX_KEYS = paged_decode.MAX_KEYS, 0
     try:
         for share in (0, 100):
             measure(f"hybrid {share}% GPU, reference attention", prefill=False, device=device,
                     placement=_share(path, n, share), hybrid=HybridOptions())
+        measure("latent, 100% GPU, reference attention", prefill=False, device=device,
+                placement=_share(latent, n, 100), hybrid=HybridOptions(), checkpoint=latent)
     finally:
         paged_decode.MAX_KEYS = max_keys
     # The CPU half of decode steps handed to the scheduler's worker thread, as longer calls do.
@@ -649,7 +657,8 @@ def measured_crossover(r: Report, rows: dict, dims: dict, prompt: int) -> dict:
 def _share(path: Path, n: int, percent: int) -> dict[int, list[int]]:
     config = json.loads((path / "config.json").read_text())
     count = round(n * percent / 100)
-    return {layer: list(range(count)) for layer in range(config["num_hidden_layers"])}
+    first_moe = config.get("first_k_dense_replace", 0)  # DeepSeek-V3: dense layers first
+    return {layer: list(range(count)) for layer in range(first_moe, config["num_hidden_layers"])}
 
 
 def _time_cpu_experts(model) -> list[float]:
@@ -910,6 +919,9 @@ def main(argv=None) -> int:
     p.add_argument("--budget", type=float, default=280, help="seconds for the whole run (sections skip when spent)")
     p.add_argument("--cpu-speed", action="store_true", help="run a small speed section on a machine without CUDA")
     args = p.parse_args(argv)
+    from hybridmoe.backend.engine import paged_decode
+
+    paged_decode.LATENT = True  # this run holds the latent attention kernels to the reference (parity, speed)
     report = Report(time.monotonic() + args.budget)
     work = Path(tempfile.mkdtemp(prefix="hybridmoe-gpu-check-"))
     try:

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybridmoe.backend.engine import paged_decode
 from hybridmoe.backend.engine.attention import attend, eager_attention
 from hybridmoe.backend.engine.kv_cache import PagedLatent, Segment, causal_mask
 from hybridmoe.backend.engine.latent_maps import StoredMaps
@@ -97,6 +98,14 @@ class MLAttention(nn.Module):
         q = self.q_proj(x) if self.q_proj is not None else self.q_b(self.q_a_norm(self.q_a(x)))
         compressed = self.kv_a(x)
         latent = self.kv_a_norm(compressed[:, :c])
+        if (self.kv_b_weight is not None and self.absorb is not False
+                and paged_decode.applies_latent(x, segments, self.cache, c, self.rope_dim)):
+            try:
+                kv_b = self.kv_b_weight.view(self.n_heads, self.nope_dim + self.v_dim, c)
+                return self.o(paged_decode.attend_latent(q, latent, compressed[:, c:], segments, self.cache,
+                                                         self.rotary, kv_b, self.nope_dim, self.scale))
+            except Exception as error:  # noqa: BLE001 - a card or Triton build the kernels cannot run on
+                paged_decode.failed(x.device, error)
         out = x.new_empty(n, self.n_heads * self.v_dim)
         for seg in segments:
             r = seg.rows

@@ -1,20 +1,27 @@
-"""A decode step's grouped-query attention on the GPU in two kernel launches.
+"""A decode step's attention on the GPU in two kernel launches (and, for latent attention,
+two matrix products around them).
 
 The reference path (``attention.Attention._attend``) handles each sequence of a step in turn:
 the rotary tables sliced and cast, the rotation of q and k (some fifteen element-wise
 kernels), the per-head q/k norms (four each), the cache write through host-made block indices
 (two host-to-device copies and two scatters), a gather of every cache block the sequence
-holds and their reshaping, then the attention: some 30 kernel launches a layer. On a GPU the
-launches, not the bytes, set a decode step's time (a launch costs the host 9-16 us on the
-H200 machines; the mid-size model's whole step is ~1.4 ms of GPU work). Here
-(``paged_decode_kernels``): one kernel norms and rotates q and k and writes k and v into
-their blocks, one attends over the blocks in place, for every row of the step at once; the
-positions and block tables go to the device once per step, for all layers.
+holds and their reshaping, then the attention: some 30 kernel launches a layer (``mla``'s
+absorbed form about as many). On a GPU the launches, not the bytes, set a decode step's time
+(a launch costs the host 10-30 us on the H200 machines; the mid-size model's whole step is
+~1 ms of GPU work). Here (``paged_decode_kernels``) one kernel norms and rotates q and k and
+writes the cache, one attends over the blocks in place, for every row of the step at once;
+the positions and block tables go to the device once per step, for all layers.
+
+- grouped-query attention (``attend``): one program per (row, head) for each kernel;
+- latent attention, absorbed (``attend_latent``): the latent queries are the reference's
+  product with W_UK; one program per (row, block of 16 heads) scores them and the rotary
+  queries against the cached [latent | rotary key] rows with tensor-core products and sums the
+  latents; W_UV follows as in the reference. Off (``LATENT``) until a GPU has run it.
 
 Taken by decode rows (one token per sequence) on CUDA for layers without a sliding window
-or attention sinks, up to ``MAX_KEYS`` positions per sequence (one program per query head
-walks its sequence's blocks: beyond that a split over the keys would be needed to keep the
-card busy, and the reference path's flash kernels do that).
+or attention sinks, up to ``MAX_KEYS`` positions per sequence (one program walks its
+sequence's blocks: beyond that a split over the keys would be needed to keep the card busy,
+and the reference path's flash kernels do that).
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ from functools import cache
 
 import torch
 
-from hybridmoe.backend.engine.kv_cache import B, PagedKV, Segment
+from hybridmoe.backend.engine.kv_cache import B, PagedKV, PagedLatent, Segment
 from hybridmoe.backend.engine.layers import RMSNorm
 from hybridmoe.backend.engine.rope import Rotary
 
@@ -32,6 +39,11 @@ log = logging.getLogger(__name__)
 
 MAX_KEYS = 4096
 MAX_HEAD_DIM = 256
+MAX_LATENT = 1024  # a block of heads keeps [16, latent] float32 sums in registers
+# The latent kernels have run only in Triton's interpreter so far: off until a GPU run of
+# `scripts/gpu_check.py` (which turns them on for its parity and speed sections) has held them
+# to the reference on a card.
+LATENT = False
 
 # Devices on which the kernels failed (Triton could not build them for the card, say): their
 # steps take the reference path from then on, and the reason is logged once.
@@ -47,12 +59,28 @@ def triton_available() -> bool:
     return True
 
 
+def _decode_rows(x: torch.Tensor, segments: list[Segment]) -> bool:
+    """A step of decode rows on a CUDA device the kernels have not failed on."""
+    return (x.device.type == "cuda" and x.device not in _failed
+            and all(s.n == 1 and s.start < MAX_KEYS for s in segments) and triton_available())
+
+
 def applies(x: torch.Tensor, segments: list[Segment], cache: PagedKV, head_dim: int, value_dim: int,
             sinks: torch.Tensor | None) -> bool:
-    """Whether a call's attention runs here (else the reference path)."""
-    return (x.device.type == "cuda" and x.device not in _failed and cache.window is None and sinks is None
-            and max(head_dim, value_dim) <= MAX_HEAD_DIM and all(s.n == 1 and s.start < MAX_KEYS for s in segments)
-            and triton_available())
+    """Whether a grouped-query call's attention runs here (else the reference path)."""
+    return (cache.window is None and sinks is None and max(head_dim, value_dim) <= MAX_HEAD_DIM
+            and _decode_rows(x, segments))
+
+
+def applies_latent(x: torch.Tensor, segments: list[Segment], cache: PagedLatent, kv_lora_rank: int,
+                   rope_dim: int) -> bool:
+    """Whether a latent-attention call runs here: its widths powers of two from 16 (the
+    tensor-core products' tiles) and its cache in the compute dtype."""
+    def tile(n: int) -> bool:
+        return n >= 16 and n & (n - 1) == 0
+
+    return (LATENT and tile(kv_lora_rank) and tile(rope_dim) and kv_lora_rank <= MAX_LATENT
+            and cache.kv.dtype == x.dtype and _decode_rows(x, segments))
 
 
 def failed(device: torch.device, error: Exception) -> None:
@@ -62,7 +90,7 @@ def failed(device: torch.device, error: Exception) -> None:
                 device, _failed[device])
 
 
-def step_meta(segments: list[Segment], cache: PagedKV, device: torch.device) -> torch.Tensor:
+def step_meta(segments: list[Segment], cache: PagedKV | PagedLatent, device: torch.device) -> torch.Tensor:
     """[rows, 1 + blocks] int64 on `device`: each row's position, then its sequence's block
     table (padded with -1). Made once per step and cache group: every layer reads the same."""
     key = tuple((s.seq, s.seq._version, s.start) for s in segments)
@@ -124,6 +152,40 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: list[Seg
         q_out, out, meta, meta.stride(0), kc, vc, kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1), n_heads,
         n_heads // n_kv, dim, value_dim, scale, BLOCK=B, DP=dp, num_warps=4)
     return out
+
+
+def attend_latent(q: torch.Tensor, latent: torch.Tensor, rope_key: torch.Tensor, segments: list[Segment],
+                  cache: PagedLatent, rotary: Rotary, kv_b: torch.Tensor, nope_dim: int, scale: float) -> torch.Tensor:
+    """Latent attention of n decode rows in its absorbed form, as ``MLAttention._attend``
+    computes it: q [n, H * (nope + rope)], the normed latent [n, C] and the unrotated rotary
+    key [n, rope] (views of the projections' output); kv_b [H, nope + v, C]. Writes the cache
+    and returns [n, H * v]."""
+    from hybridmoe.backend.engine import paged_decode_kernels as kernels
+
+    n, c = latent.shape
+    n_heads, rope = kv_b.shape[0], rope_key.shape[1]
+    device = q.device
+    meta = step_meta(segments, cache, device)
+    q_rope = torch.empty((n, n_heads, rope), dtype=q.dtype, device=device)
+    a, b, sign = _rotation(rotary.layout, rotary.rotary_dim, rope, device)
+    kv = cache.kv
+    kernels.latent_rope_store_kernel[(n, n_heads + 1)](
+        q, q.stride(0), latent, latent.stride(0), rope_key, rope_key.stride(0), q_rope, rotary.cos, rotary.sin,
+        rotary.rotary_dim // 2, a, b, sign, meta, meta.stride(0), kv, kv.stride(0), kv.stride(1), n_heads, nope_dim,
+        rope, c, BLOCK=B, RP=rope, CP=c, FLOAT32_MATH=rotary.float32_math, num_warps=1)
+    # W_UK folded into the queries: [H, n, nope] x [H, nope, C].
+    q_nope = q.view(n, n_heads, -1)[:, :, :nope_dim].transpose(0, 1)
+    q_latent = torch.matmul(q_nope, kv_b[:, :nope_dim])
+    attended = torch.empty((n_heads, n, c), dtype=q.dtype, device=device)
+    heads_per_program = 16
+    kernels.latent_attend_kernel[(n, -(-n_heads // heads_per_program))](
+        q_latent, q_latent.stride(0), q_latent.stride(1), q_rope, attended, attended.stride(0), attended.stride(1),
+        meta, meta.stride(0), kv, kv.stride(0), kv.stride(1), n_heads, c, rope, scale, BLOCK=B, KT=32,
+        HB=heads_per_program, CP=c, RP=rope, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=8 if c >= 512 else 4)  # a [32, C] float32 tile of the cache and [16, C] sums per program
+    # W_UV after attention: [H, n, C] x [H, C, v] -> [n, H * v].
+    out = torch.matmul(attended, kv_b[:, nope_dim:].transpose(1, 2))
+    return out.transpose(0, 1).reshape(n, -1)
 
 
 def triton_next_power_of_2(n: int) -> int:

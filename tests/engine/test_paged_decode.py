@@ -1,5 +1,5 @@
-"""The GPU decode attention kernels (``paged_decode``) compute what the reference attention
-computes, and write the cache the reference reads.
+"""The GPU decode attention kernels (``paged_decode``: grouped-query and latent) compute what
+the reference attention computes, and write the cache the reference reads.
 
 On CUDA the engine takes them for decode rows; here Triton's interpreter runs them on CPU
 tensors, in a process of its own (the interpreter is chosen when Triton is imported). Each
@@ -33,17 +33,14 @@ CHECK = textwrap.dedent("""
     from hybridmoe.backend.models import inspect_model
 
     on = {"kernels": False, "taken": 0}
-    applies = paged_decode.applies
 
-    def cpu_applies(x, segments, cache, head_dim, value_dim, sinks):
-        if not on["kernels"]:
-            return False
-        taken = (cache.window is None and sinks is None and max(head_dim, value_dim) <= paged_decode.MAX_HEAD_DIM
-                 and all(s.n == 1 and s.start < paged_decode.MAX_KEYS for s in segments))
+    def cpu_rows(x, segments):  # every condition of the kernels' but the device's
+        taken = on["kernels"] and all(s.n == 1 and s.start < paged_decode.MAX_KEYS for s in segments)
         on["taken"] += taken
         return taken
 
-    paged_decode.applies = cpu_applies
+    paged_decode._decode_rows = cpu_rows
+    paged_decode.LATENT = True
     kernel_attend, layer_errors = paged_decode.attend, []
 
     def checked_attend(q, k, v, segments, cache, rotary, q_norm, k_norm, scale):
@@ -63,6 +60,21 @@ CHECK = textwrap.dedent("""
         return got
 
     paged_decode.attend = checked_attend
+    kernel_latent = paged_decode.attend_latent
+
+    def checked_latent(q, latent, rope_key, segments, cache, rotary, kv_b, nope_dim, scale):
+        held = cache.kv.clone()
+        got = kernel_latent(q, latent, rope_key, segments, cache, rotary, kv_b, nope_dim, scale)
+        wrote = cache.kv.clone()
+        cache.kv.copy_(held)
+        attn = next(m for m in models[0].modules() if getattr(m, "cache", None) is cache)
+        want = torch.cat([attn._attend(q[s.rows], latent[s.rows], rope_key[s.rows], s) for s in segments])
+        layer_errors.append([float((got.float() - want.float()).abs().max() / want.float().abs().max()),
+                             float((wrote.float() - cache.kv.float()).abs().max() / cache.kv.float().abs().max()), 0.0])
+        cache.kv.copy_(wrote)
+        return got
+
+    paged_decode.attend_latent = checked_latent
     out = []
     for case in json.loads(sys.argv[1]):
         spec = inspect_model(case["path"]).spec
@@ -109,6 +121,8 @@ def test_the_decode_attention_kernels_compute_what_the_reference_computes(checkp
         {"family": "glm4_moe", "dtype": "float32"},  # partial rotary, q/k/v biases
         {"family": "mixtral", "dtype": "bfloat16"},  # no q/k norm
         {"family": "olmoe", "dtype": "float32"},  # q/k norm over the whole projection
+        {"family": "deepseek_v3", "dtype": "float32"},  # latent attention, rotary pairs
+        {"family": "deepseek_v3", "dtype": "bfloat16"},
         {"family": "gpt_oss", "dtype": "float32"},  # sliding and sink layers: the reference path
     ]
     for case in cases:
@@ -132,7 +146,7 @@ def test_the_decode_attention_kernels_compute_what_the_reference_computes(checkp
             # interpreter rounds to bf16 by truncation, the cards to nearest; the float32 sums
             # run in another order). The logits are not compared: one expert choice flipped by
             # such a rounding moves a random tiny model's logits by tenths.
-            assert keys_err < 3e-2 and attention_err < 3e-2, row
+            assert keys_err < 3e-2 and attention_err < 5e-2, row
 
 
 def test_a_device_the_kernels_fail_on_takes_the_reference(checkpoints, monkeypatch, caplog):  # noqa: F811
