@@ -109,6 +109,9 @@ class CacheGroup:
         self.keep = None if window is None else window + rewind
         self.stores: list[PagedKV | PagedLatent] = []
         self.arena = arena  # where the stores' tensors come from on the CPU (huge pages)
+        # The last decode step's positions and block tables on a GPU (``paged_decode.step_meta``):
+        # (what they were made for, the tensor), shared by the group's layers.
+        self.decode_meta: tuple[tuple, torch.Tensor] | None = None
 
     def zeros(self, shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
         """A store's zeroed tensor: from the host arena on the CPU, else where torch puts it."""
@@ -140,6 +143,11 @@ class Sequence:
 
     def changed(self) -> None:
         self._version += 1
+
+    @property
+    def version(self) -> int:
+        """Bumped whenever the block tables change (what a copy of them was made for)."""
+        return self._version
 
     def table_array(self, group: CacheGroup) -> np.ndarray:
         """The group's block table as int64 NumPy (what the native kernels read)."""

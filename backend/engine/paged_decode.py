@@ -93,15 +93,15 @@ def failed(device: torch.device, error: Exception) -> None:
 def step_meta(segments: list[Segment], cache: PagedKV | PagedLatent, device: torch.device) -> torch.Tensor:
     """[rows, 1 + blocks] int64 on `device`: each row's position, then its sequence's block
     table (padded with -1). Made once per step and cache group: every layer reads the same."""
-    key = tuple((s.seq, s.seq._version, s.start) for s in segments)
-    held = getattr(cache.group, "_decode_meta", None)
+    key = tuple((s.seq, s.seq.version, s.start) for s in segments)
+    held = cache.group.decode_meta
     if held is not None and held[0] == key and held[1].device == device:
         return held[1]
     tables = [s.seq.tables[cache.group][: s.start // B + 1] for s in segments]
     width = 1 + max(len(t) for t in tables)
     rows = [[s.start, *t] + [-1] * (width - 1 - len(t)) for s, t in zip(segments, tables)]
     meta = torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
-    cache.group._decode_meta = (key, meta)
+    cache.group.decode_meta = (key, meta)
     return meta
 
 
