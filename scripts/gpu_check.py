@@ -599,12 +599,13 @@ def speed(r: Report, work: Path, args) -> dict:
         decode_experts.MAX_TOKENS = kernel_tokens
     measure("hybrid 100% GPU, profiled", prefill=False, profile=True, device=device,
             placement=_share(path, n, 100), hybrid=HybridOptions())
-    # The same decode with the reference attention instead of the two decode-attention kernels.
+    # Decode from position 64 (the rows with a prompt decode past paged_decode.MAX_KEYS, where the
+    # reference attention serves), then the same with the reference attention instead of the
+    # decode-attention kernels: the mid-size model and a DeepSeek-V3-shaped one (latent, 16 heads).
     from hybridmoe.backend.engine import paged_decode
 
     measure("hybrid 0% GPU, decode from 64", prefill=False, device=device, placement=_share(path, n, 0),
             hybrid=HybridOptions())
-    # Latent attention (DeepSeek-V3-shaped layers, 16 heads), kernels and reference alike.
     latent = write_deepseek_v3(work / "mid-latent", dtype=torch.bfloat16, **{**dims, "layers": min(4, dims["layers"]),
                                                                                "heads": 16, "head_dim": 128})
     measure("latent, 100% GPU", prefill=False, device=device, placement=_share(latent, n, 100),

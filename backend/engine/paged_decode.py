@@ -31,6 +31,7 @@ from functools import cache
 
 import torch
 
+from hybridmoe.backend.engine.decode_experts import triton_available
 from hybridmoe.backend.engine.kv_cache import B, PagedKV, PagedLatent, Segment
 from hybridmoe.backend.engine.layers import RMSNorm
 from hybridmoe.backend.engine.rope import Rotary
@@ -48,15 +49,6 @@ LATENT = False
 # Devices on which the kernels failed (Triton could not build them for the card, say): their
 # steps take the reference path from then on, and the reason is logged once.
 _failed: dict[torch.device, str] = {}
-
-
-@cache
-def triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def _decode_rows(x: torch.Tensor, segments: list[Segment]) -> bool:
