@@ -119,6 +119,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: list[Seg
     """q [n, Hq, D], k [n, Hkv, D], v [n, Hkv, Dv] of n decode rows (views of the projections'
     output) -> attention output [n, Hq * Dv]; k and v written into the cache, q and k normed
     per head (`q_norm`, `k_norm`) and rotated first, as ``Attention._attend`` does."""
+    import triton
+
     from hybridmoe.backend.engine import paged_decode_kernels as kernels
 
     n, n_heads, dim = q.shape
@@ -127,7 +129,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: list[Seg
     meta = step_meta(segments, cache, device)
     q_out = torch.empty((n, n_heads, dim), dtype=q.dtype, device=device)
     out = torch.empty((n, n_heads * value_dim), dtype=q.dtype, device=device)
-    dp = triton_next_power_of_2(max(dim, value_dim))
+    dp = triton.next_power_of_2(max(dim, value_dim))
     a, b, sign = _rotation(rotary.layout, rotary.rotary_dim, dim, device)
     norm = q_norm is not None
     q_weight = q_norm.weight.to(q.dtype) if norm else q
@@ -178,7 +180,3 @@ def attend_latent(q: torch.Tensor, latent: torch.Tensor, rope_key: torch.Tensor,
     # W_UV after attention: [H, n, C] x [H, C, v] -> [n, H * v].
     out = torch.matmul(attended, kv_b[:, nope_dim:].transpose(1, 2))
     return out.transpose(0, 1).reshape(n, -1)
-
-
-def triton_next_power_of_2(n: int) -> int:
-    return 1 << (max(n, 1) - 1).bit_length()

@@ -41,39 +41,47 @@ CHECK = textwrap.dedent("""
 
     paged_decode._decode_rows = cpu_rows
     paged_decode.LATENT = True
-    kernel_attend, layer_errors = paged_decode.attend, []
+    kernel_attend, kernel_latent, layer_errors = paged_decode.attend, paged_decode.attend_latent, []
+
+    def relative(got, want):
+        return float((got.float() - want.float()).abs().max() / want.float().abs().max())
+
+    def checked(kernel, stores, reference):
+        # The kernels' output and cache writes against the reference's on the same inputs:
+        # `stores` the cache tensors the kernels write (keys first), `reference()` the
+        # reference's output, computed on the cache as it was before the kernels wrote it.
+        held = [t.clone() for t in stores]
+        got = kernel()
+        wrote = [t.clone() for t in stores]
+        for t, h in zip(stores, held):
+            t.copy_(h)
+        want = reference()
+        values_err = float((wrote[1].float() - stores[1].float()).abs().max()) if len(stores) > 1 else 0.0
+        layer_errors.append([relative(got, want), relative(wrote[0], stores[0]), values_err])
+        for t, w in zip(stores, wrote):
+            t.copy_(w)
+        return got
+
+    def layer_of(cache):
+        return next(m for m in models[0].modules() if getattr(m, "cache", None) is cache)
 
     def checked_attend(q, k, v, segments, cache, rotary, q_norm, k_norm, scale):
-        # The kernels' output and cache writes against the reference's on the same inputs.
-        held = cache.k.clone(), cache.v.clone()
-        got = kernel_attend(q, k, v, segments, cache, rotary, q_norm, k_norm, scale)
-        wrote = cache.k.clone(), cache.v.clone()
-        cache.k.copy_(held[0]), cache.v.copy_(held[1])
-        attn = next(m for m in models[0].modules() if getattr(m, "cache", None) is cache)
-        if q_norm is not None:
-            q, k = q_norm(q), k_norm(k)
-        want = torch.cat([attn._attend(q[s.rows], k[s.rows], v[s.rows], s) for s in segments])
-        layer_errors.append([float((got.float() - want.float()).abs().max() / want.float().abs().max()),
-                             float((wrote[0].float() - cache.k.float()).abs().max() / cache.k.float().abs().max()),
-                             float((wrote[1].float() - cache.v.float()).abs().max())])
-        cache.k.copy_(wrote[0]), cache.v.copy_(wrote[1])
-        return got
+        def reference():
+            qn, kn = (q_norm(q), k_norm(k)) if q_norm is not None else (q, k)
+            return torch.cat([layer_of(cache)._attend(qn[s.rows], kn[s.rows], v[s.rows], s) for s in segments])
 
-    paged_decode.attend = checked_attend
-    kernel_latent = paged_decode.attend_latent
+        return checked(lambda: kernel_attend(q, k, v, segments, cache, rotary, q_norm, k_norm, scale),
+                       [cache.k, cache.v], reference)
 
     def checked_latent(q, latent, rope_key, segments, cache, rotary, kv_b, nope_dim, scale):
-        held = cache.kv.clone()
-        got = kernel_latent(q, latent, rope_key, segments, cache, rotary, kv_b, nope_dim, scale)
-        wrote = cache.kv.clone()
-        cache.kv.copy_(held)
-        attn = next(m for m in models[0].modules() if getattr(m, "cache", None) is cache)
-        want = torch.cat([attn._attend(q[s.rows], latent[s.rows], rope_key[s.rows], s) for s in segments])
-        layer_errors.append([float((got.float() - want.float()).abs().max() / want.float().abs().max()),
-                             float((wrote.float() - cache.kv.float()).abs().max() / cache.kv.float().abs().max()), 0.0])
-        cache.kv.copy_(wrote)
-        return got
+        def reference():
+            return torch.cat([layer_of(cache)._attend(q[s.rows], latent[s.rows], rope_key[s.rows], s)
+                              for s in segments])
 
+        return checked(lambda: kernel_latent(q, latent, rope_key, segments, cache, rotary, kv_b, nope_dim, scale),
+                       [cache.kv], reference)
+
+    paged_decode.attend = checked_attend
     paged_decode.attend_latent = checked_latent
     out = []
     for case in json.loads(sys.argv[1]):
