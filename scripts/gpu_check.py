@@ -920,9 +920,6 @@ def main(argv=None) -> int:
     p.add_argument("--budget", type=float, default=280, help="seconds for the whole run (sections skip when spent)")
     p.add_argument("--cpu-speed", action="store_true", help="run a small speed section on a machine without CUDA")
     args = p.parse_args(argv)
-    from hybridmoe.backend.engine import paged_decode
-
-    paged_decode.LATENT = True  # this run holds the latent attention kernels to the reference (parity, speed)
     report = Report(time.monotonic() + args.budget)
     work = Path(tempfile.mkdtemp(prefix="hybridmoe-gpu-check-"))
     try:

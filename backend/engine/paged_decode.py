@@ -16,7 +16,7 @@ the positions and block tables go to the device once per step, for all layers.
 - latent attention, absorbed (``attend_latent``): the latent queries are the reference's
   product with W_UK; one program per (row, block of 16 heads) scores them and the rotary
   queries against the cached [latent | rotary key] rows with tensor-core products and sums the
-  latents; W_UV follows as in the reference. Off (``LATENT``) until a GPU has run it.
+  latents; W_UV follows as in the reference.
 
 Taken by decode rows (one token per sequence) on CUDA for layers without a sliding window
 or attention sinks, up to ``MAX_KEYS`` positions per sequence (one program walks its
@@ -41,10 +41,6 @@ log = logging.getLogger(__name__)
 MAX_KEYS = 4096
 MAX_HEAD_DIM = 256
 MAX_LATENT = 1024  # a block of heads keeps [16, latent] float32 sums in registers
-# The latent kernels have run only in Triton's interpreter so far: off until a GPU run of
-# `scripts/gpu_check.py` (which turns them on for its parity and speed sections) has held them
-# to the reference on a card.
-LATENT = False
 
 # Devices on which the kernels failed (Triton could not build them for the card, say): their
 # steps take the reference path from then on, and the reason is logged once.
@@ -71,7 +67,7 @@ def applies_latent(x: torch.Tensor, segments: list[Segment], cache: PagedLatent,
     def tile(n: int) -> bool:
         return n >= 16 and n & (n - 1) == 0
 
-    return (LATENT and tile(kv_lora_rank) and tile(rope_dim) and kv_lora_rank <= MAX_LATENT
+    return (tile(kv_lora_rank) and tile(rope_dim) and kv_lora_rank <= MAX_LATENT
             and cache.kv.dtype == x.dtype and _decode_rows(x, segments))
 
 

@@ -84,7 +84,7 @@ def released(checkpoints, tmp_path_factory):
     return quantized, reference, packed
 
 
-@pytest.mark.parametrize("quant", ["bf16", "q8_0", "q4_k_m"])
+@pytest.mark.parametrize("quant", ["bf16", "q8_0", pytest.param("q4_k_m", marks=needs_llama_cpp)])
 def test_mxfp4_experts_are_repacked_bit_exactly(released, tmp_path, quant):
     from gguf import GGMLQuantizationType, GGUFReader
     from gguf.quants import dequantize

@@ -191,3 +191,9 @@ class Dequantized:
         w = self.group.weights_of(e)
         return ExpertMatrices(down=w.down.dequantize(self.dtype), gate_up=w.gate_up.dequantize(self.dtype),
                               gate_up_bias=w.gate_up_bias, down_bias=w.down_bias)
+
+
+def kernel_device() -> str:
+    """Where the Triton kernel tests run the kernels: compiled on a CUDA card where there is one,
+    else in Triton's interpreter on CPU tensors."""
+    return "cuda" if torch.cuda.is_available() else "cpu"

@@ -2,8 +2,9 @@
 computes, for every form a group holds (dense, int8, each 4-bit table, a 4-bit gate/up with
 an int8 down) and both activations, with pairs the group does not hold and ids -1 among them.
 
-On CUDA the engine takes them for calls of up to 8 tokens; here Triton's interpreter runs them
-on CPU tensors, in a process of its own (the interpreter is chosen when Triton is imported).
+On CUDA the engine takes them for calls of up to 8 tokens, and there this test runs them
+compiled; elsewhere Triton's interpreter runs them on CPU tensors, in a process of its own (the
+interpreter is chosen when Triton is imported).
 """
 
 from __future__ import annotations
@@ -19,12 +20,15 @@ from pathlib import Path
 import pytest
 
 from tests.convert.conftest import checkpoints, converted  # noqa: F401 - fixtures: tiny checkpoints and GGUFs
+from tests.engine.conftest import kernel_device
 
 ROOT = Path(__file__).resolve().parents[2]
 
 CHECK = textwrap.dedent("""
     import json, os, sys
-    os.environ["TRITON_INTERPRET"] = "1"  # before Triton is imported
+    DEVICE = sys.argv[2]
+    if DEVICE == "cpu":
+        os.environ["TRITON_INTERPRET"] = "1"  # before Triton is imported
     import torch
     import torch.nn.functional as F
     from gguf import GGMLQuantizationType as Q
@@ -47,7 +51,15 @@ CHECK = textwrap.dedent("""
         ids[0, -1] = -1  # "no expert": skipped, as by the reference
         return ids, torch.rand(ids.shape, generator=g)
 
+    def loop(x, ids, weights, experts):  # the reference: the loop over the experts, kernels off
+        kernels, decode_experts.applies = decode_experts.applies, lambda x, act: False
+        try:
+            return experts_forward(x, ids, weights, experts)
+        finally:
+            decode_experts.applies = kernels
+
     def row(label, got, want):
+        got, want = got.cpu(), want.cpu()
         err = float((got - want).abs().max() / want.abs().max())
         out.append({**label, "dtype_out": str(got.dtype), "shape": list(got.shape), "want_shape": list(want.shape),
                     "err": err})
@@ -56,18 +68,18 @@ CHECK = textwrap.dedent("""
     for case in json.loads(sys.argv[1]):
         spec = inspect_model(case["path"]).spec
         placement = {layer: [0, 2, 3, 5] for layer in spec.moe_layers}
-        model = build_model(spec, open_weights(case["path"]), device="cpu", dtype=getattr(torch, case["dtype"]),
+        model = build_model(spec, open_weights(case["path"]), device=DEVICE, dtype=getattr(torch, case["dtype"]),
                             max_context=16, placement=placement, resident_form=case["form"])
         main = next(m for m in model.modules() if isinstance(m, MoE)).main
         act = main.act
         for tokens in (1, 3, 8):
-            x = (torch.randn(tokens, spec.hidden_size, generator=g) * 2).to(model.dtype)
-            ids, weights = routing(tokens, spec.n_routed_experts, spec.experts_per_token, held=2)
+            x = (torch.randn(tokens, spec.hidden_size, generator=g) * 2).to(DEVICE, model.dtype)
+            ids, weights = (t.to(DEVICE) for t in routing(tokens, spec.n_routed_experts, spec.experts_per_token, held=2))
             got = decode_experts.forward(x, ids, weights, main.slot_of, main.stacks["gate_up"], main.stacks["down"],
                                          act.kind, interleaved=act.interleaved, alpha=act.alpha, limit=act.limit)
             forms = [main.stacks[r].form + (f"/{main.stacks[r].table_name}" if main.stacks[r].table_name else "")
                      for r in ("gate_up", "down")]
-            row({**case, "tokens": tokens, "forms": forms}, got, experts_forward(x, ids, weights, main))
+            row({**case, "tokens": tokens, "forms": forms}, got, loop(x, ids, weights, main))
 
     # 2. 4-bit formats a tiny converted model does not have (Q4_K's mins, looked-up tables)
     # and a 4-bit gate/up beside an int8 down, against their dequantized matrices.
@@ -75,12 +87,15 @@ CHECK = textwrap.dedent("""
         return int4_weights.from_quant(quant.from_gguf(random_blocks(qtype, rows, cols, seed), qtype, (rows, cols)))
 
     def stack(parts):
+        def on(tensors):
+            return torch.stack(tensors).to(DEVICE)
+
         if isinstance(parts[0], int4_weights.Int4Weight):
             w = parts[0]
             return decode_experts.Stack(
-                "int4", torch.stack([p.codes for p in parts]), torch.stack([p.scale for p in parts]),
-                None if w.min is None else torch.stack([p.min for p in parts]), w.table_tensor(), w.table, w.group)
-        return decode_experts.Stack("int8", torch.stack([p.q for p in parts]), torch.stack([p.scale for p in parts]))
+                "int4", on([p.codes for p in parts]), on([p.scale for p in parts]),
+                None if w.min is None else on([p.min for p in parts]), w.table_tensor().to(DEVICE), w.table, w.group)
+        return decode_experts.Stack("int8", on([p.q for p in parts]), on([p.scale for p in parts]))
 
     hidden, inter, n_experts, held = 256, 64, 6, (1, 4)
     slot_of = torch.full((n_experts,), -1, dtype=torch.int32)
@@ -99,7 +114,8 @@ CHECK = textwrap.dedent("""
                         gu = F.linear(x[t], gate_up[held.index(e)].dequantize())
                         h = F.silu(gu[:inter]) * gu[inter:]
                         want[t] += weights[t, j] * F.linear(h, down[held.index(e)].dequantize())
-            got = decode_experts.forward(x, ids, weights, slot_of, stack(gate_up), stack(down), "silu")
+            got = decode_experts.forward(x.to(DEVICE), ids.to(DEVICE), weights.to(DEVICE), slot_of.to(DEVICE),
+                                         stack(gate_up), stack(down), "silu")
             forms = [stack(gate_up).form + "/" + gate_up[0].table,
                      stack(down).form + (f"/{down[0].table}" if down_type else "")]
             row({"path": name, "dtype": "float32", "tokens": tokens, "forms": forms}, got, want)
@@ -120,10 +136,11 @@ def test_the_decode_kernels_compute_what_the_expert_loop_computes(checkpoints, c
     ]
     script = tmp_path / "check.py"
     script.write_text(CHECK)
-    r = subprocess.run([sys.executable, str(script), json.dumps(cases)], capture_output=True, text=True,
+    r = subprocess.run([sys.executable, str(script), json.dumps(cases), kernel_device()], capture_output=True, text=True,
                        timeout=600, cwd=ROOT, env={**os.environ, "PYTHONPATH": os.pathsep.join((str(ROOT), os.environ.get("PYTHONPATH", "")))})
     assert r.returncode == 0, r.stderr[-3000:]
     results = json.loads(r.stdout.splitlines()[-1])
+    print(kernel_device(), *results, sep="\n")  # the measured errors, for pytest -rP
     seen = {tuple(row["forms"]) for row in results}
     # Every form the kernels read: dense, int8, 4-bit with a computed table (Q4_0), with mins
     # (Q4_K) beside an int8 down (as Q4_K_M's Q6_K downs are held), with looked-up tables.

@@ -20,7 +20,7 @@ from hybridmoe.backend.formats.weights import open_weights
 from hybridmoe.backend.models import inspect_model
 from hybridmoe.backend.models.inventory import TensorClass
 from hybridmoe.backend.plan import Workload, make
-from tests.convert.conftest import FAMILIES, build_checkpoint
+from tests.convert.conftest import FAMILIES, build_checkpoint, needs_llama_cpp
 from tests.engine.test_hybrid_resident import _workstation
 
 
@@ -97,7 +97,8 @@ STEPPED = [f for f in FAMILIES if f not in ("olmoe", "gpt_oss")]
 
 
 @pytest.mark.parametrize("family,source", [(f, s) for f in STEPPED for s in ("hf", "q8_0")]
-                         + [("qwen3_moe", s) for s in K_QUANT_SIZES] + [("deepseek_v3", "q4_k_m")])
+                         + [pytest.param(f, s, marks=needs_llama_cpp)
+                            for f, s in [("qwen3_moe", s) for s in K_QUANT_SIZES] + [("deepseek_v3", "q4_k_m")]])
 def test_a_cpu_only_plans_bytes_per_token_are_what_the_decode_step_reads(models, family, source):
     """One token at the plan's full context: its experts, projections, routers, cache and head,
     as the step counts them, against the plan's figure (which also counts the norms' vectors,

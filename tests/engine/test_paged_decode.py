@@ -1,8 +1,9 @@
 """The GPU decode attention kernels (``paged_decode``: grouped-query and latent) compute what
 the reference attention computes, and write the cache the reference reads.
 
-On CUDA the engine takes them for decode rows; here Triton's interpreter runs them on CPU
-tensors, in a process of its own (the interpreter is chosen when Triton is imported). Each
+On CUDA the engine takes them for decode rows, and there this test runs them compiled; elsewhere
+Triton's interpreter runs them on CPU tensors, in a process of its own (the interpreter is chosen
+when Triton is imported). Each
 model decodes with the kernels and, beside it, the same model without them; the kernels' steps
 alternate with reference steps, so that what one path writes into the cache the other reads.
 """
@@ -20,12 +21,15 @@ from pathlib import Path
 import pytest
 
 from tests.convert.conftest import checkpoints  # noqa: F401 - fixture: tiny checkpoints
+from tests.engine.conftest import kernel_device
 
 ROOT = Path(__file__).resolve().parents[2]
 
 CHECK = textwrap.dedent("""
     import json, sys, os
-    os.environ["TRITON_INTERPRET"] = "1"  # before Triton is imported
+    DEVICE = sys.argv[2]
+    if DEVICE == "cpu":
+        os.environ["TRITON_INTERPRET"] = "1"  # before Triton is imported
     import torch
     from hybridmoe.backend.engine import paged_decode
     from hybridmoe.backend.engine.model import build_model
@@ -34,13 +38,12 @@ CHECK = textwrap.dedent("""
 
     on = {"kernels": False, "taken": 0}
 
-    def cpu_rows(x, segments):  # every condition of the kernels' but the device's
+    def decode_rows(x, segments):  # every condition of the kernels' but the device's
         taken = on["kernels"] and all(s.n == 1 and s.start < paged_decode.MAX_KEYS for s in segments)
         on["taken"] += taken
         return taken
 
-    paged_decode._decode_rows = cpu_rows
-    paged_decode.LATENT = True
+    paged_decode._decode_rows = decode_rows
     kernel_attend, kernel_latent, layer_errors = paged_decode.attend, paged_decode.attend_latent, []
 
     def relative(got, want):
@@ -87,7 +90,7 @@ CHECK = textwrap.dedent("""
     for case in json.loads(sys.argv[1]):
         spec = inspect_model(case["path"]).spec
         dtype = getattr(torch, case["dtype"])
-        models = [build_model(spec, open_weights(case["path"]), device="cpu", dtype=dtype, max_context=160,
+        models = [build_model(spec, open_weights(case["path"]), device=DEVICE, dtype=dtype, max_context=160,
                               sequences=3) for _ in range(2)]
         for m in models:
             m.native_decode = False  # the layer-by-layer path, whose attention the kernels replace
@@ -98,7 +101,7 @@ CHECK = textwrap.dedent("""
         layer_errors.clear()
         for m, ss in zip(models, seqs):
             for s, p in zip(ss, prompts):
-                m(torch.tensor(p), 0, seq=s, prompt=True)
+                m(torch.tensor(p, device=DEVICE), 0, seq=s, prompt=True)
         tokens = [p[-1] for p in prompts]
         # one sequence alone across a block boundary, then all three in one step
         for step in range(8):
@@ -137,10 +140,12 @@ def test_the_decode_attention_kernels_compute_what_the_reference_computes(checkp
         case["path"] = str(checkpoints(case["family"]).path)
     script = tmp_path / "check.py"
     script.write_text(CHECK)
-    r = subprocess.run([sys.executable, str(script), json.dumps(cases)], capture_output=True, text=True,
-                       timeout=900, cwd=ROOT, env={**os.environ, "PYTHONPATH": os.pathsep.join((str(ROOT), os.environ.get("PYTHONPATH", "")))})
+    r = subprocess.run([sys.executable, str(script), json.dumps(cases), kernel_device()], capture_output=True,
+                       text=True, timeout=900, cwd=ROOT, env={**os.environ, "PYTHONPATH": os.pathsep.join((str(ROOT), os.environ.get("PYTHONPATH", "")))})
     assert r.returncode == 0, r.stderr[-3000:]
-    for row in json.loads(r.stdout.splitlines()[-1]):
+    rows = json.loads(r.stdout.splitlines()[-1])
+    print(kernel_device(), *rows, sep="\n")  # the measured errors, for pytest -rP
+    for row in rows:
         if row["family"] == "gpt_oss":
             assert row["taken"] == 0, row
             continue
