@@ -27,7 +27,7 @@ from hybridmoe.backend.engine.host_memory import HostArena
 from hybridmoe.backend.engine.hybrid import HybridOptions, attach
 from hybridmoe.backend.engine.kv_cache import CacheGroup, PagedCache, PagedKV, Segment, Sequence
 from hybridmoe.backend.engine.layers import GatedMLP, Linear, RMSNorm
-from hybridmoe.backend.engine.native_linear import native_linear
+from hybridmoe.backend.engine.native_linear import NativeLinear, native_linear
 from hybridmoe.backend.engine.loader import Loader
 from hybridmoe.backend.engine.mla import MLAttention
 from hybridmoe.backend.engine.moe import MoE
@@ -164,12 +164,20 @@ class MoeTransformer(nn.Module):
                 # Last rows, one per sequence, take the head's few-token path at any count, as a
                 # decode step's do (a prompt's many-token path dequantized the whole head for them).
                 with native_kernels.rows_are("decode" if last_only or decode else "prompt"):
-                    logits = self.lm_head(self.norm(x)).float()
+                    logits = self._logits(self.norm(x))
         outs = [logits] if rows is None else [logits[r] for r in rows]
         for seq, ids, start in calls:
             self.cache.commit(seq, start, ids)
         self.stats.add_tokens(len(flat))
         return outs
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        """float32 logits. A native head's are its kernels' float32 sums, as the decode step's
+        are: rounded to bf16 (a step of 1/64 near 3, of 1/8 near 20), near ties in a large
+        vocabulary became ties, and greedy picks among them by index."""
+        if isinstance(self.lm_head, NativeLinear):
+            return self.lm_head(h, float32=True)
+        return self.lm_head(h).float()
 
     def _native_decode(self, rows: int = 1) -> DecodeStep | None:
         """The native one-token path on a CPU main device (``cpu_decode``), built on first use

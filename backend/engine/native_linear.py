@@ -69,7 +69,8 @@ class NativeLinear(nn.Module):
         joined._setup(native, torch.cat(biases) if any_bias else None, list(linears))
         return joined
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *, float32: bool = False) -> torch.Tensor:
+        """float32: the kernels' float32 output as it is, not rounded to x's dtype (logits)."""
         lead = x.shape[:-1]
         flat = x.reshape(-1, self.in_features)
         if flat.dtype not in (torch.float32, torch.bfloat16):
@@ -79,7 +80,7 @@ class NativeLinear(nn.Module):
             self.native.forward(flat.contiguous(), out, native_kernels.dense_threshold())
         if self.bias is not None:
             out += self.bias
-        return out.to(x.dtype).reshape(*lead, self.out_features)
+        return (out if float32 else out.to(x.dtype)).reshape(*lead, self.out_features)
 
 
 def native_linear(stored: Any, bias: torch.Tensor | None, device: torch.device) -> NativeLinear | None:

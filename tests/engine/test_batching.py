@@ -207,6 +207,11 @@ def test_a_prompts_last_rows_take_the_heads_few_token_path(converted, monkeypatc
     model = model_for(converted("qwen3_moe", "q4_k_m"), sequences=1)
     seen = []
     head = model.lm_head.forward
-    monkeypatch.setattr(model.lm_head, "forward", lambda x: seen.append(native_kernels.dense_threshold()) or head(x))
-    model.forward_batch([(model.cache.new_sequence(), tokens(9, seed=1).reshape(-1).tolist(), 0)], prompt=True)
+    monkeypatch.setattr(model.lm_head, "forward",
+                        lambda x, **kw: seen.append(native_kernels.dense_threshold()) or head(x, **kw))
+    (logits,) = model.forward_batch([(model.cache.new_sequence(), tokens(9, seed=1).reshape(-1).tolist(), 0)],
+                                    prompt=True)
     assert seen == [native_kernels.dense_threshold("decode")]
+    # The head's float32 sums, as a decode step's logits are, not rounded to the model's bf16.
+    assert model.dtype == torch.bfloat16 and logits.dtype == torch.float32
+    assert not torch.equal(logits, logits.bfloat16().float())
