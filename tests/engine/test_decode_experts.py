@@ -74,7 +74,8 @@ CHECK = textwrap.dedent("""
         act = main.act
         for tokens in (1, 3, 8):
             x = (torch.randn(tokens, spec.hidden_size, generator=g) * 2).to(DEVICE, model.dtype)
-            ids, weights = (t.to(DEVICE) for t in routing(tokens, spec.n_routed_experts, spec.experts_per_token, held=2))
+            ids, weights = routing(tokens, spec.n_routed_experts, spec.experts_per_token, held=2)
+            ids, weights = ids.to(DEVICE), weights.to(DEVICE)
             got = decode_experts.forward(x, ids, weights, main.slot_of, main.stacks["gate_up"], main.stacks["down"],
                                          act.kind, interleaved=act.interleaved, alpha=act.alpha, limit=act.limit)
             forms = [main.stacks[r].form + (f"/{main.stacks[r].table_name}" if main.stacks[r].table_name else "")
@@ -136,8 +137,8 @@ def test_the_decode_kernels_compute_what_the_expert_loop_computes(checkpoints, c
     ]
     script = tmp_path / "check.py"
     script.write_text(CHECK)
-    r = subprocess.run([sys.executable, str(script), json.dumps(cases), kernel_device()], capture_output=True, text=True,
-                       timeout=600, cwd=ROOT, env={**os.environ, "PYTHONPATH": os.pathsep.join((str(ROOT), os.environ.get("PYTHONPATH", "")))})
+    r = subprocess.run([sys.executable, str(script), json.dumps(cases), kernel_device()], capture_output=True,
+                       text=True, timeout=600, cwd=ROOT, env={**os.environ, "PYTHONPATH": os.pathsep.join((str(ROOT), os.environ.get("PYTHONPATH", "")))})
     assert r.returncode == 0, r.stderr[-3000:]
     results = json.loads(r.stdout.splitlines()[-1])
     print(kernel_device(), *results, sep="\n")  # the measured errors, for pytest -rP

@@ -3,9 +3,9 @@ the reference attention computes, and write the cache the reference reads.
 
 On CUDA the engine takes them for decode rows, and there this test runs them compiled; elsewhere
 Triton's interpreter runs them on CPU tensors, in a process of its own (the interpreter is chosen
-when Triton is imported). Each
-model decodes with the kernels and, beside it, the same model without them; the kernels' steps
-alternate with reference steps, so that what one path writes into the cache the other reads.
+when Triton is imported). Each model decodes with the kernels and, beside it, the same model
+without them; the kernels' steps alternate with reference steps, so that what one path writes
+into the cache the other reads.
 """
 
 from __future__ import annotations

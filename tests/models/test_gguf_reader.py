@@ -148,8 +148,9 @@ def test_tests_text_ggufs(tmp_path):
     assert_same_as_gguf_reader(tmp_path / "be.gguf")
 
 
-@pytest.mark.parametrize("family, quant", [pytest.param("qwen3_moe", "q4_k_m", marks=needs_llama_cpp), ("deepseek_v3", "bf16"), ("qwen2_moe", "q4_0"),
-                                           ("olmoe", "q8_0"), ("mixtral", "q8_0")])
+@pytest.mark.parametrize("family, quant", [pytest.param("qwen3_moe", "q4_k_m", marks=needs_llama_cpp),
+                                           ("deepseek_v3", "bf16"), ("qwen2_moe", "q4_0"), ("olmoe", "q8_0"),
+                                           ("mixtral", "q8_0")])
 def test_tests_convert_ggufs(family, quant, tmp_path):
     from hybridmoe.backend.convert import to_gguf
     from tests.convert.conftest import build_checkpoint
