@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -193,7 +195,19 @@ class Dequantized:
                               gate_up_bias=w.gate_up_bias, down_bias=w.down_bias)
 
 
-def kernel_device() -> str:
-    """Where the Triton kernel tests run the kernels: compiled on a CUDA card where there is one,
-    else in Triton's interpreter on CPU tensors."""
-    return "cuda" if torch.cuda.is_available() else "cpu"
+def run_kernel_check(check: str, cases: list[dict], tmp_path: Path, timeout: int) -> list[dict]:
+    """A Triton kernel test's script `check` run on `cases` in a process of its own (Triton picks
+    its interpreter when imported): it gets the cases' JSON and the device, compiled kernels on
+    a CUDA card where there is one, else the interpreter on CPU tensors; returns the rows it
+    printed last (also printed here: the measured errors, for pytest -rP)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    root = Path(__file__).resolve().parents[2]
+    script = tmp_path / "check.py"
+    script.write_text(check)
+    r = subprocess.run([sys.executable, str(script), json.dumps(cases), device], capture_output=True, text=True,
+                       timeout=timeout, cwd=root,
+                       env={**os.environ, "PYTHONPATH": os.pathsep.join((str(root), os.environ.get("PYTHONPATH", "")))})
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = json.loads(r.stdout.splitlines()[-1])
+    print(device, *rows, sep="\n")
+    return rows

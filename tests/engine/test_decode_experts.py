@@ -10,19 +10,12 @@ interpreter is chosen when Triton is imported).
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
 from tests.convert.conftest import checkpoints, converted  # noqa: F401 - fixtures: tiny checkpoints and GGUFs
-from tests.engine.conftest import kernel_device
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.engine.conftest import run_kernel_check
 
 CHECK = textwrap.dedent("""
     import json, os, sys
@@ -135,13 +128,7 @@ def test_the_decode_kernels_compute_what_the_expert_loop_computes(checkpoints, c
         {"path": str(converted("qwen3_moe", "q4_0")), "form": "int4", "dtype": "float32"},
         {"path": str(converted("gpt_oss", "q4_0")), "form": "int4", "dtype": "float32"},
     ]
-    script = tmp_path / "check.py"
-    script.write_text(CHECK)
-    r = subprocess.run([sys.executable, str(script), json.dumps(cases), kernel_device()], capture_output=True,
-                       text=True, timeout=600, cwd=ROOT, env={**os.environ, "PYTHONPATH": os.pathsep.join((str(ROOT), os.environ.get("PYTHONPATH", "")))})
-    assert r.returncode == 0, r.stderr[-3000:]
-    results = json.loads(r.stdout.splitlines()[-1])
-    print(kernel_device(), *results, sep="\n")  # the measured errors, for pytest -rP
+    results = run_kernel_check(CHECK, cases, tmp_path, timeout=600)
     seen = {tuple(row["forms"]) for row in results}
     # Every form the kernels read: dense, int8, 4-bit with a computed table (Q4_0), with mins
     # (Q4_K) beside an int8 down (as Q4_K_M's Q6_K downs are held), with looked-up tables.

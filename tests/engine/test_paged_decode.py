@@ -11,19 +11,12 @@ into the cache the other reads.
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
 from tests.convert.conftest import checkpoints  # noqa: F401 - fixture: tiny checkpoints
-from tests.engine.conftest import kernel_device
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.engine.conftest import run_kernel_check
 
 CHECK = textwrap.dedent("""
     import json, sys, os
@@ -138,14 +131,7 @@ def test_the_decode_attention_kernels_compute_what_the_reference_computes(checkp
     ]
     for case in cases:
         case["path"] = str(checkpoints(case["family"]).path)
-    script = tmp_path / "check.py"
-    script.write_text(CHECK)
-    r = subprocess.run([sys.executable, str(script), json.dumps(cases), kernel_device()], capture_output=True,
-                       text=True, timeout=900, cwd=ROOT, env={**os.environ, "PYTHONPATH": os.pathsep.join((str(ROOT), os.environ.get("PYTHONPATH", "")))})
-    assert r.returncode == 0, r.stderr[-3000:]
-    rows = json.loads(r.stdout.splitlines()[-1])
-    print(kernel_device(), *rows, sep="\n")  # the measured errors, for pytest -rP
-    for row in rows:
+    for row in run_kernel_check(CHECK, cases, tmp_path, timeout=900):
         if row["family"] == "gpt_oss":
             assert row["taken"] == 0, row
             continue
