@@ -1584,8 +1584,8 @@ struct PrefetchStream {
 
 // Two positions per step: 2 x G independent accumulator chains, enough to cover the FMA
 // latency (with one position the G chains waited on each other's latency, measured 2x slower).
-// Given `next_k` and `v` (the first pass over a stretch), each step also prefetches a share
-// of the next stretch's keys into L1 and of `v` (values) into L2 (see attend_run_t).
+// Given `next_k` and `v`, each step also prefetches a share of the next stretch's keys into L1
+// and of `v` (values) into L2 (see attend_run_t).
 template <bool BF16, int G>
 static void attend_scores(const float* q, int64_t D, const void* k, int64_t ldk, int64_t n, float* sc, int64_t ld_sc,
                           PrefetchStream* next_k = nullptr, PrefetchStream* v = nullptr) {
@@ -1887,30 +1887,31 @@ static inline float max_of(const float* x, int64_t n) {
 // The cache is read cold (a token's weights have streamed through the caches since the layer's
 // last step), and a stretch is one block's rows of a head, 16 KiB at 64 positions: too short
 // for the hardware prefetchers, which start again at every block. So each pass over a stretch
-// prefetches the next stretch it will read, in shares per step: the scores pass the next
-// stretch's keys (and during the last, the first stretch's values), the values pass the next
-// stretch's values. (Cold, 2 threads, without and with in turn, 1024 positions 482 -> 336 us a
-// layer, 0.29 -> 0.43 of the bandwidth probe. Prefetching each stretch's values during its
-// scores instead asked for twice the bandwidth in the scores pass and none in the values
-// pass: 4096 positions on a Zen 5, in turn, 419 -> 401 us.)
+// prefetches what it will read next, in shares per step: the scores passes the next stretch's
+// keys and this stretch's values, the values pass the next stretch's values. (Cold, 2 threads,
+// without and with in turn, 1024 positions 482 -> 336 us a layer, 0.29 -> 0.43 of the
+// bandwidth probe.)
 template <bool BF16>
 static void attend_run_t(const float* q, int group, int64_t D, int64_t Dv, const KvSegment* segs, int n_segs,
                          int64_t ldk, int64_t ldv, int64_t n, float* scores, float* m, float* l, float* acc) {
     constexpr int64_t esz = BF16 ? 2 : 4;
+    // Every pass over a stretch's keys (one per kScoreHeads heads of the group) issues its
+    // share of the prefetches. (All of them in the first pass, before: with a group of 8, a
+    // burst of three streams' misses, then a pass with none. Cold, 2 cores, in turn in one
+    // process: the decode chain's attention 1.07x at 512 positions, 1.09x at 2048, 1.14x at
+    // 4096; AVX2 1.11x at 2048.)
+    const int passes = (group + kScoreHeads - 1) / kScoreHeads;
     for (int i = 0, off = 0; i < n_segs; off += int(segs[i].n), ++i) {
-        const int64_t steps = std::max<int64_t>(1, segs[i].n / 2);
+        const int64_t steps = std::max<int64_t>(1, segs[i].n / 2) * passes;
         PrefetchStream next_k = i + 1 < n_segs ? PrefetchStream(segs[i + 1].k, segs[i + 1].n * ldk * esz, steps)
                                                : PrefetchStream();
         // The stretch's values into L2 while its keys are scored: the values pass then reads
         // them from L2, not DRAM. (Only the first stretch's, during the last stretch's scores,
         // before: a 2048-position decode over a cold cache took 1.13-1.18x longer, 2 cores.)
         PrefetchStream this_v(segs[i].v, segs[i].n * ldv * esz, steps);
-        for (int g0 = 0; g0 < group; g0 += kScoreHeads) {
-            PrefetchStream* pk = g0 == 0 ? &next_k : nullptr;  // the first pass prefetches
-            PrefetchStream* pv = g0 == 0 ? &this_v : nullptr;
+        for (int g0 = 0; g0 < group; g0 += kScoreHeads)
             scores_heads<BF16>(std::min(kScoreHeads, group - g0), q + int64_t(g0) * D, D, segs[i].k, ldk, segs[i].n,
-                               scores + int64_t(g0) * n + off, n, pk, pv);
-        }
+                               scores + int64_t(g0) * n + off, n, &next_k, &this_v);
     }
     for (int g = 0; g < group; ++g) {
         float* sc = scores + int64_t(g) * n;
