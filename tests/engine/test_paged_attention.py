@@ -128,6 +128,30 @@ def test_rows_of_a_step_each_get_their_solo_bits(isa, dtype):
         assert torch.equal(out[t], alone), f"row {t} ({n} positions)"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_short_context_shares_its_heads_out_with_the_same_bits(isa, dtype):
+    """One KV head (latent attention's shape: 16 query heads of 576, values of 512) over a
+    context of one run of positions is one unit of work, fewer than the threads: its query
+    heads are shared out among them. Each head gets the bits it gets unsplit (in a call with a
+    longer row, whose runs fill the threads) and matches the reference."""
+    if _native.num_threads() < 2:
+        pytest.skip("one thread: nothing to share out")
+    g = torch.Generator().manual_seed(7)
+    k_blocks = torch.randn(16, 1, 64, 576, generator=g).to(dtype)
+    v_blocks = torch.randn(16, 1, 64, 512, generator=g).to(dtype)
+    q = torch.randn(2, 16, 576, generator=g)
+    for length in (1, 40, 64):
+        alone = torch.empty(16, 512)
+        _native.attend_decode_paged(q[0], k_blocks, v_blocks, torch.tensor([3]), length, 0.05, alone)
+        out = torch.empty(2, 16, 512)
+        tables = torch.tensor([[3] + [0] * 11, list(range(4, 16))])
+        _native.attend_decode_rows(q, k_blocks, v_blocks, tables, torch.tensor([length, 700]), 0.05, out)
+        assert torch.equal(alone, out[0]), length
+        k, v = _gathered(k_blocks, torch.tensor([3]), length), _gathered(v_blocks, torch.tensor([3]), length)
+        ref = _reference(q[0].view(1, 16, 1, 576), k, v, 0.05).view(16, 512)
+        assert float((alone.double() - ref).norm() / ref.norm()) < 1e-5, length
+
+
 def test_rows_are_checked_one_by_one():
     k_blocks, v_blocks, table = _paged_cache(2, 16, 64, 64, 40, torch.float32, seed=3)
     tables = torch.stack([table, table])
