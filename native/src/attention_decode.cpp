@@ -42,7 +42,6 @@ struct Row {
     int64_t run;         // positions per unit
     int64_t runs;        // per KV head
     int64_t first_slot;  // of the call's slots
-    int64_t first_unit;  // of the call's units
     size_t q_at;         // offset of its scaled queries in Call::q
 };
 
@@ -66,13 +65,13 @@ void phase_runs(void* ctx, int, int) {
         const int64_t u = c.next.fetch_add(1, std::memory_order_relaxed);
         if (u >= c.units) return;
         size_t r = 0;
-        while (r + 1 < c.rows.size() && c.rows[r + 1].first_unit <= u) ++r;
+        while (r + 1 < c.rows.size() && c.rows[r + 1].first_slot * c.parts <= u) ++r;
         const Row& row = c.rows[r];
         const DecodeAttention& a = *row.a;
         const size_t esz = a.kv_bf16 ? 2 : 4;
         const auto* k = static_cast<const uint8_t*>(a.k);
         const auto* v = static_cast<const uint8_t*>(a.v);
-        const int64_t ru = u - row.first_unit, part = ru % c.parts, at = ru / c.parts;  // at: the row's slot
+        const int64_t ru = u - row.first_slot * c.parts, part = ru % c.parts, at = ru / c.parts;  // at: the row's slot
         const int64_t h = at / row.runs, s0 = (at % row.runs) * row.run, n = std::min(row.run, a.S - s0);
         const int g0 = int(part) * c.part_heads, heads = std::min(c.part_heads, c.group - g0);
         const int64_t slot = (row.first_slot + at) * c.group + g0;  // of the part's first head
@@ -110,7 +109,7 @@ void attend_decode_rows(Executor& exec, const KernelTable& kt, const DecodeAtten
     for (int i = 0; i < n_rows; ++i) {
         const DecodeAttention& a = rows[i];
         const int64_t run = run_length(a.S, exec.threads()), runs = (a.S + run - 1) / run;
-        c.rows.push_back({&a, run, runs, c.slots, 0, q_size});
+        c.rows.push_back({&a, run, runs, c.slots, q_size});
         c.slots += a.Hkv * runs;
         q_size += size_t(a.Hq * a.D);
     }
@@ -121,7 +120,6 @@ void attend_decode_rows(Executor& exec, const KernelTable& kt, const DecodeAtten
         c.part_heads = int((per + kPartHeads - 1) / kPartHeads * kPartHeads);
         c.parts = (c.group + c.part_heads - 1) / c.part_heads;
     }
-    for (Row& row : c.rows) row.first_unit = row.first_slot * c.parts;
     c.units = c.slots * c.parts;
     c.q.resize(q_size);
     for (const Row& row : c.rows)
