@@ -98,6 +98,9 @@ CHECK = textwrap.dedent("""
         gate_up = [int4(gate_up_type, 2 * inter, hidden, seed=e) for e in range(len(held))]
         down = [int4(down_type, hidden, inter, seed=10 + e) if down_type else
                 quantize_int8(torch.randn(hidden, inter, generator=g) * 0.05, torch.float32) for e in range(len(held))]
+        gate_up_stack, down_stack = stack(gate_up), stack(down)
+        forms = [gate_up_stack.form + "/" + gate_up[0].table,
+                 down_stack.form + (f"/{down[0].table}" if down_type else "")]
         for tokens in (1, 5):
             x = torch.randn(tokens, hidden, generator=g)
             ids, weights = routing(tokens, n_experts, 4, held=held[1])
@@ -109,9 +112,7 @@ CHECK = textwrap.dedent("""
                         h = F.silu(gu[:inter]) * gu[inter:]
                         want[t] += weights[t, j] * F.linear(h, down[held.index(e)].dequantize())
             got = decode_experts.forward(x.to(DEVICE), ids.to(DEVICE), weights.to(DEVICE), slot_of.to(DEVICE),
-                                         stack(gate_up), stack(down), "silu")
-            forms = [stack(gate_up).form + "/" + gate_up[0].table,
-                     stack(down).form + (f"/{down[0].table}" if down_type else "")]
+                                         gate_up_stack, down_stack, "silu")
             row({"path": name, "dtype": "float32", "tokens": tokens, "forms": forms}, got, want)
     print(json.dumps(out))
 """)

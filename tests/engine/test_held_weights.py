@@ -97,8 +97,8 @@ STEPPED = [f for f in FAMILIES if f not in ("olmoe", "gpt_oss")]
 
 
 @pytest.mark.parametrize("family,source", [(f, s) for f in STEPPED for s in ("hf", "q8_0")]
-                         + [pytest.param(f, s, marks=needs_llama_cpp)
-                            for f, s in [("qwen3_moe", s) for s in K_QUANT_SIZES] + [("deepseek_v3", "q4_k_m")]])
+                         + [pytest.param("qwen3_moe", s, marks=needs_llama_cpp) for s in K_QUANT_SIZES]
+                         + [pytest.param("deepseek_v3", "q4_k_m", marks=needs_llama_cpp)])
 def test_a_cpu_only_plans_bytes_per_token_are_what_the_decode_step_reads(models, family, source):
     """One token at the plan's full context: its experts, projections, routers, cache and head,
     as the step counts them, against the plan's figure (which also counts the norms' vectors,
