@@ -94,9 +94,13 @@ def test_the_probe_leaves_torch_alone(extension, request, monkeypatch):
 
 # A model generating on one thread while the probe runs again and again on another: the
 # process must survive (a crash is a non-zero exit code here, not a dead test run) and the
-# greedy answers must be the ones the model gives alone.
+# greedy answers must be the ones the model gives alone. Should it ever abort, every thread's
+# native stack is printed (torch's fatal-signal handler; CI once saw an abort at exit here, with
+# nothing but libstdc++'s "terminate called" to go on).
 BESIDE_A_MODEL = """
 import json, sys, threading
+import torch
+torch._C._set_print_stack_traces_on_fatal_signal(True)
 if sys.argv[2] == "portable":
     sys.modules["hybridmoe._native"] = None
 from hybridmoe.backend.text.sampling import SamplingParams
@@ -140,9 +144,9 @@ print(json.dumps({"same": beside == alone, "probes": probes[0]}))
 def test_probing_beside_a_generating_model(tiny_chat_model, extension):
     if extension == "native":
         pytest.importorskip("hybridmoe._native")
-    out = subprocess.run([sys.executable, "-c", BESIDE_A_MODEL, str(tiny_chat_model), extension],
-                         capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, f"exit code {out.returncode}: {out.stderr[-2000:]}"
+    command = [sys.executable, "-X", "faulthandler", "-c", BESIDE_A_MODEL, str(tiny_chat_model), extension]
+    out = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, f"exit code {out.returncode}: {out.stderr[-8000:]}"
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["probes"] >= 1
     assert result["same"]
