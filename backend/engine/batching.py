@@ -235,11 +235,13 @@ class Batcher:
             self._idle.clear()
 
     def close(self, timeout: float | None = 10.0) -> None:
-        """Refuse new work, fail what waits, and wait for a running step to end."""
+        """Refuse new work, fail what waits, and wait for a running step to end (at the
+        model's next layer: it is unloaded)."""
         with self._lock:
             self._closed = True
             self._lock.notify_all()
             thread = self._thread
+        self.model.unload()
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout=timeout)
 

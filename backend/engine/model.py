@@ -10,6 +10,7 @@ routed experts they have. ``Build`` carries what those builders share.
 from __future__ import annotations
 
 import importlib
+import threading
 from collections.abc import Callable, Collection, Mapping
 from collections.abc import Sequence as Seq
 from typing import Any
@@ -35,7 +36,7 @@ from hybridmoe.backend.engine.rope import Rotary
 from hybridmoe.backend.engine.stats import ExpertRecorder
 from hybridmoe.backend.engine.tensor_parallel import HeadShards, Shards, kv_heads, part
 from hybridmoe.backend.formats.weights import WeightSource, missing_tensor, require, text_model_weights
-from hybridmoe.backend.errors import UnsupportedModelError
+from hybridmoe.backend.errors import ModelError, UnsupportedModelError
 from hybridmoe.backend.models.families import family_by_name, family_for_config, spec_from_config
 from hybridmoe.backend.models.spec import KV_BLOCK_TOKENS, SLIDING_REWIND_TOKENS, ModelSpec
 
@@ -92,11 +93,24 @@ class MoeTransformer(nn.Module):
         # (what the tests compare with).
         self.native_decode = True
         self._decode_step: DecodeStep | None | bool = False  # False: not built yet
+        # Set by ``unload``. A prompt slice of a large model runs for many seconds, and a
+        # thread still inside torch when the interpreter tears down aborts the process
+        # ("terminate called without an active exception"): closing must not wait that long.
+        self._unloading = threading.Event()
+
+    def unload(self) -> None:
+        """A call running now ends at its next layer, and later calls fail (ModelError)."""
+        self._unloading.set()
+
+    def _check_loaded(self) -> None:
+        if self._unloading.is_set():
+            raise ModelError("the model was unloaded", "Load it again.")
 
     def _layers(self, x: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
         """The decoder layers over rows of one or more sequences; on a model split across
         devices the hidden states move at stage boundaries."""
         for i, layer in enumerate(self.layers):
+            self._check_loaded()
             device = self.boundaries.get(i)
             if device is not None:
                 x = x.to(device, non_blocking=True)
@@ -132,6 +146,7 @@ class MoeTransformer(nn.Module):
         run the layers over all rows, commit. Returns float32 logits per call: [T, V], or
         [1, V] with last_only. `decode`: the rows are decode tokens of different sequences,
         else prompt tokens."""
+        self._check_loaded()
         seqs = [seq for seq, _, _ in calls]
         if len(set(map(id, seqs))) != len(seqs):
             raise ValueError("a sequence appears twice in one batch")

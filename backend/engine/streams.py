@@ -210,8 +210,15 @@ def close_at_exit(owner) -> None:
     _AT_EXIT.add(owner)
 
 
+# A daemon thread still inside a native call when the interpreter tears down aborts the
+# process (exit code 134): the call's end is worth waiting for. A closed model ends a prompt
+# slice at its next layer; a decode step of many conversations of a large model on a slow
+# machine can still take seconds.
+_EXIT_WAIT_S = 30.0
+
+
 @atexit.register
 def _close_all() -> None:
     for owner in list(_AT_EXIT):
         with contextlib.suppress(Exception):
-            owner.close(timeout=2.0)
+            owner.close(timeout=_EXIT_WAIT_S)

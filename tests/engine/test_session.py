@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 
 import pytest
 
@@ -125,3 +126,102 @@ def test_expert_statistics_feed_the_frequency_planner(session, tiny_chat_model, 
     assert all(sum(counts) > 0 for counts in data["layers"].values())
     plan = plan_for(tiny_chat_model, strategy="frequency", stats_file=str(path))
     assert set(plan.gpu_experts) == set(inspect_model(tiny_chat_model).spec.moe_layers)
+
+
+def _held_in_first_layer(model, started: threading.Event, release: threading.Event) -> list[int]:
+    """Every decoder layer's forward records its index and waits for `release` (so the first
+    one called holds the step). Returns the record."""
+    ran = []
+
+    def holding(forward, i):
+        def held(x, segments):
+            ran.append(i)
+            started.set()
+            release.wait(30)
+            return forward(x, segments)
+        return held
+
+    for i, layer in enumerate(model.layers):
+        layer.forward = holding(layer.forward, i)
+    return ran
+
+
+def test_closing_ends_a_running_prompt_at_its_next_layer(tiny_chat_model):
+    """A prompt slice of a large model runs for many seconds: closing the session does not
+    wait for all of it, and the generation learns why it ended."""
+    s = EngineBackend().load(tiny_chat_model, plan_for(tiny_chat_model))
+    started, release = threading.Event(), threading.Event()
+    ran = _held_in_first_layer(s.model, started, release)
+    asked, unload, outcome = threading.Event(), s.model.unload, []
+    s.model.unload = lambda: (unload(), asked.set())
+
+    def chat():
+        try:
+            run(s)
+        except ModelError as error:
+            outcome.append(error)
+
+    chatting = threading.Thread(target=chat)
+    chatting.start()
+    assert started.wait(30)
+    closing = threading.Thread(target=s.close)
+    closing.start()
+    asked.wait(30)  # close() has asked the model to stop
+    release.set()
+    closing.join(30)
+    chatting.join(30)
+    assert not closing.is_alive() and not chatting.is_alive()
+    assert ran == [0]  # the running layer finished; the other layers never started
+    assert len(outcome) == 1 and "unloaded" in str(outcome[0])
+
+
+# A session nobody closed, its interpreter exiting while a prompt runs (each layer 1.5 s
+# inside torch): the exit waits for the running layer, and nothing aborts the process.
+_EXIT_DURING_A_PROMPT = """
+import sys, threading, time
+import torch
+from hybridmoe.backend.engine.session import EngineBackend
+from hybridmoe.backend.errors import ModelError
+from hybridmoe.backend.session import Message
+from hybridmoe.backend.text.sampling import SamplingParams
+from tests.engine.test_session import plan_for
+
+session = EngineBackend().load(sys.argv[1], plan_for(sys.argv[1]))
+started = threading.Event()
+
+def spinning(forward):
+    def slow(x, segments):
+        started.set()
+        t, end = torch.ones(1 << 16), time.monotonic() + 1.5
+        while time.monotonic() < end:
+            t.add_(1)  # the GIL is let go and taken back in each call
+        return forward(x, segments)
+    return slow
+
+for layer in session.model.layers:
+    layer.forward = spinning(layer.forward)
+
+def chat():
+    try:
+        list(session.generate([Message("user", "hello")], SamplingParams(temperature=0, max_tokens=4)))
+    except ModelError:
+        pass
+
+threading.Thread(target=chat, daemon=True).start()
+started.wait(60)
+time.sleep(0.3)
+print("exiting", flush=True)
+"""
+
+
+def test_exiting_during_a_prompt_does_not_abort_the_process(tiny_chat_model):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-c", _EXIT_DURING_A_PROMPT, str(tiny_chat_model)], cwd=root,
+                         capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "exiting", out.stderr[-4000:]
+    assert out.returncode == 0, f"exit code {out.returncode}: {out.stderr[-4000:]}"
+    assert "terminate called" not in out.stderr
