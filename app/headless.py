@@ -143,7 +143,7 @@ def cmd_run(args) -> int:
     cancel = CancelToken()
 
     def on_sigint(signum, frame):
-        if cancel.cancelled:  # the second Ctrl-C: stop now (a long prompt's prefill does not check)
+        if cancel.cancelled:  # the second Ctrl-C: stop now, whatever is running
             raise KeyboardInterrupt
         cancel.cancel()
 

@@ -338,8 +338,19 @@ class Batcher:
         return slices
 
     def _prompt_step(self, slices: list[tuple[Generation, list[int], int]]) -> None:
+        # A slice of a large model runs for seconds: when every prompt in it is cancelled (Esc,
+        # Ctrl-C, a closed connection), it ends at its next layer, not at its end.
+        cancels = [g._prompt_cancel for g, _, _ in slices]
+        stop = None if None in cancels else (lambda: all(c.cancelled for c in cancels))
         try:
-            self.model.forward_batch([(g.seq, ids, start) for g, ids, start in slices], prompt=True)
+            self.model.forward_batch([(g.seq, ids, start) for g, ids, start in slices], prompt=True, stop=stop)
+        except Cancelled:
+            with self._lock:
+                for g, _, _ in slices:
+                    self._prompts.remove(g)
+            for g, _, _ in slices:
+                g._deliver()  # its prefill sees the cancel
+            return
         except Exception as error:
             with self._lock:
                 for g, _, _ in slices:

@@ -39,6 +39,7 @@ from hybridmoe.backend.formats.weights import WeightSource, missing_tensor, requ
 from hybridmoe.backend.errors import ModelError, UnsupportedModelError
 from hybridmoe.backend.models.families import family_by_name, family_for_config, spec_from_config
 from hybridmoe.backend.models.spec import KV_BLOCK_TOKENS, SLIDING_REWIND_TOKENS, ModelSpec
+from hybridmoe.backend.session import Cancelled
 
 Placement = Mapping[int, Collection[int]]
 
@@ -106,11 +107,15 @@ class MoeTransformer(nn.Module):
         if self._unloading.is_set():
             raise ModelError("the model was unloaded", "Load it again.")
 
-    def _layers(self, x: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
+    def _layers(self, x: torch.Tensor, segments: list[Segment],
+                stop: Callable[[], bool] | None = None) -> torch.Tensor:
         """The decoder layers over rows of one or more sequences; on a model split across
-        devices the hidden states move at stage boundaries."""
+        devices the hidden states move at stage boundaries. `stop`: asked before each layer;
+        True ends the call there (Cancelled)."""
         for i, layer in enumerate(self.layers):
             self._check_loaded()
+            if stop is not None and stop():
+                raise Cancelled("the call was stopped")
             device = self.boundaries.get(i)
             if device is not None:
                 x = x.to(device, non_blocking=True)
@@ -131,17 +136,19 @@ class MoeTransformer(nn.Module):
         logits = self._run([(seq, ids.tolist(), start_pos)], last_only=last_only, decode=decode)[0]
         return logits.unsqueeze(0) if batched else logits
 
-    def forward_batch(self, calls: list[tuple[Sequence, list[int], int]], *, prompt: bool = False) -> list[torch.Tensor]:
+    def forward_batch(self, calls: list[tuple[Sequence, list[int], int]], *, prompt: bool = False,
+                      stop: Callable[[], bool] | None = None) -> list[torch.Tensor]:
         """(sequence, token ids, start_pos) per sequence -> each one's last logits [V]: one
         decode token per sequence, or (prompt) a slice of each one's prompt. Not a torch
         inference-mode function as a whole: the native decode step does not need the mode
-        (``_run``)."""
+        (``_run``). A prompt call asks `stop` before each layer: True ends it there (raises
+        Cancelled; the cache holds what it held before the call)."""
         if not prompt and any(len(ids) != 1 for _, ids, _ in calls):
             raise ValueError("a decode step runs one token per sequence")
-        return [logits[-1] for logits in self._run(calls, last_only=True, decode=not prompt)]
+        return [logits[-1] for logits in self._run(calls, last_only=True, decode=not prompt, stop=stop)]
 
     def _run(self, calls: list[tuple[Sequence, list[int], int]], *, last_only: bool,
-             decode: bool) -> list[torch.Tensor]:
+             decode: bool, stop: Callable[[], bool] | None = None) -> list[torch.Tensor]:
         """Prepare every sequence's cache (all checks first: a refused call changes nothing),
         run the layers over all rows, commit. Returns float32 logits per call: [T, V], or
         [1, V] with last_only. `decode`: the rows are decode tokens of different sequences,
@@ -170,7 +177,7 @@ class MoeTransformer(nn.Module):
             # step each as alone, a prompt's tokens however the prompt was chunked.
             with native_kernels.rows_are("decode" if decode else "prompt"), torch.inference_mode():
                 x = F.embedding(torch.tensor(flat, dtype=torch.long, device=self.device), self.embed)
-                x = self._layers(x, segments)
+                x = self._layers(x, segments, stop)
                 if last_only:
                     x = x[[s.row + s.n - 1 for s in segments]]
                     rows = [slice(i, i + 1) for i in range(len(segments))]

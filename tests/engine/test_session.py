@@ -225,3 +225,25 @@ def test_exiting_during_a_prompt_does_not_abort_the_process(tiny_chat_model):
     assert out.stdout.strip() == "exiting", out.stderr[-4000:]
     assert out.returncode == 0, f"exit code {out.returncode}: {out.stderr[-4000:]}"
     assert "terminate called" not in out.stderr
+
+
+def test_cancelling_ends_a_running_prompt_at_its_next_layer(tiny_chat_model):
+    """Esc or Ctrl-C during a long prompt: its slice ends at the layer that runs, the answer
+    ends "cancelled", and the session answers the next prompt as a fresh one does."""
+    s = EngineBackend().load(tiny_chat_model, plan_for(tiny_chat_model))
+    _, expected = run(s)
+    s.batcher.forget()  # the next prompt is computed in full
+    started, release = threading.Event(), threading.Event()
+    ran = _held_in_first_layer(s.model, started, release)
+    cancel, outcome = CancelToken(), []
+    chatting = threading.Thread(target=lambda: outcome.append(run(s, cancel=cancel)[1]))
+    chatting.start()
+    assert started.wait(30)
+    cancel.cancel()
+    release.set()
+    chatting.join(30)
+    assert ran == [0]  # the running layer finished; the other layers never started
+    assert outcome[0].reason == "cancelled" and outcome[0].token_ids == ()
+    _, again = run(s)
+    assert again.token_ids == expected.token_ids
+    s.close()
