@@ -31,6 +31,13 @@ class ModelError(HybridMoeError):
     """A model path, config or weight file cannot be used."""
 
 
+class ModelUnloadedError(ModelError):
+    """Work asked of a model whose session was closed (or was closing while it ran)."""
+
+    def __init__(self):
+        super().__init__("the model was unloaded", "Load it again.")
+
+
 class UnsupportedModelError(ModelError):
     """The model is readable but of an architecture or format we do not serve."""
 

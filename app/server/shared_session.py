@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 
-from hybridmoe.backend.errors import HybridMoeError, ModelError
+from hybridmoe.backend.errors import HybridMoeError, ModelUnloadedError
 from hybridmoe.backend.session import Cancelled, CancelToken, Done, Event, Message, Session, Stats
 
 # How often a waiting generation looks at its cancel token: a client that went away leaves
@@ -114,7 +114,7 @@ class SharedSession:
 
         Raises ``QueueFull`` at once when every place is taken and ``max_waiting``
         generations are already waiting, ``Cancelled`` when ``cancel`` is set while waiting,
-        and ``ModelError`` when the session was closed.
+        and ``ModelUnloadedError`` when the session was closed.
         """
         self._acquire(cancel, max_waiting)
         started = time.monotonic()
@@ -170,7 +170,7 @@ class SharedSession:
 
     def _check_open(self) -> None:
         if self.closed:
-            raise ModelError("the model was unloaded", "Load it again.")
+            raise ModelUnloadedError()
 
 
 def max_parallel(session: Session) -> int:

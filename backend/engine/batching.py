@@ -43,7 +43,7 @@ import torch
 
 from hybridmoe.backend.engine.kv_cache import Sequence
 from hybridmoe.backend.engine.streams import close_at_exit
-from hybridmoe.backend.errors import ModelError
+from hybridmoe.backend.errors import ModelUnloadedError
 from hybridmoe.backend.session import Cancelled, CancelToken
 from hybridmoe.backend.text.generation import common_prefix
 
@@ -247,7 +247,7 @@ class Batcher:
 
     def _check_open(self) -> None:
         if self._closed:
-            raise ModelError("the model was unloaded", "Load it again.")
+            raise ModelUnloadedError()
 
     # ---- handing in work ------------------------------------------------------------------
 
@@ -294,7 +294,7 @@ class Batcher:
                     self._lock.wait(due if due is not None else _POLL_S)
                 if self._closed:
                     for g in [*self._tokens, *self._prompts]:
-                        g._deliver(error=ModelError("the model was unloaded", "Load it again."))
+                        g._deliver(error=ModelUnloadedError())
                     return
                 tokens, self._tokens = list(self._tokens.items()), {}
                 slices = self._prompt_slices()
@@ -344,19 +344,13 @@ class Batcher:
         stop = None if None in cancels else (lambda: all(c.cancelled for c in cancels))
         try:
             self.model.forward_batch([(g.seq, ids, start) for g, ids, start in slices], prompt=True, stop=stop)
-        except Cancelled:
-            with self._lock:
-                for g, _, _ in slices:
-                    self._prompts.remove(g)
-            for g, _, _ in slices:
-                g._deliver()  # its prefill sees the cancel
-            return
         except Exception as error:
             with self._lock:
                 for g, _, _ in slices:
                     self._prompts.remove(g)
+            stopped = isinstance(error, Cancelled)  # then each prefill sees its cancel
             for g, _, _ in slices:
-                g._deliver(error=error)
+                g._deliver(error=None if stopped else error)
             return
         done = []
         with self._lock:

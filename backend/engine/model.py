@@ -36,7 +36,7 @@ from hybridmoe.backend.engine.rope import Rotary
 from hybridmoe.backend.engine.stats import ExpertRecorder
 from hybridmoe.backend.engine.tensor_parallel import HeadShards, Shards, kv_heads, part
 from hybridmoe.backend.formats.weights import WeightSource, missing_tensor, require, text_model_weights
-from hybridmoe.backend.errors import ModelError, UnsupportedModelError
+from hybridmoe.backend.errors import ModelUnloadedError, UnsupportedModelError
 from hybridmoe.backend.models.families import family_by_name, family_for_config, spec_from_config
 from hybridmoe.backend.models.spec import KV_BLOCK_TOKENS, SLIDING_REWIND_TOKENS, ModelSpec
 from hybridmoe.backend.session import Cancelled
@@ -100,12 +100,12 @@ class MoeTransformer(nn.Module):
         self._unloading = threading.Event()
 
     def unload(self) -> None:
-        """A call running now ends at its next layer, and later calls fail (ModelError)."""
+        """A call running now ends at its next layer, and later calls fail (ModelUnloadedError)."""
         self._unloading.set()
 
     def _check_loaded(self) -> None:
         if self._unloading.is_set():
-            raise ModelError("the model was unloaded", "Load it again.")
+            raise ModelUnloadedError()
 
     def _layers(self, x: torch.Tensor, segments: list[Segment],
                 stop: Callable[[], bool] | None = None) -> torch.Tensor:
