@@ -113,7 +113,10 @@ TORCH_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32"
 
 # GGUF types the CPU kernels read in place (native/src/formats.h); the engine widens a dense
 # projection stored in any other to its compute dtype on the CPU.
-GGUF_CPU_KERNEL_TYPES = frozenset({"q8_0", "q4_0", "q5_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "mxfp4"})
+GGUF_CPU_KERNEL_TYPES = frozenset({
+    "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "mxfp4",
+    "iq4_nl", "iq4_xs", "iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs", "iq3_s", "iq1_s", "iq1_m",
+})
 # The same for a tensor record's dtype (GGUF type or safetensors dtype), floats included; a
 # compressed-tensors int4 matrix's parts (weight_packed, ...) count as read in place.
 CPU_KERNEL_DTYPES = GGUF_CPU_KERNEL_TYPES | {"bf16", "f16", "f32", "fp16", "fp32", "int4_g32"}

@@ -30,6 +30,132 @@ static inline void q3k_scales(const uint8_t* sc12, int8_t out[16]) {
     }
 }
 
+// The grid i-quants, one super-block of 256 to fp32, with ggml's float operations in ggml's
+// order (so the values are bit for bit those of its dequantizers): a grid value times a sign
+// times a scale, each 8 (iq3: 4) values one grid entry.
+static inline float iq_sign(uint8_t signs, int j) { return (signs >> j) & 1 ? -1.f : 1.f; }
+
+static inline void iq_dequant_superblock(Format fmt, const uint8_t* p, float* y) {
+    switch (fmt) {
+        case FMT_IQ2_XXS: {
+            const float d = fp16_to_f32(load_u16(p));
+            for (int ib = 0; ib < 8; ++ib) {
+                const uint8_t* idx = p + 2 + 8 * ib;
+                const uint32_t w = load_u32(idx + 4);
+                const float db = d * (0.5f + float(w >> 28)) * 0.25f;
+                for (int l = 0; l < 4; ++l) {
+                    const uint64_t g = kIq2xxsGrid[idx[l]];
+                    const uint8_t s = kSignsIq2[(w >> (7 * l)) & 127];
+                    for (int j = 0; j < 8; ++j) y[32 * ib + 8 * l + j] = db * float((g >> (8 * j)) & 0xFF) * iq_sign(s, j);
+                }
+            }
+            return;
+        }
+        case FMT_IQ2_XS: {
+            const float d = fp16_to_f32(load_u16(p));
+            for (int ib = 0; ib < 8; ++ib) {
+                const uint8_t sc = p[66 + ib];
+                const float db[2] = {d * (0.5f + float(sc & 0x0F)) * 0.25f, d * (0.5f + float(sc >> 4)) * 0.25f};
+                for (int l = 0; l < 4; ++l) {
+                    const uint16_t q = load_u16(p + 2 + 2 * (4 * ib + l));
+                    const uint64_t g = kIq2xsGrid[q & 511];
+                    const uint8_t s = kSignsIq2[q >> 9];
+                    for (int j = 0; j < 8; ++j)
+                        y[32 * ib + 8 * l + j] = db[l / 2] * float((g >> (8 * j)) & 0xFF) * iq_sign(s, j);
+                }
+            }
+            return;
+        }
+        case FMT_IQ2_S: {
+            const float d = fp16_to_f32(load_u16(p));
+            const uint8_t *qs = p + 2, *signs = p + 34, *qh = p + 66, *scales = p + 74;
+            for (int ib = 0; ib < 8; ++ib) {
+                const float db[2] = {d * (0.5f + float(scales[ib] & 0x0F)) * 0.25f,
+                                     d * (0.5f + float(scales[ib] >> 4)) * 0.25f};
+                for (int l = 0; l < 4; ++l) {
+                    const uint64_t g = kIq2sGrid[qs[4 * ib + l] | ((qh[ib] << (8 - 2 * l)) & 0x300)];
+                    const uint8_t s = signs[4 * ib + l];
+                    for (int j = 0; j < 8; ++j)
+                        y[32 * ib + 8 * l + j] = db[l / 2] * float((g >> (8 * j)) & 0xFF) * iq_sign(s, j);
+                }
+            }
+            return;
+        }
+        case FMT_IQ3_XXS: {
+            const float d = fp16_to_f32(load_u16(p));
+            const uint8_t* qs = p + 2;
+            for (int ib = 0; ib < 8; ++ib) {
+                const uint32_t w = load_u32(p + 66 + 4 * ib);
+                const float db = d * (0.5f + float(w >> 28)) * 0.5f;
+                for (int l = 0; l < 4; ++l) {
+                    const uint8_t s = kSignsIq2[(w >> (7 * l)) & 127];
+                    const uint32_t g1 = kIq3xxsGrid[qs[8 * ib + 2 * l]], g2 = kIq3xxsGrid[qs[8 * ib + 2 * l + 1]];
+                    for (int j = 0; j < 4; ++j) {
+                        y[32 * ib + 8 * l + j] = db * float((g1 >> (8 * j)) & 0xFF) * iq_sign(s, j);
+                        y[32 * ib + 8 * l + j + 4] = db * float((g2 >> (8 * j)) & 0xFF) * iq_sign(s, j + 4);
+                    }
+                }
+            }
+            return;
+        }
+        case FMT_IQ3_S: {
+            const float d = fp16_to_f32(load_u16(p));
+            const uint8_t *qs = p + 2, *qh = p + 66, *signs = p + 74, *scales = p + 106;
+            for (int ib = 0; ib < 8; ++ib) {
+                const float db = d * float(1 + 2 * ((scales[ib / 2] >> (4 * (ib % 2))) & 0x0F));
+                for (int l = 0; l < 4; ++l) {
+                    const uint32_t g1 = kIq3sGrid[qs[8 * ib + 2 * l] | ((qh[ib] << (8 - 2 * l)) & 256)];
+                    const uint32_t g2 = kIq3sGrid[qs[8 * ib + 2 * l + 1] | ((qh[ib] << (7 - 2 * l)) & 256)];
+                    const uint8_t s = signs[4 * ib + l];
+                    for (int j = 0; j < 4; ++j) {
+                        y[32 * ib + 8 * l + j] = db * float((g1 >> (8 * j)) & 0xFF) * iq_sign(s, j);
+                        y[32 * ib + 8 * l + j + 4] = db * float((g2 >> (8 * j)) & 0xFF) * iq_sign(s, j + 4);
+                    }
+                }
+            }
+            return;
+        }
+        case FMT_IQ1_S: {
+            const float d = fp16_to_f32(load_u16(p));
+            const uint8_t* qs = p + 2;
+            for (int ib = 0; ib < 8; ++ib) {
+                const uint16_t qh = load_u16(p + 34 + 2 * ib);
+                const float dl = d * float(2 * ((qh >> 12) & 7) + 1);
+                const float delta = qh & 0x8000 ? -0.125f : 0.125f;
+                for (int l = 0; l < 4; ++l) {
+                    const uint64_t g = kIq1sGrid[qs[4 * ib + l] | (((qh >> (3 * l)) & 7) << 8)];
+                    for (int j = 0; j < 8; ++j) y[32 * ib + 8 * l + j] = dl * (float(int8_t(g >> (8 * j))) + delta);
+                }
+            }
+            return;
+        }
+        case FMT_IQ1_M: {
+            const uint8_t *qs = p, *qh = p + 32, *sc8 = p + 48;
+            uint16_t sc[4];
+            for (int i = 0; i < 4; ++i) sc[i] = load_u16(sc8 + 2 * i);
+            const uint16_t dbits = uint16_t((sc[0] >> 12) | ((sc[1] >> 8) & 0x00F0) | ((sc[2] >> 4) & 0x0F00) | (sc[3] & 0xF000));
+            const float d = fp16_to_f32(dbits);
+            for (int ib = 0; ib < 8; ++ib) {
+                const float dl1 = d * float(2 * ((sc[ib / 2] >> (6 * (ib % 2))) & 7) + 1);
+                const float dl2 = d * float(2 * ((sc[ib / 2] >> (6 * (ib % 2) + 3)) & 7) + 1);
+                const uint8_t h0 = qh[2 * ib], h1 = qh[2 * ib + 1];
+                const int idx[4] = {qs[4 * ib] | ((h0 << 8) & 0x700), qs[4 * ib + 1] | ((h0 << 4) & 0x700),
+                                    qs[4 * ib + 2] | ((h1 << 8) & 0x700), qs[4 * ib + 3] | ((h1 << 4) & 0x700)};
+                const float delta[4] = {h0 & 0x08 ? -0.125f : 0.125f, h0 & 0x80 ? -0.125f : 0.125f,
+                                        h1 & 0x08 ? -0.125f : 0.125f, h1 & 0x80 ? -0.125f : 0.125f};
+                for (int l = 0; l < 4; ++l) {
+                    const uint64_t g = kIq1sGrid[idx[l]];
+                    const float dl = l < 2 ? dl1 : dl2;
+                    for (int j = 0; j < 8; ++j) y[32 * ib + 8 * l + j] = dl * (float(int8_t(g >> (8 * j))) + delta[l]);
+                }
+            }
+            return;
+        }
+        default:
+            return;
+    }
+}
+
 // Dequantize block `b` of a row (block index along K) into dst[0 .. block). `row` and
 // `srow` are the row's data and (split formats) scale pointers.
 static inline void dequant_block(Format fmt, const uint8_t* row, const uint8_t* srow, int64_t b, float* dst) {
@@ -115,6 +241,58 @@ static inline void dequant_block(Format fmt, const uint8_t* row, const uint8_t* 
             }
             return;
         }
+        case FMT_Q4_1: {
+            const uint8_t* p = row + b * 20;
+            const float d = fp16_to_f32(load_u16(p)), m = fp16_to_f32(load_u16(p + 2));
+            for (int j = 0; j < 16; ++j) {
+                dst[j] = float(p[4 + j] & 0x0F) * d + m;
+                dst[j + 16] = float(p[4 + j] >> 4) * d + m;
+            }
+            return;
+        }
+        case FMT_Q5_1: {
+            const uint8_t* p = row + b * 24;
+            const float d = fp16_to_f32(load_u16(p)), m = fp16_to_f32(load_u16(p + 2));
+            const uint32_t qh = load_u32(p + 4);
+            for (int j = 0; j < 16; ++j) {
+                dst[j] = float((p[8 + j] & 0x0F) | (((qh >> j) & 1) << 4)) * d + m;
+                dst[j + 16] = float((p[8 + j] >> 4) | (((qh >> (j + 16)) & 1) << 4)) * d + m;
+            }
+            return;
+        }
+        case FMT_IQ4_NL: {
+            const uint8_t* p = row + b * 18;
+            const float d = fp16_to_f32(load_u16(p));
+            for (int j = 0; j < 16; ++j) {
+                dst[j] = d * float(kIq4nlValues[p[2 + j] & 0x0F]);
+                dst[j + 16] = d * float(kIq4nlValues[p[2 + j] >> 4]);
+            }
+            return;
+        }
+        case FMT_IQ4_XS: {
+            const uint8_t* p = row + b * 136;
+            const float d = fp16_to_f32(load_u16(p));
+            const uint16_t sh = load_u16(p + 2);
+            for (int j = 0; j < 8; ++j) {
+                const int ls = ((p[4 + j / 2] >> (4 * (j % 2))) & 0x0F) | (((sh >> (2 * j)) & 3) << 4);
+                const float dl = d * float(ls - 32);
+                const uint8_t* qs = p + 8 + 16 * j;
+                for (int l = 0; l < 16; ++l) {
+                    dst[32 * j + l] = dl * float(kIq4nlValues[qs[l] & 0x0F]);
+                    dst[32 * j + l + 16] = dl * float(kIq4nlValues[qs[l] >> 4]);
+                }
+            }
+            return;
+        }
+        case FMT_IQ2_XXS:
+        case FMT_IQ2_XS:
+        case FMT_IQ2_S:
+        case FMT_IQ3_XXS:
+        case FMT_IQ3_S:
+        case FMT_IQ1_S:
+        case FMT_IQ1_M:
+            iq_dequant_superblock(fmt, row + b * kFormats[fmt].block_bytes, dst);
+            return;
         case FMT_MXFP4: {
             const uint8_t* p = row + b * 17;
             const float d = e8m0_half(p[0]);

@@ -47,7 +47,7 @@ namespace hmoe {
 int dense_prefill_min_tokens(const KernelTable& kt, Format fmt) {
     if (std::strcmp(kt.name, "scalar") == 0) return 1;
     if (kFormats[fmt].row_group == 8) return kNeverPrefill;  // see prefill_min_tokens (moe_layer.cpp)
-    if (fmt == FMT_Q2_K || fmt == FMT_Q3_K) return kNeverPrefill;  // as for prompts: see prompt_takes_gemv
+    if (gemv_at_every_count(fmt)) return kNeverPrefill;  // as for prompts: see prompt_takes_gemv
     if (std::strncmp(kt.name, "avx512", 6) == 0) return 16;
     return 24;
 }

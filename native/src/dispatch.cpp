@@ -60,6 +60,26 @@ void random_rows(Format fmt, int rows, int K, std::mt19937& rng, std::vector<uin
                 case FMT_Q3_K: put_f16(blk + 108, small(rng)); break;
                 case FMT_Q2_K: put_f16(blk + 80, small(rng)); put_f16(blk + 82, small(rng)); break;
                 case FMT_MXFP4: blk[0] = uint8_t(118 + rng() % 12); break;
+                case FMT_Q4_1:
+                case FMT_Q5_1: put_f16(blk, small(rng)); put_f16(blk + 2, -small(rng)); break;
+                case FMT_IQ4_NL:
+                case FMT_IQ4_XS:
+                case FMT_IQ2_XXS:
+                case FMT_IQ2_XS:
+                case FMT_IQ2_S:
+                case FMT_IQ3_XXS:
+                case FMT_IQ3_S:
+                case FMT_IQ1_S: put_f16(blk, small(rng)); break;
+                case FMT_IQ1_M: {  // d is the top nibbles of the four 16-bit scale words
+                    uint8_t h[2];
+                    put_f16(h, small(rng));
+                    const uint16_t d = uint16_t(h[0] | h[1] << 8);
+                    for (int i = 0; i < 4; ++i) {
+                        const uint16_t word = uint16_t((load_u16(blk + 48 + 2 * i) & 0x0FFF) | ((d >> (4 * i)) & 15) << 12);
+                        std::memcpy(blk + 48 + 2 * i, &word, 2);
+                    }
+                    break;
+                }
                 default: break;
             }
         }

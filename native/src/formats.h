@@ -29,6 +29,33 @@
 //   q2_k   scales[16] (low nibble the scale, high the min of a 16) | qs[64] | d:fp16 |
 //          dmin:fp16; quarters as q3_k's low bits                  value = d*sc*q2 - dmin*m
 //          (q2_k and q3_k: the low-bit experts of DeepSeek/Kimi GGUFs, Q2_K and Q3_K mixes)
+//   q4_1   d:fp16 | m:fp16 | qs[16] (q4_0's nibbles)             value = d * nib + m
+//   q5_1   d:fp16 | m:fp16 | qh[4] | qs[16] (q5_0's bits)        value = d * q5 + m
+//   iq4_nl d:fp16 | qs[16] (q4_0's nibbles)                      value = d * kIq4nlValues[nib]
+//   iq4_xs d:fp16 | scales_h:u16 | scales_l[4] | qs[128]: eight sub-blocks of 32 as iq4_nl's
+//          nibbles (16 bytes each), 6-bit scale ls = low nibble of scales_l[j/2] (j odd: high)
+//          | bits 2j, 2j+1 of scales_h << 4                    value = d*(ls - 32)*kIq4nlValues[nib]
+//   The i-quants (grids in iq_grids.h; a grid entry is 8 values, or 4 for iq3; eight sign
+//   bits sgn of 8 values flip them; kSignsIq2[i] is i with an eighth bit for even parity):
+//   iq2_xxs d:fp16 | 8 x (idx[4] bytes | w:u32): per 32 values, entries kIq2xxsGrid[idx[l]],
+//          signs kSignsIq2[(w >> 7l) & 127], scale s = w >> 28   value = d*(0.5+s)/4 * g * sgn
+//   iq2_xs  d:fp16 | qs[32]:u16 | scales[8]: per 8 values an entry qs & 511, signs
+//          kSignsIq2[qs >> 9]; per 16 a 4-bit scale (low nibble first)  value as iq2_xxs
+//   iq2_s   d:fp16 | qs[32] | signs[32] | qh[8] | scales[8]: entry qs[l] | bits 2l, 2l+1 of
+//          the 32's qh byte << 8 (10 bits), signs a byte per 8 values, scales as iq2_xs
+//   iq3_xxs d:fp16 | qs[64] | w[8]:u32: per 32 values eight 4-value entries kIq3xxsGrid[qs],
+//          signs and scale as iq2_xxs's w                      value = d*(0.5+s)/2 * g * sgn
+//   iq3_s   d:fp16 | qs[64] | qh[8] | signs[32] | scales[4]: entry qs | bit (k%8) of qh[k/8]
+//          << 8 for the k-th entry, signs a byte per 8, a 4-bit scale per 32
+//                                                              value = d*(1+2s) * g * sgn
+//   iq1_s   d:fp16 | qs[32] | qh[8]:u16: per 32 values (qh word i) entries qs | 3 bits of
+//          qh << 8 (11 bits), scale (qh >> 12) & 7, delta sign bit 15
+//                                                              value = d*(2s+1)*(g +- 1/8)
+//   iq1_m   qs[32] | qh[16] | scales[8]: entries as iq1_s with 3 high bits per nibble of qh,
+//          a delta sign per 8 values (bit 3 of the nibble), a 3-bit scale per 16; d is the
+//          fp16 made of the top nibbles of the four u16 scale words   value as iq1_s
+//   (Every i-quant value is an integer times a per-16 or per-32 integer scale times one
+//   float per super-block; iq1's g +- 1/8 is (8g +- 1)/8: the SIMD GEMVs take them so.)
 //   mxfp4  e:e8m0 | qs[16] (GGUF: element j low nibble, 16+j high) value = e2m1(nib)*2^(e-127)
 //   mxfp4_hf  blocks [out, K/32, 16] + scales [out, K/32] in separate arrays; in each byte
 //          the low nibble is the even element, the high nibble the odd one
@@ -68,6 +95,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "iq_grids.h"
+
 namespace hmoe {
 
 enum Format : int {
@@ -89,6 +118,17 @@ enum Format : int {
     FMT_Q5_0,
     FMT_Q3_K,
     FMT_Q2_K,
+    FMT_Q4_1,
+    FMT_Q5_1,
+    FMT_IQ4_NL,
+    FMT_IQ4_XS,
+    FMT_IQ2_XXS,
+    FMT_IQ2_XS,
+    FMT_IQ2_S,
+    FMT_IQ3_XXS,
+    FMT_IQ3_S,
+    FMT_IQ1_S,
+    FMT_IQ1_M,
     FMT_COUNT
 };
 
@@ -130,7 +170,27 @@ static constexpr FormatInfo kFormats[FMT_COUNT] = {
     {"q5_0", 32, 22, 0, false, false},
     {"q3_k", 256, 110, 0, false, false, 1, 256},
     {"q2_k", 256, 84, 0, false, false, 1, 256},
+    {"q4_1", 32, 20, 0, false, false},
+    {"q5_1", 32, 24, 0, false, false},
+    {"iq4_nl", 32, 18, 0, false, false},
+    {"iq4_xs", 256, 136, 0, false, false, 1, 256},
+    {"iq2_xxs", 256, 66, 0, false, false, 1, 256},
+    {"iq2_xs", 256, 74, 0, false, false, 1, 256},
+    {"iq2_s", 256, 82, 0, false, false, 1, 256},
+    {"iq3_xxs", 256, 98, 0, false, false, 1, 256},
+    {"iq3_s", 256, 110, 0, false, false, 1, 256},
+    {"iq1_s", 256, 50, 0, false, false, 1, 256},
+    {"iq1_m", 256, 56, 0, false, false, 1, 256},
 };
+
+// Formats whose prompts take the decode GEMV at every token count (see prompt_takes_gemv in
+// repack.h): q2_k and q3_k, whose dequantizing costs the most bit work per weight, and the
+// formats added for community GGUFs (q4_1, q5_1, iq4_nl and the i-quants), whose grids and
+// non-linear values make a dequantized panel cost more than the integer GEMV's four tokens
+// per decoded block.
+static inline bool gemv_at_every_count(Format f) {
+    return f == FMT_Q2_K || f == FMT_Q3_K || (f >= FMT_Q4_1 && f <= FMT_IQ1_M);
+}
 
 // Bytes of one block of a group of eight rows in the x8 layouts: 32 columns of q4_0x8 /
 // int4_g32x8, a 256-column super-block of q4_kx8.

@@ -3,6 +3,7 @@
 // baseline flags only. The arithmetic is deliberately simple: dequantize a block to fp32,
 // dot it with the dequantized Q8 activations; no integer tricks to get wrong.
 #include <cmath>
+#include <utility>
 
 #include "kernel_table.h"
 
@@ -160,27 +161,32 @@ static void rows_axpy(Format fmt, const uint8_t* rows, int64_t stride, int64_t m
         }
 }
 
+// Every format through the same dequantize-and-dot loops, filled by format.
+template <size_t... I>
+static void fill_gemvs(KernelTable& t, std::index_sequence<I...>) {
+    ((kFormats[I].float_acts ? (void)(t.gemv_f32[I] = gemv_f32_fmt<Format(I)>)
+                             : (void)(t.gemv_q8[I] = gemv_q8_fmt<Format(I)>)),
+     ...);
+}
+
 }  // namespace scalar_isa
 
 const KernelTable* kernels_scalar() {
     using namespace scalar_isa;
-    static const KernelTable table = {
-        "scalar",
-        kPanel,
-        quantize,
-        {gemv_q8_fmt<FMT_Q8_0>, gemv_q8_fmt<FMT_Q4_0>, gemv_q8_fmt<FMT_Q4_K>, gemv_q8_fmt<FMT_Q5_K>,
-         gemv_q8_fmt<FMT_Q6_K>, gemv_q8_fmt<FMT_MXFP4>, gemv_q8_fmt<FMT_MXFP4_HF>, gemv_q8_fmt<FMT_INT4_G32>, nullptr,
-         nullptr, nullptr, gemv_q8_fmt<FMT_Q4_0_X8>, gemv_q8_fmt<FMT_INT4_X8>, gemv_q8_fmt<FMT_Q4_K_X8>,
-         gemv_q8_fmt<FMT_Q8_0_X8>, gemv_q8_fmt<FMT_Q5_0>, gemv_q8_fmt<FMT_Q3_K>, gemv_q8_fmt<FMT_Q2_K>},
-        {nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, gemv_f32_fmt<FMT_BF16>,
-         gemv_f32_fmt<FMT_F16>, gemv_f32_fmt<FMT_F32>, nullptr, nullptr, nullptr, nullptr},
-        dequant_panel,
-        gemm_panels,
-        silu_mul,
-        gptoss_glu,
-        attend_run,
-        rows_axpy,
-    };
+    static const KernelTable table = [] {
+        KernelTable t{};
+        t.name = "scalar";
+        t.panel = kPanel;
+        t.quantize = quantize;
+        fill_gemvs(t, std::make_index_sequence<FMT_COUNT>{});
+        t.dequant_panel = dequant_panel;
+        t.gemm_panels = gemm_panels;
+        t.silu_mul = silu_mul;
+        t.gptoss_glu = gptoss_glu;
+        t.attend_run = attend_run;
+        t.rows_axpy = rows_axpy;
+        return t;
+    }();
     return &table;
 }
 

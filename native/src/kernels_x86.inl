@@ -152,19 +152,32 @@ static inline __m256i fifth_bits32(const uint8_t* p) {
     return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(bytes, bit), bit), _mm256_set1_epi8(0x10));
 }
 
+// IQ4_NL's 16 values as a byte table for vpshufb, the same in both 128-bit lanes.
+static inline __m256i iq4nl_table() {
+    return _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kIq4nlValues)));
+}
+
 // One 32-weight block as int8 codes plus its scale. kUnsigned: codes are 0..15 (0..31 for
-// q5_0) with an implicit -kOffset (q4_0, q5_0, int4); otherwise signed values.
+// q5_0) with an implicit -kOffset (q4_0, q5_0, int4), or with a stored min m (q4_1, q5_1:
+// value d * code + m, so the dot gains m * s_act); otherwise signed values.
 template <Format F>
 struct Block32 {
-    static constexpr bool kUnsigned = F == FMT_Q4_0 || F == FMT_Q5_0 || F == FMT_INT4_G32;
-    static constexpr float kOffset = F == FMT_Q5_0 ? 16.f : 8.f;
+    static constexpr bool kMin = F == FMT_Q4_1 || F == FMT_Q5_1;
+    static constexpr bool kUnsigned = F == FMT_Q4_0 || F == FMT_Q5_0 || F == FMT_INT4_G32 || kMin;
+    static constexpr float kOffset = kMin ? 0.f : F == FMT_Q5_0 ? 16.f : 8.f;
     static inline __m256i codes(const uint8_t* row, int64_t b) {
         if constexpr (F == FMT_Q8_0) {
             return load32(row + b * 34 + 2);
         } else if constexpr (F == FMT_Q4_0) {
             return nibbles32(row + b * 18 + 2);
+        } else if constexpr (F == FMT_Q4_1) {
+            return nibbles32(row + b * 20 + 4);
         } else if constexpr (F == FMT_Q5_0) {
             return _mm256_or_si256(nibbles32(row + b * 22 + 6), fifth_bits32(row + b * 22 + 2));
+        } else if constexpr (F == FMT_Q5_1) {
+            return _mm256_or_si256(nibbles32(row + b * 24 + 8), fifth_bits32(row + b * 24 + 4));
+        } else if constexpr (F == FMT_IQ4_NL) {
+            return _mm256_shuffle_epi8(iq4nl_table(), nibbles32(row + b * 18 + 2));
         } else if constexpr (F == FMT_INT4_G32 || F == FMT_MXFP4_HF) {
             const __m256i n = nibbles32(row + b * 16);
             if constexpr (F == FMT_INT4_G32) return n;
@@ -175,12 +188,14 @@ struct Block32 {
     }
     static inline float scale(const uint8_t* row, const uint8_t* srow, int64_t b) {
         if constexpr (F == FMT_Q8_0) return h2f(row + b * 34);
-        if constexpr (F == FMT_Q4_0) return h2f(row + b * 18);
+        if constexpr (F == FMT_Q4_0 || F == FMT_IQ4_NL) return h2f(row + b * 18);
         if constexpr (F == FMT_Q5_0) return h2f(row + b * 22);
+        if constexpr (kMin) return h2f(row + b * kFormats[F].block_bytes);
         if constexpr (F == FMT_INT4_G32) return bf16_to_f32(load_u16(srow + 2 * b));
         if constexpr (F == FMT_MXFP4_HF) return e8m0_half(srow[b]);
         return e8m0_half(row[b * 17]);
     }
+    static inline float min(const uint8_t* row, int64_t b) { return h2f(row + b * kFormats[F].block_bytes + 2); }
     // The e2m1 grid (doubled) as a byte table for vpshufb, the same in both 128-bit lanes.
     static inline __m256i mxfp4_table() {
         return _mm256_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12, 0, 1, 2, 3, 4, 6, 8, 12, 0, -1,
@@ -191,7 +206,8 @@ struct Block32 {
 // The scales of blocks b .. b+7 as eight floats (one vector multiply applies them all).
 template <Format F>
 static inline __m256 scales8(const uint8_t* row, const uint8_t* srow, int64_t b) {
-    if constexpr (F == FMT_Q8_0 || F == FMT_Q4_0 || F == FMT_Q5_0) {
+    if constexpr (F == FMT_Q8_0 || F == FMT_Q4_0 || F == FMT_Q5_0 || F == FMT_Q4_1 || F == FMT_Q5_1 ||
+                  F == FMT_IQ4_NL) {
         constexpr int S = kFormats[F].block_bytes;  // fp16 d at the start of each block
         const uint8_t* p = row + b * S;
         const __m128i h = _mm_setr_epi16(short(load_u16(p)), short(load_u16(p + S)), short(load_u16(p + 2 * S)),
@@ -215,6 +231,17 @@ static inline __m256 scales8(const uint8_t* row, const uint8_t* srow, int64_t b)
         const __m256i is_denorm = _mm256_cmpgt_epi32(_mm256_set1_epi32(2), e);
         return _mm256_castsi256_ps(_mm256_blendv_epi8(normal, denorm, is_denorm));
     }
+}
+
+// The mins of blocks b .. b+7 (q4_1, q5_1: the fp16 after each block's d).
+template <Format F>
+static inline __m256 mins8(const uint8_t* row, int64_t b) {
+    constexpr int S = kFormats[F].block_bytes;
+    const uint8_t* p = row + b * S + 2;
+    const __m128i h = _mm_setr_epi16(short(load_u16(p)), short(load_u16(p + S)), short(load_u16(p + 2 * S)),
+                                     short(load_u16(p + 3 * S)), short(load_u16(p + 4 * S)), short(load_u16(p + 5 * S)),
+                                     short(load_u16(p + 6 * S)), short(load_u16(p + 7 * S)));
+    return _mm256_cvtph_ps(h);
 }
 
 template <Format F, int N>
@@ -243,6 +270,8 @@ static void gemv_b32_n(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t 
             __m256i q[8];
             for (int j = 0; j < 8; ++j) q[j] = B::codes(row, b + j);
             const __m256 dw = scales8<F>(row, srow, b);
+            [[maybe_unused]] __m256 mw;
+            if constexpr (B::kMin) mw = mins8<F>(row, b);
             for (int t = 0; t < N; ++t) {
                 const int8_t* a = acts[t].q + 32 * b;
                 __m256i v[8];
@@ -254,7 +283,10 @@ static void gemv_b32_n(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t 
                 }
                 acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_loadu_ps(acts[t].d + b)), _mm256_cvtepi32_ps(hsum8(v)),
                                          acc[t]);
-                if constexpr (B::kUnsigned) corr[t] = _mm256_fmadd_ps(dw, _mm256_loadu_ps(acts[t].s + b), corr[t]);
+                if constexpr (B::kMin)
+                    corr[t] = _mm256_fmadd_ps(mw, _mm256_loadu_ps(acts[t].s + b), corr[t]);
+                else if constexpr (B::kUnsigned)
+                    corr[t] = _mm256_fmadd_ps(dw, _mm256_loadu_ps(acts[t].s + b), corr[t]);
             }
         }
         // Rows whose length is not a multiple of 256 (all of a short one: latent attention's
@@ -271,12 +303,17 @@ static void gemv_b32_n(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t 
                 const __m256i isum = B::kUnsigned ? dot_u8s8(_mm256_setzero_si256(), q, a)
                                                   : dot_s8s8(_mm256_setzero_si256(), q, a);
                 acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(dw * acts[t].d[b]), _mm256_cvtepi32_ps(isum), acc[t]);
-                if constexpr (B::kUnsigned) tail[t] -= B::kOffset * dw * acts[t].s[b];
+                if constexpr (B::kMin)
+                    tail[t] += B::min(row, b) * acts[t].s[b];
+                else if constexpr (B::kUnsigned)
+                    tail[t] -= B::kOffset * dw * acts[t].s[b];
             }
         }
         const int j = int(r % 8);
         for (int t = 0; t < N; ++t) {
-            sums[t][j] = B::kUnsigned ? _mm256_fnmadd_ps(_mm256_set1_ps(B::kOffset), corr[t], acc[t]) : acc[t];
+            sums[t][j] = B::kMin        ? _mm256_add_ps(acc[t], corr[t])
+                         : B::kUnsigned ? _mm256_fnmadd_ps(_mm256_set1_ps(B::kOffset), corr[t], acc[t])
+                                        : acc[t];
             tails[t][j] = tail[t];
         }
         if (j == 7 || r == nrows - 1) {
@@ -707,6 +744,10 @@ static void gemv_q8_q2k(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t
                         float* out, int64_t ldo) {
     by_tokens<Q23<false>::template G>(w, row0, nrows, K, acts, ntok, out, ldo);
 }
+
+// ---- decode: the i-quant super-blocks ----------------------------------------------------
+
+#include "kernels_iq.inl"
 
 // ---- decode: the row-interleaved x8 layouts (q4_0x8, int4_g32x8) -------------------------
 
@@ -1950,21 +1991,48 @@ static void attend_run(const float* q, int group, int64_t D, int64_t Dv, const K
 }
 
 static const KernelTable* make_table(const char* name) {
-    static const KernelTable table = {
-        name,
-        kPanel,
-        quantize,
-        {gemv_q8_b32<FMT_Q8_0>, gemv_q8_b32<FMT_Q4_0>, gemv_q8_q4k, gemv_q8_q5k, gemv_q8_q6k, gemv_q8_b32<FMT_MXFP4>,
-         gemv_q8_b32<FMT_MXFP4_HF>, gemv_q8_b32<FMT_INT4_G32>, nullptr, nullptr, nullptr, gemv_q8_x8<FMT_Q4_0_X8>,
-         gemv_q8_x8<FMT_INT4_X8>, gemv_q8_q4kx8, gemv_q8_q8x8, gemv_q8_b32<FMT_Q5_0>, gemv_q8_q3k, gemv_q8_q2k},
-        {nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, gemv_float<FMT_BF16>,
-         gemv_float<FMT_F16>, gemv_float<FMT_F32>, nullptr, nullptr, nullptr, nullptr},
-        dequant_panel,
-        gemm_panels,
-        silu_mul,
-        gptoss_glu,
-        attend_run,
-        rows_axpy,
-    };
+    static const KernelTable table = [name] {
+        KernelTable t{};
+        t.name = name;
+        t.panel = kPanel;
+        t.quantize = quantize;
+        auto& q8 = t.gemv_q8;
+        q8[FMT_Q8_0] = gemv_q8_b32<FMT_Q8_0>;
+        q8[FMT_Q4_0] = gemv_q8_b32<FMT_Q4_0>;
+        q8[FMT_Q4_1] = gemv_q8_b32<FMT_Q4_1>;
+        q8[FMT_Q5_0] = gemv_q8_b32<FMT_Q5_0>;
+        q8[FMT_Q5_1] = gemv_q8_b32<FMT_Q5_1>;
+        q8[FMT_IQ4_NL] = gemv_q8_b32<FMT_IQ4_NL>;
+        q8[FMT_MXFP4] = gemv_q8_b32<FMT_MXFP4>;
+        q8[FMT_MXFP4_HF] = gemv_q8_b32<FMT_MXFP4_HF>;
+        q8[FMT_INT4_G32] = gemv_q8_b32<FMT_INT4_G32>;
+        q8[FMT_Q2_K] = gemv_q8_q2k;
+        q8[FMT_Q3_K] = gemv_q8_q3k;
+        q8[FMT_Q4_K] = gemv_q8_q4k;
+        q8[FMT_Q5_K] = gemv_q8_q5k;
+        q8[FMT_Q6_K] = gemv_q8_q6k;
+        q8[FMT_IQ4_XS] = gemv_q8_iq<FMT_IQ4_XS>;
+        q8[FMT_IQ2_XXS] = gemv_q8_iq<FMT_IQ2_XXS>;
+        q8[FMT_IQ2_XS] = gemv_q8_iq<FMT_IQ2_XS>;
+        q8[FMT_IQ2_S] = gemv_q8_iq<FMT_IQ2_S>;
+        q8[FMT_IQ3_XXS] = gemv_q8_iq<FMT_IQ3_XXS>;
+        q8[FMT_IQ3_S] = gemv_q8_iq<FMT_IQ3_S>;
+        q8[FMT_IQ1_S] = gemv_q8_iq<FMT_IQ1_S>;
+        q8[FMT_IQ1_M] = gemv_q8_iq<FMT_IQ1_M>;
+        q8[FMT_Q4_0_X8] = gemv_q8_x8<FMT_Q4_0_X8>;
+        q8[FMT_INT4_X8] = gemv_q8_x8<FMT_INT4_X8>;
+        q8[FMT_Q4_K_X8] = gemv_q8_q4kx8;
+        q8[FMT_Q8_0_X8] = gemv_q8_q8x8;
+        t.gemv_f32[FMT_BF16] = gemv_float<FMT_BF16>;
+        t.gemv_f32[FMT_F16] = gemv_float<FMT_F16>;
+        t.gemv_f32[FMT_F32] = gemv_float<FMT_F32>;
+        t.dequant_panel = dequant_panel;
+        t.gemm_panels = gemm_panels;
+        t.silu_mul = silu_mul;
+        t.gptoss_glu = gptoss_glu;
+        t.attend_run = attend_run;
+        t.rows_axpy = rows_axpy;
+        return t;
+    }();
     return &table;
 }

@@ -18,6 +18,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <algorithm>
 #include <vector>
 
 #include "attention_decode.h"
@@ -698,6 +699,34 @@ NB_MODULE(_native, m) {
         for (const auto& f : kFormats) v.push_back(f.name);
         return v;
     });
+    m.def(
+        "dequantize",
+        [](const std::string& name, nb::ndarray<const uint8_t, nb::ndim<2>, nb::c_contig, nb::device::cpu> data,
+           int64_t K, nb::ndarray<float, nb::ndim<2>, nb::c_contig, nb::device::cpu> out) {
+            int fi = 0;
+            while (fi < FMT_COUNT && name != kFormats[fi].name) ++fi;
+            if (fi == FMT_COUNT || kFormats[fi].row_group != 1 || kFormats[fi].scale_bytes != 0)
+                throw nb::value_error(("not a format stored in rows: " + name).c_str());
+            const Format fmt = Format(fi);
+            const FormatInfo& f = kFormats[fmt];
+            const int64_t rows = int64_t(data.shape(0));
+            if (K <= 0 || K % f.block || int64_t(data.shape(1)) != K / f.block * f.block_bytes ||
+                int64_t(out.shape(0)) != rows || int64_t(out.shape(1)) != K)
+                throw nb::value_error("dequantize: data must be [rows, K / block * block_bytes], out [rows, K]");
+            const KernelTable* t = current_table();
+            const int panel = t->panel;
+            const MatrixRef w{data.data(), nullptr, int64_t(data.shape(1)), 0};
+            std::vector<float> dst(size_t(K * panel)), tmp(size_t(panel * (K + 16)));
+            nb::gil_scoped_release release;
+            for (int64_t r0 = 0; r0 < rows; r0 += panel) {
+                const int n = int(std::min<int64_t>(panel, rows - r0));
+                t->dequant_panel(fmt, w, r0, n, 0, int(K), dst.data(), tmp.data());
+                for (int r = 0; r < n; ++r)
+                    for (int64_t k = 0; k < K; ++k) out.data()[(r0 + r) * K + k] = dst[size_t(k * panel + r)];
+            }
+        },
+        "format"_a, "data"_a, "K"_a, "out"_a,
+        "Dequantize rows stored as `format` with the kernel set in use (its prefill panels), for tests.");
     m.def("self_test", [](const std::string& name) {
         for (const KernelTable* t : supported_tables())
             if (name == t->name) return self_test(t);

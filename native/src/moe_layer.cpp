@@ -56,7 +56,7 @@ namespace hmoe {
 int default_prefill_min_tokens(const KernelTable& kt, Format fmt) {
     if (std::strcmp(kt.name, "scalar") == 0) return 1;
     if (kFormats[fmt].row_group == 8) return kNeverPrefill;
-    if (fmt == FMT_Q2_K || fmt == FMT_Q3_K) return kNeverPrefill;  // as for prompts: see prompt_takes_gemv
+    if (gemv_at_every_count(fmt)) return kNeverPrefill;  // as for prompts: see prompt_takes_gemv
     if (std::strncmp(kt.name, "avx512", 6) == 0) return 32;
     return 40;
 }

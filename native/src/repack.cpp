@@ -23,7 +23,7 @@ Format interleaved_format(Format fmt) {
 
 bool prompt_takes_gemv(const char* kernels, Format fmt) {
     if (std::strcmp(kernels, "scalar") == 0) return false;
-    return kFormats[fmt].row_group == 8 || interleaved_format(fmt) != FMT_COUNT || fmt == FMT_Q2_K || fmt == FMT_Q3_K;
+    return kFormats[fmt].row_group == 8 || interleaved_format(fmt) != FMT_COUNT || gemv_at_every_count(fmt);
 }
 
 Format copied_format(Format fmt, int64_t rows, bool in_file) {

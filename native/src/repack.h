@@ -32,12 +32,13 @@ Format interleaved_format(Format fmt);
 // Whether a prompt's rows take the GEMV path (the experts' decode regime) on a matrix stored
 // as `fmt`, at any count: for the formats with an x8 layout, whose integer GEMV is the faster
 // at every count, in that layout or as stored (rows not in groups of 8 stay so), so that a
-// matrix computes the same whichever way it was sliced; and for q2_k and q3_k, whose
-// dequantizing costs the most bit work per weight (2-core Zen 4, AVX-512: a 4096 x 2048
+// matrix computes the same whichever way it was sliced; and for the formats of
+// gemv_at_every_count (formats.h): q2_k and q3_k, whose dequantizing costs the most bit work
+// per weight (2-core Zen 4, AVX-512: a 4096 x 2048
 // matrix's GEMV 2.0-2.5x faster than its GEMM at 16-32 tokens, 1.2x at 512; one expert 9x at
 // 4 tokens, 1.4x at 64; the mid-size Qwen3 model in llama.cpp's Q2_K mix, prompts of 64 and
 // 512 tokens 1.46x and 1.20x faster; q5_k/q6_k gained under 6 % there and lost on Zen 3's
-// AVX2, so they stay). On kernels named "scalar" (portable), whose GEMM is the faster from
+// AVX2, so they stay), and the i-quants and q4_1/q5_1/iq4_nl. On kernels named "scalar" (portable), whose GEMM is the faster from
 // one token, never.
 bool prompt_takes_gemv(const char* kernels, Format fmt);
 

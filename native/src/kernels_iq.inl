@@ -1,0 +1,238 @@
+// Decode GEMV of the i-quant super-blocks (iq2_xxs, iq2_xs, iq2_s, iq3_xxs, iq3_s, iq1_s,
+// iq1_m, iq4_xs): the low-bit experts of the community GGUFs of DeepSeek, Kimi, Qwen3 and
+// GLM. Included by kernels_x86.inl (inside each ISA's namespace, after its helpers).
+//
+// Every value of these formats is an integer w times an integer scale per 16 or 32 values
+// times one float per super-block (formats.h), so one GEMV serves them all: a decoder turns
+// each 32 values of a super-block into their magnitudes |w| (unsigned bytes), their signs
+// and the scale multipliers; per token, the signs go onto the activations, |w| x a into
+// int16 pairs (vpmaddubsw: at most 2 * 127 * 127, no saturation), one vpmaddwd with the
+// scales into the super-block's int32 lanes (AVX-512: vpdpwssd), and one FMA per super-block
+// and token applies the float. With up to four tokens a call, a super-block is decoded once
+// for all of them: the grid look-ups, the costly part of these formats, are shared.
+//
+// The grids (iq_grids.h) hold magnitudes (iq2: 8, 25, 43; iq3: odd or even steps), their
+// sign bits come apart; iq1's grid values are -1, 0, 1 plus a delta of +-1/8, taken as the
+// integer 8g +- 1 with the float divided by 8, and iq4_xs's non-linear values are signed: for
+// those two the signs are the values' own.
+
+#if defined(HMOE_AVX512)
+using Signs = __mmask32;  // bit i set: value i is negative
+static inline Signs signs_from_bits(uint32_t bits) { return __mmask32(bits); }
+static inline Signs signs_of(__m256i v) { return _mm256_movepi8_mask(v); }
+static inline __m256i with_signs(__m256i a, Signs s) { return _mm256_mask_sub_epi8(a, s, _mm256_setzero_si256(), a); }
+static inline __m256i add_scaled_pairs(__m256i acc, __m256i pairs, __m256i scale) {
+    return _mm256_dpwssd_epi32(acc, pairs, scale);
+}
+#else
+using Signs = __m256i;  // +1 or -1 per byte, for vpsignb
+static inline Signs signs_from_bits(uint32_t bits) {
+    // Byte i of the word goes to bytes 8i .. 8i + 7, each tested against its own bit.
+    const __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(int(bits)),
+                                              _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2,
+                                                               2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+    const __m256i bit = _mm256_set1_epi64x(int64_t(0x8040201008040201ull));
+    return _mm256_or_si256(_mm256_cmpeq_epi8(_mm256_and_si256(bytes, bit), bit), _mm256_set1_epi8(1));
+}
+static inline Signs signs_of(__m256i v) { return v; }
+static inline __m256i with_signs(__m256i a, Signs s) { return _mm256_sign_epi8(a, s); }
+static inline __m256i add_scaled_pairs(__m256i acc, __m256i pairs, __m256i scale) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, scale));
+}
+#endif
+
+// 32 values of a super-block: magnitudes, signs, and the int16 multipliers of the vpmaddubsw
+// pairs (lanes 0-7 the first 16 values' scale, 8-15 the second 16's).
+struct IqQuarter {
+    __m256i mag;
+    Signs sign;
+    __m256i scale;
+};
+
+static inline __m256i scale_pair(int lo, int hi) {
+    return _mm256_set_m128i(_mm_set1_epi16(short(hi)), _mm_set1_epi16(short(lo)));
+}
+
+// Four 8-value grid entries, in value order.
+static inline __m256i grid4(const uint64_t* grid, int i0, int i1, int i2, int i3) {
+    return _mm256_set_epi64x(int64_t(grid[i3]), int64_t(grid[i2]), int64_t(grid[i1]), int64_t(grid[i0]));
+}
+// Eight 4-value grid entries (iq3), in value order.
+static inline __m256i grid8(const uint32_t* grid, const int i[8]) {
+    return _mm256_setr_epi32(int(grid[i[0]]), int(grid[i[1]]), int(grid[i[2]]), int(grid[i[3]]), int(grid[i[4]]),
+                             int(grid[i[5]]), int(grid[i[6]]), int(grid[i[7]]));
+}
+
+// iq2_xxs / iq3_xxs: four 7-bit sign fields of the 32-bit word w, each made eight bits.
+static inline uint32_t xxs_sign_bits(uint32_t w) {
+    return uint32_t(kSignsIq2[w & 127]) | uint32_t(kSignsIq2[(w >> 7) & 127]) << 8 |
+           uint32_t(kSignsIq2[(w >> 14) & 127]) << 16 | uint32_t(kSignsIq2[(w >> 21) & 127]) << 24;
+}
+
+// One decoder per format: the super-block's float (d()) and its 32-value quarters.
+template <Format F>
+struct IqBlock;
+
+template <>
+struct IqBlock<FMT_IQ2_XXS> {
+    const uint8_t* p;
+    float d() const { return h2f(p) * 0.125f; }  // d (0.5 + s) / 4 = d (2s + 1) / 8
+    IqQuarter quarter(int ib) const {
+        const uint8_t* q = p + 2 + 8 * ib;
+        const uint32_t w = load_u32(q + 4);
+        const int s = int(2 * (w >> 28) + 1);
+        return {grid4(kIq2xxsGrid, q[0], q[1], q[2], q[3]), signs_from_bits(xxs_sign_bits(w)), _mm256_set1_epi16(short(s))};
+    }
+};
+
+template <>
+struct IqBlock<FMT_IQ2_XS> {
+    const uint8_t* p;
+    float d() const { return h2f(p) * 0.125f; }
+    IqQuarter quarter(int ib) const {
+        const uint8_t* q = p + 2 + 8 * ib;
+        const int e0 = load_u16(q), e1 = load_u16(q + 2), e2 = load_u16(q + 4), e3 = load_u16(q + 6);
+        const uint32_t bits = uint32_t(kSignsIq2[e0 >> 9]) | uint32_t(kSignsIq2[e1 >> 9]) << 8 |
+                              uint32_t(kSignsIq2[e2 >> 9]) << 16 | uint32_t(kSignsIq2[e3 >> 9]) << 24;
+        const uint8_t sc = p[66 + ib];
+        return {grid4(kIq2xsGrid, e0 & 511, e1 & 511, e2 & 511, e3 & 511), signs_from_bits(bits),
+                scale_pair(2 * (sc & 15) + 1, 2 * (sc >> 4) + 1)};
+    }
+};
+
+template <>
+struct IqBlock<FMT_IQ2_S> {
+    const uint8_t* p;
+    float d() const { return h2f(p) * 0.125f; }
+    IqQuarter quarter(int ib) const {
+        const uint8_t* qs = p + 2 + 4 * ib;
+        const int h = p[66 + ib];
+        const uint8_t sc = p[74 + ib];
+        return {grid4(kIq2sGrid, qs[0] | (h << 8 & 0x300), qs[1] | (h << 6 & 0x300), qs[2] | (h << 4 & 0x300),
+                      qs[3] | (h << 2 & 0x300)),
+                signs_from_bits(load_u32(p + 34 + 4 * ib)), scale_pair(2 * (sc & 15) + 1, 2 * (sc >> 4) + 1)};
+    }
+};
+
+template <>
+struct IqBlock<FMT_IQ3_XXS> {
+    const uint8_t* p;
+    float d() const { return h2f(p) * 0.25f; }  // d (0.5 + s) / 2 = d (2s + 1) / 4
+    IqQuarter quarter(int ib) const {
+        const uint8_t* qs = p + 2 + 8 * ib;
+        const uint32_t w = load_u32(p + 66 + 4 * ib);
+        const int idx[8] = {qs[0], qs[1], qs[2], qs[3], qs[4], qs[5], qs[6], qs[7]};
+        return {grid8(kIq3xxsGrid, idx), signs_from_bits(xxs_sign_bits(w)), _mm256_set1_epi16(short(2 * (w >> 28) + 1))};
+    }
+};
+
+template <>
+struct IqBlock<FMT_IQ3_S> {
+    const uint8_t* p;
+    float d() const { return h2f(p); }
+    IqQuarter quarter(int ib) const {
+        const uint8_t* qs = p + 2 + 8 * ib;
+        const int h = p[66 + ib];
+        int idx[8];
+        for (int k = 0; k < 8; ++k) idx[k] = qs[k] | ((h >> k) & 1) << 8;
+        const int s = 1 + 2 * ((p[106 + ib / 2] >> (4 * (ib % 2))) & 15);
+        return {grid8(kIq3sGrid, idx), signs_from_bits(load_u32(p + 74 + 4 * ib)), _mm256_set1_epi16(short(s))};
+    }
+};
+
+// iq1: 8g + delta with g in {-1, 0, 1} and delta = +-1 per group of 8 (`deltas`: a byte each).
+static inline IqQuarter iq1_quarter(__m256i g, __m256i deltas, __m256i scale) {
+    const __m256i v = _mm256_add_epi8(_mm256_sign_epi8(_mm256_set1_epi8(8), g), deltas);
+    return {_mm256_sign_epi8(v, v), signs_of(v), scale};
+}
+
+template <>
+struct IqBlock<FMT_IQ1_S> {
+    const uint8_t* p;
+    float d() const { return h2f(p) * 0.125f; }
+    IqQuarter quarter(int ib) const {
+        const uint8_t* qs = p + 2 + 4 * ib;
+        const int qh = load_u16(p + 34 + 2 * ib);
+        const __m256i g = grid4(kIq1sGrid, qs[0] | (qh & 7) << 8, qs[1] | (qh >> 3 & 7) << 8,
+                                qs[2] | (qh >> 6 & 7) << 8, qs[3] | (qh >> 9 & 7) << 8);
+        return iq1_quarter(g, _mm256_set1_epi8(qh & 0x8000 ? -1 : 1), _mm256_set1_epi16(short(2 * (qh >> 12 & 7) + 1)));
+    }
+};
+
+template <>
+struct IqBlock<FMT_IQ1_M> {
+    const uint8_t* p;
+    float d() const {
+        const uint16_t s0 = load_u16(p + 48), s1 = load_u16(p + 50), s2 = load_u16(p + 52), s3 = load_u16(p + 54);
+        const uint16_t bits = uint16_t((s0 >> 12) | ((s1 >> 8) & 0x00F0) | ((s2 >> 4) & 0x0F00) | (s3 & 0xF000));
+        return _cvtsh_ss(bits) * 0.125f;
+    }
+    IqQuarter quarter(int ib) const {
+        const uint8_t* qs = p + 4 * ib;
+        const int h0 = p[32 + 2 * ib], h1 = p[33 + 2 * ib];
+        const __m256i g = grid4(kIq1sGrid, qs[0] | (h0 & 7) << 8, qs[1] | (h0 >> 4 & 7) << 8, qs[2] | (h1 & 7) << 8,
+                                qs[3] | (h1 >> 4 & 7) << 8);
+        const auto delta = [](int bit) { return int64_t(bit ? 0xFFFFFFFFFFFFFFFFull : 0x0101010101010101ull); };
+        const __m256i deltas = _mm256_set_epi64x(delta(h1 & 0x80), delta(h1 & 0x08), delta(h0 & 0x80), delta(h0 & 0x08));
+        const int sc = load_u16(p + 48 + 2 * (ib / 2)) >> (6 * (ib % 2));
+        return iq1_quarter(g, deltas, scale_pair(2 * (sc & 7) + 1, 2 * (sc >> 3 & 7) + 1));
+    }
+};
+
+template <>
+struct IqBlock<FMT_IQ4_XS> {
+    const uint8_t* p;
+    float d() const { return h2f(p); }
+    IqQuarter quarter(int ib) const {
+        const __m256i v = _mm256_shuffle_epi8(iq4nl_table(), nibbles32(p + 8 + 16 * ib));
+        const int ls = ((p[4 + ib / 2] >> (4 * (ib % 2))) & 15) | ((load_u16(p + 2) >> (2 * ib)) & 3) << 4;
+        return {_mm256_sign_epi8(v, v), signs_of(v), _mm256_set1_epi16(short(ls - 32))};
+    }
+};
+
+template <Format F, int N>
+static void gemv_iq_n(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t K, const Q8Row* acts, float* out,
+                      int64_t ldo) {
+    constexpr int kBytes = kFormats[F].block_bytes;
+    const int64_t nsb = K / 256;
+    for (int64_t r = 0; r < nrows; ++r) {
+        const uint8_t* row = w.row(row0 + r);
+        __m256 acc[N];
+        for (int t = 0; t < N; ++t) acc[t] = _mm256_setzero_ps();
+        _mm_prefetch(reinterpret_cast<const char*>(w.row(row0 + r + 1)), _MM_HINT_T0);
+        for (int64_t sb = 0; sb < nsb; ++sb) {
+            const IqBlock<F> blk{row + sb * kBytes};
+            prefetch_span(blk.p + kPrefetchAheadK, kBytes);
+            __m256i sums[N];
+            for (int t = 0; t < N; ++t) sums[t] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+            for (int ib = 0; ib < 8; ++ib) {
+                const IqQuarter q = blk.quarter(ib);
+                for (int t = 0; t < N; ++t) {
+                    const __m256i a = with_signs(load32(acts[t].q + 256 * sb + 32 * ib), q.sign);
+                    sums[t] = add_scaled_pairs(sums[t], _mm256_maddubs_epi16(q.mag, a), q.scale);
+                }
+            }
+            const float d = blk.d();
+            for (int t = 0; t < N; ++t)
+                acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * acts[t].d[8 * sb]), _mm256_cvtepi32_ps(sums[t]), acc[t]);
+        }
+        for (int t = 0; t < N; ++t) out[t * ldo + r] = hsum_ps(acc[t]);
+    }
+}
+
+template <Format F>
+struct IqG {
+    template <int N>
+    struct G {
+        static void run(const MatrixRef& w, int64_t r0, int64_t n, int64_t K, const Q8Row* a, float* o, int64_t l) {
+            gemv_iq_n<F, N>(w, r0, n, K, a, o, l);
+        }
+    };
+};
+
+template <Format F>
+static void gemv_q8_iq(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t K, const Q8Row* acts, int ntok,
+                       float* out, int64_t ldo) {
+    by_tokens<IqG<F>::template G>(w, row0, nrows, K, acts, ntok, out, ldo);
+}
