@@ -53,21 +53,77 @@ static inline __m256i scale_pair(int lo, int hi) {
     return _mm256_set_m128i(_mm_set1_epi16(short(hi)), _mm_set1_epi16(short(lo)));
 }
 
-// Four 8-value grid entries, in value order.
+// Grid entries by index: loaded one by one and inserted, or (AVX-512 set) gathered with the
+// indices computed in a vector. Measured per format on the 2-core Xeon with AVX-512 and AMX
+// here (GEMV of 1.2 GB, one token, both builds in turn, twice): gathering wins where an
+// index takes its high bits from a shared byte or eight 4-value entries make a quarter
+// (iq2_s 24 -> 33, iq3_xxs 31 -> 35, iq3_s 17 -> 27 G weights/s) and loses where the
+// indices are plain bytes or words (iq2_xxs 37 -> 33, iq2_xs 36 -> 31, iq1_m 19 -> 17;
+// iq1_s even), so only those three gather. The AVX2 set, which also runs on older cores
+// whose gathers are slow, never does.
 static inline __m256i grid4(const uint64_t* grid, int i0, int i1, int i2, int i3) {
     return _mm256_set_epi64x(int64_t(grid[i3]), int64_t(grid[i2]), int64_t(grid[i1]), int64_t(grid[i0]));
 }
-// Eight 4-value grid entries (iq3), in value order.
-static inline __m256i grid8(const uint32_t* grid, const int i[8]) {
-    return _mm256_setr_epi32(int(grid[i[0]]), int(grid[i[1]]), int(grid[i[2]]), int(grid[i[3]]), int(grid[i[4]]),
-                             int(grid[i[5]]), int(grid[i[6]]), int(grid[i[7]]));
+static inline __m256i grid8(const uint32_t* grid, const uint8_t* q, int hi) {  // hi: bit k -> index bit 8 of entry k
+    return _mm256_setr_epi32(int(grid[q[0] | (hi << 8 & 256)]), int(grid[q[1] | (hi << 7 & 256)]),
+                             int(grid[q[2] | (hi << 6 & 256)]), int(grid[q[3] | (hi << 5 & 256)]),
+                             int(grid[q[4] | (hi << 4 & 256)]), int(grid[q[5] | (hi << 3 & 256)]),
+                             int(grid[q[6] | (hi << 2 & 256)]), int(grid[q[7] | (hi << 1 & 256)]));
+}
+#if defined(HMOE_AVX512) && !defined(HMOE_NO_GRID_GATHER)
+#define HMOE_GRID_GATHER 1
+static inline __m256i gather4(const uint64_t* grid, __m128i idx) {
+    return _mm256_i32gather_epi64(reinterpret_cast<const long long*>(grid), idx, 8);
+}
+static inline __m256i gather8(const uint32_t* grid, __m256i idx) {
+    return _mm256_i32gather_epi32(reinterpret_cast<const int*>(grid), idx, 4);
+}
+static inline __m256i bytes8(const uint8_t* q) {
+    return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q)));
+}
+#endif
+
+// Eight sign bytes from seven-bit fields, for all eight quarters of a super-block at once:
+// each 32-bit lane holds four 7-bit fields in its low 28 bits (iq2_xxs, iq3_xxs); each
+// becomes a byte with an eighth bit for even parity (kSignsIq2, without the look-ups).
+static inline __m256i sign_bytes_of_fields(__m256i w) {
+    __m256i t = _mm256_and_si256(w, _mm256_set1_epi32(0x7F));
+    t = _mm256_or_si256(t, _mm256_and_si256(_mm256_slli_epi32(w, 1), _mm256_set1_epi32(0x7F00)));
+    t = _mm256_or_si256(t, _mm256_and_si256(_mm256_slli_epi32(w, 2), _mm256_set1_epi32(0x7F0000)));
+    t = _mm256_or_si256(t, _mm256_and_si256(_mm256_slli_epi32(w, 3), _mm256_set1_epi32(0x7F000000)));
+    // Bit 0 of each byte becomes the parity of the byte: fold halves, quarters, pairs.
+    __m256i parity = _mm256_xor_si256(t, _mm256_srli_epi32(t, 4));
+    parity = _mm256_xor_si256(parity, _mm256_srli_epi32(parity, 2));
+    parity = _mm256_xor_si256(parity, _mm256_srli_epi32(parity, 1));
+    return _mm256_or_si256(t, _mm256_slli_epi32(_mm256_and_si256(parity, _mm256_set1_epi32(0x01010101)), 7));
 }
 
-// iq2_xxs / iq3_xxs: four 7-bit sign fields of the 32-bit word w, each made eight bits.
-static inline uint32_t xxs_sign_bits(uint32_t w) {
-    return uint32_t(kSignsIq2[w & 127]) | uint32_t(kSignsIq2[(w >> 7) & 127]) << 8 |
-           uint32_t(kSignsIq2[(w >> 14) & 127]) << 16 | uint32_t(kSignsIq2[(w >> 21) & 127]) << 24;
+// The same for 16-bit words whose top seven bits are the field (iq2_xs: grid index in the
+// low nine): 32 words in, their 32 sign bytes out in order.
+static inline __m256i sign_bytes_of_words(const uint8_t* q) {
+    __m256i lo = _mm256_srli_epi16(load32(q), 9), hi = _mm256_srli_epi16(load32(q + 32), 9);
+    const auto with_parity = [](__m256i t) {
+        __m256i parity = _mm256_xor_si256(t, _mm256_srli_epi16(t, 4));
+        parity = _mm256_xor_si256(parity, _mm256_srli_epi16(parity, 2));
+        parity = _mm256_xor_si256(parity, _mm256_srli_epi16(parity, 1));
+        return _mm256_or_si256(t, _mm256_slli_epi16(_mm256_and_si256(parity, _mm256_set1_epi16(1)), 7));
+    };
+    lo = with_parity(lo);
+    hi = with_parity(hi);
+    return _mm256_permute4x64_epi64(_mm256_packus_epi16(lo, hi), 0xD8);  // packus interleaves the halves
 }
+
+// iq2_xxs / iq3_xxs: each quarter's 32-bit word w holds four 7-bit sign fields and, in its
+// top four bits, the scale s: the sign words and the multipliers 2s + 1 of all eight quarters.
+struct XxsWords {
+    alignas(32) uint32_t sign[8];
+    alignas(32) int32_t scale[8];
+    explicit XxsWords(__m256i w) {
+        _mm256_store_si256(reinterpret_cast<__m256i*>(sign), sign_bytes_of_fields(w));
+        const __m256i s = _mm256_add_epi32(_mm256_slli_epi32(_mm256_srli_epi32(w, 28), 1), _mm256_set1_epi32(1));
+        _mm256_store_si256(reinterpret_cast<__m256i*>(scale), s);
+    }
+};
 
 // One decoder per format: the super-block's float (d()) and its 32-value quarters.
 template <Format F>
@@ -76,67 +132,98 @@ struct IqBlock;
 template <>
 struct IqBlock<FMT_IQ2_XXS> {
     const uint8_t* p;
+    XxsWords words;
+    // The eight words sit after each quarter's four index bytes: the odd 32-bit words of the
+    // 64 bytes of codes.
+    explicit IqBlock(const uint8_t* blk)
+        : p(blk),
+          words(_mm256_permute4x64_epi64(
+              _mm256_castps_si256(_mm256_shuffle_ps(_mm256_castsi256_ps(load32(blk + 2)),
+                                                    _mm256_castsi256_ps(load32(blk + 34)), 0xDD)),
+              0xD8)) {}
     float d() const { return h2f(p) * 0.125f; }  // d (0.5 + s) / 4 = d (2s + 1) / 8
     IqQuarter quarter(int ib) const {
         const uint8_t* q = p + 2 + 8 * ib;
-        const uint32_t w = load_u32(q + 4);
-        const int s = int(2 * (w >> 28) + 1);
-        return {grid4(kIq2xxsGrid, q[0], q[1], q[2], q[3]), signs_from_bits(xxs_sign_bits(w)), _mm256_set1_epi16(short(s))};
+        const __m256i g = grid4(kIq2xxsGrid, q[0], q[1], q[2], q[3]);
+        return {g, signs_from_bits(words.sign[ib]), _mm256_set1_epi16(short(words.scale[ib]))};
     }
 };
 
 template <>
 struct IqBlock<FMT_IQ2_XS> {
     const uint8_t* p;
+    alignas(32) uint32_t sign[8];
+    explicit IqBlock(const uint8_t* blk) : p(blk) {
+        _mm256_store_si256(reinterpret_cast<__m256i*>(sign), sign_bytes_of_words(blk + 2));
+    }
     float d() const { return h2f(p) * 0.125f; }
     IqQuarter quarter(int ib) const {
         const uint8_t* q = p + 2 + 8 * ib;
-        const int e0 = load_u16(q), e1 = load_u16(q + 2), e2 = load_u16(q + 4), e3 = load_u16(q + 6);
-        const uint32_t bits = uint32_t(kSignsIq2[e0 >> 9]) | uint32_t(kSignsIq2[e1 >> 9]) << 8 |
-                              uint32_t(kSignsIq2[e2 >> 9]) << 16 | uint32_t(kSignsIq2[e3 >> 9]) << 24;
+        const __m256i g = grid4(kIq2xsGrid, load_u16(q) & 511, load_u16(q + 2) & 511, load_u16(q + 4) & 511,
+                                load_u16(q + 6) & 511);
         const uint8_t sc = p[66 + ib];
-        return {grid4(kIq2xsGrid, e0 & 511, e1 & 511, e2 & 511, e3 & 511), signs_from_bits(bits),
-                scale_pair(2 * (sc & 15) + 1, 2 * (sc >> 4) + 1)};
+        return {g, signs_from_bits(sign[ib]), scale_pair(2 * (sc & 15) + 1, 2 * (sc >> 4) + 1)};
     }
 };
 
 template <>
 struct IqBlock<FMT_IQ2_S> {
     const uint8_t* p;
+    explicit IqBlock(const uint8_t* blk) : p(blk) {}
     float d() const { return h2f(p) * 0.125f; }
     IqQuarter quarter(int ib) const {
         const uint8_t* qs = p + 2 + 4 * ib;
         const int h = p[66 + ib];
+#if defined(HMOE_GRID_GATHER)
+        const __m128i high = _mm_and_si128(_mm_srlv_epi32(_mm_set1_epi32(h << 8), _mm_setr_epi32(0, 2, 4, 6)),
+                                           _mm_set1_epi32(0x300));
+        const __m128i idx = _mm_or_si128(_mm_cvtepu8_epi32(_mm_cvtsi32_si128(int(load_u32(qs)))), high);
+        const __m256i g = gather4(kIq2sGrid, idx);
+#else
+        const __m256i g = grid4(kIq2sGrid, qs[0] | (h << 8 & 0x300), qs[1] | (h << 6 & 0x300), qs[2] | (h << 4 & 0x300),
+                                qs[3] | (h << 2 & 0x300));
+#endif
         const uint8_t sc = p[74 + ib];
-        return {grid4(kIq2sGrid, qs[0] | (h << 8 & 0x300), qs[1] | (h << 6 & 0x300), qs[2] | (h << 4 & 0x300),
-                      qs[3] | (h << 2 & 0x300)),
-                signs_from_bits(load_u32(p + 34 + 4 * ib)), scale_pair(2 * (sc & 15) + 1, 2 * (sc >> 4) + 1)};
+        return {g, signs_from_bits(load_u32(p + 34 + 4 * ib)), scale_pair(2 * (sc & 15) + 1, 2 * (sc >> 4) + 1)};
     }
 };
 
 template <>
 struct IqBlock<FMT_IQ3_XXS> {
     const uint8_t* p;
+    XxsWords words;
+    explicit IqBlock(const uint8_t* blk) : p(blk), words(load32(blk + 66)) {}
     float d() const { return h2f(p) * 0.25f; }  // d (0.5 + s) / 2 = d (2s + 1) / 4
     IqQuarter quarter(int ib) const {
         const uint8_t* qs = p + 2 + 8 * ib;
-        const uint32_t w = load_u32(p + 66 + 4 * ib);
-        const int idx[8] = {qs[0], qs[1], qs[2], qs[3], qs[4], qs[5], qs[6], qs[7]};
-        return {grid8(kIq3xxsGrid, idx), signs_from_bits(xxs_sign_bits(w)), _mm256_set1_epi16(short(2 * (w >> 28) + 1))};
+#if defined(HMOE_GRID_GATHER)
+        const __m256i g = gather8(kIq3xxsGrid, bytes8(qs));
+#else
+        const __m256i g = grid8(kIq3xxsGrid, qs, 0);
+#endif
+        return {g, signs_from_bits(words.sign[ib]), _mm256_set1_epi16(short(words.scale[ib]))};
     }
 };
 
 template <>
 struct IqBlock<FMT_IQ3_S> {
     const uint8_t* p;
+    explicit IqBlock(const uint8_t* blk) : p(blk) {}
     float d() const { return h2f(p); }
     IqQuarter quarter(int ib) const {
         const uint8_t* qs = p + 2 + 8 * ib;
         const int h = p[66 + ib];
-        int idx[8];
-        for (int k = 0; k < 8; ++k) idx[k] = qs[k] | ((h >> k) & 1) << 8;
+#if defined(HMOE_GRID_GATHER)
+        const __m256i hi = _mm256_slli_epi32(
+            _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(h), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)),
+                             _mm256_set1_epi32(1)),
+            8);
+        const __m256i g = gather8(kIq3sGrid, _mm256_or_si256(bytes8(qs), hi));
+#else
+        const __m256i g = grid8(kIq3sGrid, qs, h);
+#endif
         const int s = 1 + 2 * ((p[106 + ib / 2] >> (4 * (ib % 2))) & 15);
-        return {grid8(kIq3sGrid, idx), signs_from_bits(load_u32(p + 74 + 4 * ib)), _mm256_set1_epi16(short(s))};
+        return {g, signs_from_bits(load_u32(p + 74 + 4 * ib)), _mm256_set1_epi16(short(s))};
     }
 };
 
@@ -149,6 +236,7 @@ static inline IqQuarter iq1_quarter(__m256i g, __m256i deltas, __m256i scale) {
 template <>
 struct IqBlock<FMT_IQ1_S> {
     const uint8_t* p;
+    explicit IqBlock(const uint8_t* blk) : p(blk) {}
     float d() const { return h2f(p) * 0.125f; }
     IqQuarter quarter(int ib) const {
         const uint8_t* qs = p + 2 + 4 * ib;
@@ -162,6 +250,7 @@ struct IqBlock<FMT_IQ1_S> {
 template <>
 struct IqBlock<FMT_IQ1_M> {
     const uint8_t* p;
+    explicit IqBlock(const uint8_t* blk) : p(blk) {}
     float d() const {
         const uint16_t s0 = load_u16(p + 48), s1 = load_u16(p + 50), s2 = load_u16(p + 52), s3 = load_u16(p + 54);
         const uint16_t bits = uint16_t((s0 >> 12) | ((s1 >> 8) & 0x00F0) | ((s2 >> 4) & 0x0F00) | (s3 & 0xF000));
@@ -182,6 +271,7 @@ struct IqBlock<FMT_IQ1_M> {
 template <>
 struct IqBlock<FMT_IQ4_XS> {
     const uint8_t* p;
+    explicit IqBlock(const uint8_t* blk) : p(blk) {}
     float d() const { return h2f(p); }
     IqQuarter quarter(int ib) const {
         const __m256i v = _mm256_shuffle_epi8(iq4nl_table(), nibbles32(p + 8 + 16 * ib));
@@ -201,7 +291,7 @@ static void gemv_iq_n(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t K
         for (int t = 0; t < N; ++t) acc[t] = _mm256_setzero_ps();
         _mm_prefetch(reinterpret_cast<const char*>(w.row(row0 + r + 1)), _MM_HINT_T0);
         for (int64_t sb = 0; sb < nsb; ++sb) {
-            const IqBlock<F> blk{row + sb * kBytes};
+            const IqBlock<F> blk(row + sb * kBytes);
             prefetch_span(blk.p + kPrefetchAheadK, kBytes);
             __m256i sums[N];
             for (int t = 0; t < N; ++t) sums[t] = _mm256_setzero_si256();
