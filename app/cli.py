@@ -216,10 +216,20 @@ def cmd_bench_kernels(args) -> int:
     return kernels.main(args)
 
 
+# What `bench generate --types` retypes a model to: the GGUF types of routed experts the engine
+# reads, and the mixes of backend/bench/retype.py.
+SWEEP_TYPES = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_nl", "iq4_xs",
+               "iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs", "iq3_s", "iq1_s", "iq1_m", "ud-q2_k_xl")
+
+
 def cmd_bench_generate(args) -> int:
     """The engine against llama.cpp end to end, same file, same threads, same prompt ids."""
     from hybridmoe.backend.bench import generate
 
+    if args.types:
+        result = generate.sweep(args.model, args.types, threads=args.threads, pairs=args.pairs)
+        print(json.dumps(result, indent=1) if args.json else generate.sweep_table(result))
+        return EXIT_OK
     summary = generate.measure(args.model, prompt_tokens=args.prompt_tokens, gen_tokens=args.gen_tokens,
                                threads=args.threads, repeats=args.repeats, rounds=args.rounds,
                                pairs=args.pairs, backends=args.backends)
@@ -391,6 +401,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "pairs (default 12; 0: none). Their median ratio is steadier on a shared host")
     p.add_argument("--backends", type=comma_separated(("engine", "llamacpp")), default=["engine", "llamacpp"],
                    help="which to measure (default engine,llamacpp)")
+    p.add_argument("--types", type=comma_separated(SWEEP_TYPES),
+                   help="sweep: the model retyped to each (its routed experts as random blocks of the type, or "
+                        "the mix ud-q2_k_xl), one file at a time beside the model; per type decode at 64 and "
+                        "2048 positions and prefill of 512 tokens against llama.cpp")
     p.add_argument("--json", action="store_true", help="the results, the engine's per-token breakdown "
                    "included, as JSON")
     p.set_defaults(func=cmd_bench_generate)

@@ -434,6 +434,67 @@ def breakdown_table(per: dict, passes: int, probes: int) -> list[str]:
     return lines
 
 
+# The sweep's three measurements of each type: decode after a 64-token prompt (and the greedy
+# tokens), prefill of 512 tokens, decode after a 2048-token prompt.
+SWEEP_RUNS = (("decode_64", 64, 32), ("prefill_512", 512, 2), ("decode_2048", 2048, 32))
+
+
+def sweep(model: str, types: list[str], *, workdir: str | Path | None = None, threads: int | None = None,
+          pairs: int = 6, on_progress=None, cancel=None) -> dict:
+    """``measure`` on `model` retyped to each of `types` (a GGUF type for every routed expert
+    tensor, or a mix of ``retype.MIXES``; backend/bench/retype.py), one file at a time (written
+    into `workdir`, default beside the model, and removed after): one row per type of the
+    engine / llama.cpp ratios of SWEEP_RUNS, the greedy tokens the two share, and the engine's
+    share of the bandwidth probe."""
+    from hybridmoe.backend.bench import retype
+
+    workdir = Path(workdir or Path(model).parent)
+    rows = []
+    for i, fmt in enumerate(types):
+        if on_progress is not None:
+            from hybridmoe.backend.session import Progress
+
+            on_progress(Progress("bench", i, len(types), unit="types", message=f"{fmt}: writing the file"))
+        dst = workdir / f"{Path(model).stem}-{fmt}.gguf"
+        files = retype.retype(model, dst, **({"mix": fmt} if fmt in retype.MIXES else {"experts": fmt}))
+        try:
+            row: dict = {"type": fmt, "bytes": sum(f.stat().st_size for f in files)}
+            for key, prompt, gen in SWEEP_RUNS:
+                summary = measure(str(files[0]), prompt_tokens=prompt, gen_tokens=gen, threads=threads, repeats=1,
+                                  rounds=1, pairs=pairs if gen > 2 else 0, cancel=cancel)
+                row[key] = summary
+        finally:
+            for f in files:
+                f.unlink(missing_ok=True)
+        rows.append(row)
+    return {"model": model, "types": rows}
+
+
+def sweep_table(result: dict) -> str:
+    lines = [f"{result['model']} retyped (routed experts, or the named mix): engine / llama.cpp, same file, same run",
+             f"{'type':11} {'GB':>5} {'greedy same':>11} {'decode@64':>10} {'of probe':>8} {'decode@2048':>12} "
+             f"{'prefill 512':>11}"]
+
+    def ratio(summary: dict, key: str) -> str:
+        paired = summary.get("paired") or {}
+        if "median" in paired:
+            return f"{paired['median']:.2f}x"
+        return f"{summary[key]:.2f}x" if key in summary else "error"
+
+    for row in result["types"]:
+        d64, p512, d2k = row["decode_64"], row["prefill_512"], row["decode_2048"]
+        engine = d64["results"].get("engine", {})
+        share = engine.get("per_token", {}).get("end_to_end", {}).get("of_probe")
+        tokens = len(engine.get("tokens", ()))
+        same = f"{d64['greedy_tokens_in_common']}/{tokens}" if "greedy_tokens_in_common" in d64 else "-"
+        lines.append(f"{row['type']:11} {row['bytes'] / 1e9:5.2f} {same:>11} {ratio(d64, 'decode_ratio'):>10} "
+                     f"{(f'{share:.0%}' if share else '-'):>8} {ratio(d2k, 'decode_ratio'):>12} "
+                     f"{ratio(p512, 'prefill_ratio'):>11}")
+    lines.append("decode: the median ratio of passes in alternation in one process; prefill: medians of separate "
+                 "processes; of probe: the engine's bytes per token at its decode rate against the read probe")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--worker", choices=(*BACKENDS, "paired"), help=argparse.SUPPRESS)

@@ -1,0 +1,159 @@
+"""A GGUF in other tensor types: the same model shape, metadata and tokenizer, each matrix
+rewritten as random valid blocks of the type a rule gives it, at the spread of the source
+tensor's values (``hybridmoe bench generate --types``, benchmarks/retype_gguf.py).
+
+The community GGUFs of the giant models are dynamic mixes: routed experts in IQ1_S..IQ3_S,
+attention and shared experts in Q4_K..Q8_0, types changing from layer to layer, files split in
+parts. llama.cpp's own quantizer refuses the lowest of those types without an importance
+matrix, which cannot be handed to it through llama-cpp-python, and requantizing the 10 GB
+benchmark model takes many minutes a type on two cores. The benchmark models are random
+anyway (benchmarks/make_midsize_qwen3.py), so random blocks of the target type are as good a
+model: the same bytes per token, the same layouts to decode, every code and scale field
+exercised, and llama.cpp and the engine read the very same file.
+
+``experts=T`` sets every routed expert tensor (gate, up, down) to T and keeps the others as
+stored. ``mix="ud-q2_k_xl"`` is shaped like Unsloth's UD-Q2_K_XL of DeepSeek-V3: gate/up
+experts IQ2_XXS (IQ3_XXS in the first and last MoE layers), down experts IQ3_XXS, attention
+Q4_K with the value (and latent) projections Q6_K, shared experts and dense layers Q6_K,
+embedding Q4_K, head Q8_0. A row that is not whole blocks of its type takes llama.cpp's
+fallback type. ``parts=N`` writes N files, ``NAME-0000i-of-0000N.gguf``, as gguf-split does.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+MIXES = ("ud-q2_k_xl",)
+_EXPERTS = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight")
+_BLOCK = re.compile(r"blk\.(\d+)\.(.+)")
+
+
+def ud_q2_k_xl(name: str, first_moe: int, last_layer: int) -> str | None:
+    """The UD-Q2_K_XL-shaped type of tensor `name` (None: keep it as stored)."""
+    m = _EXPERTS.fullmatch(name)
+    if m:
+        layer, proj = int(m.group(1)), m.group(2)
+        if proj == "down" or layer in (first_moe, last_layer):
+            return "iq3_xxs"
+        return "iq2_xxs"
+    if name == "token_embd.weight":
+        return "q4_k"
+    if name == "output.weight":
+        return "q8_0"
+    b = _BLOCK.fullmatch(name)
+    if not b or not b.group(2).endswith(".weight") or "norm" in b.group(2) or "ffn_gate_inp" in b.group(2):
+        return None
+    part = b.group(2)
+    if part.startswith(("attn_v", "attn_kv_b", "attn_k_b", "attn_v_b")) or "shexp" in part or part.startswith("ffn_"):
+        return "q6_k"
+    return "q4_k"
+
+
+# Where each type keeps its fp16 scale fields (d, and the min or dmin beside it).
+_SCALES = {"q8_0": (0,), "q4_0": (0,), "q5_0": (0,), "q4_1": (0, 2), "q5_1": (0, 2), "iq4_nl": (0,),
+           "iq4_xs": (0,), "q2_k": (80, 82), "q3_k": (108,), "q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,),
+           "iq2_xxs": (0,), "iq2_xs": (0,), "iq2_s": (0,), "iq3_xxs": (0,), "iq3_s": (0,), "iq1_s": (0,)}
+
+
+def _set_scales(blocks: np.ndarray, fmt: str, d: np.ndarray) -> None:
+    """Write the fp16 scales `d` (one per block) into `blocks` [n, block_bytes]."""
+    h = d.astype(np.float16).view(np.uint16)
+    if fmt == "iq1_m":  # d is the top nibbles of the four 16-bit scale words
+        words = blocks[:, 48:56].copy().view(np.uint16)
+        for i in range(4):
+            words[:, i] = (words[:, i] & 0x0FFF) | (((h >> (4 * i)) & 15) << 12)
+        blocks[:, 48:56] = words.view(np.uint8)
+        return
+    for at in _SCALES[fmt]:
+        blocks[:, at:at + 2] = h.view(np.uint8).reshape(-1, 2)
+
+
+def random_blocks(rng: np.random.Generator, fmt: str, n_values: int, std: float) -> np.ndarray:
+    """Random valid blocks of `fmt` holding n_values values whose spread is about `std`: random
+    codes, then scales found by dequantizing a sample with unit scales (gguf's dequantizers)."""
+    import gguf
+
+    qtype = gguf.GGMLQuantizationType[fmt.upper()]
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    blocks = rng.integers(0, 256, size=(n_values // block, size), dtype=np.uint8)
+    sample = blocks[:256].copy()
+    _set_scales(sample, fmt, np.ones(len(sample), np.float32))
+    unit = float(np.std(gguf.quants.dequantize(sample, qtype))) or 1.0
+    _set_scales(blocks, fmt, (std / unit) * rng.uniform(0.5, 1.5, size=len(blocks)).astype(np.float32))
+    return blocks
+
+
+def retype(src: str | Path, dst: str | Path, *, experts: str | None = None, mix: str | None = None, parts: int = 1,
+           seed: int = 0, on_tensor: Callable[[str, str, str], None] | None = None) -> list[Path]:
+    """Write `src` retyped to `dst` (see the module); returns the files written.
+    on_tensor(name, old type, new type) hears each matrix that changes type."""
+    import gguf
+
+    from hybridmoe.backend.models.formats import gguf_row_fallback
+
+    if (experts is None) == (mix is None):
+        raise ValueError("give one of experts= and mix=")
+    if mix is not None and mix not in MIXES:
+        raise ValueError(f"unknown mix {mix!r} (known: {', '.join(MIXES)})")
+    reader = gguf.GGUFReader(str(src))
+    arch = reader.get_field("general.architecture").contents()
+    layers = int(reader.get_field(f"{arch}.block_count").contents())
+    dense = reader.get_field(f"{arch}.leading_dense_block_count")
+    first_moe = int(dense.contents()) if dense else 0
+
+    def target(name: str, row: int) -> str | None:
+        fmt = experts if _EXPERTS.fullmatch(name) else None
+        if mix is not None:
+            fmt = ud_q2_k_xl(name, first_moe, layers - 1)
+        return gguf_row_fallback(fmt, row) if fmt else None
+
+    per_part = -(-len(reader.tensors) // parts) if parts > 1 else 0
+    writer = gguf.GGUFWriter(None, arch, split_max_tensors=per_part)
+    for field in reader.fields.values():
+        if field.name.startswith(("GGUF.", "split.")) or field.name in ("general.architecture", "general.alignment"):
+            continue
+        sub = field.types[1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, field.contents(), field.types[0], sub_type=sub)
+
+    rng = np.random.default_rng(seed)
+    plan = []
+    for t in reader.tensors:
+        shape = tuple(int(n) for n in reversed(t.shape))  # torch order
+        fmt = target(t.name, shape[-1])
+        if fmt is None or fmt == t.tensor_type.name.lower():
+            plan.append((t, None))
+            writer.add_tensor_info(t.name, t.data.shape, t.data.dtype, t.data.nbytes, t.tensor_type)
+            continue
+        qtype = gguf.GGMLQuantizationType[fmt.upper()]
+        block, size = gguf.GGML_QUANT_SIZES[qtype]
+        plan.append((t, fmt))
+        writer.add_tensor_info(t.name, (*shape[:-1], shape[-1] // block * size), np.dtype(np.uint8),
+                               int(np.prod(shape)) // block * size, qtype)
+
+    writer.write_header_to_file(Path(dst))
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for t, fmt in plan:
+        if fmt is None:
+            writer.write_tensor_data(t.data)
+            continue
+        # The spread of the source's values, from its first rows.
+        rows = np.asarray(t.data).reshape(-1, np.asarray(t.data).shape[-1])[:64]
+        scale = float(np.std(gguf.quants.dequantize(rows, t.tensor_type)))
+        writer.write_tensor_data(random_blocks(rng, fmt, int(np.prod(t.shape)), scale or 0.02).reshape(-1))
+        if on_tensor is not None:
+            on_tensor(t.name, t.tensor_type.name, fmt.upper())
+    writer.close()
+    return written_parts(Path(dst), parts)
+
+
+def written_parts(dst: Path, parts: int) -> list[Path]:
+    """The files a retype to `dst` in `parts` parts wrote (gguf-split's names)."""
+    if parts <= 1:
+        return [dst]
+    stem = dst.with_suffix("")
+    return [Path(f"{stem}-{i:05d}-of-{parts:05d}.gguf") for i in range(1, parts + 1)]
