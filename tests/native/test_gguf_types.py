@@ -1,0 +1,87 @@
+"""The GGUF types of the community mixes in every kernel set this CPU runs: Q4_1, Q5_1, IQ4_NL,
+IQ4_XS and the i-quants (IQ1_S .. IQ3_S), with the K-quants beside them for comparison.
+
+Their blocks are random valid ones (random codes, sane fp16 scales: every grid index, sign
+and scale field is exercised). Dequantizing is held bit for bit to gguf's reference
+dequantizers (the same float operations as ggml's); the GEMV, which quantizes the
+activations to 8 bits as llama.cpp does, to the dequantized matrix times the activations."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
+
+from hybridmoe.backend.bench.retype import random_blocks
+from hybridmoe.backend.engine import native_kernels
+from tests.native.conftest import ISAS
+
+_native = native_kernels._native
+pytestmark = pytest.mark.skipif(_native is None, reason="native extension not built")
+
+NEW_TYPES = ("q4_1", "q5_1", "iq4_nl", "iq4_xs", "iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs", "iq3_s", "iq1_s", "iq1_m")
+TYPES = NEW_TYPES + ("q8_0", "q4_0", "q5_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k")
+ROWS, K = 24, 768  # three super-blocks a row; rows not a multiple of a panel
+
+
+def stored(fmt: str, rows: int = ROWS, k: int = K, seed: int = 0) -> np.ndarray:
+    """[rows, bytes per row] of random valid blocks of `fmt`."""
+    block, size = GGML_QUANT_SIZES[GGMLQuantizationType[fmt.upper()]]
+    data = random_blocks(np.random.default_rng(seed), fmt, rows * k, 0.05)
+    return np.ascontiguousarray(data.reshape(rows, k // block * size))
+
+
+def reference(fmt: str, data: np.ndarray) -> np.ndarray:
+    return quants.dequantize(data, GGMLQuantizationType[fmt.upper()]).astype(np.float32)
+
+
+@pytest.mark.parametrize("fmt", TYPES)
+def test_dequantizing_is_ggmls_bit_for_bit(fmt, isa):
+    data = stored(fmt)
+    out = np.full((ROWS, K), np.nan, np.float32)
+    _native.dequantize(fmt, data, K, out)
+    expected = reference(fmt, data)
+    assert np.isfinite(expected).all()
+    assert np.array_equal(out.view(np.uint32), expected.view(np.uint32)), (
+        f"{int((out != expected).sum())} values differ, max {float(np.abs(out - expected).max())}")
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 4, 6])
+@pytest.mark.parametrize("fmt", NEW_TYPES)
+def test_the_gemv_computes_the_dequantized_product(fmt, tokens, isa):
+    data = stored(fmt)
+    weights = torch.from_numpy(reference(fmt, data))
+    x = torch.from_numpy(np.random.default_rng(1).standard_normal((tokens, K)).astype(np.float32))
+    tensor = torch.from_numpy(data)
+    linear = _native.DenseLinear(fmt, K, [(ROWS, [tensor.data_ptr(), 0, data.shape[1], 0])], False)
+    assert linear.format == fmt and linear.bytes == data.nbytes
+    out = torch.empty(tokens, ROWS)
+    linear.forward(x, out, 1 << 30)  # the GEMV at every count
+    expected = x @ weights.T
+    # 8-bit activations (one scale per 32 or 256 values): ~0.5 % of a row's magnitude.
+    scale = float((x.abs() @ weights.abs().T).max())
+    assert float((out - expected).abs().max()) <= 0.01 * scale
+
+
+@pytest.mark.parametrize("fmt", NEW_TYPES)
+def test_their_prompts_take_the_gemv_on_the_simd_sets(fmt):
+    """Decoding a block of these formats costs more than the integer GEMV's four tokens per
+    decoded block; a prompt computes the same however it is chunked only if one path serves
+    every count."""
+    for name in ISAS:
+        _native.set_isa(name)
+        try:
+            info = _native.isa_info()
+            expect = 1 if name == "scalar" else None  # the portable set's GEMM is the faster from one token
+            assert info["prefill_min_tokens"][fmt] == expect
+            assert info["dense_prefill_min_tokens"][fmt] == expect
+        finally:
+            _native.set_isa("")
+
+
+@pytest.mark.parametrize("name", ISAS)
+def test_every_kernel_set_agrees_with_the_portable_one(name):
+    """The extension's own self-test: every format's GEMV and dequantizing against the
+    portable kernels, on random blocks (the i-quants included)."""
+    assert _native.self_test(name) == ""
