@@ -38,6 +38,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from hybridmoe.backend.errors import UnsupportedModelError
+from hybridmoe.backend.formats.iquants import DECODERS as IQ_DECODERS
 
 __all__ = [
     "GGUF_FLOAT_TYPES",
@@ -290,6 +291,7 @@ _GGUF_DECODERS: dict[GGMLQuantizationType, Callable[[torch.Tensor], torch.Tensor
     GGMLQuantizationType.IQ4_NL: _deq_iq4_nl,
     GGMLQuantizationType.IQ4_XS: _deq_iq4_xs,
     GGMLQuantizationType.MXFP4: _deq_mxfp4,
+    **IQ_DECODERS,
 }
 
 # Every GGML type a GGUF weight may have for the embedded engine to read it.
