@@ -184,12 +184,33 @@ static constexpr FormatInfo kFormats[FMT_COUNT] = {
 };
 
 // Formats whose prompts take the decode GEMV at every token count (see prompt_takes_gemv in
-// repack.h): q2_k and q3_k, whose dequantizing costs the most bit work per weight, and the
-// formats added for community GGUFs (q4_1, q5_1, iq4_nl and the i-quants), whose grids and
-// non-linear values make a dequantized panel cost more than the integer GEMV's four tokens
-// per decoded block.
+// repack.h): q2_k and q3_k, whose dequantizing costs the most bit work per weight, and q4_1,
+// q5_1 and iq4_nl, whose 32-block GEMV reads at the bandwidth's pace. The i-quants (and
+// iq4_xs) dequantize through their GEMV decoders into the GEMM's panels from the switch
+// point on: their GEMV decodes a super-block once per four tokens, the GEMM once per panel
+// (512-token prompt of the mid-size model with IQ2_XXS / IQ3_S experts, 2-core Xeon with
+// AVX-512: 212 -> 268 and 200 -> 250 tokens/s).
 static inline bool gemv_at_every_count(Format f) {
-    return f == FMT_Q2_K || f == FMT_Q3_K || (f >= FMT_Q4_1 && f <= FMT_IQ1_M);
+    return f == FMT_Q2_K || f == FMT_Q3_K || f == FMT_Q4_1 || f == FMT_Q5_1 || f == FMT_IQ4_NL;
+}
+
+// Where the i-quants' prompts switch from the GEMV to dequantized panels and the GEMM: the
+// tokens a call needs for the GEMM to be the faster, measured per format and kernel set
+// (1536 x 2048 matrices, hot, GEMV and GEMM in turn at 4-64 tokens, 2-core Xeon; rounded
+// down to the nearest of 16, 28, 32, 40, 64): the cheaper a super-block's decoding, the later.
+// 0: not an i-quant.
+static inline int iq_prefill_min_tokens(Format f, bool avx512) {
+    switch (f) {
+        case FMT_IQ1_M: return 16;
+        case FMT_IQ1_S: return avx512 ? 28 : 32;
+        case FMT_IQ2_XXS:
+        case FMT_IQ2_XS:
+        case FMT_IQ2_S: return 32;
+        case FMT_IQ3_XXS:
+        case FMT_IQ3_S: return avx512 ? 40 : 16;  // the AVX2 set loads the 4-value entries one by one
+        case FMT_IQ4_XS: return 64;
+        default: return 0;
+    }
 }
 
 // Bytes of one block of a group of eight rows in the x8 layouts: 32 columns of q4_0x8 /

@@ -1150,6 +1150,24 @@ static inline __m256i interleave_nibbles(__m256i n) {
     return _mm256_set_m128i(_mm_unpackhi_epi8(lo, hi), _mm_unpacklo_epi8(lo, hi));
 }
 
+// The i-quant super-blocks through their GEMV decoders (kernels_iq.inl): value = (d x the
+// integer scale) x w, which is ggml's float arithmetic (the block scale rounded once, then
+// the product; iq1's 8g +- 1 against its d / 8 likewise): the bits of the portable decoding.
+template <Format F>
+static void dequant_iq_row(const uint8_t* row, int64_t k0, int kc, float* dst) {
+    for (int64_t sb = k0 / 256; sb < (k0 + kc) / 256; ++sb) {
+        const IqBlock<F> blk(row + sb * kFormats[F].block_bytes);
+        const float d = blk.d();
+        float* o = dst + (sb * 256 - k0);
+        for (int ib = 0; ib < 8; ++ib) {
+            const IqQuarter q = blk.quarter(ib);
+            const float lo = d * float(int16_t(_mm256_extract_epi16(q.scale, 0)));
+            const float hi = d * float(int16_t(_mm256_extract_epi16(q.scale, 8)));
+            store32(o + 32 * ib, with_signs(q.mag, q.sign), lo, hi, 0.f);
+        }
+    }
+}
+
 static void dequant_row_simd(Format fmt, const MatrixRef& w, int64_t r, int64_t k0, int kc, float* dst) {
     const uint8_t* row = w.row(r);
     const uint8_t* srow = w.scales ? w.scale_row(r) : nullptr;
@@ -1275,6 +1293,14 @@ static void dequant_row_simd(Format fmt, const MatrixRef& w, int64_t r, int64_t 
             if (i < kc) dequant_row_portable(fmt, w, r, k0 + i, kc - i, dst + i);
             return;
         }
+        case FMT_IQ4_XS: return dequant_iq_row<FMT_IQ4_XS>(row, k0, kc, dst);
+        case FMT_IQ2_XXS: return dequant_iq_row<FMT_IQ2_XXS>(row, k0, kc, dst);
+        case FMT_IQ2_XS: return dequant_iq_row<FMT_IQ2_XS>(row, k0, kc, dst);
+        case FMT_IQ2_S: return dequant_iq_row<FMT_IQ2_S>(row, k0, kc, dst);
+        case FMT_IQ3_XXS: return dequant_iq_row<FMT_IQ3_XXS>(row, k0, kc, dst);
+        case FMT_IQ3_S: return dequant_iq_row<FMT_IQ3_S>(row, k0, kc, dst);
+        case FMT_IQ1_S: return dequant_iq_row<FMT_IQ1_S>(row, k0, kc, dst);
+        case FMT_IQ1_M: return dequant_iq_row<FMT_IQ1_M>(row, k0, kc, dst);
         default:
             dequant_row_portable(fmt, w, r, k0, kc, dst);
     }

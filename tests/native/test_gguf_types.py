@@ -64,20 +64,43 @@ def test_the_gemv_computes_the_dequantized_product(fmt, tokens, isa):
     assert float((out - expected).abs().max()) <= 0.01 * scale
 
 
+GEMV_ALWAYS = ("q4_1", "q5_1", "iq4_nl")  # their 32-block GEMV reads at the bandwidth's pace
+
+
 @pytest.mark.parametrize("fmt", NEW_TYPES)
-def test_their_prompts_take_the_gemv_on_the_simd_sets(fmt):
-    """Decoding a block of these formats costs more than the integer GEMV's four tokens per
-    decoded block; a prompt computes the same however it is chunked only if one path serves
-    every count."""
+def test_their_prompts_take_one_path_by_format(fmt):
+    """q4_1/q5_1/iq4_nl take the GEMV at every count; the i-quants switch to dequantized panels
+    and the GEMM at their measured switch point (both experts and dense projections), between
+    the four tokens a GEMV pass serves and a prompt chunk. The portable set's GEMM is the
+    faster from one token."""
     for name in ISAS:
         _native.set_isa(name)
         try:
             info = _native.isa_info()
-            expect = 1 if name == "scalar" else None  # the portable set's GEMM is the faster from one token
-            assert info["prefill_min_tokens"][fmt] == expect
-            assert info["dense_prefill_min_tokens"][fmt] == expect
+            experts, dense = info["prefill_min_tokens"][fmt], info["dense_prefill_min_tokens"][fmt]
+            if name == "scalar":
+                assert experts == dense == 1
+            elif fmt in GEMV_ALWAYS:
+                assert experts is None and dense is None
+            else:
+                assert 4 < experts <= 64 and experts == dense
         finally:
             _native.set_isa("")
+
+
+@pytest.mark.parametrize("fmt", NEW_TYPES)
+def test_the_prompt_path_computes_the_dequantized_product(fmt, isa):
+    rows, k, tokens = 40, 512, 70  # past every switch point
+    data = stored(fmt, rows, k, seed=3)
+    weights = torch.from_numpy(reference(fmt, data))
+    x = torch.from_numpy(np.random.default_rng(2).standard_normal((tokens, k)).astype(np.float32))
+    tensor = torch.from_numpy(data)
+    linear = _native.DenseLinear(fmt, k, [(rows, [tensor.data_ptr(), 0, data.shape[1], 0])], False)
+    out = torch.empty(tokens, rows)
+    linear.forward(x, out, -1)  # prompt rows: the path of the format
+    expected = x @ weights.T
+    scale = float((x.abs() @ weights.abs().T).max())
+    assert float((out - expected).abs().max()) <= 0.01 * scale
 
 
 @pytest.mark.parametrize("name", ISAS)
