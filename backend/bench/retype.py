@@ -114,7 +114,9 @@ def retype(src: str | Path, dst: str | Path, *, experts: str | None = None, mix:
     per_part = -(-len(reader.tensors) // parts) if parts > 1 else 0
     writer = gguf.GGUFWriter(None, arch, split_max_tensors=per_part)
     for field in reader.fields.values():
-        if field.name.startswith(("GGUF.", "split.")) or field.name in ("general.architecture", "general.alignment"):
+        # general.file_type names the source's mix, which the new types no longer are.
+        if field.name.startswith(("GGUF.", "split.")) or field.name in (
+                "general.architecture", "general.alignment", "general.file_type"):
             continue
         sub = field.types[1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
         writer.add_key_value(field.name, field.contents(), field.types[0], sub_type=sub)
