@@ -124,3 +124,54 @@ def assert_same_choices(ours: torch.Tensor, their_choice: torch.Tensor, toleranc
     agree = int((best == their_choice)[decided].sum())
     assert agree >= int(decided.sum()) - 2, (f"engine and llama.cpp pick the same token at {agree} of the "
                                              f"{int(decided.sum())} positions that are no near tie")
+
+
+COMMUNITY_TYPES = ("q4_1", "q5_1", "iq4_nl", "iq4_xs", "iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs", "iq3_s", "iq1_s",
+                   "iq1_m")
+
+
+@pytest.fixture(scope="module")
+def wide_q8_0(tmp_path_factory):
+    """A Qwen3-MoE model whose rows are whole super-blocks (hidden and widths 256), every
+    expert routed, in Q8_0: the source the community types below are written from."""
+    from hybridmoe.backend.convert import to_gguf
+
+    tmp = tmp_path_factory.mktemp("wide")
+    sizes = dict(hidden_size=256, intermediate_size=256, moe_intermediate_size=256, head_dim=64,
+                 num_experts_per_tok=8)
+    checkpoint = build_checkpoint(tmp / "ckpt", "qwen3_moe", overrides=sizes)
+    return to_gguf(checkpoint.path, tmp / "m-q8_0.gguf", "q8_0")
+
+
+@pytest.mark.parametrize("fmt", COMMUNITY_TYPES)
+def test_engine_matches_llama_cpp_on_community_expert_types(fmt, wide_q8_0, tmp_path):
+    """The routed experts in each type of the community GGUFs (random valid blocks at the
+    spread of the Q8_0 source: backend/bench/retype.py), read in place by the CPU kernels;
+    the engine agrees with llama.cpp on the prompt, the decode kernels and greedy choices, as
+    on the files above."""
+    from hybridmoe.backend.bench.retype import retype
+    from hybridmoe.backend.engine import native_experts
+    from hybridmoe.backend.engine.moe import MoE
+
+    (path,) = retype(wide_q8_0, tmp_path / f"m-{fmt}.gguf", experts=fmt)
+    spec = inspect_model(path).spec
+    model = build_model(spec.config, open_weights(path), max_context=64, dtype=torch.float32)
+    native = native_experts.native_for(next(m for m in model.modules() if isinstance(m, MoE)).host)
+    assert (native.layer.format, native.layer.down_format) == (fmt, fmt)
+    ours = model(torch.tensor(PROMPT), 0)
+    decode = [model(torch.tensor([t]), len(PROMPT) + i)[-1] for i, t in enumerate(PROMPT[:4])]
+
+    llm = open_llama(path)
+    try:
+        theirs = llama_logits(llm, PROMPT)
+        theirs_decode = llama_logits(llm, PROMPT + PROMPT[:4])[len(PROMPT):]
+        their_tokens = llama_greedy(llm, PROMPT, STEPS)
+    finally:
+        llm.close()
+    tolerance = 0.06 * float(theirs.abs().max())  # as above
+    assert float((ours - theirs).abs().max()) <= tolerance
+    assert float((torch.stack(decode) - theirs_decode).abs().max()) <= tolerance
+    assert_same_choices(ours, theirs.argmax(-1), tolerance)
+    sequence = PROMPT + their_tokens
+    logits = model(torch.tensor(sequence), 0)[len(PROMPT) - 1 : -1]
+    assert_same_choices(logits, torch.tensor(their_tokens), tolerance)
