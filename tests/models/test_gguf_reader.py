@@ -20,7 +20,6 @@ import ast
 import re
 import shutil
 import struct
-import time
 from pathlib import Path
 
 import gguf
@@ -306,10 +305,8 @@ def _patch(path: Path, offset: int, fmt: str, *values) -> None:
 
 
 def _damaged(path: Path, match: str, **options) -> GGUFError:
-    t0 = time.perf_counter()
-    with pytest.raises(GGUFError) as err:
+    with pytest.raises(GGUFError) as err:  # a reader trusting a damaged count would hang: pytest-timeout stops it
         open_gguf_file(path, **options)
-    assert time.perf_counter() - t0 < 2, "a damaged file must fail fast"
     assert isinstance(err.value, ModelError) and str(path) in str(err.value) and err.value.hint
     assert re.search(match, str(err.value)), str(err.value)
     return err.value
@@ -505,7 +502,6 @@ def test_random_damage_never_escapes_as_another_error(vocab_gguf, tmp_path):
         for pos in rng.integers(0, header_end, rng.integers(1, 4)):
             damaged[pos] = rng.integers(0, 256)
         bad.write_bytes(bytes(damaged))
-        t0 = time.perf_counter()
         try:
             with open_gguf_file(bad, allow_big_endian=True) as g:
                 g.metadata  # noqa: B018 - decoding must not fail either
@@ -515,7 +511,6 @@ def test_random_damage_never_escapes_as_another_error(vocab_gguf, tmp_path):
             outcomes["error"] += 1
         except ModelError as exc:  # split checks, none expected here
             pytest.fail(f"unexpected {exc!r}")
-        assert time.perf_counter() - t0 < 2
     assert outcomes["ok"] and outcomes["error"]
 
 

@@ -169,12 +169,25 @@ def test_the_queue_serves_in_arrival_order_and_a_cancelled_waiter_leaves_it():
     assert shared.counts() == type(shared.counts())(waiting=0, running=0, completed=3)
 
 
-def test_retry_after_grows_with_the_queue_and_the_recent_durations():
+class _Clock:
+    """The shared session's clock, moved by the test: durations it measures are the test's."""
+
+    now = 0.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+def test_retry_after_grows_with_the_queue_and_the_recent_durations(monkeypatch):
+    from hybridmoe.app.server import shared_session
+
+    clock = _Clock()
+    monkeypatch.setattr(shared_session, "time", clock)
     blocking = BlockingSession()
     shared = SharedSession(blocking)
     blocking.gate.set()
     with shared.turn():
-        time.sleep(0.3)  # a known duration for the estimate
+        clock.now += 0.3  # a known duration for the estimate
     blocking.gate.clear()
     holder = threading.Thread(target=lambda: list(shared.generate([Message("user", "hold")], None)))
     holder.start()
@@ -187,7 +200,7 @@ def test_retry_after_grows_with_the_queue_and_the_recent_durations():
     with pytest.raises(QueueFull) as refused:
         with shared.turn(max_waiting=3):
             pass
-    assert 2 <= refused.value.retry_after_s <= 3  # 4 ahead x 0.3 s (more on a busy machine), rounded up
+    assert refused.value.retry_after_s == 2  # 4 ahead x 0.3 s, rounded up
     blocking.gate.set()
     for t in [holder, *waiters]:
         t.join(10)
@@ -210,13 +223,12 @@ def test_stopping_the_server_ends_the_answers_in_progress(start_server):
     body = {"messages": [{"role": "user", "content": "forever"}], "stream": True}
     connection.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
     until(lambda: blocking.started, what="the generation to start")
-    started = time.monotonic()
     stopper = threading.Thread(target=server.stop)
     stopper.start()
     response = connection.getresponse()
     events = [line for line in response.read().decode().splitlines() if line.startswith("data: ")]
-    stopper.join(15)
-    assert not stopper.is_alive() and time.monotonic() - started < 10
+    stopper.join(60)  # only bounds a failing test: a stop that waited for the answer would hang
+    assert not stopper.is_alive()
     assert json.loads(events[-1].removeprefix("data: "))["error"]["message"] == "the server is stopping"
     assert not server.running
 
