@@ -128,10 +128,10 @@ def test_float_types_come_back_as_torch_tensors(qtype):
 
 
 def test_unsupported_type_names_type_and_tensor():
-    raw = np.zeros((2, 66), dtype=np.uint8)  # two IQ2_XXS rows of 256 weights
+    raw = np.zeros((2, 54), dtype=np.uint8)  # two TQ1_0 rows of 256 weights (a type the engine does not read)
     with pytest.raises(UnsupportedModelError) as err:
-        from_gguf(raw, T.IQ2_XXS, name="blk.7.ffn_down_exps.weight")
-    assert "IQ2_XXS" in str(err.value) and "blk.7.ffn_down_exps.weight" in str(err.value)
+        from_gguf(raw, T.TQ1_0, name="blk.7.ffn_down_exps.weight")
+    assert "TQ1_0" in str(err.value) and "blk.7.ffn_down_exps.weight" in str(err.value)
     assert "llama.cpp" in str(err.value)  # says what to do
 
 
