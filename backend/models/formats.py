@@ -90,6 +90,25 @@ FORMATS: dict[str, StorageFormat] = {
         _gguf("q5_k", GGMLQuantizationType.Q5_K, "256-weight super-blocks, 5 bit"),
         _gguf("q6_k", GGMLQuantizationType.Q6_K, "256-weight super-blocks, 6 bit"),
         _gguf("iq4_xs", GGMLQuantizationType.IQ4_XS, "256-weight super-blocks, 4 bit non-linear"),
+        # The grid i-quants of the community mixes (routed experts of DeepSeek, Kimi, Qwen3 and
+        # GLM GGUFs): groups of 8 (IQ3: 4) weights coded as an index into a fixed grid, with signs.
+        _gguf("iq3_s", GGMLQuantizationType.IQ3_S,
+              "256-weight super-blocks, 3.4375 bit: 512-entry grid of 4, sign bits, 4-bit scale per 32"),
+        _gguf("iq3_xxs", GGMLQuantizationType.IQ3_XXS,
+              "256-weight super-blocks, 3.0625 bit: 256-entry grid of 4, 7-bit sign codes, 4-bit scale per 32"),
+        _gguf("iq2_s", GGMLQuantizationType.IQ2_S,
+              "256-weight super-blocks, 2.5625 bit: 1024-entry grid of 8, sign bits, 4-bit scale per 16"),
+        _gguf("iq2_xs", GGMLQuantizationType.IQ2_XS,
+              "256-weight super-blocks, 2.3125 bit: 512-entry grid of 8, 7-bit sign codes, 4-bit scale per 16"),
+        _gguf("iq2_xxs", GGMLQuantizationType.IQ2_XXS,
+              "256-weight super-blocks, 2.0625 bit: 256-entry grid of 8, 7-bit sign codes, 4-bit scale per 32"),
+        _gguf("iq1_m", GGMLQuantizationType.IQ1_M,
+              "256-weight super-blocks, 1.75 bit: 2048-entry ternary grid of 8, 3-bit scale per 16"),
+        _gguf("iq1_s", GGMLQuantizationType.IQ1_S,
+              "256-weight super-blocks, 1.5625 bit: 2048-entry ternary grid of 8, 3-bit scale per 32"),
+        # Ternary types (llama.cpp writes them for BitNet-style models only).
+        _gguf("tq2_0", GGMLQuantizationType.TQ2_0, "256-weight super-blocks, 2.0625 bit: ternary, 2 bits each"),
+        _gguf("tq1_0", GGMLQuantizationType.TQ1_0, "256-weight super-blocks, 1.6875 bit: ternary, 5 per byte"),
         StorageFormat("q4_k_m", Q4_K_M_EXPERT_BITS, "mix",
                       description="llama.cpp Q4_K_M mix: Q4_K, with Q6_K for half the ffn_down and "
                                   "attn_v tensors and for output.weight"),
@@ -218,18 +237,25 @@ def tensor_bytes(fmt: str | StorageFormat, shape: Sequence[int]) -> int:
     return rows * (row // f.block_size) * f.block_bytes
 
 
+_ROW_FALLBACK = {
+    "q4_k": "q5_0", "q5_k": "q5_1", "q6_k": "q8_0", "tq1_0": "q4_0", "tq2_0": "q4_0",
+    **dict.fromkeys(("q2_k", "q3_k", "iq4_xs", "iq3_s", "iq3_xxs", "iq2_s", "iq2_xs", "iq2_xxs", "iq1_m", "iq1_s"),
+                    "iq4_nl"),
+}
+
+
 def gguf_row_fallback(fmt: str, row: int) -> str:
     """The type llama.cpp's quantizer uses when a row is not a whole number of `fmt` blocks.
 
     From llama-quant.cpp (``convert_incompatible_tensor``): K-quants and IQ types fall back to
-    a 32-weight type, and to F16 when even that does not divide the row (GPT-OSS's 2880-wide
+    a 32-weight type (every 2- and 3-bit type, the i-quants and IQ4_XS to IQ4_NL; the ternary
+    types to Q4_0), and to F16 when even that does not divide the row (GPT-OSS's 2880-wide
     rows are 11.25 super-blocks).
     """
     f = get_format(fmt)
     if f.kind not in ("gguf",) or row % f.block_size == 0:
         return f.name
-    fallback = {"q4_k": "q5_0", "q5_k": "q5_1", "q6_k": "q8_0", "q2_k": "iq4_nl", "q3_k": "iq4_nl",
-                "iq4_xs": "iq4_nl"}.get(f.name, "f16")
+    fallback = _ROW_FALLBACK.get(f.name, "f16")
     if fallback != "f16" and row % get_format(fallback).block_size:
         fallback = "f16"
     return fallback

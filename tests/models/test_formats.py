@@ -1,6 +1,7 @@
 """Storage formats: bits per weight, exact block arithmetic, GGUF type names, the Q4_K_M recipe."""
 
 import pytest
+from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 
 from hybridmoe.backend.errors import ModelError
@@ -21,6 +22,10 @@ from hybridmoe.backend.models.formats import (
     ("bf16", 16), ("fp16", 16), ("fp32", 32), ("int4_g32", 4.5), ("q8_0", 8.5), ("q4_0", 4.5),
     ("q4_k", 4.5), ("q5_k", 5.5), ("q6_k", 6.5625), ("mxfp4", 4.25),
     ("fp8_block", 8 + 32 / 16384),
+    # the community GGUF types and the ternary ones (GGML_QUANT_SIZES: block bytes * 8 / 256)
+    ("iq2_xxs", 2.0625), ("iq2_xs", 2.3125), ("iq2_s", 2.5625), ("iq3_xxs", 3.0625), ("iq3_s", 3.4375),
+    ("iq1_s", 1.5625), ("iq1_m", 1.75), ("tq1_0", 1.6875), ("tq2_0", 2.0625), ("iq4_xs", 4.25), ("iq4_nl", 4.5),
+    ("q4_1", 5), ("q5_1", 6),
 ])
 def test_bits_per_weight_table(name, bits):
     assert FORMATS[name].bits_per_weight == pytest.approx(bits)
@@ -57,6 +62,23 @@ def test_rows_that_are_not_whole_blocks():
     assert gguf_row_fallback("q6_k", 1408) == "q8_0"
     assert gguf_row_fallback("q4_k", 100) == "f16"
     assert gguf_row_fallback("q4_k", 512) == "q4_k"
+    # the 2- and 3-bit types and the i-quants take IQ4_NL, the ternary ones Q4_0
+    for fmt in ("q2_k", "q3_k", "iq4_xs", "iq3_s", "iq3_xxs", "iq2_s", "iq2_xs", "iq2_xxs", "iq1_m", "iq1_s"):
+        assert gguf_row_fallback(fmt, 2880) == "iq4_nl", fmt
+        assert gguf_row_fallback(fmt, 100) == "f16"
+        assert gguf_row_fallback(fmt, 1024) == fmt
+    assert gguf_row_fallback("tq1_0", 2880) == gguf_row_fallback("tq2_0", 1408) == "q4_0"
+
+
+@pytest.mark.parametrize("qtype", [Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S, Q.IQ1_S, Q.IQ1_M,
+                                   Q.TQ1_0, Q.TQ2_0])
+def test_the_new_gguf_types_are_named_formats(qtype):
+    block, size = GGML_QUANT_SIZES[qtype]
+    f = get_format(qtype.name)
+    assert FORMATS[qtype.name.lower()] is f and f.kind == "gguf" and f.is_gguf
+    assert (f.ggml_type, f.block_size, f.block_bytes, f.bits_per_weight) == (qtype, block, size, 8 * size / block)
+    assert ggml_type_name(qtype) == qtype.name.lower() and f.description
+    assert tensor_bytes(f, (3, 7, 512)) == 3 * 7 * 2 * size
 
 
 def test_ggml_names_and_file_types():
