@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Collection, Iterable
+from functools import lru_cache
 from typing import Any
 
 import numpy as np
@@ -22,6 +23,9 @@ from hybridmoe.backend.engine.experts import ExpertActivation, ExpertStore, Host
 from hybridmoe.backend.formats.quant import QuantTensor, from_compressed_int4, from_gguf, from_mxfp4
 
 GGUF_FORMATS = ("q8_0", "q4_0", "q5_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "mxfp4")
+# The GGUF types of the community mixes (issue 45): random_matrix makes them; they join
+# GGUF_FORMATS (and so ALL_FORMATS, which the native tests sweep) once every kernel set reads them.
+IQ_FORMATS = ("q4_1", "q5_1", "iq4_nl", "iq4_xs", "iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs", "iq3_s", "iq1_s", "iq1_m")
 HF_FORMATS = ("mxfp4_hf", "int4_g32")
 FLOAT_FORMATS = ("bf16", "f16", "f32")
 ALL_FORMATS = GGUF_FORMATS + HF_FORMATS + FLOAT_FORMATS
@@ -29,13 +33,43 @@ PREFIX = "model.layers.0.mlp"
 
 
 def block_of(fmt: str) -> int:
-    if fmt in GGUF_FORMATS:
+    if fmt in GGUF_FORMATS or fmt in IQ_FORMATS:
         return GGML_QUANT_SIZES[GGMLQuantizationType[fmt.upper()]][0]
     return 32 if fmt in HF_FORMATS else 1
 
 
 def _f16_bytes(values: np.ndarray) -> np.ndarray:
     return values.astype(np.float16).view(np.uint8).reshape(*values.shape, 2)
+
+
+# Q4_1 / Q5_1: the min that centres uniform codes 0..15 / 0..31 on zero, in units of d.
+_CENTRE = {"q4_1": 7.5, "q5_1": 15.5}
+
+
+def _set_block_scale(data: np.ndarray, fmt: str, d: np.ndarray) -> None:
+    """Write the super-block (or block) scale `d` [n] into blocks `data` [n, block bytes] of an
+    IQ_FORMATS type, with Q4_1/Q5_1's min set to centre the codes."""
+    h = d.astype(np.float16).view(np.uint16)
+    if fmt == "iq1_m":  # d is the top nibbles of the four 16-bit scale words (bytes 48-55)
+        words = data[:, 48:56].copy().view(np.uint16)
+        for i in range(4):
+            words[:, i] = (words[:, i] & 0x0FFF) | (((h >> (4 * i)) & 0xF) << 12)
+        data[:, 48:56] = words.view(np.uint8)
+        return
+    data[:, 0:2] = h.view(np.uint8).reshape(-1, 2)
+    if fmt in _CENTRE:
+        data[:, 2:4] = _f16_bytes(-_CENTRE[fmt] * h.view(np.float16).astype(np.float32))
+
+
+@lru_cache(maxsize=None)
+def _unit_spread(fmt: str) -> float:
+    """The standard deviation of the values of random `fmt` blocks whose scale d is 1 (the
+    grid values times their sub-block scales), measured once on 256 blocks."""
+    qtype = GGMLQuantizationType[fmt.upper()]
+    block, size = GGML_QUANT_SIZES[qtype]
+    data = np.random.default_rng(0).integers(0, 256, size=(256, size), dtype=np.uint8)
+    _set_block_scale(data, fmt, np.ones(256, np.float32))
+    return float(from_gguf(data, qtype, (256, block)).dequantize().std())
 
 
 def random_matrix(rng: np.random.Generator, fmt: str, shape: tuple[int, ...], scale: float = 0.05) -> Any:
@@ -83,6 +117,8 @@ def random_matrix(rng: np.random.Generator, fmt: str, shape: tuple[int, ...], sc
         data[:, 82:84] = _f16_bytes(scales(nb, False) / (7.5 * 1.1))  # dmin
     elif fmt == "mxfp4":
         data[:, 0] = rng.integers(118, 124, size=nb)
+    elif fmt in IQ_FORMATS:  # d over the measured spread of what it multiplies; iq4_nl's d signed
+        _set_block_scale(data, fmt, scales(nb, fmt == "iq4_nl") / _unit_spread(fmt))
     return from_gguf(data.reshape(*lead, rows, K // block * size), qtype, shape)
 
 
