@@ -1,12 +1,15 @@
 """The `hybridmoe` command line.
 
 Errors a user can cause print one message (what, where, what to do) and exit 1, or 2 for
-usage errors; anything else is a bug: one line on the terminal, the traceback in the log.
+usage errors; with --json the same message is also printed on stdout as {"error": {...}}, so
+that a script reading stdout sees why there is no result. Anything else is a bug: one line
+on the terminal, the traceback in the log.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import sys
@@ -70,7 +73,9 @@ def cmd_plan(args) -> int:
     from hybridmoe.app.render import plan_text
     from hybridmoe.backend.hub.catalogue import model_path
     from hybridmoe.backend.models import inspect_model
+    from hybridmoe.backend.files import write_error
     from hybridmoe.backend.plan import Workload, make
+    from hybridmoe.backend.plan.plan import check_plan_path
 
     workload = Workload(
         context=args.context or DEFAULT_PLAN_CONTEXT,
@@ -84,6 +89,8 @@ def cmd_plan(args) -> int:
         gpu_expert_form=args.gpu_experts,
         parallel=args.parallel,
     )
+    if args.save:
+        check_plan_path(args.save)  # a name it cannot be saved as fails before the work
     model = inspect_model(model_path(args.model), expert_format=args.format)  # a bad name fails before the probe
     if args.context is None:
         # As `run` does: the default within what the model supports; a context asked for is
@@ -92,7 +99,10 @@ def cmd_plan(args) -> int:
     hardware = resolve_hardware(args)
     plan = make(model.spec, model.inventory, hardware, workload)
     if args.save:
-        plan.save(args.save)
+        try:
+            plan.save(args.save)
+        except OSError as exc:
+            raise write_error(args.save, exc) from exc
     if args.json:
         _print_json(plan.to_dict())
     else:
@@ -226,6 +236,7 @@ def cmd_bench_generate(args) -> int:
     """The engine against llama.cpp end to end, same file, same threads, same prompt ids."""
     from hybridmoe.backend.bench import generate
 
+    _check_gguf_argument(args.model)
     if args.types:
         result = generate.sweep(args.model, args.types, threads=args.threads, pairs=args.pairs)
         print(json.dumps(result, indent=1) if args.json else generate.sweep_table(result))
@@ -234,20 +245,29 @@ def cmd_bench_generate(args) -> int:
                                threads=args.threads, repeats=args.repeats, rounds=args.rounds,
                                pairs=args.pairs, backends=args.backends)
     print(json.dumps(summary, indent=1) if args.json else generate.table(summary))
-    return EXIT_OK
+    # The table shows each backend's error in its row; a benchmark with a backend that could
+    # not be measured did not do what was asked.
+    failed = [b for b, r in summary["results"].items() if "error" in r]
+    return EXIT_ERROR if failed else EXIT_OK
 
 
 def cmd_bench_serve(args) -> int:
     """Concurrent streams on the engine and on llama.cpp, and conversations taking turns."""
     from hybridmoe.backend.bench import serve
-    from hybridmoe.backend.errors import UsageError
 
-    if not os.path.isfile(args.model):
-        raise UsageError(f"{args.model} is not a file", "Give the path of a .gguf model.")
+    _check_gguf_argument(args.model)
     summary = serve.measure(args.model, streams=args.streams, prompt_tokens=args.prompt, gen_tokens=args.tokens,
                             threads=args.threads, backends=args.backends, turns=args.turns, repeats=args.repeats)
     print(json.dumps(summary, indent=1) if args.json else serve.table(summary))
     return EXIT_OK
+
+
+def _check_gguf_argument(path: str) -> None:
+    """A benchmark's model must be a file: refused before any worker process starts."""
+    from hybridmoe.backend.errors import UsageError
+
+    if not os.path.isfile(path):
+        raise UsageError(f"{path} is not a file", "Give the path of a .gguf model.")
 
 
 def resolve_hardware(args):
@@ -291,10 +311,19 @@ def _version() -> str:
 # ---- parser ---------------------------------------------------------------------------------
 
 
+class _UsageExit(SystemExit):
+    """argparse's exit 2, keeping its message for main to repeat as JSON."""
+
+    def __init__(self, message: str):
+        super().__init__(EXIT_USAGE)
+        self.message = message
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one line and the usage, exit 2, as argparse does, without the traceback risk
         self.print_usage(sys.stderr)
-        self.exit(EXIT_USAGE, f"hybridmoe: error: {message}\n")
+        sys.stderr.write(f"hybridmoe: error: {message}\n")
+        raise _UsageExit(message)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -468,9 +497,51 @@ def _warn_about_settings() -> None:
         print(f"  {loaded.hint}", file=sys.stderr)
 
 
+def _fail(error: HybridMoeError, as_json: bool) -> int:
+    """Report `error` on stderr (and as {"error": ...} on stdout for --json); its exit code."""
+    print(f"hybridmoe: error: {error}", file=sys.stderr)
+    if as_json:
+        try:
+            _print_json({"error": {"message": error.what, "hint": error.hint, "exit_code": error.exit_code}})
+            sys.stdout.flush()
+        except OSError:
+            _silence_stdout()
+    return error.exit_code
+
+
+def _silence_stdout() -> None:
+    """Point the broken standard output at /dev/null: what is still buffered for it would
+    otherwise fail again when the interpreter exits, with a traceback-like warning."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass
+
+
+def _output_error(exc: OSError) -> HybridMoeError:
+    full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
+    return HybridMoeError(f"could not write the output: {'the disk is full' if full else exc.strerror or exc}",
+                          "Send the output somewhere with room for it (another file or a terminal)." if full
+                          else "Check where the output goes (the redirection or the pipe).")
+
+
 def main(argv: list[str] | None = None) -> int:
+    if sys.stdout is None:  # started with its standard output closed (`>&-`)
+        if sys.stderr is not None:
+            print("hybridmoe: error: the standard output is closed\n  Run it with its output going to a "
+                  "terminal, a file or a pipe (not `>&-`).", file=sys.stderr)
+        return EXIT_ERROR
+    as_json = "--json" in (sys.argv[1:] if argv is None else argv)
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except _UsageExit as stop:  # already said on stderr
+        if as_json:
+            _print_json({"error": {"message": stop.message, "hint": None, "exit_code": stop.code}})
+        return stop.code
+    as_json = getattr(args, "json", None) is True  # `bench kernels --json FILE` writes a file instead
     if not getattr(args, "func", None):
         if not (sys.stdin.isatty() and sys.stdout.isatty()):  # a pipe or a script: the UI needs a terminal
             parser.print_help()
@@ -479,19 +550,57 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.func is not _cmd_tui:  # the terminal UI shows it in a dialog
             _warn_about_settings()
-        return args.func(args)
+        code = args.func(args)
     except HybridMoeError as e:
-        print(f"hybridmoe: error: {e}", file=sys.stderr)
-        return e.exit_code
+        return _fail(e, as_json)
     except KeyboardInterrupt:
         print("hybridmoe: cancelled", file=sys.stderr)
         return EXIT_CANCELLED
     except BrokenPipeError:
+        _silence_stdout()
         return EXIT_OK  # the reader (e.g. `| head`) went away; nothing to report
+    except OSError as e:
+        if _stdout_broken(e):
+            _silence_stdout()
+            return _fail(_output_error(e), False)
+        return _internal_error(e, as_json)
     except Exception as e:  # a bug: say so briefly, keep the details for the report
-        where = _log_internal_error()
-        print(f"hybridmoe: internal error: {type(e).__name__}: {e}\n  Details in {where}; please report it.", file=sys.stderr)
-        return EXIT_ERROR
+        return _internal_error(e, as_json)
+    try:
+        sys.stdout.flush()  # a full disk behind `> file` shows here, while we can still say so
+    except BrokenPipeError:
+        _silence_stdout()
+    except OSError as e:
+        _silence_stdout()
+        return _fail(_output_error(e), False)
+    return code
+
+
+def _stdout_broken(exc: OSError) -> bool:
+    """Whether the error a command met came from writing the standard output: flushing it
+    fails too, or (a large print fails at once and leaves nothing buffered) an error of writing
+    an open file, which names no file, while the output goes to a file or a pipe."""
+    try:
+        sys.stdout.flush()
+    except OSError:
+        return True
+    writing = exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO)
+    try:
+        return writing and exc.filename is None and not sys.stdout.isatty()
+    except ValueError:  # closed
+        return True
+
+
+def _internal_error(e: Exception, as_json: bool) -> int:
+    where = _log_internal_error()
+    print(f"hybridmoe: internal error: {type(e).__name__}: {e}\n  Details in {where}; please report it.", file=sys.stderr)
+    if as_json:
+        try:
+            _print_json({"error": {"message": f"internal error: {type(e).__name__}: {e}",
+                                   "hint": f"Details in {where}; please report it.", "exit_code": EXIT_ERROR}})
+        except OSError:
+            _silence_stdout()
+    return EXIT_ERROR
 
 
 if __name__ == "__main__":

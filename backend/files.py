@@ -7,16 +7,21 @@ hidden name carrying the writer's process id, so that two writers never collide 
 leftovers of a writer that was killed (SIGKILL, a power cut) can be told from a file still
 being written, and removed by ``sweep_stale_partials`` when the same file is written again.
 ``set_aside`` moves a file the app cannot use out of the way without deleting it.
+``write_error`` says in words why a file could not be written (a full disk, a read-only
+folder), naming the file the user asked for rather than a temporary one.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import re
 import tempfile
 from datetime import datetime
 from pathlib import Path
+
+from hybridmoe.backend.errors import HybridMoeError
 
 log = logging.getLogger(__name__)
 
@@ -26,18 +31,42 @@ _CLOCK_SLACK_S = 5.0
 
 
 def write_atomic(path: str | os.PathLike, text: str) -> Path:
-    """Write `text` (UTF-8) to `path`, creating its directory; a crash leaves the old file or none."""
+    """Write `text` (UTF-8) to `path`, creating its directory; a crash leaves the old file or none.
+    An OSError names `path` itself, not the temporary file beside it."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as exc:
+        raise OSError(exc.errno, exc.strerror, str(path)) from exc
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
         os.replace(tmp, path)
+    except OSError as exc:
+        Path(tmp).unlink(missing_ok=True)
+        raise OSError(exc.errno, exc.strerror, str(path)) from exc
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
+
+
+def write_error(path: str | os.PathLike, exc: OSError, *, disk_full: bool = False) -> HybridMoeError:
+    """Why `path` could not be written, as one message with what to do. `disk_full`: the caller
+    found the disk full although the error does not say so (numpy's short writes carry no errno)."""
+    path = Path(path)
+    if disk_full or exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return HybridMoeError(f"cannot write {path}: the disk is full",
+                              f"Free some space in {path.parent}, or write the file somewhere else.")
+    if exc.errno == errno.EROFS:
+        return HybridMoeError(f"cannot write {path}: {path.parent} is on a read-only file system",
+                              "Choose a folder on a writable disk.")
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        return HybridMoeError(f"cannot write {path}: permission denied",
+                              f"Choose a folder you can write to, or change the permissions of {path.parent}.")
+    return HybridMoeError(f"cannot write {path}: {exc.strerror or exc}",
+                          "Check that the folder exists, is writable and has free space.")
 
 
 def set_aside(path: Path, why: str) -> Path:

@@ -42,7 +42,7 @@ from hybridmoe.backend.convert.vocab import vocab_from_hf
 from hybridmoe.backend.formats.quant import QuantTensor
 from hybridmoe.backend.formats.weights import SafetensorsWeights, WeightSource, text_model_weights
 from hybridmoe.backend.errors import HybridMoeError, ModelError, UsageError
-from hybridmoe.backend.files import partial_path, sweep_stale_partials
+from hybridmoe.backend.files import partial_path, sweep_stale_partials, write_error
 from hybridmoe.backend.models import inspect_model
 from hybridmoe.backend.models.gguf_reader import open_gguf_file
 from hybridmoe.backend.session import CancelToken, ProgressCallback
@@ -158,8 +158,7 @@ def _via_llama_quantizer(out_path: Path, arch: str, metadata, slots: list[Tensor
                          on_progress=on_progress, cancel=cancel)
         tmp.replace(out_path)
     except OSError as exc:
-        raise HybridMoeError(f"Writing {out_path} failed: {exc.strerror or exc}.",
-                             "Check the free space and permissions of the output folder.") from exc
+        raise write_error(out_path, exc) from exc
     finally:
         intermediate.unlink(missing_ok=True)
         tmp.unlink(missing_ok=True)

@@ -14,6 +14,7 @@ the temporary file is deleted.
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import time
@@ -25,7 +26,7 @@ import gguf
 import numpy as np
 
 from hybridmoe.backend.errors import HybridMoeError
-from hybridmoe.backend.files import partial_path
+from hybridmoe.backend.files import partial_path, write_error
 from hybridmoe.backend.session import CancelToken, Progress, ProgressCallback
 from hybridmoe.backend.units import fmt_bytes
 
@@ -33,6 +34,8 @@ from hybridmoe.backend.units import fmt_bytes
 # "just fits" does not end up full for everything else.
 DISK_MARGIN_BYTES = 256 * 1024 * 1024
 DISK_MARGIN_FRACTION = 0.01
+# A write that failed with less than this free in the folder failed for want of space.
+_FULL_BELOW_BYTES = 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -127,9 +130,14 @@ def write_gguf(
         writer.close()
         os.replace(tmp, target)
     except OSError as exc:
+        full = _disk_is_full(exc, target.parent)  # before the partial file gives its space back
         _discard(writer, tmp)
-        raise HybridMoeError(f"Writing {target} failed: {exc.strerror or exc}.",
-                             "Check the free space and permissions of the output folder.") from exc
+        if full:
+            raise HybridMoeError(
+                f"cannot write {target}: the disk is full ({fmt_bytes(done)} of {fmt_bytes(total)} written)",
+                f"The file needs {fmt_bytes(total)} free in {target.parent}: free that much, or choose another "
+                "folder with --out.") from exc
+        raise write_error(target, exc) from exc
     except BaseException:
         _discard(writer, tmp)
         raise
@@ -137,9 +145,23 @@ def write_gguf(
     return target
 
 
+def _disk_is_full(exc: OSError, directory: Path) -> bool:
+    """numpy's short write ("262144 requested and 107776 written") carries no errno: a disk
+    with almost nothing left free is what made it short."""
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    try:
+        return shutil.disk_usage(directory).free < _FULL_BELOW_BYTES
+    except OSError:
+        return False
+
+
 def _discard(writer: gguf.GGUFWriter, tmp: Path) -> None:
     try:
         writer.close()
     except OSError:
         pass
-    tmp.unlink(missing_ok=True)
+    try:
+        tmp.unlink(missing_ok=True)
+    except OSError:  # a folder we could not write to holds no partial file either
+        pass

@@ -176,8 +176,9 @@ class Plan:
         return cls(**kw)
 
     def save(self, path: str | os.PathLike) -> Path:
-        """Write as TOML (``.toml``) or JSON (anything else), atomically."""
+        """Write as TOML (``.toml``) or JSON (``.json``), atomically."""
         path = Path(path)
+        check_plan_path(path)
         if path.suffix == ".toml":
             text = tomli_w.dumps(_drop_none(self.to_dict()))
         else:
@@ -199,6 +200,14 @@ class Plan:
             return cls.from_dict(d)
         except (KeyError, TypeError, ValueError) as e:
             raise UsageError(f"plan {path} is incomplete or malformed ({e})", "Make it again with `hybridmoe plan`.")
+
+
+def check_plan_path(path: str | os.PathLike) -> None:
+    """Refuse a file name a plan cannot be saved as: the suffix says the format (a .yaml
+    holding JSON would mislead every reader of it)."""
+    if Path(path).suffix not in (".toml", ".json"):
+        raise UsageError(f"cannot save a plan as {path}: the name must end in .toml or .json",
+                         f"Give a name such as {Path(path).with_suffix('.toml').name}.")
 
 
 def _drop_none(value):

@@ -4,7 +4,9 @@ and the message names the problem and the way out."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
 from collections import namedtuple
 from pathlib import Path
 
@@ -13,6 +15,8 @@ import pytest
 from hybridmoe.backend.convert import to_gguf
 from hybridmoe.backend.errors import HybridMoeError, ModelError, UnsupportedModelError, UsageError
 from hybridmoe.backend.session import Cancelled, CancelToken
+from tests.app.test_cli import assert_clean_error, home  # noqa: F401
+from tests.app.test_cli_failures import _read_only_folder
 
 
 def _listing(directory: Path) -> list[str]:
@@ -125,3 +129,42 @@ def test_bad_arguments(checkpoints, tmp_path):
         to_gguf(checkpoints("qwen3_moe").path, tmp_path / "missing" / "out.gguf", "q8_0")
     with pytest.raises(ModelError, match="does not exist"):
         to_gguf(tmp_path / "nothing", tmp_path / "out.gguf", "q8_0")
+
+
+# ---- outputs that cannot be written ----------------------------------------------------------
+
+
+def test_converting_into_a_read_only_folder_says_so(home, tmp_path, checkpoints):
+    folder, prefix = _read_only_folder(tmp_path)
+    r = subprocess.run([*prefix, "hybridmoe", "convert", str(checkpoints("qwen3_moe").path), "--out", str(folder / "m.gguf")],
+                       capture_output=True, text=True, env=home, timeout=300)
+    assert_clean_error(r, 1)
+    assert f"cannot write {folder / 'm.gguf'}: permission denied" in r.stderr
+    assert list(folder.iterdir()) == []
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 256 KiB file system of its own (tmpfs; needs the right to mount, as root in a container)."""
+    mount = tmp_path / "small-disk"
+    mount.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a small file system here")
+    yield mount
+    subprocess.run(["umount", str(mount)], check=True)
+
+
+def test_a_disk_that_fills_during_convert_is_called_full(small_disk, checkpoints, monkeypatch):
+    """The space was there when checked and is gone mid-write (another program took it): numpy's
+    short write ("262144 requested and 107776 written") becomes "the disk is full" and how much
+    the file needs."""
+    from hybridmoe.backend.convert import converter, to_gguf
+    from hybridmoe.backend.errors import HybridMoeError
+
+    monkeypatch.setattr(converter, "check_free_space", lambda *a, **k: None)  # as if it had fit then
+    with pytest.raises(HybridMoeError) as info:
+        to_gguf(checkpoints("qwen3_moe").path, small_disk / "m.gguf", "bf16")
+    message = str(info.value)
+    assert "the disk is full" in message and "The file needs" in message and "requested" not in message
+    assert list(small_disk.iterdir()) == []  # the partial file is gone

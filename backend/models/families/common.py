@@ -51,6 +51,17 @@ class Fields:
     def float(self, *names: str, default: Any = _MISSING) -> float:
         return self._number(names, default, whole=False)
 
+    def count(self, *names: str, default: Any = _MISSING) -> int:
+        """A whole number of at least 1: a size or a count of heads, layers or experts, which
+        the arithmetic downstream divides by."""
+        value = self.int(*names, default=default)
+        if value is not None and value < 1:
+            raise ModelError(
+                f"{self.what[0].upper() + self.what[1:]} '{self._lookup(names)[0]}' in {self.source} is {value}; it must be 1 or more.",
+                "The file looks damaged or hand-edited; restore the original from the model repository.",
+            )
+        return value
+
     def _number(self, names: tuple[str, ...], default: Any, *, whole: bool) -> Any:
         key, value = self._lookup(names)
         if value is _MISSING:
@@ -61,7 +72,7 @@ class Fields:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or (whole and value != int(value)):
             kind = "a whole number" if whole else "a number"
             raise ModelError(
-                f"{self.what.capitalize()} '{key}' in {self.source} should be {kind}, not {value!r}.",
+                f"{self.what[0].upper() + self.what[1:]} '{key}' in {self.source} should be {kind}, not {value!r}.",
                 "The file looks damaged or hand-edited; restore the original from the model repository.",
             )
         return int(value) if whole else float(value)
@@ -76,7 +87,7 @@ class Fields:
             return tuple(default)
         if not isinstance(value, (list, tuple)) or not all(isinstance(v, int) for v in value):
             raise ModelError(
-                f"{self.what.capitalize()} '{key}' in {self.source} should be a list of layer indices, "
+                f"{self.what[0].upper() + self.what[1:]} '{key}' in {self.source} should be a list of layer indices, "
                 f"not {value!r}.",
                 "Restore the original file from the model repository.",
             )
@@ -274,11 +285,11 @@ class DecoderConfig:
         transformers 5 renames some: it writes Qwen3-MoE's num_experts as num_local_experts."""
         text, has_vision = text_config(config)
         f = Fields(text, source)
-        n_layers = f.int("num_hidden_layers")
-        hidden = f.int("hidden_size")
-        heads = f.int("num_attention_heads")
-        n_experts = f.int(*expert_count)
-        top_k = f.int(*experts_per_token)
+        n_layers = f.count("num_hidden_layers")
+        hidden = f.count("hidden_size")
+        heads = f.count("num_attention_heads")
+        n_experts = f.count(*expert_count)
+        top_k = f.count(*experts_per_token)
         check_routing(n_experts, top_k, source)
         return cls(config, text, has_vision, f, n_layers, hidden, heads, n_experts, top_k)
 
@@ -291,16 +302,16 @@ class DecoderConfig:
         f, heads = self.fields, self.num_attention_heads
         expert_format, other_format = storage_formats(self.text, f.source)
         if head_dim is None:
-            head_dim = f.int("head_dim", default=self.hidden_size // heads)
+            head_dim = f.count("head_dim", default=self.hidden_size // heads)
         return ModelSpec(
             name=name,
             family=family,
             architecture=architecture_of(self.config),
             hidden_size=self.hidden_size,
             num_layers=self.num_layers,
-            vocab_size=f.int("vocab_size"),
+            vocab_size=f.count("vocab_size"),
             num_attention_heads=heads,
-            num_kv_heads=f.int("num_key_value_heads", default=heads),
+            num_kv_heads=f.count("num_key_value_heads", default=heads),
             head_dim=head_dim,
             attention=attention,
             max_context=f.int("max_position_embeddings"),
@@ -537,12 +548,12 @@ def gguf_to_config(metadata: Mapping[str, Any], source: str, tensor_shapes: Mapp
     vocab = gguf_vocab_size(metadata, arch, tensor_shapes)
     if vocab is None:
         raise f.missing(["vocab_size"])
-    heads = f.int("attention.head_count")
+    heads = f.count("attention.head_count")
     cfg: dict[str, Any] = {
-        "hidden_size": f.int("embedding_length"),
+        "hidden_size": f.count("embedding_length"),
         "num_attention_heads": heads,
-        "num_key_value_heads": f.int("attention.head_count_kv", default=heads),
-        "max_position_embeddings": f.int("context_length"),
+        "num_key_value_heads": f.count("attention.head_count_kv", default=heads),
+        "max_position_embeddings": f.count("context_length"),
         "vocab_size": vocab,
         "rms_norm_eps": f.float("attention.layer_norm_rms_epsilon", default=1e-6),
         "torch_dtype": "bfloat16",
@@ -567,8 +578,8 @@ def gguf_to_config(metadata: Mapping[str, Any], source: str, tensor_shapes: Mapp
     bos = metadata.get("tokenizer.ggml.bos_token_id")
     if bos is not None:
         cfg["bos_token_id"] = int(bos)
-    cfg["num_hidden_layers"] = f.int("block_count")
-    cfg["num_experts_per_tok"] = f.int("expert_used_count")
+    cfg["num_hidden_layers"] = f.count("block_count")
+    cfg["num_experts_per_tok"] = f.count("expert_used_count")
     for key in keys:
         cfg[key.hf] = key.read(f, cfg)
     return cfg, f
