@@ -8,7 +8,8 @@ parts. llama.cpp's own quantizer refuses the lowest of those types without an im
 matrix, which cannot be handed to it through llama-cpp-python, and requantizing the 10 GB
 benchmark model takes many minutes a type on two cores. The benchmark models are random
 anyway (benchmarks/make_midsize_qwen3.py), so random blocks of the target type are as good a
-model: the same bytes per token, the same layouts to decode, every code and scale field
+model (synthetic_experts.random_matrix makes the blocks): the same bytes per token, the same
+layouts to decode, every code and scale field
 exercised, and llama.cpp and the engine read the very same file.
 
 ``experts=T`` sets every routed expert tensor (gate, up, down) to T and keeps the others as
@@ -53,46 +54,13 @@ def ud_q2_k_xl(name: str, first_moe: int, last_layer: int) -> str | None:
     return "q4_k"
 
 
-# Where each type keeps its fp16 scale fields (d, and the min or dmin beside it).
-_SCALES = {"q8_0": (0,), "q4_0": (0,), "q5_0": (0,), "q4_1": (0, 2), "q5_1": (0, 2), "iq4_nl": (0,),
-           "iq4_xs": (0,), "q2_k": (80, 82), "q3_k": (108,), "q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,),
-           "iq2_xxs": (0,), "iq2_xs": (0,), "iq2_s": (0,), "iq3_xxs": (0,), "iq3_s": (0,), "iq1_s": (0,)}
-
-
-def _set_scales(blocks: np.ndarray, fmt: str, d: np.ndarray) -> None:
-    """Write the fp16 scales `d` (one per block) into `blocks` [n, block_bytes]."""
-    h = d.astype(np.float16).view(np.uint16)
-    if fmt == "iq1_m":  # d is the top nibbles of the four 16-bit scale words
-        words = blocks[:, 48:56].copy().view(np.uint16)
-        for i in range(4):
-            words[:, i] = (words[:, i] & 0x0FFF) | (((h >> (4 * i)) & 15) << 12)
-        blocks[:, 48:56] = words.view(np.uint8)
-        return
-    for at in _SCALES[fmt]:
-        blocks[:, at:at + 2] = h.view(np.uint8).reshape(-1, 2)
-
-
-def random_blocks(rng: np.random.Generator, fmt: str, n_values: int, std: float) -> np.ndarray:
-    """Random valid blocks of `fmt` holding n_values values whose spread is about `std`: random
-    codes, then scales found by dequantizing a sample with unit scales (gguf's dequantizers)."""
-    import gguf
-
-    qtype = gguf.GGMLQuantizationType[fmt.upper()]
-    block, size = gguf.GGML_QUANT_SIZES[qtype]
-    blocks = rng.integers(0, 256, size=(n_values // block, size), dtype=np.uint8)
-    sample = blocks[:256].copy()
-    _set_scales(sample, fmt, np.ones(len(sample), np.float32))
-    unit = float(np.std(gguf.quants.dequantize(sample, qtype))) or 1.0
-    _set_scales(blocks, fmt, (std / unit) * rng.uniform(0.5, 1.5, size=len(blocks)).astype(np.float32))
-    return blocks
-
-
 def retype(src: str | Path, dst: str | Path, *, experts: str | None = None, mix: str | None = None, parts: int = 1,
            seed: int = 0, on_tensor: Callable[[str, str, str], None] | None = None) -> list[Path]:
     """Write `src` retyped to `dst` (see the module); returns the files written.
     on_tensor(name, old type, new type) hears each matrix that changes type."""
     import gguf
 
+    from hybridmoe.backend.bench.synthetic_experts import random_matrix
     from hybridmoe.backend.models.formats import gguf_row_fallback
 
     if (experts is None) == (mix is None):
@@ -146,7 +114,9 @@ def retype(src: str | Path, dst: str | Path, *, experts: str | None = None, mix:
         # The spread of the source's values, from its first rows.
         rows = np.asarray(t.data).reshape(-1, np.asarray(t.data).shape[-1])[:64]
         scale = float(np.std(gguf.quants.dequantize(rows, t.tensor_type)))
-        writer.write_tensor_data(random_blocks(rng, fmt, int(np.prod(t.shape)), scale or 0.02).reshape(-1))
+        shape = tuple(int(n) for n in reversed(t.shape))
+        new = random_matrix(rng, fmt, shape, scale=scale or 0.02)
+        writer.write_tensor_data(new.parts["data"].numpy().reshape(-1))
         if on_tensor is not None:
             on_tensor(t.name, t.tensor_type.name, fmt.upper())
     writer.close()

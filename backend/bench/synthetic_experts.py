@@ -22,10 +22,10 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from hybridmoe.backend.engine.experts import ExpertActivation, ExpertStore, HostExperts
 from hybridmoe.backend.formats.quant import QuantTensor, from_compressed_int4, from_gguf, from_mxfp4
 
-GGUF_FORMATS = ("q8_0", "q4_0", "q5_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "mxfp4")
-# The GGUF types of the community mixes (issue 45): random_matrix makes them; they join
-# GGUF_FORMATS (and so ALL_FORMATS, which the native tests sweep) once every kernel set reads them.
+# The GGUF types of the community mixes (q4_1 .. iq1_m): their scales are set by measuring the
+# spread of random blocks (_unit_spread) rather than by a hand-worked divisor.
 IQ_FORMATS = ("q4_1", "q5_1", "iq4_nl", "iq4_xs", "iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs", "iq3_s", "iq1_s", "iq1_m")
+GGUF_FORMATS = ("q8_0", "q4_0", "q5_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "mxfp4") + IQ_FORMATS
 HF_FORMATS = ("mxfp4_hf", "int4_g32")
 FLOAT_FORMATS = ("bf16", "f16", "f32")
 ALL_FORMATS = GGUF_FORMATS + HF_FORMATS + FLOAT_FORMATS
@@ -33,7 +33,7 @@ PREFIX = "model.layers.0.mlp"
 
 
 def block_of(fmt: str) -> int:
-    if fmt in GGUF_FORMATS or fmt in IQ_FORMATS:
+    if fmt in GGUF_FORMATS:
         return GGML_QUANT_SIZES[GGMLQuantizationType[fmt.upper()]][0]
     return 32 if fmt in HF_FORMATS else 1
 

@@ -9,14 +9,14 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, quants
 
-from hybridmoe.backend.bench.retype import random_blocks
+from hybridmoe.backend.bench.synthetic_experts import random_matrix
 from hybridmoe.backend.formats.iquants import DECODERS
 from hybridmoe.backend.formats.quant import dequantize, from_gguf
 
 
 @pytest.mark.parametrize("qtype", list(DECODERS), ids=lambda t: t.name.lower())
 def test_decoders_are_ggmls_bit_for_bit(qtype):
-    data = random_blocks(np.random.default_rng(int(qtype)), qtype.name.lower(), 256 * 96, 0.05)
+    data = random_matrix(np.random.default_rng(int(qtype)), qtype.name.lower(), (96, 256)).parts["data"].numpy()
     expected = quants.dequantize(data, qtype).reshape(-1, 256).astype(np.float32)
     ours = DECODERS[qtype](torch.from_numpy(data)).numpy()
     assert np.isfinite(expected).all()
@@ -27,7 +27,7 @@ def test_decoders_are_ggmls_bit_for_bit(qtype):
                          ids=lambda t: t.name.lower())
 def test_a_gguf_tensor_of_them_reads_and_dequantizes(qtype):
     rows, cols = 6, 512
-    data = random_blocks(np.random.default_rng(0), qtype.name.lower(), rows * cols, 0.05).reshape(rows, -1)
+    data = random_matrix(np.random.default_rng(0), qtype.name.lower(), (rows, cols)).parts["data"].numpy()
     tensor = from_gguf(data, qtype, (rows, cols), name="blk.0.ffn_up_exps.weight")
     assert tensor.format == qtype.name.lower() and tuple(tensor.shape) == (rows, cols)
     expected = quants.dequantize(data, qtype).astype(np.float32)
