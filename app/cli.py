@@ -60,13 +60,49 @@ def cmd_inspect(args) -> int:
     from hybridmoe.backend.models import inspect_model
 
     model = inspect_model(model_path(args.model), expert_format=args.format)
+    report = _check_finite(model) if args.check else None
     if args.json:
         _print_json(
-            {"path": str(model.path), "kind": model.kind, "spec": model.spec.to_dict(), "inventory": model.inventory.to_dict()}
+            {"path": str(model.path), "kind": model.kind, "spec": model.spec.to_dict(), "inventory": model.inventory.to_dict(),
+             **({"check": report.to_dict()} if report else {})}
         )
     else:
         print(model_text(model))
+        if report:
+            print(_finite_report_text(report))
+    if report and report.bad:
+        # After the report, not instead of it: it names the tensors.
+        print(f"hybridmoe: error: {model.files[0]} holds values that are not numbers (NaN or infinity) in "
+              f"{len(report.bad)} tensor(s): its weights are damaged\n  Download or convert the model again.",
+              file=sys.stderr)
+        return EXIT_ERROR
     return EXIT_OK
+
+
+def _finite_report_text(report) -> str:
+    skipped = f"; {len(report.not_checked)} of other types not read" if report.not_checked else ""
+    if not report.bad:
+        return f"\nNaN / infinity: none in the {report.checked} tensors checked{skipped}."
+    lines = [f"\nNaN / infinity in {len(report.bad)} of the {report.checked} tensors checked{skipped}:"]
+    lines += [f"  {name}: {count:,} values" for name, count in report.bad.items()]
+    return "\n".join(lines)
+
+
+def _check_finite(model):
+    """Read the GGUF's checkable tensors for NaN and infinities, with a progress line."""
+    from hybridmoe.app.convert_render import ConvertProgress
+    from hybridmoe.backend.errors import UsageError
+    from hybridmoe.backend.models.finite_check import check_finite
+    from hybridmoe.backend.session import Progress
+
+    if model.kind != "gguf":
+        raise UsageError(f"--check reads GGUF files; {model.path} is a {model.kind}",
+                         "Give the .gguf file, or leave out --check.")
+    line = ConvertProgress(sys.stderr)
+    try:
+        return check_finite(model.files[0], lambda done, total, name: line(Progress("check", done, total, "B", name)))
+    finally:
+        line.done()
 
 
 def cmd_plan(args) -> int:
@@ -343,6 +379,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("inspect", help="what a model is made of (checkpoint dir, GGUF, or config.json)")
     p.add_argument("model", help="a model directory, a .gguf file (first part of a split set), or a config.json")
     p.add_argument("--format", help="storage format to assume for a bare config.json (bf16, fp8_block, int4_g32, q8_0, q4_0, q4_k_m)")
+    p.add_argument("--check", action="store_true",
+                   help="GGUF: read the float tensors and the block scales for NaN and infinities (reads the file)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_inspect)
 

@@ -22,7 +22,7 @@ from hybridmoe.backend.units import fmt_bytes, fmt_rate
 # Tensor names listed per type before "and N more" (grouped by layer, see compact_names).
 MAX_LISTED = 8
 
-_STAGES = {"convert": "converting", "quantize": "quantizing (llama.cpp)"}
+_STAGES = {"convert": "converting", "quantize": "quantizing (llama.cpp)", "check": "checking"}
 
 
 class ConvertProgress:

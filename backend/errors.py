@@ -38,6 +38,11 @@ class ModelUnloadedError(ModelError):
         super().__init__("the model was unloaded", "Load it again.")
 
 
+class DamagedModelError(ModelError):
+    """The model's weights compute nonsense (NaN or infinite logits): its file is damaged.
+    Not the request's fault, so the API server answers it as a server error."""
+
+
 class UnsupportedModelError(ModelError):
     """The model is readable but of an architecture or format we do not serve."""
 

@@ -43,7 +43,7 @@ from hybridmoe.app.server.openai_api import (
     parse_body,
 )
 from hybridmoe.app.server.shared_session import QueueFull, SharedSession
-from hybridmoe.backend.errors import HybridMoeError
+from hybridmoe.backend.errors import DamagedModelError, HybridMoeError
 from hybridmoe.backend.session import Cancelled, CancelToken, Done, Event, Session
 
 log = logging.getLogger("hybridmoe.server")
@@ -200,6 +200,8 @@ class _Api:
                                code="rate_limit_exceeded", headers={"Retry-After": str(full.retry_after_s)})
             except Cancelled:  # not by this client, who is still there: the server stops
                 raise ApiError(503, "the server is stopping", kind="server_error")
+            except DamagedModelError as error:  # the model's fault, not the request's
+                raise ApiError(500, _said(error), kind="server_error")
             except HybridMoeError as error:  # about this request: its prompt, or the model gone
                 if self.shared.closed:
                     raise ApiError(503, "the model was unloaded; the server is stopping", kind="server_error")

@@ -136,6 +136,7 @@ class EngineSession:
                 backend="engine",
                 expert_share=self.model.stats.main_share,
                 peak_memory=lambda: peak_memory(self.model.device),
+                model=str(self.path),
             ):
                 if isinstance(event, Done):
                     # Its slot frees now, not when the caller next asks for an event (the

@@ -218,6 +218,7 @@ class LlamaCppSession:
             backend="llamacpp",
             expert_share=self.placement.main_device_share,
             peak_memory=peak_memory,
+            model=str(self.path),
         )
 
     def close(self) -> None:

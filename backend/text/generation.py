@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from hybridmoe.backend.text.sampling import Sampler, SamplingParams, StopStringMatcher
-from hybridmoe.backend.errors import ModelError, UsageError
+from hybridmoe.backend.errors import DamagedModelError, ModelError, UsageError
 from hybridmoe.backend.session import CancelToken, Done, Stats, TextPiece
 
 
@@ -56,9 +56,12 @@ def stream(
     backend: str,
     expert_share: Callable[[], float | None],
     peak_memory: Callable[[], dict[str, int]],
+    model: str = "the model",
 ) -> Iterator[TextPiece | Done]:
     """forward(token) runs one token at the next position and returns its logits [vocab]
-    (None when the backend aborted on cancel)."""
+    (None when the backend aborted on cancel). Logits that are not all finite end the
+    generation with a DamagedModelError naming `model`: sampled, they would be an error of
+    the sampler's or, greedy, an arbitrary token (NaN compares false: argmax takes the first)."""
     sampler = Sampler(sampling)
     stops = StopStringMatcher([*sampling.stop, *stop_strings])
     context_ids = list(prefilled.ids)
@@ -71,6 +74,7 @@ def stream(
         if logits is None or (cancel is not None and cancel.cancelled):
             reason = "cancelled"
             break
+        check_finite(logits, model, position=len(context_ids))
         token = sampler.sample(logits, context_ids)
         if first_token_at is None:
             first_token_at = time.perf_counter()
@@ -110,6 +114,16 @@ def stream(
         backend=backend,
     )
     yield Done(reason, "".join(text), tuple(generated), stats)
+
+
+def check_finite(logits: torch.Tensor, model: str, position: int) -> None:
+    """Raise DamagedModelError when `logits` hold a NaN or an infinity."""
+    if not bool(torch.isfinite(logits).all()):
+        raise DamagedModelError(
+            f"{model} computed logits that are not numbers (NaN or infinity) at position {position}: "
+            "its weights are damaged",
+            f"Download or convert the model again; `hybridmoe inspect {model} --check` names the tensors "
+            "holding such values.")
 
 
 def raw_prompt_ids(tokenizer, prompt: str) -> list[int]:
