@@ -25,6 +25,7 @@ from hybridmoe.backend.text.tokenizer import Tokenizer, load_tokenizer
 from hybridmoe.backend.formats.weights import open_weights
 from hybridmoe.backend.errors import ModelError, UsageError
 from hybridmoe.backend.text.generation import (
+    fitting_prompt_ids,
     Prefilled,
     host_peak_rss,
     max_new_tokens,
@@ -101,7 +102,7 @@ class EngineSession:
 
     def prompt_ids(self, messages: Sequence[Message]) -> list[int]:
         text = self.template.render([{"role": m.role, "content": m.content} for m in messages], add_generation_prompt=True)
-        return self.tokenizer.encode_prompt(text)
+        return fitting_prompt_ids(self.tokenizer, text, self.context)
 
     def generate(self, messages: Sequence[Message], sampling: SamplingParams,
                  cancel: CancelToken | None = None) -> Iterator[TextPiece | Done]:
@@ -110,7 +111,7 @@ class EngineSession:
     def complete(self, prompt: str, sampling: SamplingParams,
                  cancel: CancelToken | None = None) -> Iterator[TextPiece | Done]:
         """The continuation of ``prompt`` taken as it is, without the chat template."""
-        yield from self._generate(raw_prompt_ids(self.tokenizer, prompt), (), sampling, cancel)
+        yield from self._generate(raw_prompt_ids(self.tokenizer, prompt, self.context), (), sampling, cancel)
 
     def _generate(self, ids: list[int], stop_strings: Sequence[str], sampling: SamplingParams,
                   cancel: CancelToken | None) -> Iterator[TextPiece | Done]:

@@ -38,6 +38,7 @@ from hybridmoe.backend.text.chat_template import ChatTemplate
 from hybridmoe.backend.text.sampling import SamplingParams
 from hybridmoe.backend.errors import ModelError, UnsupportedModelError
 from hybridmoe.backend.text.generation import (
+    fitting_prompt_ids,
     Prefilled,
     common_prefix,
     host_peak_rss,
@@ -183,7 +184,7 @@ class LlamaCppSession:
 
     def prompt_ids(self, messages: Sequence[Message]) -> list[int]:
         text = self.template.render([{"role": m.role, "content": m.content} for m in messages], add_generation_prompt=True)
-        return self.vocab.encode_prompt(text)
+        return fitting_prompt_ids(self.vocab, text, self.context)
 
     def generate(self, messages: Sequence[Message], sampling: SamplingParams,
                  cancel: CancelToken | None = None) -> Iterator[TextPiece | Done]:
@@ -194,7 +195,7 @@ class LlamaCppSession:
                  cancel: CancelToken | None = None) -> Iterator[TextPiece | Done]:
         """The continuation of ``prompt`` taken as it is, without the chat template."""
         self._check_open()
-        yield from self._generate(raw_prompt_ids(self.vocab, prompt), (), sampling, cancel)
+        yield from self._generate(raw_prompt_ids(self.vocab, prompt, self.context), (), sampling, cancel)
 
     def _check_open(self) -> None:
         if self.ctx is None:

@@ -43,6 +43,7 @@ class Vocab:
         self.strips_leading_space = spm and bool(metadata.get("tokenizer.ggml.add_space_prefix", True))
         self._spm = spm
         self._piece_buf = ctypes.create_string_buffer(256)
+        self._longest_piece: int | None = None
 
     # -- text -> ids ------------------------------------------------------------------------
 
@@ -57,6 +58,17 @@ class Vocab:
                 return list(out[:n])
             capacity = -n  # too small: llama.cpp says how many it needs
         raise ModelError("llama.cpp could not tokenize the prompt")
+
+    def min_tokens(self, text: str) -> int:
+        """A lower bound on the tokens of ``text`` from its length: no token covers more bytes
+        than its piece holds. BPE and SentencePiece vocabularies tokenize the text as it is; the
+        others normalize it first (UGM collapses whitespace, WPM cleans), where length proves
+        nothing: 0."""
+        if self.type not in (self._b.LLAMA_VOCAB_TYPE_BPE, self._b.LLAMA_VOCAB_TYPE_SPM):
+            return 0
+        if self._longest_piece is None:  # once: a call per token
+            self._longest_piece = max(1, max((len(self.piece(t)) for t in range(self.n_tokens)), default=1))
+        return len(text.encode("utf-8", "surrogatepass")) // self._longest_piece
 
     def encode_prompt(self, text: str) -> list[int]:
         ids = self.encode(text)

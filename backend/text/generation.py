@@ -20,13 +20,13 @@ from hybridmoe.backend.errors import DamagedModelError, ModelError, UsageError
 from hybridmoe.backend.session import CancelToken, Done, Stats, TextPiece
 
 
+_TOO_LONG_HINT = "Shorten the conversation, or plan a longer context (`hybridmoe plan --context N`)."
+
+
 def max_new_tokens(prompt_tokens: int, context: int, sampling: SamplingParams) -> int:
     """Tokens that may be generated after the prompt: max_tokens, capped by the context."""
     if prompt_tokens >= context:
-        raise ModelError(
-            f"the prompt is {prompt_tokens} tokens, the context holds {context}",
-            "Shorten the conversation, or plan a longer context (`hybridmoe plan --context N`).",
-        )
+        raise ModelError(f"the prompt is {prompt_tokens} tokens, the context holds {context}", _TOO_LONG_HINT)
     budget = context - prompt_tokens
     return min(sampling.max_tokens, budget) if sampling.max_tokens else budget
 
@@ -126,10 +126,23 @@ def check_finite(logits: torch.Tensor, model: str, position: int) -> None:
             "holding such values.")
 
 
-def raw_prompt_ids(tokenizer, prompt: str) -> list[int]:
+def fitting_prompt_ids(tokenizer, text: str, context: int) -> list[int]:
+    """``tokenizer.encode_prompt(text)``, refused before tokenizing when the text's length
+    alone shows it cannot fit the context: a prompt of megabytes would otherwise be tokenized
+    whole (seconds, and memory for millions of ids) only to be refused."""
+    at_least = tokenizer.min_tokens(text)
+    if at_least >= context:
+        raise ModelError(
+            f"the prompt is at least {at_least:,} tokens ({len(text):,} characters), the context holds {context}",
+            _TOO_LONG_HINT,
+        )
+    return tokenizer.encode_prompt(text)
+
+
+def raw_prompt_ids(tokenizer, prompt: str, context: int) -> list[int]:
     """Ids of a prompt taken as it is (no chat template), with the model's BOS as a rendered
     chat prompt would have it; special tokens written in the text are recognised."""
-    ids = tokenizer.encode_prompt(prompt)
+    ids = fitting_prompt_ids(tokenizer, prompt, context)
     if not ids:  # nothing to continue from: no logits to sample the first token from
         raise UsageError("the prompt is empty", "Give some text to continue.")
     return ids

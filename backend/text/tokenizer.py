@@ -24,7 +24,7 @@ import base64
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -130,6 +130,24 @@ class Tokenizer:
             ids.insert(0, self.bos_id)  # type: ignore[arg-type]
         return ids
 
+    def min_tokens(self, text: str) -> int:
+        """A lower bound on the tokens of ``text``, from its length alone: no token covers more
+        bytes than its spelling takes (a byte-level letter stands for one byte, SentencePiece's
+        ▁ for one space), and the normalizers that keep every character shrink a text at most
+        from 4 bytes a character to 1. 0 when a normalizer may drop characters (collapsing
+        whitespace, say), where length proves nothing."""
+        per_token = self._max_bytes_per_token
+        return len(text.encode("utf-8", "surrogatepass")) // per_token if per_token else 0
+
+    @cached_property
+    def _max_bytes_per_token(self) -> int | None:
+        normalizer = json.loads(self.backend.to_str()).get("normalizer")
+        shrink = _normalizer_shrink(normalizer)
+        if shrink is None:
+            return None
+        longest = max(len(t.encode("utf-8", "surrogatepass")) for t in self.backend.get_vocab(with_added_tokens=True))
+        return max(1, longest) * shrink
+
     def decode(self, ids: Sequence[int], skip_special: bool = False) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special)
 
@@ -179,6 +197,29 @@ def _stop_ids(eos_ids: frozenset[int], extra: Iterable[int], added: Mapping[str,
 # =============================================================================================
 # Streaming: ids in, text pieces out
 # =============================================================================================
+
+
+# Normalizers that keep every character: each maps a character to at least one byte, and a
+# character takes at most 4 bytes, so they shrink a text by at most 4 times (Unicode forms,
+# lowercasing, prefixing).
+_KEEPING_NORMALIZERS = frozenset({"NFC", "NFD", "NFKC", "NFKD", "Lowercase", "Prepend"})
+
+
+def _normalizer_shrink(spec: Mapping[str, Any] | None) -> int | None:
+    """How many times a tokenizer.json normalizer can shrink a text's bytes (1: none), or None
+    when it may drop characters (stripping, precompiled SentencePiece maps, cleaning)."""
+    if spec is None:
+        return 1
+    kind = spec.get("type")
+    if kind == "Sequence":
+        shrinks = [_normalizer_shrink(n) for n in spec.get("normalizers", [])]
+        return None if None in shrinks else max(shrinks, default=1)
+    if kind in _KEEPING_NORMALIZERS:
+        return 4
+    pattern = (spec.get("pattern") or {}).get("String") if kind == "Replace" else None
+    if pattern and spec.get("content"):  # each match of a fixed text becomes at least one byte
+        return len(pattern.encode("utf-8"))
+    return None
 
 
 class IncrementalDetokenizer:

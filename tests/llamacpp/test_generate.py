@@ -192,3 +192,17 @@ def test_load_reports_progress_and_can_be_cancelled(ggufs):
     cancel.cancel()
     with pytest.raises(Cancelled, match="loading the model was cancelled"):
         LlamaCppBackend().load(path, plan, cancel=cancel)
+
+
+def test_min_tokens_is_a_lower_bound_and_a_long_prompt_is_refused_untokenized(sessions, monkeypatch):
+    from hybridmoe.backend.errors import ModelError
+    from hybridmoe.backend.llamacpp.vocab import Vocab
+
+    ours, _, _ = sessions("qwen3_moe")
+    for text in ("fox " * 400, "Hello, world! 你好 😀", " " * 999, "x" * 999):
+        assert ours.vocab.min_tokens(text) <= len(ours.vocab.encode(text))
+    encoded = []
+    monkeypatch.setattr(Vocab, "encode", lambda self, text: encoded.append(len(text)) or [])
+    with pytest.raises(ModelError, match=r"the prompt is at least [\d,]+ tokens \([\d,]+ characters\), the context holds 256"):
+        run(ours, [Message("user", "ab " * 100_000)])
+    assert encoded == []  # refused on its length alone

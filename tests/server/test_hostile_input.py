@@ -4,6 +4,7 @@ error naming what is wrong, never a 500 with a traceback in the log."""
 from __future__ import annotations
 
 import logging
+import re
 import socket
 import time
 
@@ -112,3 +113,27 @@ def test_a_host_name_that_does_not_resolve_is_unknown_not_public(capsys, monkeyp
 @pytest.mark.parametrize("host", ["127.0.0.1", "::1", "localhost", "0.0.0.0", "::", "fe80::1%1"])
 def test_addresses_and_names_pass_the_host_check(host):
     check_host(host)
+
+
+def test_a_prompt_of_megabytes_is_refused_before_it_is_tokenized(server, monkeypatch):
+    """Three chat requests of 3.9 MB (under the body limit) to a 256-token context took 16-24 s
+    each to be refused, the prompt tokenized whole (2.6 M ids) first, and held the memory: now
+    the text's length alone refuses them, and nothing that long reaches the tokenizer."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from hybridmoe.backend.text.tokenizer import Tokenizer
+
+    tokenized = []
+    encode_prompt = Tokenizer.encode_prompt
+    monkeypatch.setattr(Tokenizer, "encode_prompt", lambda self, text: tokenized.append(len(text)) or encode_prompt(self, text))
+    body = {"messages": [{"role": "user", "content": "ab " * 1_300_000}], "max_tokens": 4}
+    with ThreadPoolExecutor(3) as pool:
+        answers = list(pool.map(lambda _: post(f"{server.url}/v1/chat/completions", body), range(3)))
+    for status, _, error in answers:
+        assert status == 400, error
+        assert re.match(r"the prompt is at least [\d,]+ tokens \(3,900,\d+ characters\), the context holds 256",
+                        error["error"]["message"]), error
+    assert all(n < 100_000 for n in tokenized), tokenized
+    status, _, answer = post(f"{server.url}/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                                    "max_tokens": 2})
+    assert status == 200, answer  # and the server goes on answering

@@ -409,3 +409,29 @@ def test_real_vocabularies_match_their_expected_ids() -> None:
             assert tok.encode(text) == [int(x) for x in line.split()], (path.name, text)
         checked += 1
     assert checked
+
+
+# ---- the lower bound on a text's tokens, from its length (a prompt too long is refused untokenized)
+
+
+def test_min_tokens_is_a_lower_bound(hf_dir: Path, gguf_files: dict[str, Path]) -> None:
+    texts = [*TEXTS, "ab " * 5000, " " * 3000, "x" * 3000, "你好" * 999, "\n\n" * 800, "😀" * 700]
+    for tokenizer in (load_tokenizer(hf_dir), *(load_tokenizer(p) for p in gguf_files.values())):
+        for text in texts:
+            assert tokenizer.min_tokens(text) <= len(tokenizer.encode_prompt(text)), (tokenizer.source, text[:20])
+        assert tokenizer.min_tokens("ab " * 100_000) >= 1000  # and bounds something: 300 kB is many tokens
+
+
+@pytest.mark.parametrize("normalizer, shrink", [
+    (None, 1),
+    ({"type": "NFC"}, 4),
+    ({"type": "Sequence", "normalizers": [{"type": "Prepend", "prepend": "▁"},
+                                          {"type": "Replace", "pattern": {"String": " "}, "content": "▁"}]}, 4),
+    ({"type": "Replace", "pattern": {"String": "  "}, "content": " "}, 2),
+    ({"type": "Strip", "strip_left": True, "strip_right": True}, None),  # drops whitespace
+    ({"type": "Precompiled", "precompiled_charsmap": ""}, None),  # SentencePiece's map: may collapse spaces
+    ({"type": "Replace", "pattern": {"Regex": " +"}, "content": " "}, None),
+    ({"type": "Sequence", "normalizers": [{"type": "NFKC"}, {"type": "Strip"}]}, None),
+])
+def test_only_normalizers_that_keep_characters_allow_a_bound(normalizer, shrink) -> None:
+    assert tokenizer_module._normalizer_shrink(normalizer) == shrink
