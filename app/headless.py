@@ -82,19 +82,28 @@ class _BackendChoice:
 
     def __init__(self, args):
         self.plan_file = args.plan
+        self.backend = args.backend if args.backend != "auto" else "engine"
         self.reason = (f"asked for with --backend {args.backend}" if args.backend != "auto"
                        else "auto: the embedded engine serves this model")
 
     def chosen(self, backend: str, reason: str) -> None:
         from hybridmoe.backend.backends import BACKEND_NAMES
 
+        self.backend = backend
         self.reason = f"{reason} ({self.plan_file})" if self.plan_file else reason
         sys.stderr.write(f"hybridmoe: backend: {BACKEND_NAMES[backend]}, because {self.reason}; "
                          "choose another with --backend\n")
 
     def fell_back(self, why) -> None:
+        self.backend = "llamacpp"
         self.reason = f"the embedded engine cannot serve this model: {why.what}"
         _say_fallback(why)
+
+    def warn_slow_path(self, plan) -> None:
+        """Said on stderr (terminal or not) when the engine serves a model part of which it
+        computes on a slow path; where that made `auto` choose, `chosen` said it already."""
+        if self.backend == "engine" and plan.engine_slow_path and plan.engine_slow_path not in self.reason:
+            sys.stderr.write(f"hybridmoe: warning: {plan.engine_slow_path}; --backend llamacpp reads them in place\n")
 
 
 class _StderrProgress:
@@ -154,6 +163,7 @@ def cmd_run(args) -> int:
             session = load_session(args.backend, model, plan, progress, cancel,
                                    on_fallback=backend_choice.fell_back, on_choice=backend_choice.chosen)
         progress.done()
+        backend_choice.warn_slow_path(plan)
         if args.record_stats and not hasattr(session, "save_expert_stats"):
             raise UsageError("--record-stats needs the embedded engine; llama.cpp does not report expert activations",
                              "Run with --backend engine, or leave out --record-stats.")
@@ -181,6 +191,8 @@ def cmd_run(args) -> int:
                 "model": model.spec.name,
                 "backend": done.stats.backend,
                 "backend_reason": backend_choice.reason,
+                # Routed experts the engine computes (or would) on a slow path on the CPU; null: none.
+                "engine_slow_path": plan.engine_slow_path,
                 "text": done.text,
                 "token_ids": list(done.token_ids),
                 "finish_reason": done.reason,

@@ -136,9 +136,28 @@ def model_text(model) -> str:
             f"  per expert: 3 × {spec.hidden_size} × {spec.moe_intermediate_size} = {spec.params_per_expert:,} weights, "
             f"{inv.bytes_per_expert(layer) / 1e6:,.2f} MB"
         )
+    out += _type_lines(inv)
     for note in inv.notes:
         out.append(f"  note: {note}")
     return "\n".join(out)
+
+
+def _type_lines(inv) -> list[str]:
+    """The storage types of the model: tensors and bytes of each, then which types each class
+    holds (a community "dynamic" GGUF changes types from tensor to tensor and layer to layer)."""
+    if not inv.types_by_class:
+        return []
+    out = ["Tensor types (as stored)"]
+    out += _table(["type", "tensors", "GiB", "GB"],
+                  [[name, f"{use.tensors:,}", fmt_bytes(use.bytes), f"{use.bytes / GB:,.2f} GB"]
+                   for name, use in inv.types.items()])
+    out.append("Types by class")
+    out += _kv_lines([
+        (c.value, ", ".join(f"{name} ({use.tensors})" for name, use in
+                            sorted(inv.types_by_class[c].items(), key=lambda kv: -kv[1].bytes)))
+        for c in TensorClass if inv.types_by_class.get(c)
+    ])
+    return out
 
 
 # ---- plan ---------------------------------------------------------------------------------

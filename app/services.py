@@ -351,15 +351,23 @@ class Services:
 
         from hybridmoe.backend.backends import BACKEND_NAMES
 
+        said = {"backend": "engine", "reason": ""}
+
         def fallback(why) -> None:
+            said["backend"] = "llamacpp"
             if on_notice is not None:
                 on_notice(f"The embedded engine cannot serve this model ({why.what}); using llama.cpp.")
 
         def chosen(backend: str, reason: str) -> None:  # the plan named the backend, not the user here
+            said.update(backend=backend, reason=reason)
             if on_notice is not None:
                 on_notice(f"Backend: {BACKEND_NAMES[backend]}, because {reason}.")
 
-        return load_session("auto", model, plan, on_progress, cancel, on_fallback=fallback, on_choice=chosen)
+        session = load_session("auto", model, plan, on_progress, cancel, on_fallback=fallback, on_choice=chosen)
+        slow = plan.engine_slow_path
+        if on_notice is not None and said["backend"] == "engine" and slow and slow not in said["reason"]:
+            on_notice(f"Slow path: {slow}. The llama.cpp backend reads them in place.")
+        return session
 
 
 def _slug(text: str) -> str:

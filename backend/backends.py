@@ -11,6 +11,11 @@ too old to keep its weights off the AMX buffer type, hybridmoe.backend.llamacpp.
 made for llama.cpp is then served by the engine, unless the planner chose llama.cpp because the
 engine's own layout does not fit (``Plan.engine_misfit``), and a model only llama.cpp serves is
 refused with the reason. An explicit `--backend llamacpp` is refused there with the same reason.
+
+``auto`` also prefers llama.cpp when the plan says the engine would compute routed experts on a
+slow path on the CPU (``Plan.engine_slow_path``: PyTorch dequantizing them on every call), and
+says so through ``on_choice``; where llama.cpp cannot take the model, the engine serves it, and
+``on_choice`` says that too.
 """
 
 from __future__ import annotations
@@ -55,6 +60,10 @@ def load_session(
             choice, reason = "engine", f"{reason}, but {risk}"
         if on_choice is not None:
             on_choice(choice, reason)
+    if choice == "auto" and plan.engine_slow_path:
+        choice, reason = _around_the_slow_path(plan)
+        if on_choice is not None:
+            on_choice(choice, reason)
     if plan.parallel == "tp" and choice == "llamacpp":  # asked for, or the plan's own choice
         raise UsageError("this plan shares the GPUs by tensor parallelism, which the llama.cpp backend does not run",
                          "Run it on the embedded engine (--backend engine), or plan with --parallel pp.")
@@ -80,6 +89,24 @@ def load_session(
         except LlamaCppUnavailable as missing:
             hint = f"{why.hint or ''} The llama.cpp fallback is not available: {missing}".strip()
             raise UnsupportedModelError(why.what, hint) from why
+
+
+def _around_the_slow_path(plan: Plan) -> tuple[str, str]:
+    """(backend, reason) for `auto` where the engine would take a slow path: llama.cpp, which
+    reads every GGUF type in place, unless it cannot serve this plan on this machine."""
+    from hybridmoe.backend.llamacpp import LlamaCppUnavailable
+    from hybridmoe.backend.llamacpp.library import llama
+
+    slow = f"on the embedded engine {plan.engine_slow_path}"
+    if plan.parallel == "tp":
+        return "engine", f"llama.cpp does not run this tensor-parallel plan, although {slow}"
+    if risk := _llamacpp_crash_risk():
+        return "engine", f"{risk}, although {slow}"
+    try:
+        llama()
+    except LlamaCppUnavailable as missing:
+        return "engine", f"{missing.what}, although {slow}"
+    return "llamacpp", slow
 
 
 def _llamacpp_crash_risk() -> str | None:

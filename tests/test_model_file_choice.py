@@ -8,6 +8,7 @@ one GGUF parser (``GGUFFile._parse``), which every GGUF reader goes through.
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -150,3 +151,26 @@ def test_a_run_parses_a_gguf_header_twice(folder_with_projector, parsed, monkeyp
     assert code == 0, capsys.readouterr().err
     assert f'"backend": "{backend}"' in capsys.readouterr().out
     assert parsed == [*parts, *parts]
+
+
+@pytest.mark.parametrize("backend", ["engine", "llamacpp"])
+def test_a_run_from_the_last_part_serves_the_set(folder_with_projector, monkeypatch, tmp_path, capsys, backend):
+    """Given the last part, both backends load the whole set (llama.cpp from the first part's
+    path, which it needs to find the others) and answer as from the folder."""
+    if backend == "llamacpp":
+        pytest.importorskip("llama_cpp")
+    from hybridmoe.app.cli import main
+
+    for var in ("XDG_CONFIG_HOME", "XDG_DATA_HOME", "XDG_STATE_HOME", "XDG_CACHE_HOME"):
+        monkeypatch.setenv(var, str(tmp_path / var.lower()))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    folder, parts = folder_with_projector
+    answers = []
+    for given in (folder, parts[-1]):
+        code = main(["run", "-m", str(given), "-p", "Hello", "--max-tokens", "3", "--temperature", "0",
+                     "--backend", backend, "--context", "64", "--json"])
+        out, err = capsys.readouterr()
+        assert code == 0, err
+        answers.append(json.loads(out))
+    assert answers[1]["backend"] == backend
+    assert answers[1]["token_ids"] == answers[0]["token_ids"] and len(answers[1]["token_ids"]) == 3

@@ -229,12 +229,17 @@ class GGUFWeights:
         bad = [(n, self._tensors[n][0].ggml_type) for n in sorted(used)
                if self._tensors[n][0].ggml_type not in GGUF_SUPPORTED_TYPES]
         if bad:
-            types = sorted({t.name for _, t in bad})
+            by_type: dict[str, list[str]] = {}
+            for name, qtype in bad:
+                by_type.setdefault(qtype.name, []).append(name)
+            # Each type with how many tensors and the first of them: a mix may hold several.
+            listed = "; ".join(f"{qtype}: {len(names)} tensor{'s' if len(names) > 1 else ''}, e.g. '{names[0]}'"
+                               for qtype, names in sorted(by_type.items()))
             raise UnsupportedModelError(
-                f"{self.files[0]}: {len(bad)} tensor(s) use GGUF type(s) {', '.join(types)} that the embedded "
-                f"engine cannot read (first: '{bad[0][0]}' is {bad[0][1].name}).",
-                "Supported GGUF types: " + ", ".join(sorted(t.name for t in GGUF_SUPPORTED_TYPES))
-                + ". Use a GGUF quantized with those, or run this model with the llama.cpp backend.",
+                f"{self.files[0]}: {len(bad)} tensor(s) use GGUF type(s) the embedded engine cannot read ({listed}).",
+                "Run this model on llama.cpp (--backend llamacpp; --backend auto does so by itself), or use a GGUF "
+                "of it quantized to types the engine reads: "
+                + ", ".join(sorted(t.name for t in GGUF_SUPPORTED_TYPES)) + ".",
             )
 
     def _canonical(self, name: str) -> str:

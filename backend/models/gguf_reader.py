@@ -26,6 +26,7 @@ what is wrong with it.
 
 from __future__ import annotations
 
+import glob
 import math
 import mmap
 import os
@@ -512,19 +513,37 @@ def read_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
         return g.metadata
 
 
+# A name that means a split part but is not written as llama.cpp writes them (other digit
+# counts, another case): "Model-1-of-3.gguf", "model-00001-OF-00003.GGUF".
+_SPLIT_LIKE = re.compile(r"^(?P<stem>.*)-(?P<no>\d+)-of-(?P<count>\d+)\.gguf$", re.IGNORECASE)
+SPLIT_NAME_HINT = ("llama.cpp finds the parts of a split set by their names, NAME-00001-of-0000N.gguf to "
+                   "NAME-0000N-of-0000N.gguf (five digits each) in one folder: give the parts those names, "
+                   "or merge them into one file with llama-gguf-split --merge.")
+
+
 def split_parts(path: str | os.PathLike[str]) -> list[Path]:
-    """All files of the set `path` belongs to (just `path` if it is not part of a split)."""
+    """All files of the set `path` belongs to (just `path` if it is not part of a split), by
+    their names. A part missing, a name whose numbers make no sense, or parts of another split
+    of the same name beside them: one ``ModelError`` saying which."""
     path = Path(path)
     m = SPLIT_NAME.match(path.name)
     if not m:
         return [path]
-    count = int(m.group("count"))
+    no, count = int(m.group("no")), int(m.group("count"))
+    if not 1 <= no <= count:
+        raise ModelError(f"{path.name} is named as part {no} of a {count}-file GGUF set, which cannot be.",
+                         SPLIT_NAME_HINT)
     parts = [path.with_name(f"{m.group('stem')}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
     missing = [p.name for p in parts if not p.is_file()]
     if missing:
+        others = sorted({int(o.group("count")) for f in path.parent.glob(f"{glob.escape(m.group('stem'))}-*-of-*.gguf")
+                         if (o := SPLIT_NAME.match(f.name)) and o.group("stem") == m.group("stem")} - {count})
+        other_sets = (f" The folder also holds parts of a {' and a '.join(map(str, others))}-file split of the same "
+                      "name: those belong to another set (another download or another split of the model)."
+                      if others else "")
         raise ModelError(
             f"{path.name} is part of a {count}-file GGUF set, but {', '.join(missing)} "
-            f"{'is' if len(missing) == 1 else 'are'} missing from {path.parent}.",
+            f"{'is' if len(missing) == 1 else 'are'} missing from {path.parent}.{other_sets}",
             "Download every part of the set into the same folder.",
         )
     return parts
@@ -543,6 +562,9 @@ def open_gguf_set(path: str | os.PathLike[str], **options: Any) -> list[GGUFFile
             files.append(g)
             if len(parts) > 1:
                 _check_split(g, i, len(parts))
+                _check_same_set(files[0], g)
+        if len(parts) == 1:
+            _check_not_a_part(files[0])
         if options.get("tensors", True):
             _check_set_tensors(files)
     except BaseException:
@@ -561,6 +583,34 @@ def _check_split(g: GGUFFile, index: int, count: int) -> None:
             f"{g.path.name} says it is part {no + 1} of {total}, but its name makes it part {index + 1} of {count}.",
             "The parts come from different downloads; download every part again.",
         )
+
+
+def _check_same_set(first: GGUFFile, g: GGUFFile) -> None:
+    """A part whose split.tensors.count differs from the first part's is from another set (the
+    same name pattern and count, another model or another split of it)."""
+    mine, theirs = g.get("split.tensors.count"), first.get("split.tensors.count")
+    if g is first or not isinstance(mine, int) or not isinstance(theirs, int) or mine == theirs:
+        return
+    raise ModelError(
+        f"{g.path.name} belongs to another GGUF set than {first.path.name}: it says the set holds {mine} tensors, "
+        f"{first.path.name} says {theirs} (split.tensors.count).",
+        "The parts come from different models or downloads; download every part of the set again into one folder.",
+    )
+
+
+def _check_not_a_part(g: GGUFFile) -> None:
+    """A file that says it is one part of a split set (split.count > 1) but whose name does not
+    lead to the others: the model would be missing most of its tensors."""
+    no, count = g.get("split.no"), g.get("split.count")
+    if not isinstance(count, int) or count <= 1:
+        return
+    part = f"part {no + 1} of a {count}-file" if isinstance(no, int) else f"one part of a {count}-file"
+    loose = _SPLIT_LIKE.match(g.path.name)
+    named = (f"its name is not written as llama.cpp writes split names (five digits: "
+             f"{loose.group('stem')}-{int(loose.group('no')):05d}-of-{int(loose.group('count')):05d}.gguf)"
+             if loose else "its name does not follow the NAME-00001-of-0000N.gguf pattern")
+    raise ModelError(f"{g.path} is {part} split GGUF set (its split.count key), but {named}, so the other "
+                     "parts cannot be found.", SPLIT_NAME_HINT)
 
 
 def _check_set_tensors(files: list[GGUFFile]) -> None:

@@ -12,6 +12,31 @@ from enum import Enum
 from typing import Any
 
 
+@dataclass(frozen=True)
+class TypeUse:
+    """The tensors of one storage type (within a class): how many, their bytes, and the first
+    of them in file order (what a message names)."""
+
+    tensors: int
+    bytes: int
+    example: str
+
+    def plus(self, tensors: int, nbytes: int) -> TypeUse:
+        return TypeUse(self.tensors + tensors, self.bytes + nbytes, self.example)
+
+    @property
+    def types(self) -> dict[str, TypeUse]:
+        """Every storage type of the model, the classes together, the most bytes first."""
+        total: dict[str, TypeUse] = {}
+        for uses in self.types_by_class.values():
+            for name, use in uses.items():
+                total[name] = total[name].plus(use.tensors, use.bytes) if name in total else use
+        return dict(sorted(total.items(), key=lambda kv: (-kv[1].bytes, kv[0])))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"tensors": self.tensors, "bytes": self.bytes, "example": self.example}
+
+
 class TensorClass(str, Enum):
     EMBEDDING = "embedding"
     ATTENTION = "attention"  # q/k/v/o, MLA projections, all norms
@@ -59,6 +84,15 @@ class TensorInventory:
     # instead of 144), per class and, for the routed experts, per MoE layer.
     copy_extra: dict[TensorClass, int] = field(default_factory=dict)
     copy_extra_by_layer: dict[int, int] = field(default_factory=dict)
+    # The storage types each class holds, as the files store them (GGUF types such as q4_k or
+    # iq2_xxs, safetensors dtypes such as BF16): community "dynamic" GGUFs change types from
+    # tensor to tensor and layer to layer, so one expert_format does not describe them.
+    types_by_class: dict[TensorClass, dict[str, TypeUse]] = field(default_factory=dict)
+    # The routed experts by the format the engine's CPU side reads them in (a GGUF type; for
+    # a safetensors checkpoint its expert format, e.g. fp8_block, whose parts are stored in
+    # several dtypes): in all, and per MoE layer in bytes (models.slow_paths reads these).
+    routed_formats: dict[str, TypeUse] = field(default_factory=dict)
+    routed_format_bytes_by_layer: dict[int, dict[str, int]] = field(default_factory=dict)
 
     @property
     def total_bytes(self) -> int:
@@ -94,6 +128,15 @@ class TensorInventory:
     def bytes_per_expert(self, layer: int) -> float:
         return self.routed_bytes_by_layer[layer] / self.n_routed_experts
 
+    @property
+    def types(self) -> dict[str, TypeUse]:
+        """Every storage type of the model, the classes together, the most bytes first."""
+        total: dict[str, TypeUse] = {}
+        for uses in self.types_by_class.values():
+            for name, use in uses.items():
+                total[name] = total[name].plus(use.tensors, use.bytes) if name in total else use
+        return dict(sorted(total.items(), key=lambda kv: (-kv[1].bytes, kv[0])))
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "source": self.source,
@@ -102,6 +145,9 @@ class TensorInventory:
             "total_bytes": self.total_bytes,
             "bytes_by_class": {c.value: b for c, b in self.bytes_by_class.items()},
             "routed_bytes_by_layer": {str(k): v for k, v in sorted(self.routed_bytes_by_layer.items())},
+            "types": {name: use.to_dict() for name, use in self.types.items()},
+            "types_by_class": {c.value: {name: use.to_dict() for name, use in sorted(uses.items(), key=lambda kv: -kv[1].bytes)}
+                               for c, uses in self.types_by_class.items() if uses},
             "files": list(self.files),
             "notes": list(self.notes),
         }

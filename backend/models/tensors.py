@@ -30,7 +30,7 @@ from hybridmoe.backend.models.formats import (
     mix_tensor_format,
     tensor_bytes,
 )
-from hybridmoe.backend.models.inventory import TensorClass, TensorInventory
+from hybridmoe.backend.models.inventory import TensorClass, TensorInventory, TypeUse
 from hybridmoe.backend.models.safetensors_files import TensorRecord
 from hybridmoe.backend.models.spec import ModelSpec
 
@@ -187,6 +187,32 @@ class _Held:
                 "copy_extra_by_layer": dict(sorted(self.extra_by_layer.items()))}
 
 
+@dataclass
+class _Types:
+    """The storage types of each class, and the routed experts' formats as the CPU reads them
+    (TensorInventory's ``types_by_class``, ``routed_formats``, ``routed_format_bytes_by_layer``)."""
+
+    by_class: dict[TensorClass, dict[str, TypeUse]] = field(default_factory=dict)
+    routed: dict[str, TypeUse] = field(default_factory=dict)
+    routed_by_layer: dict[int, dict[str, int]] = field(default_factory=dict)
+
+    def add(self, c: Classified, name: str, stored: str, read_as: str, tensors: int, nbytes: int) -> None:
+        """One tensor `name` (or `tensors` alike) stored as `stored`, which the engine reads as `read_as`."""
+        _count(self.by_class.setdefault(c.cls, {}), stored, name, tensors, nbytes)
+        if c.cls is C.ROUTED_EXPERTS:
+            _count(self.routed, read_as, name, tensors, nbytes)
+            layer = self.routed_by_layer.setdefault(c.layer, {})
+            layer[read_as] = layer.get(read_as, 0) + nbytes
+
+    def fields(self) -> dict:
+        return {"types_by_class": self.by_class, "routed_formats": self.routed,
+                "routed_format_bytes_by_layer": dict(sorted(self.routed_by_layer.items()))}
+
+
+def _count(uses: dict[str, TypeUse], key: str, name: str, tensors: int, nbytes: int) -> None:
+    uses[key] = uses[key].plus(tensors, nbytes) if key in uses else TypeUse(tensors, nbytes, name)
+
+
 def inventory_from_records(records: Iterable[TensorRecord], spec: ModelSpec, *, source: str,
                            files: Iterable[str] = (), expert_format: str | None = None) -> TensorInventory:
     """Inventory of real tensors (``source`` "safetensors" or "gguf")."""
@@ -195,10 +221,15 @@ def inventory_from_records(records: Iterable[TensorRecord], spec: ModelSpec, *, 
     by_layer: dict[int, int] = {}
     router_params = router_bytes = 0  # the routers' matrices
     held = _Held()
+    types = _Types()
+    # A GGUF tensor is read in its own type; a safetensors expert's parts (fp8 weights and
+    # their scales, int4 codes and group scales) in the checkpoint's expert format.
+    expert_read_as = expert_format or spec.expert_format
     unknown: list[str] = []
     for r in records:
         c = classify(r.name, spec.num_layers)
         by_class[c.cls] += r.nbytes
+        types.add(c, r.name, r.dtype, r.dtype if source == "gguf" else expert_read_as, 1, r.nbytes)
         # A weight's elements; its quantization scales, none.
         held.add(c, r.name, r.dtype, r.shape, 0 if _SCALES.search(r.name) else math.prod(r.shape), r.nbytes)
         if c.cls is C.ROUTER and len(r.shape) >= 2:
@@ -225,6 +256,7 @@ def inventory_from_records(records: Iterable[TensorRecord], spec: ModelSpec, *, 
         router_matrix_params=router_params,
         router_matrix_bytes=router_bytes,
         **held.fields(),
+        **types.fields(),
     )
 
 
@@ -371,6 +403,7 @@ def inventory_from_config(spec: ModelSpec, *, expert_format: str | None = None,
     by_layer: dict[int, int] = {}
     router_params = router_bytes = 0  # the routers' matrices
     held = _Held()
+    types = _Types()
     tensors = family.expected_tensors(spec)
     for t in (part for t in tensors for part in _as_gguf_stores(t, spec)) if gguf_mode else tensors:
         c = classify_hf(t.name, spec.num_layers)
@@ -385,6 +418,7 @@ def inventory_from_config(spec: ModelSpec, *, expert_format: str | None = None,
             router_params += math.prod(t.shape) * t.count
             router_bytes += nbytes
         held.add(c, t.name, fmt, t.shape, math.prod(t.shape) * t.count, nbytes)
+        types.add(c, t.name, fmt, fmt, t.count, nbytes)
         if c.cls is C.ROUTED_EXPERTS:
             by_layer[c.layer] = by_layer.get(c.layer, 0) + nbytes
 
@@ -402,6 +436,7 @@ def inventory_from_config(spec: ModelSpec, *, expert_format: str | None = None,
         router_matrix_params=router_params,
         router_matrix_bytes=router_bytes,
         **held.fields(),
+        **types.fields(),
     )
 
 

@@ -86,14 +86,19 @@ def decode_step(
     gpu_bytes_by_card: list[tuple[float, float | None]],
     cards_in_parallel: bool = False,
     all_reduces: int = 0,
+    host_slow_bytes: float = 0.0,
+    slowdown: float = 1.0,
 ) -> DecodeEstimate:
     """Time of one decode step: the host path and the GPU path overlap, so the slower bounds.
 
     GPU cards of a pipeline run one after the other for the same token, so their times add.
     Under tensor parallelism (`cards_in_parallel`) they read their shares at once: the slowest
     card's time, plus `all_reduces` × ALL_REDUCE_SECONDS; the GPU bytes are then per card.
+    `host_slow_bytes` of the host bytes take a slow path (models.slow_paths): each costs
+    `slowdown` times a byte read at the bandwidth.
     """
-    t_host = host_bytes / host_bandwidth if host_bandwidth and host_bytes else 0.0
+    host_time_bytes = host_bytes + (slowdown - 1.0) * host_slow_bytes
+    t_host = host_time_bytes / host_bandwidth if host_bandwidth and host_bytes else 0.0
     gpu_bytes = sum(b for b, _ in gpu_bytes_by_card)
     if cards_in_parallel:
         gpu_bytes = max((b for b, _ in gpu_bytes_by_card), default=0.0)
@@ -111,7 +116,8 @@ def decode_step(
     if t_host == 0 and t_gpu == 0:
         return DecodeEstimate(host_bytes, gpu_bytes, None, "unknown: no bandwidth figures")
     if t_host >= t_gpu:
-        bound = "host memory bandwidth (CPU experts)"
+        bound = ("PyTorch dequantization of CPU experts on the slow path" if host_slow_bytes
+                 else "host memory bandwidth (CPU experts)")
         if unknown_gpu_bw:
             bound += "; GPU bandwidth unknown, GPU time not counted"
     else:

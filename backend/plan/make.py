@@ -20,9 +20,11 @@ from functools import cached_property
 from typing import Any
 
 from hybridmoe.backend.errors import ModelError, PlanError
+from hybridmoe.backend.hardware.cpu_kernels import native_kernels_missing
 from hybridmoe.backend.hardware.profile import HardwareProfile
 from hybridmoe.backend.models.formats import FORMATS, int4_resident_layout
 from hybridmoe.backend.models.inventory import TensorClass, TensorInventory
+from hybridmoe.backend.models.slow_paths import SLOW_PATH_SLOWDOWN, cpu_slow_path
 from hybridmoe.backend.models.spec import ModelSpec
 from hybridmoe.backend.models.tensors import inventory_from_config
 from hybridmoe.backend.plan import budget as B
@@ -181,6 +183,11 @@ class _Planner:
         self.host = self.stored if workload.backend == "llamacpp" else _AlwaysRead.of(spec, inventory)
         self.kv_elem = workload.kv_bytes_per_element
         self.kv_layer_token = spec.kv_bytes_per_token_per_layer(self.kv_elem)
+        # Routed experts the engine's CPU would dequantize with PyTorch on every call
+        # (models.slow_paths), counted in the estimate where the plan leaves them on the CPU. A
+        # described machine runs the kernels the package builds; this one may lack them.
+        self.slow = None if workload.backend == "llamacpp" else cpu_slow_path(
+            inventory, None if hardware.described else native_kernels_missing())
 
     @cached_property
     def gpu(self) -> _AlwaysRead:
@@ -242,6 +249,12 @@ class _Planner:
         # Host RAM holds every expert not on a GPU, as the CPU side copies it (host_bpe).
         host_routed = int(sum((self.E - len(gpu_experts[layer])) * self.host_bpe[layer] for layer in spec.moe_layers))
         host_parts = {"routed_experts": host_routed}
+        engine_slow_path = None
+        if self.slow and any(len(gpu_experts[layer]) < self.E for layer in self.slow.bytes_by_layer):
+            engine_slow_path = self.slow.describe()
+            self.warnings.append(engine_slow_path + (
+                ". `--backend auto` runs this model on llama.cpp (when it is installed), which reads them in place."
+                if wl.backend == "auto" else "."))
         host_parts["kv_cache"] = 0
         if not gpus:
             host_parts["always_read"] = int(self.host.whole(spec.num_layers))
@@ -347,6 +360,7 @@ class _Planner:
             parallel=lay.kind,
             layouts={kind: self._summary(other) for kind, other in layouts.items()} if gpus else {},
             llama_cpp=llama,
+            engine_slow_path=engine_slow_path,
             fits=fits,
             reason=reason,
             suggestions=tuple(suggestions),
@@ -377,6 +391,9 @@ class _Planner:
         touched = experts_touched(self.E, self.k, users)
         gpu_experts = lay.gpu_experts
         host = sum(touched * self._cpu_share(layer, gpu_experts[layer]) * self.host_bpe[layer] for layer in self.moe)
+        slow = sum(touched * self._cpu_share(layer, gpu_experts[layer]) * self.slow.bytes_by_layer.get(layer, 0) / self.E
+                   for layer in self.moe) if self.slow else 0.0
+        on_slow_path = {"host_slow_bytes": slow, "slowdown": SLOW_PATH_SLOWDOWN}
         gpu_reads = []
         if gpus:
             for c, run in enumerate(lay.runs):
@@ -397,8 +414,9 @@ class _Planner:
         if lay.kind == "tp":
             return decode_step(host_bytes=host, host_bandwidth=self.hw.memory.bandwidth_bytes_per_s,
                                gpu_bytes_by_card=gpu_reads, cards_in_parallel=True,
-                               all_reduces=tp_all_reduces(self.spec.num_layers))
-        return decode_step(host_bytes=host, host_bandwidth=self.hw.memory.bandwidth_bytes_per_s, gpu_bytes_by_card=gpu_reads)
+                               all_reduces=tp_all_reduces(self.spec.num_layers), **on_slow_path)
+        return decode_step(host_bytes=host, host_bandwidth=self.hw.memory.bandwidth_bytes_per_s, gpu_bytes_by_card=gpu_reads,
+                           **on_slow_path)
 
     def _layout(self, kind: str, gpus, budgets, activations) -> _Layout:
         """Weights, caches, reserves and routed experts of each card for a pipeline ("pp": each

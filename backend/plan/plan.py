@@ -93,6 +93,10 @@ class Plan:
     # Why the embedded engine's own layout does not fit, where that made `--backend auto` plan
     # for llama.cpp (plan.make): a session must then not hand this plan to the engine.
     engine_misfit: str | None = None
+    # Routed experts the engine would compute on a slow path on this plan's CPU (PyTorch
+    # dequantizing them on every call: models.slow_paths), in one sentence; None when none
+    # are. The estimate counts them; `--backend auto` then prefers llama.cpp (backends.py).
+    engine_slow_path: str | None = None
     format: str = field(default=PLAN_FORMAT)
     # How routed experts are held on the GPUs ("bf16"/"f32": dense in the compute dtype,
     # "int8": weight-only with per-row scales, "int4": the stored 4-bit codes) and the bytes each then takes there, per MoE

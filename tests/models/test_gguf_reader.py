@@ -525,12 +525,19 @@ def test_split_sets(tmp_path):
     with open_gguf_file(parts[0]) as g:
         count_at = g.fields["split.tensors.count"].offset
         no_at = g.fields["split.no"].offset
-    first = parts[0].read_bytes()
+    with open_gguf_file(parts[1]) as g:
+        second_count_at = g.fields["split.tensors.count"].offset
+    first, second = parts[0].read_bytes(), parts[1].read_bytes()
 
     _patch(parts[0], count_at, "<i", 5)  # split.tensors.count is an int32
+    with pytest.raises(ModelError, match=r"s-00002-of-00002.gguf belongs to another GGUF set than s-00001-of-00002.gguf: "
+                                         r"it says the set holds 4 tensors, s-00001-of-00002.gguf says 5"):
+        open_gguf_set(parts[1])
+    _patch(parts[1], second_count_at, "<i", 5)  # the parts agree, and lie together
     with pytest.raises(ModelError, match="lists 5 tensors but its parts hold 4"):
         open_gguf_set(parts[1])
     parts[0].write_bytes(first)
+    parts[1].write_bytes(second)
     _patch(parts[0], no_at, "<H", 1)
     with pytest.raises(ModelError, match="s-00001-of-00002.gguf says it is part 2 of 2"):
         open_gguf_set(parts[0])
