@@ -62,16 +62,16 @@ def retype(src: str | Path, dst: str | Path, *, experts: str | None = None, mix:
 
     from hybridmoe.backend.bench.synthetic_experts import random_matrix
     from hybridmoe.backend.models.formats import gguf_row_fallback
+    from hybridmoe.backend.models.gguf_reader import open_gguf_file
 
     if (experts is None) == (mix is None):
         raise ValueError("give one of experts= and mix=")
     if mix is not None and mix not in MIXES:
         raise ValueError(f"unknown mix {mix!r} (known: {', '.join(MIXES)})")
-    reader = gguf.GGUFReader(str(src))
-    arch = reader.get_field("general.architecture").contents()
-    layers = int(reader.get_field(f"{arch}.block_count").contents())
-    dense = reader.get_field(f"{arch}.leading_dense_block_count")
-    first_moe = int(dense.contents()) if dense else 0
+    source = open_gguf_file(src)
+    arch = source["general.architecture"]
+    layers = int(source[f"{arch}.block_count"])
+    first_moe = int(source.get(f"{arch}.leading_dense_block_count", 0))
 
     def target(name: str, row: int) -> str | None:
         fmt = experts if _EXPERTS.fullmatch(name) else None
@@ -79,47 +79,47 @@ def retype(src: str | Path, dst: str | Path, *, experts: str | None = None, mix:
             fmt = ud_q2_k_xl(name, first_moe, layers - 1)
         return gguf_row_fallback(fmt, row) if fmt else None
 
-    per_part = -(-len(reader.tensors) // parts) if parts > 1 else 0
+    per_part = -(-len(source.tensors) // parts) if parts > 1 else 0
     writer = gguf.GGUFWriter(None, arch, split_max_tensors=per_part)
-    for field in reader.fields.values():
+    for key, field in source.fields.items():
         # general.file_type names the source's mix, which the new types no longer are.
-        if field.name.startswith(("GGUF.", "split.")) or field.name in (
-                "general.architecture", "general.alignment", "general.file_type"):
+        if key.startswith(("GGUF.", "split.")) or key in ("general.architecture", "general.alignment",
+                                                            "general.file_type"):
             continue
-        sub = field.types[1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
-        writer.add_key_value(field.name, field.contents(), field.types[0], sub_type=sub)
+        writer.add_key_value(key, source[key], field.type, sub_type=field.item_type)
+
+    def byte_shape(shape: tuple[int, ...], qtype: gguf.GGMLQuantizationType) -> tuple[int, ...]:
+        block, size = gguf.GGML_QUANT_SIZES[qtype]
+        return (*shape[:-1], shape[-1] // block * size)
 
     rng = np.random.default_rng(seed)
     plan = []
-    for t in reader.tensors:
-        shape = tuple(int(n) for n in reversed(t.shape))  # torch order
-        fmt = target(t.name, shape[-1])
-        if fmt is None or fmt == t.tensor_type.name.lower():
-            plan.append((t, None))
-            writer.add_tensor_info(t.name, t.data.shape, t.data.dtype, t.data.nbytes, t.tensor_type)
-            continue
-        qtype = gguf.GGMLQuantizationType[fmt.upper()]
-        block, size = gguf.GGML_QUANT_SIZES[qtype]
-        plan.append((t, fmt))
-        writer.add_tensor_info(t.name, (*shape[:-1], shape[-1] // block * size), np.dtype(np.uint8),
-                               int(np.prod(shape)) // block * size, qtype)
+    for t in source.tensors:
+        fmt = target(t.name, t.shape[-1])
+        if fmt == t.type_name:
+            fmt = None
+        qtype = t.ggml_type if fmt is None else gguf.GGMLQuantizationType[fmt.upper()]
+        shape = byte_shape(t.shape, qtype)
+        plan.append((t, fmt, shape))
+        writer.add_tensor_info(t.name, shape, np.dtype(np.uint8), int(np.prod(shape)), qtype)
 
     writer.write_header_to_file(Path(dst))
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
-    for t, fmt in plan:
+    for t, fmt, shape in plan:
+        stored = source.tensor_bytes(t)
         if fmt is None:
-            writer.write_tensor_data(t.data)
+            writer.write_tensor_data(stored)
             continue
         # The spread of the source's values, from its first rows.
-        rows = np.asarray(t.data).reshape(-1, np.asarray(t.data).shape[-1])[:64]
-        scale = float(np.std(gguf.quants.dequantize(rows, t.tensor_type)))
-        shape = tuple(int(n) for n in reversed(t.shape))
-        new = random_matrix(rng, fmt, shape, scale=scale or 0.02)
+        rows = stored.reshape(-1, byte_shape(t.shape, t.ggml_type)[-1])[:64]
+        scale = float(np.std(gguf.quants.dequantize(rows, t.ggml_type)))
+        new = random_matrix(rng, fmt, t.shape, scale=scale or 0.02)
         writer.write_tensor_data(new.parts["data"].numpy().reshape(-1))
         if on_tensor is not None:
-            on_tensor(t.name, t.tensor_type.name, fmt.upper())
+            on_tensor(t.name, t.type_name.upper(), fmt.upper())
     writer.close()
+    source.close()
     return written_parts(Path(dst), parts)
 
 
