@@ -9,7 +9,6 @@ and ``HYBRIDMOE_NATIVE=0`` turns all of them off at one switch.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -18,6 +17,7 @@ from typing import Any
 import torch
 
 from hybridmoe.backend.formats.quant import QuantTensor
+from hybridmoe.backend.hardware.cpu_kernels import turned_off
 from hybridmoe.backend.models.formats import GGUF_CPU_KERNEL_TYPES
 
 try:  # built by the package build; absent in a source tree that was never installed
@@ -111,7 +111,7 @@ def expert_regime(rows: str | None = None) -> str:
 
 def enabled() -> bool:
     """Whether the engine uses the kernels: built, and not turned off by HYBRIDMOE_NATIVE."""
-    return _native is not None and os.environ.get("HYBRIDMOE_NATIVE", "1") not in ("0", "false", "no", "off")
+    return _native is not None and turned_off() is None
 
 
 def native_format(w: Any) -> str | None:

@@ -10,16 +10,20 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["native_kernels_missing"]
+__all__ = ["native_kernels_missing", "turned_off"]
 
-# The values native_kernels.enabled() reads as "off".
-_OFF = ("0", "false", "no", "off")
+
+def turned_off() -> str | None:
+    """Why HYBRIDMOE_NATIVE turns the kernels off, or None (the one reading of the switch:
+    native_kernels.enabled asks it too)."""
+    value = os.environ.get("HYBRIDMOE_NATIVE", "1")
+    return f"turned off by HYBRIDMOE_NATIVE={value}" if value in ("0", "false", "no", "off") else None
 
 
 def native_kernels_missing() -> str | None:
     """Why the engine would not use the native CPU kernels here; None when it would."""
-    if os.environ.get("HYBRIDMOE_NATIVE", "1") in _OFF:
-        return f"turned off by HYBRIDMOE_NATIVE={os.environ['HYBRIDMOE_NATIVE']}"
+    if off := turned_off():
+        return off
     try:
         # The extension sits at the top of the package and imports nothing: no torch here.
         from hybridmoe import _native  # noqa: F401
