@@ -53,6 +53,9 @@ class AppState:
     obtained: tuple[str, ...] = ()
     system_prompt: str = ""
     sampling: dict[str, Any] = field(default_factory=lambda: dict(DEFAULT_SAMPLING))
+    # A conversation longer than the context: leave out its oldest turns (the system prompt
+    # stays) rather than refuse every message from then on.
+    drop_oldest_turns: bool = True
 
     def with_obtained(self, path: str | Path) -> AppState:
         path = str(path)
@@ -78,6 +81,7 @@ class AppState:
             obtained=tuple(str(p) for p in d.get("obtained") or ()),
             system_prompt=str(d.get("system_prompt") or ""),
             sampling={**DEFAULT_SAMPLING, **dict(d.get("sampling") or {})},
+            drop_oldest_turns=bool(d.get("drop_oldest_turns", True)),
         )
 
 

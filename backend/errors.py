@@ -38,6 +38,15 @@ class ModelUnloadedError(ModelError):
         super().__init__("the model was unloaded", "Load it again.")
 
 
+class PromptTooLongError(ModelError):
+    """The prompt does not fit the context (``at_least``: the count is a lower bound, from the
+    text's length). A chat can leave out its oldest turns and try again."""
+
+    def __init__(self, what: str, hint: str, *, prompt_tokens: int, context: int, at_least: bool = False):
+        super().__init__(what, hint)
+        self.prompt_tokens, self.context, self.at_least = prompt_tokens, context, at_least
+
+
 class DamagedModelError(ModelError):
     """The model's weights compute nonsense (NaN or infinite logits): its file is damaged.
     Not the request's fault, so the API server answers it as a server error."""

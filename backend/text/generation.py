@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from hybridmoe.backend.text.sampling import Sampler, SamplingParams, StopStringMatcher
-from hybridmoe.backend.errors import DamagedModelError, ModelError, UsageError
+from hybridmoe.backend.errors import DamagedModelError, PromptTooLongError, UsageError
 from hybridmoe.backend.session import CancelToken, Done, Stats, TextPiece
 
 
@@ -26,7 +26,8 @@ _TOO_LONG_HINT = "Shorten the conversation, or plan a longer context (`hybridmoe
 def max_new_tokens(prompt_tokens: int, context: int, sampling: SamplingParams) -> int:
     """Tokens that may be generated after the prompt: max_tokens, capped by the context."""
     if prompt_tokens >= context:
-        raise ModelError(f"the prompt is {prompt_tokens} tokens, the context holds {context}", _TOO_LONG_HINT)
+        raise PromptTooLongError(f"the prompt is {prompt_tokens} tokens, the context holds {context}", _TOO_LONG_HINT,
+                                 prompt_tokens=prompt_tokens, context=context)
     budget = context - prompt_tokens
     return min(sampling.max_tokens, budget) if sampling.max_tokens else budget
 
@@ -132,9 +133,9 @@ def fitting_prompt_ids(tokenizer, text: str, context: int) -> list[int]:
     whole (seconds, and memory for millions of ids) only to be refused."""
     at_least = tokenizer.min_tokens(text)
     if at_least >= context:
-        raise ModelError(
+        raise PromptTooLongError(
             f"the prompt is at least {at_least:,} tokens ({len(text):,} characters), the context holds {context}",
-            _TOO_LONG_HINT,
+            _TOO_LONG_HINT, prompt_tokens=at_least, context=context, at_least=True,
         )
     return tokenizer.encode_prompt(text)
 

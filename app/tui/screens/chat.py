@@ -5,6 +5,10 @@ and the final ``Done`` as ``Answered``; the screen appends pieces to the answer'
 stream in arrival order (message queues keep it) and renders the whole text once at the
 end. Esc sets the cancel token; the backend then ends with ``Done("cancelled")`` and the
 text generated so far stays, in the view and in the history.
+
+A conversation longer than the model's context leaves out its oldest turns (the system
+prompt stays; a setting, Ctrl+S) and says so; a message that does not fit even alone is not
+kept as sent: it goes back into the input, with the keys that help.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from hybridmoe.app.tui.widgets.prompt import PromptInput
 from hybridmoe.app.tui.widgets.status_line import StatusLine
 from hybridmoe.app.tui.widgets.nav_bar import NavBar
 from hybridmoe.app.tui.workers import ReportsWorkerErrors, WorkerFailed
-from hybridmoe.backend.errors import HybridMoeError, PlanError
+from hybridmoe.backend.errors import HybridMoeError, PlanError, PromptTooLongError
 from hybridmoe.backend.plan import ExpertStats, Plan, Workload
 from hybridmoe.backend.session import Cancelled, CancelToken, Done, Message as ChatTurn, Progress, TextPiece
 
@@ -82,6 +86,13 @@ class ChatScreen(ReportsWorkerErrors, Screen):
             super().__init__()
             self.done = done
 
+    class TurnsLeftOut(Message):
+        """The answer's prompt left out the conversation's oldest ``count`` messages."""
+
+        def __init__(self, count: int):
+            super().__init__()
+            self.count = count
+
     class UsageNotRecorded(Message):
         def __init__(self, error: HybridMoeError):
             super().__init__()
@@ -105,6 +116,9 @@ class ChatScreen(ReportsWorkerErrors, Screen):
         self.generating = False
         self.cancel = CancelToken()
         self.answer: ChatMessage | None = None
+        # The user's message the answer in progress answers, when it was just sent (not for a
+        # regenerated answer): taken back into the input when it cannot be answered at all.
+        self.sent: ChatMessage | None = None
         self.conversation: Conversation | None = None
         # The history's generation the conversation and the message ids belong to: a new
         # history that replaced a damaged one holds none of them.
@@ -286,14 +300,17 @@ class ChatScreen(ReportsWorkerErrors, Screen):
             self.notify("Still answering: Esc stops it.", severity="warning")
             return
         event.prompt.clear()
-        await self._add_user_message(event.text)
+        sent = await self._add_user_message(event.text)
         await self._start_answer()
+        self.sent = sent
 
-    async def _add_user_message(self, text: str) -> None:
+    async def _add_user_message(self, text: str) -> ChatMessage:
         log = self.query_one("#conversation", VerticalScroll)
-        await log.mount(ChatMessage("user", text))  # on screen first: a failed save cannot lose it
+        message = ChatMessage("user", text)
+        await log.mount(message)  # on screen first: a failed save cannot lose it
         log.anchor()  # whoever sends wants to see the answer, even after scrolling up
         self._save()
+        return message
 
     # ---- keeping the conversation in the history -------------------------------------------------
 
@@ -355,6 +372,7 @@ class ChatScreen(ReportsWorkerErrors, Screen):
 
     async def _start_answer(self) -> None:
         turns = self._turns()
+        self.sent = None
         self.answer = ChatMessage("assistant", author=self.model_name)
         await self.query_one("#conversation", VerticalScroll).mount(self.answer)
         self.answer.begin_stream()
@@ -364,11 +382,12 @@ class ChatScreen(ReportsWorkerErrors, Screen):
         self.query_one(StatusLine).show_live(0, 0.0, None)
         self.refresh_bindings()
         self._generate(self.session, turns, dict(self.app.state.sampling), self.cancel,
-                       self.loaded_session, self.model_path, self.app.settings.record_stats)
+                       self.loaded_session, self.model_path, self.app.settings.record_stats,
+                       self.app.state.drop_oldest_turns)
 
     @work(thread=True, exclusive=True, exit_on_error=False, group="generate")
     def _generate(self, session, turns: list[ChatTurn], sampling_values: dict, cancel: CancelToken,
-                  counter, model_path: Path, record_usage: bool) -> None:
+                  counter, model_path: Path, record_usage: bool, drop_oldest_turns: bool) -> None:
         services = self.app.services
         sampling = sampling_params(sampling_values)  # here, not on the UI thread: its module imports torch
         done = None
@@ -377,15 +396,33 @@ class ChatScreen(ReportsWorkerErrors, Screen):
             # queue has come round to this answer (taking it here first would invert the order).
             shared = isinstance(session, SharedSession)
             with nullcontext() if shared else services.model_turn("an answer", cancel=cancel):
-                for event in session.generate(turns, sampling, cancel):
-                    if isinstance(event, TextPiece):
-                        self.post_message(self.Streamed(event.text, len(event.token_ids)))
-                    elif isinstance(event, Done):
-                        done = event
+                sent = turns
+                while True:
+                    try:
+                        # A prompt too long is refused before its first event: nothing was streamed.
+                        for event in session.generate(sent, sampling, cancel):
+                            if isinstance(event, TextPiece):
+                                self.post_message(self.Streamed(event.text, len(event.token_ids)))
+                            elif isinstance(event, Done):
+                                done = event
+                        break
+                    except PromptTooLongError as error:
+                        shorter = without_oldest_turn(sent) if drop_oldest_turns else None
+                        if shorter is None:
+                            raise MessageDoesNotFit(error, drop_oldest_turns) from error
+                        sent = shorter
+                if len(sent) < len(turns):
+                    self.post_message(self.TurnsLeftOut(len(turns) - len(sent)))
                 self._account_usage(services, counter, model_path, record_usage)
         except Cancelled:  # stopped while it waited for its turn (a bandwidth measurement, say)
             pass
         self.post_message(self.Answered(done))
+
+    def on_chat_screen_turns_left_out(self, event: TurnsLeftOut) -> None:
+        context = f"{self.plan.workload.context:,} tokens" if self.plan else "the context"
+        self.notify(f"The conversation is longer than the model's context ({context}): its oldest "
+                    f"{event.count} message{'s' if event.count > 1 else ''} were left out of this answer's "
+                    "prompt (they stay here). Ctrl+N starts a new conversation.", timeout=8)
 
     def _account_usage(self, services, counter, model_path: Path, record: bool) -> None:
         """Add what the model counted since the last answer to its usage file, when the
@@ -453,12 +490,37 @@ class ChatScreen(ReportsWorkerErrors, Screen):
     async def on_worker_failed(self, event: WorkerFailed) -> None:
         # The App shows the dialog (the message bubbles on); here the screen gets usable again.
         if event.worker.group == "generate" and self.answer is not None:
+            if isinstance(event.error, MessageDoesNotFit) and self.sent is not None and not self.answer.text:
+                await self._take_back(self.sent)
+                return
             await self._finish_answer("error")
         elif event.worker.group == "load":
             self.failed_target, self.loading_target = self.loading_target, None
             self.query_one("#load-panel").display = False
             self.query_one(StatusLine).say("the model did not load; Ctrl+L tries again")
             self.refresh_bindings()
+
+    async def _take_back(self, sent: ChatMessage) -> None:
+        """The message just sent could not be answered at all: it leaves the conversation (on
+        screen and in the history) and its text goes back into the input, to shorten or keep."""
+        answer, self.answer, self.sent = self.answer, None, None
+        if answer is not None:
+            await answer.remove()
+        stored_id = sent.message_id if self._in_history() else None
+        await sent.remove()
+        if stored_id is not None:
+            try:
+                self.app.history.delete_message(stored_id)
+            except HistoryError as error:
+                self._history_failed(error)
+        prompt = self.query_one(PromptInput)
+        prompt.text = sent.text
+        prompt.move_cursor(prompt.document.end)
+        prompt.focus()
+        self.query_one(StatusLine).say("your message is back in the input: it does not fit the context")
+        self.generating = False
+        self.refresh_bindings()
+        self.ensure_loaded()
 
     def action_stop(self) -> None:
         if self.generating:
@@ -539,7 +601,8 @@ class ChatScreen(ReportsWorkerErrors, Screen):
             if result is None:
                 return
             self.system_prompt = result.system_prompt
-            self.app.update_state(system_prompt=result.system_prompt, sampling=result.sampling)
+            self.app.update_state(system_prompt=result.system_prompt, sampling=result.sampling,
+                                  drop_oldest_turns=result.drop_oldest_turns)
             if self._in_history():
                 try:
                     self.app.history.update(self.conversation.id, system_prompt=result.system_prompt)
@@ -551,7 +614,8 @@ class ChatScreen(ReportsWorkerErrors, Screen):
                 " Expert usage is recorded from the next answer on." if result.record_usage else ""))
 
         self.app.push_screen(ChatSettingsScreen(self.system_prompt, self.app.state.sampling,
-                                                self.app.settings.record_stats), saved)
+                                                self.app.settings.record_stats, self.app.state.drop_oldest_turns),
+                             saved)
 
     # ---- copying -----------------------------------------------------------------------------------
 
@@ -575,6 +639,31 @@ class ChatScreen(ReportsWorkerErrors, Screen):
         self.load_cancel.cancel()
         if self.session is not None:
             self.session.close()
+
+
+class MessageDoesNotFit(HybridMoeError):
+    """A message that does not fit the context even with the conversation's earlier turns
+    left out: said with the keys that help."""
+
+    def __init__(self, error: PromptTooLongError, drop_oldest_turns: bool):
+        ways = ["shorten it", "start a new conversation (Ctrl+N)",
+                "plan a longer context (F4, then save)"]
+        if not drop_oldest_turns:
+            ways.insert(1, "let the chat leave out the oldest turns (Ctrl+S)")
+        super().__init__(error.what, f"Your message is back in the input: {', '.join(ways[:-1])} or {ways[-1]}.")
+
+
+def without_oldest_turn(turns: list[ChatTurn]) -> list[ChatTurn] | None:
+    """``turns`` without their oldest message (and its answer: the prompt starts at a user's
+    turn); a leading system prompt stays. None when only the newest message is left."""
+    system = turns[:1] if turns and turns[0].role == "system" else []
+    rest = turns[len(system):]
+    if len(rest) <= 1:
+        return None
+    rest = rest[1:]
+    while len(rest) > 1 and rest[0].role != "user":
+        rest = rest[1:]
+    return system + rest
 
 
 def limits_words(conversations: int, context: int) -> str:

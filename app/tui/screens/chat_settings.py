@@ -1,5 +1,6 @@
-"""The chat's settings: the system prompt, sampling (checked by SamplingParams itself), and
-whether the chat records which experts the model uses, for re-planning.
+"""The chat's settings: the system prompt, sampling (checked by SamplingParams itself),
+what a conversation longer than the context does, and whether the chat records which
+experts the model uses, for re-planning.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ class ChatSettings:
     system_prompt: str
     sampling: dict[str, Any]
     record_usage: bool
+    drop_oldest_turns: bool = True
 
 
 def sampling_params(values: dict[str, Any]):
@@ -57,11 +59,13 @@ class ChatSettingsScreen(ModalScreen[ChatSettings | None]):
 
     BINDINGS = [Binding("escape", "cancel", "Cancel"), Binding("ctrl+s", "save", "Save")]
 
-    def __init__(self, system_prompt: str, sampling: dict[str, Any], record_usage: bool = False):
+    def __init__(self, system_prompt: str, sampling: dict[str, Any], record_usage: bool = False,
+                 drop_oldest_turns: bool = True):
         super().__init__(classes="dialog")
         self.system_prompt = system_prompt
         self.sampling = sampling
         self.record_usage = record_usage
+        self.drop_oldest_turns = drop_oldest_turns
 
     def compose(self) -> ComposeResult:
         with Vertical(classes="dialog-box wide"):
@@ -73,6 +77,8 @@ class ChatSettingsScreen(ModalScreen[ChatSettings | None]):
                     value = self.sampling.get(name)
                     yield Label(label)
                     yield Input("" if value is None else str(value), type=kind, id=f"sampling-{name}", compact=True)
+            yield Checkbox("When the conversation is full, leave out its oldest turns (the system prompt stays)",
+                           self.drop_oldest_turns, id="drop-oldest", compact=True)
             yield Checkbox("Record which experts the model uses (for re-planning)", self.record_usage,
                            id="record-usage", compact=True)
             yield Static(RECORD_USAGE_HELP, id="record-usage-help")
@@ -113,7 +119,8 @@ class ChatSettingsScreen(ModalScreen[ChatSettings | None]):
             self._refuse(error.what)
             return
         self.dismiss(ChatSettings(self.query_one("#system-prompt", TextArea).text, values,
-                                  self.query_one("#record-usage", Checkbox).value))
+                                  self.query_one("#record-usage", Checkbox).value,
+                                  self.query_one("#drop-oldest", Checkbox).value))
 
     def _refuse(self, message: str) -> None:
         self.query_one("#settings-error", Static).update(message)
