@@ -45,7 +45,9 @@ class HybridMoeApp(ReportsWorkerErrors, App[None]):
         "plan": PlanScreen,
         "hardware": HardwareScreen,
     }
-    COMMANDS = App.COMMANDS | {ActionsProvider}
+    # One provider, so that the palette lists the app's actions before Textual's (it lists
+    # providers' entries in the order they arrive, Textual's system commands first).
+    COMMANDS = {ActionsProvider}
     # Priority: the screens are reachable whatever has focus (a TextArea binds F6 itself).
     # Not in the footer: the navigation bar at the top of every screen shows them.
     BINDINGS = [
@@ -189,11 +191,11 @@ class HybridMoeApp(ReportsWorkerErrors, App[None]):
         self.show_error(event.error)
 
     def get_system_commands(self, screen):
-        yield from super().get_system_commands(screen)
         # From every screen, not only the Hardware one (whose "b" key does the same).
         if not isinstance(screen, (HardwareScreen, BenchmarkScreen)):
             yield SystemCommand("Benchmark the model", "Prefill and decode tokens/s of the chat's model "
                                 "(Hardware screen: b)", lambda: open_benchmark(self))
+        yield from super().get_system_commands(screen)
 
     def action_api_server(self) -> None:
         if not isinstance(self.screen, ServerScreen):

@@ -8,7 +8,9 @@ Where it looks:
   Hugging Face cache, or a tree of model folders and loose GGUF files;
 * LM Studio's store (``~/.lmstudio/models``, older ``~/.cache/lm-studio/models``), GGUF only;
 * Ollama's store (``$OLLAMA_MODELS`` or ``~/.ollama/models``): each tag's manifest names
-  its model layer, a GGUF blob ``blobs/sha256-<hex>``.
+  its model layer, a GGUF blob ``blobs/sha256-<hex>``;
+* the settings' default model, when it lies outside all of these (a path typed in the setup
+  wizard): `hybridmoe models` and the terminal UI list the same models.
 
 Everything is read in place and nothing is copied or written: other tools' stores stay
 theirs. Each model is inspected (headers only) for its family and quantization; a model
@@ -41,9 +43,12 @@ MAX_DEPTH = 4
 
 def list_local_models(*, cache_dirs: Iterable[str | os.PathLike[str]] | None = None,
                       directories: Iterable[str | os.PathLike[str]] | None = None,
-                      lmstudio: bool = True, ollama: bool = True, inspect: bool = True) -> list[LocalModel]:
+                      lmstudio: bool = True, ollama: bool = True, inspect: bool = True,
+                      given: Iterable[str | os.PathLike[str]] | None = None) -> list[LocalModel]:
     """Every model found, each once (by real path). ``cache_dirs`` / ``directories``
-    default to the configured cache(s) and the registered directories."""
+    default to the configured cache(s) and the registered directories; ``given`` (paths the
+    user chose, by default the settings' default model) are listed first when no search
+    found them."""
     if cache_dirs is None:
         cache_dirs = default_cache_dirs()
     if directories is None:
@@ -60,11 +65,25 @@ def list_local_models(*, cache_dirs: Iterable[str | os.PathLike[str]] | None = N
             found += scan_directory(d, source="lmstudio", gguf_only=True)
     if ollama:
         found += scan_ollama(ollama_dir())
+    if given is None:
+        from hybridmoe.backend import settings
+
+        given = [settings.load().default_model]
     unique: dict[str, LocalModel] = {}
     for m in found:
         unique.setdefault(os.path.realpath(m.path), m)
-    models = list(unique.values())
+    chosen = [given_path(p) for p in given if p and os.path.realpath(p) not in unique and Path(p).exists()]
+    models = chosen + list(unique.values())
     return [describe(m) for m in models] if inspect else models
+
+
+def given_path(path: str | os.PathLike[str]) -> LocalModel:
+    """A model the user pointed at by path (source "path"): listed, never deleted by the app
+    (no ``files``: those around it are not known to be the model's alone)."""
+    p = Path(path)
+    files = [f for f in p.rglob("*") if f.is_file()] if p.is_dir() else [p]
+    return LocalModel(name=p.name, path=p, format="gguf" if p.suffix == ".gguf" else "safetensors",
+                      size_bytes=sum(f.stat().st_size for f in files), source="path")
 
 
 def default_cache_dirs() -> list[Path]:

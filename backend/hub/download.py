@@ -29,7 +29,7 @@ from hybridmoe.backend.hub import cache
 from hybridmoe.backend.hub.fetch import fetch_file
 from hybridmoe.backend.hub.local import LocalModel
 from hybridmoe.backend.hub.meter import Stopped, TransferMeter
-from hybridmoe.backend.hub.remote import HubUnreachable, fetch_repo
+from hybridmoe.backend.hub.remote import HubUnreachable, fetch_repo, offline_mode
 from hybridmoe.backend.hub.selection import RepoFile, Selection, select
 from hybridmoe.backend.session import Cancelled, CancelToken, ProgressCallback
 from hybridmoe.backend.units import GiB, fmt_bytes
@@ -223,7 +223,9 @@ def cached_model(repo_id: str, *, quant: str | None = None, revision: str | None
         raise ModelError(
             f"Cannot download {repo_id}: the Hub cannot be reached{why}, and {cache_dir} holds no copy of it"
             + ("" if revision == DEFAULT_REVISION else f" at revision {revision}") + ".",
-            "Connect to the network (and unset HF_HUB_OFFLINE) and run the command again.",
+            # HF_HUB_OFFLINE named only when it is what keeps the Hub away.
+            "Unset HF_HUB_OFFLINE (offline mode is on) and run the command again." if offline_mode()
+            else "Connect to the network and run the command again.",
         )
     snapshot = cache.snapshot_dir(cache_dir, repo_id, commit)
     selection = select(cache.snapshot_files(snapshot), quant, f"the cached copy of {repo_id}")

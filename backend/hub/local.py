@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 # Where a model was found; also what the CLI prints in its SOURCE column.
-SOURCES = ("hf-cache", "directory", "lmstudio", "ollama")
+SOURCES = ("hf-cache", "directory", "lmstudio", "ollama", "path")
 
 
 @dataclass(frozen=True)

@@ -56,6 +56,11 @@ def is_connection_error(error: BaseException) -> bool:
     )
 
 
+def offline_mode() -> bool:
+    """Whether huggingface-hub's offline mode (HF_HUB_OFFLINE) is on."""
+    return constants.is_offline_mode()
+
+
 def fetch_repo(repo_id: str, revision: str, *, token: str | None = None) -> RemoteRepo:
     """The Hub's listing of ``repo_id`` at ``revision``; raises our errors, HubUnreachable
     when the Hub cannot be reached."""

@@ -568,7 +568,7 @@ class _Planner:
                 suggestions += self._kv_suggestions(room, range(self.spec.num_layers))
             suggestions.append(f"Or a machine with at least {math.ceil(host_needed / GIB)} GiB of usable RAM.")
         if not reasons:
-            return True, "the layout fits in GPU memory and host RAM", suggestions
+            return True, "the layout fits in GPU memory and host RAM" if gpus else "the layout fits in host RAM", suggestions
         return False, "; ".join(reasons), list(dict.fromkeys(suggestions))
 
     def _kv_suggestions(self, room_for_kv: float, layers, kv_share: float = 1.0) -> list[str]:

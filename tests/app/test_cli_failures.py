@@ -118,3 +118,20 @@ def test_a_gguf_with_zero_attention_heads_is_called_damaged(home, tmp_path):
         assert "damaged" in r.stderr
     r = run("models", "--add", folder, env=home)  # listed with what is wrong, not a crash
     assert r.returncode == 0 and "internal error" not in r.stderr, r.stderr
+
+
+def test_models_lists_the_default_model_the_terminal_ui_uses(home, tmp_path):
+    """A model typed as a path in the wizard is the default; `models` said "No models found"
+    while the UI listed it: both list what discover.list_local_models finds, it included."""
+    from tests.models.conftest import write_qwen3moe_gguf
+
+    path = tmp_path / "elsewhere" / "mine.gguf"
+    path.parent.mkdir()
+    write_qwen3moe_gguf(path)
+    config = Path(home["XDG_CONFIG_HOME"]) / "hybridmoe"
+    config.mkdir(parents=True)
+    (config / "settings.toml").write_text(f'default_model = "{path}"\n')
+    r = run("models", env=home)
+    assert r.returncode == 0 and "mine.gguf" in r.stdout and "No models found" not in r.stdout, (r.stdout, r.stderr)
+    listed = json.loads(run("models", "--json", env=home).stdout)
+    assert (str(path), "path") in [(m["path"], m["source"]) for m in listed]

@@ -334,6 +334,17 @@ def test_offline_without_a_cached_copy_is_a_clear_error(home, monkeypatch):
     assert "HF_HUB_OFFLINE" in err.value.hint
 
 
+def test_an_unreachable_hub_without_a_cached_copy_names_no_offline_switch(home, monkeypatch):
+    """HF_HUB_OFFLINE was never set: the message must not tell to unset it."""
+    dead = "http://127.0.0.1:9"  # discard port: connection refused
+    monkeypatch.setattr(constants, "ENDPOINT", dead)
+    monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", dead + "/{repo_id}/resolve/{revision}/{filename}")
+    with pytest.raises(ModelError) as err:
+        pull("org/never-downloaded")
+    assert "cannot reach" in err.value.what and "holds no copy" in err.value.what
+    assert "HF_HUB_OFFLINE" not in err.value.hint and "Connect to the network" in err.value.hint
+
+
 def test_offline_with_an_incomplete_cached_copy_says_what_is_missing(tiny, monkeypatch):
     model = pull("org/tiny")
     (model.path / SHARD1).unlink()

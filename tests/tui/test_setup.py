@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from textual.widgets import DataTable, Input
+from textual.widgets import ContentSwitcher, DataTable, Input
 
 from hybridmoe.app.state import load_state
 from hybridmoe.app.tui.app import HybridMoeApp
@@ -76,6 +76,12 @@ async def test_wizard_from_hardware_to_a_chat_answer(services, tmp_path):
         answer = chat.query(ChatMessage).last()
         await until(pilot, lambda: not chat.generating, what="the end of the answer")
         assert answer.text == "".join(ANSWER)
+
+        # F6 again: the wizard from step 1, not its bare last page
+        await pilot.press("f6")
+        await until(pilot, lambda: app.screen is setup, what="the wizard")
+        await pilot.pause()
+        assert setup.step == "hardware" and setup.query_one(ContentSwitcher).current == "step-hardware"
 
     saved = settings_module.load()
     assert saved.default_model.endswith("config.json") and saved.context == 8192

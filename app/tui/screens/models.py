@@ -96,10 +96,7 @@ class ModelsScreen(ReportsWorkerErrors, Screen):
     @work(thread=True, exclusive=True, exit_on_error=False, group="list")
     def _list(self, hardware, settings) -> None:
         services = self.app.services
-        local = services.list_local_models()
-        default = settings.default_model
-        if default and Path(default).exists() and not any(str(m.path) == default for m in local):
-            local.insert(0, _given_path(default))  # typed in the wizard, outside every searched folder
+        local = services.list_local_models()  # the default model too, wherever it is
         catalogue = services.catalogue()
         if hardware is None:
             hardware = services.detect_hardware(measure_bandwidth=settings.measure_bandwidth)
@@ -317,11 +314,3 @@ class ModelsScreen(ReportsWorkerErrors, Screen):
         self.app.call_from_thread(self.notify, f"{path} is searched for models from now on.")
         self.app.call_from_thread(self.action_refresh)
 
-
-def _given_path(path: str) -> LocalModel:
-    """A model the user pointed at by path: listed, never deleted from here (its files are
-    not known to be a model's alone)."""
-    p = Path(path)
-    files = [f for f in p.rglob("*") if f.is_file()] if p.is_dir() else [p]
-    return LocalModel(name=p.name, path=p, format="gguf" if p.suffix == ".gguf" else "safetensors",
-                      size_bytes=sum(f.stat().st_size for f in files), source="path")

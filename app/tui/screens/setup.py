@@ -129,11 +129,20 @@ class SetupScreen(ReportsWorkerErrors, Screen):
         else:
             self._go("hardware")
 
-    def _go(self, step: str) -> None:
+    def on_screen_resume(self) -> None:
+        # The wizard was finished (its last page only pointed to the chat): coming back (F6)
+        # starts it again at step 1, not at that page.
+        if self.step == "load":
+            self._go("hardware", remember=False)  # a look at the wizard is not a setup in progress
+            self.query_one("#hardware-next", Button).focus()
+
+    def _go(self, step: str, *, remember: bool = True) -> None:
         self.step = step
         self.refresh_bindings()
         self.query_one("#setup-steps", Static).update(steps_text(step))
         self.query_one(ContentSwitcher).current = f"step-{step}"
+        if not remember:
+            return
         setup = self.app.state.setup
         self.app.update_state(setup=SetupProgress(
             step=step, repo=self.job.repo if self.job else setup.repo,

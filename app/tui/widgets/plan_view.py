@@ -1,7 +1,9 @@
 """The Plan as a picture: verdict and speed, one memory bar per device, one bar per MoE layer.
 
 The bars are text (Rich ``Text``), so they render the same in every terminal and in
-snapshots; the numbers next to them are the Plan's, formatted as the CLI formats them.
+snapshots; the numbers next to them are the Plan's, formatted as the CLI formats them. Each
+kind of cell has a glyph of its own as well as a colour: a monochrome terminal, or a reader
+who does not tell green from blue, still tells them apart.
 """
 
 from __future__ import annotations
@@ -20,11 +22,12 @@ BAR = 44  # characters; with the labels it fits an 80-column terminal
 # What the memory bar distinguishes (the brief's four: weights, KV cache, reserve, free).
 SEGMENTS = (
     ("weights", "█", "green"),
-    ("KV cache", "█", "dark_orange"),
-    ("reserve", "█", "magenta"),
+    ("KV cache", "▓", "dark_orange"),
+    ("reserve", "▒", "magenta"),
     ("free", "░", "bright_black"),
 )
 GPU_STYLE, CPU_STYLE = "green", "blue"
+GPU_CELL, CPU_CELL = "█", "▒"
 
 
 def device_parts(device: DevicePlan) -> dict[str, int]:
@@ -78,9 +81,9 @@ def layer_picture(plan: Plan, width: int = BAR) -> Text:
     if not plan.moe_layers:
         return Text("This model has no MoE layers.")
     gpu = "GPU" if plan.main_device != "cpu" else "main device"
-    out.append("█", style=GPU_STYLE)
+    out.append(GPU_CELL, style=GPU_STYLE)
     out.append(f" experts on the {gpu}   ")
-    out.append("█", style=CPU_STYLE)
+    out.append(CPU_CELL, style=CPU_STYLE)
     out.append(" experts in host RAM, computed by the CPU\n")
     for i, layer in enumerate(plan.moe_layers):
         on_gpu = len(plan.gpu_experts.get(layer, ()))
@@ -88,8 +91,8 @@ def layer_picture(plan: Plan, width: int = BAR) -> Text:
         if on_gpu and not cells:
             cells = 1  # a layer with any GPU expert shows it
         out.append(f"layer {layer:>3} ")
-        out.append("█" * cells, style=GPU_STYLE)
-        out.append("█" * (width - cells), style=CPU_STYLE)
+        out.append(GPU_CELL * cells, style=GPU_STYLE)
+        out.append(CPU_CELL * (width - cells), style=CPU_STYLE)
         out.append(f" {on_gpu:>4}/{e}")
         if i < len(plan.moe_layers) - 1:
             out.append("\n")
@@ -116,7 +119,7 @@ def speed_text(plan: Plan) -> Text:
     bound = plan.decode_tokens_per_s_upper_bound
     if bound:
         out.append("Estimated decode: at most ")
-        out.append(f"{bound:,.1f} tokens/s", style="bold")
+        out.append(f"{tokens_per_s(bound)} tokens/s", style="bold")
         out.append(f", bound by {plan.decode_bound_by}")
     else:
         out.append(f"Estimated decode: {plan.decode_bound_by}")
@@ -125,16 +128,26 @@ def speed_text(plan: Plan) -> Text:
         out.append(f"\nHost memory bandwidth: {fmt_rate(plan.host_bandwidth_bytes_per_s)}, "
                    f"{plan.host_bandwidth_source}")
     if plan.workload.users > 1 and plan.decode_tokens_per_s_per_user:
-        out.append(f"\n{plan.workload.users} conversations together: {plan.decode_tokens_per_s_per_user:,.1f} "
-                   f"tokens/s each, {plan.decode_tokens_per_s_aggregate:,.1f} in all")
+        out.append(f"\n{plan.workload.users} conversations together: {tokens_per_s(plan.decode_tokens_per_s_per_user)} "
+                   f"tokens/s each, {tokens_per_s(plan.decode_tokens_per_s_aggregate)} in all")
     gpu_experts, total = plan.gpu_expert_count, plan.n_routed_experts * len(plan.moe_layers)
     if plan.main_device == "cpu":
         out.append(f"\nNo GPU: all {total:,} routed experts are in host RAM, computed by the CPU; "
-                   f"it reads {plan.host_bytes_per_token / 1e9:,.2f} GB per token")
+                   f"it reads {fmt_bytes(plan.host_bytes_per_token)} per token")
+    elif total and gpu_experts == total:
+        out.append(f"\nAll {total:,} routed experts are on the GPU: the CPU computes none")
     elif total:
         out.append(f"\nRouted experts on the GPU: {gpu_experts:,} of {total:,} ({gpu_experts / total:.0%}); "
-                   f"host reads {plan.host_bytes_per_token / 1e9:,.2f} GB per token")
+                   f"host reads {fmt_bytes(plan.host_bytes_per_token)} per token")
     return out
+
+
+def tokens_per_s(rate: float) -> str:
+    """A speed estimate to three significant figures: its arithmetic is not finer than that
+    (39,400, not 39,449.4), with one decimal below 100."""
+    if rate >= 100:
+        return f"{float(f'{rate:.3g}'):,.0f}"
+    return f"{rate:.1f}"
 
 
 def notes_text(plan: Plan) -> Text:
