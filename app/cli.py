@@ -153,11 +153,18 @@ def cmd_pull(args) -> int:
     import signal
 
     from hybridmoe.app.hub_render import ProgressLine, plan_text, pulled_text
+    from hybridmoe.backend import settings
+    from hybridmoe.backend.hardware import detect
     from hybridmoe.backend.hub import pull
-    from hybridmoe.backend.hub.catalogue import pull_target
+    from hybridmoe.backend.hub.catalogue import pull_choice
     from hybridmoe.backend.session import CancelToken
 
-    repo = pull_target(args.repo, args.quant)
+    hardware = None if "/" in args.repo or args.quant else detect(measure_bandwidth=False,
+                                                                  model_dir=settings.load().model_store_path)
+    choice = pull_choice(args.repo, args.quant, hardware)
+    if choice.why:
+        print(f"hybridmoe: {choice.why}", file=sys.stderr)
+    repo, quant = choice.repo, choice.quant
     line = ProgressLine(sys.stderr)
     cancel = CancelToken()
 
@@ -172,7 +179,7 @@ def cmd_pull(args) -> int:
 
     previous = signal.signal(signal.SIGINT, on_sigint)
     try:
-        model = pull(repo, quant=args.quant, revision=args.revision, on_progress=line, cancel=cancel, on_plan=on_plan)
+        model = pull(repo, quant=quant, revision=args.revision, on_progress=line, cancel=cancel, on_plan=on_plan)
     finally:
         signal.signal(signal.SIGINT, previous)
         line.done()

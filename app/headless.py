@@ -122,14 +122,14 @@ class _StderrProgress:
 
 
 def cmd_run(args) -> int:
-    from hybridmoe.backend.hub.catalogue import model_path
+    from hybridmoe.backend.hub.catalogue import runnable_path
     from hybridmoe.backend.models import inspect_model
 
     # Usage errors and a wrong model name first: they need no torch, which takes seconds to import.
     if args.prompt is not None and args.text is not None:
         raise UsageError("the prompt is given twice (-p and as an argument)", "Give it once.")
     prompt = read_prompt(args.prompt if args.prompt is not None else args.text)
-    path = model_path(args.model)  # a path, or a name `hybridmoe models` lists
+    path = runnable_path(args.model)  # a path, a name `hybridmoe models` lists, a catalogue name on disk
     model = inspect_model(path)
 
     from hybridmoe.backend.backends import load_session

@@ -35,13 +35,13 @@ def model_id(model_argument: str, path: Path) -> str:
 def cmd_serve(args) -> int:
     from hybridmoe.app.headless import _BackendChoice, _StderrProgress, load_plan, user_chat_template
     from hybridmoe.app.server.runner import bind_socket, check_exposure
-    from hybridmoe.backend.hub.catalogue import model_path
+    from hybridmoe.backend.hub.catalogue import runnable_path
     from hybridmoe.backend.models import inspect_model
     from hybridmoe.backend.session import CancelToken
 
     api_key = args.api_key or os.environ.get(API_KEY_VARIABLE) or None
     check_exposure(args.host, api_key, how_to_set_key=f"Pass --api-key KEY or set {API_KEY_VARIABLE}")
-    path = model_path(args.model)  # a path, or a name `hybridmoe models` lists
+    path = runnable_path(args.model)  # a path, a name `hybridmoe models` lists, a catalogue name on disk
     model = inspect_model(path)
     plan = load_plan(args, model, users=args.parallel or 1)
     check_parallel(args.parallel, plan, args.model, args.backend)

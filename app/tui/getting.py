@@ -49,8 +49,10 @@ def variants(entry, convert_quants: tuple[str, ...]) -> list[Variant]:
     return out
 
 
-def parse_typed(text: str, catalogue, convert_quants: tuple[str, ...]) -> Job | Path:
-    """A local path (returned as a Path) or the Job for what was typed."""
+def parse_typed(text: str, catalogue, convert_quants: tuple[str, ...], fitting: dict[str, Job] | None = None) -> Job | Path:
+    """A local path (returned as a Path) or the Job for what was typed. A catalogue name gets
+    the variant that fits this machine (``fitting``: catalogue id -> its Job, as the list shows
+    it), else the checkpoint."""
     text = text.strip()
     if not text:
         raise UsageError("Type a Hub repository (organisation/name), a catalogue name or a local path.")
@@ -65,7 +67,7 @@ def parse_typed(text: str, catalogue, convert_quants: tuple[str, ...]) -> Job | 
         return Job(repo=repo, quant=quant or None)
     entry = catalogue.find(text)
     if entry is not None:
-        return Job(repo=entry.repo)
+        return (fitting or {}).get(entry.id) or Job(repo=entry.repo)
     raise UsageError(
         f"{text!r} is neither a local path, a Hub repository (organisation/name) nor a catalogue name.",
         "Examples: Qwen/Qwen3-30B-A3B, unsloth/Qwen3-30B-A3B-GGUF:Q4_K_M, qwen3-30b-a3b, /data/models/my-model.",

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from hybridmoe.backend.errors import HybridMoeError, ModelError, UsageError
 from hybridmoe.backend.hub.local import names_a_path
-from hybridmoe.backend.units import parse_bytes
+from hybridmoe.backend.units import fmt_bytes, parse_bytes
 
 CATALOGUE_FILE = "catalogue.toml"
 
@@ -237,30 +237,34 @@ def rank_for(hardware, workload=None, *, catalogue: Catalogue | None = None) -> 
     quantization smaller than it, largest first. A workload context longer than a model's
     is capped at the model's.
     """
+    ranked = [r for entry in catalogue or load() if (r := fitting_variant(entry, hardware, workload)) is not None]
+    return sorted(ranked, key=lambda r: -(r.tokens_per_s or 0.0))
+
+
+def fitting_variant(entry: CatalogueEntry, hardware, workload=None) -> Ranked | None:
+    """The variant of ``entry`` the catalogue offers for ``hardware`` (as ``rank_for``
+    ranks it): the best quality that fits; None when none does."""
     from hybridmoe.backend.plan import Workload, make
 
     workload = workload or Workload()
-    ranked = []
-    for entry in catalogue or load():
-        checkpoint = entry.checkpoint_size().bytes
-        candidates = [("checkpoint", None, checkpoint)]
-        smaller = []
-        for q in entry.quants:
-            size = entry.quant_size(q)
-            if q.format is not None and size is not None and size.bytes < checkpoint:
-                smaller.append((q.name, q.format, size.bytes))
-        candidates += sorted(smaller, key=lambda c: -c[2])
-        wl = replace(workload, context=min(workload.context, entry.context))
-        for option, fmt, size in candidates:
-            model = entry.inspect(fmt)
-            try:
-                plan = make(model.spec, model.inventory, hardware, wl)
-            except HybridMoeError:  # a workload this model cannot take at all
-                continue
-            if plan.fits:
-                ranked.append(Ranked(entry, option, size, plan, wl.context))
-                break
-    return sorted(ranked, key=lambda r: -(r.tokens_per_s or 0.0))
+    checkpoint = entry.checkpoint_size().bytes
+    candidates = [("checkpoint", None, checkpoint)]
+    smaller = []
+    for q in entry.quants:
+        size = entry.quant_size(q)
+        if q.format is not None and size is not None and size.bytes < checkpoint:
+            smaller.append((q.name, q.format, size.bytes))
+    candidates += sorted(smaller, key=lambda c: -c[2])
+    wl = replace(workload, context=min(workload.context, entry.context))
+    for option, fmt, size in candidates:
+        model = entry.inspect(fmt)
+        try:
+            plan = make(model.spec, model.inventory, hardware, wl)
+        except HybridMoeError:  # a workload this model cannot take at all
+            continue
+        if plan.fits:
+            return Ranked(entry, option, size, plan, wl.context)
+    return None
 
 
 # ---- names on the command line -----------------------------------------------------------------
@@ -289,6 +293,57 @@ def model_path(text: str) -> Path:
         "`hybridmoe models --catalogue` lists the names hybridmoe knows; `hybridmoe models` the models on disk."
         + pull,
     )
+
+
+@dataclass(frozen=True)
+class PullChoice:
+    """What ``hybridmoe pull NAME`` downloads, and why in a sentence ("" for a repo id)."""
+
+    repo: str
+    quant: str | None
+    why: str = ""
+
+
+def pull_choice(name: str, quant: str | None, hardware) -> PullChoice:
+    """For a catalogue name without ``quant``: the variant the catalogue list shows as fitting
+    ``hardware`` (a GGUF quantization, or the checkpoint), not always the checkpoint (a 57 GiB
+    download on a machine with 32 GiB); the checkpoint, said not to fit, when nothing does."""
+    if "/" in name or quant is not None:
+        return PullChoice(pull_target(name, quant), quant)
+    entry = load().find(name)
+    if entry is None:
+        pull_target(name)  # the error for a name that is nothing
+    best = fitting_variant(entry, hardware)
+    if best is None:
+        return PullChoice(entry.repo, None, f"no variant of {entry.name} fits this machine; downloading the "
+                          f"checkpoint ({fmt_bytes(entry.checkpoint_size().bytes)}) from {entry.repo} anyway")
+    if best.option == "checkpoint":
+        return PullChoice(entry.repo, None, f"{entry.name}: the checkpoint ({fmt_bytes(best.size_bytes)}) fits this "
+                          "machine")
+    if not entry.gguf_repos:  # the quantization is made here, from the checkpoint
+        return PullChoice(entry.repo, None, f"{entry.name}: {best.option} fits this machine; downloading the "
+                          f"checkpoint, which `hybridmoe convert DIR --quant {best.option.lower()}` then converts")
+    return PullChoice(entry.gguf_repos[0], best.option,
+                      f"{entry.name}: {best.option} ({fmt_bytes(best.size_bytes)}) is the largest variant that fits "
+                      f"this machine (`--quant` chooses another)")
+
+
+def runnable_path(text: str) -> Path:
+    """What ``hybridmoe run/serve -m MODEL`` loads: as ``model_path``, except that a catalogue
+    name means its copy on this disk (a download of its repository or one of its GGUF
+    repositories), never the bundled config.json, which holds no weights."""
+    path = Path(text).expanduser()
+    entry = None if names_a_path(path) else load().find(text)
+    if entry is None:
+        return model_path(text)
+    from hybridmoe.backend.hub.discover import list_local_models
+
+    repos = {entry.repo.lower(), *(r.lower() for r in entry.gguf_repos)}
+    for m in list_local_models():
+        if m.usable and (m.repo_id or "").lower() in repos:
+            return m.path
+    raise UsageError(f"{entry.name} ({entry.id}) is not on this machine yet",
+                     f"`hybridmoe pull {entry.id}` downloads the variant that fits this machine.")
 
 
 def pull_target(name: str, quant: str | None = None) -> str:

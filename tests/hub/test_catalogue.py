@@ -168,3 +168,45 @@ def test_an_installed_copy_finds_its_catalogue(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     where, entries = r.stdout.split()
     assert Path(where) == installed / "assets" and int(entries) > 0
+
+
+# ---- a catalogue name means the variant that fits (#48 item 9) --------------------------------
+
+
+def _a_32_gib_pc():
+    from hybridmoe.backend.hardware.overrides import apply_overrides
+    from hybridmoe.backend.hardware.presets import preset
+
+    return apply_overrides(preset("cpu-only"), ram=32 * 2**30, gpus=0)
+
+
+def test_pull_of_a_catalogue_name_takes_the_variant_the_list_shows():
+    from hybridmoe.backend.hub.catalogue import pull_choice, rank_for
+
+    hardware = _a_32_gib_pc()
+    listed = {r.entry.id: r.option for r in rank_for(hardware)}
+    assert listed["qwen3-30b-a3b"] == "Q4_K_M"  # its 57 GiB checkpoint does not fit 32 GiB
+    choice = pull_choice("qwen3-30b-a3b", None, hardware)
+    assert choice.quant == "Q4_K_M" and choice.repo.endswith("GGUF") and "fits this machine" in choice.why
+    nothing = pull_choice("kimi-k2.6", None, hardware)
+    assert nothing.repo == "moonshotai/Kimi-K2.6" and nothing.quant is None and "no variant" in nothing.why
+    asked = pull_choice("qwen3-30b-a3b", "Q8_0", hardware)  # a quantization asked for is taken as asked
+    assert asked.quant == "Q8_0" and asked.why == ""
+    assert pull_choice("org/repo", None, hardware).repo == "org/repo"
+
+
+def test_run_of_a_catalogue_name_loads_its_copy_on_disk_or_says_how_to_get_it(monkeypatch, tmp_path):
+    from hybridmoe.backend.errors import UsageError
+    from hybridmoe.backend.hub import discover
+    from hybridmoe.backend.hub.catalogue import runnable_path
+    from hybridmoe.backend.hub.local import LocalModel
+
+    on_disk: list[LocalModel] = []
+    monkeypatch.setattr(discover, "list_local_models", lambda **_: list(on_disk))
+    with pytest.raises(UsageError, match="not on this machine") as err:
+        runnable_path("qwen3-30b-a3b")  # was: the bundled config.json, planned as the bf16 checkpoint
+    assert "hybridmoe pull qwen3-30b-a3b" in err.value.hint
+    gguf = tmp_path / "Qwen_Qwen3-30B-A3B-Q4_K_M.gguf"
+    on_disk.append(LocalModel(name="q", path=gguf, format="gguf", size_bytes=1, source="hf-cache",
+                              repo_id="bartowski/Qwen_Qwen3-30B-A3B-GGUF"))
+    assert runnable_path("qwen3-30b-a3b") == gguf

@@ -7,6 +7,7 @@ from textual.widgets import ContentSwitcher, DataTable, Input
 from hybridmoe.app.state import load_state
 from hybridmoe.app.tui.app import HybridMoeApp
 from hybridmoe.app.tui.screens.chat import ChatScreen
+from hybridmoe.app.tui.screens.dialogs import ConfirmDialog
 from hybridmoe.app.tui.screens.setup import SetupScreen
 from hybridmoe.app.tui.widgets.chat_message import ChatMessage
 from hybridmoe.app.tui.widgets.plan_editor import PlanEditor
@@ -15,7 +16,7 @@ from hybridmoe.backend import settings as settings_module
 from hybridmoe.backend.plan import Plan
 from hybridmoe.backend.units import GiB
 from tests.tui.fakes import ANSWER, FakeServices, local_model
-from tests.tui.helpers import text_of, until
+from tests.tui.helpers import text_of, until, until_screen
 
 
 def _setup(app) -> SetupScreen:
@@ -44,9 +45,15 @@ async def test_wizard_from_hardware_to_a_chat_answer(services, tmp_path):
         assert "tok/s" in speed
         on_disk = table.get_row("local:0")  # models on disk are offered too, with the same estimate
         assert on_disk[0] == "my-olmoe" and "tok/s" in on_disk[3] and on_disk[4] == "on disk"
+        assert app.focused is setup.query_one("#setup-typed", Input)  # what is typed goes to the box
         table.move_cursor(row=table.get_row_index("catalogue:qwen3-30b-a3b"))
         table.focus()
         await pilot.press("enter")
+        confirm = await until_screen(pilot, app, ConfirmDialog)  # tens of gigabytes: asked first
+        said = str(confirm.query_one("#confirm-message").render())
+        assert "Qwen/Qwen3-30B-A3B" in said and "GiB" in said and "fits this machine" in said
+        assert services.downloader.pulls == []
+        await pilot.press("enter")  # Download
 
         # 3 Get it: the download with progress, then on to the layout
         await until(pilot, lambda: setup.step == "layout", what="the download")
@@ -103,6 +110,8 @@ async def test_an_interrupted_download_resumes_after_a_restart(tmp_path):
         typed.value = "Qwen/Qwen3-30B-A3B"
         typed.focus()
         await pilot.press("enter")
+        await until_screen(pilot, app, ConfirmDialog)
+        await pilot.press("enter")  # Download
         await until(pilot, lambda: setup.step == "get")
         panel = setup.query_one(TransferPanel)
         await until(pilot, lambda: "Downloading" in text_of(panel.query_one("#transfer-detail")), what="progress")

@@ -3,6 +3,9 @@
 Where it is (the step, and what it is getting) is kept in the app state after every step,
 so quitting in the middle of a download and starting again comes back to step 3 with a
 Resume button; the download continues from its partial files.
+
+Step 2 opens with the cursor in the box for a path or a name (what is typed goes there), and
+a download starts only once confirmed, with its size and whether it fits this machine.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from textual.widgets import Button, ContentSwitcher, DataTable, Footer, Input, L
 from hybridmoe.app.state import SetupProgress
 from hybridmoe.app.tui.getting import job_for, parse_typed
 from hybridmoe.app.tui.hardware_words import summary_lines, warnings
+from hybridmoe.app.tui.screens.dialogs import ConfirmDialog
 from hybridmoe.app.tui.widgets.plan_editor import PlanEditor
 from hybridmoe.app.tui.widgets.transfer import Job, TransferPanel
 from hybridmoe.app.tui.widgets.nav_bar import NavBar
@@ -71,6 +75,8 @@ class SetupScreen(ReportsWorkerErrors, Screen):
         self.hardware = None
         self.catalogue = None
         self.rows: dict[str, Job | Path] = {}
+        self.sizes: dict[str, int] = {}  # row key -> bytes to download
+        self.fitting: dict[str, tuple[Job, int]] = {}  # catalogue id -> the variant that fits, its bytes
         self.model_path: Path | None = None
         self.job: Job | None = None
         self.inspected: SetupScreen.ModelInspected | None = None
@@ -150,8 +156,8 @@ class SetupScreen(ReportsWorkerErrors, Screen):
             convert_to=self.job.convert_to if self.job else setup.convert_to,
             model_path=str(self.model_path) if self.model_path else setup.model_path,
         ))
-        if step == "model":
-            self.query_one("#setup-choices", DataTable).focus()
+        if step == "model":  # typing goes to the box; ↑/Tab reach the list
+            self.query_one("#setup-typed", Input).focus()
 
     # ---- 1 hardware, and the choices that follow from it -----------------------------------------
 
@@ -200,6 +206,8 @@ class SetupScreen(ReportsWorkerErrors, Screen):
         table = self.query_one("#setup-choices", DataTable)
         table.clear()
         self.rows.clear()
+        self.sizes.clear()
+        self.fitting.clear()
         quants = self.app.services.convert_quants()
         for r in event.ranked:
             job = job_for(r.entry, r.option, quants)
@@ -207,6 +215,8 @@ class SetupScreen(ReportsWorkerErrors, Screen):
                 continue
             key = f"catalogue:{r.entry.id}"
             self.rows[key] = job
+            self.sizes[key] = r.size_bytes
+            self.fitting[r.entry.id] = (job, r.size_bytes)
             table.add_row(r.entry.name, r.option, fmt_bytes(r.size_bytes), _speed(r.plan),
                           "Hub" + (", converted here" if job.convert_to else ""), key=key)
         for i, (m, plan) in enumerate(event.local):
@@ -250,7 +260,7 @@ class SetupScreen(ReportsWorkerErrors, Screen):
 
     def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:
         event.stop()
-        self._choose(self.rows.get(event.row_key.value))
+        self._choose(self.rows.get(event.row_key.value), self.sizes.get(event.row_key.value))
 
     def _choose_selected(self) -> None:
         typed = self.query_one("#setup-typed", Input).value.strip()
@@ -262,7 +272,7 @@ class SetupScreen(ReportsWorkerErrors, Screen):
             self.notify("Nothing to choose yet.", severity="warning")
             return
         key = table.coordinate_to_cell_key((table.cursor_row, 0)).row_key.value
-        self._choose(self.rows.get(key))
+        self._choose(self.rows.get(key), self.sizes.get(key))
 
     def on_input_submitted(self, event: Input.Submitted) -> None:
         event.stop()
@@ -270,19 +280,41 @@ class SetupScreen(ReportsWorkerErrors, Screen):
             self._choose_typed(event.value.strip())
 
     def _choose_typed(self, text: str) -> None:
+        catalogue = self.catalogue or self.app.services.catalogue()
         try:
-            choice = parse_typed(text, self.catalogue or self.app.services.catalogue(),
-                                 self.app.services.convert_quants())
+            choice = parse_typed(text, catalogue, self.app.services.convert_quants(),
+                                 {i: job for i, (job, _) in self.fitting.items()})
         except HybridMoeError as error:
             self.app.show_error(error)
             return
-        self._choose(choice)
+        entry = catalogue.find(text) if isinstance(choice, Job) else None
+        if entry is None:
+            self._choose(choice)
+        elif entry.id in self.fitting:
+            self._choose(choice, self.fitting[entry.id][1])
+        else:  # the list leaves it out: nothing of it fits
+            self._choose(choice, entry.checkpoint_size().bytes, fits=False)
 
-    def _choose(self, choice: Job | Path | None) -> None:
+    def _choose(self, choice: Job | Path | None, size: int | None = None, *, fits: bool | None = True) -> None:
         if isinstance(choice, Path):
             self._show_layout(choice)
         elif isinstance(choice, Job):
-            self._show_get(choice, start=True)
+            self._confirm_download(choice, size, fits)
+
+    def _confirm_download(self, job: Job, size: int | None, fits: bool | None) -> None:
+        """Ask before a download starts: it may be tens of gigabytes."""
+        what = f"{job.label()}" + (f", {fmt_bytes(size)}" if size else "")
+        if fits is False:
+            verdict = "No variant of this model fits this machine: it would not load here."
+        elif size is None:
+            verdict = "Its size is known once the Hub lists its files (shown before the first byte)."
+        else:
+            verdict = "It fits this machine."
+        where = " It is converted here afterwards." if job.convert_to else ""
+        self.app.push_screen(
+            ConfirmDialog("Download the model?", f"{what}\n{verdict}{where}\nDownloads resume where they stop.",
+                          "Download", dangerous=fits is False),
+            lambda yes: self._show_get(job, start=True) if yes else None)
 
     # ---- 3 get it --------------------------------------------------------------------------------
 

@@ -131,6 +131,8 @@ class TransferPanel(ReportsWorkerErrors, Widget):
     def on_mount(self) -> None:
         if self.autostart:
             self.start()
+        else:
+            self._set_buttons(running=False, label="Resume" if self.resuming else "Start")
 
     def on_unmount(self) -> None:
         # Quitting mid-download: stop the threads at their next chunk (the app waits for its
@@ -155,7 +157,14 @@ class TransferPanel(ReportsWorkerErrors, Widget):
         start = self.query_one("#transfer-start", Button)
         start.disabled = running
         start.label = label
-        self.query_one("#transfer-cancel", Button).disabled = not running
+        cancel = self.query_one("#transfer-cancel", Button)
+        cancel.disabled = not running
+        cancel.display = running  # nothing to cancel once it stopped or failed
+        bar = self.query_one("#transfer-bar", ProgressBar)
+        if running:
+            bar.display = True
+        elif bar.total is None:  # stopped before any size was known: no bar pulsing on as if at work
+            bar.display = False
 
     def on_button_pressed(self, event: Button.Pressed) -> None:
         if event.button.id == "transfer-start":
