@@ -18,6 +18,7 @@ from dataclasses import replace
 from datetime import datetime
 
 from hybridmoe.app.arguments import comma_separated, non_negative_int, positive_float, positive_int
+from hybridmoe.app.waiting import Waiting
 from hybridmoe.backend.errors import HybridMoeError
 from hybridmoe.backend.plan.workload import (
     BACKENDS,
@@ -39,17 +40,24 @@ def cmd_doctor(args) -> int:
     from hybridmoe.app.render import hardware_text
     from hybridmoe.backend import settings
     from hybridmoe.backend.hardware import detect
-    from hybridmoe.backend.engine import native_kernels
+
+    waiting = Waiting()  # seconds in all: each part says what it is doing
+    store = settings.load().model_store_path
+    waiting.say("detecting the hardware" if args.no_bandwidth else
+                "detecting the hardware and measuring the memory bandwidth (best of three probes)")
+    profile = detect(measure_bandwidth=not args.no_bandwidth, model_dir=store)
+    waiting.say("asking llama.cpp and the native kernels what they can do")
+    from hybridmoe.backend.engine import native_kernels  # loads PyTorch
     from hybridmoe.backend.llamacpp import system_info, system_summary
 
-    store = settings.load().model_store_path
-    profile = detect(measure_bandwidth=not args.no_bandwidth, model_dir=store)
     llama_cpp = system_info()
+    summary = native_kernels.summary()
+    waiting.clear()
     if args.json:
         kernels = native_kernels.isa_info() if native_kernels.enabled() else {"isa": None, "note": native_kernels.summary()}
         _print_json({**profile.to_dict(), "llama_cpp": llama_cpp, "cpu_kernels": kernels})
     else:
-        print(hardware_text(profile, extra=[("CPU kernels", native_kernels.summary()),
+        print(hardware_text(profile, extra=[("CPU kernels", summary),
                                             ("llama.cpp", system_summary(llama_cpp))]))
     return EXIT_OK
 

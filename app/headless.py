@@ -13,6 +13,7 @@ import signal
 import sys
 from dataclasses import asdict
 
+from hybridmoe.app.waiting import Waiting
 from hybridmoe.backend.errors import UsageError
 from hybridmoe.backend.session import CancelToken, Done, Message, Progress, TextPiece
 
@@ -122,6 +123,16 @@ class _StderrProgress:
 
 
 def cmd_run(args) -> int:
+    # Each wait of a second or more says what it is (on a terminal): the imports and the plan
+    # took seconds before anything was shown.
+    waiting = Waiting(enabled=sys.stderr.isatty() and not args.json)
+    try:
+        return _run(args, waiting)
+    finally:
+        waiting.clear()  # an error is said on a line of its own
+
+
+def _run(args, waiting: Waiting) -> int:
     from hybridmoe.backend.hub.catalogue import runnable_path
     from hybridmoe.backend.models import inspect_model
 
@@ -129,9 +140,11 @@ def cmd_run(args) -> int:
     if args.prompt is not None and args.text is not None:
         raise UsageError("the prompt is given twice (-p and as an argument)", "Give it once.")
     prompt = read_prompt(args.prompt if args.prompt is not None else args.text)
+    waiting.say("reading the model's files")
     path = runnable_path(args.model)  # a path, a name `hybridmoe models` lists, a catalogue name on disk
     model = inspect_model(path)
 
+    waiting.say("loading PyTorch")
     from hybridmoe.backend.backends import load_session
     from hybridmoe.backend.text.sampling import SamplingParams
 
@@ -145,8 +158,10 @@ def cmd_run(args) -> int:
         max_tokens=args.max_tokens,
         stop=tuple(args.stop or ()),
     )
+    waiting.say("planning the layout")
     plan = load_plan(args, model)
     chat_template = user_chat_template(args.chat_template)
+    waiting.clear()  # the load's own progress follows
     interactive = sys.stderr.isatty() and not args.json
     progress = _StderrProgress(interactive)
     cancel = CancelToken()
@@ -170,7 +185,9 @@ def cmd_run(args) -> int:
         messages = [Message("system", args.system)] if args.system else []
         messages.append(Message("user", prompt))
         done = None
+        waiting.say("reading the prompt")
         for event in session.generate(messages, sampling, cancel):
+            waiting.clear()  # the first token: the answer speaks for itself
             if isinstance(event, TextPiece) and not args.json:
                 sys.stdout.write(event.text)
                 sys.stdout.flush()

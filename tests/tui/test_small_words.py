@@ -72,3 +72,47 @@ async def test_the_palette_lists_the_apps_actions_before_textuals(configured):
         textuals = [names.index(n) for n in ("Focus Next", "Theme", "Screenshot") if n in names]
         ours = [names.index(n) for n in ("Go to the chat", "Hardware: what this machine has", "Benchmark the model")]
         assert textuals and max(ours) < min(textuals), names
+
+
+# ---- waits that say what they are doing (#48 item 11) ------------------------------------------
+
+
+def test_a_plan_without_a_bandwidth_says_how_to_get_one(tiny_gguf):
+    from dataclasses import replace
+
+    hardware = preset("cpu-only")
+    unmeasured = replace(hardware, memory=replace(hardware.memory, bandwidth_measured_bytes_per_s=None,
+                                                  bandwidth_theoretical_bytes_per_s=None))
+    plan = make(tiny_gguf.spec, tiny_gguf.inventory, unmeasured, Workload(context=1024))
+    said = speed_text(plan).plain
+    assert "unknown: host memory bandwidth not known" not in said
+    assert "not known until the host memory bandwidth is measured" in said and "Ctrl+D" in said
+
+
+async def test_the_models_screen_says_which_part_of_its_listing_runs(configured):
+    import threading
+
+    from textual.widgets import Static
+
+    from hybridmoe.app.tui.screens.models import ModelsScreen
+    from tests.tui.helpers import text_of
+
+    detecting, release = threading.Event(), threading.Event()
+    hardware = configured.hardware
+
+    def slow_detect(measure_bandwidth, **_):
+        detecting.set()
+        release.wait(30)
+        return hardware
+
+    configured.detect_hardware = slow_detect
+    app = HybridMoeApp(configured)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await until(pilot, lambda: isinstance(app.screen, ChatScreen), what="the chat")
+        app.hardware = None  # not detected yet: the listing detects it
+        await pilot.press("f3")
+        await until(pilot, lambda: isinstance(app.screen, ModelsScreen) and detecting.is_set(), what="F3")
+        detail = app.screen.query_one("#models-detail", Static)
+        await until(pilot, lambda: "Detecting this machine" in text_of(detail), what="the words")
+        release.set()
+        await until(pilot, lambda: "Detecting" not in text_of(detail), what="the list")

@@ -50,6 +50,13 @@ class ModelsScreen(ReportsWorkerErrors, Screen):
             super().__init__()
             self.title, self.text = title, text
 
+    class Doing(Message):
+        """The listing's next part, which may take seconds: said while it runs."""
+
+        def __init__(self, text: str):
+            super().__init__()
+            self.text = text
+
     class Deleted(Message):
         def __init__(self, model: LocalModel, freed: int):
             super().__init__()
@@ -83,8 +90,11 @@ class ModelsScreen(ReportsWorkerErrors, Screen):
     # ---- listing ---------------------------------------------------------------------------------
 
     def action_refresh(self) -> None:
-        self.query_one("#models-detail", Static).update("Looking for models …")
+        self.query_one("#models-detail", Static).update("Looking for models on this disk …")
         self._list(self.app.hardware, self.app.settings)
+
+    def on_models_screen_doing(self, event: Doing) -> None:
+        self.query_one("#models-detail", Static).update(event.text)
 
     def on_worker_failed(self, event: WorkerFailed) -> None:
         # The App shows what went wrong (the message bubbles on); this line must not go on
@@ -99,7 +109,11 @@ class ModelsScreen(ReportsWorkerErrors, Screen):
         local = services.list_local_models()  # the default model too, wherever it is
         catalogue = services.catalogue()
         if hardware is None:
+            self.post_message(self.Doing("Detecting this machine" + (
+                " and measuring its memory bandwidth …" if settings.measure_bandwidth else " …")))
             hardware = services.detect_hardware(measure_bandwidth=settings.measure_bandwidth)
+        self.post_message(self.Doing(f"Found {len(local)} model(s) on this disk; planning each catalogue model "
+                                     "for this machine …"))
         workload = Workload(context=settings.context, users=settings.users, kv_dtype=settings.kv_dtype,
                             backend=settings.backend)
         ranked = services.rank_catalogue(hardware, workload)

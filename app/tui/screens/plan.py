@@ -96,7 +96,9 @@ class PlanScreen(ReportsWorkerErrors, Screen):
         if not self.target:
             intro.update("No model chosen yet: F6 runs the setup, F3 picks a model.")
             return
-        intro.update(f"Planning {self.target} …")
+        intro.update(f"Measuring the host memory bandwidth (best of three probes), then planning {self.target} …"
+                     if measure or (self.app.hardware is None and self.app.settings.measure_bandwidth)
+                     else f"Planning {self.target} …")
         self._inspect(self.target, None if measure else self.app.hardware, self.app.settings, measure)
 
     @work(thread=True, exclusive=True, exit_on_error=False, group="plan")

@@ -121,6 +121,9 @@ def speed_text(plan: Plan) -> Text:
         out.append("Estimated decode: at most ")
         out.append(f"{tokens_per_s(bound)} tokens/s", style="bold")
         out.append(f", bound by {plan.decode_bound_by}")
+    elif plan.host_bytes_per_token and not plan.host_bandwidth_bytes_per_s:
+        out.append("Estimated decode: not known until the host memory bandwidth is measured "
+                   "(Ctrl+D on the Plan screen measures it)")
     else:
         out.append(f"Estimated decode: {plan.decode_bound_by}")
     if plan.host_bandwidth_bytes_per_s and plan.host_bytes_per_token:
