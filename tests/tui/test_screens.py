@@ -94,7 +94,7 @@ async def test_models_lists_pulls_converts_uses_and_deletes(configured, tmp_path
         catalogue = screen.query_one("#catalogue-models", DataTable)
         assert local.row_count == 2 and catalogue.row_count == 3
         rows = {catalogue.get_row(key)[0]: catalogue.get_row(key) for key in ("qwen3-30b-a3b", "kimi-k2.6")}
-        assert "tok/s" in rows["Qwen3 30B-A3B"][3]
+        assert rows["Qwen3 30B-A3B"][3].replace(",", "").isdigit()  # the column says "tok/s ≤"
         assert rows["Kimi K2.6"][1] == "does not fit"
         assert "default" in local.get_row_at(0)[5]
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from textual.app import ComposeResult
 from textual.binding import Binding
-from textual.containers import Grid, Horizontal, Vertical
+from textual.containers import Grid, Horizontal, Vertical, VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Button, Checkbox, Input, Label, Static, TextArea
 
@@ -70,18 +70,21 @@ class ChatSettingsScreen(ModalScreen[ChatSettings | None]):
     def compose(self) -> ComposeResult:
         with Vertical(classes="dialog-box wide"):
             yield Label("Chat settings", classes="dialog-title")
-            yield Label("System prompt (this conversation and new ones)")
-            yield TextArea(self.system_prompt, id="system-prompt", soft_wrap=True, compact=True)
-            with Grid(id="sampling-grid"):
-                for name, label, kind in FIELDS:
-                    value = self.sampling.get(name)
-                    yield Label(label)
-                    yield Input("" if value is None else str(value), type=kind, id=f"sampling-{name}", compact=True)
-            yield Checkbox("When the conversation is full, leave out its oldest turns (the system prompt stays)",
-                           self.drop_oldest_turns, id="drop-oldest", compact=True)
-            yield Checkbox("Record which experts the model uses (for re-planning)", self.record_usage,
-                           id="record-usage", compact=True)
-            yield Static(RECORD_USAGE_HELP, id="record-usage-help")
+            # The fields scroll, the buttons stay: at 80x24 the whole form is taller than the screen.
+            with VerticalScroll(id="settings-body"):
+                yield Label("System prompt (this conversation and new ones)")
+                yield TextArea(self.system_prompt, id="system-prompt", soft_wrap=True, compact=True)
+                with Grid(id="sampling-grid"):
+                    for name, label, kind in FIELDS:
+                        value = self.sampling.get(name)
+                        yield Label(label)
+                        yield Input("" if value is None else str(value), type=kind, id=f"sampling-{name}",
+                                    compact=True)
+                yield Checkbox("When the conversation is full, leave out its oldest turns (the system prompt "
+                               "stays)", self.drop_oldest_turns, id="drop-oldest", compact=True)
+                yield Checkbox("Record which experts the model uses (for re-planning)", self.record_usage,
+                               id="record-usage", compact=True)
+                yield Static(RECORD_USAGE_HELP, id="record-usage-help")
             yield Static("", id="settings-error")
             with Horizontal(classes="dialog-buttons"):
                 yield Button("Save", variant="primary", id="save", compact=True)

@@ -19,10 +19,14 @@ from hybridmoe.app.tui.screens.dialogs import ChoiceDialog, ConfirmDialog, TextS
 from hybridmoe.app.tui.screens.transfer import TransferScreen
 from hybridmoe.app.tui.widgets.transfer import Job
 from hybridmoe.app.tui.widgets.nav_bar import NavBar
+from hybridmoe.app.tui.widgets.plan_view import tokens_per_s
 from hybridmoe.app.tui.workers import ReportsWorkerErrors, WorkerFailed
 from hybridmoe.backend.hub.local import LocalModel
 from hybridmoe.backend.plan import Workload
 from hybridmoe.backend.units import fmt_bytes
+
+
+MODEL_NAME_CELLS = 24  # longer catalogue names end in "…" (the details, i, show them whole)
 
 
 class ModelsScreen(ReportsWorkerErrors, Screen):
@@ -83,7 +87,8 @@ class ModelsScreen(ReportsWorkerErrors, Screen):
         local = self.query_one("#local-models", DataTable)
         local.add_columns("Name", "Format", "Quant", "Size", "Source", "Note")
         catalogue = self.query_one("#catalogue-models", DataTable)
-        catalogue.add_columns("Model", "Best variant that fits", "Size", "Est. decode", "Context")
+        # Narrow headers and cells: with a scroll bar the five columns fit 80 terminal columns.
+        catalogue.add_columns("Model", "Fits as", "Size", "tok/s ≤", "Context")
         self.query_one("#add-folder").display = False
         self.action_refresh()
 
@@ -143,11 +148,12 @@ class ModelsScreen(ReportsWorkerErrors, Screen):
         fitting = [r.entry for r in event.ranked]
         for entry in fitting + [e for e in self.catalogue if e.id not in self.ranked]:
             r = self.ranked.get(entry.id)
+            name = entry.name if len(entry.name) <= MODEL_NAME_CELLS else entry.name[:MODEL_NAME_CELLS - 1] + "…"
             if r is None:
-                table.add_row(entry.name, "does not fit", "", "", f"{entry.context:,}", key=entry.id)
+                table.add_row(name, "does not fit", "", "", f"{entry.context:,}", key=entry.id)
             else:
-                speed = f"≤ {r.tokens_per_s:,.1f} tok/s" if r.tokens_per_s else "unknown"
-                table.add_row(entry.name, r.option, fmt_bytes(r.size_bytes), speed, f"{r.context:,}", key=entry.id)
+                speed = tokens_per_s(r.tokens_per_s) if r.tokens_per_s else "unknown"
+                table.add_row(name, r.option, fmt_bytes(r.size_bytes), speed, f"{r.context:,}", key=entry.id)
         self.query_one("#models-detail", Static).update(
             f"{len(self.local)} model(s) on this machine; {len(self.ranked)} of {len(self.catalogue)} catalogue models "
             "fit. Enter uses a local model, p pulls a catalogue one, v plans and i inspects either; "
