@@ -58,7 +58,11 @@ BENCHMARK = "a benchmark (minutes of timed CPU work), not a test"
 
 # Shell lines skipped, and why.
 SKIPPED_SHELL = {
-    "pip install . && hybridmoe": INSTALLS + "; " + OPENS_THE_UI,
+    "pip install --extra-index-url https://download.pytorch.org/whl/cpu . && hybridmoe # no NVIDIA GPU":
+        INSTALLS + "; " + OPENS_THE_UI,
+    "pip install . && hybridmoe # an NVIDIA GPU and its driver": INSTALLS + "; " + OPENS_THE_UI,
+    "uv venv && uv pip install --torch-backend auto . && .venv/bin/hybridmoe # either: uv picks the build":
+        INSTALLS + "; " + OPENS_THE_UI,
     'pip install torch==2.13.0 -e ".[test]" && python -m pytest -q': "it installs and runs this very suite",
     "uv tool install . # or: pipx install .": INSTALLS + "; packaging/check_wheel.sh checks the installed command",
     'CMAKE_ARGS="-DGGML_CUDA=on" pip install --force-reinstall --no-cache-dir llama-cpp-python # NVIDIA': INSTALLS,
@@ -97,7 +101,9 @@ RUN_SHELL = {
 RUN_INLINE = {
     "hybridmoe doctor": "hybridmoe doctor",
     "hybridmoe doctor [--json] [--no-bandwidth]": "hybridmoe doctor --json --no-bandwidth",
-    "hybridmoe inspect MODEL [--json] [--format F]": "hybridmoe inspect config.json --json --format q4_k_m",
+    "hybridmoe inspect MODEL [--json] [--format F] [--check]": "hybridmoe inspect config.json --json --format q4_k_m"
+        " && hybridmoe inspect model.gguf --check",
+    "hybridmoe models --catalogue": "hybridmoe models --catalogue",
     "hybridmoe plan MODEL [options]": "hybridmoe plan model.gguf --hardware my-box.toml",
     "hybridmoe plan --json": "hybridmoe plan model.gguf --json",
     "hybridmoe models [--json] [--add DIR] [--remove DIR] [--catalogue]":
@@ -108,7 +114,7 @@ RUN_INLINE = {
 SKIPPED_INLINE = {
     "hybridmoe": OPENS_THE_UI,
     "hybridmoe pull REPO [--quant Q4_K_M] [--revision R]": "downloads from the Hugging Face Hub; tests/hub fakes it",
-    "hybridmoe pull qwen3-30b-a3b --quant Q4_K_M": "downloads from the Hugging Face Hub; tests/hub fakes it",
+    "hybridmoe pull qwen3-30b-a3b": "downloads from the Hugging Face Hub; tests/hub/test_catalogue.py checks the choice",
     "hybridmoe serve -m MODEL": "run as the serve example (test_serve_and_its_clients)",
     "hybridmoe convert MODEL --to gguf --quant {bf16,q8_0,q4_0,q4_k_m} [--out PATH] [--force]":
         "run by the scratch folder's set-up, which makes model.gguf with `hybridmoe convert`",
