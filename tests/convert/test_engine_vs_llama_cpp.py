@@ -72,8 +72,6 @@ def test_engine_matches_llama_cpp_on_its_q2_k_mix(tmp_path):
     Q4_K. The engine reads the experts in place in the CPU kernels and agrees with llama.cpp
     as on the Q8_0 and Q4_0 files above."""
     from hybridmoe.backend.convert import to_gguf
-    from hybridmoe.backend.engine import native_experts
-    from hybridmoe.backend.engine.moe import MoE
 
     sizes = dict(hidden_size=256, intermediate_size=256, moe_intermediate_size=256, head_dim=64,
                  num_experts_per_tok=8)
@@ -85,10 +83,20 @@ def test_engine_matches_llama_cpp_on_its_q2_k_mix(tmp_path):
     types = {t.name.split(".")[-2]: t.tensor_type.name for t in GGUFReader(path).tensors if ".0." in t.name}
     assert (types["ffn_gate_exps"], types["ffn_up_exps"], types["ffn_down_exps"]) == ("Q2_K", "Q2_K", "Q3_K"), types
 
+    assert_matches_llama_cpp_with_experts_in_place(path, ("q2_k", "q3_k"))
+
+
+def assert_matches_llama_cpp_with_experts_in_place(path, formats: tuple[str, str]) -> None:
+    """The engine reads the routed experts of `path` in place in the CPU kernels as `formats`
+    (gate/up, down) and agrees with llama.cpp on the same file: prompt logits, the decode
+    kernels, and greedy choices, within the Q8_0 files' tolerance above."""
+    from hybridmoe.backend.engine import native_experts
+    from hybridmoe.backend.engine.moe import MoE
+
     spec = inspect_model(path).spec
     model = build_model(spec.config, open_weights(path), max_context=64, dtype=torch.float32)
     native = native_experts.native_for(next(m for m in model.modules() if isinstance(m, MoE)).host)
-    assert (native.layer.format, native.layer.down_format) == ("q2_k", "q3_k")
+    assert (native.layer.format, native.layer.down_format) == formats
     ours = model(torch.tensor(PROMPT), 0)
     decode = [model(torch.tensor([t]), len(PROMPT) + i)[-1] for i, t in enumerate(PROMPT[:4])]
 
@@ -99,8 +107,7 @@ def test_engine_matches_llama_cpp_on_its_q2_k_mix(tmp_path):
         their_tokens = llama_greedy(llm, PROMPT, STEPS)
     finally:
         llm.close()
-    spread = float(theirs.abs().max())
-    tolerance = 0.06 * spread  # as above
+    tolerance = 0.06 * float(theirs.abs().max())  # as above
     assert float((ours - theirs).abs().max()) <= tolerance
     assert float((torch.stack(decode) - theirs_decode).abs().max()) <= tolerance  # the decode kernels
     assert_same_choices(ours, theirs.argmax(-1), tolerance)
@@ -150,28 +157,6 @@ def test_engine_matches_llama_cpp_on_community_expert_types(fmt, wide_q8_0, tmp_
     the engine agrees with llama.cpp on the prompt, the decode kernels and greedy choices, as
     on the files above."""
     from hybridmoe.backend.bench.retype import retype
-    from hybridmoe.backend.engine import native_experts
-    from hybridmoe.backend.engine.moe import MoE
 
     (path,) = retype(wide_q8_0, tmp_path / f"m-{fmt}.gguf", experts=fmt)
-    spec = inspect_model(path).spec
-    model = build_model(spec.config, open_weights(path), max_context=64, dtype=torch.float32)
-    native = native_experts.native_for(next(m for m in model.modules() if isinstance(m, MoE)).host)
-    assert (native.layer.format, native.layer.down_format) == (fmt, fmt)
-    ours = model(torch.tensor(PROMPT), 0)
-    decode = [model(torch.tensor([t]), len(PROMPT) + i)[-1] for i, t in enumerate(PROMPT[:4])]
-
-    llm = open_llama(path)
-    try:
-        theirs = llama_logits(llm, PROMPT)
-        theirs_decode = llama_logits(llm, PROMPT + PROMPT[:4])[len(PROMPT):]
-        their_tokens = llama_greedy(llm, PROMPT, STEPS)
-    finally:
-        llm.close()
-    tolerance = 0.06 * float(theirs.abs().max())  # as above
-    assert float((ours - theirs).abs().max()) <= tolerance
-    assert float((torch.stack(decode) - theirs_decode).abs().max()) <= tolerance
-    assert_same_choices(ours, theirs.argmax(-1), tolerance)
-    sequence = PROMPT + their_tokens
-    logits = model(torch.tensor(sequence), 0)[len(PROMPT) - 1 : -1]
-    assert_same_choices(logits, torch.tensor(their_tokens), tolerance)
+    assert_matches_llama_cpp_with_experts_in_place(path, (fmt, fmt))
