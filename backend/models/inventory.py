@@ -24,15 +24,6 @@ class TypeUse:
     def plus(self, tensors: int, nbytes: int) -> TypeUse:
         return TypeUse(self.tensors + tensors, self.bytes + nbytes, self.example)
 
-    @property
-    def types(self) -> dict[str, TypeUse]:
-        """Every storage type of the model, the classes together, the most bytes first."""
-        total: dict[str, TypeUse] = {}
-        for uses in self.types_by_class.values():
-            for name, use in uses.items():
-                total[name] = total[name].plus(use.tensors, use.bytes) if name in total else use
-        return dict(sorted(total.items(), key=lambda kv: (-kv[1].bytes, kv[0])))
-
     def to_dict(self) -> dict[str, Any]:
         return {"tensors": self.tensors, "bytes": self.bytes, "example": self.example}
 
