@@ -9,8 +9,8 @@ matrix, which cannot be handed to it through llama-cpp-python, and requantizing 
 benchmark model takes many minutes a type on two cores. The benchmark models are random
 anyway (benchmarks/make_midsize_qwen3.py), so random blocks of the target type are as good a
 model (synthetic_experts.random_matrix makes the blocks): the same bytes per token, the same
-layouts to decode, every code and scale field
-exercised, and llama.cpp and the engine read the very same file.
+layouts to decode, every code and scale field exercised, and llama.cpp and the engine read
+the very same file.
 
 ``experts=T`` sets every routed expert tensor (gate, up, down) to T and keeps the others as
 stored. ``mix="ud-q2_k_xl"`` is shaped like Unsloth's UD-Q2_K_XL of DeepSeek-V3: gate/up
