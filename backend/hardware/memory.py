@@ -84,8 +84,11 @@ MEMORY_PLATFORMS: tuple[MemoryPlatform, ...] = (
     MemoryPlatform(r"Threadripper PRO 5\d\d5WX", "AMD Threadripper PRO 5000 WX", 8, 3200, "DDR4"),
     MemoryPlatform(r"Threadripper 9\d\d0X", "AMD Threadripper 9000", 4, 6400),
     MemoryPlatform(r"Threadripper 7\d\d0X", "AMD Threadripper 7000", 4, 5200),
+    MemoryPlatform(r"Threadripper PRO 3\d\d5WX", "AMD Threadripper PRO 3000 WX", 8, 3200, "DDR4"),
+    MemoryPlatform(r"Threadripper 3\d\d0X", "AMD Threadripper 3000", 4, 3200, "DDR4"),
     MemoryPlatform(r"Ryzen \d+ 9\d\d\d", "AMD Ryzen 9000 (AM5)", 2, 5600),
     MemoryPlatform(r"Ryzen \d+ 7\d\d\d", "AMD Ryzen 7000 (AM5)", 2, 5200),
+    MemoryPlatform(r"Ryzen \d+ [35]\d\d\d", "AMD Ryzen 3000/5000 (AM4)", 2, 3200, "DDR4"),
     # Intel Xeon 6: the 6900 series has 12 channels, 6700/6500 have 8 (P and E cores alike).
     MemoryPlatform(r"Xeon.*\b69\d\d[PE]\b", "Intel Xeon 6900 (Granite Rapids-AP)", 12, 6400),
     MemoryPlatform(r"Xeon.*\b6[5-7]\d\d[PE]\b", "Intel Xeon 6700/6500 (Granite Rapids-SP)", 8, 6400),
@@ -96,7 +99,15 @@ MEMORY_PLATFORMS: tuple[MemoryPlatform, ...] = (
     MemoryPlatform(r"Xeon.*(Platinum|Gold|Silver|Bronze) [3-8]2\d\d", "Intel Xeon 2nd gen (Cascade Lake)", 6, 2933, "DDR4"),
     MemoryPlatform(r"Xeon.*\bw[3579]-3[45]\d\d", "Intel Xeon W-3400/3500", 8, 4800),
     MemoryPlatform(r"Xeon.*\bw[3579]-2[45]\d\d", "Intel Xeon W-2400/2500", 4, 4800),
+    MemoryPlatform(r"Xeon.*\bE5-\d{4} v4", "Intel Xeon E5 v4 (Broadwell-EP)", 4, 2400, "DDR4"),
+    MemoryPlatform(r"Xeon.*\bE5-\d{4} v3", "Intel Xeon E5 v3 (Haswell-EP)", 4, 2133, "DDR4"),
     MemoryPlatform(r"Core\(TM\) Ultra \d 2\d\d(K|KF|F)?\b", "Intel Core Ultra 200S (Arrow Lake)", 2, 6400),
+    # Desktop Core: the 12th to 14th generations take DDR5 at these speeds (DDR4 boards exist too);
+    # the X-series (Cascade Lake-X) has four DDR4 channels.
+    MemoryPlatform(r"Core.*\bi[3579]-14\d\d\d", "Intel Core 14th gen (Raptor Lake Refresh)", 2, 5600),
+    MemoryPlatform(r"Core.*\bi[3579]-13\d\d\d", "Intel Core 13th gen (Raptor Lake)", 2, 5600),
+    MemoryPlatform(r"Core.*\bi[3579]-12\d\d\d", "Intel Core 12th gen (Alder Lake)", 2, 4800),
+    MemoryPlatform(r"Core.*\bi[79]-10\d\d\dX", "Intel Core X-series 10th gen (Cascade Lake-X)", 4, 2933, "DDR4"),
     # Apple silicon: one unified memory, quoted by Apple as a single figure. The binned Max
     # parts (fewer CPU cores) have a narrower bus.
     MemoryPlatform(r"Apple M1 Ultra", "Apple M1 Ultra", fixed_bytes_per_s=800e9),
@@ -120,33 +131,89 @@ MEMORY_PLATFORMS: tuple[MemoryPlatform, ...] = (
 )
 
 
+# Desktop Ryzen CPUs reach memory through their core dies (CCDs), each over one fabric link
+# that reads at most 32 bytes per fabric clock: 64 GB/s at Zen 4/5's usual 2,000 MHz FCLK,
+# 57.6 GB/s at Zen 2/3's 1,800 MHz. A one-CCD part (Ryzen 5 and 7) therefore reads less than
+# its two DDR5 channels carry (a 7800X3D measures about 64 GB/s of the 83.2 its DDR5-5200 gives).
+_CCD_LINK_BYTES_PER_CLOCK = 32
+_DESKTOP_RYZEN = re.compile(r"Ryzen (?P<tier>\d+) (?P<gen>[3579])(?P<rest>\d\d\d)(?P<suffix>[A-Z0-9]*)", re.IGNORECASE)
+
+
+def ccd_read_limit(cpu_model: str | None) -> tuple[float, str] | None:
+    """(bytes/s, why) that a desktop Ryzen's core dies can read from memory together, or None
+    for every other CPU (server and workstation parts have enough CCDs, APUs have none)."""
+    match = _DESKTOP_RYZEN.search(cpu_model or "")
+    if not match or "G" in match["suffix"].upper() or "threadripper" in (cpu_model or "").lower():
+        return None
+    # Ryzen 9 parts (x900, x950) have two CCDs, Ryzen 3/5/7 one.
+    ccds = 2 if int(match["tier"]) >= 9 else 1
+    fclk_mhz = 2000 if match["gen"] in "79" else 1800
+    figure = ccds * _CCD_LINK_BYTES_PER_CLOCK * fclk_mhz * 1e6
+    dies = "one CCD" if ccds == 1 else f"{ccds} CCDs"
+    return figure, (f"{dies} × 32 B per fabric clock × {fclk_mhz:,} MHz = {figure / 1e9:,.1f} GB/s "
+                    "(a desktop Ryzen's core dies read no faster)")
+
+
 def theoretical_host_bandwidth(
-    cpu_model: str | None, sockets: int | None = None, physical_cores: int | None = None
+    cpu_model: str | None, sockets: int | None = None, physical_cores: int | None = None, *,
+    channels: int | None = None, megatransfers: int | None = None,
 ) -> tuple[float | None, str]:
     """(bytes/s, how it was derived) for a known platform, else (None, why not).
 
     ``sockets`` multiplies per-socket figures; when it is unknown one socket is assumed and
     the note says so (an underestimate is safer than a promise). ``physical_cores`` tells
-    apart Apple Max bins.
+    apart Apple Max bins. ``channels`` (populated DIMM channels, all sockets together) and
+    ``megatransfers`` (the DIMMs' MT/s) replace the platform's figures where the machine's
+    owner knows them: slower DIMMs, or channels left empty. A desktop Ryzen's figure is at
+    most what its CCDs can read (``ccd_read_limit``).
     """
+    platform = _platform(cpu_model, physical_cores)
+    if channels or megatransfers:
+        if platform is not None and platform.fixed_bytes_per_s is not None:
+            return platform.bandwidth(1)  # unified memory: the vendor's figure is the machine's
+        total_channels = channels or (platform.channels_per_socket * (sockets or 1) if platform and platform.channels_per_socket else None)
+        speed = megatransfers or (platform.megatransfers if platform else None)
+        if not total_channels or not speed:
+            missing = "channels" if not total_channels else "MT/s"
+            return None, (f"memory {missing} unknown: the CPU model is not in the memory platform table; "
+                          "describe both channels and mts")
+        figure = total_channels * speed * 1e6 * 8
+        memory_type = platform.memory_type if platform else "DDR"
+        return _within_ccds(cpu_model, figure, f"described: {total_channels} channels × {memory_type}-{speed} × 8 B = "
+                                                f"{figure / 1e9:,.1f} GB/s")
     if not cpu_model:
         return None, "CPU model unknown, so the memory platform is unknown"
-    for platform in MEMORY_PLATFORMS:
+    if platform is None:
+        return None, (
+            f"CPU model {cpu_model!r} is not in the memory platform table "
+            "(channels × speed unknown); describe the machine's bandwidth (or its channels and mts) to plan with it"
+        )
+    if platform.fixed_bytes_per_s is not None:
+        return platform.bandwidth(1)
+    figure, note = platform.bandwidth(sockets or 1)
+    if sockets is None:
+        note += "; socket count unknown, one socket assumed"
+    return _within_ccds(cpu_model, figure, note)
+
+
+def _platform(cpu_model: str | None, physical_cores: int | None) -> MemoryPlatform | None:
+    """The first platform of MEMORY_PLATFORMS whose pattern `cpu_model` matches."""
+    for platform in MEMORY_PLATFORMS if cpu_model else ():
         if not re.search(platform.pattern, cpu_model, re.IGNORECASE):
             continue
         if platform.min_physical_cores is not None:
             if physical_cores is None or physical_cores < platform.min_physical_cores:
                 continue
-        if platform.fixed_bytes_per_s is not None:
-            return platform.bandwidth(1)
-        figure, note = platform.bandwidth(sockets or 1)
-        if sockets is None:
-            note += "; socket count unknown, one socket assumed"
-        return figure, note
-    return None, (
-        f"CPU model {cpu_model!r} is not in the memory platform table "
-        "(channels × speed unknown); describe the machine's bandwidth to plan with it"
-    )
+        return platform
+    return None
+
+
+def _within_ccds(cpu_model: str | None, figure: float, note: str) -> tuple[float, str]:
+    """The channels' figure, or what a desktop Ryzen's CCDs can read when that is less."""
+    limit = ccd_read_limit(cpu_model)
+    if limit is not None and limit[0] < figure:
+        return limit[0], f"{limit[1]}, less than the channels' {figure / 1e9:,.1f} GB/s ({note})"
+    return figure, note
 
 
 # --- cgroup limit -----------------------------------------------------------------------------

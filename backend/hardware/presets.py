@@ -12,13 +12,15 @@ the same facts at the top level, under the names of ``FLAT_KEYS``: ``gpu_count =
 
     name = "lab box"
     [gpu]
-    model = "RTX PRO 6000"
+    model = "RTX PRO 6000"   # or one name per card: ["RTX 5090", "RTX 4090"]
     count = 4
     memory = "97887MiB"      # per card, as the driver reports it
     bandwidth = "1792GB/s"   # per card
     [host]
     ram = "768GiB"
-    bandwidth = "1229GB/s"   # else derived from cpu + sockets when the platform is known
+    bandwidth = "1229GB/s"   # else channels × mts × 8 B, else derived from cpu + sockets
+    channels = 24            # populated memory channels, all sockets together
+    mts = 6400               # the DIMMs' transfer rate
     cpu = "AMD EPYC 9355 32-Core Processor"
     cores = 64               # physical cores, all sockets together
     threads = 128
@@ -32,7 +34,7 @@ from __future__ import annotations
 import os
 import re
 import tomllib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -71,9 +73,32 @@ GPU_MODELS: tuple[GPUModel, ...] = (
     GPUModel("NVIDIA A100-SXM4-80GB", 81_920 * MiB, 2.039e12, (8, 0), 4, 16, 12, ("A100 80GB", "A100 SXM4 80GB")),
     GPUModel("NVIDIA L40S", 46_068 * MiB, 864e9, (8, 9), 4, 16, 0, ("L40S",)),
     GPUModel("NVIDIA RTX 6000 Ada Generation", 49_140 * MiB, 960e9, (8, 9), 4, 16, 0, ("RTX 6000 Ada",)),
+    GPUModel("NVIDIA H100 PCIe", 81_559 * MiB, 2.0e12, (9, 0), 5, 16, None, ("H100 PCIe",)),
+    GPUModel("NVIDIA A100 80GB PCIe", 81_920 * MiB, 1.935e12, (8, 0), 4, 16, None, ("A100 PCIe", "A100 80GB PCIe")),
+    GPUModel("NVIDIA RTX A6000", 49_140 * MiB, 768e9, (8, 6), 4, 16, None, ("A6000", "RTX A6000")),
     GPUModel("NVIDIA GeForce RTX 5090", 32_607 * MiB, 1.792e12, (12, 0), 5, 16, 0, ("RTX 5090",)),
+    GPUModel("NVIDIA GeForce RTX 5080", 16_303 * MiB, 960e9, (12, 0), 5, 16, 0, ("RTX 5080",)),
     GPUModel("NVIDIA GeForce RTX 4090", 24_564 * MiB, 1.008e12, (8, 9), 4, 16, 0, ("RTX 4090",)),
+    GPUModel("NVIDIA GeForce RTX 4090 D", 24_564 * MiB, 1.008e12, (8, 9), 4, 16, 0, ("RTX 4090D", "RTX 4090 D")),
+    GPUModel("NVIDIA GeForce RTX 4080", 16_376 * MiB, 716.8e9, (8, 9), 4, 16, 0, ("RTX 4080", "RTX 4080 SUPER")),
+    GPUModel("NVIDIA GeForce RTX 3090 Ti", 24_564 * MiB, 1.008e12, (8, 6), 4, 16, None, ("RTX 3090 Ti",)),
+    GPUModel("NVIDIA GeForce RTX 3090", 24_576 * MiB, 936e9, (8, 6), 4, 16, None, ("RTX 3090",)),
+    GPUModel("NVIDIA GeForce RTX 2080", 8_192 * MiB, 448e9, (7, 5), 3, 16, None, ("RTX 2080",)),
 )
+
+# The host a card's preset (``--hardware "RTX 4090"``, ``"2x RTX 3090"``) is given: a desktop for
+# the GeForce cards, a workstation for the others. Real hosts differ: --ram, --host-bandwidth and
+# --cores change these, and a TOML description says everything.
+_DESKTOP_HOST: dict[str, Any] = {
+    "cpu_model": "AMD Ryzen 9 9950X 16-Core Processor", "sockets": 1, "cores": 16, "threads": 32,
+    "l3": 64 * MiB, "host_ram": 96 * GiB, "features": ("avx2", "fma", "avx512f", "avx512bw", "avx512vl",
+                                                         "avx512_vnni", "avx512_bf16"),
+}
+_WORKSTATION_HOST: dict[str, Any] = {
+    "cpu_model": "AMD Ryzen Threadripper PRO 7975WX 32-Cores", "sockets": 1, "cores": 32, "threads": 64,
+    "l3": 128 * MiB, "host_ram": 512 * GiB, "features": ("avx2", "fma", "avx512f", "avx512bw", "avx512vl",
+                                                          "avx512_vnni", "avx512_bf16"),
+}
 
 
 def _normalize(name: str) -> str:
@@ -119,18 +144,39 @@ _PRESETS: dict[str, dict[str, Any]] = {
 
 
 def preset_names() -> tuple[str, ...]:
-    return tuple(_PRESETS)
+    """The machine presets, then one single-card machine per GPU model (its short name)."""
+    return tuple(_PRESETS) + tuple(model.aliases[0] for model in GPU_MODELS)
+
+
+def _card_preset(name: str) -> dict[str, Any] | None:
+    """"RTX 4090", "2x RTX 3090", "4 × L40S": that many of a known card in the host of its class."""
+    match = re.match(r"^\s*(?:(\d+)\s*[x×]\s*)?(.+?)\s*$", name)
+    card = _find_gpu_model(match[2]) if match else None
+    if card is None:
+        return None
+    count = int(match[1]) if match[1] else 1
+    host = _DESKTOP_HOST if "GeForce" in card.name else _WORKSTATION_HOST
+    return {"gpu_model": card.aliases[0], "gpu_count": count, **host}
 
 
 def preset(name: str) -> HardwareProfile:
-    """The preset machine called ``name`` (spacing, case and '×' vs 'x' do not matter)."""
+    """The preset machine called ``name`` (spacing, case and '×' vs 'x' do not matter): one of
+    the named presets, or "[N x] CARD" for a known GPU model in the host of its class."""
     wanted = _normalize(name)
     for known, values in _PRESETS.items():
         if _normalize(known) == wanted:
             return describe(name=known, **values)
+    card = _card_preset(name)
+    if card is not None:
+        host = card["cpu_model"].split(" Processor")[0]
+        label = f"{card['gpu_count']}x {card['gpu_model']}" if card["gpu_count"] > 1 else card["gpu_model"]
+        return describe(name=f"{label} (preset host: {host}, {fmt_bytes(card['host_ram'])} RAM)", **card)
     raise HardwareDescriptionError(
         f"unknown machine preset {name!r}",
-        "Known presets: " + ", ".join(repr(n) for n in _PRESETS) + "; or describe the machine in a TOML file.",
+        "Known presets: " + ", ".join(repr(n) for n in _PRESETS) + "; or a GPU model, alone or as \"2x MODEL\": "
+        + ", ".join(repr(m.aliases[0]) for m in GPU_MODELS) + ". Any other machine: this one with other "
+        "numbers (--hardware this --gpus 2 --gpu-memory 24564MiB --ram 128GiB --host-bandwidth 89.6GB/s --cores 16), "
+        "or a TOML description (--hardware machine.toml; the README lists its keys).",
     )
 
 
@@ -157,8 +203,8 @@ _MIN_SENSIBLE_RATE = 1e9
 def describe(
     *,
     name: str = "described machine",
-    gpu_model: str | None = None,
-    gpu_count: int = 0,
+    gpu_model: str | Sequence[str] | None = None,
+    gpu_count: int | None = None,
     gpu_memory: int | str | None = None,
     gpu_bandwidth: float | str | None = None,
     host_ram: int | str | None = None,
@@ -169,12 +215,17 @@ def describe(
     sockets: int | None = None,
     l3: int | str | None = None,
     features: Iterable[str] | None = None,
+    channels: int | None = None,
+    mts: int | None = None,
 ) -> HardwareProfile:
     """A ``HardwareProfile(described=True)`` from explicit numbers.
 
     Sizes and rates may be numbers (bytes, bytes/s) or strings with units ("96GiB",
     "1229GB/s"). ``gpu_memory`` is per card as the driver reports it and may be left out
-    for a model in ``GPU_MODELS``. The machine is taken as idle: GPU free memory and host
+    for a model in ``GPU_MODELS``. ``gpu_model`` may list one model per card (mixed cards);
+    ``gpu_count`` is then their number. ``channels`` (populated memory channels, all sockets
+    together) and ``mts`` (the DIMMs' MT/s) give the host bandwidth where the platform's
+    highest figures are not the machine's. The machine is taken as idle: GPU free memory and host
     available memory equal the totals; the planner applies its own reserves. Raises
     ``HardwareDescriptionError`` saying what is wrong and what to do.
     """
@@ -193,6 +244,8 @@ def describe(
             sockets=sockets,
             l3=l3,
             features=features,
+            channels=channels,
+            mts=mts,
         ),
         _CALL,
     )
@@ -274,10 +327,23 @@ def _describe(values: dict[str, Any], source: _Source) -> HardwareProfile:
     unknown: dict[str, str] = {}
     not_described = "not described"
 
-    gpu_count = _count(values, "gpu_count", source, "GPU count", 0) or 0
+    gpu_count = _count(values, "gpu_count", source, "GPU count", 0)
     gpu_model_name = values.get("gpu_model")
-    if gpu_model_name is not None and not isinstance(gpu_model_name, str):
+    # Mixed cards: one model per card, in order (["RTX 5090", "RTX 4090"]).
+    models_per_card: list[str] | None = None
+    if isinstance(gpu_model_name, (list, tuple)):
+        if not gpu_model_name or not all(isinstance(m, str) for m in gpu_model_name):
+            raise _fail(source, "gpu_model", f"GPU models must be a list of names, not {gpu_model_name!r}",
+                        'Write e.g. ["RTX 5090", "RTX 4090"], one name per card.')
+        models_per_card = list(gpu_model_name)
+        if gpu_count is not None and gpu_count != len(models_per_card):
+            raise _fail(source, "gpu_count", f"{gpu_count} GPUs but {len(models_per_card)} models listed",
+                        "List one model per card, or leave the count out.")
+        gpu_count = len(models_per_card)
+        gpu_model_name = None
+    elif gpu_model_name is not None and not isinstance(gpu_model_name, str):
         raise _fail(source, "gpu_model", f"GPU model must be text, not {gpu_model_name!r}", 'Write e.g. "RTX PRO 6000".')
+    gpu_count = gpu_count if gpu_count is not None else (1 if gpu_model_name else 0)
     if gpu_count == 0:
         for parameter, label in (("gpu_memory", "GPU memory"), ("gpu_bandwidth", "GPU bandwidth"), ("gpu_model", "a GPU model")):
             if values.get(parameter) is not None:
@@ -287,18 +353,25 @@ def _describe(values: dict[str, Any], source: _Source) -> HardwareProfile:
                 )
     gpu_memory = _size(values, "gpu_memory", source, "GPU memory per card")
     gpu_bandwidth = _rate(values, "gpu_bandwidth", source, "GPU memory bandwidth")
-    card = _find_gpu_model(gpu_model_name) if gpu_model_name else None
-    if gpu_count and card is None and gpu_memory is None:
-        known = ", ".join(repr(m.aliases[0]) for m in GPU_MODELS)
-        if gpu_model_name:
+    names = models_per_card or [gpu_model_name] * gpu_count
+    cards = [_find_gpu_model(n) if n else None for n in names]
+    known = ", ".join(repr(m.aliases[0]) for m in GPU_MODELS)
+    for n, c in zip(names, cards):
+        if n and c is None and gpu_memory is None:
             raise _fail(
-                source, "gpu_model", f"unknown GPU model {gpu_model_name!r} and no GPU memory given",
+                source, "gpu_model", f"unknown GPU model {n!r} and no GPU memory given",
                 f"Give the memory per card as the driver reports it (e.g. \"97887MiB\"), or use a known model: {known}.",
             )
+    if gpu_count and not any(names) and gpu_memory is None:
         raise _fail(
             source, "gpu_count", f"{gpu_count} GPUs but neither their model nor their memory",
             f"Give the GPU model ({known}) or the memory per card as the driver reports it.",
         )
+    channels = _count(values, "channels", source, "memory channel count", 1)
+    mts = _count(values, "mts", source, "memory speed (MT/s)", 1)
+    if mts is not None and mts < 400:
+        raise _fail(source, "mts", f"memory speed {mts} MT/s is too slow to be a DIMM's",
+                    "Give the transfer rate in MT/s, e.g. 5600 for DDR5-5600.")
 
     host_ram = _size(values, "host_ram", source, "host RAM")
     if host_ram is None:
@@ -330,12 +403,12 @@ def _describe(values: dict[str, Any], source: _Source) -> HardwareProfile:
 
     # GPUs: explicit numbers win over the model catalogue.
     gpus = []
-    for index in range(gpu_count):
+    for index, (card, card_name) in enumerate(zip(cards, names)):
         memory = gpu_memory if gpu_memory is not None else card.memory_bytes  # type: ignore[union-attr]
         gpus.append(
             GPU(
                 index=index,
-                name=card.name if card else (gpu_model_name or "GPU"),
+                name=card.name if card else (card_name or "GPU"),
                 vendor="nvidia",
                 total_bytes=memory,
                 free_bytes=memory,
@@ -350,7 +423,7 @@ def _describe(values: dict[str, Any], source: _Source) -> HardwareProfile:
         )
         for field in ("compute_capability", "pcie_generation", "pcie_width", "memory_bandwidth_bytes_per_s"):
             if getattr(gpus[-1], field) is None:
-                unknown[f"gpus[{index}].{field}"] = f"{not_described}: GPU model {gpu_model_name or '(none)'} is not in the catalogue"
+                unknown[f"gpus[{index}].{field}"] = f"{not_described}: GPU model {card_name or '(none)'} is not in the catalogue"
         if gpus[-1].nvlink_links is None:
             unknown[f"gpus[{index}].nvlink_links"] = (
                 f"{not_described}: {card.name} NVLink depends on the bridges installed" if card
@@ -360,7 +433,7 @@ def _describe(values: dict[str, Any], source: _Source) -> HardwareProfile:
     if host_bandwidth is not None:
         theoretical, note = host_bandwidth, f"described: {fmt_rate(host_bandwidth)}"
     else:
-        theoretical, note = theoretical_host_bandwidth(cpu_model, sockets, cores)
+        theoretical, note = theoretical_host_bandwidth(cpu_model, sockets, cores, channels=channels, megatransfers=mts)
         if theoretical is None:
             unknown["memory.bandwidth_theoretical_bytes_per_s"] = f"{not_described}; {note}"
     memory = Memory(
@@ -418,6 +491,8 @@ _TOML_KEYS: dict[tuple[str, str], str] = {
     ("host", "sockets"): "sockets",
     ("host", "l3"): "l3",
     ("host", "features"): "features",
+    ("host", "channels"): "channels",
+    ("host", "mts"): "mts",
 }
 # A flat file gives the same facts at the top level: each under its parameter name
 # (``gpu_count``, ``host_ram``), and the [host] facts also under their table key

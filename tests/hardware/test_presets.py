@@ -207,3 +207,85 @@ def test_an_unknown_entry_lists_the_keys_not_internal_names(tmp_path):
     assert "lab.toml:1: unknown entry 'memory'" in caught.value.what
     assert "describe" not in str(caught.value)
     assert "ram" in caught.value.hint and "[host]" in caught.value.hint
+
+
+# ---- the cards people own, mixed cards, memory channels (#47) ----------------------------------
+
+
+@pytest.mark.parametrize("name, card, count, host_cores", [
+    ("RTX 4090", "NVIDIA GeForce RTX 4090", 1, 16),
+    ("2x RTX 3090", "NVIDIA GeForce RTX 3090", 2, 16),
+    ("RTX 4090D", "NVIDIA GeForce RTX 4090 D", 1, 16),
+    ("rtx 5080", "NVIDIA GeForce RTX 5080", 1, 16),
+    ("4 × RTX 5090", "NVIDIA GeForce RTX 5090", 4, 16),
+    ("A6000", "NVIDIA RTX A6000", 1, 32),
+    ("RTX PRO 6000 Blackwell Workstation Edition", "NVIDIA RTX PRO 6000 Blackwell", 1, 32),
+    ("L40S", "NVIDIA L40S", 1, 32),
+    ("H100 PCIe", "NVIDIA H100 PCIe", 1, 32),
+])
+def test_a_card_name_is_a_preset_with_a_host_of_its_class(name, card, count, host_cores):
+    machine = preset(name)
+    assert [g.name for g in machine.gpus] == [card] * count
+    assert machine.described and machine.cpu.physical_cores == host_cores
+    assert machine.memory.bandwidth_bytes_per_s  # the preset host's platform is in the table
+    assert "preset host" in machine.name
+
+
+def test_every_card_alias_is_offered_as_a_preset():
+    names = preset_names()
+    for alias in ("RTX 3090", "RTX 4090", "RTX 4090D", "RTX 5080", "RTX 5090", "A6000", "L40S", "H100 PCIe"):
+        assert alias in names
+        preset(alias)
+
+
+def test_an_unknown_preset_says_how_to_describe_the_machine():
+    with pytest.raises(HardwareDescriptionError) as caught:
+        preset("RTX 9999")
+    hint = caught.value.hint
+    assert "--gpus" in hint and "--gpu-memory" in hint and "'RTX 4090'" in hint and ".toml" in hint
+
+
+def test_mixed_cards_are_one_model_per_card(tmp_path):
+    machine = describe(gpu_model=["RTX 5090", "RTX 4090"], host_ram="128GiB")
+    assert [g.name for g in machine.gpus] == ["NVIDIA GeForce RTX 5090", "NVIDIA GeForce RTX 4090"]
+    assert [g.total_bytes for g in machine.gpus] == [32_607 * MiB, 24_564 * MiB]
+    path = tmp_path / "mixed.toml"
+    path.write_text('[gpu]\nmodel = ["RTX 5090", "RTX 4090"]\n[host]\nram = "128GiB"\n')
+    assert [g.name for g in load_described(path).gpus] == [g.name for g in machine.gpus]
+    path.write_text('[gpu]\nmodel = ["RTX 5090", "RTX 4090"]\ncount = 3\n[host]\nram = "128GiB"\n')
+    with pytest.raises(HardwareDescriptionError, match=r"mixed.toml:3: \[gpu\] count: 3 GPUs but 2 models"):
+        load_described(path)
+
+
+def test_channels_and_speed_set_the_host_bandwidth(tmp_path):
+    # Two sockets of 8 channels, but DDR5-4800 DIMMs in only 12 of them.
+    machine = describe(host_ram="512GiB", cpu_model="Intel Xeon Gold 6454S", sockets=2, channels=12, mts=4800)
+    assert machine.memory.bandwidth_bytes_per_s == 12 * 4800e6 * 8
+    assert "12 channels × DDR5-4800" in machine.memory.bandwidth_note
+    # The platform's channels with slower DIMMs.
+    assert describe(host_ram="64GiB", cpu_model="AMD Ryzen 9 9950X", mts=4800).memory.bandwidth_bytes_per_s == 2 * 4800e6 * 8
+    path = tmp_path / "box.toml"
+    path.write_text('[host]\nram = "64GiB"\nchannels = 4\nmts = 3200\n')
+    assert load_described(path).memory.bandwidth_bytes_per_s == 4 * 3200e6 * 8
+    path.write_text('[host]\nram = "64GiB"\nchannels = 4\nmts = 32\n')
+    with pytest.raises(HardwareDescriptionError, match=r"box.toml:4: \[host\] mts: memory speed 32 MT/s"):
+        load_described(path)
+
+
+def test_a_one_ccd_ryzen_reads_what_its_ccd_can():
+    machine = describe(host_ram="64GiB", cpu_model="AMD Ryzen 7 7800X3D 8-Core Processor")
+    assert machine.memory.bandwidth_bytes_per_s == 64e9  # not the channels' 83.2 GB/s
+    assert "one CCD" in machine.memory.bandwidth_note and "83.2 GB/s" in machine.memory.bandwidth_note
+    two_ccds = describe(host_ram="64GiB", cpu_model="AMD Ryzen 9 7950X 16-Core Processor")
+    assert two_ccds.memory.bandwidth_bytes_per_s == 83.2e9  # two CCDs read 128 GB/s: the channels bound
+
+
+@pytest.mark.parametrize("model, figure", [
+    ("Intel(R) Core(TM) i9-14900K", 89.6e9),
+    ("Intel(R) Core(TM) i9-10900X CPU @ 3.70GHz", 93.856e9),
+    ("AMD Ryzen 9 5950X 16-Core Processor", 51.2e9),
+    ("AMD Ryzen Threadripper 3970X 32-Core Processor", 102.4e9),
+    ("AMD Ryzen Threadripper PRO 7975WX 32-Cores", 332.8e9),
+])
+def test_common_desktop_and_workstation_cpus_have_a_bandwidth(model, figure):
+    assert describe(host_ram="64GiB", cpu_model=model).memory.bandwidth_bytes_per_s == pytest.approx(figure)
