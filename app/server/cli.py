@@ -74,6 +74,7 @@ def _load_and_serve(args, model, name, plan, api_key, sock, progress, backend_ch
             session = load_session(args.backend, model, plan, progress, cancel, on_fallback=backend_choice.fell_back,
                                    on_choice=backend_choice.chosen)
         progress.done()
+        backend_choice.warn_slow_path(plan)
         try:
             check_parallel_of_session(args.parallel, session)
         except UsageError:

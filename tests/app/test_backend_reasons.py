@@ -156,3 +156,18 @@ def test_an_unread_type_on_the_engine_is_one_error_with_what_to_do(ternary_gguf,
     assert error["hint"].startswith("Run this model on llama.cpp (--backend llamacpp; --backend auto does so by itself)")
     readable = error["hint"].split("types the engine reads: ", 1)[1].rstrip(".").split(", ")
     assert "Q8_0" in readable and qtype not in readable
+
+
+def test_serve_warns_of_the_slow_path_before_it_serves(tiny_gguf, monkeypatch, tmp_path):
+    from tests.server.conftest import serve_process, until_serving
+
+    monkeypatch.setenv("HYBRIDMOE_NATIVE", "0")
+    process, lines = serve_process(tiny_gguf, tmp_path, "--context", "128", "--backend", "engine")
+    try:
+        seen = "".join(until_serving(process, lines))
+    finally:
+        process.kill()
+        process.wait(timeout=30)
+    warning = next(line for line in seen.splitlines() if line.startswith("hybridmoe: warning: "))
+    assert "would be computed on a slow path on the CPU" in warning
+    assert warning.endswith("; --backend llamacpp reads them in place")
