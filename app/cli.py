@@ -288,6 +288,8 @@ def cmd_bench_generate(args) -> int:
     from hybridmoe.backend.bench import generate
 
     _check_gguf_argument(args.model)
+    if args.plan or args.gpu_share is not None:
+        return _bench_side_by_side(args)
     if args.types:
         result = generate.sweep(args.model, args.types, threads=args.threads, pairs=args.pairs)
         print(json.dumps(result, indent=1) if args.json else generate.sweep_table(result))
@@ -300,6 +302,21 @@ def cmd_bench_generate(args) -> int:
     # not be measured did not do what was asked.
     failed = [b for b, r in summary["results"].items() if "error" in r]
     return EXIT_ERROR if failed else EXIT_OK
+
+
+def _bench_side_by_side(args) -> int:
+    """`bench generate --plan`: the engine's hybrid layout against llama.cpp with the same GPU experts."""
+    from hybridmoe.backend.bench import gpu_side_by_side
+    from hybridmoe.backend.errors import UsageError
+
+    if args.types:
+        raise UsageError("--types and --plan measure different things", "Pass one of them.")
+    result = gpu_side_by_side.run(
+        args.model, plan_path=args.plan, gpu_share=args.gpu_share, match=args.llamacpp_layout, pairs=args.pairs or 1,
+        decode_at=args.decode_at, prefill=args.prefill, decode_tokens=args.gen_tokens, threads=args.threads,
+        out=args.out)
+    print(json.dumps(result, indent=1) if args.json else gpu_side_by_side.table(result))
+    return EXIT_ERROR if gpu_side_by_side.failed(result) else EXIT_OK
 
 
 def cmd_bench_serve(args) -> int:
@@ -489,6 +506,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "2048 positions and prefill of 512 tokens against llama.cpp")
     p.add_argument("--json", action="store_true", help="the results, the engine's per-token breakdown "
                    "included, as JSON")
+    from hybridmoe.backend.bench.gpu_side_by_side import add_arguments as add_side_by_side_arguments
+
+    # With --plan: --pairs pairs of each measurement, decode passes of --gen-tokens tokens.
+    add_side_by_side_arguments(p)
     p.set_defaults(func=cmd_bench_generate)
     p = bench.add_parser("serve", help="several conversations at once: aggregate and per-stream tokens/s, time to "
                          "first token and peak RAM for 1, 2, 4, 8 streams, the engine against llama.cpp with as "

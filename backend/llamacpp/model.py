@@ -102,16 +102,21 @@ class RawModel:
     No chat template, no sampling, one sequence. ``vocab_only`` opens the vocabulary alone
     (``tokenize``), without weights or a context. ``n_seq_max`` > 1 makes room in the context
     for that many sequences (``n_ctx`` / ``n_seq_max`` tokens each), for a caller that drives
-    ``ctx`` with batches of several sequences itself (``eval`` uses sequence 0)."""
+    ``ctx`` with batches of several sequences itself (``eval`` uses sequence 0). ``params``
+    (backend/llamacpp/params.build's LlamaParams: GPU layers, tensor overrides, flash attention)
+    replaces llama.cpp's defaults and the context arguments above."""
 
     def __init__(self, path: str | Path, *, n_ctx: int = 512, n_batch: int = 512, n_ubatch: int = 512,
-                 n_threads: int = 1, logits_all: bool = False, vocab_only: bool = False, n_seq_max: int = 1):
+                 n_threads: int = 1, logits_all: bool = False, vocab_only: bool = False, n_seq_max: int = 1,
+                 params: Any | None = None):
         from hybridmoe.backend.errors import ModelError
 
         b = self._b = llama()
-        params = b.llama_model_default_params()
-        params.vocab_only = vocab_only
-        self.model = load_model(path, params)
+        # llama.cpp keeps pointers into the parameters (the override array) while the model lives.
+        self._params = params
+        model_params = b.llama_model_default_params() if params is None else params.model
+        model_params.vocab_only = vocab_only
+        self.model = load_model(path, model_params)
         if not self.model:
             raise ModelError(f"llama.cpp could not load {path}", "See the log (logger 'hybridmoe.llamacpp') for details.")
         self.vocab = b.llama_model_get_vocab(self.model)
@@ -121,18 +126,21 @@ class RawModel:
         self.n_tokens = 0
         if vocab_only:
             return
-        cp = b.llama_context_default_params()
-        cp.n_ctx = n_ctx
-        cp.n_batch = min(n_batch, n_ctx)
-        cp.n_ubatch = min(n_ubatch, cp.n_batch)
-        cp.n_threads = cp.n_threads_batch = n_threads
-        cp.n_seq_max = n_seq_max
-        # llama-cpp-python's Llama, which these comparisons were written against, turns it off.
-        cp.flash_attn_type = b.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        if params is not None:
+            cp = params.context
+        else:
+            cp = b.llama_context_default_params()
+            cp.n_ctx = n_ctx
+            cp.n_batch = min(n_batch, n_ctx)
+            cp.n_ubatch = min(n_ubatch, cp.n_batch)
+            cp.n_threads = cp.n_threads_batch = n_threads
+            cp.n_seq_max = n_seq_max
+            # llama-cpp-python's Llama, which these comparisons were written against, turns it off.
+            cp.flash_attn_type = b.LLAMA_FLASH_ATTN_TYPE_DISABLED
         self.ctx = b.llama_init_from_model(self.model, cp)
         if not self.ctx:
             self.close()
-            raise ModelError(f"llama.cpp loaded {path} but could not create a context of {n_ctx} tokens")
+            raise ModelError(f"llama.cpp loaded {path} but could not create a context of {cp.n_ctx} tokens")
         self.n_batch = cp.n_batch
         self._batch = b.llama_batch_init(self.n_batch, 0, 1)
 
@@ -154,6 +162,15 @@ class RawModel:
     def reset(self) -> None:
         self._b.llama_memory_clear(self._b.llama_get_memory(self.ctx), True)
         self._rows, self.n_tokens = [], 0
+
+    def rewind(self, n_tokens: int) -> None:
+        """Forget every token after the first ``n_tokens`` (their cache entries too): the next
+        ``eval`` continues from position ``n_tokens``."""
+        if not 0 <= n_tokens <= self.n_tokens:
+            raise ValueError(f"cannot rewind to {n_tokens} tokens: {self.n_tokens} are evaluated")
+        self._b.llama_memory_seq_rm(self._b.llama_get_memory(self.ctx), 0, n_tokens, -1)
+        self.n_tokens = n_tokens
+        self._rows = self._rows[:n_tokens] if self.logits_all else []
 
     def eval(self, ids: Sequence[int]) -> np.ndarray:
         """Run ``ids`` after the tokens already evaluated; their logits, one row per token
