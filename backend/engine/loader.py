@@ -2,8 +2,10 @@
 
 Everything here is read in full for every token (attention, norms, routers, shared
 experts, dense layers, embeddings, head), so it is materialised once on the main device in
-the compute dtype; except that on a CPU main device the projections run through the native
-kernels (``native_linear``), which read the stored matrix in place. Names are the checkpoint's HF names; shapes are checked against the
+the compute dtype; except the projections of a quantized file: on a CPU main device they run
+through the native kernels (``native_linear``), which read the stored matrix in place, and on
+a GPU a GGUF's block matrices stay as stored there, read by the Triton kernels of
+``stored_linear``. Names are the checkpoint's HF names; shapes are checked against the
 config so that a mismatched checkpoint fails at load with the tensor named.
 """
 
@@ -14,6 +16,7 @@ from torch import nn
 
 from hybridmoe.backend.engine.layers import GatedMLP, Linear, RMSNorm
 from hybridmoe.backend.engine.native_linear import native_linear
+from hybridmoe.backend.engine.stored_linear import stored_linear
 from hybridmoe.backend.engine.tensor_parallel import columns
 from hybridmoe.backend.formats.weights import WeightSource, dense, require
 
@@ -58,11 +61,14 @@ class Loader:
 
     def projection(self, stored, bias: torch.Tensor | None = None) -> nn.Module:
         """y = x W^T (+ b) for a stored [out, in] matrix: natively on a CPU main device (in its
-        stored form, or dequantized once when the kernels do not read that form), else as a
-        tensor in the compute dtype on the main device."""
+        stored form, or dequantized once when the kernels do not read that form), in its GGUF
+        blocks on a GPU, else as a tensor in the compute dtype on the main device."""
         native = native_linear(stored, bias, self.device)
         if native is not None:
             return native
+        held = stored_linear(stored, bias, self.device)
+        if held is not None:
+            return held
         w = dense(stored, self.dtype, self.device)
         return native_linear(w.contiguous(), bias, self.device) or Linear(w, bias)
 

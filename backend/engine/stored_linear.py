@@ -53,9 +53,11 @@ GEMV_TOKENS = 8
 # goes in 32 tiles; an attention projection in one.
 TILE_BYTES = 64 << 20
 
-# (rows per program, columns per step) of the GEMV kernel; GPU_CHECK times the alternatives.
-GEMV_BLOCKS = (8, 128)
-DEQUANT_BLOCKS = (16, 128)
+# (rows per program, columns per step) of the kernels on a card (scripts/gpu_check.py times the
+# alternatives), and in Triton's interpreter (the tests' CPU tensors), whose cost is per program
+# and per operation, not per element: there blocks as large as the tiny models' matrices.
+GEMV_BLOCKS = {"cuda": (8, 128), "cpu": (128, 512)}
+DEQUANT_BLOCKS = {"cuda": (16, 128), "cpu": (128, 512)}
 
 _failed: dict[torch.device, str] = {}
 
@@ -128,7 +130,7 @@ class StoredLinear(nn.Module):
 
         y = torch.empty((flat.shape[0], self.out_features), dtype=torch.float32, device=flat.device)
         if flat.shape[0]:
-            block_r, block_k = GEMV_BLOCKS
+            block_r, block_k = GEMV_BLOCKS["cpu" if flat.device.type == "cpu" else "cuda"]
             grid, signs = _tables(self.qtype, flat.device)
             try:
                 kernels.gemv_kernel[(_cdiv(self.out_features, block_r),)](
@@ -152,7 +154,7 @@ class StoredLinear(nn.Module):
         from hybridmoe.backend.engine import stored_linear_kernels as kernels
 
         out = torch.empty((end - start, self.in_features), dtype=dtype, device=data.device)
-        block_r, block_k = DEQUANT_BLOCKS
+        block_r, block_k = DEQUANT_BLOCKS["cpu" if data.device.type == "cpu" else "cuda"]
         grid, signs = _tables(self.qtype, data.device)
         try:
             kernels.dequantize_kernel[(_cdiv(end - start, block_r), _cdiv(self.in_features, block_k))](

@@ -19,6 +19,7 @@ import torch
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 
+from tests.convert.conftest import checkpoints, converted  # noqa: F401 - fixtures: tiny checkpoints and GGUFs
 from tests.engine.conftest import run_kernel_check
 
 # Where each type keeps an fp16 super-scale (random bytes there could be inf or NaN).
@@ -142,3 +143,66 @@ def test_a_device_the_kernels_fail_on_dequantizes_with_pytorch(monkeypatch, capl
         assert torch.equal(lin(x), want)
     assert list(stored_linear._failed) == [torch.device("cpu")]
     assert len([r for r in caplog.records if "stored-form kernels unavailable" in r.getMessage()]) == 1
+
+
+SERVE = textwrap.dedent("""
+    import json, os, sys
+    DEVICE = sys.argv[2]
+    if DEVICE == "cpu":
+        os.environ["TRITON_INTERPRET"] = "1"  # before Triton is imported
+        os.environ["HYBRIDMOE_NATIVE"] = "0"  # the CPU stands in for the card: no native projections
+    import torch
+    from hybridmoe.backend.engine import stored_linear
+    from hybridmoe.backend.engine.model import build_model
+    from hybridmoe.backend.formats.weights import open_weights
+    from hybridmoe.backend.models import inspect_model
+
+    def run(path, as_stored):
+        stored_linear.serves = lambda device: as_stored  # on the CPU stand-in too
+        model = build_model(inspect_model(path).spec, open_weights(path), device=DEVICE, max_context=64)
+        held = sorted({m.qtype.name for m in model.modules() if isinstance(m, stored_linear.StoredLinear)})
+        prompt = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(3)).to(DEVICE)
+        logits = model(prompt, 0, last_only=True)  # a prompt: dequantized tiles into matmuls
+        pos, tokens, steps = prompt.shape[-1], [], [logits[0, -1].float().cpu()]
+        for _ in range(4):  # decode: the GEMV kernel
+            tokens.append(int(logits[0, -1].argmax()))
+            logits = model(torch.tensor([[tokens[-1]]], device=DEVICE), pos)
+            steps.append(logits[0, -1].float().cpu())
+            pos += 1
+        return held, tokens, torch.stack(steps)
+
+    out = []
+    for case in json.loads(sys.argv[1]):
+        held, tokens, logits = run(case["path"], True)
+        _, want, want_logits = run(case["path"], False)
+        err = float((logits - want_logits).abs().max() / want_logits.abs().max())
+        out.append({**case, "held": held, "tokens": tokens, "want": want, "err": err})
+    print(json.dumps(out))
+""")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
+def test_a_quantized_file_served_as_stored_gives_the_dequantized_models_tokens(converted, tmp_path):  # noqa: F811
+    """Tiny models with their always-read projections as stored on the (stand-in) card give the
+    tokens of the same file widened at load: MLA's projections (DeepSeek), permuted Q/K rows
+    (Mixtral), biases (GPT-OSS), K-quant and legacy blocks."""
+    from hybridmoe.backend.convert import to_gguf
+    from tests.convert.conftest import build_checkpoint
+    from tests.engine.test_held_weights import K_QUANT_SIZES, MLA_K_QUANT
+
+    cases = [{"path": str(converted(family, fmt)), "family": family, "format": fmt}
+             for family, fmt in (("mixtral", "q4_0"), ("gpt_oss", "q8_0"))]
+    for family, sizes in (("deepseek_v3", MLA_K_QUANT), ("qwen3_moe", K_QUANT_SIZES["q4_k_m"])):
+        hf = build_checkpoint(tmp_path / family, family, overrides=sizes).path
+        cases.append({"path": str(to_gguf(hf, tmp_path / f"{family}-q4_k_m.gguf", "q4_k_m")), "family": family,
+                      "format": "q4_k_m"})
+    results = run_kernel_check(SERVE, cases, tmp_path, timeout=900)
+    for row in results:
+        assert row["held"], row  # the projections are held as stored
+        assert row["tokens"] == row["want"], row
+        # bf16 activations, sums in another order, and the interpreter's truncating bf16 rounding,
+        # through every layer: the logits agree to a few bf16 steps.
+        assert row["err"] < 4e-2, row
+    held = {row["family"]: set(row["held"]) for row in results}
+    assert {"Q4_K", "Q6_K"} <= held["deepseek_v3"] and {"Q4_K", "Q6_K"} <= held["qwen3_moe"], held
+    assert "Q4_0" in held["mixtral"] and "Q8_0" in held["gpt_oss"], held
