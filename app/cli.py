@@ -132,6 +132,7 @@ def cmd_plan(args) -> int:
         target_tokens_per_s=args.target_speed,
         gpu_expert_form=args.gpu_experts,
         parallel=args.parallel,
+        n_cpu_moe=args.n_cpu_moe,
     )
     if args.save:
         check_plan_path(args.save)  # a name it cannot be saved as fails before the work
@@ -441,6 +442,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how several GPUs share the model: pp (a pipeline of whole layers), tp (tensor "
                         "parallel: a share of every layer on each card) or auto (the faster for the workload)")
     p.add_argument("--backend", choices=list(BACKENDS), default="auto")
+    p.add_argument("--n-cpu-moe", type=non_negative_int, metavar="N",
+                   help="with --backend llamacpp: check llama.cpp's layout with the experts of blocks 0..N-1 on the CPU "
+                        "(default: the plan chooses the smallest N that fits)")
     p.add_argument("--target-speed", type=positive_float, default=5.0,
                    help="tokens/s each conversation needs; below it the plan says one machine is not enough")
     p.add_argument("--json", action="store_true")

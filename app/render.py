@@ -183,6 +183,19 @@ def _gpu_form(plan: Plan) -> str:
 LAYOUT_NAMES = {"pp": "pipeline (pp)", "tp": "tensor parallel (tp)"}
 
 
+def _expected_and_bound(expected: float | None, bound: float | None) -> str:
+    """"expected 16.7 tokens/s, at most 25.6": the plan's two figures in the order it gives them."""
+    if bound is None:
+        return "unknown"
+    return (f"expected {expected:,.1f} tokens/s, " if expected else "") + f"at most {bound:,.1f} tokens/s"
+
+
+def speed_words(plan: Plan) -> str:
+    """The plan's decode speed in one phrase, as every screen says it: the expected figure
+    first, the bound second (docs/sizing.md §6)."""
+    return _expected_and_bound(plan.decode_tokens_per_s_expected, plan.decode_tokens_per_s_upper_bound)
+
+
 def _layouts(plan: Plan) -> list[str]:
     """Both ways of sharing the GPUs side by side, and which one the plan is."""
     users = plan.workload.users
@@ -253,8 +266,14 @@ def plan_text(plan: Plan) -> str:
         f"  host RAM: needs {fmt_bytes(plan.host_ram_needed_bytes)} incl. reserve, "
         f"usable {fmt_bytes(plan.host_ram_usable_bytes)}"
     )
-    out.append("Decode speed, one conversation (docs/sizing.md §6; upper bounds)")
+    out.append("Decode speed, one conversation (docs/sizing.md §6: expected, then the upper bound)")
     rows = [
+        ("expected", f"{plan.decode_tokens_per_s_expected:,.1f} tokens/s" if plan.decode_tokens_per_s_expected
+         else plan.decode_expected_how or "unknown (a plan saved before expected figures)"),
+    ]
+    if plan.decode_tokens_per_s_expected:
+        rows.append(("  how", plan.decode_expected_how))
+    rows += [
         ("host reads / token", f"{plan.host_bytes_per_token / GB:,.3f} GB at {fmt_rate(plan.host_bandwidth_bytes_per_s)} "
          f"({plan.host_bandwidth_source})"),
         ("GPU reads / token", f"{plan.gpu_bytes_per_token / GB:,.3f} GB "
@@ -264,7 +283,8 @@ def plan_text(plan: Plan) -> str:
             f"{ALL_REDUCE_SECONDS * 1e6:g} us" if plan.parallel == "tp" else "")),
     ]
     if plan.decode_tokens_per_s_upper_bound:
-        rows.append(("bound", f"{plan.decode_tokens_per_s_upper_bound:,.1f} tokens/s, set by {plan.decode_bound_by}"))
+        rows.append(("bound", f"at most {plan.decode_tokens_per_s_upper_bound:,.1f} tokens/s, set by {plan.decode_bound_by} "
+                              "(every byte at the bandwidth above, the GPU and the CPU overlapping)"))
     else:
         rows.append(("bound", plan.decode_bound_by))
     out += _kv_lines(rows)
@@ -275,12 +295,16 @@ def plan_text(plan: Plan) -> str:
             [
                 ("experts touched / layer", f"{plan.n_routed_experts} × (1 − (({plan.n_routed_experts} − "
                  f"{plan.experts_per_token}) / {plan.n_routed_experts})^{wl.users}) = {plan.experts_touched_per_layer:,.1f}"),
-                ("per conversation", f"{per_user:,.1f} tokens/s"
-                 + (f", set by {plan.decode_bound_by_per_user}" if plan.decode_bound_by_per_user else "")
-                 if per_user else "unknown"),
-                ("all together", f"{plan.decode_tokens_per_s_aggregate:,.1f} tokens/s" if per_user else "unknown"),
+                ("per conversation", _expected_and_bound(plan.decode_tokens_per_s_per_user_expected, per_user)
+                 + (f", the bound set by {plan.decode_bound_by_per_user}" if per_user and plan.decode_bound_by_per_user
+                    else "")),
+                ("all together", _expected_and_bound(plan.decode_tokens_per_s_aggregate_expected,
+                                                     plan.decode_tokens_per_s_aggregate)),
+                ("  how", plan.decode_expected_how_per_user or "unknown"),
             ]
         )
+    if plan.prefill_tokens_per_s_expected:
+        out.append(f"Prefill, expected: {plan.prefill_tokens_per_s_expected:,.0f} tokens/s ({plan.prefill_expected_how})")
     if plan.prefill_crossover_tokens:
         out.append(
             f"Prefill: streaming an expert to the GPU beats computing it on the CPU above "
@@ -289,7 +313,8 @@ def plan_text(plan: Plan) -> str:
     if len(plan.layouts) > 1:
         out += _layouts(plan)
     lc = plan.llama_cpp
-    out.append("llama.cpp equivalent (docs/sizing.md §5: whole layers only)")
+    out.append("llama.cpp: this plan's layout (docs/sizing.md §5)" if plan.workload.backend == "llamacpp"
+               else "llama.cpp equivalent (docs/sizing.md §5: whole layers only)")
     out += _kv_lines(
         [
             ("experts on CPU", f"blocks 0..{lc['n_cpu_moe'] - 1}" if lc["n_cpu_moe"] else "none"),
@@ -297,6 +322,8 @@ def plan_text(plan: Plan) -> str:
         ]
         + [("-ot", p) for p in lc["override_tensor"]]
     )
+    for note in plan.precision_notes:
+        out.append(f"Precision: {note}")
     out.append("")
     out.append(f"Fits: {'yes' if plan.fits else 'NO'} — {plan.reason}")
     for s in plan.suggestions:

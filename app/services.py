@@ -119,7 +119,9 @@ class Services:
                         on_wait: Callable[[str], None] | None = None) -> HardwareProfile:
         """This machine. The bandwidth probe takes its turn with model work: while a model
         loads, answers or is benchmarked, it is skipped (the profile says why), or with
-        ``wait`` it waits for that work to end (``on_wait`` hears what it waits for)."""
+        ``wait`` it waits for that work to end (``on_wait`` hears what it waits for). The probe
+        runs once per process (every plan then shows the same speed); ``wait``, which the
+        Hardware screen's Ctrl+D asks for, takes a new reading."""
         from hybridmoe.backend.hardware import detect
 
         store = self.load_settings().model_store_path
@@ -131,7 +133,7 @@ class Services:
                 why = (f"not measured: the model was busy ({busy_with}); "
                        "Ctrl+D on the Hardware screen measures it when the model is idle")
                 return dataclasses.replace(profile, unknown={**profile.unknown, BANDWIDTH_UNKNOWN: why})
-            return detect(measure_bandwidth=True, model_dir=store)
+            return detect(measure_bandwidth=True, model_dir=store, remeasure=wait)
 
     @contextmanager
     def model_turn(self, what: str, *, wait: bool = True, cancel: CancelToken | None = None,

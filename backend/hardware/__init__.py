@@ -45,6 +45,11 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+# The host read probe's figure for this process: one reading per process, so that every plan
+# made in it (the wizard's, the catalogue's, the chat's) rests on the same bandwidth and shows
+# the same speed; ``detect(remeasure=True)`` takes a new one (the hardware screen's Ctrl+D).
+_probe_reading: tuple[float, str] | None = None
+
 T = TypeVar("T")
 
 
@@ -68,14 +73,17 @@ def detect(
     sys_root: str | os.PathLike[str] = "/sys",
     dev_root: str | os.PathLike[str] = "/dev",
     nvml: ModuleType | Any | None = None,
+    remeasure: bool = False,
 ) -> HardwareProfile:
     """Profile this machine: CPU, host memory (with cgroup limit and bandwidth), GPUs, disk.
 
     ``measure_bandwidth`` runs the ~1 s host read-bandwidth probe (the best of ``HOST_PROBES``). ``model_dir`` is where
     models will be stored (default: ``default_model_dir()``). ``proc_root``, ``sys_root``,
     ``dev_root`` and ``nvml`` (a pynvml-like module) let tests substitute fake trees and
-    drivers.
+    drivers. The probe runs once per process: later calls reuse its figure unless
+    ``remeasure`` (a bandwidth that moves within minutes would give every screen its own speed).
     """
+    global _probe_reading
     unknown: dict[str, str] = {}
     cpu = _guarded("cpu", unknown, CPU(), lambda: detect_cpu(proc_root, sys_root))
     memory = _guarded(
@@ -89,6 +97,10 @@ def detect(
 
     if not measure_bandwidth:
         unknown["memory.bandwidth_measured_bytes_per_s"] = "bandwidth probe not run (opted out)"
+    elif _probe_reading is not None and not remeasure and proc_root == "/proc":
+        measured, note = _probe_reading
+        memory = dataclasses.replace(memory, bandwidth_measured_bytes_per_s=measured,
+                                     bandwidth_measured_note=f"{note}, measured once in this process")
     else:
         try:
             measured = measure_host_read_bandwidth(
@@ -98,6 +110,8 @@ def detect(
             )
             memory = dataclasses.replace(memory, bandwidth_measured_bytes_per_s=measured,
                                          bandwidth_measured_note=probes_note(HOST_PROBES))
+            if proc_root == "/proc":  # this machine, not a test's fake tree
+                _probe_reading = (measured, probes_note(HOST_PROBES))
         except Exception as error:  # MemoryError, a broken torch: the probe is optional
             unknown["memory.bandwidth_measured_bytes_per_s"] = f"bandwidth probe failed: {type(error).__name__}: {error}"
 

@@ -58,6 +58,28 @@ def gpu_budget(gpu: GPU, described: bool, activations: int) -> int:
     return int(free - GPU_CONTEXT_RESERVE - activations)
 
 
+# ---- llama.cpp's own accounting (a plan made with --backend llamacpp) --------------------
+
+# What llama.cpp leaves free on a card: its CUDA context and allocator slack (llama.cpp's own
+# layout fitting, `--fit`, leaves 1 GiB free by default). Its compute buffers are counted apart.
+LLAMACPP_CARD_MARGIN = 1 * GIB
+
+
+def llamacpp_gpu_budget(gpu: GPU, described: bool) -> int:
+    """What llama.cpp can place on a card: its memory (free memory, on this machine) less its
+    margin. Unlike the engine's rule, llama.cpp's compute buffers are counted as such."""
+    memory = gpu.total_bytes if described or gpu.free_bytes is None else gpu.free_bytes
+    return int((memory or 0) - LLAMACPP_CARD_MARGIN)
+
+
+def llamacpp_compute_buffer(spec: ModelSpec, n_ubatch: int, offloaded_tensor_bytes: float) -> int:
+    """A card's compute buffer in llama.cpp: one micro-batch's activations in float32 (the
+    scratch of ``activation_bytes`` at 4 bytes an element) and, where experts stay on the CPU,
+    room for the largest expert tensor it copies in to compute a large batch on the GPU
+    ("op offload": one of a layer's gate, up or down tensors of all experts, as stored)."""
+    return int(activation_bytes(spec, n_ubatch, 4) + offloaded_tensor_bytes)
+
+
 def host_reserve(usable_bytes: int | None) -> int:
     """RAM kept for the OS, page cache and the app: 5 % of what is usable, at least 4 GiB."""
     return int(max(HOST_MIN_RESERVE, HOST_RESERVE_SHARE * (usable_bytes or 0)))
@@ -108,8 +130,9 @@ def resident_expert_bytes(spec: ModelSpec, form: str) -> int:
 
 
 def resident_form_name(spec: ModelSpec, form: str) -> str:
-    """What the Plan shows: "int8", "int4", or the compute dtype ("bf16", "f32") for the dense form."""
-    if form in ("int8", "int4"):
+    """What the Plan shows: "int8", "int4", "stored" (llama.cpp: as the file stores them), or the
+    compute dtype ("bf16", "f32") for the dense form."""
+    if form in ("int8", "int4", "stored"):
         return form
     return "f32" if compute_dtype_bytes(spec) == 4 else "bf16"
 

@@ -1,4 +1,5 @@
-"""Speed estimates (docs/sizing.md §6). Every figure is an upper bound from bytes and bandwidths."""
+"""Speed bounds (docs/sizing.md §6): every figure here is an upper bound from bytes and bandwidths
+(the expected figures beside them: plan.expected)."""
 
 from __future__ import annotations
 
@@ -77,6 +78,11 @@ class DecodeEstimate:
     gpu_bytes_per_step: float
     tokens_per_s_per_user: float | None
     bound_by: str
+    # The two paths' times at the bound's rates (the GPU's with its all-reduces), for the
+    # expected figure (plan.expected), which takes them at the rates a backend reaches.
+    host_seconds: float = 0.0
+    gpu_seconds: float = 0.0
+    all_reduce_seconds: float = 0.0
 
 
 def decode_step(
@@ -109,8 +115,8 @@ def decode_step(
             t_gpu = max(t_gpu, b / bw) if cards_in_parallel else t_gpu + b / bw
         elif b:
             unknown_gpu_bw = True
-    if cards_in_parallel and t_gpu:
-        t_gpu += all_reduces * ALL_REDUCE_SECONDS
+    reduces = all_reduces * ALL_REDUCE_SECONDS if cards_in_parallel and t_gpu else 0.0
+    t_gpu += reduces
     if host_bytes and not host_bandwidth:
         return DecodeEstimate(host_bytes, gpu_bytes, None, "unknown: host memory bandwidth not known")
     if t_host == 0 and t_gpu == 0:
@@ -122,4 +128,4 @@ def decode_step(
             bound += "; GPU bandwidth unknown, GPU time not counted"
     else:
         bound = "GPU memory bandwidth"
-    return DecodeEstimate(host_bytes, gpu_bytes, 1.0 / max(t_host, t_gpu), bound)
+    return DecodeEstimate(host_bytes, gpu_bytes, 1.0 / max(t_host, t_gpu), bound, t_host, t_gpu, reduces)

@@ -34,16 +34,24 @@ def translate(
     context: int,
     users: int,
     kv_dtype: str,
+    gpu_layers: list[int] | None = None,
 ) -> dict[str, Any]:
+    """llama.cpp's settings for the plan. `gpu_layers`: the MoE layers whose experts a plan made
+    for llama.cpp put on the GPUs (its own layout, plan.make); without it, as many whole layers
+    as `gpu_expert_budget` holds, the last first (the equivalent of an engine plan)."""
     has_gpu = bool(gpu_budgets)
-    gpu_layers: list[int] = []
-    if has_gpu:
+    if gpu_layers is not None:
+        gpu_layers = list(gpu_layers)
+    elif has_gpu:
+        gpu_layers = []
         left = gpu_expert_budget
         for layer in sorted(spec.moe_layers, reverse=True):
             if routed_bytes_by_layer[layer] > left:
                 break
             left -= routed_bytes_by_layer[layer]
             gpu_layers.append(layer)
+    else:
+        gpu_layers = []
     cpu_layers = sorted(set(spec.moe_layers) - set(gpu_layers))
     n_cpu_moe = (max(cpu_layers) + 1) if cpu_layers else 0
     settings: dict[str, Any] = {

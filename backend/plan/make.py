@@ -15,11 +15,12 @@ as many as dense.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Any
 
 from hybridmoe.backend.errors import ModelError, PlanError
+from hybridmoe.backend.hardware import achieved
 from hybridmoe.backend.hardware.cpu_kernels import native_kernels_missing
 from hybridmoe.backend.hardware.profile import HardwareProfile
 from hybridmoe.backend.models.formats import FORMATS, int4_resident_layout
@@ -38,6 +39,7 @@ from hybridmoe.backend.plan.estimate import (
     prefill_stream_min_tokens,
     tp_all_reduces,
 )
+from hybridmoe.backend.plan.expected import expected_decode, expected_prefill, host_read_rate
 from hybridmoe.backend.plan.llamacpp import translate
 from hybridmoe.backend.plan.plan import DevicePlan, Plan
 from hybridmoe.backend.plan.serving import recommend
@@ -45,6 +47,7 @@ from hybridmoe.backend.plan.stats import ExpertStats
 from hybridmoe.backend.plan.workload import Workload
 
 GIB = 1 << 30
+KV_BLOCK_TOKENS = 64  # positions per KV cache block (engine/kv_cache.py; spec.kv_tokens rounds to them)
 # Average bits per weight of a Q4_K_M GGUF, for the "smaller quantization" hint.
 Q4_K_M_BITS = FORMATS["q4_k_m"].bits_per_weight
 
@@ -59,6 +62,11 @@ def make(spec: ModelSpec, inventory: TensorInventory, hardware: HardwareProfile,
             return replace(llama, engine_misfit=plan.reason, warnings=llama.warnings + (
                 f"The embedded engine's layout does not fit ({plan.reason}): this plan is for llama.cpp, which keeps "
                 "the always-read weights on the GPUs as the file stores them (--backend engine plans for the engine).",))
+    if workload.backend == "engine" and not plan.fits and inventory.source == "gguf":
+        llama = _Planner(spec, inventory, hardware, replace(workload, backend="llamacpp")).plan()
+        if llama.fits:
+            advice = (f"llama.cpp's layout fits ({llama.llama_cpp['command']}): --backend llamacpp.",)
+            plan = replace(plan, suggestions=tuple(s for s in plan.suggestions if "--backend llamacpp" not in s) + advice)
     return plan
 
 
@@ -84,6 +92,9 @@ class _Layout:
     experts_by_card: list[dict[int, tuple[int, ...]]]  # GPU experts each card holds, per MoE layer
     single: DecodeEstimate | None = None
     multi: DecodeEstimate | None = None
+    # llama.cpp's layout with --n-cpu-moe given: what the experts it puts on each card need
+    # beyond the card's room (0 where they fit).
+    over: list[float] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -101,12 +112,15 @@ class _AlwaysRead:
     head_read: float  # what a token reads of the head (a tied head: the embedding matrix)
 
     @classmethod
-    def of(cls, spec: ModelSpec, inventory: TensorInventory, *, as_stored: bool = False) -> _AlwaysRead:
-        """As the engine holds `inventory` (or, `as_stored`, as the file stores it: llama.cpp)."""
+    def of(cls, spec: ModelSpec, inventory: TensorInventory, *, as_stored: bool = False,
+           on_gpu: bool = False) -> _AlwaysRead:
+        """As the engine holds `inventory` in host RAM (`on_gpu`: on a GPU; or, `as_stored`, as
+        the file stores it: llama.cpp)."""
         def held(c: TensorClass) -> int:
             if as_stored:
                 return inventory.bytes_by_class.get(c, 0)
-            return inventory.held_bytes(c, B.compute_dtype_bytes(spec), B.router_element_bytes(spec))
+            counted = inventory.gpu_held_bytes if on_gpu else inventory.held_bytes
+            return counted(c, B.compute_dtype_bytes(spec), B.router_element_bytes(spec))
 
         lm_head, embedding = held(TensorClass.LM_HEAD), held(TensorClass.EMBEDDING)
         return cls(attention=held(TensorClass.ATTENTION) / spec.num_layers,
@@ -158,6 +172,9 @@ class _Planner:
             )
         self.E, self.k = spec.n_routed_experts, spec.experts_per_token
         self.moe = set(spec.moe_layers)
+        # A plan for llama.cpp is sized as llama.cpp holds the model: every tensor as stored,
+        # experts a whole layer at a time, its compute buffers, no prefill reserve (§5).
+        self.llama = workload.backend == "llamacpp"
         self.bpe = {layer: inventory.bytes_per_expert(layer) for layer in spec.moe_layers}
         # A CPU expert as host RAM holds it and a token reads it: the engine's copy (a Q4_K
         # expert's row-interleaved layout takes 148 bytes for the file's 144); llama.cpp's
@@ -195,7 +212,7 @@ class _Planner:
         shapes (~10 ms for Kimi K2), so only for plans that place anything on a GPU."""
         if self.wl.backend == "llamacpp":
             return self.stored
-        return _AlwaysRead.of(self.spec, held_on_gpu(self.spec))
+        return _AlwaysRead.of(self.spec, self.inv, on_gpu=True)
 
     # ---- per-layer arithmetic ----------------------------------------------------------------
 
@@ -213,7 +230,10 @@ class _Planner:
         usable = self.hw.memory.usable_bytes
         host_reserve = B.host_reserve(usable)
 
-        budgets = [B.gpu_budget(g, self.hw.described, activations) for g in gpus]
+        if self.llama:
+            budgets = [B.llamacpp_gpu_budget(g, self.hw.described) for g in gpus]
+        else:
+            budgets = [B.gpu_budget(g, self.hw.described, activations) for g in gpus]
         layouts = {"pp": self._layout("pp", gpus, budgets, activations)}
         if len(gpus) > 1:
             layouts["tp"] = self._layout("tp", gpus, budgets, activations)
@@ -306,9 +326,13 @@ class _Planner:
                 f"at least {stream_min} tokens."
             )
 
+        expected = self._expected(gpus, lay, reserves, crossover, stream_min, pcie)
+        precision_notes = self._precision_notes(lay) if gpus else ()
         llama = translate(
             spec,
             self.inv.routed_bytes_by_layer,
+            # A plan for llama.cpp is its layout already: its GPU layers as placed above.
+            gpu_layers=[layer for layer, ids in gpu_experts.items() if ids] if self.llama and gpus else None,
             # llama.cpp splits layers (the room a pipeline's cards have) and needs no prefill
             # reserve buffer (it offloads big batches by itself).
             gpu_expert_budget=sum(max(a, 0) for a in layouts["pp"].avail) + sum(layouts["pp"].reserves),
@@ -348,6 +372,8 @@ class _Planner:
             decode_tokens_per_s_upper_bound=single.tokens_per_s_per_user,
             decode_bound_by=single.bound_by,
             decode_bound_by_per_user=multi.bound_by,
+            **expected,
+            precision_notes=precision_notes,
             experts_touched_per_layer=touched,
             decode_tokens_per_s_per_user=multi.tokens_per_s_per_user,
             decode_tokens_per_s_aggregate=(
@@ -368,6 +394,63 @@ class _Planner:
             serving=serving,
             warnings=tuple(self.warnings),
         )
+
+    def _expected(self, gpus, lay: _Layout, reserves, crossover, stream_min, pcie) -> dict[str, Any]:
+        """The expected decode (one conversation and the workload's) and prefill speeds of this
+        layout, and how each was obtained (plan.expected, docs/sizing.md §6)."""
+        spec, wl, hw = self.spec, self.wl, self.hw
+        backend = "llamacpp" if wl.backend == "llamacpp" else "engine"
+        mem = hw.memory
+        rate = host_read_rate(backend, theoretical=mem.bandwidth_theoretical_bytes_per_s,
+                              theoretical_note=mem.bandwidth_note, measured=mem.bandwidth_measured_bytes_per_s,
+                              sockets=hw.cpu.sockets, achieved=achieved.lookup(hw))
+        flops = cpu_flops(hw.cpu.physical_cores, hw.cpu.features)
+        bytes_per_weight = self.inv.expert_bits_per_weight / 8 or 1.0
+        cpu_layers = sum(1 for layer in spec.moe_layers if len(lay.gpu_experts[layer]) < self.E)
+        common = dict(backend=backend, rate=rate, bound_host_bandwidth=mem.bandwidth_bytes_per_s,
+                      cpu_flops_per_s=flops, cpu_moe_layers=cpu_layers, has_gpu=bool(gpus))
+        # The weights the CPU multiplies per conversation and step: what it reads, in weights.
+        host_weights = lay.single.host_bytes_per_step / bytes_per_weight
+        one = expected_decode(lay.single, host_weights=host_weights, users=1, **common)
+        many = expected_decode(lay.multi, host_weights=host_weights, users=wl.users, **common)
+        # Prefill: the CPU experts a token reaches, and CPU-only the always-read weights too.
+        cpu_share = sum(self._cpu_share(layer, lay.gpu_experts[layer]) for layer in spec.moe_layers)
+        expert_weights = self.k * spec.params_per_expert * cpu_share
+        always_weights = 0.0
+        if not gpus:
+            dtype = B.compute_dtype_bytes(spec)
+            held = held_on_gpu(spec)
+            always_weights = sum(held.bytes_by_class.get(c, 0) for c in (
+                TensorClass.ATTENTION, TensorClass.DENSE_FFN, TensorClass.SHARED_EXPERTS, TensorClass.LM_HEAD)) / dtype
+        chunk = min(wl.prefill_chunk, wl.context)
+        streams = stream_min is not None and stream_min <= chunk and any(reserves)
+        streamed = sum((self.E - len(lay.gpu_experts[layer])) * self.bpe[layer] for layer in spec.moe_layers)
+        prefill = expected_prefill(tokens=chunk, cpu_expert_weights=expert_weights, cpu_always_weights=always_weights,
+                                   cpu_flops_per_s=flops, streamed_bytes=streamed if streams else None,
+                                   pcie_bytes_per_s=pcie)
+        return {
+            "decode_tokens_per_s_expected": one.tokens_per_s,
+            "decode_expected_how": one.how,
+            "decode_tokens_per_s_per_user_expected": many.tokens_per_s,
+            "decode_tokens_per_s_aggregate_expected": many.tokens_per_s * wl.users if many.tokens_per_s else None,
+            "decode_expected_how_per_user": many.how,
+            "prefill_tokens_per_s_expected": prefill.tokens_per_s,
+            "prefill_expected_how": prefill.how,
+        }
+
+    # Stored formats wider than 8 bits a weight: experts held as int8 (or int4) on a GPU lose precision.
+    WIDE_FORMATS = {"bf16": "bf16", "fp16": "fp16", "f16": "fp16", "f32": "fp32", "fp32": "fp32"}
+
+    def _precision_notes(self, lay: _Layout) -> tuple[str, ...]:
+        """What the plan holds at a lower precision than the file stores it, one sentence each."""
+        stored = self.WIDE_FORMATS.get(self.inv.expert_format)
+        if stored is None or lay.form not in ("int8", "int4") or not any(lay.gpu_experts.values()):
+            return ()
+        why = ("asked for (--gpu-experts)" if self.wl.gpu_expert_form != "auto"
+               else f"all {self.E} experts of every layer do not fit on the GPUs in {stored}")
+        return (f"the GPU experts are stored in {stored} and held as weight-only {lay.form} (one scale per output row): "
+                f"{why}. Their outputs differ from {stored}'s by the rounding; --gpu-experts dense keeps {stored}, "
+                "with fewer experts on the GPUs.",)
 
     def _resident_form(self, lefts, moe_by_card, per_card: int) -> str:
         """"dense" when every card holds its `per_card` routed experts of each of its layers that
@@ -436,13 +519,17 @@ class _Planner:
                 "always_read": share * self.gpu.on_card(kind, runs, c),
                 "kv_cache": kv_share * sum(self.kv_layer(layer, wl.users) for layer in run),
                 # The sizing rule for described cards already covers activations (and the
-                # scratch of one expert widened on the card).
-                "activations": 0 if self.hw.described else activations + B.expert_scratch_bytes(spec),
+                # scratch of one expert widened on the card); llama.cpp's budget counts its
+                # compute buffers as such.
+                "activations": (self._llamacpp_compute_buffer() if self.llama
+                                else 0 if self.hw.described else activations + B.expert_scratch_bytes(spec)),
             }
             lefts.append(budgets[c] - sum(parts.values()))
             card_classes.append(parts)
         # Under tensor parallelism a card holds its share of each layer's experts.
         per_card = self.E if kind == "pp" else math.ceil(self.E / n)
+        if self.llama and kind == "pp" and gpus:
+            return self._llamacpp_layout(runs, card_classes, lefts, moe_by_card)
         form = self._resident_form(lefts, moe_by_card, per_card)
         gbpe = {layer: self.resident[form] for layer in spec.moe_layers}
         reserves, avail = [], []
@@ -479,10 +566,38 @@ class _Planner:
         return _Layout(kind, runs, share, kv_share, card_classes, reserves, avail, form, gbpe, gpu_experts,
                        experts_by_card)
 
+    def _llamacpp_compute_buffer(self) -> int:
+        """A card's compute buffer in llama.cpp at the plan's micro-batch (budget.llamacpp_compute_buffer)."""
+        n_ubatch = 2048  # the plan's -ub with a GPU (llamacpp.translate)
+        largest_tensor = max((self.bpe[layer] * self.E / 3 for layer in self.spec.moe_layers), default=0.0)
+        return B.llamacpp_compute_buffer(self.spec, n_ubatch, largest_tensor)
+
+    def _llamacpp_layout(self, runs, card_classes, lefts, moe_by_card) -> _Layout:
+        """llama.cpp's pipeline: each card its run of layers (-ts in proportion to the budgets),
+        every tensor as stored, and the routed experts of whole layers: blocks 0..N-1 on the CPU
+        (--n-cpu-moe N), the smallest N whose GPU layers' experts fit on their cards, or the
+        workload's N (then `over` says what each card lacks for them)."""
+        E, bpe = self.E, self.bpe
+
+        def need(n_cpu_moe: int) -> list[float]:
+            return [sum(E * bpe[layer] for layer in layers if layer >= n_cpu_moe) for layers in moe_by_card]
+
+        last = max(self.spec.moe_layers, default=-1) + 1
+        n_cpu_moe = self.wl.n_cpu_moe
+        if n_cpu_moe is None:
+            n_cpu_moe = next((n for n in range(last + 1)
+                              if all(x <= max(left, 0) for x, left in zip(need(n), lefts))), last)
+        on_gpu = need(n_cpu_moe)
+        over = [max(0.0, x - max(left, 0)) for x, left in zip(on_gpu, lefts)]
+        gpu_experts = {layer: tuple(range(E)) if layer >= n_cpu_moe else () for layer in self.spec.moe_layers}
+        experts_by_card = [{layer: gpu_experts[layer] for layer in layers} for layers in moe_by_card]
+        return _Layout("pp", runs, 1.0, 1.0, card_classes, [0] * len(runs), list(lefts), "stored",
+                       dict(bpe), gpu_experts, experts_by_card, over=over)
+
     def _summary(self, lay: _Layout) -> dict[str, Any]:
         counts = [len(ids) for ids in lay.gpu_experts.values()]
         return {
-            "fits": all(a >= 0 for a in lay.avail),
+            "fits": all(a >= 0 for a in lay.avail) and not any(lay.over),
             "runnable": lay.kind in self._runnable(),
             "gpu_expert_format": B.resident_form_name(self.spec, lay.form),
             "gpu_experts_per_layer": min(counts, default=0),
@@ -547,6 +662,14 @@ class _Planner:
                         f"where the engine widens them to {parts['always_read'] / GIB:.1f} GiB): --backend llamacpp.")
                 if reserves[c]:
                     suggestions.append("Turn the prefill reserve off (--prefill-reserve off).")
+        for c, over in enumerate(lay.over):
+            if over > 0 and lay.avail[c] >= 0:
+                gpu_layers = sorted(layer for layer in lay.experts_by_card[c] if lay.experts_by_card[c][layer])
+                reasons.append(f"GPU {c} is short by {over / GIB:.1f} GiB for the experts of blocks "
+                               f"{gpu_layers[0]}..{gpu_layers[-1]} (--n-cpu-moe {self.wl.n_cpu_moe})")
+                fitting = self._llamacpp_fitting_n_cpu_moe(lay)
+                if fitting is not None:
+                    suggestions.append(f"Keep more blocks' experts on the CPU: --n-cpu-moe {fitting} fits.")
         if usable is None:
             self.warnings.append("Host RAM size unknown: the host side of the plan is not checked.")
         elif host_needed > usable:
@@ -565,11 +688,26 @@ class _Planner:
                 )
             if not gpus:
                 room = usable - (host_needed - host_parts["kv_cache"])
-                suggestions += self._kv_suggestions(room, range(self.spec.num_layers))
+                if room > 0:
+                    suggestions += self._kv_suggestions(room, range(self.spec.num_layers))
+                else:
+                    # Not the cache: the weights alone are more than the host holds.
+                    suggestions.append(
+                        f"The weights alone need {(host_needed - host_parts['kv_cache']) / GIB:.1f} GiB of the "
+                        f"{usable / GIB:.1f} GiB usable, even without a KV cache: a smaller quantization or more RAM.")
             suggestions.append(f"Or a machine with at least {math.ceil(host_needed / GIB)} GiB of usable RAM.")
         if not reasons:
             return True, "the layout fits in GPU memory and host RAM" if gpus else "the layout fits in host RAM", suggestions
         return False, "; ".join(reasons), list(dict.fromkeys(suggestions))
+
+    def _llamacpp_fitting_n_cpu_moe(self, lay: _Layout) -> int | None:
+        """The smallest --n-cpu-moe whose GPU layers' experts fit on their cards (llama.cpp's layout)."""
+        E, last = self.E, max(self.spec.moe_layers, default=-1) + 1
+        for n in range(last + 1):
+            if all(sum(E * self.bpe[layer] for layer in layers if layer >= n) <= max(lay.avail[c], 0)
+                   for c, layers in enumerate(lay.experts_by_card)):
+                return n
+        return None
 
     def _kv_suggestions(self, room_for_kv: float, layers, kv_share: float = 1.0) -> list[str]:
         """The context length or number of conversations whose cache fits in `room_for_kv` bytes
@@ -577,9 +715,16 @@ class _Planner:
         wl = self.wl
         per_user_token = kv_share * sum(self.kv_layer(layer, 1) for layer in layers) / wl.context
         if room_for_kv <= 0 or not per_user_token:
-            return ["The always-read weights alone do not fit: add memory, or use --strategy cpu-only."]
+            # Only a card can be short of room for its always-read weights: host RAM then
+            # holds them with --strategy cpu-only (never suggested where it is in force).
+            if self.wl.strategy == "cpu-only" or not self.hw.served_gpus:
+                return ["The always-read weights alone do not fit: a smaller quantization or more memory."]
+            return ["The always-read weights alone do not fit on the GPU: add GPU memory, or keep every weight in "
+                    "host RAM (--strategy cpu-only)."]
         out = []
         max_ctx = int(room_for_kv / (wl.users * per_user_token))
+        # The cache is handed out in whole blocks (docs/sizing.md §2): a context that fits is whole blocks.
+        max_ctx -= max_ctx % KV_BLOCK_TOKENS
         max_users = int(room_for_kv / (wl.context * per_user_token))
         if 1 <= max_ctx < wl.context:
             out.append(f"A shorter context fits: at most {max_ctx} tokens with {wl.users} user(s) (--context {max_ctx}).")

@@ -114,6 +114,19 @@ class Plan:
     # summarises each layout the planner weighed (the figures above are the chosen one's).
     parallel: str = "pp"
     layouts: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # The speeds to expect (plan.expected, docs/sizing.md §6): the bound's bytes at the rates
+    # the plan's backend reaches, with the CPU's compute, NUMA and the GPU-CPU hand-offs; each
+    # with how it was obtained. None where a rate is unknown.
+    decode_tokens_per_s_expected: float | None = None
+    decode_expected_how: str = ""
+    decode_tokens_per_s_per_user_expected: float | None = None
+    decode_tokens_per_s_aggregate_expected: float | None = None
+    decode_expected_how_per_user: str = ""
+    prefill_tokens_per_s_expected: float | None = None
+    prefill_expected_how: str = ""
+    # Where the plan holds weights at another precision than the file's (bf16 GPU experts
+    # narrowed to int8, say), one sentence each: said in the printed plan and the TUI.
+    precision_notes: tuple[str, ...] = ()
 
     @property
     def gpu_expert_count(self) -> int:
@@ -175,7 +188,7 @@ class Plan:
         kw["gpu_experts"] = {int(k): tuple(int(e) for e in v) for k, v in d["gpu_experts"].items()}
         kw["bytes_per_expert"] = {int(k): float(v) for k, v in d["bytes_per_expert"].items()}
         kw["gpu_bytes_per_expert"] = {int(k): float(v) for k, v in d.get("gpu_bytes_per_expert", {}).items()}
-        for name in ("moe_layers", "suggestions", "warnings"):
+        for name in ("moe_layers", "suggestions", "warnings", "precision_notes"):
             kw[name] = tuple(d.get(name, ()))
         return cls(**kw)
 

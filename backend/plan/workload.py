@@ -32,6 +32,9 @@ class Workload:
     target_tokens_per_s: float = 5.0
     gpu_expert_form: str = "auto"
     parallel: str = "auto"
+    # llama.cpp's --n-cpu-moe: the experts of blocks 0..N-1 on the CPU (a plan for llama.cpp
+    # then checks that layout instead of choosing one); None: the plan chooses.
+    n_cpu_moe: int | None = None
 
     def __post_init__(self):
         if self.context < 1:
@@ -57,6 +60,10 @@ class Workload:
             raise UsageError(f"GPU expert form must be one of {', '.join(GPU_EXPERT_FORMS)}, got {self.gpu_expert_form!r}")
         if self.parallel not in PARALLEL:
             raise UsageError(f"GPU layout must be one of {', '.join(PARALLEL)}, got {self.parallel!r}")
+        if self.n_cpu_moe is not None and self.n_cpu_moe < 0:
+            raise UsageError(f"--n-cpu-moe must be 0 or more, got {self.n_cpu_moe}")
+        if self.n_cpu_moe is not None and self.backend != "llamacpp":
+            raise UsageError("--n-cpu-moe sizes llama.cpp's layout", "Add --backend llamacpp, or leave --n-cpu-moe out.")
         if self.target_tokens_per_s <= 0:
             raise UsageError(f"target speed must be positive, got {self.target_tokens_per_s}")
 

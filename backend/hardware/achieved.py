@@ -1,0 +1,80 @@
+"""What the engine's decode achieved on this machine, kept between runs.
+
+The expected speed (plan.expected) reads the CPU experts at the rate the engine reaches; a
+default share of the read probe stands in for it until the engine has run here. After a
+benchmark (``hybridmoe bench generate`` / ``serve``) or a chat on a CPU-only plan, the rate it
+read at (bytes a token read × tokens/s) is kept in ``achieved.toml`` in the data directory,
+one entry per machine, and every later plan of this machine uses it (docs/sizing.md §6).
+
+A machine is known by what the plan depends on: CPU model, physical cores, sockets, RAM and
+GPUs. A described machine is never this one, so nothing is recorded or looked up for it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import tomllib
+from pathlib import Path
+
+import tomli_w
+
+from hybridmoe.backend.files import write_atomic
+from hybridmoe.backend.hardware.profile import HardwareProfile
+from hybridmoe.backend.settings import data_dir
+
+FILE_NAME = "achieved.toml"
+# Below this the figure is not a decode's read rate but a stalled or interrupted run.
+_MIN_SENSIBLE_RATE = 1e8
+
+
+def path() -> Path:
+    return data_dir() / FILE_NAME
+
+
+def machine_key(profile: HardwareProfile) -> str:
+    """The machine in one line: "Intel(R) Xeon(R) Processor, 2 cores, 1 socket(s), 23.5 GiB, no GPU"."""
+    cpu, mem = profile.cpu, profile.memory
+    gpus = ", ".join(g.name for g in profile.served_gpus) or "no GPU"
+    ram = f"{mem.total_bytes / (1 << 30):.1f} GiB" if mem.total_bytes else "RAM unknown"
+    return f"{cpu.model_name or 'CPU unknown'}, {cpu.physical_cores or '?'} cores, {cpu.sockets or '?'} socket(s), {ram}, {gpus}"
+
+
+def _read(file: Path) -> dict:
+    try:
+        return tomllib.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
+        return {}  # a missing or damaged file: no figure yet (the next record writes a good one)
+
+
+def lookup(profile: HardwareProfile) -> tuple[float, str] | None:
+    """(bytes/s, where it came from) the engine's decode read at on this machine, or None."""
+    if profile.described:
+        return None
+    entry = _read(path()).get(machine_key(profile))
+    if not isinstance(entry, dict):
+        return None
+    rate = entry.get("read_bytes_per_s")
+    if not isinstance(rate, (int, float)) or rate < _MIN_SENSIBLE_RATE:
+        return None
+    return float(rate), f"{entry.get('source', 'a run')}, {entry.get('when', 'date unknown')}"
+
+
+def record(profile: HardwareProfile, *, read_bytes_per_s: float, source: str) -> Path | None:
+    """Keep the engine's measured decode read rate for this machine (the latest one wins).
+    Returns the file written, or None when nothing was (a described machine, a figure that
+    cannot be a decode's, or a data directory that cannot be written: the figure is a help,
+    never worth failing a benchmark or a chat over)."""
+    if profile.described or read_bytes_per_s < _MIN_SENSIBLE_RATE:
+        return None
+    file = path()
+    entries = _read(file)
+    entries[machine_key(profile)] = {
+        "read_bytes_per_s": float(read_bytes_per_s),
+        "source": source,
+        "when": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+    }
+    try:
+        file.parent.mkdir(parents=True, exist_ok=True)
+        return write_atomic(file, tomli_w.dumps(entries))
+    except OSError:
+        return None

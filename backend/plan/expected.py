@@ -1,0 +1,203 @@
+"""The speed to expect, beside the bound (docs/sizing.md §6, "Expected speed").
+
+The bound (``estimate.decode_step``) is bytes over theoretical bandwidth at 100 % and a GPU and
+a CPU that overlap perfectly. No backend reaches it: held against published runs of llama.cpp
+and KTransformers it was 1.8x to 7.3x above the measured speed. The expected figure takes the
+same bytes at the rates a backend is known to reach, and says where each rate came from:
+
+* the host's read rate: the engine's own, measured on this machine after a benchmark or a chat
+  (``hardware.achieved``); else the read probe (this machine) or the platform's theoretical
+  figure times ``PROBE_OF_THEORETICAL`` (a described one), times the share of it the backend's
+  decode reaches (``RATES``);
+* NUMA: of each socket beyond the first, the backend reads ``extra_socket_share`` locally;
+* the CPU's compute: the CPU experts' multiply-adds at ``estimate.cpu_flops`` (cores × an
+  assumed 2.5 GHz × the FMA rate of the best vector ISA × the kernels' share of it), so that a
+  step is never faster than the CPU can compute it (several conversations at once);
+* the GPU: its bytes at ``gpu_share`` of the card's bandwidth;
+* the hand-offs: a decode step passes from the GPU to the CPU and back at every MoE layer with
+  CPU experts (the router runs on the GPU, the CPU's partial sums go back), ``handoff_s`` each.
+
+The step is the sum of the host's and the GPU's times and the hand-offs: within a layer the
+CPU waits for the router and the GPU for the CPU's experts, so the two hardly overlap in a
+decode step. Prefill counts the CPU experts' compute (or, streamed, their copy over PCIe)
+and, CPU-only, the always-read weights' compute; a GPU's own compute is not counted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hybridmoe.backend.plan.estimate import DecodeEstimate
+
+# A sustained multi-threaded read of host memory (what the read probe measures) reaches about
+# this share of the DIMMs' theoretical figure (channels × MT/s × 8 B) on server and desktop
+# DDR4/DDR5 platforms alike; the probe's figure itself is used wherever there is one.
+PROBE_OF_THEORETICAL = 0.8
+
+
+@dataclass(frozen=True)
+class BackendRates:
+    """The shares of the hardware's rates a backend's decode reaches, and their sources."""
+
+    name: str
+    host_share: float  # of the read probe: the CPU experts' bytes per token × tokens/s over it
+    host_source: str
+    extra_socket_share: float  # of each socket beyond the first, what its decode reads locally
+    numa_source: str
+    gpu_share: float  # of a card's memory bandwidth, over a decode step's GPU reads
+    handoff_s: float  # per MoE layer with CPU experts in a decode step: GPU -> CPU -> GPU
+    handoff_source: str
+
+
+RATES = {
+    "engine": BackendRates(
+        "the engine",
+        host_share=0.65,
+        host_source="the engine's decode read 0.65-0.69 of the read probe (bench generate and serve, mid-size "
+                    "benchmark model, CPU-only, 2-core Xeon VM; docs/sizing.md §6)",
+        extra_socket_share=0.5,
+        numa_source="assumed until measured on two sockets: a NUMA-aware CPU/GPU runtime (KTransformers, "
+                    "DeepSeek-R1 on 2x Xeon Gold 6454S) decoded 1.29x faster on two sockets than on one",
+        gpu_share=0.75,
+        handoff_s=60e-6,
+        handoff_source="a synchronised copy each way of one token's hidden state and the launches around it",
+    ),
+    "llamacpp": BackendRates(
+        "llama.cpp",
+        host_share=0.6,
+        host_source="llama.cpp's decode read 0.6 of the read probe on the same file and machine (bench generate, "
+                    "docs/sizing.md §6)",
+        extra_socket_share=0.0,
+        numa_source="llama.cpp keeps each page where it was first touched and its threads read across sockets "
+                    "(no NUMA placement of experts): one socket's bandwidth",
+        gpu_share=0.75,
+        handoff_s=60e-6,
+        handoff_source="a graph split each way between the CUDA and CPU back-ends per layer",
+    ),
+}
+
+
+@dataclass(frozen=True)
+class HostRate:
+    """The rate at which a backend's decode reads the CPU experts here, and how it was obtained."""
+
+    bytes_per_s: float
+    how: str
+
+
+def host_read_rate(
+    backend: str,
+    *,
+    theoretical: float | None,
+    theoretical_note: str | None,
+    measured: float | None,
+    sockets: int | None,
+    achieved: tuple[float, str] | None = None,
+) -> HostRate | None:
+    """The expected read rate of `backend`'s CPU experts: ``achieved`` (bytes/s, where from: the
+    engine measured on this machine) when given, else the probe or the theoretical figure at the
+    backend's share (docs/sizing.md §6)."""
+    rates = RATES[backend]
+    if achieved is not None and backend == "engine":
+        return HostRate(achieved[0], f"{achieved[0] / 1e9:,.1f} GB/s, the engine's decode measured on this machine "
+                                     f"({achieved[1]})")
+    if measured:
+        base, base_how = measured, f"the read probe's {measured / 1e9:,.1f} GB/s"
+    elif theoretical:
+        base = theoretical * PROBE_OF_THEORETICAL
+        base_how = f"{PROBE_OF_THEORETICAL:g} × the theoretical {theoretical / 1e9:,.1f} GB/s"
+    else:
+        return None
+    parts = [base_how]
+    if sockets and sockets > 1 and not measured:
+        # The theoretical figure counts every socket; the backend reads the others' only partly.
+        local = 1 + (sockets - 1) * rates.extra_socket_share
+        base = base / sockets * local
+        parts.append(f"{local:g} of {sockets} sockets read locally")
+    rate = base * rates.host_share
+    parts.append(f"× {rates.host_share:g}, {rates.name}'s share")
+    return HostRate(rate, f"{rate / 1e9:,.1f} GB/s: " + ", ".join(parts))
+
+
+@dataclass(frozen=True)
+class Expected:
+    tokens_per_s: float | None
+    how: str
+
+
+def expected_decode(
+    bound: DecodeEstimate,
+    *,
+    backend: str,
+    rate: HostRate | None,
+    bound_host_bandwidth: float | None,
+    host_weights: float,
+    users: int,
+    cpu_flops_per_s: float | None,
+    cpu_moe_layers: int,
+    has_gpu: bool,
+) -> Expected:
+    """One decode step of `users` conversations at the expected rates (module docstring).
+
+    ``bound`` is the same step's bound (its host and GPU seconds); ``host_weights`` the weights
+    the CPU reads per step (each computed once per conversation: 2 × users flops a weight);
+    ``cpu_moe_layers`` the MoE layers with experts on the CPU (a hand-off each, with a GPU).
+    """
+    rates = RATES[backend]
+    parts = []
+    t_host = 0.0
+    if bound.host_bytes_per_step:
+        if rate is None:
+            return Expected(None, "unknown: host memory bandwidth not known (measure it, or describe the machine)")
+        # The bound's host time at the expected rate (a slow path's extra cost included), or,
+        # where the bound has no bandwidth (the engine's rate known, the probe not run), the bytes.
+        t_read = (bound.host_seconds * bound_host_bandwidth / rate.bytes_per_s if bound.host_seconds and bound_host_bandwidth
+                  else bound.host_bytes_per_step / rate.bytes_per_s)
+        t_compute = 2 * users * host_weights / cpu_flops_per_s if cpu_flops_per_s else 0.0
+        t_host = max(t_read, t_compute)
+        if t_compute > t_read:
+            parts.append(f"CPU {t_host * 1e3:.2f} ms (compute: {2 * users * host_weights / 1e9:.1f} GFLOP at "
+                         f"{cpu_flops_per_s / 1e12:.2f} TFLOP/s; reading at {rate.how}, {t_read * 1e3:.2f} ms)")
+        else:
+            parts.append(f"CPU {t_host * 1e3:.2f} ms (reading at {rate.how})")
+    t_gpu = 0.0
+    if bound.gpu_seconds:
+        reduces = bound.all_reduce_seconds
+        t_gpu = (bound.gpu_seconds - reduces) / rates.gpu_share + reduces
+        parts.append(f"GPU {t_gpu * 1e3:.2f} ms ({rates.gpu_share:g} of its bandwidth"
+                     + (f", all-reduces {reduces * 1e3:.2f} ms" if reduces else "") + ")")
+    if bound.gpu_bytes_per_step and not bound.gpu_seconds:
+        return Expected(None, "unknown: the GPUs' memory bandwidth is not known")
+    t_handoff = cpu_moe_layers * rates.handoff_s if has_gpu and bound.host_bytes_per_step else 0.0
+    if t_handoff:
+        parts.append(f"hand-offs {t_handoff * 1e3:.2f} ms ({cpu_moe_layers} MoE layers × {rates.handoff_s * 1e6:.0f} us)")
+    step = t_host + t_gpu + t_handoff
+    return Expected(1.0 / step, f"{rates.name}: " + " + ".join(parts) + f" = {step * 1e3:.2f} ms a step")
+
+
+def expected_prefill(
+    *,
+    tokens: int,
+    cpu_expert_weights: float,
+    cpu_always_weights: float,
+    cpu_flops_per_s: float | None,
+    streamed_bytes: float | None,
+    pcie_bytes_per_s: float | None,
+) -> Expected:
+    """Prompt tokens/s for a chunk of `tokens`: the CPU's multiply-adds over the weights it
+    computes per token (``cpu_expert_weights``: the routed experts a token reaches on the CPU;
+    ``cpu_always_weights``: CPU-only, the always-read ones), or, when the chunk streams the CPU
+    experts to the GPU, their ``streamed_bytes`` over PCIe. A GPU's compute is not counted."""
+    if streamed_bytes is not None and pcie_bytes_per_s:
+        seconds = streamed_bytes / pcie_bytes_per_s
+        return Expected(tokens / seconds, f"{tokens}-token chunk: the CPU experts copied to the GPU, "
+                                          f"{streamed_bytes / 1e9:.2f} GB at {pcie_bytes_per_s / 1e9:.1f} GB/s over PCIe "
+                                          "(the GPU's compute not counted)")
+    if not cpu_flops_per_s:
+        return Expected(None, "unknown: the CPU's core count is not known")
+    flops = 2 * tokens * (cpu_expert_weights + cpu_always_weights)
+    if not flops:
+        return Expected(None, "every weight is on the GPU: the GPU's compute sets it, which the plan does not count")
+    seconds = flops / cpu_flops_per_s
+    return Expected(tokens / seconds, f"{tokens}-token chunk: {flops / 1e12:.2f} TFLOP on the CPU at "
+                                      f"{cpu_flops_per_s / 1e12:.2f} TFLOP/s (the GPU's compute not counted)")

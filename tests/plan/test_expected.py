@@ -1,0 +1,176 @@
+"""The expected speed beside the bound (docs/sizing.md §6 "Expected speed"), llama.cpp's own
+layout (§5), the advice that fits and the precision notes (#47)."""
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from hybridmoe.backend.hardware import achieved, describe
+from hybridmoe.backend.hardware.profile import CPU, HardwareProfile, Memory
+from hybridmoe.backend.models import inspect_model
+from hybridmoe.backend.plan import Workload, make
+from hybridmoe.backend.plan.budget import activation_bytes
+from hybridmoe.backend.plan.estimate import cpu_flops
+from hybridmoe.backend.plan.expected import PROBE_OF_THEORETICAL, RATES
+
+CONFIGS = Path(__file__).resolve().parents[2] / "assets" / "configs"
+GIB = 1 << 30
+
+
+@pytest.fixture(scope="module")
+def qwen30():
+    return inspect_model(CONFIGS / "Qwen__Qwen3-30B-A3B.json", expert_format="q4_k_m")
+
+
+@pytest.fixture(scope="module")
+def deepseek():
+    return inspect_model(CONFIGS / "deepseek-ai__DeepSeek-R1.json", expert_format="q4_k_m")
+
+
+def xeon(sockets: int, **kw):
+    return describe(host_ram="1000GiB", cpu_model="Intel Xeon Gold 6454S", sockets=sockets, cores=32 * sockets,
+                    features=["avx2", "avx512f"], **kw)
+
+
+def test_cpu_only_expected_is_the_bytes_at_the_stated_rate(qwen30):
+    machine = xeon(1)
+    plan = make(qwen30.spec, qwen30.inventory, machine, Workload(context=4096, strategy="cpu-only"))
+    engine = RATES["engine"]
+    rate = 8 * 4800e6 * 8 * PROBE_OF_THEORETICAL * engine.host_share
+    assert plan.decode_tokens_per_s_expected == pytest.approx(rate / plan.host_bytes_per_token)
+    assert plan.decode_tokens_per_s_upper_bound == pytest.approx(307.2e9 / plan.host_bytes_per_token)
+    # It says how: the theoretical figure, the share a sustained read reaches, the engine's share.
+    how = plan.decode_expected_how
+    assert "307.2 GB/s" in how and f"{PROBE_OF_THEORETICAL:g}" in how and f"{engine.host_share:g}" in how
+    assert plan.to_dict()["decode_tokens_per_s_expected"] == plan.decode_tokens_per_s_expected
+
+
+def test_a_second_socket_counts_as_far_as_the_backend_reads_locally(deepseek):
+    one, two = xeon(1), xeon(2)
+    wl = Workload(context=4096, strategy="cpu-only")
+    for backend in ("engine", "llamacpp"):
+        a = make(deepseek.spec, deepseek.inventory, one, replace(wl, backend=backend))
+        b = make(deepseek.spec, deepseek.inventory, two, replace(wl, backend=backend))
+        local = 1 + RATES[backend].extra_socket_share
+        assert b.decode_tokens_per_s_upper_bound == pytest.approx(2 * a.decode_tokens_per_s_upper_bound)
+        assert b.decode_tokens_per_s_expected == pytest.approx(local * a.decode_tokens_per_s_expected)
+        assert "of 2 sockets' bandwidth" in b.decode_expected_how
+
+
+def test_the_cpu_compute_limits_many_conversations(qwen30):
+    """Two cores and 64 conversations: the CPU's multiply-adds, not the reads, set the step."""
+    small = describe(host_ram="256GiB", cpu_model="Intel Xeon Gold 6454S", sockets=1, cores=2, features=["avx2"])
+    plan = make(qwen30.spec, qwen30.inventory, small, Workload(context=1024, users=64, strategy="cpu-only"))
+    weights = plan.host_bytes_per_token / (qwen30.inventory.expert_bits_per_weight / 8)
+    flops = cpu_flops(2, ("avx2",))
+    assert plan.decode_tokens_per_s_per_user_expected == pytest.approx(flops / (2 * 64 * weights))
+    assert "compute" in plan.decode_expected_how_per_user
+
+
+def test_the_engines_rate_measured_here_is_kept_and_used(qwen30, tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path))
+    here = HardwareProfile(cpu=CPU(model_name="Test CPU", physical_cores=4, sockets=1, features=("avx2",)),
+                           memory=Memory(total_bytes=64 * GIB, available_bytes=64 * GIB,
+                                         bandwidth_measured_bytes_per_s=40e9))
+    wl = Workload(context=4096, strategy="cpu-only")
+    before = make(qwen30.spec, qwen30.inventory, here, wl)
+    assert before.decode_tokens_per_s_expected == pytest.approx(40e9 * RATES["engine"].host_share
+                                                                / before.host_bytes_per_token)
+    assert achieved.record(here, read_bytes_per_s=30e9, source="bench serve")
+    after = make(qwen30.spec, qwen30.inventory, here, wl)
+    assert after.decode_tokens_per_s_expected == pytest.approx(30e9 / after.host_bytes_per_token)
+    assert "measured on this machine (bench serve" in after.decode_expected_how
+    # The probe not run (headless `run`): the bound is unknown, the expected figure is not.
+    unprobed = make(qwen30.spec, qwen30.inventory, replace(here, memory=replace(here.memory,
+                    bandwidth_measured_bytes_per_s=None)), wl)
+    assert unprobed.decode_tokens_per_s_upper_bound is None
+    assert unprobed.decode_tokens_per_s_expected == pytest.approx(after.decode_tokens_per_s_expected)
+    # Another machine, or a described one, does not take it.
+    assert achieved.lookup(replace(here, cpu=replace(here.cpu, physical_cores=8))) is None
+    assert achieved.lookup(replace(here, described=True)) is None
+
+
+def test_hybrid_expected_adds_the_gpu_and_the_hand_offs(qwen30):
+    machine = describe(gpu_model="RTX 2080", host_ram="64GiB", cpu_model="Intel Core i9-10900X", sockets=1, cores=10,
+                       features=["avx2", "avx512f"])
+    plan = make(qwen30.spec, qwen30.inventory, machine, Workload(context=4096, backend="llamacpp"))
+    rates = RATES["llamacpp"]
+    cpu_layers = sum(1 for ids in plan.gpu_experts.values() if len(ids) < plan.n_routed_experts)
+    host_rate = 4 * 2933e6 * 8 * PROBE_OF_THEORETICAL * rates.host_share
+    gpu = plan.devices[0]
+    step = (plan.host_bytes_per_token / host_rate + plan.gpu_bytes_per_token / gpu.bandwidth_bytes_per_s / rates.gpu_share
+            + cpu_layers * rates.handoff_s)
+    assert plan.decode_tokens_per_s_expected == pytest.approx(1 / step)
+    assert "hand-offs" in plan.decode_expected_how and "GPU" in plan.decode_expected_how
+
+
+# ---- llama.cpp's layout (docs/sizing.md §5) ----------------------------------------------------------
+
+
+def test_a_llamacpp_plan_is_sized_as_llamacpp_holds_it(qwen30):
+    machine = describe(gpu_model="RTX 2080", host_ram="64GiB", cpu_model="Intel Core i9-10900X", cores=10)
+    plan = make(qwen30.spec, qwen30.inventory, machine, Workload(context=4096, backend="llamacpp"))
+    card = plan.devices[0]
+    # Whole layers of experts, as stored, the last layers first: blocks 0..N-1 stay on the CPU.
+    n = plan.llama_cpp["n_cpu_moe"]
+    assert all(len(ids) == (128 if layer >= n else 0) for layer, ids in plan.gpu_experts.items())
+    assert plan.gpu_expert_format == "stored" and card.bytes_by_class["routed_experts"] == pytest.approx(
+        sum(128 * plan.bytes_per_expert[layer] for layer in plan.gpu_experts if layer >= n), abs=1)
+    # No prefill reserve; its compute buffer: a 2048-token micro-batch in float32 and one
+    # expert tensor of a layer (gate, up or down of all experts) copied in for a large batch.
+    assert card.bytes_by_class["prefill_reserve"] == 0
+    assert card.bytes_by_class["activations"] == int(activation_bytes(qwen30.spec, 2048, 4)
+                                                     + plan.bytes_per_expert[0] * 128 / 3)
+    # Its budget: the card's memory less llama.cpp's 1 GiB margin, not the engine's rule.
+    assert card.budget_bytes == 8192 * (1 << 20) - GIB
+    # The next block's experts would not have fit.
+    room = card.budget_bytes - sum(card.bytes_by_class[c] for c in ("always_read", "kv_cache", "activations"))
+    assert card.bytes_by_class["routed_experts"] <= room < card.bytes_by_class["routed_experts"] + 128 * plan.bytes_per_expert[n - 1]
+
+
+def test_a_given_n_cpu_moe_is_checked(qwen30):
+    machine = describe(gpu_model="RTX 2080", host_ram="64GiB", cpu_model="Intel Core i9-10900X", cores=10)
+    chosen = make(qwen30.spec, qwen30.inventory, machine, Workload(context=4096, backend="llamacpp"))
+    n = chosen.llama_cpp["n_cpu_moe"]
+    ran = make(qwen30.spec, qwen30.inventory, machine, Workload(context=4096, backend="llamacpp", n_cpu_moe=n + 4))
+    assert ran.fits and ran.llama_cpp["n_cpu_moe"] == n + 4
+    too_few = make(qwen30.spec, qwen30.inventory, machine, Workload(context=4096, backend="llamacpp", n_cpu_moe=n - 4))
+    assert not too_few.fits and "(--n-cpu-moe " in too_few.reason
+    assert any(f"--n-cpu-moe {n} fits" in s for s in too_few.suggestions)
+
+
+def test_n_cpu_moe_is_llamacpps_alone():
+    with pytest.raises(Exception, match="--n-cpu-moe sizes llama.cpp's layout"):
+        Workload(n_cpu_moe=3)
+
+
+# ---- advice that fits, precision said aloud --------------------------------------------------------
+
+
+def test_cpu_only_advice_never_suggests_what_is_in_force(qwen30):
+    """A CPU-only machine short of RAM: the context that fits, never --strategy cpu-only."""
+    box = describe(host_ram="24GiB", cpu_model="AMD Ryzen 9 7950X", cores=16)
+    plan = make(qwen30.spec, qwen30.inventory, box, Workload(context=32768, users=8))
+    assert not plan.fits
+    text = " ".join(plan.suggestions)
+    assert "--strategy cpu-only" not in text
+    assert "--context" in text or "--users" in text
+    # The context it names fits.
+    context = next(int(s.split("--context ")[1].rstrip(").")) for s in plan.suggestions if "--context " in s)
+    assert make(qwen30.spec, qwen30.inventory, box, Workload(context=context, users=8)).fits
+    # The weights alone too large: said so, with no cache option that cannot help.
+    tiny = describe(host_ram="16GiB", cpu_model="AMD Ryzen 9 7950X", cores=16)
+    plan = make(qwen30.spec, qwen30.inventory, tiny, Workload(context=4096))
+    assert any("weights alone" in s for s in plan.suggestions)
+    assert not any("--context" in s or "cpu-only" in s for s in plan.suggestions)
+
+
+def test_bf16_experts_narrowed_to_int8_are_said_aloud():
+    bf16 = inspect_model(CONFIGS / "Qwen__Qwen3-30B-A3B.json")
+    plan = make(bf16.spec, bf16.inventory, describe(gpu_model="RTX 4090", host_ram="128GiB"), Workload(context=4096))
+    assert plan.gpu_expert_format == "int8"
+    assert any("stored in bf16 and held as weight-only int8" in n for n in plan.precision_notes)
+    dense = make(bf16.spec, bf16.inventory, describe(gpu_model="RTX 4090", host_ram="128GiB"),
+                 Workload(context=4096, gpu_expert_form="dense"))
+    assert dense.precision_notes == ()
