@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -49,12 +50,14 @@ KEEP = ("CMakeLists.txt", "LICENSE", "cmake/", "include/", "src/", "vendor/CMake
 KEEP_FILES_IN = ("ggml/src/",)
 
 # (import name, distribution) of what the benchmark imports beyond PyTorch, NumPy and Jinja2
-# (which PyTorch's own install brings). The versions are this machine's, so the device runs
+# (which PyTorch's own install brings; NumPy as the earlier GPU runs found it there). The versions are this machine's, so the device runs
 # what the tests here ran.
 PACKAGES = (("nanobind", "nanobind"), ("gguf", "gguf"), ("yaml", "PyYAML"), ("tqdm", "tqdm"),
             ("platformdirs", "platformdirs"), ("tomli_w", "tomli-w"), ("diskcache", "diskcache"),
             ("psutil", "psutil"), ("safetensors", "safetensors"), ("tokenizers", "tokenizers"),
-            ("typing_extensions", "typing_extensions"))
+            ("typing_extensions", "typing_extensions"),
+            # The GGUF maker trains its tokenizer with the converter tests' helpers (tests/convert/conftest.py).
+            ("pytest", "pytest"), ("pluggy", "pluggy"), ("iniconfig", "iniconfig"), ("packaging", "packaging"))
 
 
 def keep(member: str) -> bool:
@@ -95,6 +98,9 @@ def extract(sdist: Path, dest: Path) -> dict[str, int]:
             with tar.extractfile(m) as src, open(target, "wb") as out:
                 shutil.copyfileobj(src, out)
             target.chmod(m.mode & 0o755 | 0o644)
+            # The archive's times, not now: a build tree made from an earlier extraction of the
+            # same sources stays up to date (ninja compares times).
+            os.utime(target, (m.mtime, m.mtime))
             sizes[part] += m.size
     return sizes
 

@@ -326,6 +326,7 @@ def _is_host(buffer_type: str) -> bool:
 
 
 def _library_path() -> str:
+    """Where llama-cpp-python loaded libllama from (LLAMA_CPP_LIB_PATH, or its own lib/)."""
     import llama_cpp.llama_cpp as bindings
 
     return str(bindings._base_path)
