@@ -139,6 +139,12 @@ GGUF_CPU_KERNEL_TYPES = frozenset({
 # The same for a tensor record's dtype (GGUF type or safetensors dtype), floats included; a
 # compressed-tensors int4 matrix's parts (weight_packed, ...) count as read in place.
 CPU_KERNEL_DTYPES = GGUF_CPU_KERNEL_TYPES | {"bf16", "f16", "f32", "fp16", "fp32", "int4_g32"}
+# GGUF types the engine's GPU kernels read in place (engine/stored_linear.py): a GPU holds an
+# always-read projection stored in one of them as stored, any other in its compute dtype.
+GGUF_GPU_KERNEL_TYPES = frozenset({
+    "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "mxfp4",
+    "iq4_nl", "iq4_xs", "iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs", "iq3_s", "iq1_s", "iq1_m",
+})
 
 
 # Stored 4-bit formats a GPU can hold as they are (hybridmoe.backend.formats.int4_weights):

@@ -28,6 +28,28 @@ class TypeUse:
         return {"tensors": self.tensors, "bytes": self.bytes, "example": self.example}
 
 
+@dataclass(frozen=True)
+class GpuForm:
+    """The always-read tensors of one class and storage type as the engine holds them on a GPU:
+    as stored (a GGUF block type its kernels read), or `widened` to its compute dtype; how many,
+    their stored bytes and elements, and the first of them (what the plan names)."""
+
+    stored: str  # storage type, lower-case (q4_k, bf16, ...)
+    widened: bool
+    tensors: int
+    bytes: int
+    elements: int
+    example: str
+
+    def plus(self, tensors: int, nbytes: int, elements: int) -> GpuForm:
+        return GpuForm(self.stored, self.widened, self.tensors + tensors, self.bytes + nbytes,
+                       self.elements + elements, self.example)
+
+    def held_bytes(self, element_bytes: int) -> int:
+        """Bytes on the card, the widened ones at `element_bytes` an element (the compute dtype's)."""
+        return self.elements * element_bytes if self.widened else self.bytes
+
+
 class TensorClass(str, Enum):
     EMBEDDING = "embedding"
     ATTENTION = "attention"  # q/k/v/o, MLA projections, all norms
@@ -68,8 +90,17 @@ class TensorInventory:
     # Always-read tensors the engine holds in its compute dtype on the CPU whatever the file
     # stores (the embedding table; MLA's kv_b stored whole, which latent attention reads whole
     # every token; vectors; matrices in a format the CPU kernels do not read): class -> (their stored
-    # bytes, their elements). On a GPU it holds every one of them so.
+    # bytes, their elements).
     widened: dict[TensorClass, tuple[int, int]] = field(default_factory=dict)
+    # The same on a GPU, where the engine holds the projections stored in a GGUF block type its
+    # kernels read as stored (engine/stored_linear.py) and every other always-read tensor in its
+    # compute dtype; and per class, type by type, which is which (what `plan` shows).
+    gpu_widened: dict[TensorClass, tuple[int, int]] = field(default_factory=dict)
+    gpu_forms: dict[TensorClass, tuple[GpuForm, ...]] = field(default_factory=dict)
+    # The routers' score-correction biases (held in float32) and their other vectors (GPT-OSS'
+    # biases, held like the matrices on a GPU): stored bytes and elements.
+    router_float32_vectors: tuple[int, int] = (0, 0)
+    router_vectors: tuple[int, int] = (0, 0)
     # What the engine's CPU copies of the weights take beyond the file's bytes (Q4_K matrices
     # in the kernels' row-interleaved layout, scales unpacked: 148 bytes a row and super-block
     # instead of 144), per class and, for the routed experts, per MoE layer.
@@ -111,6 +142,17 @@ class TensorInventory:
             return self.router_bytes_held(router_element_bytes)
         stored, elements = self.widened.get(cls, (0, 0))
         return self.bytes_by_class.get(cls, 0) - stored + elements * element_bytes + self.copy_extra.get(cls, 0)
+
+    def gpu_held_bytes(self, cls: TensorClass, element_bytes: int, router_element_bytes: int) -> int:
+        """What the engine holds of `cls` on a GPU: the widened tensors (``gpu_widened``) at
+        `element_bytes` an element, the routers' matrices and vectors at `router_element_bytes`
+        but their score-correction biases in float32, the rest as stored."""
+        if cls is TensorClass.ROUTER:
+            (f32_stored, f32_elements), (stored, elements) = self.router_float32_vectors, self.router_vectors
+            return (self.router_bytes_held(router_element_bytes) - f32_stored + 4 * f32_elements
+                    - stored + elements * router_element_bytes)
+        stored, elements = self.gpu_widened.get(cls, (0, 0))
+        return self.bytes_by_class.get(cls, 0) - stored + elements * element_bytes
 
     def host_bytes_per_expert(self, layer: int) -> float:
         """One routed expert of `layer` as the engine's CPU side holds and reads it."""

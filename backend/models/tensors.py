@@ -23,6 +23,7 @@ from hybridmoe.backend.models.families import family_by_name
 from hybridmoe.backend.models.families.common import TensorShape
 from hybridmoe.backend.models.formats import (
     CPU_KERNEL_DTYPES,
+    GGUF_GPU_KERNEL_TYPES,
     TORCH_DTYPES,
     file_type_name,
     get_format,
@@ -30,7 +31,7 @@ from hybridmoe.backend.models.formats import (
     mix_tensor_format,
     tensor_bytes,
 )
-from hybridmoe.backend.models.inventory import TensorClass, TensorInventory, TypeUse
+from hybridmoe.backend.models.inventory import ALWAYS_READ, GpuForm, TensorClass, TensorInventory, TypeUse
 from hybridmoe.backend.models.safetensors_files import TensorRecord
 from hybridmoe.backend.models.spec import ModelSpec
 
@@ -164,16 +165,57 @@ def _widened(c: Classified, name: str, fmt: str, shape: tuple[int, ...]) -> bool
     return len(shape) < 2 or _FP8_SCALES.search(name) is not None or fmt.lower() not in CPU_KERNEL_DTYPES
 
 
+# MLA's kv_b in any form: whole, or split into k_b and v_b (a GGUF's attn_k_b / attn_v_b; the
+# config's inventory names them self_attn.k_b / v_b).
+_KV_B_ANY = re.compile(r"(?:\.self_attn\.(?:kv_b_proj|k_b|v_b)\.|\.attn_(?:kv_b|k_b|v_b)\.)")
+
+
+def _widened_on_gpu(c: Classified, name: str, fmt: str, shape: tuple[int, ...]) -> bool:
+    """Whether the engine holds this always-read tensor in its compute dtype on a GPU: all but
+    the projections stored in a GGUF block type its GPU kernels read (engine/stored_linear.py).
+    The embedding table (lookups) and MLA's kv_b (the latent attention kernels read it whole,
+    in the compute dtype) are widened whatever their type, as are vectors and float matrices."""
+    if c.cls is C.EMBEDDING or (c.cls is C.ATTENTION and _KV_B_ANY.search(name)):
+        return True
+    if c.cls not in (C.ATTENTION, C.DENSE_FFN, C.SHARED_EXPERTS, C.LM_HEAD):
+        return False
+    return len(shape) < 2 or fmt.lower() not in GGUF_GPU_KERNEL_TYPES
+
+
+# The routers' score-correction biases (DeepSeek-V3, GLM): the engine routes with them in float32
+# whatever the file stores (a bf16 checkpoint keeps them in bf16).
+_SCORE_BIAS = re.compile(r"(?:\.e_score_correction_bias|\.exp_probs_b)(?:\.|$)")
+
+
 @dataclass
 class _Held:
     """Where the engine holds a model otherwise than its file stores it (TensorInventory's
-    ``widened``, ``copy_extra``, ``copy_extra_by_layer``), tensor by tensor."""
+    ``widened``, ``copy_extra``, ``copy_extra_by_layer``; on a GPU ``gpu_widened`` and, type by
+    type, ``gpu_forms``), tensor by tensor."""
 
     widened: dict[TensorClass, tuple[int, int]] = field(default_factory=dict)
     extra: dict[TensorClass, int] = field(default_factory=dict)
     extra_by_layer: dict[int, int] = field(default_factory=dict)
+    gpu_widened: dict[TensorClass, tuple[int, int]] = field(default_factory=dict)
+    gpu_forms: dict[TensorClass, dict[tuple[str, bool], GpuForm]] = field(default_factory=dict)
+    float32_router: tuple[int, int] = (0, 0)
+    router_vectors: tuple[int, int] = (0, 0)
 
-    def add(self, c: Classified, name: str, fmt: str, shape: tuple[int, ...], elements: int, nbytes: int) -> None:
+    def add(self, c: Classified, name: str, fmt: str, shape: tuple[int, ...], elements: int, nbytes: int,
+            tensors: int = 1) -> None:
+        if c.cls is C.ROUTER and _SCORE_BIAS.search(name):
+            self.float32_router = (self.float32_router[0] + nbytes, self.float32_router[1] + elements)
+        elif c.cls is C.ROUTER and len(shape) < 2:
+            self.router_vectors = (self.router_vectors[0] + nbytes, self.router_vectors[1] + elements)
+        if c.cls in ALWAYS_READ and c.cls is not C.ROUTER:
+            on_gpu = _widened_on_gpu(c, name, fmt, shape)
+            if on_gpu:
+                stored, count = self.gpu_widened.get(c.cls, (0, 0))
+                self.gpu_widened[c.cls] = (stored + nbytes, count + elements)
+            forms = self.gpu_forms.setdefault(c.cls, {})
+            key = (fmt.lower(), on_gpu)
+            forms[key] = forms[key].plus(tensors, nbytes, elements) if key in forms else GpuForm(
+                fmt.lower(), on_gpu, tensors, nbytes, elements, name)
         if _widened(c, name, fmt, shape):
             stored, count = self.widened.get(c.cls, (0, 0))
             self.widened[c.cls] = (stored + nbytes, count + elements)
@@ -184,7 +226,10 @@ class _Held:
 
     def fields(self) -> dict:
         return {"widened": self.widened, "copy_extra": self.extra,
-                "copy_extra_by_layer": dict(sorted(self.extra_by_layer.items()))}
+                "copy_extra_by_layer": dict(sorted(self.extra_by_layer.items())),
+                "gpu_widened": self.gpu_widened, "router_float32_vectors": self.float32_router,
+                "router_vectors": self.router_vectors,
+                "gpu_forms": {cls: tuple(forms.values()) for cls, forms in self.gpu_forms.items()}}
 
 
 @dataclass
@@ -417,7 +462,7 @@ def inventory_from_config(spec: ModelSpec, *, expert_format: str | None = None,
         if c.cls is C.ROUTER and len(t.shape) >= 2:
             router_params += math.prod(t.shape) * t.count
             router_bytes += nbytes
-        held.add(c, t.name, fmt, t.shape, math.prod(t.shape) * t.count, nbytes)
+        held.add(c, t.name, fmt, t.shape, math.prod(t.shape) * t.count, nbytes, t.count)
         types.add(c, t.name, fmt, fmt, t.count, nbytes)
         if c.cls is C.ROUTED_EXPERTS:
             by_layer[c.layer] = by_layer.get(c.layer, 0) + nbytes

@@ -145,8 +145,9 @@ class _AlwaysRead:
 
 
 def held_on_gpu(spec: ModelSpec) -> TensorInventory:
-    """Every tensor in the engine's compute dtype, as it holds the always-read weights on a GPU
-    (the routed experts' forms there are budget.RESIDENT_FORMS, not this)."""
+    """Every tensor in the engine's compute dtype: its weights' elements at that width (a GPU
+    holds a GGUF's block matrices as stored, every other always-read tensor so: that is
+    TensorInventory.gpu_held_bytes; the routed experts' forms there are budget.RESIDENT_FORMS)."""
     dtype = "fp32" if B.compute_dtype_bytes(spec) == 4 else "bf16"
     return inventory_from_config(spec, expert_format=dtype, other_format=dtype)
 
@@ -192,10 +193,10 @@ class _Planner:
                          for form in B.RESIDENT_FORMS if form != "int4" or self.int4}
         # The always-read weights as each side holds them: host RAM in the stored form (the
         # CPU kernels read it as stored, Q4_K in a layout 2.8 % larger; the embedding and MLA's
-        # kv_b stored whole widened, the routers as routed); a GPU, for the engine, in the compute dtype (it
-        # dequantizes every quantized projection, norm and embedding there at load: a Q4_K
-        # attention takes 3.6x its file size on the card); llama.cpp keeps all of them as the
-        # file stores them.
+        # kv_b stored whole widened, the routers as routed); a GPU, for the engine, the
+        # projections in a GGUF block type as stored (engine/stored_linear.py) and the rest in
+        # the compute dtype (embedding, MLA's kv_b, norms, float and fp8 matrices: the
+        # inventory's gpu_widened); llama.cpp keeps all of them as the file stores them.
         self.stored = _AlwaysRead.of(spec, inventory, as_stored=True)
         self.host = self.stored if workload.backend == "llamacpp" else _AlwaysRead.of(spec, inventory)
         self.kv_elem = workload.kv_bytes_per_element
@@ -246,7 +247,8 @@ class _Planner:
         devices = []
         for c, g in enumerate(gpus):
             experts = sum(len(ids) * lay.gbpe[layer] for layer, ids in lay.experts_by_card[c].items())
-            by_class = {k: int(v) for k, v in card_classes[c].items()}
+            # Rounded, not cut: the per-layer shares summed back may land a hair below a whole byte.
+            by_class = {k: round(v) for k, v in card_classes[c].items()}
             by_class["prefill_reserve"] = reserves[c]
             by_class["routed_experts"] = int(experts)
             devices.append(

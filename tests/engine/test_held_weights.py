@@ -2,10 +2,11 @@
 from a Q8_0 GGUF and from a Hugging Face checkpoint; and a CPU-only plan's bytes per token are
 what the decode step reads (docs/sizing.md §1, §6).
 
-A GPU takes the engine's projections, norms, embedding and head in the compute dtype (it
-dequantizes a quantized file's at load) and the routers as the family routes; the figure is
-measured here on the CPU with the native kernels off, where the loader takes the same path
-as for a GPU (``Loader.projection``: no native form, so the compute dtype on the device)."""
+A GPU takes a GGUF's projections in their stored blocks (``stored_linear``), the other
+always-read weights (norms, embedding, MLA's kv_b, a checkpoint's projections) in the compute
+dtype and the routers as the family routes; the figure is measured here on the CPU with the
+native kernels off and the CPU standing in for the card (``stored_linear.serves``), where the
+loader takes the same path as for a GPU (``Loader.projection``)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from hybridmoe.backend.engine import step_profile
+from hybridmoe.backend.engine import step_profile, stored_linear
 from hybridmoe.backend.engine.model import build_model
 from hybridmoe.backend.engine.session import EngineBackend
 from hybridmoe.backend.formats.weights import open_weights
@@ -84,11 +85,25 @@ def test_the_plans_gpu_always_read_bytes_are_what_the_engine_holds(models, famil
     plan = make(inspected.spec, inspected.inventory, _workstation(), Workload(context=64, prefill_reserve="off"))
     planned = plan.devices[0].bytes_by_class["always_read"]
     monkeypatch.setenv("HYBRIDMOE_NATIVE", "0")
+    monkeypatch.setattr(stored_linear, "serves", lambda device: True)
     model = build_model(inspected.spec, open_weights(path), max_context=64)
     assert planned == _held_bytes(model)
-    if source == "q8_0":  # a quantized file's weights take more on the card than in the file
-        stored = sum(inspected.inventory.bytes_by_class[c] for c in (TensorClass.ATTENTION, TensorClass.LM_HEAD))
-        assert planned > stored
+    held = [m for m in model.modules() if isinstance(m, stored_linear.StoredLinear)]
+    if source == "q8_0":  # the projections as stored: a byte a weight and 2 in 32 for the scales
+        assert held and planned < _widened_bytes(inspected.spec, inspected.inventory)
+        assert sum(m.data.numel() for m in held) == sum(
+            f.bytes for forms in inspected.inventory.gpu_forms.values() for f in forms if not f.widened)
+    else:
+        assert not held
+
+
+def _widened_bytes(spec, inventory) -> int:
+    """The always-read weights all in the compute dtype (the routers as routed), as the engine
+    held them on a GPU before it kept a GGUF's blocks there."""
+    from hybridmoe.backend.plan import budget
+
+    elements = sum(f.elements for forms in inventory.gpu_forms.values() for f in forms)
+    return elements * budget.compute_dtype_bytes(spec) + inventory.router_bytes_held(budget.router_element_bytes(spec))
 
 
 # OLMoE's and GPT-OSS' attention runs in PyTorch in the decode step (per-projection q/k norm;
