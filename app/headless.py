@@ -196,6 +196,10 @@ def _run(args, waiting: Waiting) -> int:
         if args.record_stats:
             session.save_expert_stats(args.record_stats)
         session.close()  # its threads end before the interpreter does
+        if done is not None:
+            from hybridmoe.backend.plan.expected import remember_decode_rate
+
+            remember_decode_rate(plan, done.stats)
     finally:
         # The run is over: a Ctrl-C from here on could only interrupt the way out. Python hands
         # SIGINT back to the system's default while it shuts down, so one sent as a run ended

@@ -146,11 +146,13 @@ def catalogue_text(catalogue, ranked=None) -> str:
         if not ranked:
             out.append("On this machine: none of them fits.")
         else:
-            out.append("On this machine, best variant that fits, fastest first (planner's upper bound):")
+            out.append("On this machine, best variant that fits, fastest first (the plan's expected decode speed, "
+                       "then its upper bound; docs/sizing.md §6):")
             rows = [[r.entry.id, r.option, fmt_bytes(r.size_bytes),
-                     f"{r.tokens_per_s:,.1f} tok/s" if r.tokens_per_s else "unknown", f"{r.context:,}"]
+                     f"{r.tokens_per_s:,.1f} tok/s" if r.tokens_per_s else "unknown",
+                     f"{r.bound_tokens_per_s:,.1f} tok/s" if r.bound_tokens_per_s else "unknown", f"{r.context:,}"]
                     for r in ranked]
-            out += _table(["ID", "VARIANT", "SIZE", "DECODE", "CONTEXT"], rows, right={2, 3, 4})
+            out += _table(["ID", "VARIANT", "SIZE", "EXPECTED", "AT MOST", "CONTEXT"], rows, right={2, 3, 4, 5})
     out.append("\nDownload one with `hybridmoe pull ID` (the checkpoint) or `hybridmoe pull ID --quant Q4_K_M` "
                "(a GGUF); plan one with `hybridmoe plan ID`.")
     return "\n".join(out)

@@ -239,6 +239,8 @@ def measure(model: str, *, prompt_tokens: int = 512, gen_tokens: int = 64, threa
     from hybridmoe.backend.session import Progress
 
     threads = threads or psutil.cpu_count(logical=False) or 1
+    # The plan's expected figures for what is about to run, made before it (a prediction).
+    predicted = plan_expectation(model, prompt_tokens + gen_tokens + 8, prompt_tokens)
     results: dict[str, dict] = {}
     runs = [(r, b) for r in range(rounds) for b in backends]
     paired = pairs > 0 and set(BACKENDS) <= set(backends)
@@ -257,6 +259,8 @@ def measure(model: str, *, prompt_tokens: int = 512, gen_tokens: int = 64, threa
                 kept[key] = kept.get(key, []) + run.get(key, [])
             kept["rss_peak"] = max(kept["rss_peak"], run["rss_peak"])
     summary = summarize(model, prompt_tokens, gen_tokens, threads, repeats, rounds, results)
+    summary["plan_expected"] = predicted
+    record_engine_rate(results.get("engine", {}), "bench generate")
     if paired and all("error" not in results[b] for b in BACKENDS):
         if on_progress is not None:
             on_progress(Progress("bench", len(runs), len(runs) + 1, unit="runs",
@@ -269,6 +273,47 @@ def measure(model: str, *, prompt_tokens: int = 512, gen_tokens: int = 64, threa
             q1, median, q3 = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else ratios * 3
             summary["paired"] = {**run, "median": median, "quartiles": [q1, q3]}
     return summary
+
+
+def plan_expectation(model: str, context: int, prompt_tokens: int) -> dict:
+    """The plan's expected decode and prefill tokens/s for one CPU-only conversation of
+    `context` tokens on this machine (one bandwidth reading for the process), per backend,
+    with how each was obtained: what the table prints beside the measured figures."""
+    from dataclasses import replace
+
+    from hybridmoe.backend.hardware import detect
+    from hybridmoe.backend.models import inspect_model
+    from hybridmoe.backend.plan import Workload, make
+
+    from hybridmoe.backend.errors import HybridMoeError
+
+    try:
+        inspected = inspect_model(model)
+    except HybridMoeError:
+        return {}  # a file the planner cannot read: the workers say what is wrong with it, in the table
+    hardware = detect(measure_bandwidth=True)
+    out = {}
+    for backend in BACKENDS:
+        plan = make(inspected.spec, inspected.inventory, hardware,
+                    Workload(context=context, strategy="cpu-only", backend=backend,
+                             prefill_chunk=min(prompt_tokens, 2048) or 1))
+        out[backend] = {"decode": plan.decode_tokens_per_s_expected, "decode_how": plan.decode_expected_how,
+                        "decode_bound": plan.decode_tokens_per_s_upper_bound,
+                        "prefill": plan.prefill_tokens_per_s_expected, "prefill_how": plan.prefill_expected_how}
+    return out
+
+
+def record_engine_rate(engine: dict, source: str) -> None:
+    """Keep the engine's decode read rate (its bytes a token at its median rate) for this
+    machine (hardware.achieved): later plans expect it."""
+    end_to_end = engine.get("per_token", {}).get("end_to_end", {})
+    if "error" in engine or not end_to_end.get("gbps"):
+        return
+    from hybridmoe.backend.hardware import achieved, detect
+
+    achieved.record(detect(measure_bandwidth=False), read_bytes_per_s=end_to_end["gbps"] * 1e9,
+                    source=f"{source}, {end_to_end['bytes'] / 1e6:.0f} MB a token at "
+                           f"{1 / end_to_end['seconds']:.1f} tokens/s")
 
 
 def _worker_cmd(backend: str, model: str, prompt_tokens: int, gen_tokens: int, threads: int, repeats: int) -> list[str]:
@@ -387,6 +432,17 @@ def table(summary: dict) -> str:
         lines.append(f"{name:10} {r['load_s']:7.2f} {r['rss_after_load'] / gib:8.2f}G {r['rss_peak'] / gib:8.2f}G "
                      f"{r['prefill_median']:14.1f} {r['decode_median']:13.1f}")
     engine = summary["results"].get("engine", {})
+    expected = summary.get("plan_expected") or {}
+    for name, r in summary["results"].items():
+        e = expected.get(name) or {}
+        if "error" in r or not e:
+            continue
+        lines.append(f"{name:10} measured decode {r['decode_median']:.1f} tok/s, the plan expected "
+                     f"{_rate(e['decode'])} ({(r['decode_median'] / e['decode'] - 1) if e['decode'] else 0:+.0%}; "
+                     f"at most {_rate(e['decode_bound'])}); prefill {r['prefill_median']:.1f}, expected "
+                     f"{_rate(e['prefill'])}")
+    if expected.get("engine"):
+        lines.append(f"the plan's expected decode, the engine: {expected['engine']['decode_how']}")
     if "per_token" in engine:
         lines += ["", *breakdown_table(engine["per_token"], len(engine["breakdown"]), len(engine["probe"]))]
         if "plan_bytes_per_token" in engine:  # what `hybridmoe plan --strategy cpu-only` promised
@@ -412,6 +468,10 @@ def table(summary: dict) -> str:
                      f"{paired['quartiles'][1]:.2f}; engine {statistics.median(paired['engine']):.1f}, llama.cpp "
                      f"{statistics.median(paired['llamacpp']):.1f} tok/s)")
     return "\n".join(lines)
+
+
+def _rate(value: float | None) -> str:
+    return "unknown" if value is None else f"{value:.1f}"
 
 
 def breakdown_table(per: dict, passes: int, probes: int) -> list[str]:

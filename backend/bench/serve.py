@@ -387,11 +387,11 @@ def run_worker(backend: str, model: str, streams: Sequence[int], prompt_tokens: 
     return result
 
 
-def predictions(model: str, streams: Sequence[int], context: int) -> dict[int, dict]:
-    """The plan's upper bounds for N conversations of ``context`` tokens on this machine,
-    CPU-only (the backends run CPU-only here): per user and all together, tokens/s. (The plan
-    counts each conversation's whole cache as read at every step: the streams' own context is
-    the fair one to give it.)"""
+def predictions(model: str, streams: Sequence[int], context: int, backend: str = "engine") -> dict[int, dict]:
+    """The plan's expected figures and upper bounds for N conversations of ``context`` tokens
+    on this machine, CPU-only (the backends run CPU-only here), for `backend`: per user and all
+    together, tokens/s. (The plan counts each conversation's whole cache as read at every step:
+    the streams' own context is the fair one to give it.)"""
     from hybridmoe.backend.hardware import detect
     from hybridmoe.backend.models import inspect_model
     from hybridmoe.backend.plan import Workload, make
@@ -400,9 +400,14 @@ def predictions(model: str, streams: Sequence[int], context: int) -> dict[int, d
     hardware = detect(measure_bandwidth=True)
     out = {}
     for n in streams:
-        plan = make(inspected.spec, inspected.inventory, hardware, Workload(context=context, users=n, strategy="cpu-only"))
+        plan = make(inspected.spec, inspected.inventory, hardware,
+                    Workload(context=context, users=n, strategy="cpu-only", backend=backend))
         out[n] = {"per_user_tokens_per_s": plan.decode_tokens_per_s_per_user,
                   "aggregate_tokens_per_s": plan.decode_tokens_per_s_aggregate,
+                  "expected_per_user_tokens_per_s": plan.decode_tokens_per_s_per_user_expected,
+                  "expected_aggregate_tokens_per_s": plan.decode_tokens_per_s_aggregate_expected,
+                  "expected_how": plan.decode_expected_how_per_user,
+                  "host_bytes_per_token": plan.host_bytes_per_token,
                   "experts_touched_per_layer": plan.experts_touched_per_layer}
     return out
 
@@ -418,13 +423,31 @@ def measure(model: str, *, streams: Sequence[int] = (1, 2, 4, 8), prompt_tokens:
     summary = {"model": model, "streams": streams, "prompt_tokens": prompt_tokens, "gen_tokens": gen_tokens,
                "threads": threads, "turns": turns, "repeats": repeats, "context": context,
                "predicted": predictions(model, streams, prompt_tokens + gen_tokens), "results": {}}
+    if "llamacpp" in backends:
+        summary["predicted_llamacpp"] = predictions(model, streams, prompt_tokens + gen_tokens, "llamacpp")
     for backend in backends:
         cmd = [sys.executable, "-m", "hybridmoe.backend.bench.serve", "--worker", backend, model,
                "--streams", ",".join(map(str, streams)), "--prompt", str(prompt_tokens), "--tokens", str(gen_tokens),
                "--threads", str(threads), "--turns", str(turns), "--repeats", str(repeats)]
         summary["results"][backend] = worker_result(cmd, cancel)
     summary["ratios"] = ratios(summary)
+    record_engine_rate(summary)
     return summary
+
+
+def record_engine_rate(summary: dict) -> None:
+    """Keep the engine's one-stream decode read rate (the plan's bytes a token at the measured
+    rate) for this machine (hardware.achieved): later plans expect it."""
+    runs = summary["results"].get("engine", {}).get("runs", [])
+    one = next((r for r in runs if r["streams"] == 1 and r["aggregate_tokens_per_s"]), None)
+    predicted = summary["predicted"].get(1) or {}
+    if one is None or not predicted.get("host_bytes_per_token"):
+        return
+    from hybridmoe.backend.hardware import achieved, detect
+
+    rate = one["aggregate_tokens_per_s"]
+    achieved.record(detect(measure_bandwidth=False), read_bytes_per_s=predicted["host_bytes_per_token"] * rate,
+                    source=f"bench serve, {predicted['host_bytes_per_token'] / 1e6:.0f} MB a token at {rate:.1f} tokens/s")
 
 
 def ratios(summary: dict) -> dict:
@@ -451,20 +474,23 @@ def _fmt(value: float | None, spec: str = ".1f") -> str:
 def table(summary: dict) -> str:
     gib = 1 << 30
     lines = [f"{summary['model']}: {summary['prompt_tokens']}-token prompts, {summary['gen_tokens']} tokens per "
-             f"stream, {summary['threads']} threads, medians of {summary.get('repeats', 1)} runs; (plan) = the "
-             "plan's upper bound for N conversations, CPU-only",
-             f"{'backend':10} {'N':>2} {'together tok/s':>15} {'(plan)':>8} {'per stream':>11} {'(plan)':>8} "
-             f"{'TTFT s':>7} {'RSS peak':>9}"]
+             f"stream, {summary['threads']} threads, medians of {summary.get('repeats', 1)} runs; (expected) = the "
+             "plan's expected figure for N conversations, CPU-only, (at most) its upper bound",
+             f"{'backend':10} {'N':>2} {'together tok/s':>15} {'(expected)':>10} {'(at most)':>9} {'per stream':>11} "
+             f"{'(expected)':>10} {'(at most)':>9} {'TTFT s':>7} {'RSS peak':>9}"]
     for name, result in summary["results"].items():
         if "error" in result:
             lines.append(f"{name:10} error: {result['error']}")
             continue
         for run in result["runs"]:
             n = run["streams"]
-            predicted = summary["predicted"].get(n) or summary["predicted"].get(str(n)) or {}
+            figures = summary.get("predicted_llamacpp", {}) if name == "llamacpp" else summary["predicted"]
+            predicted = figures.get(n) or figures.get(str(n)) or {}
             lines.append(f"{name:10} {n:>2} {_fmt(run['aggregate_tokens_per_s']):>15} "
-                         f"{_fmt(predicted.get('aggregate_tokens_per_s')):>8} {_fmt(run['per_stream_tokens_per_s']):>11} "
-                         f"{_fmt(predicted.get('per_user_tokens_per_s')):>8} {_fmt(run['time_to_first_token_s'], '.2f'):>7} "
+                         f"{_fmt(predicted.get('expected_aggregate_tokens_per_s')):>10} "
+                         f"{_fmt(predicted.get('aggregate_tokens_per_s')):>9} {_fmt(run['per_stream_tokens_per_s']):>11} "
+                         f"{_fmt(predicted.get('expected_per_user_tokens_per_s')):>10} "
+                         f"{_fmt(predicted.get('per_user_tokens_per_s')):>9} {_fmt(run['time_to_first_token_s'], '.2f'):>7} "
                          f"{result['rss_peak'] / gib:8.2f}G")
         if name == "engine" and result.get("parallel", 1) < max(summary["streams"]):
             lines.append(f"{'':10} (the engine session decodes {result.get('parallel', 1)} conversation(s) at a time: "

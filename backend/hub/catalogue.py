@@ -226,16 +226,21 @@ class Ranked:
 
     @property
     def tokens_per_s(self) -> float | None:
+        """The plan's expected decode speed (its bound where no expected figure is known)."""
+        return self.plan.decode_tokens_per_s_expected or self.plan.decode_tokens_per_s_upper_bound
+
+    @property
+    def bound_tokens_per_s(self) -> float | None:
         return self.plan.decode_tokens_per_s_upper_bound
 
 
 def rank_for(hardware, workload=None, *, catalogue: Catalogue | None = None) -> list[Ranked]:
-    """Catalogue entries that fit ``hardware``, fastest first (the planner's decode bound).
+    """Catalogue entries that fit ``hardware``, fastest first (the plan's expected decode speed).
 
     Each entry is represented by the best-quality variant that fits: the published
     checkpoint first (nothing is lost to re-quantization), then each computable
-    quantization smaller than it, largest first. A workload context longer than a model's
-    is capped at the model's.
+    quantization smaller than it, largest first. Every model is planned at its own default
+    context (as `hybridmoe plan MODEL` plans it), never at another model's.
     """
     ranked = [r for entry in catalogue or load() if (r := fitting_variant(entry, hardware, workload)) is not None]
     return sorted(ranked, key=lambda r: -(r.tokens_per_s or 0.0))
@@ -255,7 +260,9 @@ def fitting_variant(entry: CatalogueEntry, hardware, workload=None) -> Ranked | 
         if q.format is not None and size is not None and size.bytes < checkpoint:
             smaller.append((q.name, q.format, size.bytes))
     candidates += sorted(smaller, key=lambda c: -c[2])
-    wl = replace(workload, context=min(workload.context, entry.context))
+    # The model's own default context: the default, or the model's maximum when that is less
+    # (a chat's context belongs to the model it was set for, not to every model listed).
+    wl = replace(workload, context=min(Workload().context, entry.context))
     for option, fmt, size in candidates:
         model = entry.inspect(fmt)
         try:

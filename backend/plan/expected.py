@@ -201,3 +201,32 @@ def expected_prefill(
     seconds = flops / cpu_flops_per_s
     return Expected(tokens / seconds, f"{tokens}-token chunk: {flops / 1e12:.2f} TFLOP on the CPU at "
                                       f"{cpu_flops_per_s / 1e12:.2f} TFLOP/s (the GPU's compute not counted)")
+
+
+# Fewer generated tokens than this time the first steps' warm-up (page faults, caches), not the decode.
+MIN_TOKENS_TO_RECORD = 16
+
+
+def decode_read_rate(plan, stats) -> float | None:
+    """The read rate (bytes/s) the engine's decode reached in a finished generation under a
+    CPU-only `plan` (a session.Stats): the plan's bytes a token, its cache at the generation's
+    middle position rather than the full context, at the measured tokens/s. None for anything
+    else (llama.cpp, a GPU plan, a short answer): what hardware.achieved keeps for this machine."""
+    if (plan.main_device != "cpu" or stats.backend != "engine" or not stats.decode_tokens_per_s
+            or stats.generated_tokens < MIN_TOKENS_TO_RECORD or plan.workload.users != 1):
+        return None
+    position = min(stats.prompt_tokens + stats.generated_tokens / 2, plan.workload.context)
+    per_token = plan.host_bytes_per_token - plan.kv_bytes_per_conversation + plan.kv_bytes_per_token * position
+    return per_token * stats.decode_tokens_per_s if per_token > 0 else None
+
+
+def remember_decode_rate(plan, stats) -> None:
+    """Keep the read rate the engine's decode reached on this machine in a finished generation
+    (``decode_read_rate``; hardware.achieved), so that later plans of it expect that rate."""
+    rate = decode_read_rate(plan, stats)
+    if rate is None:
+        return
+    from hybridmoe.backend.hardware import achieved, detect
+
+    achieved.record(detect(measure_bandwidth=False), read_bytes_per_s=rate,
+                    source=f"a chat, {stats.generated_tokens} tokens at {stats.decode_tokens_per_s:.1f} tokens/s")

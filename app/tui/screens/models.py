@@ -19,7 +19,7 @@ from hybridmoe.app.tui.screens.dialogs import ChoiceDialog, ConfirmDialog, TextS
 from hybridmoe.app.tui.screens.transfer import TransferScreen
 from hybridmoe.app.tui.widgets.transfer import Job
 from hybridmoe.app.tui.widgets.nav_bar import NavBar
-from hybridmoe.app.tui.widgets.plan_view import tokens_per_s
+from hybridmoe.app.tui.widgets.plan_view import speed_cell
 from hybridmoe.app.tui.workers import ReportsWorkerErrors, WorkerFailed
 from hybridmoe.backend.hub.local import LocalModel
 from hybridmoe.backend.plan import Workload
@@ -88,7 +88,7 @@ class ModelsScreen(ReportsWorkerErrors, Screen):
         local.add_columns("Name", "Format", "Quant", "Size", "Source", "Note")
         catalogue = self.query_one("#catalogue-models", DataTable)
         # Narrow headers and cells: with a scroll bar the five columns fit 80 terminal columns.
-        catalogue.add_columns("Model", "Fits as", "Size", "tok/s ≤", "Context")
+        catalogue.add_columns("Model", "Fits as", "Size", "tok/s, ≤max", "Context")
         self.query_one("#add-folder").display = False
         self.action_refresh()
 
@@ -152,7 +152,7 @@ class ModelsScreen(ReportsWorkerErrors, Screen):
             if r is None:
                 table.add_row(name, "does not fit", "", "", f"{entry.context:,}", key=entry.id)
             else:
-                speed = tokens_per_s(r.tokens_per_s) if r.tokens_per_s else "unknown"
+                speed = speed_cell(r.plan)
                 table.add_row(name, r.option, fmt_bytes(r.size_bytes), speed, f"{r.context:,}", key=entry.id)
         self.query_one("#models-detail", Static).update(
             f"{len(self.local)} model(s) on this machine; {len(self.ranked)} of {len(self.catalogue)} catalogue models "

@@ -18,6 +18,7 @@ from textual.screen import ModalScreen
 from textual.widgets import Button, Label, Static
 
 from hybridmoe.backend.plan import ExpertStats, Plan
+from hybridmoe.app.tui.widgets.plan_view import speed_cell
 
 
 def gpu_share(plan: Plan, stats: ExpertStats) -> float | None:
@@ -33,8 +34,9 @@ def gpu_share(plan: Plan, stats: ExpertStats) -> float | None:
 def _speed(plan: Plan) -> str:
     if not plan.fits:
         return "does not fit"
-    bound = plan.decode_tokens_per_s_upper_bound
-    return f"≤ {bound:,.1f} tokens/s" if bound else plan.decode_bound_by
+    if not (plan.decode_tokens_per_s_expected or plan.decode_tokens_per_s_upper_bound):
+        return plan.decode_bound_by
+    return speed_cell(plan) + " tokens/s"
 
 
 def _share(plan: Plan, stats: ExpertStats) -> str:

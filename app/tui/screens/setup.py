@@ -25,7 +25,7 @@ from hybridmoe.app.tui.getting import job_for, parse_typed
 from hybridmoe.app.tui.hardware_words import summary_lines, warnings
 from hybridmoe.app.tui.screens.dialogs import ConfirmDialog
 from hybridmoe.app.tui.widgets.plan_editor import PlanEditor
-from hybridmoe.app.tui.widgets.plan_view import tokens_per_s
+from hybridmoe.app.tui.widgets.plan_view import speed_cell
 from hybridmoe.app.tui.widgets.transfer import Job, TransferPanel
 from hybridmoe.app.tui.widgets.nav_bar import NavBar
 from hybridmoe.app.tui.workers import ReportsWorkerErrors
@@ -124,7 +124,7 @@ class SetupScreen(ReportsWorkerErrors, Screen):
 
     def on_mount(self) -> None:
         table = self.query_one("#setup-choices", DataTable)
-        table.add_columns("Model", "Variant", "Size", "tok/s ≤", "Where")
+        table.add_columns("Model", "Variant", "Size", "tok/s, ≤max", "Where")
         self._detect(self.app.settings.measure_bandwidth, self.app.settings)
         setup = self.app.state.setup
         if setup.step == "get" and setup.repo:  # interrupted download: offer to resume it
@@ -398,9 +398,4 @@ class SetupScreen(ReportsWorkerErrors, Screen):
 
 
 def _speed(plan) -> str:
-    if plan is None:
-        return "?"
-    if not plan.fits:
-        return "does not fit"
-    bound = plan.decode_tokens_per_s_upper_bound
-    return tokens_per_s(bound) if bound else "unknown"
+    return speed_cell(plan)

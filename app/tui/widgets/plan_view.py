@@ -114,25 +114,51 @@ def verdict_text(plan: Plan) -> Text:
     return out
 
 
+def speed_cell(plan: Plan | None) -> str:
+    """A table cell with the plan's decode speed: the expected figure, then the bound ("12.3 ≤30.1")."""
+    if plan is None:
+        return "?"
+    if not plan.fits:
+        return "does not fit"
+    expected, bound = plan.decode_tokens_per_s_expected, plan.decode_tokens_per_s_upper_bound
+    if expected and bound:
+        return f"{tokens_per_s(expected)} ≤{tokens_per_s(bound)}"
+    if expected or bound:
+        return tokens_per_s(expected or bound)
+    return "unknown"
+
+
 def speed_text(plan: Plan) -> Text:
     out = Text()
     bound = plan.decode_tokens_per_s_upper_bound
+    expected = plan.decode_tokens_per_s_expected
+    if expected:
+        out.append("Expected decode: ")
+        out.append(f"{tokens_per_s(expected)} tokens/s", style="bold")
+        out.append(f" ({plan.decode_expected_how})")
     if bound:
-        out.append("Estimated decode: at most ")
-        out.append(f"{tokens_per_s(bound)} tokens/s", style="bold")
+        out.append("\n" if expected else "")
+        out.append("At most: " if expected else "Estimated decode: at most ")
+        out.append(f"{tokens_per_s(bound)} tokens/s", style="bold" if not expected else "")
         out.append(f", bound by {plan.decode_bound_by}")
-    elif plan.host_bytes_per_token and not plan.host_bandwidth_bytes_per_s:
+    elif not expected and plan.host_bytes_per_token and not plan.host_bandwidth_bytes_per_s:
         out.append("Estimated decode: not known until the host memory bandwidth is measured "
                    "(Ctrl+D on the Plan screen measures it)")
-    else:
+    elif not expected:
         out.append(f"Estimated decode: {plan.decode_bound_by}")
     if plan.host_bandwidth_bytes_per_s and plan.host_bytes_per_token:
         # The bound is only as good as this figure: say where it came from.
         out.append(f"\nHost memory bandwidth: {fmt_rate(plan.host_bandwidth_bytes_per_s)}, "
                    f"{plan.host_bandwidth_source}")
     if plan.workload.users > 1 and plan.decode_tokens_per_s_per_user:
-        out.append(f"\n{plan.workload.users} conversations together: {tokens_per_s(plan.decode_tokens_per_s_per_user)} "
-                   f"tokens/s each, {tokens_per_s(plan.decode_tokens_per_s_aggregate)} in all")
+        each = plan.decode_tokens_per_s_per_user_expected
+        out.append(f"\n{plan.workload.users} conversations together: "
+                   + (f"expected {tokens_per_s(each)} tokens/s each, "
+                      f"{tokens_per_s(plan.decode_tokens_per_s_aggregate_expected)} in all; " if each else "")
+                   + f"at most {tokens_per_s(plan.decode_tokens_per_s_per_user)} tokens/s each, "
+                   f"{tokens_per_s(plan.decode_tokens_per_s_aggregate)} in all")
+    for note in plan.precision_notes:
+        out.append(f"\nPrecision: {note}")
     gpu_experts, total = plan.gpu_expert_count, plan.n_routed_experts * len(plan.moe_layers)
     if plan.main_device == "cpu":
         out.append(f"\nNo GPU: all {total:,} routed experts are in host RAM, computed by the CPU; "
