@@ -315,7 +315,7 @@ def _bench_side_by_side(args) -> int:
     result = gpu_side_by_side.run(
         args.model, plan_path=args.plan, gpu_share=args.gpu_share, match=args.llamacpp_layout, pairs=args.pairs or 1,
         decode_at=args.decode_at, prefill=args.prefill, decode_tokens=args.gen_tokens, threads=args.threads,
-        out=args.out)
+        gpu_expert_form=args.gpu_experts, out=args.out)
     print(json.dumps(result, indent=1) if args.json else gpu_side_by_side.table(result))
     return EXIT_ERROR if gpu_side_by_side.failed(result) else EXIT_OK
 

@@ -138,15 +138,16 @@ export LD_LIBRARY_PATH=$LIB${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 status=0
 for model in mid dsv3; do
   file=$WORK/$model-q4_0.gguf
-  left=$(( BUDGET - ($(date +%s) - T0) - 5 ))
+  left=$(( BUDGET - ($(date +%s) - T0) - 25 ))
   if [ ! -f "$file" ] || [ "$left" -lt 30 ]; then
     log "$model: skipped (file missing or ${left} s left)"; status=1; continue
   fi
   # The first model may take half of what is left, the second the rest.
   [ "$model" = mid ] && limit=$(( left / 2 )) || limit=$left
   log "$model: side by side (${limit} s at most)"
-  timeout "$limit" "$PY" -m hybridmoe.backend.bench.gpu_side_by_side "$file" --gpu-share 0.5 --gpu-experts int4 \
-    --pairs "$PAIRS" --decode-tokens 32 --out "$OUT/side-by-side-$model.json" --logs "$OUT/logs-$model" ${BENCH_ARGS:-} \
+  # --budget ends the run with a table; timeout is the backstop (the JSON is written after every pair).
+  timeout "$(( limit + 20 ))" "$PY" -m hybridmoe.backend.bench.gpu_side_by_side "$file" --gpu-share 0.5 \
+    --gpu-experts int4 --pairs "$PAIRS" --decode-tokens 32 --budget "$(( limit - 15 ))" --out "$OUT/side-by-side-$model.json" --logs "$OUT/logs-$model" ${BENCH_ARGS:-} \
     > "$OUT/side-by-side-$model.txt" 2> "$OUT/side-by-side-$model.progress" || status=1
   cat "$OUT/side-by-side-$model.txt" | tee -a "$OUT/summary.txt"
   log "$model: done"

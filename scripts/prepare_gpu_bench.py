@@ -55,7 +55,7 @@ KEEP_FILES_IN = ("ggml/src/",)
 PACKAGES = (("nanobind", "nanobind"), ("gguf", "gguf"), ("yaml", "PyYAML"), ("tqdm", "tqdm"),
             ("platformdirs", "platformdirs"), ("tomli_w", "tomli-w"), ("diskcache", "diskcache"),
             ("psutil", "psutil"), ("safetensors", "safetensors"), ("tokenizers", "tokenizers"),
-            ("typing_extensions", "typing_extensions"),
+            ("typing_extensions", "typing_extensions"), ("pynvml", "nvidia-ml-py"),
             # The GGUF maker trains its tokenizer with the converter tests' helpers (tests/convert/conftest.py).
             ("pytest", "pytest"), ("pluggy", "pluggy"), ("iniconfig", "iniconfig"), ("packaging", "packaging"))
 

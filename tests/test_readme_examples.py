@@ -123,6 +123,7 @@ SKIPPED_INLINE = {
     "hybridmoe bench kernels": BENCHMARK,
     "hybridmoe bench generate": BENCHMARK,
     "hybridmoe bench generate FILE.gguf": BENCHMARK,
+    "hybridmoe bench generate FILE --plan PLAN": BENCHMARK + "; tests/bench/test_gpu_side_by_side.py runs it tiny",
     "hybridmoe bench serve FILE.gguf": BENCHMARK,
 }
 

@@ -277,8 +277,8 @@ class _LlamaWorker:
                      "gpu_buffer_expected_mib": gpu_bytes(header.path, want) / 2**20 if gpus else 0.0,
                      "gpu_buffer_mib": on_card,
                      # Exactly the planned tensors moved, and with a GPU every block on it.
-                     "placement_ok": set(placed) == want and all(v.upper().startswith("CPU") for v in placed.values())
-                     and not off_gpu}
+                     # (With a GPU llama.cpp may put them in its pinned host buffers, "CUDA_Host".)
+                     "placement_ok": set(placed) == want and all(_is_host(v) for v in placed.values()) and not off_gpu}
         if not self.info["placement_ok"]:
             wrong = sorted(set(placed) ^ want)[:4]
             raise RuntimeError(f"llama.cpp did not place the tensors as asked: {len(placed)} overridden to the CPU "
@@ -473,16 +473,21 @@ def copy_probe(size: int = 1 << 28) -> float | None:
 
 def measure(model: str, plan, *, pairs: int = 8, decode_at: Sequence[int] = DECODE_AT,
             prefill: Sequence[int] = PREFILL, decode_tokens: int = 16, threads: int | None = None,
-            match: str = "same", log_dir: str | Path | None = None, on_progress=None) -> dict:
+            match: str = "same", log_dir: str | Path | None = None, budget_s: float | None = None,
+            on_pair=None, on_progress=None) -> dict:
     """Both backends on ``model`` with ``plan``'s GPU experts: ``pairs`` rounds of every
     measurement, the backends in turn. Returns every pass's rate, the per-pair ratios, their
     medians and quartiles, the probes, and what each backend reported of its layout. The
-    workers' own output (stderr) goes to ``log_dir`` (default: a temporary folder)."""
+    workers' own output (stderr) goes to ``log_dir`` (default: a temporary folder). With
+    ``budget_s``, no pair starts that would end after that many seconds from the start (the
+    last pair's time taken as the next one's), so a run given a deadline ends with a result;
+    ``on_pair`` hears the results so far after each pair."""
     import tempfile
 
     import psutil
     import torch
 
+    started = time.monotonic()
     threads = threads or psutil.cpu_count(logical=False) or 1
     context = max([*prefill, *(a + decode_tokens + 1 for a in decode_at)])
     check_plan_for_file(plan, model, context)
@@ -516,16 +521,19 @@ def measure(model: str, plan, *, pairs: int = 8, decode_at: Sequence[int] = DECO
                     f"the llama.cpp library in {result['llamacpp']['library']} has no GPU device: build it with CUDA "
                     "(scripts/gpu_bench.sh) and set LLAMA_CPP_LIB_PATH to its folder")
                 return summarize(result)
-            _alternate(remotes, tasks, result, threads, on_progress)
+            deadline = started + budget_s if budget_s else None
+            _alternate(remotes, tasks, result, threads, deadline, on_pair, on_progress)
         finally:
             for remote in remotes.values():
                 remote.close()
     return summarize(result)
 
 
-def _alternate(remotes: dict, tasks: list, result: dict, threads: int, on_progress) -> None:
+def _alternate(remotes: dict, tasks: list, result: dict, threads: int, deadline: float | None, on_pair,
+               on_progress) -> None:
     """The untimed passes, then ``pairs`` rounds of every task, the backends taking turns; the
-    probes around them. Stops at a backend's first error (recorded as that backend's)."""
+    probes around them. Stops at a backend's first error (recorded as that backend's), or
+    before a round that would end after ``deadline``."""
     from hybridmoe.backend.text.generation import common_prefix
 
     result["copy_probe"].append(copy_probe())
@@ -537,6 +545,7 @@ def _alternate(remotes: dict, tasks: list, result: dict, threads: int, on_progre
                 return
     pairs = result["pairs"]
     for i in range(pairs):
+        round_started = time.monotonic()
         result["host_probe"].append(host_probe(threads))
         for name, request in tasks:
             if on_progress:
@@ -556,6 +565,13 @@ def _alternate(remotes: dict, tasks: list, result: dict, threads: int, on_progre
             if "tokens" in got["engine"] and "greedy_in_common" not in m:
                 # Random weights: the two agree only as long as rounding does not tip a choice.
                 m["greedy_in_common"] = common_prefix(got["engine"]["tokens"], got["llamacpp"]["tokens"])
+        result["pairs_done"] = i + 1
+        if on_pair:
+            on_pair(result)
+        now = time.monotonic()
+        if deadline is not None and i + 1 < pairs and now + (now - round_started) > deadline:
+            result["stopped"] = f"time budget: {i + 1} of {pairs} pairs"
+            break
     result["host_probe"].append(host_probe(threads))
     result["copy_probe"].append(copy_probe())
 
@@ -608,9 +624,12 @@ def table(result: dict) -> str:
     if copies:
         lines.append(f"host-to-device copy (pinned) {min(copies) / gb:.1f}-{max(copies) / gb:.1f} GB/s "
                      "(start and end of the run)")
+    if result.get("stopped"):
+        lines.append(f"stopped early ({result['stopped']})")
     if result["measurements"]:
         lines.append(f"{'tokens/s':14} {'engine':>9} {'llama.cpp':>9} {'ratio':>7} {'quartiles':>11}  target "
-                     f"(median of {result['pairs']} pairs in alternation; decode passes of {result['decode_tokens']} tokens)")
+                     f"(median of {result.get('pairs_done', 0)} pairs in alternation; decode passes of "
+                     f"{result['decode_tokens']} tokens)")
     for name, m in sorted(result["measurements"].items(), key=lambda kv: (kv[0].startswith("prefill"), _n(kv[0]))):
         if "ratio" not in m:
             continue
@@ -635,6 +654,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "the same experts on the GPU (a .toml/.json from `hybridmoe plan FILE --save`)")
     p.add_argument("--gpu-share", type=float, help="with --plan (or a plan made here): hold this share of the routed "
                    "experts on the GPU in whole layers, the last ones first, on both backends")
+    p.add_argument("--gpu-experts", choices=("auto", "dense", "int8", "int4"), default="auto",
+                   help="without --plan: how the engine holds its GPU experts in the plan made here (int4: the "
+                        "stored 4-bit codes, the bytes llama.cpp holds)")
     p.add_argument("--llamacpp-layout", choices=("same", "count"), default="same",
                    help="same: llama.cpp holds exactly the plan's GPU experts (whole layers only); count: as many "
                         "whole layers as the plan's GPU experts fill")
@@ -656,8 +678,10 @@ def _ints(text: str) -> list[int]:
 def run(model: str, *, plan_path: str | None, gpu_share: float | None, match: str, pairs: int,
         decode_at: Sequence[int], prefill: Sequence[int], decode_tokens: int, threads: int | None,
         gpu_expert_form: str = "auto", out: str | None = None, log_dir: str | None = None,
-        on_progress=None) -> dict:
-    """Load or make the plan, apply --gpu-share, measure; write ``out`` when given."""
+        budget_s: float | None = None, on_progress=None) -> dict:
+    """Load or make the plan, apply --gpu-share, measure; write ``out`` when given (also after
+    every pair, so that a run cut short leaves what it measured)."""
+    import copy
     from hybridmoe.backend.plan.plan import Plan
 
     context = max([*prefill, *(a + decode_tokens + 1 for a in decode_at)])
@@ -668,11 +692,15 @@ def run(model: str, *, plan_path: str | None, gpu_share: float | None, match: st
     check_plan_for_file(plan, model, context)
     if gpu_share is not None:
         plan = with_gpu_experts(plan, whole_layers(plan.moe_layers, plan.n_routed_experts, gpu_share))
+    def write(result: dict) -> None:
+        if out:
+            Path(out).parent.mkdir(parents=True, exist_ok=True)
+            Path(out).write_text(json.dumps(result, indent=1))
+
     result = measure(model, plan, pairs=pairs, decode_at=decode_at, prefill=prefill, decode_tokens=decode_tokens,
-                     threads=threads, match=match, log_dir=log_dir, on_progress=on_progress)
-    if out:
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text(json.dumps(result, indent=1))
+                     threads=threads, match=match, log_dir=log_dir, budget_s=budget_s,
+                     on_pair=lambda partial: write(summarize(copy.deepcopy(partial))), on_progress=on_progress)
+    write(result)
     return result
 
 
@@ -688,10 +716,9 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int)
     p.add_argument("--pairs", type=int, default=8)
     p.add_argument("--decode-tokens", type=int, default=16, help="tokens per decode pass (default 16)")
-    p.add_argument("--gpu-experts", choices=("auto", "dense", "int8", "int4"), default="auto",
-                   help="how the engine holds GPU experts in a plan made here (without --plan)")
     p.add_argument("--json", action="store_true", help="print the results as JSON instead of the table")
     p.add_argument("--logs", help="keep the workers' own output (stderr) in this folder")
+    p.add_argument("--budget", type=float, help="seconds for the whole run: no pair starts that would end later")
     add_arguments(p)
     args = p.parse_args(argv)
     if args.worker:
@@ -700,7 +727,8 @@ def main(argv=None) -> int:
         result = run(args.model, plan_path=args.plan, gpu_share=args.gpu_share, match=args.llamacpp_layout,
                      pairs=args.pairs, decode_at=args.decode_at, prefill=args.prefill,
                      decode_tokens=args.decode_tokens, threads=args.threads, gpu_expert_form=args.gpu_experts,
-                     out=args.out, log_dir=args.logs, on_progress=lambda m: print(m, file=sys.stderr, flush=True))
+                     out=args.out, log_dir=args.logs, budget_s=args.budget,
+                     on_progress=lambda m: print(m, file=sys.stderr, flush=True))
     except HybridMoeError as err:  # a plan for another file, a context too long: one message
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -79,6 +79,20 @@ def test_a_layer_held_in_part_has_no_llama_cpp_equivalent():
         side.llamacpp_layout({0: (1,)}, range(1, 12), 8)
 
 
+def test_llama_cpps_buffer_lines_and_which_of_them_are_on_the_card():
+    from hybridmoe.backend.llamacpp.log import LogLine
+
+    lines = [LogLine(2, "load_tensors: offloaded 9/9 layers to GPU"),
+             LogLine(2, "load_tensors:        CUDA0 model buffer size =  1234.50 MiB"),
+             LogLine(2, "load_tensors:    CUDA_Host model buffer size =  1300.00 MiB"),
+             LogLine(2, "load_tensors:   CPU_Mapped model buffer size =    64.25 MiB"),
+             LogLine(2, "llama_kv_cache:      CUDA0 KV buffer size =    68.00 MiB")]
+    assert side.buffer_sizes(lines) == {"CUDA0": 1234.5, "CUDA_Host": 1300.0, "CPU_Mapped": 64.25}
+    # Pinned host memory is the host's: experts llama.cpp moved there are where the plan asked.
+    assert side._is_host("CUDA_Host") and side._is_host("CPU") and side._is_host("CPU_REPACK")
+    assert not side._is_host("CUDA0")
+
+
 def test_the_ratios_median_and_quartiles_and_the_targets():
     result = {"measurements": {"decode@64": {"engine": [30.0, 26.0, 28.0], "llamacpp": [20.0, 20.0, 20.0],
                                              "ratios": [1.5, 1.3, 1.4]},
@@ -178,3 +192,17 @@ def test_both_backends_take_turns_on_every_measurement(tiny_gguf, tmp_path, caps
     assert result["llamacpp"]["placement_ok"] and result["engine"]["ready"]
     assert "no CUDA: the engine's GPU side runs on the CPU" in text and "the same experts" in text
     assert re.search(r"decode@64 +[\d.]+ +[\d.]+ +[\d.]+x", text)
+
+
+@pytest.mark.slow
+def test_a_budget_ends_the_run_with_what_it_measured(tiny_gguf, tiny_plan, tmp_path):
+    pytest.importorskip("llama_cpp")
+    plan = side.with_gpu_experts(tiny_plan, side.whole_layers(tiny_plan.moe_layers, tiny_plan.n_routed_experts, 0.5))
+    seen = []
+    result = side.measure(str(tiny_gguf), plan, pairs=5, decode_at=[16], prefill=[32], decode_tokens=2, threads=1,
+                          budget_s=1e-3, on_pair=lambda r: seen.append(r["pairs_done"]), log_dir=tmp_path)
+    # The first pair always runs; the budget, spent by then, stops the rest.
+    assert seen == [1] and result["pairs_done"] == 1 and result["stopped"] == "time budget: 1 of 5 pairs"
+    assert all(len(m["ratios"]) == 1 for m in result["measurements"].values())
+    assert "stopped early (time budget: 1 of 5 pairs)" in side.table(result)
+    assert (tmp_path / "engine-worker.log").exists() and (tmp_path / "llamacpp-worker.log").exists()
