@@ -218,6 +218,21 @@ def _layouts(plan: Plan) -> list[str]:
     return [f"GPU layouts (docs/sizing.md §5; * = this plan, {why})", *_table(head, rows)]
 
 
+def _gpu_always_read_lines(plan: Plan) -> list[str]:
+    """The engine's always-read weights on the GPUs, class by class, in the form each storage
+    type is held there (as stored, or widened to the compute dtype)."""
+    if not plan.gpu_always_read_forms:
+        return []
+    by_class: dict[str, list[str]] = {}
+    for f in plan.gpu_always_read_forms:
+        form = f["stored"] if f["held"] in ("as stored", "as routed") else f"{f['stored']}→{f['held']}"
+        count = f"{f['tensors']} tensor{'s' if f['tensors'] != 1 else ''}"
+        by_class.setdefault(f["class"], []).append(f"{form} {fmt_bytes(f['bytes'])} ({count}, e.g. {f['example']})")
+    out = ["  always-read weights on the GPUs (whole model; → widened to the compute dtype, else as the file stores them):"]
+    out += [f"    {name.replace('_', ' ')}: " + "; ".join(parts) for name, parts in by_class.items()]
+    return out
+
+
 def plan_text(plan: Plan) -> str:
     wl = plan.workload
     out = [
@@ -266,6 +281,7 @@ def plan_text(plan: Plan) -> str:
         f"  host RAM: needs {fmt_bytes(plan.host_ram_needed_bytes)} incl. reserve, "
         f"usable {fmt_bytes(plan.host_ram_usable_bytes)}"
     )
+    out += _gpu_always_read_lines(plan)
     out.append("Decode speed, one conversation (docs/sizing.md §6: expected, then the upper bound)")
     rows = [
         ("expected", f"{plan.decode_tokens_per_s_expected:,.1f} tokens/s" if plan.decode_tokens_per_s_expected

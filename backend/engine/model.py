@@ -29,6 +29,7 @@ from hybridmoe.backend.engine.hybrid import HybridOptions, attach
 from hybridmoe.backend.engine.kv_cache import CacheGroup, PagedCache, PagedKV, Segment, Sequence
 from hybridmoe.backend.engine.layers import GatedMLP, Linear, RMSNorm
 from hybridmoe.backend.engine.native_linear import NativeLinear, native_linear
+from hybridmoe.backend.engine.stored_linear import StoredLinear, stored_linear
 from hybridmoe.backend.engine.loader import Loader
 from hybridmoe.backend.engine.mla import MLAttention
 from hybridmoe.backend.engine.moe import MoE
@@ -72,7 +73,11 @@ class MoeTransformer(nn.Module):
         self.family = family
         self.spec = spec
         self.config = config
-        self.register_buffer("embed", embed, persistent=False)
+        # The embedding table: a tensor in the compute dtype, or (a GGUF's on a GPU) its blocks
+        # as stored, of which a call decodes the rows it looks up (``embed_stored``).
+        stored = isinstance(embed, StoredLinear)
+        self.embed_stored = embed if stored else None
+        self.register_buffer("embed", None if stored else embed, persistent=False)
         self.layers = nn.ModuleList(layers)
         self.norm = norm
         self.lm_head = lm_head
@@ -176,7 +181,8 @@ class MoeTransformer(nn.Module):
             # A row's numbers must not depend on which rows share its call: tokens of a decode
             # step each as alone, a prompt's tokens however the prompt was chunked.
             with native_kernels.rows_are("decode" if decode else "prompt"), torch.inference_mode():
-                x = F.embedding(torch.tensor(flat, dtype=torch.long, device=self.device), self.embed)
+                ids = torch.tensor(flat, dtype=torch.long, device=self.device)
+                x = F.embedding(ids, self.embed) if self.embed is not None else self.embed_stored.rows(ids, self.dtype)
                 x = self._layers(x, segments, stop)
                 if last_only:
                     x = x[[s.row + s.n - 1 for s in segments]]
@@ -475,7 +481,8 @@ def build_model(
     b.resident_form = resident_form
     b.sequences = sequences
     vocab = spec.vocab_size
-    embed = b.load.tensor("model.embed_tokens.weight", (vocab, b.hidden))
+    embed = (stored_linear(require(weights, "model.embed_tokens.weight", (vocab, b.hidden)), None, b.device)
+             or b.load.tensor("model.embed_tokens.weight", (vocab, b.hidden)))
     layers = []
     for i in range(n_layers):
         b.on(stage_of[i][0])
@@ -504,9 +511,13 @@ def build_model(
         lm_head = b.load.linear("lm_head", vocab, b.hidden, bias=False)
     else:
         # The head reads the embedding table: in its stored form on a CPU main device, else
-        # the embedding's own materialised tensor (no second copy).
+        # the embedding's own (no second copy where both are on one device): its blocks on a
+        # GPU that holds it as stored, or its materialised tensor.
         stored = require(weights, "model.embed_tokens.weight", (vocab, b.hidden))
-        lm_head = native_linear(stored, None, b.device) or Linear(embed.to(b.device))
+        if isinstance(embed, StoredLinear):
+            lm_head = embed if embed.data.device == b.device else StoredLinear(embed.stored.to(b.device))
+        else:
+            lm_head = native_linear(stored, None, b.device) or Linear(embed.to(b.device))
     net = MoeTransformer(family=family, spec=spec, config=b.config, embed=embed, layers=layers, norm=norm, lm_head=lm_head,
                            recorder=recorder, placement=placement, device=device, dtype=dtype, max_context=max_context,
                            cache=b.cache, max_sequences=sequences)

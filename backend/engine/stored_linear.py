@@ -147,22 +147,31 @@ class StoredLinear(nn.Module):
 
     def dequantize(self, dtype: torch.dtype, start: int = 0, end: int | None = None) -> torch.Tensor:
         """Rows start:end of the matrix in `dtype` on its device (all rows by default)."""
-        end = self.out_features if end is None else end
-        data = self.data[start:end]
+        return self._dequantized(self.data[start : self.out_features if end is None else end], dtype)
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The rows `ids` [n] in `dtype`: an embedding lookup, only those rows' blocks decoded."""
+        return self._dequantized(self.data[ids], dtype)
+
+    def _dequantized(self, data: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The rows whose blocks are `data` [n, row_bytes], in `dtype`."""
+        n = data.shape[0]
         if data.device in _failed or not triton_available():
-            return quant.from_gguf(data, self.qtype, (end - start, self.in_features)).dequantize(dtype)
+            return quant.from_gguf(data, self.qtype, (n, self.in_features)).dequantize(dtype)
         from hybridmoe.backend.engine import stored_linear_kernels as kernels
 
-        out = torch.empty((end - start, self.in_features), dtype=dtype, device=data.device)
+        out = torch.empty((n, self.in_features), dtype=dtype, device=data.device)
+        if n == 0:
+            return out
         block_r, block_k = DEQUANT_BLOCKS["cpu" if data.device.type == "cpu" else "cuda"]
         grid, signs = _tables(self.qtype, data.device)
         try:
-            kernels.dequantize_kernel[(_cdiv(end - start, block_r), _cdiv(self.in_features, block_k))](
-                data, grid, signs, out, end - start, self.in_features, self.row_bytes, TYPE=int(self.qtype),
+            kernels.dequantize_kernel[(_cdiv(n, block_r), _cdiv(self.in_features, block_k))](
+                data, grid, signs, out, n, self.in_features, self.row_bytes, TYPE=int(self.qtype),
                 QK=self.block, TS=self.type_size, BLOCK_R=block_r, BLOCK_K=block_k, num_warps=4)
         except Exception as error:  # noqa: BLE001 - as in _gemv
             _fail(data.device, error)
-            return quant.from_gguf(data, self.qtype, (end - start, self.in_features)).dequantize(dtype)
+            return quant.from_gguf(data, self.qtype, (n, self.in_features)).dequantize(dtype)
         return out
 
 

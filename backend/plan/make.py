@@ -212,7 +212,8 @@ class _Planner:
         """The always-read weights as a card holds them (see above); sized from the config's
         shapes (~10 ms for Kimi K2), so only for plans that place anything on a GPU."""
         if self.wl.backend == "llamacpp":
-            return self.stored
+            # llama.cpp keeps the token embedding (its input layer, row lookups) in host memory.
+            return replace(self.stored, embedding=0.0)
         return _AlwaysRead.of(self.spec, self.inv, on_gpu=True)
 
     # ---- per-layer arithmetic ----------------------------------------------------------------
@@ -278,6 +279,8 @@ class _Planner:
                 ". `--backend auto` runs this model on llama.cpp (when it is installed), which reads them in place."
                 if wl.backend == "auto" else "."))
         host_parts["kv_cache"] = 0
+        if gpus and self.llama:
+            host_parts["always_read"] = int(self.stored.embedding)  # llama.cpp's input layer
         if not gpus:
             host_parts["always_read"] = int(self.host.whole(spec.num_layers))
             host_parts["kv_cache"] = int(sum(self.kv_layer(layer, wl.users) for layer in range(spec.num_layers)))
@@ -376,6 +379,7 @@ class _Planner:
             decode_bound_by_per_user=multi.bound_by,
             **expected,
             precision_notes=precision_notes,
+            gpu_always_read_forms=self._gpu_forms() if gpus and not self.llama else (),
             experts_touched_per_layer=touched,
             decode_tokens_per_s_per_user=multi.tokens_per_s_per_user,
             decode_tokens_per_s_aggregate=(
@@ -442,6 +446,26 @@ class _Planner:
 
     # Stored formats wider than 8 bits a weight: experts held as int8 (or int4) on a GPU lose precision.
     WIDE_FORMATS = {"bf16": "bf16", "fp16": "fp16", "f16": "fp16", "f32": "fp32", "fp32": "fp32"}
+
+    def _gpu_forms(self) -> tuple[dict[str, Any], ...]:
+        """The always-read weights as the engine holds them on the GPUs, by class and storage
+        type (the whole model's; a card holds its layers' share): as stored or in the compute
+        dtype, with the bytes that takes (what the devices' always-read figures add up)."""
+        dtype_bytes = B.compute_dtype_bytes(self.spec)
+        dtype = "f32" if dtype_bytes == 4 else "bf16"
+        out = []
+        for cls in (TensorClass.ATTENTION, TensorClass.DENSE_FFN, TensorClass.SHARED_EXPERTS, TensorClass.EMBEDDING,
+                    TensorClass.LM_HEAD):
+            for f in sorted(self.inv.gpu_forms.get(cls, ()), key=lambda f: (f.widened, -f.bytes)):
+                out.append({"class": cls.value, "stored": f.stored, "held": dtype if f.widened else "as stored",
+                            "tensors": f.tensors, "bytes": f.held_bytes(dtype_bytes), "example": f.example})
+        router = self.inv.types_by_class.get(TensorClass.ROUTER, {})
+        if router:
+            out.append({"class": TensorClass.ROUTER.value, "stored": "+".join(sorted(router)),
+                        "held": "as routed", "tensors": sum(u.tensors for u in router.values()),
+                        "bytes": self.inv.gpu_held_bytes(TensorClass.ROUTER, dtype_bytes, B.router_element_bytes(self.spec)),
+                        "example": min(router.values(), key=lambda u: u.example).example})
+        return tuple(out)
 
     def _precision_notes(self, lay: _Layout) -> tuple[str, ...]:
         """What the plan holds at a lower precision than the file stores it, one sentence each."""

@@ -127,6 +127,11 @@ class Plan:
     # Where the plan holds weights at another precision than the file's (bf16 GPU experts
     # narrowed to int8, say), one sentence each: said in the printed plan and the TUI.
     precision_notes: tuple[str, ...] = ()
+    # The engine's always-read weights on the GPUs by class and storage type (plan.make's
+    # _gpu_forms): {"class", "stored" (type), "held" ("as stored", the compute dtype, or "as
+    # routed"), "tensors", "bytes" (on the cards, the whole model's), "example"}. Empty for a
+    # plan without GPUs or for llama.cpp (which holds every tensor as stored).
+    gpu_always_read_forms: tuple[dict[str, Any], ...] = ()
 
     @property
     def gpu_expert_count(self) -> int:
@@ -188,7 +193,7 @@ class Plan:
         kw["gpu_experts"] = {int(k): tuple(int(e) for e in v) for k, v in d["gpu_experts"].items()}
         kw["bytes_per_expert"] = {int(k): float(v) for k, v in d["bytes_per_expert"].items()}
         kw["gpu_bytes_per_expert"] = {int(k): float(v) for k, v in d.get("gpu_bytes_per_expert", {}).items()}
-        for name in ("moe_layers", "suggestions", "warnings", "precision_notes"):
+        for name in ("moe_layers", "suggestions", "warnings", "precision_notes", "gpu_always_read_forms"):
             kw[name] = tuple(d.get(name, ()))
         return cls(**kw)
 

@@ -139,13 +139,14 @@ def test_a_cpu_only_plans_bytes_per_token_are_what_the_decode_step_reads(models,
 
 def test_a_card_too_small_for_the_widened_weights_is_planned_for_llamacpp(models):
     """A quantized file's always-read weights that fit on the card as stored but not as the
-    engine widens them: the engine's plan does not fit and says that llama.cpp would hold
-    them as stored; llama.cpp's plan counts them so, and fits; and an automatic choice of
-    backend plans for llama.cpp, saying why (the session then runs it there, and nowhere else:
+    engine holds them (a DeepSeek's: the engine widens MLA's kv_b, which its latent attention
+    reads whole): the engine's plan does not fit and says that llama.cpp would hold them as
+    stored; llama.cpp's plan counts them so, and fits; and an automatic choice of backend plans
+    for llama.cpp, saying why (the session then runs it there, and nowhere else:
     tests/llamacpp/test_loading.py)."""
     from tests.engine.test_hybrid_resident import replace_gpu_total
 
-    inspected = inspect_model(models("qwen3_moe", "q8_0"))
+    inspected = inspect_model(models("deepseek_v3", "q8_0"))
     spec, inv = inspected.spec, inspected.inventory
 
     def plan(hw, backend="auto"):

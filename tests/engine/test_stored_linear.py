@@ -161,6 +161,8 @@ SERVE = textwrap.dedent("""
         stored_linear.serves = lambda device: as_stored  # on the CPU stand-in too
         model = build_model(inspect_model(path).spec, open_weights(path), device=DEVICE, max_context=64)
         held = sorted({m.qtype.name for m in model.modules() if isinstance(m, stored_linear.StoredLinear)})
+        held += ["embedding"] if model.embed_stored is not None else []
+        held += ["tied head"] if model.lm_head is model.embed_stored else []
         prompt = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(3)).to(DEVICE)
         logits = model(prompt, 0, last_only=True)  # a prompt: dequantized tiles into matmuls
         pos, tokens, steps = prompt.shape[-1], [], [logits[0, -1].float().cpu()]
@@ -183,22 +185,24 @@ SERVE = textwrap.dedent("""
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
 def test_a_quantized_file_served_as_stored_gives_the_dequantized_models_tokens(converted, tmp_path):  # noqa: F811
-    """Tiny models with their always-read projections as stored on the (stand-in) card give the
-    tokens of the same file widened at load: MLA's projections (DeepSeek), permuted Q/K rows
-    (Mixtral), biases (GPT-OSS), K-quant and legacy blocks."""
+    """Tiny models with their always-read projections and embedding as stored on the (stand-in)
+    card give the tokens of the same file widened at load: MLA's projections (DeepSeek), permuted
+    Q/K rows (Mixtral), biases (GPT-OSS), a head tied to the embedding (Qwen2-MoE), K-quant and
+    legacy blocks."""
     from hybridmoe.backend.convert import to_gguf
     from tests.convert.conftest import build_checkpoint
     from tests.engine.test_held_weights import K_QUANT_SIZES, MLA_K_QUANT
 
     cases = [{"path": str(converted(family, fmt)), "family": family, "format": fmt}
              for family, fmt in (("mixtral", "q4_0"), ("gpt_oss", "q8_0"))]
-    for family, sizes in (("deepseek_v3", MLA_K_QUANT), ("qwen3_moe", K_QUANT_SIZES["q4_k_m"])):
+    for family, fmt, sizes in (("deepseek_v3", "q4_k_m", MLA_K_QUANT), ("qwen3_moe", "q4_k_m", K_QUANT_SIZES["q4_k_m"]),
+                               ("qwen2_moe", "q8_0", {"tie_word_embeddings": True})):
         hf = build_checkpoint(tmp_path / family, family, overrides=sizes).path
-        cases.append({"path": str(to_gguf(hf, tmp_path / f"{family}-q4_k_m.gguf", "q4_k_m")), "family": family,
-                      "format": "q4_k_m"})
+        cases.append({"path": str(to_gguf(hf, tmp_path / f"{family}-{fmt}.gguf", fmt)), "family": family,
+                      "format": fmt})
     results = run_kernel_check(SERVE, cases, tmp_path, timeout=900)
     for row in results:
-        assert row["held"], row  # the projections are held as stored
+        assert "embedding" in row["held"], row  # the projections and the embedding are held as stored
         assert row["tokens"] == row["want"], row
         # bf16 activations, sums in another order, and the interpreter's truncating bf16 rounding,
         # through every layer: the logits agree to a few bf16 steps.
@@ -206,3 +210,4 @@ def test_a_quantized_file_served_as_stored_gives_the_dequantized_models_tokens(c
     held = {row["family"]: set(row["held"]) for row in results}
     assert {"Q4_K", "Q6_K"} <= held["deepseek_v3"] and {"Q4_K", "Q6_K"} <= held["qwen3_moe"], held
     assert "Q4_0" in held["mixtral"] and "Q8_0" in held["gpt_oss"], held
+    assert "tied head" in held["qwen2_moe"], held  # the head reads the embedding's blocks
