@@ -25,7 +25,11 @@ Sections, each guarded (a failure is reported and the next section runs):
    launches) at 1 and 4 tokens, mid-size shape in bf16 and int8, Kimi's (hidden 7168, 2048)
    in 4-bit: error against the dequantized matrices, time and bytes over time; block sizes
    tried at one token;
-7. launch cost: what one small kernel launch costs the host thread.
+7. launch cost: what one small kernel launch costs the host thread;
+8. stored projections (issue 46): DeepSeek-V3's always-read projections at full width in
+   their GGUF blocks (``engine.stored_linear``): decode read rate against the card's copy
+   rate (target >= 70 %), error against the dequantized matrix, a 512-token prompt, GEMV
+   block sizes. ``--sections "stored projections"`` runs it alone (about a minute).
 
 The speed section also decodes with the reference loop over the GPU experts instead of the
 decode kernels, with the reference attention instead of the decode-attention kernels
@@ -908,6 +912,110 @@ def _launches(a: torch.Tensor, n: int = 2000) -> float:
     return (time.perf_counter() - t0) / n
 
 
+# ---- 8. stored projections -------------------------------------------------------------
+
+
+def stored_matrix(qtype, rows: int, cols: int, seed: int):
+    """A random GGUF block matrix made on the card: random codes, finite fp16 super-scales."""
+    from gguf import GGML_QUANT_SIZES
+
+    from hybridmoe.backend.formats import quant
+    from tests.engine.test_stored_linear import HALVES
+
+    block, size = GGML_QUANT_SIZES[qtype]
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    data = torch.randint(0, 256, (rows * cols // block, size), dtype=torch.uint8, device="cuda", generator=g)
+    for offset in HALVES[qtype]:
+        d = (torch.randn(data.shape[0], device="cuda", generator=g) * 0.01).to(torch.float16)
+        data[:, offset : offset + 2] = d.view(torch.uint8).reshape(-1, 2)
+    return quant.from_gguf(data.reshape(rows, -1), qtype, (rows, cols))
+
+
+def stored_projections(r: Report) -> dict:
+    """DeepSeek-V3's always-read projections at full width held as a GGUF stores them
+    (``engine.stored_linear``, issue 46): decode (1 and 4 tokens, the GEMV kernel) read rate
+    against the card's copy rate (target: the 7168 x 16384 Q4_K output projection and the Q6_K
+    head at >= 70 % of it), the error against PyTorch's matmul over the dequantized matrix,
+    a 512-token prompt (dequantized tiles into matmuls); GEMV block sizes tried on the output
+    projection. Copy rate: bytes read plus written per second by a 1 GiB device-to-device copy
+    (what a kernel that only reads can reach at most); the ratio to half of it (bytes copied
+    per second) is given too."""
+    if not cuda():
+        raise Skip("no CUDA device")
+    import torch.nn.functional as F
+    from gguf import GGMLQuantizationType as Q
+
+    from hybridmoe.backend.engine import stored_linear
+
+    def timed(fn, reps=20):
+        fn()
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        sync()
+        return (time.perf_counter() - t0) / reps
+
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    copy_traffic = 2 * src.numel() / timed(lambda: dst.copy_(src), reps=10)
+    del src, dst
+    r.say(f"device copy: {copy_traffic / GB:.0f} GB/s read + written ({copy_traffic / 2 / GB:.0f} GB/s copied)")
+    out = {"copy_traffic_gb_s": copy_traffic / GB, "rows": [], "sweep": []}
+    # (name, rows, columns, type): DeepSeek-V3's shapes (128 heads of 128/192, q_lora 1536,
+    # kv_lora 512 + rope 64, shared expert 2048, vocab 129280) in Q4_K_M's types and others.
+    cases = [("o_proj", 7168, 16384, Q.Q4_K), ("q_b_proj", 24576, 1536, Q.Q4_K), ("q_a_proj", 1536, 7168, Q.Q4_K),
+             ("kv_a_proj", 576, 7168, Q.Q6_K), ("shared down", 7168, 2048, Q.Q6_K), ("o_proj", 7168, 16384, Q.Q8_0),
+             ("o_proj", 7168, 16384, Q.Q4_0), ("o_proj", 7168, 16384, Q.IQ4_XS), ("o_proj", 7168, 16384, Q.Q5_K),
+             ("lm_head", 129280, 7168, Q.Q6_K)]
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for name, rows, cols, qtype in cases:
+        if r.left() < 20:
+            r.say(f"{name} {qtype.name}: skipped, time budget spent")
+            continue
+        lin = stored_linear.StoredLinear(stored_matrix(qtype, rows, cols, seed=rows + int(qtype)))
+        nbytes = lin.data.numel()
+        ref = lin.stored.dequantize(torch.bfloat16)  # the torch decoders (what the tests check the kernels against)
+        for tokens in (1, 4, 512):
+            if tokens == 512 and rows > 30000:
+                continue  # the head's prompt call: only the last token's logits are computed
+            x = torch.randn(tokens, cols, device="cuda", generator=g).to(torch.bfloat16)
+            err = rel_err(lin(x), F.linear(x.float(), ref.float()))
+            dt = timed(lambda: lin(x))
+            row = {"name": name, "type": qtype.name, "rows": rows, "cols": cols, "tokens": tokens, "us": dt * 1e6,
+                   "read_gb_s": nbytes / dt / GB, "of_copy_traffic": nbytes / dt / copy_traffic,
+                   "of_copied": 2 * nbytes / dt / copy_traffic, "rel_err": err}
+            if tokens == 512:
+                row["tflop_s"] = 2 * tokens * rows * cols / dt / 1e12
+                dense = timed(lambda: F.linear(x, ref))
+                row["dense_matmul_us"] = dense * 1e6
+            out["rows"].append(row)
+            extra = (f", {row['tflop_s']:.0f} TFLOP/s (bf16 matmul alone {row['dense_matmul_us']:.0f} us)"
+                     if tokens == 512 else f", read {row['read_gb_s']:6.0f} GB/s = {row['of_copy_traffic']:.0%} of copy "
+                     f"traffic ({row['of_copied']:.0%} of copied)")
+            r.say(f"{name:12} {qtype.name:7} {rows}x{cols} T={tokens:<3}: {row['us']:8.1f} us{extra}, rel err {err:.1e}")
+        if name == "o_proj" and qtype == Q.Q4_K:
+            x = torch.randn(1, cols, device="cuda", generator=g).to(torch.bfloat16)
+            default = stored_linear.GEMV_BLOCKS["cuda"]
+            try:
+                for blocks in ((4, 256), (8, 128), (8, 256), (16, 64), (16, 128), (32, 64), (2, 512)):
+                    stored_linear.GEMV_BLOCKS["cuda"] = blocks
+                    dt = timed(lambda: lin(x))
+                    out["sweep"].append({"blocks": blocks, "us": dt * 1e6, "of_copy_traffic": nbytes / dt / copy_traffic})
+                    r.say(f"  o_proj Q4_K T=1 blocks {blocks}: {dt * 1e6:7.1f} us ({nbytes / dt / copy_traffic:.0%})")
+            finally:
+                stored_linear.GEMV_BLOCKS["cuda"] = default
+        del lin, ref
+        torch.cuda.empty_cache()
+    big = [row for row in out["rows"] if row["tokens"] == 1 and row["name"] in ("o_proj", "lm_head")
+           and row["type"] in ("Q4_K", "Q6_K")]
+    out["target_70"] = bool(big) and all(row["of_copy_traffic"] >= 0.7 for row in big)
+    out["ok"] = all(row["rel_err"] < 2e-2 for row in out["rows"])
+    r.say(f"target (o_proj Q4_K and head Q6_K at >= 70 % of the copy traffic, one token): "
+          f"{'met' if out['target_70'] else 'NOT met'}; errors {'ok' if out['ok'] else 'TOO LARGE'}")
+    return out
+
+
 # ---- main -------------------------------------------------------------------------------
 
 
@@ -919,17 +1027,22 @@ def main(argv=None) -> int:
     p.add_argument("--prompt", type=int, default=4096, help="prompt tokens for the prefill figures")
     p.add_argument("--budget", type=float, default=280, help="seconds for the whole run (sections skip when spent)")
     p.add_argument("--cpu-speed", action="store_true", help="run a small speed section on a machine without CUDA")
+    p.add_argument("--sections", help="comma-separated section names to run (default: all), e.g. 'stored projections'")
     args = p.parse_args(argv)
     report = Report(time.monotonic() + args.budget)
     work = Path(tempfile.mkdtemp(prefix="hybridmoe-gpu-check-"))
+    sections = [("environment", environment), ("parity", parity, work), ("bandwidth", bandwidth),
+                ("speed", speed, work, args), ("flagship", flagship, work), ("decode kernels", decode_kernels),
+                ("launch cost", launch_cost), ("stored projections", stored_projections)]
+    wanted = None if not args.sections else {name.strip() for name in args.sections.split(",")}
+    unknown = (wanted or set()) - {name for name, *_ in sections}
+    if unknown:
+        p.error(f"unknown section(s) {', '.join(sorted(unknown))}; the sections: "
+                + ", ".join(name for name, *_ in sections))
     try:
-        report.run("environment", environment)
-        report.run("parity", parity, work)
-        report.run("bandwidth", bandwidth)
-        report.run("speed", speed, work, args)
-        report.run("flagship", flagship, work)
-        report.run("decode kernels", decode_kernels)
-        report.run("launch cost", launch_cost)
+        for name, fn, *rest in sections:
+            if wanted is None or name in wanted or name == "environment":
+                report.run(name, fn, *rest)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     summary(report)
