@@ -138,7 +138,7 @@ def speed_text(plan: Plan) -> Text:
         out.append(f" ({plan.decode_expected_how})")
     if bound:
         out.append("\n" if expected else "")
-        out.append("At most: " if expected else "Estimated decode: at most ")
+        out.append("Upper bound: at most " if expected else "Estimated decode: at most ")
         out.append(f"{tokens_per_s(bound)} tokens/s", style="bold" if not expected else "")
         out.append(f", bound by {plan.decode_bound_by}")
     elif not expected and plan.host_bytes_per_token and not plan.host_bandwidth_bytes_per_s:
