@@ -109,13 +109,26 @@ def test_the_ratios_median_and_quartiles_and_the_targets():
 
 
 @pytest.fixture(scope="module")
-def tiny_gguf(tmp_path_factory):
+def gguf_of(tmp_path_factory):
+    """A tiny Q8_0 GGUF of a family, made once."""
     from hybridmoe.backend.convert import to_gguf
     from tests.convert.conftest import build_checkpoint
 
-    work = tmp_path_factory.mktemp("side-by-side")
-    checkpoint = build_checkpoint(work / "checkpoint", "qwen3_moe")
-    return to_gguf(checkpoint.path, work / "tiny-q8_0.gguf", "q8_0")
+    made = {}
+
+    def get(family: str):
+        if family not in made:
+            work = tmp_path_factory.mktemp(f"side-by-side-{family}")
+            checkpoint = build_checkpoint(work / "checkpoint", family)
+            made[family] = to_gguf(checkpoint.path, work / "tiny-q8_0.gguf", "q8_0")
+        return made[family]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(gguf_of):
+    return gguf_of("qwen3_moe")
 
 
 @pytest.fixture(scope="module")
@@ -123,21 +136,30 @@ def tiny_plan(tiny_gguf):
     return side.plan_here(str(tiny_gguf), 256)
 
 
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
 @pytest.mark.parametrize("share", [0.0, 0.5, 1.0])
-def test_llama_cpp_puts_exactly_the_planned_tensors_on_the_cpu(tiny_gguf, tiny_plan, share):
+def test_llama_cpp_puts_exactly_the_planned_tensors_on_the_cpu(gguf_of, family, share):
     pytest.importorskip("llama_cpp")
     from hybridmoe.backend.llamacpp.header import read_header
 
-    plan = side.with_gpu_experts(tiny_plan, side.whole_layers(tiny_plan.moe_layers, tiny_plan.n_routed_experts, share))
+    gguf = gguf_of(family)
+    whole = side.plan_here(str(gguf), 256)
+    plan = side.with_gpu_experts(whole, side.whole_layers(whole.moe_layers, whole.n_routed_experts, share))
     layout = side.llamacpp_layout(plan.gpu_experts, plan.moe_layers, plan.n_routed_experts)
-    worker = side._LlamaWorker(str(tiny_gguf), plan, 1, layout, 128)
+    worker = side._LlamaWorker(str(gguf), plan, 1, layout, 128)
     try:
-        names = read_header(tiny_gguf).tensor_names
+        names = read_header(gguf).tensor_names
         # llama.cpp's own log: the tensors an override moved are the CPU layers' three expert
-        # projections, no more (the worker compares the names and refuses a mismatch).
+        # projections, no more (the worker compares the names and refuses a mismatch); the
+        # DeepSeek-V3 file's dense first block and shared experts stay where the layers are.
         assert worker.info["placement_ok"]
         assert worker.info["cpu_tensors"] == worker.info["cpu_tensors_expected"] == 3 * len(layout.cpu_layers)
         assert side.cpu_expert_tensors(names, layout) == overridden(layout, names)
+        assert not any("shexp" in n for n in overridden(layout, names))
+        if family == "deepseek_v3":
+            assert not any(n.startswith("blk.0.") for n in overridden(layout, names))  # the dense block
+            if share == 0.5:
+                assert layout.cpu_layers == (1,) and layout.gpu_layers == (2,)
         assert sum(worker.info["buffers_mib"].values()) > 0
         # And it computes: a token after a short prompt.
         assert 0 <= worker.eval([5, 6, 7, 8], 0) < worker.vocab
