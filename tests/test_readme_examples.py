@@ -90,6 +90,9 @@ RUN_SHELL = {
     'hybridmoe plan path/to/Kimi-K2.6/config.json --hardware "4x RTX PRO 6000" --context 65536': _a_plan,
     "hybridmoe plan model.gguf --users 4 --kv-dtype fp8 --save plan.toml": _a_plan,
     "hybridmoe plan config.json --hardware this --ram 1.5TB --host-bandwidth 1229GB/s": _a_plan,
+    'hybridmoe plan config.json --hardware "2x RTX 3090" --ram 128GiB': _a_plan,
+    'hybridmoe plan model.gguf --hardware "RTX 4090" --backend llamacpp --n-cpu-moe 1':
+        lambda out: _a_plan(out) and "--n-cpu-moe 1" in out and "expected" in out,
     'hybridmoe run -m ~/models/Qwen3-30B-A3B -p "Explain MoE offload in two sentences"': lambda out: out.strip(),
     'echo "Summarise this" | hybridmoe run -m model.gguf --json': _json_answer,
     "cat notes.txt | hybridmoe run -m model.gguf - # '-' (or -p -): the prompt from standard input":
@@ -242,6 +245,8 @@ def test_the_hardware_description_example_plans(world):
     assert plan["hardware"] == "2x RTX PRO 6000 workstation"
     assert plan["devices"][0]["name"] == "cuda:0 NVIDIA RTX PRO 6000 Blackwell"
     assert plan["host_ram_usable_bytes"] == 768 << 30
+    assert plan["host_bandwidth_bytes_per_s"] == 12 * 5600e6 * 8  # channels × mts × 8 B, as the comment says
+    assert plan["decode_tokens_per_s_expected"] < plan["decode_tokens_per_s_upper_bound"]
 
 
 def _free_port() -> int:
