@@ -125,7 +125,7 @@ class StoredLinear(nn.Module):
 
     def _gemv(self, flat: torch.Tensor) -> torch.Tensor:
         if flat.device in _failed:
-            return F.linear(flat, self.dequantize(flat.dtype), None if self.bias is None else self.bias.to(flat.dtype))
+            return self._by_pytorch(flat)
         from hybridmoe.backend.engine import stored_linear_kernels as kernels
 
         y = torch.empty((flat.shape[0], self.out_features), dtype=torch.float32, device=flat.device)
@@ -135,15 +135,24 @@ class StoredLinear(nn.Module):
             try:
                 kernels.gemv_kernel[(_cdiv(self.out_features, block_r),)](
                     flat.contiguous(), self.data, grid, signs, y, flat.shape[0], self.out_features, self.in_features,
-                    self.row_bytes, TYPE=int(self.qtype), QK=self.block, TS=self.type_size,
-                    BLOCK_T=1 << (flat.shape[0] - 1).bit_length(), BLOCK_R=block_r, BLOCK_K=block_k,
-                    num_warps=4)
+                    self.row_bytes, **self._geometry(kernels), BLOCK_T=1 << (flat.shape[0] - 1).bit_length(),
+                    BLOCK_R=block_r, BLOCK_K=block_k, num_warps=4)
             except Exception as error:  # noqa: BLE001 - a card or Triton build the kernels cannot run on
                 _fail(flat.device, error)
-                return F.linear(flat, self.dequantize(flat.dtype), None if self.bias is None else self.bias.to(flat.dtype))
+                return self._by_pytorch(flat)
         if self.bias is not None:
             y += self.bias.float()
         return y.to(flat.dtype)
+
+    def _geometry(self, kernels) -> dict[str, int]:
+        """The kernels' compile-time constants for this matrix's type: the type, its weights and
+        bytes per block, and the weights per chunk its scales are shared over."""
+        return {"TYPE": int(self.qtype), "QK": self.block, "TS": self.type_size,
+                "CHUNK": kernels.CHUNKS.get(int(self.qtype), 32)}
+
+    def _by_pytorch(self, flat: torch.Tensor) -> torch.Tensor:
+        """The call through the dequantized matrix (a device the kernels failed on)."""
+        return F.linear(flat, self.dequantize(flat.dtype), None if self.bias is None else self.bias.to(flat.dtype))
 
     def dequantize(self, dtype: torch.dtype, start: int = 0, end: int | None = None) -> torch.Tensor:
         """Rows start:end of the matrix in `dtype` on its device (all rows by default)."""
@@ -167,8 +176,8 @@ class StoredLinear(nn.Module):
         grid, signs = _tables(self.qtype, data.device)
         try:
             kernels.dequantize_kernel[(_cdiv(n, block_r), _cdiv(self.in_features, block_k))](
-                data, grid, signs, out, n, self.in_features, self.row_bytes, TYPE=int(self.qtype),
-                QK=self.block, TS=self.type_size, BLOCK_R=block_r, BLOCK_K=block_k, num_warps=4)
+                data, grid, signs, out, n, self.in_features, self.row_bytes, **self._geometry(kernels),
+                BLOCK_R=block_r, BLOCK_K=block_k, num_warps=4)
         except Exception as error:  # noqa: BLE001 - as in _gemv
             _fail(data.device, error)
             return quant.from_gguf(data, self.qtype, (n, self.in_features)).dequantize(dtype)

@@ -26,6 +26,9 @@ Q2_K, Q3_K, Q4_K, Q5_K, Q6_K = 10, 11, 12, 13, 14
 IQ2_XXS, IQ2_XS, IQ3_XXS, IQ1_S, IQ4_NL, IQ3_S, IQ2_S, IQ4_XS, IQ1_M = 16, 17, 18, 19, 20, 21, 22, 23, 29
 MXFP4 = 39
 
+# Weights per chunk (``_value``): a 32-weight block or sub-block, or 16 where the sub-blocks are.
+CHUNKS = {Q2_K: 16, Q3_K: 16, Q6_K: 16}
+
 
 @triton.jit
 def _u8(p, off, m):
@@ -86,8 +89,13 @@ def _signed(sign_byte, e):
 
 
 @triton.jit
-def _value(p, j, m, grid_ptr, signs_ptr, TYPE: tl.constexpr):
-    """Weight j (0 .. block size - 1) of the block at p, float32, as ggml decodes it."""
+def _value(p, j0, j, m, grid_ptr, signs_ptr, TYPE: tl.constexpr):
+    """Weights j of the blocks at p, float32, as ggml decodes them. The weights come in chunks
+    (``CHUNK``: 32, or 16 for the types with 16-weight sub-blocks): p [.., chunks, 1] points at
+    each chunk's block, j0 [.., chunks, 1] is the chunk's first weight in its block and j
+    [.., chunks, CHUNK] each weight's; m [.., chunks, 1] masks whole chunks. What a chunk
+    shares (block scales, sub-block scales, high bits, sign words) is loaded once per chunk,
+    by offsets of j0; codes once per weight."""
     if TYPE == Q8_0:
         v = _f16(p, 0, m) * _i8(p, 2 + j, m).to(tl.float32)
     elif TYPE == Q4_0:
@@ -95,45 +103,45 @@ def _value(p, j, m, grid_ptr, signs_ptr, TYPE: tl.constexpr):
     elif TYPE == Q4_1:
         v = _f16(p, 0, m) * _nibble32(p, 4, j, m).to(tl.float32) + _f16(p, 2, m)
     elif TYPE == Q5_0:
-        q = _nibble32(p, 6, j, m) | (((_u8(p, 2 + (j >> 3), m) >> (j & 7)) & 1) << 4)
+        q = _nibble32(p, 6, j, m) | (((_u32(p, 2, m) >> j) & 1) << 4)
         v = _f16(p, 0, m) * (q - 16).to(tl.float32)
     elif TYPE == Q5_1:
-        q = _nibble32(p, 8, j, m) | (((_u8(p, 4 + (j >> 3), m) >> (j & 7)) & 1) << 4)
+        q = _nibble32(p, 8, j, m) | (((_u32(p, 4, m) >> j) & 1) << 4)
         v = _f16(p, 0, m) * q.to(tl.float32) + _f16(p, 2, m)
-    elif TYPE == Q2_K:  # scales[16] | qs[64] | d | dmin; 16-weight sub-blocks
+    elif TYPE == Q2_K:  # scales[16] | qs[64] | d | dmin; 16-weight sub-blocks (chunks of 16)
         q = (_u8(p, 16 + (j >> 7) * 32 + (j & 31), m) >> (((j >> 5) & 3) * 2)) & 3
-        sc = _u8(p, j >> 4, m)
+        sc = _u8(p, j0 >> 4, m)
         dl = _f16(p, 80, m) * (sc & 15).to(tl.float32)
         ml = _f16(p, 82, m) * (sc >> 4).to(tl.float32)
         v = dl * q.to(tl.float32) - ml
-    elif TYPE == Q3_K:  # hmask[32] | qs[64] | scales[12] | d; 6-bit signed sub-block scales
-        s = j >> 4
+    elif TYPE == Q3_K:  # hmask[32] | qs[64] | scales[12] | d; 6-bit signed sub-block scales (chunks of 16)
+        s = j0 >> 4
         low = (_u8(p, 96 + (s & 7), m) >> ((s >> 3) * 4)) & 15
         high = (_u8(p, 104 + (s & 3), m) >> ((s >> 2) * 2)) & 3
         dl = _f16(p, 108, m) * ((low | (high << 4)) - 32).to(tl.float32)
         ql = (_u8(p, 32 + (j >> 7) * 32 + (j & 31), m) >> (((j >> 5) & 3) * 2)) & 3
-        hbit = (_u8(p, j & 31, m) >> (j >> 5)) & 1
+        hbit = (_u8(p, j & 31, m) >> (j0 >> 5)) & 1
         v = dl * (ql - ((hbit ^ 1) << 2)).to(tl.float32)
     elif TYPE == Q4_K or TYPE == Q5_K:  # d | dmin | scales[12] | (Q5_K: qh[32]) | qs[128]
-        s = j >> 5
+        s = j0 >> 5
         sc, mn = _k_scale_min(p, s, m)
         dl = _f16(p, 0, m) * sc.to(tl.float32)
         ml = _f16(p, 2, m) * mn.to(tl.float32)
         if TYPE == Q4_K:
-            q = (_u8(p, 16 + (j >> 6) * 32 + (j & 31), m) >> ((s & 1) * 4)) & 15
+            q = (_u8(p, 16 + (j0 >> 6) * 32 + (j & 31), m) >> ((s & 1) * 4)) & 15
         else:
-            q = (_u8(p, 48 + (j >> 6) * 32 + (j & 31), m) >> ((s & 1) * 4)) & 15
+            q = (_u8(p, 48 + (j0 >> 6) * 32 + (j & 31), m) >> ((s & 1) * 4)) & 15
             q = q | (((_u8(p, 16 + (j & 31), m) >> s) & 1) << 4)
         v = dl * q.to(tl.float32) - ml
-    elif TYPE == Q6_K:  # ql[128] | qh[64] | scales[16] int8 | d
-        lo = (_u8(p, (j >> 7) * 64 + (j & 63), m) >> (((j >> 6) & 1) * 4)) & 15
-        hi = (_u8(p, 128 + (j >> 7) * 32 + (j & 31), m) >> (((j >> 5) & 3) * 2)) & 3
-        dl = _f16(p, 208, m) * _i8(p, 192 + (j >> 4), m).to(tl.float32)
+    elif TYPE == Q6_K:  # ql[128] | qh[64] | scales[16] int8 | d (chunks of 16)
+        lo = (_u8(p, (j >> 7) * 64 + (j & 63), m) >> (((j0 >> 6) & 1) * 4)) & 15
+        hi = (_u8(p, 128 + (j >> 7) * 32 + (j & 31), m) >> (((j0 >> 5) & 3) * 2)) & 3
+        dl = _f16(p, 208, m) * _i8(p, 192 + (j0 >> 4), m).to(tl.float32)
         v = dl * ((lo | (hi << 4)) - 32).to(tl.float32)
     elif TYPE == IQ4_NL:
         v = _f16(p, 0, m) * tl.load(grid_ptr + _nibble32(p, 2, j, m))
     elif TYPE == IQ4_XS:  # d | scales_h (u16) | scales_l[4] | qs[128]
-        s = j >> 5
+        s = j0 >> 5
         sl = (_u8(p, 4 + (s >> 1), m) >> ((s & 1) * 4)) & 15
         sh = (_u16(p, 2, m) >> (s * 2)) & 3
         dl = _f16(p, 0, m) * ((sl | (sh << 4)) - 32).to(tl.float32)
@@ -144,38 +152,37 @@ def _value(p, j, m, grid_ptr, signs_ptr, TYPE: tl.constexpr):
         bits = tl.where(e < 2, 0x00200000 << e, (e - 1) << 23)
         v = bits.to(tl.float32, bitcast=True) * tl.load(grid_ptr + _nibble32(p, 1, j, m))
     elif TYPE == IQ2_XXS:  # d | 8 x (4 grid indices, u32 of 4 x 7 sign fields and a 4-bit scale)
-        at = 2 + (j >> 5) * 8
+        at = 2 + (j0 >> 5) * 8
         w = _u32(p, at + 4, m)
         db = _f16(p, 0, m) * (0.5 + ((w >> 28) & 15).to(tl.float32)) * 0.25
         sign = tl.load(signs_ptr + ((w >> (((j >> 3) & 3) * 7)) & 127))
         v = db * tl.load(grid_ptr + _u8(p, at + ((j >> 3) & 3), m) * 8 + (j & 7)) * _signed(sign, j & 7)
     elif TYPE == IQ2_XS:  # d | qs u16[32] (9-bit index, 7-bit sign field) | scales[8]
         q = _u16(p, 2 + (j >> 3) * 2, m)
-        sc = (_u8(p, 66 + (j >> 5), m) >> (((j >> 4) & 1) * 4)) & 15
+        sc = (_u8(p, 66 + (j0 >> 5), m) >> (((j >> 4) & 1) * 4)) & 15
         db = _f16(p, 0, m) * (0.5 + sc.to(tl.float32)) * 0.25
         v = db * tl.load(grid_ptr + (q & 511) * 8 + (j & 7)) * _signed(tl.load(signs_ptr + (q >> 9)), j & 7)
     elif TYPE == IQ2_S:  # d | qs[32] | signs[32] | qh[8] | scales[8]
         g = j >> 3  # group of 8: sub-block g >> 2, l = g & 3
-        idx = _u8(p, 2 + g, m) | ((_u8(p, 66 + (j >> 5), m) << (8 - 2 * (g & 3))) & 0x300)
-        sc = (_u8(p, 74 + (j >> 5), m) >> (((j >> 4) & 1) * 4)) & 15
+        idx = _u8(p, 2 + g, m) | ((_u8(p, 66 + (j0 >> 5), m) << (8 - 2 * (g & 3))) & 0x300)
+        sc = (_u8(p, 74 + (j0 >> 5), m) >> (((j >> 4) & 1) * 4)) & 15
         db = _f16(p, 0, m) * (0.5 + sc.to(tl.float32)) * 0.25
         v = db * tl.load(grid_ptr + idx * 8 + (j & 7)) * _signed(_u8(p, 34 + g, m), j & 7)
     elif TYPE == IQ3_XXS:  # d | qs[64] (4-value grid entries) | 8 x u32 (sign fields, scale)
-        w = _u32(p, 66 + (j >> 5) * 4, m)
+        w = _u32(p, 66 + (j0 >> 5) * 4, m)
         db = _f16(p, 0, m) * (0.5 + ((w >> 28) & 15).to(tl.float32)) * 0.5
         sign = tl.load(signs_ptr + ((w >> (((j >> 3) & 3) * 7)) & 127))
         v = db * tl.load(grid_ptr + _u8(p, 2 + (j >> 2), m) * 4 + (j & 3)) * _signed(sign, j & 7)
     elif TYPE == IQ3_S:  # d | qs[64] | qh[8] | signs[32] | scales[4]
-        ib = j >> 5
+        ib = j0 >> 5
         s = (_u8(p, 106 + (ib >> 1), m) >> ((ib & 1) * 4)) & 15
         db = _f16(p, 0, m) * (1 + 2 * s).to(tl.float32)
         idx = _u8(p, 2 + (j >> 2), m) | (((_u8(p, 66 + ib, m) >> ((j >> 2) & 7)) & 1) << 8)
         v = db * tl.load(grid_ptr + idx * 4 + (j & 3)) * _signed(_u8(p, 74 + (j >> 3), m), j & 7)
     elif TYPE == IQ1_S:  # d | qs[32] | qh u16[8] (3 high index bits x 4, 3-bit scale, delta sign)
-        qh = _u16(p, 34 + (j >> 5) * 2, m)
-        g = (j >> 3) & 3
+        qh = _u16(p, 34 + (j0 >> 5) * 2, m)
         dl = _f16(p, 0, m) * (2 * ((qh >> 12) & 7) + 1).to(tl.float32)
-        idx = _u8(p, 2 + (j >> 3), m) | (((qh >> (3 * g)) & 7) << 8)
+        idx = _u8(p, 2 + (j >> 3), m) | (((qh >> (3 * ((j >> 3) & 3))) & 7) << 8)
         delta = tl.where((qh & 0x8000) != 0, -0.125, 0.125)
         v = dl * (tl.load(grid_ptr + idx * 8 + (j & 7)) + delta)
     else:
@@ -183,7 +190,7 @@ def _value(p, j, m, grid_ptr, signs_ptr, TYPE: tl.constexpr):
         # qs[32] | qh[16] | scales u16[4] (3-bit scales, and d's 16 bits in their top nibbles)
         d = _bits_to_half(((_u16(p, 48, m) >> 12) & 0xF) | ((_u16(p, 50, m) >> 8) & 0xF0)
                           | ((_u16(p, 52, m) >> 4) & 0xF00) | (_u16(p, 54, m) & 0xF000))
-        ib = j >> 5
+        ib = j0 >> 5
         g = (j >> 3) & 3
         per = _u16(p, 48 + (ib >> 1) * 2, m) >> ((ib & 1) * 6)
         dl = d * (2 * ((per >> ((g >> 1) * 3)) & 7) + 1).to(tl.float32)
@@ -195,17 +202,22 @@ def _value(p, j, m, grid_ptr, signs_ptr, TYPE: tl.constexpr):
 
 
 @triton.jit
-def _tile(w_ptr, rows, r_ok, c, c_ok, row_bytes, grid_ptr, signs_ptr,
-          TYPE: tl.constexpr, QK: tl.constexpr, TS: tl.constexpr):
-    """The weights [len(rows), len(c)] of the stored matrix, float32 (0 where masked off)."""
-    m = r_ok[:, None] & c_ok[None, :]
-    p = w_ptr + rows.to(tl.int64)[:, None] * row_bytes + ((c // QK) * TS)[None, :]
-    return _value(p, (c % QK)[None, :], m, grid_ptr, signs_ptr, TYPE)
+def _tile(w_ptr, rows, r_ok, k0, K, row_bytes, grid_ptr, signs_ptr, TYPE: tl.constexpr, QK: tl.constexpr,
+          TS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The weights of `rows` in columns k0 .. k0 + BLOCK_K as [len(rows), BLOCK_K // CHUNK, CHUNK],
+    float32 (0 where masked off), and those columns' indices in the same shape."""
+    c0 = k0 + tl.arange(0, BLOCK_K // CHUNK) * CHUNK  # each chunk's first column
+    e = tl.arange(0, CHUNK)
+    m = r_ok[:, None, None] & (c0 < K)[None, :, None]  # K is whole blocks: a chunk is all in or all out
+    p = w_ptr + rows.to(tl.int64)[:, None, None] * row_bytes + ((c0 // QK) * TS)[None, :, None]
+    j0 = (c0 % QK)[None, :, None]
+    w = _value(p, j0, j0 + e[None, None, :], m, grid_ptr, signs_ptr, TYPE)
+    return w, c0[:, None] + e[None, :]
 
 
 @triton.jit
 def gemv_kernel(x_ptr, w_ptr, grid_ptr, signs_ptr, y_ptr, T, N, K, row_bytes,
-                TYPE: tl.constexpr, QK: tl.constexpr, TS: tl.constexpr,
+                TYPE: tl.constexpr, QK: tl.constexpr, TS: tl.constexpr, CHUNK: tl.constexpr,
                 BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
     """y[t, r] = sum_c W[r, c] x[t, c] for the T (<= BLOCK_T) tokens, BLOCK_R rows a program:
     each weight is decoded once and meets every token's activations, float32 sums."""
@@ -215,23 +227,21 @@ def gemv_kernel(x_ptr, w_ptr, grid_ptr, signs_ptr, y_ptr, T, N, K, row_bytes,
     t_ok = t < T
     acc = tl.zeros([BLOCK_T, BLOCK_R], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        c = k0 + tl.arange(0, BLOCK_K)
-        c_ok = c < K
-        w = _tile(w_ptr, rows, r_ok, c, c_ok, row_bytes, grid_ptr, signs_ptr, TYPE, QK, TS)
-        x = tl.load(x_ptr + t[:, None] * K + c[None, :], mask=t_ok[:, None] & c_ok[None, :], other=0).to(tl.float32)
-        acc += tl.sum(w[None, :, :] * x[:, None, :], axis=2)
+        w, c = _tile(w_ptr, rows, r_ok, k0, K, row_bytes, grid_ptr, signs_ptr, TYPE, QK, TS, CHUNK, BLOCK_K)
+        x = tl.load(x_ptr + t[:, None, None] * K + c[None, :, :], mask=t_ok[:, None, None] & (c < K)[None, :, :],
+                    other=0).to(tl.float32)  # [BLOCK_T, chunks, CHUNK]
+        acc += tl.sum(tl.sum(w[None, :, :, :] * x[:, None, :, :], axis=3), axis=2)
     tl.store(y_ptr + t[:, None] * N + rows[None, :], acc, mask=t_ok[:, None] & r_ok[None, :])
 
 
 @triton.jit
 def dequantize_kernel(w_ptr, grid_ptr, signs_ptr, out_ptr, N, K, row_bytes,
-                      TYPE: tl.constexpr, QK: tl.constexpr, TS: tl.constexpr,
+                      TYPE: tl.constexpr, QK: tl.constexpr, TS: tl.constexpr, CHUNK: tl.constexpr,
                       BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
     """out[r, c] = W[r, c] rounded to out's dtype, a BLOCK_R x BLOCK_K tile a program."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    c = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     r_ok = rows < N
-    c_ok = c < K
-    w = _tile(w_ptr, rows, r_ok, c, c_ok, row_bytes, grid_ptr, signs_ptr, TYPE, QK, TS)
-    tl.store(out_ptr + rows.to(tl.int64)[:, None] * K + c[None, :], w.to(out_ptr.dtype.element_ty),
-             mask=r_ok[:, None] & c_ok[None, :])
+    w, c = _tile(w_ptr, rows, r_ok, tl.program_id(1) * BLOCK_K, K, row_bytes, grid_ptr, signs_ptr, TYPE, QK, TS,
+                 CHUNK, BLOCK_K)
+    tl.store(out_ptr + rows.to(tl.int64)[:, None, None] * K + c[None, :, :], w.to(out_ptr.dtype.element_ty),
+             mask=r_ok[:, None, None] & (c < K)[None, :, :])

@@ -35,7 +35,8 @@ def random_blocks(qtype: Q, rows: int, cols: int, seed: int = 0) -> np.ndarray:
     rng = np.random.default_rng(seed)
     data = rng.integers(0, 256, size=(rows * cols // block, size), dtype=np.uint8)
     for offset in HALVES.get(qtype, ()):
-        data[:, offset : offset + 2] = (rng.standard_normal(len(data)) * 0.01).astype(np.float16).view(np.uint8).reshape(-1, 2)
+        d = (rng.standard_normal(len(data)) * 0.01).astype(np.float16)
+        data[:, offset : offset + 2] = d.view(np.uint8).reshape(-1, 2)
     if qtype == Q.MXFP4:
         data[:, 0] = rng.integers(110, 135, size=len(data))  # e8m0 exponents near 2^0
     if qtype == Q.IQ1_M:  # d's sixteen bits sit in the top nibbles of the four scale words

@@ -23,7 +23,8 @@ def workstation(card_gib: int, ram_gib: int) -> HardwareProfile:
     return HardwareProfile(
         cpu=CPU(model_name="workstation", arch="x86_64", sockets=1, physical_cores=16, threads=32,
                 features=("avx2", "fma", "avx512f")),
-        memory=Memory(total_bytes=ram_gib * GIB, available_bytes=ram_gib * GIB, bandwidth_theoretical_bytes_per_s=300e9),
+        memory=Memory(total_bytes=ram_gib * GIB, available_bytes=ram_gib * GIB,
+                      bandwidth_theoretical_bytes_per_s=300e9),
         gpus=(card,), described=True, name="workstation")
 
 
