@@ -52,6 +52,12 @@ def load_session(
         choice = plan.workload.backend
         reason = f"the plan was made for {BACKEND_NAMES[choice]}"
         if choice == "llamacpp" and (risk := _llamacpp_crash_risk()):
+            if plan.gpu_expert_format == "stored" and plan.gpu_expert_count:
+                # llama.cpp's layout (whole layers of experts, as stored) is not one the engine holds.
+                raise PlanError(f"This plan is llama.cpp's layout (whole layers of experts on the GPUs, as stored), "
+                                f"and {risk}.",
+                                "Update llama-cpp-python (pip install -U llama-cpp-python), or plan for the engine "
+                                "(hybridmoe plan --backend engine).")
             if plan.engine_misfit:
                 raise PlanError(f"This model's layout fits only on llama.cpp here (the embedded engine's does not: "
                                 f"{plan.engine_misfit}), and {risk}.",

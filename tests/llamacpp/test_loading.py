@@ -191,6 +191,26 @@ def test_a_plan_only_llama_cpp_fits_is_refused_where_it_is_known_to_crash(ggufs,
     assert "hybridmoe plan --backend engine" in err and "Traceback" not in err
 
 
+def test_llama_cpps_own_layout_is_not_handed_to_the_engine_where_llama_cpp_is_known_to_crash(
+        ggufs, llamacpp_plan, monkeypatch, capsys):
+    """A plan for llama.cpp holds whole layers of experts on the GPUs as stored (plan.make): the
+    engine does not hold experts so, so it must not be handed that plan instead."""
+    import dataclasses
+
+    import hybridmoe.backend.backends
+    from hybridmoe.backend.plan import Plan
+
+    plan = Plan.load(llamacpp_plan)
+    last = plan.moe_layers[-1]
+    whole_layer = {**plan.gpu_experts, last: tuple(range(plan.n_routed_experts))}
+    dataclasses.replace(plan, gpu_expert_format="stored", gpu_experts=whole_layer).save(llamacpp_plan)
+    risk = llamacpp_model.crash_risk(AMX_CPU, type("Old", (), {"_fields_": []}))
+    monkeypatch.setattr(hybridmoe.backend.backends, "_llamacpp_crash_risk", lambda: risk)
+    code, result, err = run_json(capsys, "-m", ggufs("qwen3_moe"), "--plan", llamacpp_plan)
+    assert code != 0 and set(result) == {"error"}
+    assert "llama.cpp's layout (whole layers of experts on the GPUs, as stored)" in err and "Traceback" not in err
+
+
 def test_auto_does_not_fall_back_to_llama_cpp_where_it_is_known_to_crash(ggufs, tmp_path, own_dirs, monkeypatch, capsys):
     import hybridmoe.backend.backends
     from tests.llamacpp.conftest import copy_gguf
