@@ -67,3 +67,15 @@ def test_a_plan_for_llamacpp_or_without_a_gpu_shows_no_engine_forms():
     hw = workstation(24, 128)
     assert not make(model.spec, model.inventory, hw, Workload(context=4096, backend="llamacpp")).gpu_always_read_forms
     assert not make(model.spec, model.inventory, hw, Workload(context=4096, strategy="cpu-only")).gpu_always_read_forms
+
+
+def test_the_printed_plan_names_each_form():
+    from hybridmoe.app.render import plan_text
+
+    model = inspect_model(CONFIGS / "deepseek-ai__DeepSeek-V3.json", expert_format="q4_k_m")
+    text = plan_text(make(model.spec, model.inventory, workstation(24, 512), Workload(context=32768, backend="engine")))
+    block = text[text.index("always-read weights on the GPUs"):].splitlines()
+    lines = {line.split(":")[0].strip(): line for line in block[1:7]}
+    assert {"attention", "dense ffn", "shared experts", "embedding", "lm head", "router"} <= set(lines), block[:8]
+    assert "q4_k 5.4 GiB (244 tensors" in lines["attention"] and "q5_0→bf16" in lines["attention"]
+    assert lines["embedding"].split(": ", 1)[1].startswith("q4_k ")  # as stored
