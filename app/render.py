@@ -167,6 +167,10 @@ def _experts_per_layer(plan: Plan) -> str:
     counts = [len(plan.gpu_experts.get(layer, ())) for layer in plan.moe_layers]
     if not counts:
         return "no MoE layers"
+    whole = [layer for layer in plan.moe_layers if plan.gpu_experts.get(layer)]
+    if plan.gpu_expert_format == "stored" and whole:  # llama.cpp: whole layers (--n-cpu-moe)
+        return (f"all {plan.n_routed_experts} experts of {len(whole)} of the {len(counts)} MoE layers "
+                f"(blocks {whole[0]}..{whole[-1]})")
     if min(counts) == max(counts):
         return f"{counts[0]} of {plan.n_routed_experts} in each of {len(counts)} MoE layers"
     return f"{min(counts)}–{max(counts)} of {plan.n_routed_experts} per MoE layer ({sum(counts)} in all)"
