@@ -184,3 +184,37 @@ def test_each_pass_is_set_against_the_probes_around_it():
     assert summary["decode_ratio"] == pytest.approx(3.2)  # 160 / 50: the engine's fast moments counted
     assert summary["decode_ratio_per_bandwidth"] == pytest.approx(1.6)
     assert "decode 3.20x (1.60x pass by pass against the probes around each)" in table(summary)
+
+
+def test_the_plans_expected_figures_are_printed_beside_the_measured(tiny_gguf, capsys):
+    """bench generate prints, per backend, the plan's expected decode and prefill figures for
+    what it runs (made before the run) beside the measured ones; the printed figures are the
+    plan's own, and the engine's measured rate is kept for this machine afterwards."""
+    from hybridmoe.backend.bench.generate import plan_expectation
+    from hybridmoe.backend.hardware import achieved, detect
+    from hybridmoe.backend.models import inspect_model
+    from hybridmoe.backend.plan import Workload, make
+
+    code = cli.main(["bench", "generate", str(tiny_gguf), "--backends", "engine", "--prompt-tokens", "16",
+                     "--gen-tokens", "5", "--threads", "1", "--repeats", "1", "--rounds", "1", "--json"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    summary = json.loads(out)
+    predicted = summary["plan_expected"]["engine"]
+    assert predicted["decode"] > 0 and predicted["prefill"] > 0 and predicted["decode"] < predicted["decode_bound"]
+    inspected = inspect_model(tiny_gguf)
+    # The plan's arithmetic with the same inputs (the bandwidth read once in this process).
+    expected = plan_expectation(str(tiny_gguf), 16 + 5 + 8, 16)["engine"]
+    plan = make(inspected.spec, inspected.inventory, detect(measure_bandwidth=True),
+                Workload(context=16 + 5 + 8, strategy="cpu-only", backend="engine", prefill_chunk=16))
+    assert expected["decode"] == plan.decode_tokens_per_s_expected
+    assert expected["prefill"] == plan.prefill_tokens_per_s_expected
+    from hybridmoe.backend.bench.generate import table
+
+    text = table({**summary, "plan_expected": {"engine": expected}})
+    measured = summary["results"]["engine"]["decode_median"]
+    assert (f"engine     measured decode {measured:.1f} tok/s, the plan expected {expected['decode']:.1f}" in text)
+    assert f"at most {expected['decode_bound']:.1f}" in text and f"expected {expected['prefill']:.1f}" in text
+    rate, source = achieved.lookup(detect(measure_bandwidth=False))
+    assert source.startswith("bench generate") and rate == pytest.approx(
+        summary["results"]["engine"]["per_token"]["end_to_end"]["gbps"] * 1e9)

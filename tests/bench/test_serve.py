@@ -119,3 +119,31 @@ def test_a_failed_worker_is_reported_by_its_exception():
               "See https://nanobind.readthedocs.io/en/latest/refleaks.html\n")
     assert worker_error(stderr) == "ModelError: llama.cpp could not load m.gguf"
     assert worker_error("Killed\n") == "Killed"
+
+
+def test_the_plans_expected_figures_are_printed_beside_the_measured(tiny_gguf):
+    """bench serve's (expected) columns are the plan's expected figures for N conversations, its
+    (at most) columns the plan's bounds: each printed figure is the plan's arithmetic."""
+    from hybridmoe.backend.hardware import detect
+    from hybridmoe.backend.models import inspect_model
+    from hybridmoe.backend.plan import Workload, make
+
+    predicted = serve.predictions(str(tiny_gguf), [1, 4], 64)
+    inspected = inspect_model(tiny_gguf)
+    hardware = detect(measure_bandwidth=True)  # the process's one reading, as predictions took it
+    for n in (1, 4):
+        plan = make(inspected.spec, inspected.inventory, hardware, Workload(context=64, users=n, strategy="cpu-only"))
+        assert predicted[n]["expected_per_user_tokens_per_s"] == plan.decode_tokens_per_s_per_user_expected
+        assert predicted[n]["expected_aggregate_tokens_per_s"] == plan.decode_tokens_per_s_aggregate_expected
+        assert predicted[n]["aggregate_tokens_per_s"] == plan.decode_tokens_per_s_aggregate
+    runs = [{"streams": n, "aggregate_tokens_per_s": 10.0 * n, "per_stream_tokens_per_s": 10.0,
+             "time_to_first_token_s": 0.1} for n in (1, 4)]
+    summary = {"model": "tiny", "streams": [1, 4], "prompt_tokens": 8, "gen_tokens": 4, "threads": 1, "turns": 0,
+               "predicted": predicted, "results": {"engine": {"runs": runs, "rss_peak": 1 << 30, "parallel": 4}},
+               "ratios": {"engine_over_llamacpp": {}, "over_one_stream": {}}}
+    rows = [line.split() for line in serve.table(summary).splitlines() if line.startswith("engine ")]
+    for row, n in zip(rows, (1, 4)):
+        p = predicted[n]
+        # backend N together (expected) (at most) per-stream (expected) (at most) TTFT RSS
+        assert row[3:5] == [f"{p['expected_aggregate_tokens_per_s']:.1f}", f"{p['aggregate_tokens_per_s']:.1f}"]
+        assert row[6:8] == [f"{p['expected_per_user_tokens_per_s']:.1f}", f"{p['per_user_tokens_per_s']:.1f}"]

@@ -140,3 +140,19 @@ def test_disk_walks_up_to_an_existing_parent(tmp_path):
     disk, unknown = detect_disk(tmp_path / "a" / "b" / "c")
     assert disk.path == str(tmp_path / "a" / "b" / "c")
     assert disk.free_bytes > 0 and disk.total_bytes >= disk.free_bytes and unknown == {}
+
+
+def test_the_bandwidth_is_read_once_per_process(monkeypatch):
+    """Every plan of a process rests on one probe reading (each screen once showed its own
+    speed); a new reading only when asked (the Hardware screen's Ctrl+D)."""
+    from hybridmoe.backend import hardware
+
+    readings = iter([50e9, 60e9, 70e9])
+    monkeypatch.setattr(hardware, "measure_host_read_bandwidth", lambda **_: next(readings))
+    monkeypatch.setattr(hardware, "_probe_reading", None)
+    first = detect(nvml=fake_nvml([]))
+    again = detect(nvml=fake_nvml([]))
+    assert first.memory.bandwidth_measured_bytes_per_s == again.memory.bandwidth_measured_bytes_per_s == 50e9
+    assert "measured once in this process" in again.memory.bandwidth_measured_note
+    assert detect(nvml=fake_nvml([]), remeasure=True).memory.bandwidth_measured_bytes_per_s == 60e9
+    assert detect(nvml=fake_nvml([])).memory.bandwidth_measured_bytes_per_s == 60e9

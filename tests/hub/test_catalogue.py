@@ -210,3 +210,13 @@ def test_run_of_a_catalogue_name_loads_its_copy_on_disk_or_says_how_to_get_it(mo
     on_disk.append(LocalModel(name="q", path=gguf, format="gguf", size_bytes=1, source="hf-cache",
                               repo_id="bartowski/Qwen_Qwen3-30B-A3B-GGUF"))
     assert runnable_path("qwen3-30b-a3b") == gguf
+
+
+def test_every_model_is_planned_at_its_own_default_context(cat):
+    """The F3 catalogue is given the loaded model's workload: each model is still planned at its
+    own default context (the default, or its maximum when less), and ranked by the speed to
+    expect, the bound beside it."""
+    ranked = catalogue.rank_for(preset("4x H200 NVL"), Workload(context=2048, users=1), catalogue=cat)
+    for r in ranked:
+        assert r.context == r.plan.workload.context == min(Workload().context, r.entry.context), r.entry.id
+        assert r.tokens_per_s == r.plan.decode_tokens_per_s_expected <= r.bound_tokens_per_s
