@@ -708,6 +708,11 @@ class _Planner:
             if bits > Q4_K_M_BITS + 0.1:
                 saved = host_parts["routed_experts"] * (1 - Q4_K_M_BITS / bits)
                 verb = "would fit" if host_needed - saved <= usable else "would still not fit"
+                if verb != "would fit" and not gpus:  # the cache is in host RAM too: a shorter one may do
+                    context = self._max_context(usable - (host_needed - saved - host_parts["kv_cache"]),
+                                                range(self.spec.num_layers))
+                    if context:
+                        verb = f"would fit with a context of at most {context} tokens (--context {context})"
                 suggestions.append(
                     f"A Q4_K_M quantization ({Q4_K_M_BITS:.2f} bits/weight for experts instead of {bits:g}) saves "
                     f"about {saved / GIB:.0f} GiB of host RAM and {verb}."
@@ -734,6 +739,16 @@ class _Planner:
                    for c, layers in enumerate(lay.experts_by_card)):
                 return n
         return None
+
+    def _max_context(self, room_for_kv: float, layers, kv_share: float = 1.0) -> int | None:
+        """The longest context, in whole KV blocks, whose cache for the workload's users fits in
+        `room_for_kv` bytes; None when not even one block does."""
+        per_user_token = kv_share * sum(self.kv_layer(layer, 1) for layer in layers) / self.wl.context
+        if room_for_kv <= 0 or not per_user_token:
+            return None
+        context = int(room_for_kv / (self.wl.users * per_user_token))
+        context -= context % KV_BLOCK_TOKENS
+        return context if context >= KV_BLOCK_TOKENS else None
 
     def _kv_suggestions(self, room_for_kv: float, layers, kv_share: float = 1.0) -> list[str]:
         """The context length or number of conversations whose cache fits in `room_for_kv` bytes

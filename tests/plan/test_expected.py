@@ -174,3 +174,13 @@ def test_bf16_experts_narrowed_to_int8_are_said_aloud():
     dense = make(bf16.spec, bf16.inventory, describe(gpu_model="RTX 4090", host_ram="128GiB"),
                  Workload(context=4096, gpu_expert_form="dense"))
     assert dense.precision_notes == ()
+
+
+def test_a_smaller_quantization_is_offered_with_the_context_that_fits_with_it(qwen30):
+    q8 = inspect_model(CONFIGS / "Qwen__Qwen3-30B-A3B.json", expert_format="q8_0")
+    box = describe(host_ram="24GiB", cpu_model="AMD Ryzen 9 7950X", cores=16)
+    plan = make(q8.spec, q8.inventory, box, Workload(context=32768))
+    advice = next(s for s in plan.suggestions if "Q4_K_M" in s)
+    context = int(advice.split("--context ")[1].rstrip(")."))
+    assert "would fit with a context of at most" in advice
+    assert make(qwen30.spec, qwen30.inventory, box, Workload(context=context)).fits
