@@ -233,7 +233,11 @@ def _run(args, waiting: Waiting) -> int:
             if s.prefill_tokens_per_s:
                 parts.append(f"prefill {s.prefill_tokens_per_s:.1f} tok/s")
             if s.decode_tokens_per_s:
-                parts.append(f"decode {s.decode_tokens_per_s:.1f} tok/s")
+                expected = plan.decode_tokens_per_s_expected
+                bound = plan.decode_tokens_per_s_upper_bound
+                said = ", ".join(([f"the plan expected {expected:.1f}"] if expected else [])
+                                 + ([f"at most {bound:.1f}"] if bound else []))
+                parts.append(f"decode {s.decode_tokens_per_s:.1f} tok/s" + (f" ({said})" if said else ""))
             if s.main_device_expert_share is not None and plan.main_device != "cpu":
                 parts.append(f"{s.main_device_expert_share:.0%} of experts on the GPU")
             sys.stderr.write(", ".join(parts) + "\n")
