@@ -89,7 +89,6 @@ def host_read_rate(
     backend: str,
     *,
     theoretical: float | None,
-    theoretical_note: str | None,
     measured: float | None,
     sockets: int | None,
     achieved: tuple[float, str] | None = None,

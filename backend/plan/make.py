@@ -331,7 +331,7 @@ class _Planner:
                 f"at least {stream_min} tokens."
             )
 
-        expected = self._expected(gpus, lay, reserves, crossover, stream_min, pcie)
+        expected = self._expected(gpus, lay, reserves, stream_min, pcie)
         precision_notes = self._precision_notes(lay) if gpus else ()
         llama = translate(
             spec,
@@ -401,14 +401,14 @@ class _Planner:
             warnings=tuple(self.warnings),
         )
 
-    def _expected(self, gpus, lay: _Layout, reserves, crossover, stream_min, pcie) -> dict[str, Any]:
+    def _expected(self, gpus, lay: _Layout, reserves, stream_min, pcie) -> dict[str, Any]:
         """The expected decode (one conversation and the workload's) and prefill speeds of this
         layout, and how each was obtained (plan.expected, docs/sizing.md §6)."""
         spec, wl, hw = self.spec, self.wl, self.hw
         backend = "llamacpp" if wl.backend == "llamacpp" else "engine"
         mem = hw.memory
         rate = host_read_rate(backend, theoretical=mem.bandwidth_theoretical_bytes_per_s,
-                              theoretical_note=mem.bandwidth_note, measured=mem.bandwidth_measured_bytes_per_s,
+                              measured=mem.bandwidth_measured_bytes_per_s,
                               sockets=hw.cpu.sockets, achieved=achieved.lookup(hw))
         flops = cpu_flops(hw.cpu.physical_cores, hw.cpu.features)
         bytes_per_weight = self.inv.expert_bits_per_weight / 8 or 1.0
