@@ -311,8 +311,8 @@ def record_engine_rate(engine: dict, source: str) -> None:
         return
     from hybridmoe.backend.hardware import achieved, detect
 
-    achieved.record(detect(measure_bandwidth=False), read_bytes_per_s=end_to_end["gbps"] * 1e9,
-                    source=f"{source}, {end_to_end['bytes'] / 1e6:.0f} MB a token at "
+    achieved.record(detect(measure_bandwidth=False), bytes_per_token=end_to_end["bytes"],
+                    tokens_per_s=1 / end_to_end["seconds"], source=f"{source}, {end_to_end['bytes'] / 1e6:.0f} MB a token at "
                            f"{1 / end_to_end['seconds']:.1f} tokens/s")
 
 

@@ -446,8 +446,8 @@ def record_engine_rate(summary: dict) -> None:
     from hybridmoe.backend.hardware import achieved, detect
 
     rate = one["aggregate_tokens_per_s"]
-    achieved.record(detect(measure_bandwidth=False), read_bytes_per_s=predicted["host_bytes_per_token"] * rate,
-                    source=f"bench serve, {predicted['host_bytes_per_token'] / 1e6:.0f} MB a token at {rate:.1f} tokens/s")
+    achieved.record(detect(measure_bandwidth=False), bytes_per_token=predicted["host_bytes_per_token"],
+                    tokens_per_s=rate, source=f"bench serve, {predicted['host_bytes_per_token'] / 1e6:.0f} MB a token at {rate:.1f} tokens/s")
 
 
 def ratios(summary: dict) -> dict:

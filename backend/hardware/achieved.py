@@ -25,6 +25,10 @@ from hybridmoe.backend.settings import data_dir
 FILE_NAME = "achieved.toml"
 # Below this the figure is not a decode's read rate but a stalled or interrupted run.
 _MIN_SENSIBLE_RATE = 1e8
+# A token that reads less than this is timed by its fixed costs (launches, the token loop), not
+# by its reads: a small model's rate says nothing of a large one's (a test model's read 0.4 GB/s
+# where the mid-size benchmark model's read 6). The mid-size benchmark model reads 0.3 GB a token.
+MIN_BYTES_PER_TOKEN = 128 * (1 << 20)
 
 
 def path() -> Path:
@@ -59,12 +63,14 @@ def lookup(profile: HardwareProfile) -> tuple[float, str] | None:
     return float(rate), f"{entry.get('source', 'a run')}, {entry.get('when', 'date unknown')}"
 
 
-def record(profile: HardwareProfile, *, read_bytes_per_s: float, source: str) -> Path | None:
-    """Keep the engine's measured decode read rate for this machine (the latest one wins).
-    Returns the file written, or None when nothing was (a described machine, a figure that
-    cannot be a decode's, or a data directory that cannot be written: the figure is a help,
-    never worth failing a benchmark or a chat over)."""
-    if profile.described or read_bytes_per_s < _MIN_SENSIBLE_RATE:
+def record(profile: HardwareProfile, *, bytes_per_token: float, tokens_per_s: float, source: str) -> Path | None:
+    """Keep the engine's measured decode read rate (`bytes_per_token` × `tokens_per_s`) for this
+    machine (the latest one wins). Returns the file written, or None when nothing was (a
+    described machine, a model too small for its reads to time its tokens, a figure that cannot
+    be a decode's, or a data directory that cannot be written: the figure is a help, never worth
+    failing a benchmark or a chat over)."""
+    read_bytes_per_s = bytes_per_token * tokens_per_s
+    if profile.described or bytes_per_token < MIN_BYTES_PER_TOKEN or read_bytes_per_s < _MIN_SENSIBLE_RATE:
         return None
     file = path()
     entries = _read(file)

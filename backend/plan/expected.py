@@ -206,26 +206,26 @@ def expected_prefill(
 MIN_TOKENS_TO_RECORD = 16
 
 
-def decode_read_rate(plan, stats) -> float | None:
-    """The read rate (bytes/s) the engine's decode reached in a finished generation under a
-    CPU-only `plan` (a session.Stats): the plan's bytes a token, its cache at the generation's
-    middle position rather than the full context, at the measured tokens/s. None for anything
-    else (llama.cpp, a GPU plan, a short answer): what hardware.achieved keeps for this machine."""
+def decode_bytes_per_token(plan, stats) -> float | None:
+    """The bytes a token of a finished generation (a session.Stats) read under a CPU-only
+    `plan`: the plan's, its cache at the generation's middle position rather than the full
+    context. None for anything else (llama.cpp, a GPU plan, a short answer, several
+    conversations): with the measured tokens/s, what hardware.achieved keeps for this machine."""
     if (plan.main_device != "cpu" or stats.backend != "engine" or not stats.decode_tokens_per_s
             or stats.generated_tokens < MIN_TOKENS_TO_RECORD or plan.workload.users != 1):
         return None
     position = min(stats.prompt_tokens + stats.generated_tokens / 2, plan.workload.context)
     per_token = plan.host_bytes_per_token - plan.kv_bytes_per_conversation + plan.kv_bytes_per_token * position
-    return per_token * stats.decode_tokens_per_s if per_token > 0 else None
+    return per_token if per_token > 0 else None
 
 
 def remember_decode_rate(plan, stats) -> None:
     """Keep the read rate the engine's decode reached on this machine in a finished generation
-    (``decode_read_rate``; hardware.achieved), so that later plans of it expect that rate."""
-    rate = decode_read_rate(plan, stats)
-    if rate is None:
+    (``decode_bytes_per_token``; hardware.achieved), so that later plans of it expect that rate."""
+    per_token = decode_bytes_per_token(plan, stats)
+    if per_token is None:
         return
     from hybridmoe.backend.hardware import achieved, detect
 
-    achieved.record(detect(measure_bandwidth=False), read_bytes_per_s=rate,
+    achieved.record(detect(measure_bandwidth=False), bytes_per_token=per_token, tokens_per_s=stats.decode_tokens_per_s,
                     source=f"a chat, {stats.generated_tokens} tokens at {stats.decode_tokens_per_s:.1f} tokens/s")

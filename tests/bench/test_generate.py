@@ -189,7 +189,7 @@ def test_each_pass_is_set_against_the_probes_around_it():
 def test_the_plans_expected_figures_are_printed_beside_the_measured(tiny_gguf, capsys):
     """bench generate prints, per backend, the plan's expected decode and prefill figures for
     what it runs (made before the run) beside the measured ones; the printed figures are the
-    plan's own, and the engine's measured rate is kept for this machine afterwards."""
+    plan's own."""
     from hybridmoe.backend.bench.generate import plan_expectation
     from hybridmoe.backend.hardware import achieved, detect
     from hybridmoe.backend.models import inspect_model
@@ -215,6 +215,7 @@ def test_the_plans_expected_figures_are_printed_beside_the_measured(tiny_gguf, c
     measured = summary["results"]["engine"]["decode_median"]
     assert (f"engine     measured decode {measured:.1f} tok/s, the plan expected {expected['decode']:.1f}" in text)
     assert f"at most {expected['decode_bound']:.1f}" in text and f"expected {expected['prefill']:.1f}" in text
-    rate, source = achieved.lookup(detect(measure_bandwidth=False))
-    assert source.startswith("bench generate") and rate == pytest.approx(
-        summary["results"]["engine"]["per_token"]["end_to_end"]["gbps"] * 1e9)
+    # A tiny model's token is timed by its fixed costs, not its reads: its rate is not kept
+    # for this machine (a mid-size model's is: tests/plan/test_expected.py).
+    assert summary["results"]["engine"]["per_token"]["end_to_end"]["bytes"] < achieved.MIN_BYTES_PER_TOKEN
+    assert achieved.lookup(detect(measure_bandwidth=False)) is None

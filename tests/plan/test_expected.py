@@ -77,7 +77,9 @@ def test_the_engines_rate_measured_here_is_kept_and_used(qwen30, tmp_path, monke
     before = make(qwen30.spec, qwen30.inventory, here, wl)
     assert before.decode_tokens_per_s_expected == pytest.approx(40e9 * RATES["engine"].host_share
                                                                 / before.host_bytes_per_token)
-    assert achieved.record(here, read_bytes_per_s=30e9, source="bench serve")
+    assert achieved.record(here, bytes_per_token=300e6, tokens_per_s=100.0, source="bench serve")
+    # A model too small for its reads to time its tokens is not kept.
+    assert achieved.record(here, bytes_per_token=20e6, tokens_per_s=20.0, source="a chat") is None
     after = make(qwen30.spec, qwen30.inventory, here, wl)
     assert after.decode_tokens_per_s_expected == pytest.approx(30e9 / after.host_bytes_per_token)
     assert "measured on this machine (bench serve" in after.decode_expected_how
