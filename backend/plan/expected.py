@@ -53,7 +53,7 @@ RATES = {
     "engine": BackendRates(
         "the engine",
         host_share=0.65,
-        host_source="the engine's decode read 0.65-0.69 of the read probe (bench generate and serve, mid-size "
+        host_source="the engine's decode read 0.60-0.69 of the read probe (bench generate and serve, mid-size "
                     "benchmark model, CPU-only, 2-core Xeon VM; docs/sizing.md §6)",
         extra_socket_share=0.5,
         numa_source="assumed until measured on two sockets: a NUMA-aware CPU/GPU runtime (KTransformers, "
@@ -65,8 +65,9 @@ RATES = {
     "llamacpp": BackendRates(
         "llama.cpp",
         host_share=0.6,
-        host_source="llama.cpp's decode read 0.6 of the read probe on the same file and machine (bench generate, "
-                    "docs/sizing.md §6)",
+        host_source="0.48 of the theoretical figure (0.8 × 0.6), set with two published llama.cpp runs in view "
+                    "(Qwen3-30B-A3B on a Core i9-10900X, gpt-oss-120b on a Ryzen 9 7900: docs/sizing.md §6); on the "
+                    "2-core VM, shared, llama.cpp's own decode measured too erratically to set it (0.04-0.6 of the probe)",
         extra_socket_share=0.0,
         numa_source="llama.cpp keeps each page where it was first touched and its threads read across sockets "
                     "(no NUMA placement of experts): one socket's bandwidth",
