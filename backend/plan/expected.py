@@ -67,7 +67,7 @@ RATES = {
         host_share=0.6,
         host_source="0.48 of the theoretical figure (0.8 × 0.6), set with two published llama.cpp runs in view "
                     "(Qwen3-30B-A3B on a Core i9-10900X, gpt-oss-120b on a Ryzen 9 7900: docs/sizing.md §6); on the "
-                    "2-core VM, shared, llama.cpp's own decode measured too erratically to set it (0.04-0.6 of the probe)",
+                    "2-core VM, shared, llama.cpp's own decode read 0.04 of the probe in the one run taken",
         extra_socket_share=0.0,
         numa_source="llama.cpp keeps each page where it was first touched and its threads read across sockets "
                     "(no NUMA placement of experts): one socket's bandwidth",
