@@ -64,7 +64,7 @@ class GPUModel:
 # The first alias is the short name shown to users; matching ignores case and punctuation.
 GPU_MODELS: tuple[GPUModel, ...] = (
     GPUModel("NVIDIA RTX PRO 6000 Blackwell", 97_887 * MiB, 1.792e12, (12, 0), 5, 16, 0,
-             ("RTX PRO 6000", "RTX PRO 6000 Blackwell", "RTX PRO 6000 Blackwell Workstation Edition",
+             ("RTX PRO 6000", "RTX PRO 6000 Blackwell", "RTX PRO 6000 Workstation", "RTX PRO 6000 Blackwell Workstation Edition",
               "RTX PRO 6000 Blackwell Server Edition", "RTX PRO 6000 Blackwell Max-Q Workstation Edition")),
     GPUModel("NVIDIA H200 NVL", 143_771 * MiB, 4.8e12, (9, 0), 5, 16, None, ("H200 NVL",)),
     GPUModel("NVIDIA H200", 143_771 * MiB, 4.8e12, (9, 0), 5, 16, 18, ("H200", "H200 SXM")),

@@ -220,6 +220,7 @@ def test_an_unknown_entry_lists_the_keys_not_internal_names(tmp_path):
     ("4 × RTX 5090", "NVIDIA GeForce RTX 5090", 4, 16),
     ("A6000", "NVIDIA RTX A6000", 1, 32),
     ("RTX PRO 6000 Blackwell Workstation Edition", "NVIDIA RTX PRO 6000 Blackwell", 1, 32),
+    ("RTX PRO 6000 Workstation", "NVIDIA RTX PRO 6000 Blackwell", 1, 32),
     ("L40S", "NVIDIA L40S", 1, 32),
     ("H100 PCIe", "NVIDIA H100 PCIe", 1, 32),
 ])
