@@ -37,7 +37,7 @@ set -u
 T0=$(date +%s)
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 GB=$ROOT/.gpu_bench
-OUT=${OUT:-$ROOT/gpu_bench_out}
+OUT=${OUT:-${GPU_BENCH_WORK:-/tmp/hybridmoe-gpu-bench}/out}
 WORK=${GPU_BENCH_WORK:-/tmp/hybridmoe-gpu-bench}
 JOBS=${JOBS:-16}
 PAIRS=${PAIRS:-6}
@@ -65,15 +65,43 @@ done
 export PYTHONPATH=$PP${PYTHONPATH:+:$PYTHONPATH}
 log "python $("$PY" -c 'import sys, torch; print(sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda)'); nvcc $(nvcc --version | sed -n 's/.*release \([0-9.]*\).*/\1/p'); PYTHONPATH=$PYTHONPATH"
 
+# What ggml-cuda links that a toolkit assembled from NVIDIA's pip wheels (nvcc, runtime: as on
+# the machines this project is developed on) may lack: cuBLAS (PyTorch's own copy then, headers
+# and library) and libcuda.so for the driver API (the driver's libcuda.so.1 then). Prints the
+# CMake arguments; the folders to load cuBLAS from at run time go to $WORK/cuda-lib-dirs.
+cuda_arguments() {
+  local home=${CUDA_HOME:-${CUDA_PATH:-/usr/local/cuda}} roots lib lt inc drv
+  : > "$WORK/cuda-lib-dirs"
+  if ! ls "$home"/lib64/libcublas.so* "$home"/lib/libcublas.so* "$home"/targets/*/lib/libcublas.so* >/dev/null 2>&1; then
+    roots=$("$PY" -c 'import site; print(" ".join(site.getsitepackages()))')
+    lib=$(find $roots -name 'libcublas.so*' 2>/dev/null | sort | head -1)
+    lt=$(find $roots -name 'libcublasLt.so*' 2>/dev/null | sort | head -1)
+    inc=$(find $roots -name cublas_v2.h 2>/dev/null | head -1)
+    if [ -n "$lib" ] && [ -n "$lt" ] && [ -n "$inc" ]; then
+      echo "-DCUDA_cublas_LIBRARY=$lib -DCUDA_cublasLt_LIBRARY=$lt -DCMAKE_CUDA_FLAGS=-I$(dirname "$inc")" \
+           "-DCMAKE_CXX_FLAGS=-I$(dirname "$inc")"
+      dirname "$lib" > "$WORK/cuda-lib-dirs"
+    fi
+  fi
+  if ! ls "$home"/lib64/libcuda.so "$home"/lib64/stubs/libcuda.so "$home"/lib/stubs/libcuda.so >/dev/null 2>&1; then
+    drv=$(ldconfig -p 2>/dev/null | sed -n 's/.*libcuda\.so\.1 .*=> \(.*\)/\1/p' | head -1)
+    if [ -n "$drv" ]; then echo "-DCUDA_cuda_driver_LIBRARY=$drv"; else echo "-DGGML_CUDA_NO_VMM=ON"; fi
+  fi
+}
+
 # 1. llama.cpp with CUDA (background).
 LIB=$GB/llama-cuda-lib
 if [ -f "$LIB/libllama.so" ] && ls "$LIB"/libggml-cuda.so* >/dev/null 2>&1; then
   log "llama.cpp: carried libraries in $LIB, no build"
+  cuda_arguments > /dev/null  # only for where cuBLAS is loaded from
   : > "$WORK/llama.done"
 else
   LIB=$WORK/llama-build/bin
+  CUDA_ARGS=$(cuda_arguments)
+  log "llama.cpp: CMake arguments for this toolkit: ${CUDA_ARGS:-none}"
   (
-    cmake -S "$GB/llama.cpp" -B "$WORK/llama-build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=ON \
+    # shellcheck disable=SC2086 # CUDA_ARGS: separate arguments, no spaces inside any
+    cmake -S "$GB/llama.cpp" -B "$WORK/llama-build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=ON $CUDA_ARGS \
       -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_CUDA_FA_ALL_QUANTS=OFF -DGGML_CUDA_FA_QUANTS=f16-f16 \
       -DGGML_CUDA_NCCL=OFF -DGGML_NATIVE=ON -DLLAMA_BUILD_COMMON=OFF -DLLAMA_BUILD_TESTS=OFF \
       -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF \
@@ -131,8 +159,10 @@ if [ -n "${LLAMA_PID:-}" ]; then
 fi
 [ -f "$WORK/llama.done" ] || exit 1
 export LLAMA_CPP_LIB_PATH=$LIB
-# The libraries' own dependencies (libggml*.so beside libllama.so) from the same folder.
-export LD_LIBRARY_PATH=$LIB${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+# The libraries' own dependencies (libggml*.so beside libllama.so) from the same folder, and
+# PyTorch's cuBLAS where the toolkit had none.
+CUDA_DIRS=$(cat "$WORK/cuda-lib-dirs" 2>/dev/null)
+export LD_LIBRARY_PATH=$LIB${CUDA_DIRS:+:$CUDA_DIRS}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 
 # 3. The comparisons, each within the time left.
 status=0
