@@ -141,17 +141,19 @@ void phase_gemv(void* ctx, int, int) {
         if (u >= int64_t(c.work.size())) return;
         const Unit& w = c.work[size_t(u)];
         const FormatInfo& fi = kFormats[w.fmt];
-        for (int64_t t0 = 0; t0 < c.T; t0 += kMaxGemvTokens) {
-            const int nt = int(std::min<int64_t>(kMaxGemvTokens, c.T - t0));
+        const int64_t step = fi.float_acts ? kMaxGemvTokens : gemv_step(*c.kt, w.fmt, c.T);
+        thread_local std::vector<Q8Row> acts;
+        for (int64_t t0 = 0; t0 < c.T; t0 += step) {
+            const int nt = int(std::min<int64_t>(step, c.T - t0));
             float* y = c.out + t0 * c.N + w.col;
             if (fi.float_acts) {
                 const float* xs[kMaxGemvTokens];
                 for (int t = 0; t < nt; ++t) xs[t] = c.x32 + (t0 + t) * c.K;
                 c.kt->gemv_f32[w.fmt](*w.w, w.r0, w.rows, c.K, xs, nt, y, c.N);
             } else {
-                Q8Row acts[kMaxGemvTokens];
-                for (int t = 0; t < nt; ++t) acts[t] = c.q8(t0 + t, act_variant(fi));
-                c.kt->gemv_q8[w.fmt](*w.w, w.r0, w.rows, c.K, acts, nt, y, c.N);
+                acts.resize(size_t(nt));
+                for (int t = 0; t < nt; ++t) acts[size_t(t)] = c.q8(t0 + t, act_variant(fi));
+                c.kt->gemv_q8[w.fmt](*w.w, w.r0, w.rows, c.K, acts.data(), nt, y, c.N);
             }
         }
     }

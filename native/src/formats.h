@@ -185,33 +185,42 @@ static constexpr FormatInfo kFormats[FMT_COUNT] = {
 
 // Formats whose prompts take the decode GEMV at every token count (see prompt_takes_gemv in
 // repack.h): q2_k and q3_k, whose dequantizing costs the most bit work per weight, and q4_1,
-// q5_1 and iq4_nl, whose 32-block GEMV reads at the bandwidth's pace. The i-quants (and
-// iq4_xs) dequantize through their GEMV decoders into the GEMM's panels from the switch
-// point on: their GEMV decodes a super-block once per four tokens, the GEMM once per panel
-// (512-token prompt of the mid-size model with IQ2_XXS / IQ3_S experts, 2-core Xeon with
-// AVX-512: 212 -> 268 and 200 -> 250 tokens/s).
+// q5_1 and iq4_nl, whose 32-block GEMV reads at the bandwidth's pace. The i-quants' prompts:
+// see iq_prompt_gemv below; elsewhere they dequantize through their GEMV decoders into the
+// GEMM's panels.
 static inline bool gemv_at_every_count(Format f) {
     return f == FMT_Q2_K || f == FMT_Q3_K || f == FMT_Q4_1 || f == FMT_Q5_1 || f == FMT_IQ4_NL;
 }
 
 // Where the i-quants' prompts switch from the GEMV to dequantized panels and the GEMM: the
 // tokens a call needs for the GEMM to be the faster, measured per format and kernel set
-// (1536 x 2048 matrices, hot, GEMV and GEMM in turn at 4-64 tokens, 2-core Xeon; rounded
-// down to the nearest of 16, 28, 32, 40, 64): the cheaper a super-block's decoding, the later.
+// (1536 x 2048 matrices, hot, one thread's CPU time, GEMV and GEMM in turn at 16-256 tokens,
+// Xeon with AVX-512; the first count measured where the GEMM was the faster, or 256). The
+// GEMV decodes a super-block once for all of a call's tokens (kernels_iq.inl); on AVX-512,
+// with the signs on the weights and two quarters a vector, it stays level with the GEMM up to
+// 256 tokens (ms at 32 / 128 / 256 tokens, iq2_xxs: GEMV 1.45 / 5.73 / 12.1, GEMM 2.40 /
+// 6.56 / 12.7; iq4_xs, whose values need the sign-per-token form: 1.93 / 6.84 / 14.5 against
+// 2.60 / 6.75 / 12.6). On AVX2 the GEMM's FMAs catch up by 32-64 tokens.
 // 0: not an i-quant.
 static inline int iq_prefill_min_tokens(Format f, bool avx512) {
     switch (f) {
-        case FMT_IQ1_M: return 16;
-        case FMT_IQ1_S: return avx512 ? 28 : 32;
-        case FMT_IQ2_XXS:
+        case FMT_IQ2_XXS: return avx512 ? 256 : 64;
+        case FMT_IQ4_XS: return avx512 ? 128 : 64;
+        case FMT_IQ1_M:
+        case FMT_IQ1_S:
         case FMT_IQ2_XS:
-        case FMT_IQ2_S: return 32;
+        case FMT_IQ2_S:
         case FMT_IQ3_XXS:
-        case FMT_IQ3_S: return avx512 ? 40 : 16;  // the AVX2 set loads the 4-value entries one by one
-        case FMT_IQ4_XS: return 64;
+        case FMT_IQ3_S: return avx512 ? 256 : 32;
         default: return 0;
     }
 }
+
+// Prompts (prompt_takes_gemv) take one path per format at any count, so that a token's result
+// does not depend on the tokens beside it. On AVX-512 that is the GEMV for the i-quants whose
+// values fit its signs-on-weights form (all but iq4_xs): the faster up to 256 tokens a call,
+// and an expert's share of a prompt chunk is far fewer (32 of 512 tokens for 8 of 128 experts).
+static inline bool iq_prompt_gemv(Format f) { return f != FMT_IQ4_XS && iq_prefill_min_tokens(f, true) != 0; }
 
 // Bytes of one block of a group of eight rows in the x8 layouts: 32 columns of q4_0x8 /
 // int4_g32x8, a 256-column super-block of q4_kx8.

@@ -11,8 +11,9 @@
 namespace hmoe {
 
 // Decode: out[t * ldo + r] = dot(row row0 + r of w, acts[t]) for r < nrows, t < ntok
-// (ntok <= kMaxGemvTokens). Weights are decoded once per block and used for all ntok
-// tokens. K is the row length in weights.
+// (ntok <= kMaxGemvTokens, or any number where the table's gemv_any_tokens says so).
+// Weights are decoded once per block and used for all ntok tokens. K is the row length in
+// weights.
 using GemvQ8Fn = void (*)(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t K, const Q8Row* acts, int ntok,
                           float* out, int64_t ldo);
 // The same for float formats, with fp32 activations (x[t] points at K floats).
@@ -69,6 +70,9 @@ struct KernelTable {
     int panel;         // rows per prefill panel (one or two vector widths)
     QuantizeFn quantize;
     GemvQ8Fn gemv_q8[FMT_COUNT];     // null for float formats
+    // The format's gemv_q8 takes any number of tokens in one call, decoding each block once
+    // for all of them (the i-quants, whose decoding costs more than their dot products).
+    bool gemv_any_tokens[FMT_COUNT];
     GemvF32Fn gemv_f32[FMT_COUNT];   // null for quantized formats
     DequantPanelFn dequant_panel;    // all formats
     GemmPanelsFn gemm_panels;
@@ -77,6 +81,11 @@ struct KernelTable {
     AttendRunFn attend_run;
     RowsAxpyFn rows_axpy;
 };
+
+// Tokens one gemv_q8 call of `fmt` takes out of the `n` a caller has.
+inline int64_t gemv_step(const KernelTable& kt, Format fmt, int64_t n) {
+    return kt.gemv_any_tokens[fmt] ? n : kMaxGemvTokens;
+}
 
 const KernelTable* kernels_scalar();
 #if defined(HMOE_HAVE_X86_VARIANTS)

@@ -311,6 +311,154 @@ static void gemv_iq_n(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t K
     }
 }
 
+// Prompts: any number of tokens, each super-block decoded once for all of them (the GEMV
+// above decodes it again for every four). The decoded quarters wait in L1 while the tokens
+// pass in groups (eight on AVX-512, whose 32 vector registers hold their sums; four on
+// AVX2), each token's float lanes kept between super-blocks in `acc`. Per token the same
+// operations in the same order as gemv_iq_n: the same bits for any grouping of the tokens.
+#if defined(HMOE_AVX512)
+constexpr int kIqTokenGroup = 8;
+#else
+constexpr int kIqTokenGroup = 4;
+#endif
+
+template <int N>
+static inline void iq_tokens(const IqQuarter* q, float d, const Q8Row* acts, int64_t sb, __m256* acc) {
+    __m256i sums[N];
+    for (int t = 0; t < N; ++t) sums[t] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int ib = 0; ib < 8; ++ib) {
+        for (int t = 0; t < N; ++t) {
+            const __m256i a = with_signs(load32(acts[t].q + 256 * sb + 32 * ib), q[ib].sign);
+            sums[t] = add_scaled_pairs(sums[t], _mm256_maddubs_epi16(q[ib].mag, a), q[ib].scale);
+        }
+    }
+    for (int t = 0; t < N; ++t)
+        acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * acts[t].d[8 * sb]), _mm256_cvtepi32_ps(sums[t]), acc[t]);
+}
+
+template <Format F>
+static void gemv_iq_many(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t K, const Q8Row* acts, int ntok,
+                         float* out, int64_t ldo) {
+    constexpr int kBytes = kFormats[F].block_bytes;
+    const int64_t nsb = K / 256;
+    thread_local std::vector<__m256> acc_buf;
+    if (acc_buf.size() < size_t(ntok)) acc_buf.resize(size_t(ntok));
+    __m256* acc = acc_buf.data();
+    for (int64_t r = 0; r < nrows; ++r) {
+        const uint8_t* row = w.row(row0 + r);
+        for (int t = 0; t < ntok; ++t) acc[t] = _mm256_setzero_ps();
+        _mm_prefetch(reinterpret_cast<const char*>(w.row(row0 + r + 1)), _MM_HINT_T0);
+        for (int64_t sb = 0; sb < nsb; ++sb) {
+            const IqBlock<F> blk(row + sb * kBytes);
+            prefetch_span(blk.p + kPrefetchAheadK, kBytes);
+            IqQuarter q[8];
+            for (int ib = 0; ib < 8; ++ib) q[ib] = blk.quarter(ib);
+            const float d = blk.d();
+            int t = 0;
+            for (; t + kIqTokenGroup <= ntok; t += kIqTokenGroup) iq_tokens<kIqTokenGroup>(q, d, acts + t, sb, acc + t);
+            switch (ntok - t) {
+                case 0: break;
+                case 1: iq_tokens<1>(q, d, acts + t, sb, acc + t); break;
+                case 2: iq_tokens<2>(q, d, acts + t, sb, acc + t); break;
+                case 3: iq_tokens<3>(q, d, acts + t, sb, acc + t); break;
+                case 4: iq_tokens<4>(q, d, acts + t, sb, acc + t); break;
+                case 5: iq_tokens<5>(q, d, acts + t, sb, acc + t); break;
+                case 6: iq_tokens<6>(q, d, acts + t, sb, acc + t); break;
+                default: iq_tokens<7>(q, d, acts + t, sb, acc + t); break;
+            }
+        }
+        for (int t = 0; t < ntok; ++t) out[t * ldo + r] = hsum_ps(acc[t]);
+    }
+}
+
+#if defined(HMOE_AVX512)
+// AVX-512, formats whose values stay within +-63: the signs go onto the weights once per
+// super-block instead of onto every token's activations, two quarters to a 512-bit vector.
+// vpmaddubsw needs one unsigned side, so the activations come offset by 128 (x ^ 0x80, once
+// per call) and the offset's share, 128 x w x scale summed the same way, is taken off per
+// super-block: (x + 128) w - 128 w = x w exactly in int32 (pairs at most 2 x 255 x 63, no
+// saturation). The two 256-bit halves add into the lanes gemv_iq_n's sums have, so every
+// token gets the same integers, floats and bits as there. Per token and super-block: four
+// loads, four vpmaddubsw, four vpdpwssd, against eight of each and eight sign applications.
+template <Format F>
+constexpr bool kIqSmallValues = F != FMT_IQ4_XS;  // iq4_xs reaches 127
+
+template <int N>
+static inline void iq_tokens_512(const __m512i* w, const __m512i* scale, __m256i corr, float d, const uint8_t* const* xu,
+                                 const float* const* xd, int64_t sb, __m256* acc) {
+    __m512i sums[N];
+    for (int t = 0; t < N; ++t) sums[t] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {
+        for (int t = 0; t < N; ++t) {
+            const __m512i a = _mm512_loadu_si512(xu[t] + 256 * sb + 64 * j);
+            sums[t] = _mm512_dpwssd_epi32(sums[t], _mm512_maddubs_epi16(a, w[j]), scale[j]);
+        }
+    }
+    for (int t = 0; t < N; ++t) {
+        const __m256i lanes = _mm256_sub_epi32(
+            _mm256_add_epi32(_mm512_castsi512_si256(sums[t]), _mm512_extracti64x4_epi64(sums[t], 1)), corr);
+        acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * xd[t][8 * sb]), _mm256_cvtepi32_ps(lanes), acc[t]);
+    }
+}
+
+template <Format F>
+static void gemv_iq_many_512(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t K, const Q8Row* acts, int ntok,
+                             float* out, int64_t ldo) {
+    constexpr int kBytes = kFormats[F].block_bytes;
+    constexpr int kGroup = 4;
+    const int64_t nsb = K / 256;
+    thread_local std::vector<__m256> acc_buf;
+    thread_local std::vector<uint8_t> xu_buf;
+    thread_local std::vector<const uint8_t*> xu;
+    thread_local std::vector<const float*> xd;
+    if (acc_buf.size() < size_t(ntok)) acc_buf.resize(size_t(ntok));
+    xu_buf.resize(size_t(ntok) * size_t(K));
+    xu.resize(size_t(ntok));
+    xd.resize(size_t(ntok));
+    const __m512i offset = _mm512_set1_epi8(char(0x80));
+    for (int t = 0; t < ntok; ++t) {
+        uint8_t* dst = xu_buf.data() + size_t(t) * size_t(K);
+        for (int64_t k = 0; k < K; k += 64)
+            _mm512_storeu_si512(dst + k, _mm512_xor_si512(_mm512_loadu_si512(acts[t].q + k), offset));
+        xu[size_t(t)] = dst;
+        xd[size_t(t)] = acts[t].d;
+    }
+    __m256* acc = acc_buf.data();
+    for (int64_t r = 0; r < nrows; ++r) {
+        const uint8_t* row = w.row(row0 + r);
+        for (int t = 0; t < ntok; ++t) acc[t] = _mm256_setzero_ps();
+        _mm_prefetch(reinterpret_cast<const char*>(w.row(row0 + r + 1)), _MM_HINT_T0);
+        for (int64_t sb = 0; sb < nsb; ++sb) {
+            const IqBlock<F> blk(row + sb * kBytes);
+            prefetch_span(blk.p + kPrefetchAheadK, kBytes);
+            __m512i wv[4], sc[4];
+            __m512i offset_sums = _mm512_setzero_si512();
+            for (int j = 0; j < 4; ++j) {
+                const IqQuarter a = blk.quarter(2 * j), b = blk.quarter(2 * j + 1);
+                wv[j] = _mm512_inserti64x4(_mm512_castsi256_si512(with_signs(a.mag, a.sign)), with_signs(b.mag, b.sign), 1);
+                sc[j] = _mm512_inserti64x4(_mm512_castsi256_si512(a.scale), b.scale, 1);
+                offset_sums = _mm512_dpwssd_epi32(offset_sums, _mm512_maddubs_epi16(offset, wv[j]), sc[j]);
+            }
+            const __m256i corr =
+                _mm256_add_epi32(_mm512_castsi512_si256(offset_sums), _mm512_extracti64x4_epi64(offset_sums, 1));
+            const float d = blk.d();
+            int t = 0;
+            for (; t + kGroup <= ntok; t += kGroup)
+                iq_tokens_512<kGroup>(wv, sc, corr, d, xu.data() + t, xd.data() + t, sb, acc + t);
+            switch (ntok - t) {
+                case 0: break;
+                case 1: iq_tokens_512<1>(wv, sc, corr, d, xu.data() + t, xd.data() + t, sb, acc + t); break;
+                case 2: iq_tokens_512<2>(wv, sc, corr, d, xu.data() + t, xd.data() + t, sb, acc + t); break;
+                default: iq_tokens_512<3>(wv, sc, corr, d, xu.data() + t, xd.data() + t, sb, acc + t); break;
+            }
+        }
+        for (int t = 0; t < ntok; ++t) out[t * ldo + r] = hsum_ps(acc[t]);
+    }
+}
+#endif
+
 template <Format F>
 struct IqG {
     template <int N>
@@ -324,5 +472,10 @@ struct IqG {
 template <Format F>
 static void gemv_q8_iq(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t K, const Q8Row* acts, int ntok,
                        float* out, int64_t ldo) {
+#if defined(HMOE_AVX512)
+    if constexpr (kIqSmallValues<F>)
+        if (ntok > kMaxGemvTokens) return gemv_iq_many_512<F>(w, row0, nrows, K, acts, ntok, out, ldo);
+#endif
+    if (ntok > kMaxGemvTokens) return gemv_iq_many<F>(w, row0, nrows, K, acts, ntok, out, ldo);
     by_tokens<IqG<F>::template G>(w, row0, nrows, K, acts, ntok, out, ldo);
 }

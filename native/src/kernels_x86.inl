@@ -31,6 +31,8 @@
 
 #include <immintrin.h>
 
+#include <vector>
+
 #include "block_decode.inl"
 
 #if defined(HMOE_AVX512)
@@ -2045,6 +2047,8 @@ static const KernelTable* make_table(const char* name) {
         q8[FMT_IQ3_S] = gemv_q8_iq<FMT_IQ3_S>;
         q8[FMT_IQ1_S] = gemv_q8_iq<FMT_IQ1_S>;
         q8[FMT_IQ1_M] = gemv_q8_iq<FMT_IQ1_M>;
+        for (Format f : {FMT_IQ4_XS, FMT_IQ2_XXS, FMT_IQ2_XS, FMT_IQ2_S, FMT_IQ3_XXS, FMT_IQ3_S, FMT_IQ1_S, FMT_IQ1_M})
+            t.gemv_any_tokens[f] = true;
         q8[FMT_Q4_0_X8] = gemv_q8_x8<FMT_Q4_0_X8>;
         q8[FMT_INT4_X8] = gemv_q8_x8<FMT_INT4_X8>;
         q8[FMT_Q4_K_X8] = gemv_q8_q4kx8;

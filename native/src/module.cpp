@@ -679,10 +679,12 @@ NB_MODULE(_native, m) {
             // The measured switch points by stored format, for the layout the kernels read it
             // in (the x8 copy where one is made); None: the GEMV path at every count.
             nb::dict experts, dense;
+            nb::list prompt_gemv;  // formats whose prompts take the GEMV at every count
             for (int i = 0; i < FMT_COUNT; ++i) {
                 const Format f = Format(i);
                 if (kFormats[f].row_group != 1 || kFormats[f].float_acts) continue;
                 const Format used = interleaved_format(f) == FMT_COUNT ? f : interleaved_format(f);
+                if (prompt_takes_gemv(current_table()->name, used)) prompt_gemv.append(kFormats[f].name);
                 const int e = default_prefill_min_tokens(*current_table(), used);
                 const int l = dense_prefill_min_tokens(*current_table(), used);
                 experts[kFormats[f].name] = e >= kNeverPrefill ? nb::none() : nb::cast(e);
@@ -690,6 +692,7 @@ NB_MODULE(_native, m) {
             }
             d["prefill_min_tokens"] = experts;
             d["dense_prefill_min_tokens"] = dense;
+            d["prompt_gemv"] = prompt_gemv;
             return d;
         },
         "The kernel set, why a better one was refused, the CPU's variants, threads, NUMA nodes and the "

@@ -74,6 +74,7 @@ constexpr int kMaxKc = 4096;
 struct Scratch {
     std::vector<float> f[6];
     std::vector<const float*> ptrs;
+    std::vector<Q8Row> acts;  // a GEMV call's tokens
     float* get(int slot, size_t n) {
         if (f[slot].size() < n) f[slot].resize(n);
         return f[slot].data();
@@ -229,16 +230,18 @@ void decode_gate_up(const Call& c, const Entry& en, int r0, int rc) {
     for (int mi = 0; mi < 2; ++mi) {
         const MatrixRef& m = mi == 0 ? w.gate : w.up;
         float* Y = mi == 0 ? G : U;
-        for (int64_t i = 0; i < en.n; i += kMaxGemvTokens) {
-            const int nt = int(std::min<int64_t>(kMaxGemvTokens, en.n - i));
+        const int64_t step = c.float_fmt ? kMaxGemvTokens : gemv_step(*c.kt, c.fmt, en.n);
+        for (int64_t i = 0; i < en.n; i += step) {
+            const int nt = int(std::min<int64_t>(step, en.n - i));
             if (c.float_fmt) {
                 const float* xs[kMaxGemvTokens];
                 for (int t = 0; t < nt; ++t) xs[t] = c.x32 + c.ws->pair_tok[size_t(en.begin + i + t)] * c.H;
                 c.kt->gemv_f32[c.fmt](m, r0, rc, c.H, xs, nt, Y + i * rc, rc);
             } else {
-                Q8Row acts[kMaxGemvTokens];
-                for (int t = 0; t < nt; ++t) acts[t] = c.x_q8(c.ws->pair_tok[size_t(en.begin + i + t)]);
-                c.kt->gemv_q8[c.fmt](m, r0, rc, c.H, acts, nt, Y + i * rc, rc);
+                std::vector<Q8Row>& acts = tls.acts;
+                acts.resize(size_t(nt));
+                for (int t = 0; t < nt; ++t) acts[size_t(t)] = c.x_q8(c.ws->pair_tok[size_t(en.begin + i + t)]);
+                c.kt->gemv_q8[c.fmt](m, r0, rc, c.H, acts.data(), nt, Y + i * rc, rc);
             }
         }
     }
@@ -324,9 +327,10 @@ void decode_down(const Call& c, const MatrixRef& down, int64_t pair, int nt, int
         for (int t = 0; t < nt; ++t) hs[t] = c.ws->hf.data() + (pair + t) * c.I;
         c.kt->gemv_f32[c.fmt_dn](down, r0, rc, c.I, hs, nt, Y, ldy);
     } else {
-        Q8Row acts[kMaxGemvTokens];
-        for (int t = 0; t < nt; ++t) acts[t] = c.h_q8(pair + t);
-        c.kt->gemv_q8[c.fmt_dn](down, r0, rc, c.I, acts, nt, Y, ldy);
+        std::vector<Q8Row>& acts = tls.acts;
+        acts.resize(size_t(nt));
+        for (int t = 0; t < nt; ++t) acts[size_t(t)] = c.h_q8(pair + t);
+        c.kt->gemv_q8[c.fmt_dn](down, r0, rc, c.I, acts.data(), nt, Y, ldy);
     }
 }
 
@@ -348,9 +352,10 @@ void down_rows(const Call& c, int node, int r0, int rc) {
             for (int i = 0; i < m; ++i) accumulate(c, out, w, en.begin + i, r0, rc, C + int64_t(i) * cols);
             continue;
         }
-        float* Y = tls.get(0, size_t(kMaxGemvTokens) * rc);
-        for (int64_t i = 0; i < en.n; i += kMaxGemvTokens) {
-            const int nt = int(std::min<int64_t>(kMaxGemvTokens, en.n - i));
+        const int64_t step = c.float_dn ? kMaxGemvTokens : gemv_step(*c.kt, c.fmt_dn, en.n);
+        float* Y = tls.get(0, size_t(step) * rc);
+        for (int64_t i = 0; i < en.n; i += step) {
+            const int nt = int(std::min<int64_t>(step, en.n - i));
             decode_down(c, w.down, en.begin + i, nt, r0, rc, Y, rc);
             for (int t = 0; t < nt; ++t) accumulate(c, out, w, en.begin + i + t, r0, rc, Y + t * rc);
         }

@@ -23,7 +23,9 @@ Format interleaved_format(Format fmt) {
 
 bool prompt_takes_gemv(const char* kernels, Format fmt) {
     if (std::strcmp(kernels, "scalar") == 0) return false;
-    return kFormats[fmt].row_group == 8 || interleaved_format(fmt) != FMT_COUNT || gemv_at_every_count(fmt);
+    const bool avx512 = std::strncmp(kernels, "avx512", 6) == 0;
+    return kFormats[fmt].row_group == 8 || interleaved_format(fmt) != FMT_COUNT || gemv_at_every_count(fmt) ||
+           (avx512 && iq_prompt_gemv(fmt));
 }
 
 Format copied_format(Format fmt, int64_t rows, bool in_file) {

@@ -47,7 +47,7 @@ def test_dequantizing_is_ggmls_bit_for_bit(fmt, isa):
         f"{int((out != expected).sum())} values differ, max {float(np.abs(out - expected).max())}")
 
 
-@pytest.mark.parametrize("tokens", [1, 3, 4, 6])
+@pytest.mark.parametrize("tokens", [1, 3, 4, 6, 13])
 @pytest.mark.parametrize("fmt", NEW_TYPES)
 def test_the_gemv_computes_the_dequantized_product(fmt, tokens, isa):
     data = stored(fmt)
@@ -64,33 +64,52 @@ def test_the_gemv_computes_the_dequantized_product(fmt, tokens, isa):
     assert float((out - expected).abs().max()) <= 0.01 * scale
 
 
+@pytest.mark.parametrize("fmt", NEW_TYPES)
+def test_the_gemv_gives_each_token_the_same_bits_however_many_come_at_once(fmt, isa):
+    """The i-quants' GEMV takes a prompt's tokens in one call, decoding each super-block once
+    for all of them; per token it does what the four-token passes do, in the same order."""
+    data = stored(fmt)
+    tensor = torch.from_numpy(data)
+    linear = _native.DenseLinear(fmt, K, [(ROWS, [tensor.data_ptr(), 0, data.shape[1], 0])], False)
+    x = torch.from_numpy(np.random.default_rng(4).standard_normal((37, K)).astype(np.float32))
+    together = torch.empty(37, ROWS)
+    linear.forward(x, together, 1 << 30)
+    for t0 in range(0, 37, 3):
+        apart = torch.empty(min(3, 37 - t0), ROWS)
+        linear.forward(x[t0:t0 + 3].contiguous(), apart, 1 << 30)
+        assert torch.equal(together[t0:t0 + 3], apart), f"tokens {t0}..{t0 + 2}"
+
+
 GEMV_ALWAYS = ("q4_1", "q5_1", "iq4_nl")  # their 32-block GEMV reads at the bandwidth's pace
 
 
 @pytest.mark.parametrize("fmt", NEW_TYPES)
 def test_their_prompts_take_one_path_by_format(fmt):
     """q4_1/q5_1/iq4_nl take the GEMV at every count; the i-quants switch to dequantized panels
-    and the GEMM at their measured switch point (both experts and dense projections), between
-    the four tokens a GEMV pass serves and a prompt chunk. The portable set's GEMM is the
-    faster from one token."""
+    and the GEMM at their measured switch point (both experts and dense projections), past
+    the four tokens a GEMV pass serves, and their prompts take one path: on AVX-512 the GEMV
+    (which decodes a super-block once for all of a call's tokens) but for iq4_xs, elsewhere
+    the GEMM. The portable set's GEMM is the faster from one token."""
     for name in ISAS:
         _native.set_isa(name)
         try:
             info = _native.isa_info()
             experts, dense = info["prefill_min_tokens"][fmt], info["dense_prefill_min_tokens"][fmt]
+            prompt_gemv = fmt in info["prompt_gemv"]
             if name == "scalar":
-                assert experts == dense == 1
+                assert experts == dense == 1 and not prompt_gemv
             elif fmt in GEMV_ALWAYS:
-                assert experts is None and dense is None
+                assert experts is None and dense is None and prompt_gemv
             else:
-                assert 4 < experts <= 64 and experts == dense
+                assert 4 < experts <= 256 and experts == dense
+                assert prompt_gemv == (name.startswith("avx512") and fmt != "iq4_xs")
         finally:
             _native.set_isa("")
 
 
 @pytest.mark.parametrize("fmt", NEW_TYPES)
 def test_the_prompt_path_computes_the_dequantized_product(fmt, isa):
-    rows, k, tokens = 40, 512, 70  # past every switch point
+    rows, k, tokens = 40, 512, 260  # past every switch point
     data = stored(fmt, rows, k, seed=3)
     weights = torch.from_numpy(reference(fmt, data))
     x = torch.from_numpy(np.random.default_rng(2).standard_normal((tokens, k)).astype(np.float32))
