@@ -4,13 +4,25 @@ says at each step whether its best token is llama.cpp's, and where not, both mar
 gap between the two tokens in llama.cpp's logits and in the engine's): a difference at a
 margin under about 5e-3 is a near tie that rounding decides.
 
-    python benchmarks/greedy_vs_llama_cpp.py FILE.gguf [--dtype bf16,fp32] [--steps 32]
+    python benchmarks/greedy_vs_llama_cpp.py FILE.gguf [--dtype bf16,fp32] [--steps 32] [--reference]
+
+`--reference` asks who is right where they differ: the exact product of the file's weights
+(the engine's PyTorch path with the native kernels off, in float32: every weight
+dequantized, no activation rounded) generates the tokens instead, and llama.cpp and the
+engine are each held to it: how many of its greedy tokens each chooses, and the mean
+distance of each one's logits from it (RMS over the vocabulary, in units of the logits'
+spread). A random model whose routing sits on near ties (many experts, grouped top-k)
+amplifies any rounding: there neither backend keeps the reference's tokens for long, and the
+distance says which stays closer.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -19,53 +31,121 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def main() -> None:
+def prompt_ids(n: int) -> list[int]:
+    return [int(x) for x in np.random.default_rng(0).integers(100, 16000, size=n)]
+
+
+def engine_rows(model: str, prompt: list[int], forced: list[int], dtype: str) -> list[np.ndarray]:
+    """The engine's logits before each forced token (the prompt's last row, then one per token)."""
     import torch
 
     from hybridmoe.backend.engine.model import build_model
     from hybridmoe.backend.formats.weights import open_weights
-    from hybridmoe.backend.llamacpp.model import RawModel
     from hybridmoe.backend.models import inspect_model
 
+    m = build_model(inspect_model(model).spec.config, open_weights(model), max_context=len(prompt) + len(forced) + 8,
+                    dtype={"bf16": torch.bfloat16, "fp32": torch.float32}[dtype], device="cpu")
+    with torch.inference_mode():
+        rows = [m(torch.tensor(prompt), 0)[-1].float().numpy()]
+        for i, token in enumerate(forced[:-1]):
+            rows.append(m(torch.tensor([token]), len(prompt) + i)[-1].float().numpy())
+    return rows
+
+
+def llama_rows(model: str, prompt: list[int], forced: list[int] | None, steps: int) -> tuple[list[int], list[np.ndarray]]:
+    """llama.cpp's logits before each token; its own greedy tokens unless `forced`."""
+    from hybridmoe.backend.llamacpp.model import RawModel
+
+    llm = RawModel(model, n_ctx=len(prompt) + steps + 8, n_batch=512, n_threads=2)
+    try:
+        llm.reset()
+        logits = llm.eval(prompt)
+        tokens, rows = [], []
+        for i in range(steps):
+            row = np.array(logits[-1])
+            rows.append(row)
+            tokens.append(forced[i] if forced else int(np.argmax(row)))
+            logits = llm.eval([tokens[-1]])
+    finally:
+        llm.close()
+    return tokens, rows
+
+
+def reference(model: str, prompt_tokens: int, steps: int) -> tuple[list[int], list[np.ndarray]]:
+    """The exact product's greedy tokens and logits, from a process with the kernels off."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "reference.npz"
+        subprocess.run([sys.executable, __file__, model, "--write-reference", str(out), "--steps", str(steps),
+                        "--prompt-tokens", str(prompt_tokens)], check=True,
+                       env={**os.environ, "HYBRIDMOE_NATIVE": "0"})
+        z = np.load(out)
+        return z["tokens"].tolist(), list(z["logits"])
+
+
+def write_reference(model: str, prompt: list[int], steps: int, out: str) -> None:
+    import torch
+
+    from hybridmoe.backend.engine.model import build_model
+    from hybridmoe.backend.formats.weights import open_weights
+    from hybridmoe.backend.models import inspect_model
+
+    m = build_model(inspect_model(model).spec.config, open_weights(model), max_context=len(prompt) + steps + 8,
+                    dtype=torch.float32, device="cpu")
+    tokens, rows = [], []
+    with torch.inference_mode():
+        row = m(torch.tensor(prompt), 0)[-1].float()
+        for i in range(steps):
+            rows.append(row.numpy())
+            tokens.append(int(row.argmax()))
+            row = m(torch.tensor([tokens[-1]]), len(prompt) + i)[-1].float()
+    np.savez(out, tokens=np.array(tokens), logits=np.stack(rows))
+
+
+def held_to(name: str, rows: list[np.ndarray], tokens: list[int], ref: list[np.ndarray]) -> None:
+    """How `rows` (logits before each of `tokens`) keep the reference's choices."""
+    same, notes = 0, []
+    for i, (row, token) in enumerate(zip(rows, tokens)):
+        best = int(np.argmax(row))
+        if best == token:
+            same += 1
+        elif len(notes) < 4:
+            notes.append(f"step {i}: the reference's margin {float(ref[i][token] - ref[i][best]):.4f}")
+    distance = np.mean([np.sqrt(((r - f) ** 2).mean()) / f.std() for r, f in zip(rows, ref)])
+    print(f"{name}: the reference's token at {same} of {len(tokens)} steps; logits {distance:.4f} of the spread "
+          f"from the reference's" + (f" ({'; '.join(notes)})" if notes else ""), flush=True)
+
+
+def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("model")
     p.add_argument("--dtype", default="bf16", help="engine compute dtypes to try, comma-separated (bf16, fp32)")
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--prompt-tokens", type=int, default=64)
+    p.add_argument("--reference", action="store_true", help="hold both to the exact product of the weights")
+    p.add_argument("--write-reference", help=argparse.SUPPRESS)
     args = p.parse_args()
+    prompt = prompt_ids(args.prompt_tokens)
+    if args.write_reference:
+        return write_reference(args.model, prompt, args.steps, args.write_reference)
 
-    spec = inspect_model(args.model).spec
-    prompt = [int(x) for x in np.random.default_rng(0).integers(100, 16000, size=args.prompt_tokens)]
-    llm = RawModel(args.model, n_ctx=args.prompt_tokens + args.steps + 8, n_batch=512, n_threads=2)
-    try:
-        llm.reset()
-        logits = llm.eval(prompt)
-        theirs, their_logits = [], []
-        for _ in range(args.steps):
-            row = np.array(logits[-1])
-            theirs.append(int(np.argmax(row)))
-            their_logits.append(row)
-            logits = llm.eval([theirs[-1]])
-    finally:
-        llm.close()
+    if args.reference:
+        tokens, ref = reference(args.model, args.prompt_tokens, args.steps)
+        held_to("llama.cpp", llama_rows(args.model, prompt, tokens, args.steps)[1], tokens, ref)
+        for name in args.dtype.split(","):
+            held_to(f"engine {name}", engine_rows(args.model, prompt, tokens, name), tokens, ref)
+        return
 
+    theirs, their_logits = llama_rows(args.model, prompt, None, args.steps)
     for name in args.dtype.split(","):
-        dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[name]
-        model = build_model(spec.config, open_weights(args.model), max_context=args.prompt_tokens + args.steps + 8,
-                            dtype=dtype, device="cpu")
         same = 0
-        with torch.inference_mode():
-            out = model(torch.tensor(prompt), 0)[-1]
-            for i, token in enumerate(theirs):
-                ours = out.float()
-                best = int(ours.argmax())
-                if best == token:
-                    same += 1
-                else:
-                    ref = their_logits[i]
-                    print(f"{name}: step {i}: engine {best}, llama.cpp {token}; llama.cpp's margin "
-                          f"{float(ref[token] - ref[best]):.4f}, the engine's {float(ours[best] - ours[token]):.4f}")
-                out = model(torch.tensor([token]), len(prompt) + i)[-1]
+        for i, (ours, token) in enumerate(zip(engine_rows(args.model, prompt, theirs, name), theirs)):
+            best = int(ours.argmax())
+            if best == token:
+                same += 1
+            else:
+                ref = their_logits[i]
+                print(f"{name}: step {i}: engine {best}, llama.cpp {token}; llama.cpp's margin "
+                      f"{float(ref[token] - ref[best]):.4f}, the engine's {float(ours[best] - ours[token]):.4f}")
         print(f"{name}: the engine's greedy choice is llama.cpp's at {same} of {args.steps} steps")
 
 
