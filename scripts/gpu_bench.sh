@@ -10,6 +10,9 @@
 #
 #     run(command="bash scripts/gpu_bench.sh", carry=[".gpu_bench"], timeout_s=600)
 #
+# Expected: the build 4-5 minutes (estimated from 141 CUDA units: docs/gpu_bench.md), the GGUFs
+# and the native kernels beside it, then both comparisons within the rest of BUDGET (480 s).
+#
 # What it does, timed into $OUT/timeline.txt:
 #   1. builds libllama + libggml (CPU and CUDA backends) from .gpu_bench/llama.cpp for sm_90 only
 #      (H100/H200), no common/tools/tests/examples/server, flash-attention kernels for an f16 cache
