@@ -9,9 +9,8 @@ what travels is re-made from PyPI by this script in about a minute). It writes D
 
 - ``llama.cpp/``: the llama.cpp source the installed llama-cpp-python vendors (its sdist of the
   same version, from PyPI), cut down to what libllama and libggml with the CPU and CUDA
-  backends need: the top CMake files, ``cmake/``, ``include/``, ``src/``, the header-only
-  ``vendor/`` libraries CMake adds unconditionally, and ``ggml/`` with only its CPU and CUDA
-  backends. No common/, tools/, tests/, examples/, models/, docs/ (the sdist's 176 MB).
+  backends need: the top CMake files, ``cmake/``, ``include/``, ``src/``, what of ``vendor/``
+  CMake reads unconditionally, and ``ggml/`` with only its CPU and CUDA backends. No common/, tools/, tests/, examples/, models/, docs/ (the sdist's 176 MB).
 - ``python/llama_cpp/``: llama-cpp-python's own Python package (ctypes bindings) without
   its compiled libraries; ``LLAMA_CPP_LIB_PATH`` points it at the CUDA build
   (llama_cpp/llama_cpp.py reads it to find libllama.so; backend/llamacpp/library.py loads
@@ -43,9 +42,13 @@ ROOT = Path(__file__).resolve().parents[1]
 # Paths of the llama.cpp tree (relative to vendor/llama.cpp) that the library build reads.
 # ggml/src's other backends are left out: ggml_add_backend() only enters a backend's folder
 # when its GGML_<NAME> option is on, and gpu_bench.sh turns on CUDA alone.
+# Of vendor/, which CMake enters unconditionally: the hash library it compiles, and only the
+# CMakeLists.txt of the header-only ones (their targets must exist; libllama includes none of
+# their headers: the CPU build's dependency log here names no vendor/ file).
 KEEP = ("CMakeLists.txt", "LICENSE", "cmake/", "include/", "src/", "vendor/CMakeLists.txt", "vendor/hash/",
-        "vendor/miniaudio/", "vendor/nlohmann/", "vendor/sheredom/", "vendor/stb/", "ggml/CMakeLists.txt",
-        "ggml/cmake/", "ggml/include/", "ggml/src/ggml-cpu/", "ggml/src/ggml-cuda/")
+        "vendor/miniaudio/CMakeLists.txt", "vendor/nlohmann/CMakeLists.txt", "vendor/sheredom/CMakeLists.txt",
+        "vendor/stb/CMakeLists.txt", "ggml/CMakeLists.txt", "ggml/cmake/", "ggml/include/", "ggml/src/ggml-cpu/",
+        "ggml/src/ggml-cuda/")
 # Loose files directly in ggml/src (ggml.c, gguf.cpp, ggml-backend.cpp, CMakeLists.txt, ...).
 KEEP_FILES_IN = ("ggml/src/",)
 
