@@ -4,7 +4,7 @@
 #
 # Here first (PyPI reachable), once per llama-cpp-python version:
 #
-#     python scripts/prepare_gpu_bench.py          # writes .gpu_bench/ (ignored by git), ~34 MiB
+#     python scripts/prepare_gpu_bench.py          # writes .gpu_bench/ (ignored by git), ~31 MiB
 #
 # Then on the device, with the run tool (one call; the working tree travels, .gpu_bench is carried):
 #
