@@ -224,12 +224,15 @@ def _layouts(plan: Plan) -> list[str]:
 
 def _gpu_always_read_lines(plan: Plan) -> list[str]:
     """The engine's always-read weights on the GPUs, class by class, in the form each storage
-    type is held there (as stored, or widened to the compute dtype)."""
-    if not plan.gpu_always_read_forms:
+    type is held there (as stored, or widened to the compute dtype); nothing where every one is
+    held as the file stores it in the compute dtype already (a bf16 checkpoint)."""
+    forms = plan.gpu_always_read_forms
+    if not any(f["held"] == "as stored" or f["held"] not in ("as routed", f["stored"]) for f in forms):
         return []
     by_class: dict[str, list[str]] = {}
-    for f in plan.gpu_always_read_forms:
-        form = f["stored"] if f["held"] in ("as stored", "as routed") else f"{f['stored']}→{f['held']}"
+    for f in forms:
+        same = f["held"] in ("as stored", "as routed", f["stored"])
+        form = f["stored"] if same else f"{f['stored']}→{f['held']}"
         count = f"{f['tensors']} tensor{'s' if f['tensors'] != 1 else ''}"
         by_class.setdefault(f["class"], []).append(f"{form} {fmt_bytes(f['bytes'])} ({count}, e.g. {f['example']})")
     out = ["  always-read weights on the GPUs (whole model; → widened to the compute dtype, else as the file stores them):"]
