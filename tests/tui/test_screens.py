@@ -14,6 +14,7 @@ from hybridmoe.app.tui.screens.hardware import HardwareScreen
 from hybridmoe.app.tui.screens.models import ModelsScreen
 from hybridmoe.app.tui.screens.plan import PlanScreen
 from hybridmoe.app.tui.widgets.plan_editor import PlanEditor
+from hybridmoe.app.tui.widgets.plan_view import tokens_per_s
 from hybridmoe.backend import settings as settings_module
 from hybridmoe.backend.hub.local import LocalModel
 from hybridmoe.backend.plan import Plan
@@ -94,7 +95,11 @@ async def test_models_lists_pulls_converts_uses_and_deletes(configured, tmp_path
         catalogue = screen.query_one("#catalogue-models", DataTable)
         assert local.row_count == 2 and catalogue.row_count == 3
         rows = {catalogue.get_row(key)[0]: catalogue.get_row(key) for key in ("qwen3-30b-a3b", "kimi-k2.6")}
-        assert rows["Qwen3 30B-A3B"][3].replace(",", "").isdigit()  # the column says "tok/s ≤"
+        # The column says "tok/s, ≤max": the plan's expected figure, then its bound.
+        expected, bound = rows["Qwen3 30B-A3B"][3].replace(",", "").split(" ≤")
+        ranked = screen.ranked["qwen3-30b-a3b"].plan
+        assert (expected, bound) == (tokens_per_s(ranked.decode_tokens_per_s_expected).replace(",", ""),
+                                     tokens_per_s(ranked.decode_tokens_per_s_upper_bound).replace(",", ""))
         assert rows["Kimi K2.6"][1] == "does not fit"
         assert "default" in local.get_row_at(0)[5]
 
