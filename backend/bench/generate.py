@@ -312,7 +312,9 @@ def record_engine_rate(engine: dict, source: str) -> None:
     from hybridmoe.backend.hardware import achieved, detect
 
     achieved.record(detect(measure_bandwidth=False), bytes_per_token=end_to_end["bytes"],
-                    tokens_per_s=1 / end_to_end["seconds"], source=f"{source}, {end_to_end['bytes'] / 1e6:.0f} MB a token at "
+                    tokens_per_s=1 / end_to_end["seconds"],
+                    # of_probe: each pass against the probes taken right around it
+                    probe_bytes_per_s=end_to_end["bytes"] / end_to_end["seconds"] / end_to_end["of_probe"], source=f"{source}, {end_to_end['bytes'] / 1e6:.0f} MB a token at "
                            f"{1 / end_to_end['seconds']:.1f} tokens/s")
 
 

@@ -398,7 +398,7 @@ def predictions(model: str, streams: Sequence[int], context: int, backend: str =
 
     inspected = inspect_model(model)
     hardware = detect(measure_bandwidth=True)
-    out = {}
+    out: dict = {}
     for n in streams:
         plan = make(inspected.spec, inspected.inventory, hardware,
                     Workload(context=context, users=n, strategy="cpu-only", backend=backend))
@@ -408,6 +408,7 @@ def predictions(model: str, streams: Sequence[int], context: int, backend: str =
                   "expected_aggregate_tokens_per_s": plan.decode_tokens_per_s_aggregate_expected,
                   "expected_how": plan.decode_expected_how_per_user,
                   "host_bytes_per_token": plan.host_bytes_per_token,
+                  "probe_bytes_per_s": hardware.memory.bandwidth_measured_bytes_per_s,
                   "experts_touched_per_layer": plan.experts_touched_per_layer}
     return out
 
@@ -447,7 +448,7 @@ def record_engine_rate(summary: dict) -> None:
 
     rate = one["aggregate_tokens_per_s"]
     achieved.record(detect(measure_bandwidth=False), bytes_per_token=predicted["host_bytes_per_token"],
-                    tokens_per_s=rate, source=f"bench serve, {predicted['host_bytes_per_token'] / 1e6:.0f} MB a token at {rate:.1f} tokens/s")
+                    tokens_per_s=rate, probe_bytes_per_s=predicted.get("probe_bytes_per_s"), source=f"bench serve, {predicted['host_bytes_per_token'] / 1e6:.0f} MB a token at {rate:.1f} tokens/s")
 
 
 def ratios(summary: dict) -> dict:

@@ -65,6 +65,11 @@ def _guarded(part: str, unknown: dict[str, str], default: T, call: Callable[[], 
     return value
 
 
+def probe_reading() -> float | None:
+    """This process's host read probe figure (bytes/s), if it has taken one."""
+    return _probe_reading[0] if _probe_reading else None
+
+
 def detect(
     *,
     measure_bandwidth: bool = True,

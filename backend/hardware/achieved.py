@@ -3,8 +3,10 @@
 The expected speed (plan.expected) reads the CPU experts at the rate the engine reaches; a
 default share of the read probe stands in for it until the engine has run here. After a
 benchmark (``hybridmoe bench generate`` / ``serve``) or a chat on a CPU-only plan, the rate it
-read at (bytes a token read × tokens/s) is kept in ``achieved.toml`` in the data directory,
-one entry per machine, and every later plan of this machine uses it (docs/sizing.md §6).
+read at (bytes a token read × tokens/s) and, where the run had a probe reading, that rate's
+share of it are kept in ``achieved.toml`` in the data directory, one entry per machine, and
+every later plan of this machine uses them (docs/sizing.md §6): the share against the
+process's own probe reading (a shared machine's bandwidth moves within minutes), else the rate.
 
 A machine is known by what the plan depends on: CPU model, physical cores, sockets, RAM and
 GPUs. A described machine is never this one, so nothing is recorded or looked up for it.
@@ -50,22 +52,26 @@ def _read(file: Path) -> dict:
         return {}  # a missing or damaged file: no figure yet (the next record writes a good one)
 
 
-def lookup(profile: HardwareProfile) -> tuple[float, str] | None:
-    """(bytes/s, where it came from) the engine's decode read at on this machine, or None."""
+def lookup(profile: HardwareProfile) -> tuple[float, float | None, str] | None:
+    """(bytes/s, its share of the probe or None, where it came from) the engine's decode read at
+    on this machine, or None."""
     if profile.described:
         return None
     entry = _read(path()).get(machine_key(profile))
     if not isinstance(entry, dict):
         return None
-    rate = entry.get("read_bytes_per_s")
+    rate, share = entry.get("read_bytes_per_s"), entry.get("share_of_probe")
     if not isinstance(rate, (int, float)) or rate < _MIN_SENSIBLE_RATE:
         return None
-    return float(rate), f"{entry.get('source', 'a run')}, {entry.get('when', 'date unknown')}"
+    share = float(share) if isinstance(share, (int, float)) and 0 < share <= 2 else None
+    return float(rate), share, f"{entry.get('source', 'a run')}, {entry.get('when', 'date unknown')}"
 
 
-def record(profile: HardwareProfile, *, bytes_per_token: float, tokens_per_s: float, source: str) -> Path | None:
+def record(profile: HardwareProfile, *, bytes_per_token: float, tokens_per_s: float, source: str,
+           probe_bytes_per_s: float | None = None) -> Path | None:
     """Keep the engine's measured decode read rate (`bytes_per_token` × `tokens_per_s`) for this
-    machine (the latest one wins). Returns the file written, or None when nothing was (a
+    machine, and its share of `probe_bytes_per_s` (the read probe taken with the run) when
+    given (the latest run wins). Returns the file written, or None when nothing was (a
     described machine, a model too small for its reads to time its tokens, a figure that cannot
     be a decode's, or a data directory that cannot be written: the figure is a help, never worth
     failing a benchmark or a chat over)."""
@@ -76,6 +82,7 @@ def record(profile: HardwareProfile, *, bytes_per_token: float, tokens_per_s: fl
     entries = _read(file)
     entries[machine_key(profile)] = {
         "read_bytes_per_s": float(read_bytes_per_s),
+        **({"share_of_probe": read_bytes_per_s / probe_bytes_per_s} if probe_bytes_per_s else {}),
         "source": source,
         "when": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
     }

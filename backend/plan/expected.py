@@ -92,15 +92,20 @@ def host_read_rate(
     theoretical: float | None,
     measured: float | None,
     sockets: int | None,
-    achieved: tuple[float, str] | None = None,
+    achieved: tuple[float, float | None, str] | None = None,
 ) -> HostRate | None:
-    """The expected read rate of `backend`'s CPU experts: ``achieved`` (bytes/s, where from: the
-    engine measured on this machine) when given, else the probe or the theoretical figure at the
-    backend's share (docs/sizing.md §6)."""
+    """The expected read rate of `backend`'s CPU experts: with ``achieved`` (the engine measured
+    on this machine: bytes/s, its share of the probe then, where from), that share of this
+    process's probe reading, or without one the rate itself; else the probe or the theoretical
+    figure at the backend's share (docs/sizing.md §6)."""
     rates = RATES[backend]
     if achieved is not None and backend == "engine":
-        return HostRate(achieved[0], f"{achieved[0] / 1e9:,.1f} GB/s, the engine's decode measured on this machine "
-                                     f"({achieved[1]})")
+        rate, share, where = achieved
+        if share is not None and measured:
+            return HostRate(measured * share, f"{measured * share / 1e9:,.1f} GB/s: the read probe's "
+                                              f"{measured / 1e9:,.1f} GB/s × {share:.2f}, the engine's share measured "
+                                              f"on this machine ({where})")
+        return HostRate(rate, f"{rate / 1e9:,.1f} GB/s, the engine's decode measured on this machine ({where})")
     if measured:
         base, base_how = measured, f"the read probe's {measured / 1e9:,.1f} GB/s"
     elif theoretical:
@@ -226,7 +231,8 @@ def remember_decode_rate(plan, stats) -> None:
     per_token = decode_bytes_per_token(plan, stats)
     if per_token is None:
         return
-    from hybridmoe.backend.hardware import achieved, detect
+    from hybridmoe.backend.hardware import achieved, detect, probe_reading
 
+    # The share of the process's probe reading, where it took one (the TUI does; `run` does not).
     achieved.record(detect(measure_bandwidth=False), bytes_per_token=per_token, tokens_per_s=stats.decode_tokens_per_s,
-                    source=f"a chat, {stats.generated_tokens} tokens at {stats.decode_tokens_per_s:.1f} tokens/s")
+                    probe_bytes_per_s=probe_reading(), source=f"a chat, {stats.generated_tokens} tokens at {stats.decode_tokens_per_s:.1f} tokens/s")

@@ -77,17 +77,22 @@ def test_the_engines_rate_measured_here_is_kept_and_used(qwen30, tmp_path, monke
     before = make(qwen30.spec, qwen30.inventory, here, wl)
     assert before.decode_tokens_per_s_expected == pytest.approx(40e9 * RATES["engine"].host_share
                                                                 / before.host_bytes_per_token)
-    assert achieved.record(here, bytes_per_token=300e6, tokens_per_s=100.0, source="bench serve")
+    assert achieved.record(here, bytes_per_token=300e6, tokens_per_s=100.0, source="bench serve",
+                           probe_bytes_per_s=40e9)
     # A model too small for its reads to time its tokens is not kept.
     assert achieved.record(here, bytes_per_token=20e6, tokens_per_s=20.0, source="a chat") is None
     after = make(qwen30.spec, qwen30.inventory, here, wl)
-    assert after.decode_tokens_per_s_expected == pytest.approx(30e9 / after.host_bytes_per_token)
-    assert "measured on this machine (bench serve" in after.decode_expected_how
+    # The engine's share of the probe (30 of 40 GB/s), against this process's probe reading.
+    assert after.decode_tokens_per_s_expected == pytest.approx(0.75 * 40e9 / after.host_bytes_per_token)
+    assert "× 0.75, the engine's share measured on this machine (bench serve" in after.decode_expected_how
+    slower = make(qwen30.spec, qwen30.inventory, replace(here, memory=replace(here.memory,
+                  bandwidth_measured_bytes_per_s=20e9)), wl)
+    assert slower.decode_tokens_per_s_expected == pytest.approx(0.75 * 20e9 / slower.host_bytes_per_token)
     # The probe not run (headless `run`): the bound is unknown, the expected figure is not.
     unprobed = make(qwen30.spec, qwen30.inventory, replace(here, memory=replace(here.memory,
                     bandwidth_measured_bytes_per_s=None)), wl)
     assert unprobed.decode_tokens_per_s_upper_bound is None
-    assert unprobed.decode_tokens_per_s_expected == pytest.approx(after.decode_tokens_per_s_expected)
+    assert unprobed.decode_tokens_per_s_expected == pytest.approx(30e9 / unprobed.host_bytes_per_token)
     # Another machine, or a described one, does not take it.
     assert achieved.lookup(replace(here, cpu=replace(here.cpu, physical_cores=8))) is None
     assert achieved.lookup(replace(here, described=True)) is None
