@@ -5,8 +5,7 @@ keeps its own worker threads, which must not compete with ours while either is t
 child rebuilds the very same synthetic layer from the seed (same bytes, same routing) and
 drives kt-kernel's low-level extension (``kt_kernel_ext``) the way its Python wrappers do:
 
-* GGUF q4_0 / q8_0 / q2_k .. q6_k and the community mixes' i-quants (iq1_s .. iq4_xs): the
-  llamafile ``MOE`` class, given the merged ``[E, out, in]`` blocks as GGUF stores them
+* GGUF q4_0 / q8_0 / q2_k .. q6_k, iq4_xs, iq2_xxs and iq1_s: the llamafile ``MOE`` class, given the merged ``[E, out, in]`` blocks as GGUF stores them
   (LlamafileMoEWrapper.load_weights), which computes them through ggml's type traits;
 * int4_g32 (Kimi K2 compressed-tensors): ``RAWINT4``, whose kernels take the int32 words
   as bytes and the bf16 scales per expert (NativeMoEWrapper, CompressedSafeTensorLoader),
@@ -30,8 +29,9 @@ import torch
 from hybridmoe.backend.bench.kernel_layer import make_layer, routing
 
 RESULT_MARK = "KT_PEER_RESULT "
-LLAMAFILE_FORMATS = ("q4_0", "q8_0", "q4_k", "q5_k", "q6_k", "q2_k", "q3_k", "iq4_xs", "iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs",
-                     "iq3_s", "iq1_s", "iq1_m")
+# Its llamafile MoE refuses iq2_xs, iq2_s, iq3_xxs, iq3_s ("llamafile not supported") and aborts
+# on iq1_m (kt-kernel 0.7.2, tried on each).
+LLAMAFILE_FORMATS = ("q4_0", "q8_0", "q4_k", "q5_k", "q6_k", "q2_k", "q3_k", "iq4_xs", "iq2_xxs", "iq1_s")
 
 
 def supported_formats() -> tuple[str, ...]:
