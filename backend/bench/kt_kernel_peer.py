@@ -5,8 +5,9 @@ keeps its own worker threads, which must not compete with ours while either is t
 child rebuilds the very same synthetic layer from the seed (same bytes, same routing) and
 drives kt-kernel's low-level extension (``kt_kernel_ext``) the way its Python wrappers do:
 
-* GGUF q4_0 / q8_0 / q2_k .. q6_k, iq4_xs, iq2_xxs and iq1_s: the llamafile ``MOE`` class, given the merged ``[E, out, in]`` blocks as GGUF stores them
-  (LlamafileMoEWrapper.load_weights), which computes them through ggml's type traits;
+* GGUF q4_0 / q8_0 / q2_k .. q6_k, iq4_xs, iq2_xxs and iq1_s: the llamafile ``MOE`` class,
+  given the merged ``[E, out, in]`` blocks as GGUF stores them (LlamafileMoEWrapper.load_weights),
+  which computes them through ggml's type traits;
 * int4_g32 (Kimi K2 compressed-tensors): ``RAWINT4``, whose kernels take the int32 words
   as bytes and the bf16 scales per expert (NativeMoEWrapper, CompressedSafeTensorLoader),
   with the best class kt-kernel selects for this CPU (AMX, AVX-VNNI-256 or AVX2);
