@@ -172,7 +172,7 @@ def expected_decode(
         parts.append(f"GPU {t_gpu * 1e3:.2f} ms ({rates.gpu_share:g} of its bandwidth"
                      + (f", all-reduces {reduces * 1e3:.2f} ms" if reduces else "") + ")")
     if bound.gpu_bytes_per_step and not bound.gpu_seconds:
-        return Expected(None, "unknown: the GPUs' memory bandwidth is not known")
+        parts.append("GPU not counted (its memory bandwidth is not known)")
     t_handoff = cpu_moe_layers * rates.handoff_s if has_gpu and bound.host_bytes_per_step else 0.0
     if t_handoff:
         parts.append(f"hand-offs {t_handoff * 1e3:.2f} ms ({cpu_moe_layers} MoE layers × {rates.handoff_s * 1e6:.0f} us)")

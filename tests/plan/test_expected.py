@@ -191,3 +191,10 @@ def test_a_smaller_quantization_is_offered_with_the_context_that_fits_with_it(qw
     context = int(advice.split("--context ")[1].rstrip(")."))
     assert "would fit with a context of at most" in advice
     assert make(qwen30.spec, qwen30.inventory, box, Workload(context=context)).fits
+
+
+def test_a_card_of_unknown_bandwidth_is_left_out_and_said_so(qwen30):
+    box = describe(gpu_count=1, gpu_memory="24564MiB", host_ram="64GiB", cpu_model="AMD Ryzen 9 7950X", cores=16)
+    plan = make(qwen30.spec, qwen30.inventory, box, Workload(context=4096))
+    assert plan.decode_tokens_per_s_expected and "GPU not counted (its memory bandwidth is not known)" in (
+        plan.decode_expected_how)
