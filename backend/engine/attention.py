@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from hybridmoe.backend.engine import paged_decode
+from hybridmoe.backend.engine import decode_path, paged_decode
 from hybridmoe.backend.engine.kv_cache import PagedKV, Segment, causal_mask
 from hybridmoe.backend.engine.layers import Linear, RMSNorm
 from hybridmoe.backend.engine.native_attention import decode_attention
@@ -157,6 +157,14 @@ class Attention(nn.Module):
         self.clip_qkv = clip_qkv
         self.register_buffer("sinks", sinks, persistent=False)
         self.scale = head_dim**-0.5
+
+    def describe(self) -> decode_path.GroupedQueryAttention:
+        return decode_path.GroupedQueryAttention(
+            heads=self.n_heads, kv_heads=self.n_kv_heads, head_dim=self.head_dim, value_dim=self.cache.v.shape[-1],
+            qk_norm=None if self.q_norm is None else "per_head" if self.norm_per_head else "whole",
+            window=self.cache.window, sinks=self.sinks is not None, clip_qkv=self.clip_qkv,
+            projections_native=self.qkv is not None and isinstance(self.o, NativeLinear),
+            cache_dtype=str(self.cache.k.dtype).removeprefix("torch."))
 
     def forward(self, x: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
         """x [T, hidden]: the rows of one or more sequences (``segments``); the projections

@@ -37,7 +37,9 @@ KV cache is still written in its own dtype, as prefill writes it), so a decode s
 least as close to the float32 truth as the layer-by-layer path. Prompts (more than one
 token per sequence), GPU main devices and blocks this module does not cover (sliding
 windows, attention sinks, q/k clipping, MLA's expanded form where it is forced,
-main-device experts) keep the layer-by-layer path; a layer may mix the two.
+main-device experts) keep the layer-by-layer path; a layer may mix the two. Which blocks run
+natively and whether the chain runs them all is the model's decode plan (``decode_path``),
+decided from the layers' descriptions and the machine; this module builds what it says.
 """
 
 from __future__ import annotations
@@ -47,17 +49,17 @@ from contextlib import contextmanager
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from hybridmoe.backend.engine import native_experts, native_kernels, step_profile
 from hybridmoe.backend.engine.attention import Attention
-from hybridmoe.backend.engine.kv_cache import B, PagedKV, PagedLatent, Segment
+from hybridmoe.backend.engine.decode_path import (DecodePlan, DenseFeedForward, GroupedQueryAttention, LatentAttention,
+                                                  Layer, LayerPath, MixtureOfExperts, Router)
+from hybridmoe.backend.engine.kv_cache import B, Segment
 from hybridmoe.backend.engine.layers import GatedMLP, RMSNorm
 from hybridmoe.backend.engine.mla import MLAttention
 from hybridmoe.backend.engine.moe import MoE
 from hybridmoe.backend.engine.native_linear import NativeLinear
-from hybridmoe.backend.engine.routing import SigmoidGroupedTopK, SoftmaxTopK, TopKSoftmax
 
 _native = native_kernels._native
 
@@ -166,15 +168,16 @@ class _AttentionStep:
         self.lengths = np.empty(max_rows, dtype=np.int64)
         self.out = np.empty((max_rows, self.o.out_features), dtype=np.float32)
 
-    @staticmethod
-    def supports(attn: nn.Module) -> bool:
-        if type(attn) is not Attention:
-            return False
-        return (attn.qkv is not None and isinstance(attn.o, NativeLinear)
-                and type(attn.cache) is PagedKV and attn.cache.window is None
-                and attn.sinks is None and attn.clip_qkv is None
-                and (attn.q_norm is None or attn.norm_per_head)
-                and attn.cache.k.dtype in (torch.float32, torch.bfloat16))
+    def chain(self, hidden: int, k: int, max_rows: int):
+        """The native chain for layers of this attention's shape."""
+        a = self.attn
+        return _native.DecodeChain(hidden, a.n_heads, a.n_kv_heads, a.head_dim, self.v.shape[-1], self.k.shape[2], k,
+                                   max_rows)
+
+    def add_to(self, chain, s: _LayerStep, block: dict) -> None:
+        chain.add_layer(s.attn_norm.w, s.attn_norm.eps, self.qkv_proj.native, self.qkv_proj.bias, self.q_norm,
+                        self.k_norm, self.eps, self.cos, self.sin, self.pairs, self.k, self.v, self.attn.scale,
+                        self.o.native, self.o.bias, s.ffn_norm.w, s.ffn_norm.eps, **block)
 
     def __call__(self, h: np.ndarray, segments: list[Segment]) -> np.ndarray:
         a, n = self.attn, h.shape[0]
@@ -235,19 +238,19 @@ class _MLAStep:
         self.att = np.empty((max_rows, attn.n_heads * attn.v_dim), dtype=np.float32)
         self.out = np.empty((max_rows, self.o.out_features), dtype=np.float32)
 
-    @staticmethod
-    def supports(attn: nn.Module) -> bool:
-        if type(attn) is not MLAttention:
-            return False
-        linears = [attn.kv_a, attn.o] + ([attn.q_proj] if attn.q_proj is not None else [attn.q_a, attn.q_b])
-        return (attn.absorb is not False and all(isinstance(lin, NativeLinear) for lin in linears)
-                and type(attn.cache) is PagedLatent
-                and attn.rotary.rotary_dim == attn.rope_dim and type(attn.kv_a_norm) is RMSNorm
-                and (attn.q_a_norm is None or type(attn.q_a_norm) is RMSNorm)
-                and (attn.stored_maps is not None
-                     or (attn.kv_b_weight.dtype in (torch.float32, torch.bfloat16, torch.float16)
-                         and attn.kv_b_weight.is_contiguous()))
-                and attn.cache.kv.dtype in (torch.float32, torch.bfloat16))
+    def chain(self, hidden: int, k: int, max_rows: int):
+        """The native chain for layers of this attention's shape (one latent "head" of the cache)."""
+        a = self.attn
+        c, rope = a.kv_lora_rank, a.rope_dim
+        return _native.DecodeChain(hidden, a.n_heads, 1, c + rope, c, self.cache.shape[1], k, max_rows,
+                                   latent_nope=a.nope_dim, latent_v=a.v_dim)
+
+    def add_to(self, chain, s: _LayerStep, block: dict) -> None:
+        chain.add_latent_layer(
+            s.attn_norm.w, s.attn_norm.eps, None if self.q_a is None else self.q_a.native,
+            None if self.q_a is None else self.q_a_norm.w, 0.0 if self.q_a is None else self.q_a_norm.eps,
+            self.q.native, self.kv_a.native, self.kv_norm, self.eps, self.maps, self.cos, self.sin, self.pairs,
+            self.cache, self.attn.scale, self.o.native, self.o.bias, s.ffn_norm.w, s.ffn_norm.eps, **block)
 
     def __call__(self, h: np.ndarray, segments: list[Segment]) -> np.ndarray:
         a, n = self.attn, h.shape[0]
@@ -273,45 +276,33 @@ class _MLAStep:
         return self.o(att, self.out[:n])
 
 
-def _route(router: nn.Module) -> dict | None:
-    """How `router` chooses a token's experts from its logits, as the native routers take it
-    (``decode_ops.h``); None for routers this module does not cover."""
-    if isinstance(router, SoftmaxTopK):
-        return dict(route="softmax_topk", normalize=router.normalize)
-    if isinstance(router, SigmoidGroupedTopK):
-        return dict(route="sigmoid_group_topk", normalize=router.normalize, n_group=router.n_group,
-                    topk_group=router.topk_group, scaling=float(router.scaling),
-                    correction_bias=None if router.correction_bias is None else _np(router.correction_bias))
-    if isinstance(router, TopKSoftmax):
-        return dict(route="topk_softmax", normalize=False)
-    return None
-
-
-def _chooser(route: dict, k: int) -> Callable[[np.ndarray, np.ndarray, np.ndarray], None]:
-    """fn(logits, ids out, weights out): one token's choice, as ``route`` (from ``_route``) says."""
-    kind, normalize = route["route"], route["normalize"]
-    if kind == "softmax_topk":
+def _chooser(r: Router, choice_bias: np.ndarray | None) -> Callable[[np.ndarray, np.ndarray, np.ndarray], None]:
+    """fn(logits, ids out, weights out): one token's choice, as the router's description says
+    (``decode_ops.h``; the native chain chooses from the same description)."""
+    k, normalize = r.k, r.normalize
+    if r.kind == "softmax_topk":
         return lambda logits, ids, w: _native.softmax_topk(logits, k, normalize, ids, w)
-    if kind == "sigmoid_group_topk":
-        bias, groups, keep, scaling = (route[key] for key in ("correction_bias", "n_group", "topk_group", "scaling"))
-        return lambda logits, ids, w: _native.sigmoid_group_topk(logits, bias, k, groups, keep, normalize, scaling,
-                                                                 ids, w)
+    if r.kind == "sigmoid_group_topk":
+        groups, keep, scaling = r.n_group, r.topk_group, r.scaling
+        return lambda logits, ids, w: _native.sigmoid_group_topk(logits, choice_bias, k, groups, keep, normalize,
+                                                                 scaling, ids, w)
     return lambda logits, ids, w: _native.topk_softmax(logits, k, ids, w)
 
 
 class _GatedStep:
     """down(silu(gate(x)) * up(x)) of a dense layer or shared expert, over the step's rows."""
 
-    def __init__(self, mlp: GatedMLP, max_rows: int, part: str):
+    routed = False
+
+    def __init__(self, mlp: GatedMLP, max_rows: int, part: str = "mlp"):
         self.gate_up, self.down = _Linear(mlp.gate_up, part), _Linear(mlp.down, part)
         self.gu = np.empty((max_rows, self.gate_up.out_features), dtype=np.float32)
         self.act = np.empty((max_rows, self.gate_up.out_features // 2), dtype=np.float32)
         self.out = np.empty((max_rows, self.down.out_features), dtype=np.float32)
 
-    @staticmethod
-    def supports(mlp: nn.Module | None) -> bool:
-        return (type(mlp) is GatedMLP and mlp.gate_up is not None and isinstance(mlp.down, NativeLinear)
-                and mlp.act is F.silu)
+    def chain_block(self) -> dict:
+        """Its part of a native chain layer's arguments."""
+        return dict(gate_up=self.gate_up.native, down=self.down.native)
 
     def __call__(self, h: np.ndarray) -> np.ndarray:
         n = h.shape[0]
@@ -335,12 +326,16 @@ class _MoEStep:
     """Router, the routed experts (all in host memory, one call over the union of the rows'
     choices), shared experts."""
 
-    def __init__(self, moe: MoE, experts: native_experts.NativeExperts, route: dict, max_rows: int):
+    routed = True
+
+    def __init__(self, moe: MoE, max_rows: int):
+        experts = native_experts.native_for(moe.host)  # the plan saw that the kernels read them
         self.moe, self.layer = moe, experts.layer
-        self.logits = _Linear(NativeLinear(_router_matrix(moe.router), getattr(moe.router, "bias", None)),
+        self.route = route = moe.router.describe()
+        self.logits = _Linear(NativeLinear(_router_matrix(moe.router), moe.router.bias if route.logit_bias else None),
                               "router")
-        self.route = route
-        self.choose = _chooser(route, moe.router.k)
+        self.choice_bias = _np(moe.router.correction_bias) if route.choice_bias else None
+        self.choose = _chooser(route, self.choice_bias)
         self.shared = None if moe.shared is None else _GatedStep(moe.shared, max_rows, "shared")
         self.shared_gate = None if moe.shared_gate is None else _Linear(moe.shared_gate, "shared")
         self.expert_bytes = experts.expert_bytes
@@ -352,24 +347,17 @@ class _MoEStep:
         self.out = np.empty((max_rows, experts.hidden), dtype=np.float32)
         self.gate = np.empty((max_rows, 1), dtype=np.float32)
 
-    @classmethod
-    def build(cls, moe: nn.Module, max_rows: int) -> _MoEStep | None:
-        if type(moe) is not MoE or moe.scheduler is not None or len(moe.main) or not len(moe.host):
-            return None
-        route = _route(moe.router)
-        if route is None or moe.router.weight.dtype != torch.float32:
-            return None
-        if moe.shared is not None and not _GatedStep.supports(moe.shared):
-            return None
-        if moe.shared_gate is not None and not isinstance(moe.shared_gate, NativeLinear):
-            return None
-        experts = native_experts.native_for(moe.host)
-        if experts is None:
-            return None
-        try:
-            return cls(moe, experts, route, max_rows)
-        except native_kernels.Unsupported:
-            return None
+    def chain_block(self) -> dict:
+        """Its part of a native chain layer's arguments: the router as described, the experts,
+        the shared experts."""
+        r = self.route
+        block = dict(router=self.logits.native, router_bias=self.logits.bias, experts=self.layer, route=r.kind,
+                     normalize=r.normalize, n_group=r.n_group, topk_group=r.topk_group, scaling=r.scaling,
+                     correction_bias=self.choice_bias,
+                     shared_gate=None if self.shared_gate is None else self.shared_gate.native)
+        if self.shared is not None:
+            block.update(self.shared.chain_block())
+        return block
 
     def __call__(self, h: np.ndarray) -> np.ndarray:
         n = h.shape[0]
@@ -393,18 +381,20 @@ class _MoEStep:
         return out
 
 
+# The native step of each kind of block, by the type of its description.
+_ATTENTION_STEPS = {GroupedQueryAttention: _AttentionStep, LatentAttention: _MLAStep}
+_FFN_STEPS = {DenseFeedForward: _GatedStep, MixtureOfExperts: _MoEStep}
+
+
 class _LayerStep:
-    def __init__(self, layer: nn.Module, max_rows: int):
+    """One layer: its blocks as native steps where the plan's path says so, else (None) the
+    PyTorch modules."""
+
+    def __init__(self, layer: nn.Module, desc: Layer, path: LayerPath, max_rows: int):
         self.layer = layer
         self.attn_norm, self.ffn_norm = _Norm(layer.attn_norm), _Norm(layer.ffn_norm)
-        if _AttentionStep.supports(layer.attn):
-            self.attn = _AttentionStep(layer.attn, max_rows)
-        else:
-            self.attn = _MLAStep(layer.attn, max_rows) if _MLAStep.supports(layer.attn) else None
-        if _GatedStep.supports(layer.ffn):
-            self.ffn = _GatedStep(layer.ffn, max_rows, "mlp")
-        else:
-            self.ffn = _MoEStep.build(layer.ffn, max_rows)
+        self.attn = None if path.attention else _ATTENTION_STEPS[type(desc.attention)](layer.attn, max_rows)
+        self.ffn = None if path.ffn else _FFN_STEPS[type(desc.ffn)](layer.ffn, max_rows)
 
     def __call__(self, x: torch.Tensor, xa: np.ndarray, h: np.ndarray, segments: list[Segment],
                  dtype: torch.dtype) -> None:
@@ -437,70 +427,24 @@ class _Chain:
 
     def __init__(self, steps: list[_LayerStep], max_rows: int):
         first = steps[0].attn
-        a = first.attn
         self.steps, self.group = steps, first.group
-        self.moe = [s.ffn for s in steps if isinstance(s.ffn, _MoEStep)]
+        self.moe = [s.ffn for s in steps if s.ffn.routed]
         self.k = self.moe[0].k if self.moe else 1
-        hidden = steps[0].attn_norm.w.shape[0]
-        if isinstance(first, _MLAStep):
-            c, rope = a.kv_lora_rank, a.rope_dim
-            self.native = _native.DecodeChain(hidden, a.n_heads, 1, c + rope, c, first.cache.shape[1], self.k, max_rows,
-                                              latent_nope=a.nope_dim, latent_v=a.v_dim)
-        else:
-            self.native = _native.DecodeChain(hidden, a.n_heads, a.n_kv_heads, a.head_dim, first.v.shape[-1],
-                                              first.k.shape[2], self.k, max_rows)
+        self.native = first.chain(steps[0].attn_norm.w.shape[0], self.k, max_rows)
         for s in steps:
-            at, ffn = s.attn, s.ffn
-            if isinstance(ffn, _MoEStep):
-                block = dict(router=ffn.logits.native, router_bias=ffn.logits.bias, experts=ffn.layer, **ffn.route,
-                             shared_gate=None if ffn.shared_gate is None else ffn.shared_gate.native)
-                mlp = ffn.shared
-            else:
-                block, mlp = {}, ffn
-            if mlp is not None:
-                block.update(gate_up=mlp.gate_up.native, down=mlp.down.native)
-            if isinstance(at, _MLAStep):
-                self.native.add_latent_layer(
-                    s.attn_norm.w, s.attn_norm.eps, None if at.q_a is None else at.q_a.native,
-                    None if at.q_a is None else at.q_a_norm.w, 0.0 if at.q_a is None else at.q_a_norm.eps,
-                    at.q.native, at.kv_a.native, at.kv_norm, at.eps, at.maps, at.cos, at.sin, at.pairs, at.cache,
-                    at.attn.scale, at.o.native, at.o.bias, s.ffn_norm.w, s.ffn_norm.eps, **block)
-            else:
-                self.native.add_layer(s.attn_norm.w, s.attn_norm.eps, at.qkv_proj.native, at.qkv_proj.bias, at.q_norm,
-                                      at.k_norm, at.eps, at.cos, at.sin, at.pairs, at.k, at.v, at.attn.scale,
-                                      at.o.native, at.o.bias, s.ffn_norm.w, s.ffn_norm.eps, **block)
+            s.attn.add_to(self.native, s, s.ffn.chain_block())
         # Bytes a step reads besides the experts and the cache (for a step profile).
         self.fixed = {"qkv": sum(s.attn.qkv_bytes for s in steps),
                       "o": sum(s.attn.o.native.bytes for s in steps),
                       "router": sum(m.logits.native.bytes for m in self.moe),
                       "shared": sum(_gated_bytes(m.shared) + (m.shared_gate.native.bytes if m.shared_gate else 0)
                                     for m in self.moe if m.shared is not None),
-                      "mlp": sum(_gated_bytes(s.ffn) for s in steps if isinstance(s.ffn, _GatedStep))}
+                      "mlp": sum(_gated_bytes(s.ffn) for s in steps if not s.ffn.routed)}
         self.attend_bytes = sum(s.attn.attend_bytes for s in steps)
         self.position_bytes = sum(s.attn.position_bytes for s in steps)
         # The chain counts the experts chosen in its table.
         self.recorder = self.moe[0].moe.recorder if self.moe else None
         self.counts = None if self.recorder is None else self.recorder.table([m.moe.layer for m in self.moe])
-
-    @staticmethod
-    def covers(steps: list[_LayerStep]) -> bool:
-        if not steps:
-            return False
-        shapes, ks = set(), set()
-        for s in steps:
-            at, ffn = s.attn, s.ffn
-            if not isinstance(at, (_AttentionStep, _MLAStep)) or not isinstance(ffn, (_MoEStep, _GatedStep)):
-                return False
-            if isinstance(at, _MLAStep):
-                a = at.attn
-                shapes.add(("latent", at.group, a.n_heads, a.nope_dim, a.rope_dim, a.v_dim, a.kv_lora_rank,
-                            at.cache.shape[1:], at.cache.dtype))
-            else:
-                shapes.add((at.group, at.attn.n_heads, at.attn.n_kv_heads, at.attn.head_dim, at.k.shape[1:],
-                            at.v.shape[1:], at.k.dtype))
-            if isinstance(ffn, _MoEStep):
-                ks.add((ffn.k, id(ffn.moe.recorder)))
-        return len(shapes) == 1 and len(ks) <= 1
 
     def __call__(self, xa: np.ndarray, segments: list[Segment]) -> None:
         n = xa.shape[0]
@@ -532,16 +476,20 @@ _GAP_US = 2000
 
 class DecodeStep:
     """The layers, final norm and LM head of a CPU-main-device model for one token of each
-    of up to ``max_rows`` sequences, or (``build``) None when no layer would run natively."""
+    of up to ``max_rows`` sequences, or (``build``) None when no layer would run natively. Which
+    blocks run natively, and whether the chain runs them all, is the model's decode plan
+    (``decode_path``): decided from the layers' descriptions, not from the modules here."""
 
-    def __init__(self, model: nn.Module, max_rows: int):
+    def __init__(self, model: nn.Module, plan: DecodePlan, max_rows: int):
         self.model = model
         self.max_rows = max_rows
+        self.plan = plan
         hidden = model.norm.weight.shape[0]
         self.x = _Buffer(max_rows, hidden)  # the residual stream
         self.h = _Buffer(max_rows, hidden)  # the normed input of a block (one buffer for all layers)
-        self.layers = [_LayerStep(layer, max_rows) for layer in model.layers]
-        self.chain = _Chain(self.layers, max_rows) if _Chain.covers(self.layers) else None
+        self.layers = [_LayerStep(layer, desc, path, max_rows)
+                       for layer, desc, path in zip(model.layers, model.describe(), plan.layers)]
+        self.chain = _Chain(self.layers, max_rows) if plan.chain else None
         self.norm = _Norm(model.norm)
         # The embedding table as NumPy (bf16 as its bits), which ``embed_rows`` reads: one
         # native call per step; F.embedding's dispatch and the copy into the residual stream
@@ -552,15 +500,8 @@ class DecodeStep:
 
     @classmethod
     def build(cls, model: nn.Module, max_rows: int) -> DecodeStep | None:
-        if (not native_kernels.enabled() or model.device.type != "cpu" or model.boundaries or model.cards
-                or model.scheduler is not None or type(model.norm) is not RMSNorm):
-            return None
-        if any(type(layer.attn_norm) is not RMSNorm or type(layer.ffn_norm) is not RMSNorm for layer in model.layers):
-            return None
-        step = cls(model, max_rows)
-        if all(s.attn is None and s.ffn is None for s in step.layers):
-            return None
-        return step
+        plan = model.decode_plan()
+        return cls(model, plan, max_rows) if plan.native else None
 
     def __call__(self, tokens: list[int], segments: list[Segment]) -> torch.Tensor:
         """tokens: one per segment -> float32 logits [T, V]. Decode rows by construction: the

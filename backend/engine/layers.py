@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybridmoe.backend.engine import decode_path
 from hybridmoe.backend.engine.native_linear import NativeLinear
 from hybridmoe.backend.errors import UnsupportedModelError
 
@@ -80,6 +81,11 @@ class GatedMLP(nn.Module):
         self.act = activation(act)
         # On a CPU main device gate and up run as one native call.
         self.gate_up = NativeLinear.fused(gate, up)
+
+    def describe(self) -> decode_path.DenseFeedForward:
+        return decode_path.DenseFeedForward(
+            activation="silu" if self.act is F.silu else "other",
+            projections_native=self.gate_up is not None and isinstance(self.down, NativeLinear))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is not None:

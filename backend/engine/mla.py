@@ -24,11 +24,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridmoe.backend.engine import paged_decode
+from hybridmoe.backend.engine import decode_path, paged_decode
 from hybridmoe.backend.engine.attention import attend, eager_attention
 from hybridmoe.backend.engine.kv_cache import PagedLatent, Segment, causal_mask
 from hybridmoe.backend.engine.latent_maps import StoredMaps
 from hybridmoe.backend.engine.layers import Linear, RMSNorm
+from hybridmoe.backend.engine.native_linear import NativeLinear
 from hybridmoe.backend.engine.rope import Rotary
 
 # The expanded form's cost of rebuilding stored maps for its call (StoredMaps.dense, ~0.8 ms a
@@ -75,6 +76,18 @@ class MLAttention(nn.Module):
         self.cache = cache
         self.scale = scale
         self.absorb: bool | None = None  # None: choose by cost
+
+    def describe(self) -> decode_path.LatentAttention:
+        linears = [self.kv_a, self.o] + ([self.q_proj] if self.q_proj is not None else [self.q_a, self.q_b])
+        kv_b = self.kv_b_weight
+        return decode_path.LatentAttention(
+            heads=self.n_heads, nope_dim=self.nope_dim, rope_dim=self.rope_dim, value_dim=self.v_dim,
+            kv_lora_rank=self.kv_lora_rank, q_lora_rank=None if self.q_a is None else self.q_a.out_features,
+            absorbed_allowed=self.absorb is not False, rotary_whole=self.rotary.rotary_dim == self.rope_dim,
+            projections_native=all(isinstance(lin, NativeLinear) for lin in linears),
+            kv_b_native=self.stored_maps is not None or (
+                kv_b.dtype in (torch.float32, torch.bfloat16, torch.float16) and kv_b.is_contiguous()),
+            cache_dtype=str(self.cache.kv.dtype).removeprefix("torch."))
 
     def _use_absorbed(self, n_q: int, n_keys: int) -> bool:
         if self.absorb is not None:

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridmoe.backend.engine import native_experts, native_kernels
+from hybridmoe.backend.engine import decode_path, native_experts, native_kernels
 from hybridmoe.backend.engine.attention import Attention
 from hybridmoe.backend.engine.cpu_decode import DecodeStep
 from hybridmoe.backend.engine.experts import ExpertActivation, ExpertStore, HostExperts, ResidentExperts
@@ -206,6 +206,30 @@ class MoeTransformer(nn.Module):
         if isinstance(self.lm_head, NativeLinear):
             return self.lm_head(h, float32=True)
         return self.lm_head(h).float()
+
+    def decode_machine(self) -> decode_path.Machine:
+        """What of this process and the model's placement decides its decode path."""
+        native_off = None
+        if not native_kernels.enabled():
+            native_off = ("the native kernels are turned off by HYBRIDMOE_NATIVE" if native_kernels.available()
+                          else f"the native kernels are {native_kernels.isa()}")
+        elif not self.native_decode:
+            native_off = "the native decode step is turned off for this model"
+        split = ("layers in pipeline stages" if self.boundaries else "layers split across cards" if self.cards
+                 else "experts streamed by a scheduler" if self.scheduler is not None else None)
+        return decode_path.Machine(main_device="cpu" if self.device.type == "cpu" else str(self.device),
+                                   native_off=native_off, split=split)
+
+    def describe(self) -> list[decode_path.Layer]:
+        """What each layer's blocks are, as loaded (whole layers on one device only: split
+        layers are shards)."""
+        return [decode_path.Layer(layer.attn.describe(), layer.ffn.describe()) for layer in self.layers]
+
+    def decode_plan(self) -> decode_path.DecodePlan:
+        """The path each layer takes for one new token, and why (``decode_path``)."""
+        machine = self.decode_machine()
+        whole = machine.main_device == "cpu" and machine.native_off is None and machine.split is None
+        return decode_path.decode_plan(self.describe() if whole else None, machine, len(self.layers))
 
     def _native_decode(self, rows: int = 1) -> DecodeStep | None:
         """The native one-token path on a CPU main device (``cpu_decode``), built on first use

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from hybridmoe.backend.engine import native_experts
+from hybridmoe.backend.engine import decode_path, native_experts
 from hybridmoe.backend.engine.experts import (
     HostExperts,
     ResidentExperts,
@@ -28,6 +28,7 @@ from hybridmoe.backend.engine.experts import (
     experts_forward,
 )
 from hybridmoe.backend.engine.layers import GatedMLP, Linear
+from hybridmoe.backend.engine.native_linear import NativeLinear
 from hybridmoe.backend.engine.stats import ExpertRecorder
 
 
@@ -51,6 +52,15 @@ class MoE(nn.Module):
         self.shared_gate = shared_gate  # Qwen2-MoE: sigmoid gate on the shared expert
         self.recorder = recorder
         self.scheduler = None  # a hybrid.HybridScheduler when the main device is not the CPU
+
+    def describe(self) -> decode_path.MixtureOfExperts:
+        host = len(self.host)
+        return decode_path.MixtureOfExperts(
+            router=self.router.describe(), shared=None if self.shared is None else self.shared.describe(),
+            shared_gate=self.shared_gate is not None, shared_gate_native=isinstance(self.shared_gate, NativeLinear),
+            experts_on_main=len(self.main), experts_on_host=host,
+            experts_native=native_experts.unsupported_reason(self.host) if host else None,
+            streamed=self.scheduler is not None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.scheduler is not None:

@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybridmoe.backend.engine.decode_path import Router
+
 
 def _cpu_float(t: torch.Tensor) -> torch.Tensor:
     """A router weight as the router computes with it: float32 on the CPU (small: experts x hidden)."""
@@ -47,6 +49,10 @@ class SoftmaxTopK(nn.Module):
         if self.normalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return ids, weights if self.float32_weights else weights.to(logits.dtype)
+
+    def describe(self) -> Router:
+        return Router("softmax_topk", self.k, normalize=self.normalize,
+                      matrix_float32=self.weight.dtype == torch.float32)
 
 
 class SigmoidGroupedTopK(nn.Module):
@@ -93,6 +99,11 @@ class SigmoidGroupedTopK(nn.Module):
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         return ids, weights * self.scaling
 
+    def describe(self) -> Router:
+        return Router("sigmoid_group_topk", self.k, normalize=self.normalize, n_group=self.n_group,
+                      topk_group=self.topk_group, scaling=float(self.scaling),
+                      choice_bias=self.correction_bias is not None, matrix_float32=self.weight.dtype == torch.float32)
+
 
 class SoftmaxGroupedGreedy(nn.Module):
     """DeepSeek-V2 routing: softmax scores, top k over all experts ("greedy") or over the
@@ -128,6 +139,11 @@ class SoftmaxGroupedGreedy(nn.Module):
             return ids, weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         return ids, weights * self.scaling
 
+    def describe(self) -> Router:
+        return Router("softmax_group_greedy", self.k, normalize=self.normalize, n_group=self.n_group,
+                      topk_group=self.topk_group, scaling=float(self.scaling),
+                      matrix_float32=self.weight.dtype == torch.float32)
+
 
 class TopKSoftmax(nn.Module):
     """GPT-OSS: top k of the biased logits, softmax over those k only (in the model dtype)."""
@@ -142,3 +158,6 @@ class TopKSoftmax(nn.Module):
         logits = F.linear(x.to(self.weight.dtype), self.weight, self.bias).to(x.dtype)
         top, ids = torch.topk(logits, self.k, dim=-1)
         return ids, F.softmax(top, dim=-1, dtype=top.dtype)
+
+    def describe(self) -> Router:
+        return Router("topk_softmax", self.k, logit_bias=True, matrix_float32=self.weight.dtype == torch.float32)
