@@ -228,3 +228,20 @@ def test_a_budget_ends_the_run_with_what_it_measured(tiny_gguf, tiny_plan, tmp_p
     assert all(len(m["ratios"]) == 1 for m in result["measurements"].values())
     assert "stopped early (time budget: 1 of 5 pairs)" in side.table(result)
     assert (tmp_path / "engine-worker.log").exists() and (tmp_path / "llamacpp-worker.log").exists()
+
+
+def test_the_carried_llama_cpp_tree_keeps_what_the_library_build_reads():
+    """scripts/prepare_gpu_bench.py's cut of llama.cpp's source (a namespace import: scripts/ is
+    not a package, as benchmarks/make_midsize_qwen3.py imports scripts.gpu_check)."""
+    from scripts.prepare_gpu_bench import keep
+
+    kept = ["CMakeLists.txt", "cmake/build-info.cmake", "src/llama-model.cpp", "include/llama.h",
+            "ggml/CMakeLists.txt", "ggml/src/CMakeLists.txt", "ggml/src/ggml.c", "ggml/src/gguf.cpp",
+            "ggml/src/ggml-cpu/ops.cpp", "ggml/src/ggml-cuda/mmvq.cu",
+            "ggml/src/ggml-cuda/template-instances/mmq-instance-q4_0.cu", "vendor/CMakeLists.txt",
+            "vendor/hash/sha1/sha1.c", "vendor/miniaudio/CMakeLists.txt"]
+    dropped = ["ggml/src/ggml-vulkan/ggml-vulkan.cpp", "ggml/src/ggml-metal/ggml-metal.m", "tools/server/server.cpp",
+               "common/common.cpp", "tests/test-backend-ops.cpp", "models/ggml-vocab-llama-bpe.gguf",
+               "vendor/miniaudio/miniaudio.h", "vendor/cpp-httplib/httplib.h", "docs/build.md", "CMakeLists.txt.bak"]
+    assert [p for p in kept if not keep(p)] == []
+    assert [p for p in dropped if keep(p)] == []
