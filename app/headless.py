@@ -195,6 +195,7 @@ def _run(args, waiting: Waiting) -> int:
                 done = event
         if args.record_stats:
             session.save_expert_stats(args.record_stats)
+        decode_path = session.decode_path
         session.close()  # its threads end before the interpreter does
         if done is not None:
             from hybridmoe.backend.plan.expected import remember_decode_rate
@@ -214,6 +215,8 @@ def _run(args, waiting: Waiting) -> int:
                 "backend_reason": backend_choice.reason,
                 # Routed experts the engine computes (or would) on a slow path on the CPU; null: none.
                 "engine_slow_path": plan.engine_slow_path,
+                # Which path computed each new token, per layer group, and why.
+                "decode_path": decode_path,
                 "text": done.text,
                 "token_ids": list(done.token_ids),
                 "finish_reason": done.reason,
@@ -241,6 +244,7 @@ def _run(args, waiting: Waiting) -> int:
             if s.main_device_expert_share is not None and plan.main_device != "cpu":
                 parts.append(f"{s.main_device_expert_share:.0%} of experts on the GPU")
             sys.stderr.write(", ".join(parts) + "\n")
+            sys.stderr.write(decode_path + "\n")
     return EXIT_CANCELLED if done.reason == "cancelled" else 0
 
 

@@ -100,6 +100,9 @@ Event = Union[TextPiece, Done]
 class Session(Protocol):
     # How many generations may run at once (from as many threads); more must wait.
     max_parallel: int
+    # Which path computes each new token and why, one line ("decode: native chain, all 48
+    # layers"): the engine's plan per layer group (``engine/decode_path``), or llama.cpp's.
+    decode_path: str
 
     def generate(self, messages: Sequence[Message], sampling, cancel: CancelToken | None = None) -> Iterator[Event]: ...
 

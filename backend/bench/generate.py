@@ -122,7 +122,8 @@ def _run_engine(model: str, prompt_tokens: int, gen_tokens: int, threads: int, r
 
     return {"load_s": load_s, "rss_after_load": rss_load, "prefill": prefill, "decode": decode,
             "decode_probe": decode_probe, "tokens": tokens, "kernels": native_kernels.isa(), "probe": probes,
-            "breakdown": profiles, "plan_bytes_per_token": plan.host_bytes_per_token,
+            "decode_path": net.decode_plan().summary(), "breakdown": profiles,
+            "plan_bytes_per_token": plan.host_bytes_per_token,
             "plan_context": plan.workload.context}
 
 
@@ -445,6 +446,8 @@ def table(summary: dict) -> str:
                      f"{_rate(e['prefill'])}")
     if expected.get("engine"):
         lines.append(f"the plan's expected decode, the engine: {expected['engine']['decode_how']}")
+    if "decode_path" in engine:  # which executor computed the engine's tokens, and why
+        lines.append(f"the engine's {engine['decode_path']}")
     if "per_token" in engine:
         lines += ["", *breakdown_table(engine["per_token"], len(engine["breakdown"]), len(engine["probe"]))]
         if "plan_bytes_per_token" in engine:  # what `hybridmoe plan --strategy cpu-only` promised

@@ -230,6 +230,15 @@ class DecodePlan:
         """Whether the native decode step runs at all (some block natively)."""
         return any(p.attention is None or p.ffn is None for p in self.layers)
 
+    def _reasons(self) -> str:
+        def once(whys) -> str:
+            return ", ".join(dict.fromkeys(w for w in whys if w))
+
+        attention, ffn = once(p.attention for p in self.layers), once(p.ffn for p in self.layers)
+        if attention == ffn:
+            return attention
+        return "; ".join(f"{block}: {why}" for block, why in (("attention", attention), ("feed-forward", ffn)) if why)
+
     def summary(self) -> str:
         """One line: "decode: native chain, all 48 layers", or each run of layers on one path
         and why ("decode: per-call path, attention in PyTorch for layers 0-3: attention: sliding
@@ -238,6 +247,8 @@ class DecodePlan:
         if self.chain:
             return f"decode: native chain, all {n} layers"
         step = self.native
+        if not step:  # no native step at all: every layer's reasons, each once
+            return f"decode: PyTorch modules, all {n} layers: {self._reasons()}"
         groups: list[list] = []  # [first, last, label, why]
         for i, path in enumerate(self.layers):
             said = [path.label(step), path.why()]

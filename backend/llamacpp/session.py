@@ -148,6 +148,7 @@ class LlamaCppSession:
     # Generations at once: one llama.cpp context holding one sequence's cache (seq 0), so a
     # second generation must wait for the first (the server's queue sees to it).
     max_parallel = 1
+    decode_path = "decode: llama.cpp's own graph"
 
     def __init__(self, bindings, model, ctx, params, header: GGUFHeader, plan: Plan, placement: PlacementReport):
         self._b = bindings

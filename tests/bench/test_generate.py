@@ -111,11 +111,14 @@ def test_the_report_has_the_breakdown(tiny_gguf, capsys):
     assert 0 < per["end_to_end"]["of_probe"]
     for name in ("experts", "qkv", "head"):
         assert per["parts"][name]["gbps"] > 0 and per["parts"][name]["of_probe"] > 0
+    # Which executor computed the tokens: every layer of the tiny Qwen3-MoE in the native chain.
+    assert engine["decode_path"] == "decode: native chain, all 2 layers"
 
     cli.main(["bench", "generate", str(tiny_gguf), "--backends", "engine", "--prompt-tokens", "16",
               "--gen-tokens", "5", "--threads", "1", "--repeats", "1", "--rounds", "1"])
     text = capsys.readouterr().out
     assert "engine decode, one token part by part" in text
+    assert "the engine's decode: native chain, all 2 layers" in text
     assert "routed experts" in text and "between calls" in text
     assert "end to end:" in text and "of the probe" in text
     assert "the plan's figure:" in text and engine["plan_bytes_per_token"] > per["end_to_end"]["bytes"] * 0.9

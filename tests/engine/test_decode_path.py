@@ -101,7 +101,8 @@ EXPECTED = {
                     "softmax_group_greedy router"),
     "olmoe": ("decode: per-call path, attention in PyTorch, all 3 layers: attention: q/k/v clipping; not the native "
               "chain: layer 0: q/k/v clipping"),
-    "gpt_oss": "decode: PyTorch modules for layer 0: attention: sliding window; feed-forward: float GPT-OSS experts",
+    "gpt_oss": ("decode: PyTorch modules, all 3 layers: attention: sliding window, attention sinks; feed-forward: "
+                "float GPT-OSS experts"),
 }
 
 

@@ -39,6 +39,7 @@ class FakeSession:
         self.script, self.delay = script, delay
         # As the engine: as many generations at once as the plan's KV cache holds conversations.
         self.max_parallel = max_parallel
+        self.decode_path = "decode: native chain, all 3 layers"
         self.calls: list[list] = []
         self.closed = False
 

@@ -245,7 +245,7 @@ class ChatScreen(ReportsWorkerErrors, Screen):
         status = self.query_one(StatusLine)
         status.model_name = self.model_name
         status.say("ready", limits_words(max_parallel(event.session), event.plan.workload.context),
-                   "CPU only" if event.plan.main_device == "cpu" else "")
+                   "CPU only" if event.plan.main_device == "cpu" else "", event.session.decode_path)
         self.refresh_bindings()
         self.query_one(PromptInput).focus()
         if self.app.settings.record_stats and not hasattr(event.session, "save_expert_stats"):

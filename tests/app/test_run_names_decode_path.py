@@ -1,0 +1,41 @@
+"""`run --json` names the path that computed each new token, per layer group, and why, for a
+model of every family (the engine's decode plan, ``backend/engine/decode_path.py``)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hybridmoe.backend.engine import native_kernels
+from tests.convert.conftest import FAMILIES, build_checkpoint
+
+# The tiny bf16 checkpoints' paths (tests/convert/conftest.py): the chain where every layer has
+# its shape; OLMoE norms q and k over all heads, GPT-OSS has sliding windows
+# and sinks, and its bf16 experts in transformers' layout are not read natively.
+EXPECTED = {
+    "olmoe": "decode: per-call path, attention in PyTorch, all 2 layers: attention: q/k norm over all heads",
+    "gpt_oss": ("decode: PyTorch modules, all 3 layers: attention: sliding window, attention sinks; feed-forward: "
+                "float GPT-OSS experts stored as x @ W are not read natively"),
+}
+
+
+@pytest.fixture(autouse=True)
+def own_dirs(tmp_path, monkeypatch):
+    for var in ("XDG_CONFIG_HOME", "XDG_DATA_HOME", "XDG_STATE_HOME", "XDG_CACHE_HOME"):
+        monkeypatch.setenv(var, str(tmp_path / var.lower()))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+@pytest.mark.skipif(not native_kernels.available(), reason="native extension not built")
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_run_json_names_the_decode_path(family, tmp_path, capsys):
+    from hybridmoe.app.cli import main
+
+    checkpoint = build_checkpoint(tmp_path / family, family)
+    code = main(["run", "-m", str(checkpoint.path), "-p", "Hello", "--max-tokens", "3", "--context", "128", "--json",
+                 "--backend", "engine"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    said = json.loads(out)["decode_path"]
+    assert said.startswith(EXPECTED.get(family, "decode: native chain, all "))
