@@ -4,9 +4,10 @@ The expected speed (plan.expected) reads the CPU experts at the rate the engine 
 default share of the read probe stands in for it until the engine has run here. After a
 benchmark (``hybridmoe bench generate`` / ``serve``) or a chat on a CPU-only plan, the rate it
 read at (bytes a token read × tokens/s) and, where the run had a probe reading, that rate's
-share of it are kept in ``achieved.toml`` in the data directory, one entry per machine, and
-every later plan of this machine uses them (docs/sizing.md §6): the share against the
-process's own probe reading (a shared machine's bandwidth moves within minutes), else the rate.
+share of it are kept in ``achieved.toml`` in the data directory, the last KEPT_RUNS runs per
+machine, and every later plan of this machine uses their medians (docs/sizing.md §6): the
+share against the process's own probe reading (a shared machine's bandwidth moves within
+minutes), else the rate.
 
 A machine is known by what the plan depends on: CPU model, physical cores, sockets, RAM and
 GPUs. A described machine is never this one, so nothing is recorded or looked up for it.
@@ -15,6 +16,7 @@ GPUs. A described machine is never this one, so nothing is recorded or looked up
 from __future__ import annotations
 
 import datetime
+import statistics
 import tomllib
 from pathlib import Path
 
@@ -31,6 +33,8 @@ _MIN_SENSIBLE_RATE = 1e8
 # by its reads: a small model's rate says nothing of a large one's (a test model's read 0.4 GB/s
 # where the mid-size benchmark model's read 6). The mid-size benchmark model reads 0.3 GB a token.
 MIN_BYTES_PER_TOKEN = 128 * (1 << 20)
+# The runs kept per machine; plans take their medians.
+KEPT_RUNS = 7
 
 
 def path() -> Path:
@@ -52,26 +56,42 @@ def _read(file: Path) -> dict:
         return {}  # a missing or damaged file: no figure yet (the next record writes a good one)
 
 
+def _runs(entry) -> list[dict]:
+    """A machine's kept runs, each with a sensible rate (and a share of the probe, or none)."""
+    runs = entry.get("runs", []) if isinstance(entry, dict) else []
+    out = []
+    for run in runs if isinstance(runs, list) else []:
+        rate, share = run.get("read_bytes_per_s") if isinstance(run, dict) else None, None
+        if not isinstance(rate, (int, float)) or rate < _MIN_SENSIBLE_RATE:
+            continue
+        share = run.get("share_of_probe")
+        out.append({**run, "share_of_probe": share if isinstance(share, (int, float)) and 0 < share <= 2 else None})
+    return out
+
+
 def lookup(profile: HardwareProfile) -> tuple[float, float | None, str] | None:
-    """(bytes/s, its share of the probe or None, where it came from) the engine's decode read at
-    on this machine, or None."""
+    """(bytes/s, its share of the probe or None, where they came from) the engine's decode read at
+    on this machine: the medians of its last runs (one run on a busy machine can be far from
+    another), or None."""
     if profile.described:
         return None
-    entry = _read(path()).get(machine_key(profile))
-    if not isinstance(entry, dict):
+    runs = _runs(_read(path()).get(machine_key(profile)))
+    if not runs:
         return None
-    rate, share = entry.get("read_bytes_per_s"), entry.get("share_of_probe")
-    if not isinstance(rate, (int, float)) or rate < _MIN_SENSIBLE_RATE:
-        return None
-    share = float(share) if isinstance(share, (int, float)) and 0 < share <= 2 else None
-    return float(rate), share, f"{entry.get('source', 'a run')}, {entry.get('when', 'date unknown')}"
+    shares = [r["share_of_probe"] for r in runs if r["share_of_probe"] is not None]
+    latest = runs[-1]
+    where = f"{latest.get('source', 'a run')}, {latest.get('when', 'date unknown')}"
+    if len(runs) > 1:
+        where = f"the median of {len(runs)} runs, the latest {where}"
+    return (statistics.median(r["read_bytes_per_s"] for r in runs),
+            statistics.median(shares) if shares else None, where)
 
 
 def record(profile: HardwareProfile, *, bytes_per_token: float, tokens_per_s: float, source: str,
            probe_bytes_per_s: float | None = None) -> Path | None:
     """Keep the engine's measured decode read rate (`bytes_per_token` × `tokens_per_s`) for this
     machine, and its share of `probe_bytes_per_s` (the read probe taken with the run) when
-    given (the latest run wins). Returns the file written, or None when nothing was (a
+    given; the last KEPT_RUNS runs are kept. Returns the file written, or None when nothing was (a
     described machine, a model too small for its reads to time its tokens, a figure that cannot
     be a decode's, or a data directory that cannot be written: the figure is a help, never worth
     failing a benchmark or a chat over)."""
@@ -80,12 +100,15 @@ def record(profile: HardwareProfile, *, bytes_per_token: float, tokens_per_s: fl
         return None
     file = path()
     entries = _read(file)
-    entries[machine_key(profile)] = {
+    key = machine_key(profile)
+    run = {
         "read_bytes_per_s": float(read_bytes_per_s),
         **({"share_of_probe": read_bytes_per_s / probe_bytes_per_s} if probe_bytes_per_s else {}),
         "source": source,
         "when": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
     }
+    kept = [{k: v for k, v in r.items() if v is not None} for r in _runs(entries.get(key))]
+    entries[key] = {"runs": (kept + [run])[-KEPT_RUNS:]}
     try:
         file.parent.mkdir(parents=True, exist_ok=True)
         return write_atomic(file, tomli_w.dumps(entries))

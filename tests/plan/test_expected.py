@@ -93,6 +93,15 @@ def test_the_engines_rate_measured_here_is_kept_and_used(qwen30, tmp_path, monke
                     bandwidth_measured_bytes_per_s=None)), wl)
     assert unprobed.decode_tokens_per_s_upper_bound is None
     assert unprobed.decode_tokens_per_s_expected == pytest.approx(30e9 / unprobed.host_bytes_per_token)
+    # Several runs: their medians, so that one run at a busy moment does not set the figure.
+    for share in (0.5, 0.6):
+        achieved.record(here, bytes_per_token=300e6, tokens_per_s=share * 40e9 / 300e6, source="a chat",
+                        probe_bytes_per_s=40e9)
+    rate, share, where = achieved.lookup(here)
+    assert share == pytest.approx(0.6) and rate == pytest.approx(24e9) and where.startswith("the median of 3 runs")
+    for _ in range(achieved.KEPT_RUNS):
+        achieved.record(here, bytes_per_token=300e6, tokens_per_s=100.0, source="bench serve", probe_bytes_per_s=40e9)
+    assert achieved.lookup(here)[1] == pytest.approx(0.75)  # the last KEPT_RUNS runs only
     # Another machine, or a described one, does not take it.
     assert achieved.lookup(replace(here, cpu=replace(here.cpu, physical_cores=8))) is None
     assert achieved.lookup(replace(here, described=True)) is None
