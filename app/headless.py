@@ -179,7 +179,7 @@ def _run(args, waiting: Waiting) -> int:
                                    on_fallback=backend_choice.fell_back, on_choice=backend_choice.chosen)
         progress.done()
         backend_choice.warn_slow_path(plan)
-        if args.record_stats and not hasattr(session, "save_expert_stats"):
+        if args.record_stats and not session.counts_experts:
             raise UsageError("--record-stats needs the embedded engine; llama.cpp does not report expert activations",
                              "Run with --backend engine, or leave out --record-stats.")
         messages = [Message("system", args.system)] if args.system else []

@@ -298,14 +298,13 @@ class Services:
     def expert_counts(self, session) -> ExpertStats | None:
         """Everything the session's model has counted since it was loaded; None for a
         backend that does not count (llama.cpp)."""
-        save = getattr(session, "save_expert_stats", None)
-        if save is None:
+        if not session.counts_experts:
             return None
         # The session writes the planner's file format; reading it back keeps the app on
         # the Session's public verbs.
         with tempfile.TemporaryDirectory(prefix="hybridmoe-stats-") as tmp:
             path = Path(tmp) / "counts.json"
-            save(path)
+            session.save_expert_stats(path)
             return ExpertStats.load(path)
 
     def add_expert_counts(self, model_path: str | Path, counts: ExpertStats) -> Path:

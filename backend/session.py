@@ -98,8 +98,15 @@ Event = Union[TextPiece, Done]
 
 
 class Session(Protocol):
+    """What a loaded model can do, stated rather than probed: callers read these attributes
+    and never ask which module or class a session comes from."""
+
+    # The backend that runs it: "engine" or "llamacpp".
+    backend: str
     # How many generations may run at once (from as many threads); more must wait.
     max_parallel: int
+    # Whether it counts which routed experts each token chose (``save_expert_stats``).
+    counts_experts: bool
     # Which path computes each new token and why, one line ("decode: native chain, all 48
     # layers"): the engine's plan per layer group (``engine/decode_path``), or llama.cpp's.
     decode_path: str
@@ -107,6 +114,9 @@ class Session(Protocol):
     def generate(self, messages: Sequence[Message], sampling, cancel: CancelToken | None = None) -> Iterator[Event]: ...
 
     def complete(self, prompt: str, sampling, cancel: CancelToken | None = None) -> Iterator[Event]: ...
+
+    def save_expert_stats(self, path) -> None:
+        """Write the expert counts (the planner's ExpertStats file); only where ``counts_experts``."""
 
     def close(self) -> None: ...
 

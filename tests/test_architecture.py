@@ -473,3 +473,29 @@ def test_the_repository_cites_only_itself():
         if needle in path.read_text(errors="replace")
     ] + [f"README.md: {n}" for n in needles if n in (ROOT / "README.md").read_text()]
     assert not offenders, offenders
+
+
+# What a session can do is stated by it (backend/session.py's Session: backend, max_parallel,
+# counts_experts, decode_path); the app reads those and never asks which module or class a
+# session comes from, nor whether it has some method.
+_SESSION_PROBES = ("__module__", "hasattr(session", "hasattr(event.session", "getattr(session",
+                   "getattr(event.session", "getattr(self.session", "hasattr(self.session")
+
+
+def _session_probes(root: Path) -> list[str]:
+    return [f"{path.relative_to(root)}:{n}: {line.strip()}"
+            for path in sorted(root.rglob("*.py"))
+            for n, line in enumerate(path.read_text().splitlines(), 1)
+            if any(probe in line for probe in _SESSION_PROBES)]
+
+
+def test_the_app_reads_what_a_session_states_and_never_probes_it():
+    offenders = _session_probes(ROOT / "app")
+    assert not offenders, "read the Session's stated capabilities instead:\n" + "\n".join(offenders)
+
+
+def test_the_probe_rule_catches_an_offender(tmp_path):
+    _plant(tmp_path, {"app/x.py": "ok = session.counts_experts\n"
+                                  "if hasattr(session, 'save_expert_stats'):\n    pass\n"
+                                  "llama = type(session).__module__.startswith('hybridmoe.backend.llamacpp')\n"})
+    assert [line.split(": ", 1)[0] for line in _session_probes(tmp_path / "app")] == ["x.py:2", "x.py:4"]

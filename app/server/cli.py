@@ -122,12 +122,9 @@ def check_parallel(parallel: int | None, plan, model_argument: str, backend: str
 def check_parallel_of_session(parallel: int | None, session) -> None:
     """--parallel against what the loaded session runs at once: llama.cpp, which `auto`
     falls back to for a model the engine cannot serve, runs one generation at a time."""
-    from hybridmoe.app.server.shared_session import max_parallel
-
-    most = max_parallel(session)
+    most = session.max_parallel
     if parallel is not None and parallel > most:
-        is_llamacpp = type(session).__module__.startswith("hybridmoe.backend.llamacpp")
-        backend = "llama.cpp, which serves this model," if is_llamacpp else "the loaded model"
+        backend = "llama.cpp, which serves this model," if session.backend == "llamacpp" else "the loaded model"
         raise _backend_limit(backend, most, parallel)
 
 

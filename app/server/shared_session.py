@@ -58,12 +58,12 @@ class SharedSession:
     def __init__(self, session: Session, *, parallel: int | None = None,
                  hold: Callable[[CancelToken | None], AbstractContextManager] | None = None):
         """``parallel``: how many generations run at once; by default all the session can
-        (its ``max_parallel``, 1 for a session that does not say). ``hold(cancel)``: a
+        (its ``max_parallel``). ``hold(cancel)``: a
         context each running generation also holds once its turn in the queue has come (the
         TUI's process-wide turn for model work, shared by the answers, so that a bandwidth
         measurement or a benchmark never runs beside an API request). Taken after the queue,
         always in that order, so the two can never wait on each other."""
-        most = max_parallel(session)
+        most = session.max_parallel
         parallel = most if parallel is None else parallel
         if not 1 <= parallel <= most:
             raise ValueError(f"parallel must be 1 to {most}, the generations this session runs at once; not {parallel}")
@@ -172,8 +172,3 @@ class SharedSession:
         if self.closed:
             raise ModelUnloadedError()
 
-
-def max_parallel(session: Session) -> int:
-    """How many generations ``session`` runs at once (the engine: the conversations its KV
-    cache holds; llama.cpp: one). A session that does not say runs one."""
-    return getattr(session, "max_parallel", 1)

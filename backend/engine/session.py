@@ -97,6 +97,7 @@ class EngineSession:
         self.path = path
         self.context = plan.workload.context
         # Generations at once: the conversations the plan sized the KV cache for.
+        self.backend, self.counts_experts = "engine", True
         self.max_parallel = model.max_sequences
         self.decode_path = model.decode_plan().summary()
         self.batcher = Batcher(model, chunk=plan.workload.prefill_chunk, slots=self.max_parallel)

@@ -149,6 +149,9 @@ class LlamaCppSession:
     # second generation must wait for the first (the server's queue sees to it).
     max_parallel = 1
     decode_path = "decode: llama.cpp's own graph"
+    backend = "llamacpp"
+    # llama.cpp does not report which experts a token chose.
+    counts_experts = False
 
     def __init__(self, bindings, model, ctx, params, header: GGUFHeader, plan: Plan, placement: PlacementReport):
         self._b = bindings

@@ -90,6 +90,8 @@ class BlockingSession:
     """A session whose generations wait for a gate: the queue's timing in the test's hands.
     (Only this edge is faked; the engine cannot be paused on cue.)"""
 
+    max_parallel = 1
+
     def __init__(self):
         self.gate = threading.Event()
         self.started: list[str] = []

@@ -40,6 +40,7 @@ class FakeSession:
         # As the engine: as many generations at once as the plan's KV cache holds conversations.
         self.max_parallel = max_parallel
         self.decode_path = "decode: native chain, all 3 layers"
+        self.backend, self.counts_experts = "engine", False  # as the engine, but counting nothing
         self.calls: list[list] = []
         self.closed = False
 

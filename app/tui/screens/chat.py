@@ -27,7 +27,7 @@ from textual.screen import Screen
 from textual.widgets import Footer, Label, ProgressBar
 
 from hybridmoe.app.history import Conversation, HistoryError, title_for
-from hybridmoe.app.server.shared_session import SharedSession, max_parallel
+from hybridmoe.app.server.shared_session import SharedSession
 from hybridmoe.app.tui.screens.chat_settings import ChatSettings, ChatSettingsScreen, sampling_params
 from hybridmoe.app.tui.screens.conversations import ConversationsScreen
 from hybridmoe.app.tui.widgets.chat_message import ChatMessage, code_blocks
@@ -244,11 +244,11 @@ class ChatScreen(ReportsWorkerErrors, Screen):
         self.query_one("#load-panel").display = False
         status = self.query_one(StatusLine)
         status.model_name = self.model_name
-        status.say("ready", limits_words(max_parallel(event.session), event.plan.workload.context),
+        status.say("ready", limits_words(event.session.max_parallel, event.plan.workload.context),
                    "CPU only" if event.plan.main_device == "cpu" else "", event.session.decode_path)
         self.refresh_bindings()
         self.query_one(PromptInput).focus()
-        if self.app.settings.record_stats and not hasattr(event.session, "save_expert_stats"):
+        if self.app.settings.record_stats and not event.session.counts_experts:
             self.notify("llama.cpp does not report which experts it uses: usage is not recorded with this model.",
                         severity="warning", timeout=10)
 
