@@ -80,10 +80,10 @@ class LlamaLayout:
                 # (they then sit in host buffers it copies from faster during op offload).
                 "use_mmap": not gpu}
 
-    def command(self, block_count: int) -> str:
-        """The same placement as llama-server options, for the report."""
+    def command(self, block_count: int, gpu: bool = True) -> str:
+        """The same placement and settings as llama-server options, for the report."""
         ot = "".join(f" -ot '{o}'" for o in self.override_tensor)
-        return f"-ngl {block_count + 1}{ot} -fa on -b 2048 -ub 2048"
+        return f"-ngl {block_count + 1}{ot} -fa on -b 2048 " + ("-ub 2048 --no-mmap" if gpu else "-ub 512")
 
 
 def llamacpp_layout(gpu_experts: Mapping[int, Sequence[int]], moe_layers: Sequence[int], n_experts: int,
@@ -269,7 +269,7 @@ class _LlamaWorker:
         on_card = sum(v for k, v in buffers.items() if not _is_host(k))
         self.info = {"version": version("llama-cpp-python"), "library": _library_path(),
                      "devices": [f"{d['name']} ({d['description']})" for d in gpus] or ["CPU only"],
-                     "settings": settings, "command": layout.command(header.block_count),
+                     "settings": settings, "command": layout.command(header.block_count, gpu=bool(gpus)),
                      "cpu_tensors": len(placed), "cpu_tensors_expected": len(want),
                      "buffers_mib": buffers,
                      # What the card's model buffers should hold: every tensor but the CPU layers'

@@ -57,6 +57,7 @@ def test_the_plans_whole_layers_become_exactly_their_overrides():
     assert settings["n_gpu_layers"] == 13 and settings["n_cpu_moe"] == 0 and settings["use_mmap"] is False
     assert settings["override_tensor"] == list(layout.override_tensor)
     assert "-ngl 13 -ot 'blk\\.(1|2|3|4|5)\\.ffn_" in layout.command(12)
+    assert layout.command(12).endswith("-ub 2048 --no-mmap") and layout.command(12, gpu=False).endswith("-ub 512")
 
 
 def test_every_layer_on_the_gpu_needs_no_override_and_none_moves_them_all():
