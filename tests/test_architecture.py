@@ -397,8 +397,8 @@ def test_a_family_folder_spans_the_engine_models_and_convert_layers(tmp_path):
         families + "olmoe/__init__.py": "from hybridmoe.backend.models.families.olmoe import engine\n",
         families + "olmoe/engine.py": "from hybridmoe.backend.engine.routing import SoftmaxTopK\n",
         families + "olmoe/gguf.py": "from hybridmoe.backend.convert.gguf_keys import GGUFKeys\n"
-                                    "from hybridmoe.backend.engine.hf_config import HFConfig\n",
-        "backend/engine/routing.py": "", "backend/engine/hf_config.py": "",
+                                    "from hybridmoe.backend.models.hf_config import HFConfig\n",
+        "backend/engine/routing.py": "", "backend/models/hf_config.py": "",
         "backend/convert/gguf_keys.py": "from hybridmoe.backend.models.families import olmoe\n",
     })
     # engine.py and gguf.py import their own layer and below; the folder's models-layer

@@ -15,8 +15,8 @@ from types import ModuleType
 
 import gguf
 
-from hybridmoe.backend.engine.hf_config import HFConfig, RopeParams
 from hybridmoe.backend.errors import UnsupportedModelError
+from hybridmoe.backend.models.hf_config import HFConfig, RopeParams
 
 USE_GGUF = "Use a GGUF published for this model, or run the checkpoint with the embedded engine."
 

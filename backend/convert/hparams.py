@@ -21,9 +21,9 @@ from typing import Any
 import gguf
 
 from hybridmoe.backend.convert.gguf_keys import USE_GGUF, ArchWriter, GGUFKeys
-from hybridmoe.backend.engine.hf_config import HFConfig
 from hybridmoe.backend.errors import UnsupportedModelError
 from hybridmoe.backend.models.families import FAMILIES
+from hybridmoe.backend.models.hf_config import HFConfig
 
 
 def _writer_module(family: ModuleType) -> str:

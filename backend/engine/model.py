@@ -23,7 +23,6 @@ from hybridmoe.backend.engine import decode_path, native_experts, native_kernels
 from hybridmoe.backend.engine.attention import Attention
 from hybridmoe.backend.engine.cpu_decode import DecodeStep
 from hybridmoe.backend.engine.experts import ExpertActivation, ExpertStore, HostExperts, ResidentExperts
-from hybridmoe.backend.engine.hf_config import HFConfig
 from hybridmoe.backend.engine.host_memory import HostArena
 from hybridmoe.backend.engine.hybrid import HybridOptions, attach
 from hybridmoe.backend.engine.kv_cache import CacheGroup, PagedCache, PagedKV, Segment, Sequence
@@ -39,6 +38,7 @@ from hybridmoe.backend.engine.tensor_parallel import HeadShards, Shards, kv_head
 from hybridmoe.backend.formats.weights import WeightSource, missing_tensor, require, text_model_weights
 from hybridmoe.backend.errors import ModelUnloadedError, UnsupportedModelError
 from hybridmoe.backend.models.families import family_by_name, family_for_config, spec_from_config
+from hybridmoe.backend.models.hf_config import HFConfig
 from hybridmoe.backend.models.spec import KV_BLOCK_TOKENS, SLIDING_REWIND_TOKENS, ModelSpec
 from hybridmoe.backend.session import Cancelled
 

@@ -17,7 +17,7 @@ import math
 import torch
 from torch import nn
 
-from hybridmoe.backend.engine.hf_config import RopeParams
+from hybridmoe.backend.models.hf_config import RopeParams
 
 
 def inverse_frequencies(params: RopeParams, dim: int, max_position_embeddings: int) -> tuple[torch.Tensor, float]:

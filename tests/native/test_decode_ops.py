@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from hybridmoe.backend.engine import native_kernels
-from hybridmoe.backend.engine.hf_config import RopeParams
+from hybridmoe.backend.models.hf_config import RopeParams
 from hybridmoe.backend.engine.layers import RMSNorm
 from hybridmoe.backend.engine.rope import Rotary
 from hybridmoe.backend.engine.routing import SigmoidGroupedTopK, SoftmaxTopK, TopKSoftmax

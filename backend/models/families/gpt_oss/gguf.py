@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 
 from hybridmoe.backend.convert.gguf_keys import ArchWriter, GGUFKeys, head_dim
-from hybridmoe.backend.engine.hf_config import HFConfig
+from hybridmoe.backend.models.hf_config import HFConfig
 
 log = logging.getLogger(__name__)
 

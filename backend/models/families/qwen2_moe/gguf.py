@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from hybridmoe.backend.convert.gguf_keys import ArchWriter, GGUFKeys
-from hybridmoe.backend.engine.hf_config import HFConfig
 from hybridmoe.backend.models.families.qwen3_moe.gguf import write_qwen_moe_keys
+from hybridmoe.backend.models.hf_config import HFConfig
 
 
 def write(w: GGUFKeys, c: HFConfig) -> None:

@@ -4,7 +4,7 @@ shared with Qwen2-MoE."""
 from __future__ import annotations
 
 from hybridmoe.backend.convert.gguf_keys import ArchWriter, GGUFKeys
-from hybridmoe.backend.engine.hf_config import HFConfig
+from hybridmoe.backend.models.hf_config import HFConfig
 
 
 def write_qwen_moe_keys(w: GGUFKeys, c: HFConfig) -> None:

@@ -1,4 +1,6 @@
-"""The Hugging Face text configuration as the engine reads it.
+"""The Hugging Face text configuration as the engine and the converter read it (torch-free:
+here in models/, so that the converter and every family's ``gguf`` module import it without
+importing the engine).
 
 The model's shape (layers, heads, sliding windows, routing) is the ``ModelSpec``'s; the engine
 reads from the config dict (``ModelSpec.config``: the text part of config.json, or a GGUF's
