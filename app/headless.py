@@ -7,7 +7,6 @@ already printed.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import signal
 import sys
@@ -59,12 +58,12 @@ def load_plan(args, model, users: int = 1):
 
 def user_chat_template(path: str | None):
     """--chat-template FILE, read and checked now (before a model loads, which takes minutes):
-    a context manager in which a model loads with the file's template instead of its own."""
+    the TemplateFile ``load_session`` renders with instead of the model's own, or None."""
     if path is None:
-        return contextlib.nullcontext()
-    from hybridmoe.backend.text.chat_template import read_template_file, templates_replaced_by
+        return None
+    from hybridmoe.backend.text.chat_template import read_template_file
 
-    return templates_replaced_by(*read_template_file(path))
+    return read_template_file(path)
 
 
 CHAT_TEMPLATE_HELP = ("a Jinja chat template file to use instead of the model's own (one with a mistake, say); "
@@ -174,9 +173,8 @@ def _run(args, waiting: Waiting) -> int:
     backend_choice = _BackendChoice(args)
     signal.signal(signal.SIGINT, on_sigint)
     try:
-        with chat_template:
-            session = load_session(args.backend, model, plan, progress, cancel,
-                                   on_fallback=backend_choice.fell_back, on_choice=backend_choice.chosen)
+        session = load_session(args.backend, model, plan, progress, cancel, on_fallback=backend_choice.fell_back,
+                               on_choice=backend_choice.chosen, chat_template=chat_template)
         progress.done()
         backend_choice.warn_slow_path(plan)
         if args.record_stats and not session.counts_experts:

@@ -28,6 +28,7 @@ from hybridmoe.backend.models.inspect import InspectedModel
 from hybridmoe.backend.plan.plan import Plan
 from hybridmoe.backend.plan.workload import BACKENDS
 from hybridmoe.backend.session import CancelToken, ProgressCallback, Session
+from hybridmoe.backend.text.chat_template import TemplateFile
 
 BACKEND_NAMES = {"engine": "the embedded engine", "llamacpp": "llama.cpp"}
 
@@ -40,12 +41,14 @@ def load_session(
     cancel: CancelToken | None = None,
     on_fallback: Callable[[UnsupportedModelError], None] | None = None,
     on_choice: Callable[[str, str], None] | None = None,
+    chat_template: TemplateFile | None = None,
 ) -> Session:
     """A session on the chosen backend. ``auto`` follows the plan's own choice when it names
     one (a plan made with `hybridmoe plan --backend llamacpp` stays on llama.cpp), and tells
     ``on_choice(backend, reason)`` so, since nothing on the command line said it. ``model`` is a
     path, or the InspectedModel the plan was made from: handed on, its files are not resolved
-    or inspected again."""
+    or inspected again. ``chat_template``: a template file the session renders with instead of
+    the model's own (``--chat-template FILE``)."""
     if choice not in BACKENDS:
         raise UsageError(f"unknown backend {choice!r}", f"Choose one of {', '.join(BACKENDS)}.")
     if choice == "auto" and plan.workload.backend != "auto":
@@ -74,11 +77,11 @@ def load_session(
         raise UsageError("this plan shares the GPUs by tensor parallelism, which the llama.cpp backend does not run",
                          "Run it on the embedded engine (--backend engine), or plan with --parallel pp.")
     if choice == "engine":
-        return _engine().load(model, plan, on_progress, cancel)
+        return _engine().load(model, plan, on_progress, cancel, chat_template=chat_template)
     if choice == "llamacpp":
-        return _llamacpp().load(model, plan, on_progress, cancel)
+        return _llamacpp().load(model, plan, on_progress, cancel, chat_template=chat_template)
     try:
-        return _engine().load(model, plan, on_progress, cancel)
+        return _engine().load(model, plan, on_progress, cancel, chat_template=chat_template)
     except UnsupportedModelError as why:
         from hybridmoe.backend.llamacpp import LlamaCppUnavailable
 
@@ -91,7 +94,7 @@ def load_session(
         if on_fallback is not None:
             on_fallback(why)
         try:
-            return _llamacpp().load(model, plan, on_progress, cancel)
+            return _llamacpp().load(model, plan, on_progress, cancel, chat_template=chat_template)
         except LlamaCppUnavailable as missing:
             hint = f"{why.hint or ''} The llama.cpp fallback is not available: {missing}".strip()
             raise UnsupportedModelError(why.what, hint) from why

@@ -125,4 +125,6 @@ class Backend(Protocol):
     name: str
 
     def load(self, model_path, plan, on_progress: ProgressCallback | None = None,
-             cancel: CancelToken | None = None) -> Session: ...
+             cancel: CancelToken | None = None, *, chat_template=None) -> Session:
+        """``chat_template``: a ``text.chat_template.TemplateFile`` rendered instead of the
+        model's own, or None."""

@@ -70,9 +70,8 @@ def _load_and_serve(args, model, name, plan, api_key, sock, progress, backend_ch
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        with chat_template:  # --chat-template FILE, or the model's own
-            session = load_session(args.backend, model, plan, progress, cancel, on_fallback=backend_choice.fell_back,
-                                   on_choice=backend_choice.chosen)
+        session = load_session(args.backend, model, plan, progress, cancel, on_fallback=backend_choice.fell_back,
+                               on_choice=backend_choice.chosen, chat_template=chat_template)  # None: the model's own
         progress.done()
         backend_choice.warn_slow_path(plan)
         try:

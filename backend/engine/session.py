@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from hybridmoe.backend.text.chat_template import ChatTemplate
+from hybridmoe.backend.text.chat_template import ChatTemplate, TemplateFile
 from hybridmoe.backend.engine.batching import Batcher
 from hybridmoe.backend.engine.model import MoeTransformer, build_model
 from hybridmoe.backend.engine.plan_layout import build_kwargs
@@ -50,9 +50,10 @@ class EngineBackend:
     name = "engine"
 
     def load(self, model: InspectedModel | str | Path, plan: Plan, on_progress: ProgressCallback | None = None,
-             cancel: CancelToken | None = None, *, device: str | None = None) -> EngineSession:
+             cancel: CancelToken | None = None, *, device: str | None = None,
+             chat_template: TemplateFile | None = None) -> EngineSession:
         """``model``: a path, or the InspectedModel the caller planned with (then its files are
-        not resolved or inspected again)."""
+        not resolved or inspected again). ``chat_template``: rendered instead of the model's own."""
         model = inspected(model)
         if model.kind == "config":
             raise ModelError(f"{model.path} is a config.json without weights", "Download the model first (`hybridmoe pull`).")
@@ -85,7 +86,7 @@ class EngineBackend:
             on_progress=progress,
             **build_kwargs(plan, device),
         )
-        return EngineSession(net, tokenizer, ChatTemplate.for_tokenizer(tokenizer), plan, model.path)
+        return EngineSession(net, tokenizer, ChatTemplate.for_tokenizer(tokenizer, chat_template), plan, model.path)
 
 
 class EngineSession:

@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hybridmoe.backend.text.chat_template import ChatTemplate
+from hybridmoe.backend.text.chat_template import ChatTemplate, TemplateFile
 from hybridmoe.backend.text.sampling import SamplingParams
 from hybridmoe.backend.errors import ModelError, UnsupportedModelError
 from hybridmoe.backend.text.generation import (
@@ -77,7 +77,8 @@ class LlamaCppBackend:
     name = "llamacpp"
 
     def load(self, model_path, plan: Plan, on_progress: ProgressCallback | None = None,
-             cancel: CancelToken | None = None) -> LlamaCppSession:
+             cancel: CancelToken | None = None, *, chat_template: TemplateFile | None = None) -> LlamaCppSession:
+        """``chat_template``: rendered instead of the model's own (``--chat-template FILE``)."""
         b = llama()
         header = read_header(model_path)
         check_plan(plan, header)
@@ -112,7 +113,7 @@ class LlamaCppBackend:
                     "Lower the context (`--context`), use f16 cache types, or make a plan for this machine.",
                 )
             report = PlacementReport.from_log(captured, header)
-            return LlamaCppSession(b, model, ctx, params, header, plan, report)
+            return LlamaCppSession(b, model, ctx, params, header, plan, report, chat_template)
         except BaseException:  # no session owns the model and context
             if ctx:
                 b.llama_free(ctx)
@@ -153,7 +154,8 @@ class LlamaCppSession:
     # llama.cpp does not report which experts a token chose.
     counts_experts = False
 
-    def __init__(self, bindings, model, ctx, params, header: GGUFHeader, plan: Plan, placement: PlacementReport):
+    def __init__(self, bindings, model, ctx, params, header: GGUFHeader, plan: Plan, placement: PlacementReport,
+                 chat_template: TemplateFile | None = None):
         self._b = bindings
         self.model = model
         self.ctx = ctx
@@ -171,6 +173,7 @@ class LlamaCppSession:
             special_tokens=self.vocab.special_tokens,
             tool_use_source=templates.get("tool_use"),
             tool_use_origin=f"{header.path} (tokenizer.chat_template.tool_use)",
+            replacement=chat_template,
         )
         self.context = bindings.llama_n_ctx(ctx)
         self.chunk = bindings.llama_n_batch(ctx)

@@ -21,8 +21,9 @@ deadline. Every failure (syntax error, sandbox refusal, limit, ``raise_exception
 name, runtime error) becomes one ``ModelError`` naming the template's source and line.
 
 ``--chat-template FILE`` (``hybridmoe run``/``serve``) replaces a model's template:
-``read_template_file`` checks the file, and ``templates_replaced_by`` makes the sessions loaded
-inside it use the file instead of the model's own template, with the model's special tokens.
+``read_template_file`` checks the file and gives a ``TemplateFile``, which ``load_session`` (its
+``chat_template`` argument) hands to the backend: its session renders with the file instead of
+the model's own template, with the model's special tokens.
 
 A model without a chat template gets ``FALLBACK_TEMPLATE`` (``is_fallback`` tells the UI to
 say so).
@@ -30,7 +31,6 @@ say so).
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import dataclasses
 import functools
@@ -113,10 +113,10 @@ class ChatTemplate:
         special_tokens: Mapping[str, str] | None = None,
         tool_use_source: str | None = None,
         tool_use_origin: str | None = None,
+        replacement: TemplateFile | None = None,
     ):
-        replacement = _replacement.get()
         if replacement is not None:  # --chat-template FILE: the user's template wins over the model's
-            (source, origin), tool_use_source = replacement, None
+            source, origin, tool_use_source = replacement.source, replacement.origin, None
         self.is_fallback = source is None
         self.source = FALLBACK_TEMPLATE if source is None else source
         self.origin = FALLBACK_ORIGIN if source is None else origin
@@ -130,8 +130,8 @@ class ChatTemplate:
             self._tool_use = (_compile(tool_use_source, tool_use_origin or origin), tool_use_source, tool_use_origin or origin)
 
     @classmethod
-    def for_tokenizer(cls, tokenizer: Tokenizer) -> ChatTemplate:
-        """The tokenizer's default template (or the fallback), with its special tokens."""
+    def for_tokenizer(cls, tokenizer: Tokenizer, replacement: TemplateFile | None = None) -> ChatTemplate:
+        """The tokenizer's default template (or the fallback, or `replacement`), with its special tokens."""
         templates, origins = tokenizer.chat_templates, tokenizer.chat_template_origins
         default = templates.get("default")
         if default is None and templates:  # several named templates, none called default
@@ -143,6 +143,7 @@ class ChatTemplate:
             special_tokens=tokenizer.special_tokens,
             tool_use_source=templates.get("tool_use"),
             tool_use_origin=origins.get("tool_use"),
+            replacement=replacement,
         )
 
     def render(
@@ -205,14 +206,18 @@ class ChatTemplate:
 
 # -- a template the user supplies (--chat-template FILE) -----------------------------------------
 
-# (source, origin) of the template that replaces the model's own, while a model loads.
-_replacement: contextvars.ContextVar[tuple[str, str] | None] = contextvars.ContextVar("chat_template_replacement",
-                                                                                      default=None)
+@dataclasses.dataclass(frozen=True)
+class TemplateFile:
+    """A chat template the user supplies in place of the model's own: its text and where it
+    came from (for error messages)."""
+
+    source: str
+    origin: str
 
 
-def read_template_file(path: str | Path) -> tuple[str, str]:
-    """(source, origin) of a chat template file, checked: readable UTF-8 text that compiles.
-    The file is jinja text for the same sandbox as a model's template, never Python."""
+def read_template_file(path: str | Path) -> TemplateFile:
+    """A chat template file, checked: readable UTF-8 text that compiles. The file is jinja
+    text for the same sandbox as a model's template, never Python."""
     path = Path(path).expanduser()
     try:
         size = path.stat().st_size
@@ -234,18 +239,7 @@ def read_template_file(path: str | Path) -> tuple[str, str]:
         _compile(source, origin)
     except ModelError as error:
         raise UsageError(error.what, f"Correct the template in {path}.") from error
-    return source, origin
-
-
-@contextlib.contextmanager
-def templates_replaced_by(source: str, origin: str) -> Iterator[None]:
-    """Chat templates made inside the block (by a model's loading) use ``source`` instead of the
-    model's own template (and its tool-use variant), still with the model's special tokens."""
-    token = _replacement.set((source, origin))
-    try:
-        yield
-    finally:
-        _replacement.reset(token)
+    return TemplateFile(source, origin)
 
 
 # -- environment --------------------------------------------------------------------------------

@@ -477,12 +477,12 @@ def test_a_long_conversation_still_renders_with_a_real_template(style_dirs: dict
 
 
 def test_a_template_file_is_checked_when_it_is_read(tmp_path: Path) -> None:
-    from hybridmoe.backend.text.chat_template import read_template_file
+    from hybridmoe.backend.text.chat_template import TemplateFile, read_template_file
     from hybridmoe.backend.errors import UsageError
 
     good = tmp_path / "good.jinja"
     good.write_text("{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}", encoding="utf-8")
-    assert read_template_file(good) == (good.read_text(), str(good))
+    assert read_template_file(good) == TemplateFile(good.read_text(), str(good))
     broken = tmp_path / "broken.jinja"
     broken.write_text("line one\n{% if %}", encoding="utf-8")
     with pytest.raises(UsageError, match=r"broken\.jinja has a syntax error at line 2") as info:
@@ -497,13 +497,13 @@ def test_a_template_file_is_checked_when_it_is_read(tmp_path: Path) -> None:
 
 
 def test_a_supplied_template_replaces_the_models_own_with_its_special_tokens() -> None:
-    from hybridmoe.backend.text.chat_template import templates_replaced_by
+    from hybridmoe.backend.text.chat_template import TemplateFile
 
-    with templates_replaced_by("{{ bos_token }}{{ messages[0].content }}!", "mine.jinja"):
-        template = ChatTemplate("{% if %} the model's own, broken", origin="model/chat_template.jinja",
-                                special_tokens={"bos_token": "<s>"}, tool_use_source="{% broken too")
+    mine = TemplateFile("{{ bos_token }}{{ messages[0].content }}!", "mine.jinja")
+    template = ChatTemplate("{% if %} the model's own, broken", origin="model/chat_template.jinja",
+                            special_tokens={"bos_token": "<s>"}, tool_use_source="{% broken too", replacement=mine)
     assert template.origin == "mine.jinja" and template.render(HI) == "<s>hi!"
     assert template.render(HI, tools=[{"type": "function"}]) == "<s>hi!"
     with pytest.raises(ModelError, match="give a corrected one to `hybridmoe run` or `hybridmoe serve` with "
                                          "--chat-template FILE"):
-        ChatTemplate("{% if %}", origin="model/chat_template.jinja")  # outside the block: the model's own
+        ChatTemplate("{% if %}", origin="model/chat_template.jinja")  # without a replacement: the model's own
