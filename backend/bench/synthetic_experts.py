@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from hybridmoe.backend.engine.decode_path import CLAMPED_SWIGLU
 from hybridmoe.backend.engine.experts import ExpertActivation, ExpertStore, HostExperts
 from hybridmoe.backend.formats.quant import QuantTensor, from_compressed_int4, from_gguf, from_mxfp4
 
@@ -182,8 +183,8 @@ def make_host_experts(
                 tensors[f"{p}.{name}.weight"] = w[e]
                 if biases:
                     tensors[f"{p}.{name}.bias"] = torch.from_numpy(rng.standard_normal(rows).astype(np.float32))
-    store = ExpertStore(DictWeights(tensors), PREFIX, E, H, I, gpt_oss=gpt_oss)
-    activation = ExpertActivation(act, limit=limit) if gpt_oss else ExpertActivation(act)
+    store = ExpertStore(DictWeights(tensors), PREFIX, E, H, I, fused_xw_with_biases=gpt_oss)
+    activation = ExpertActivation(CLAMPED_SWIGLU, limit=limit, interleaved=True) if gpt_oss else ExpertActivation(act)
     return HostExperts(store, cpu_ids, torch.float32, activation)
 
 

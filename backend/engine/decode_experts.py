@@ -26,6 +26,8 @@ from functools import cache, cached_property
 
 import torch
 
+from hybridmoe.backend.engine.decode_path import CLAMPED_SWIGLU
+
 log = logging.getLogger(__name__)
 
 # Tokens per call up to which the kernels run: each (token, slot) pair reads its expert's
@@ -84,7 +86,7 @@ class Stack:
 
 
 def supported(activation: str) -> bool:
-    return activation in ("silu", "swish", "gpt_oss")
+    return activation in ("silu", "swish", CLAMPED_SWIGLU)
 
 
 @cache
@@ -143,7 +145,7 @@ def forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
     grid = (pairs, -(-inter // block_i))
     kernels.gate_up_kernel[grid](
         x, ids, slot_of, h, *gate_up.pointers, hidden, inter, k, n_experts, *gate_up.strides, gate_step, up_first,
-        up_step, alpha, limit, ACT=kernels.ACTS["gpt_oss" if activation == "gpt_oss" else "silu"], BLOCK_I=block_i,
+        up_step, alpha, limit, ACT=kernels.ACTS[CLAMPED_SWIGLU if activation == CLAMPED_SWIGLU else "silu"], BLOCK_I=block_i,
         BLOCK_K=block_k, num_warps=4, **gate_up.constants)
 
     block_h, block_k = blocks.get("down") or BLOCKS[down.form]["down"]

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 FORMS = {"dense": 0, "int8": 1, "int4": 2}
-ACTS = {"silu": 0, "gpt_oss": 1}
+ACTS = {"silu": 0, "clamped_swiglu": 1}
 # int4 tables the kernels compute instead of looking up: code - 8 ("int"), code ("uint").
 TABLES = {"int": 0, "uint": 1}
 LOOKUP = 2

@@ -18,6 +18,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# The routed experts' activations: SiLU of gate times up ("silu"), or SwiGLU with both halves
+# clamped to a limit, a sigmoid slope alpha and up shifted by one (GPT-OSS).
+SILU, CLAMPED_SWIGLU = "silu", "clamped_swiglu"
+
 # Cache dtypes the native attention reads (bf16 as its bits).
 _NATIVE_CACHE = ("float32", "bfloat16")
 

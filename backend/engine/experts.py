@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from hybridmoe.backend.engine import decode_experts
+from hybridmoe.backend.engine.decode_path import CLAMPED_SWIGLU
 from hybridmoe.backend.formats.int4_weights import Int4Weight, cat_rows
 from hybridmoe.backend.formats.int4_weights import from_quant as int4_from_quant
 from hybridmoe.backend.formats.int8_weights import Int8Weight, quantize_int8
@@ -72,17 +73,15 @@ def fuse_rows(gate: torch.Tensor, up: torch.Tensor, interleave: bool) -> torch.T
 
 
 class ExpertActivation:
-    """The gated nonlinearity between the two projections."""
+    """The gated nonlinearity between the two projections: a named activation ("silu") of
+    gate times up, or CLAMPED_SWIGLU; `interleaved`: a fused gate_up matrix alternates gate
+    and up rows (else gate rows, then up rows)."""
 
-    def __init__(self, kind: str = "silu", *, alpha: float = 1.702, limit: float = 7.0):
+    def __init__(self, kind: str = "silu", *, alpha: float = 1.702, limit: float = 7.0, interleaved: bool = False):
         self.kind = kind
         self.alpha, self.limit = alpha, limit
-        self.act = activation(kind) if kind != "gpt_oss" else None
-
-    @property
-    def interleaved(self) -> bool:
-        """Whether a fused gate_up matrix interleaves gate and up rows (GPT-OSS)."""
-        return self.kind == "gpt_oss"
+        self.interleaved = interleaved
+        self.act = activation(kind) if kind != CLAMPED_SWIGLU else None
 
     def __call__(self, x: torch.Tensor, m: ExpertMatrices) -> torch.Tensor:
         if m.gate_up is None:
@@ -93,8 +92,7 @@ class ExpertActivation:
                 gate, up = gate_up[..., ::2], gate_up[..., 1::2]
             else:
                 gate, up = gate_up.chunk(2, dim=-1)
-        if self.kind == "gpt_oss":
-            # GPT-OSS: clamped SwiGLU with a sigmoid slope alpha, and up shifted by one.
+        if self.kind == CLAMPED_SWIGLU:
             gate = gate.clamp(max=self.limit)
             up = up.clamp(-self.limit, self.limit)
             return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
@@ -118,17 +116,19 @@ class ExpertStore:
     """One MoE layer's routed experts as the checkpoint stores them (read lazily, kept).
 
     Per-expert tensors may carry biases (GPT-OSS read from a GGUF file, where llama.cpp
-    stores gate and up separately); the fused GPT-OSS layout has them as
-    ``gate_up_proj_bias`` / ``down_proj_bias``.
+    stores gate and up separately). `fused_xw_with_biases`: the family's fused tensors carry
+    ``gate_up_proj_bias`` / ``down_proj_bias``, and stored as floats they are laid out for
+    x @ W ([in, out]; GPT-OSS's checkpoints).
     """
 
     def __init__(self, weights: WeightSource, prefix: str, n_experts: int, hidden: int, intermediate: int,
-                 *, names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"), gpt_oss: bool = False):
+                 *, names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
+                 fused_xw_with_biases: bool = False):
         self.weights = weights
         self.prefix = prefix
         self.n_experts, self.hidden, self.intermediate = n_experts, hidden, intermediate
         self.names = names
-        self.gpt_oss = gpt_oss
+        biased = fused_xw_with_biases
         self._stored: dict[int, dict[str, Any]] = {}
         fused = f"{prefix}.experts.gate_up_proj"
         self.layout = "fused" if fused in weights else "per_expert"
@@ -137,12 +137,12 @@ class ExpertStore:
             e, h, i = n_experts, hidden, intermediate
             gate_up = weights.get(fused)
             # Float GPT-OSS tensors are stored for x @ W ([in, out]); everything else [out, in].
-            self.transposed = gpt_oss and isinstance(gate_up, torch.Tensor)
+            self.transposed = biased and isinstance(gate_up, torch.Tensor)
             want_gu, want_down = ((e, h, 2 * i), (e, i, h)) if self.transposed else ((e, 2 * i, h), (e, h, i))
             self._gate_up = require(weights, fused, want_gu)
             self._down = require(weights, f"{prefix}.experts.down_proj", want_down)
-            self._gate_up_bias = require(weights, f"{fused}_bias", (e, 2 * i)) if gpt_oss else None
-            self._down_bias = require(weights, f"{prefix}.experts.down_proj_bias", (e, h)) if gpt_oss else None
+            self._gate_up_bias = require(weights, f"{fused}_bias", (e, 2 * i)) if biased else None
+            self._down_bias = require(weights, f"{prefix}.experts.down_proj_bias", (e, h)) if biased else None
         else:
             # Presence is checked now (name lookups only) so that an incomplete checkpoint
             # fails at load; shapes are checked when an expert is first read.

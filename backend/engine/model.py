@@ -375,9 +375,10 @@ class Build:
 
     def routed_experts(self, i: int, prefix: str, n_experts: int, intermediate: int, act: ExpertActivation, *,
                        names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
-                       gpt_oss: bool = False) -> tuple[ResidentExperts, HostExperts]:
+                       fused_xw_with_biases: bool = False) -> tuple[ResidentExperts, HostExperts]:
         """Layer i's routed experts split by the placement: (main device, host)."""
-        store = ExpertStore(self.weights, prefix, n_experts, self.hidden, intermediate, names=names, gpt_oss=gpt_oss)
+        store = ExpertStore(self.weights, prefix, n_experts, self.hidden, intermediate, names=names,
+                            fused_xw_with_biases=fused_xw_with_biases)
         on_main = set(self.placement.get(i, ()))
         on_gpus = set(self.on_cards.get(i, ()))  # on any card (the main device's, without tensor parallelism)
         bad = [e for e in on_gpus if not 0 <= e < n_experts]
@@ -391,10 +392,13 @@ class Build:
 
     def moe(self, i: int, prefix: str, router: nn.Module, n_experts: int, intermediate: int, *,
             act: ExpertActivation | None = None, names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
-            gpt_oss: bool = False, shared: GatedMLP | None = None, shared_gate: Linear | None = None) -> MoE:
-        """Layer i's MoE block: `router`, its routed experts under `prefix`, shared experts."""
+            fused_xw_with_biases: bool = False, shared: GatedMLP | None = None,
+            shared_gate: Linear | None = None) -> MoE:
+        """Layer i's MoE block: `router`, its routed experts under `prefix` (ExpertStore says
+        what `fused_xw_with_biases` means), shared experts."""
         act = act or ExpertActivation(str(self.config.get("hidden_act", "silu")))
-        main, host = self.routed_experts(i, prefix, n_experts, intermediate, act, names=names, gpt_oss=gpt_oss)
+        main, host = self.routed_experts(i, prefix, n_experts, intermediate, act, names=names,
+                                         fused_xw_with_biases=fused_xw_with_biases)
         return MoE(i, router, main, host, shared=shared, shared_gate=shared_gate,
                    recorder=self.recorder if self.first_card else None)
 

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hybridmoe.backend.engine import native_kernels
+from hybridmoe.backend.engine.decode_path import CLAMPED_SWIGLU
 from hybridmoe.backend.engine.native_kernels import Unsupported, enabled, matrix_ref, native_format
 from hybridmoe.backend.formats.quant import QuantTensor
 
@@ -66,7 +67,9 @@ class NativeExperts:
         act = experts.act.kind
         if act in ("silu", "swish"):
             act = "silu"
-        elif act != "gpt_oss":
+        elif act == CLAMPED_SWIGLU:
+            act = "gpt_oss"  # the native kernels' name for it
+        else:
             raise Unsupported(f"activation {act!r}")
         self.hidden, self.intermediate, self.n_experts = H, I, E
         refs = torch.zeros((E, 3, 4), dtype=torch.int64)

@@ -6,6 +6,7 @@ only; experts fused and interleaved (gate, up) with biases and a clamped SwiGLU 
 
 from __future__ import annotations
 
+from hybridmoe.backend.engine.decode_path import CLAMPED_SWIGLU
 from hybridmoe.backend.engine.experts import ExpertActivation
 from hybridmoe.backend.engine.routing import TopKSoftmax
 
@@ -22,5 +23,6 @@ def feed_forward(b, i: int):
     n = spec.n_routed_experts
     router = TopKSoftmax(b.load.tensor(f"{p}.router.weight", (n, b.hidden)),
                          b.load.tensor(f"{p}.router.bias", (n,)), spec.experts_per_token)
-    act = ExpertActivation("gpt_oss", alpha=float(cfg.get("swiglu_alpha", 1.702)), limit=float(cfg.get("swiglu_limit", 7.0)))
-    return b.moe(i, p, router, n, spec.moe_intermediate_size, act=act, gpt_oss=True)
+    act = ExpertActivation(CLAMPED_SWIGLU, alpha=float(cfg.get("swiglu_alpha", 1.702)),
+                           limit=float(cfg.get("swiglu_limit", 7.0)), interleaved=True)
+    return b.moe(i, p, router, n, spec.moe_intermediate_size, act=act, fused_xw_with_biases=True)
