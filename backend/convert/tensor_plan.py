@@ -7,11 +7,11 @@ it, the layouts llama.cpp wants differently from the checkpoint:
   projection and layer (``blk.N.ffn_{gate,up,down}_exps``), read one expert at a time;
 * ``llama`` arch (Mixtral): Q and K rows are permuted so that ggml's interleaved ("normal")
   RoPE computes what transformers' rotate-half RoPE does;
-* ``deepseek2`` (DeepSeek-V2/V3, Kimi K2.x): MLA's ``kv_b_proj`` is split into ``attn_k_b``
+* where the family says so (``GGUF_SPLITS_KV_B``: DeepSeek-V2/V3, Kimi K2.x): MLA's ``kv_b_proj`` is split into ``attn_k_b``
   (transposed, per head ``[kv_lora, nope]``) and ``attn_v_b`` (``[v, kv_lora]``), the layout
   current llama.cpp requires for its absorbed-MLA attention with the compressed cache;
 * DeepSeek's and GLM's router bias ``e_score_correction_bias`` is ``blk.N.exp_probs_b.bias``;
-* ``gpt-oss``: the fused expert tensors (``mlp.experts.gate_up_proj`` with gate and up
+* where the family says so (``GGUF_SPLITS_FUSED_EXPERTS``: GPT-OSS): the fused expert tensors (``mlp.experts.gate_up_proj`` with gate and up
   interleaved row by row, ``down_proj``, and their biases) are split into
   ``ffn_{gate,up,down}_exps`` and their ``.bias`` tensors, de-interleaved; MXFP4 blocks stay
   MXFP4 blocks (rows are whole blocks, so selecting every other row needs no re-encoding);
@@ -203,7 +203,8 @@ def plan_tensors(source: Any, arch: str, config: dict[str, Any], n_layers: int, 
     tie = bool(config.get("tie_word_embeddings", False))
     n_head = int(config["num_attention_heads"])
     n_kv_head = int(config.get("num_key_value_heads") or n_head)
-    permutes_qk = family_by_gguf_arch(arch, location).GGUF_PERMUTES_QK
+    family = family_by_gguf_arch(arch, location)
+    permutes_qk = family.GGUF_PERMUTES_QK
 
     out: list[OutTensor] = []
     experts: dict[tuple[int, str], dict[int, str]] = {}
@@ -222,14 +223,14 @@ def plan_tensors(source: Any, arch: str, config: dict[str, Any], n_layers: int, 
         if e:
             experts.setdefault((int(e.group(1)), _PROJ[e.group(3)]), {})[int(e.group(2))] = hf
             continue
-        f = _FUSED.fullmatch(hf) if arch == "gpt-oss" else None
+        f = _FUSED.fullmatch(hf) if family.GGUF_SPLITS_FUSED_EXPERTS else None
         if f:
             fused.setdefault(int(f.group(1)), {})[f.group(2) + (f.group(3) or "")] = hf
             continue
         t = source.get(hf)
         shape, fmt = tuple(int(d) for d in t.shape), _format(t)
 
-        if arch == "deepseek2" and hf.endswith("self_attn.kv_b_proj.weight"):
+        if family.GGUF_SPLITS_KV_B and hf.endswith("self_attn.kv_b_proj.weight"):
             nope, v = int(config["qk_nope_head_dim"]), int(config["v_head_dim"])
             kv_lora = shape[-1]
             if shape[0] != n_head * (nope + v):

@@ -52,6 +52,10 @@ GGUF_PARTIAL_ROTARY = False
 
 GGUF_TENSOR_NAMES: dict[str, str] = {}
 GGUF_PERMUTES_QK = False
+# MLA's kv_b_proj is written as attn_k_b (per head [kv_lora, nope]) and attn_v_b ([v, kv_lora]):
+# the layout llama.cpp's absorbed attention over the compressed cache requires.
+GGUF_SPLITS_FUSED_EXPERTS = False
+GGUF_SPLITS_KV_B = True
 
 # Config keys llama.cpp's converter stores for this family, beyond those every family has.
 GGUF_KEYS = DEEPSEEK_STYLE_MOE_KEYS + (

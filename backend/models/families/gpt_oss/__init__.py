@@ -46,6 +46,10 @@ GGUF_PARTIAL_ROTARY = False
 # GPT-OSS calls its router `router` and gives it a bias.
 GGUF_TENSOR_NAMES = {"ffn_gate_inp.weight": "mlp.router.weight", "ffn_gate_inp.bias": "mlp.router.bias"}
 GGUF_PERMUTES_QK = False
+# The checkpoint's fused experts (gate and up interleaved row by row, with biases; floats for
+# x @ W) are written as llama.cpp's ffn_{gate,up,down}_exps and their biases.
+GGUF_SPLITS_FUSED_EXPERTS = True
+GGUF_SPLITS_KV_B = False
 
 # Config keys llama.cpp's converter stores for this family, beyond those every family has.
 GGUF_KEYS = (

@@ -39,6 +39,8 @@ GGUF_TENSOR_NAMES: dict[str, str] = {}
 # llama.cpp's converter permutes the rows of Q and K so that ggml's interleaved ("normal")
 # RoPE computes what transformers' rotate-half RoPE does.
 GGUF_PERMUTES_QK = True
+GGUF_SPLITS_FUSED_EXPERTS = False
+GGUF_SPLITS_KV_B = False
 
 # Config keys llama.cpp's converter stores for this family, beyond those every family has.
 GGUF_KEYS = (

@@ -45,6 +45,8 @@ GGUF_TENSOR_NAMES = {
     "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
 }
 GGUF_PERMUTES_QK = False
+GGUF_SPLITS_FUSED_EXPERTS = False
+GGUF_SPLITS_KV_B = False
 
 # Config keys llama.cpp's converter stores for this family, beyond those every family has.
 GGUF_KEYS = (

@@ -40,6 +40,8 @@ GGUF_PARTIAL_ROTARY = False
 
 GGUF_TENSOR_NAMES: dict[str, str] = {}
 GGUF_PERMUTES_QK = False
+GGUF_SPLITS_FUSED_EXPERTS = False
+GGUF_SPLITS_KV_B = False
 
 # Config keys llama.cpp's converter stores for this family, beyond those every family has.
 GGUF_KEYS = (
