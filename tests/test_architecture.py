@@ -499,3 +499,56 @@ def test_the_probe_rule_catches_an_offender(tmp_path):
                                   "if hasattr(session, 'save_expert_stats'):\n    pass\n"
                                   "llama = type(session).__module__.startswith('hybridmoe.backend.llamacpp')\n"})
     assert [line.split(": ", 1)[0] for line in _session_probes(tmp_path / "app")] == ["x.py:2", "x.py:4"]
+
+
+# ---- a family's facts stay in its folder --------------------------------------------------------
+
+# A family's names (its id, GGUF architecture, Hugging Face architectures and model types) as a
+# whole string literal outside backend/models/families/ is code deciding by family: what differs
+# belongs in the folder (a GGUF_* flag, a description, a builder). The ones below remain, each
+# for its reason; the list is exact, so a new one fails and a removed one must leave it too.
+FAMILY_FACTS_OUTSIDE = {
+    # the extension's own name for GPT-OSS's clamped SwiGLU, at its binding
+    ("backend/engine/native_experts.py", "gpt_oss"),
+    # bench kernels' name for synthetic experts in GPT-OSS's fused, biased layout
+    ("backend/bench/synthetic_experts.py", "gpt_oss"),
+    # "llama" as GGUF's tokenizer model name (SentencePiece), not the architecture
+    ("backend/convert/vocab.py", "llama"),
+    ("backend/text/tokenizer.py", "llama"),
+    # debt: Mixtral's tensor-name aliases keyed by its GGUF architecture; GPT-OSS's expert
+    # biases in the planner's resident-expert bytes
+    ("backend/formats/gguf_weights.py", "llama"),
+    ("backend/plan/budget.py", "gpt_oss"),
+}
+
+
+def _family_names() -> set[str]:
+    from hybridmoe.backend.models.families import FAMILIES
+
+    names: set[str] = set()
+    for family in FAMILIES:
+        names |= {family.FAMILY, family.GGUF_ARCH, *family.HF_ARCHITECTURES, *family.MODEL_TYPES}
+    return names
+
+
+def family_facts_outside(root: Path, names: set[str]) -> set[tuple[str, str]]:
+    found = set()
+    for folder in SOURCE_FOLDERS:
+        for path in sorted((root / folder).rglob("*.py")):
+            where = path.relative_to(root).as_posix()
+            if where.startswith("backend/models/families/"):
+                continue
+            for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+                if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in names:
+                    found.add((where, node.value))
+    return found
+
+
+def test_a_familys_facts_stay_in_its_folder():
+    assert family_facts_outside(ROOT, _family_names()) == FAMILY_FACTS_OUTSIDE
+
+
+def test_the_family_rule_catches_an_offender(tmp_path):
+    root = _plant(tmp_path, {"backend/convert/x.py": 'split = arch == "deepseek2"\n# deepseek2 in a comment\n',
+                             "backend/models/families/deepseek/__init__.py": 'GGUF_ARCH = "deepseek2"\n'})
+    assert family_facts_outside(root, {"deepseek2"}) == {("backend/convert/x.py", "deepseek2")}
