@@ -193,7 +193,7 @@ def expected_prefill(
     computes per token (``cpu_expert_weights``: the routed experts a token reaches on the CPU;
     ``cpu_always_weights``: CPU-only, the always-read ones), or, when the chunk streams the CPU
     experts to the GPU, their ``streamed_bytes`` over PCIe. A GPU's compute is not counted."""
-    if streamed_bytes is not None and pcie_bytes_per_s:
+    if streamed_bytes and pcie_bytes_per_s:  # (none to stream: the other cases below)
         seconds = streamed_bytes / pcie_bytes_per_s
         return Expected(tokens / seconds, f"{tokens}-token chunk: the CPU experts copied to the GPU, "
                                           f"{streamed_bytes / 1e9:.2f} GB at {pcie_bytes_per_s / 1e9:.1f} GB/s over PCIe "
