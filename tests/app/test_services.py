@@ -118,7 +118,9 @@ def test_a_damaged_or_foreign_usage_file_is_set_aside(tmp_path):
 
 
 def test_a_backend_that_does_not_count_experts_has_no_counts():
-    class LlamaCppLike:
+    class LlamaCppLike:  # states that it does not count (the Session protocol's counts_experts)
+        counts_experts = False
+
         def generate(self, *args):
             return iter(())
 
