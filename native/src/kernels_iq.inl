@@ -280,48 +280,8 @@ struct IqBlock<FMT_IQ4_XS> {
     }
 };
 
-template <Format F, int N>
-static void gemv_iq_n(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t K, const Q8Row* acts, float* out,
-                      int64_t ldo) {
-    constexpr int kBytes = kFormats[F].block_bytes;
-    const int64_t nsb = K / 256;
-    for (int64_t r = 0; r < nrows; ++r) {
-        const uint8_t* row = w.row(row0 + r);
-        __m256 acc[N];
-        for (int t = 0; t < N; ++t) acc[t] = _mm256_setzero_ps();
-        _mm_prefetch(reinterpret_cast<const char*>(w.row(row0 + r + 1)), _MM_HINT_T0);
-        for (int64_t sb = 0; sb < nsb; ++sb) {
-            const IqBlock<F> blk(row + sb * kBytes);
-            prefetch_span(blk.p + kPrefetchAheadK, kBytes);
-            __m256i sums[N];
-            for (int t = 0; t < N; ++t) sums[t] = _mm256_setzero_si256();
-#pragma GCC unroll 8
-            for (int ib = 0; ib < 8; ++ib) {
-                const IqQuarter q = blk.quarter(ib);
-                for (int t = 0; t < N; ++t) {
-                    const __m256i a = with_signs(load32(acts[t].q + 256 * sb + 32 * ib), q.sign);
-                    sums[t] = add_scaled_pairs(sums[t], _mm256_maddubs_epi16(q.mag, a), q.scale);
-                }
-            }
-            const float d = blk.d();
-            for (int t = 0; t < N; ++t)
-                acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * acts[t].d[8 * sb]), _mm256_cvtepi32_ps(sums[t]), acc[t]);
-        }
-        for (int t = 0; t < N; ++t) out[t * ldo + r] = hsum_ps(acc[t]);
-    }
-}
-
-// Prompts: any number of tokens, each super-block decoded once for all of them (the GEMV
-// above decodes it again for every four). The decoded quarters wait in L1 while the tokens
-// pass in groups (eight on AVX-512, whose 32 vector registers hold their sums; four on
-// AVX2), each token's float lanes kept between super-blocks in `acc`. Per token the same
-// operations in the same order as gemv_iq_n: the same bits for any grouping of the tokens.
-#if defined(HMOE_AVX512)
-constexpr int kIqTokenGroup = 8;
-#else
-constexpr int kIqTokenGroup = 4;
-#endif
-
+// One decoded super-block (its eight quarters and float d) against N tokens, into each token's
+// float lanes: the one per-token body of the decode GEMV and of the many-token one below.
 template <int N>
 static inline void iq_tokens(const IqQuarter* q, float d, const Q8Row* acts, int64_t sb, __m256* acc) {
     __m256i sums[N];
@@ -336,6 +296,40 @@ static inline void iq_tokens(const IqQuarter* q, float d, const Q8Row* acts, int
     for (int t = 0; t < N; ++t)
         acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * acts[t].d[8 * sb]), _mm256_cvtepi32_ps(sums[t]), acc[t]);
 }
+
+// Decode: up to four tokens, their float lanes in registers.
+template <Format F, int N>
+static void gemv_iq_n(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t K, const Q8Row* acts, float* out,
+                      int64_t ldo) {
+    constexpr int kBytes = kFormats[F].block_bytes;
+    const int64_t nsb = K / 256;
+    for (int64_t r = 0; r < nrows; ++r) {
+        const uint8_t* row = w.row(row0 + r);
+        __m256 acc[N];
+        for (int t = 0; t < N; ++t) acc[t] = _mm256_setzero_ps();
+        _mm_prefetch(reinterpret_cast<const char*>(w.row(row0 + r + 1)), _MM_HINT_T0);
+        for (int64_t sb = 0; sb < nsb; ++sb) {
+            const IqBlock<F> blk(row + sb * kBytes);
+            prefetch_span(blk.p + kPrefetchAheadK, kBytes);
+            IqQuarter q[8];
+#pragma GCC unroll 8
+            for (int ib = 0; ib < 8; ++ib) q[ib] = blk.quarter(ib);
+            iq_tokens<N>(q, blk.d(), acts, sb, acc);
+        }
+        for (int t = 0; t < N; ++t) out[t * ldo + r] = hsum_ps(acc[t]);
+    }
+}
+
+// Prompts: any number of tokens, each super-block decoded once for all of them (the GEMV
+// above decodes it again for every four). The decoded quarters wait in L1 while the tokens
+// pass in groups (eight on AVX-512, whose 32 vector registers hold their sums; four on
+// AVX2), each token's float lanes kept between super-blocks in `acc`. The same iq_tokens per
+// token as gemv_iq_n: the same bits for any grouping of the tokens.
+#if defined(HMOE_AVX512)
+constexpr int kIqTokenGroup = 8;
+#else
+constexpr int kIqTokenGroup = 4;
+#endif
 
 template <Format F>
 static void gemv_iq_many(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t K, const Q8Row* acts, int ntok,
