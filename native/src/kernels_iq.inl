@@ -8,8 +8,9 @@
 // and the scale multipliers; per token, the signs go onto the activations, |w| x a into
 // int16 pairs (vpmaddubsw: at most 2 * 127 * 127, no saturation), one vpmaddwd with the
 // scales into the super-block's int32 lanes (AVX-512: vpdpwssd), and one FMA per super-block
-// and token applies the float. With up to four tokens a call, a super-block is decoded once
-// for all of them: the grid look-ups, the costly part of these formats, are shared.
+// and token applies the float. A super-block is decoded once for all of a call's tokens: the
+// grid look-ups, the costly part of these formats, are shared (decode: up to four tokens in
+// registers; prompts: any number, below).
 //
 // The grids (iq_grids.h) hold magnitudes (iq2: 8, 25, 43; iq3: odd or even steps), their
 // sign bits come apart; iq1's grid values are -1, 0, 1 plus a delta of +-1/8, taken as the
