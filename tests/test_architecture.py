@@ -515,9 +515,7 @@ FAMILY_FACTS_OUTSIDE = {
     # "llama" as GGUF's tokenizer model name (SentencePiece), not the architecture
     ("backend/convert/vocab.py", "llama"),
     ("backend/text/tokenizer.py", "llama"),
-    # debt: Mixtral's tensor-name aliases keyed by its GGUF architecture; GPT-OSS's expert
-    # biases in the planner's resident-expert bytes
-    ("backend/formats/gguf_weights.py", "llama"),
+    # debt: GPT-OSS's expert biases in the planner's resident-expert bytes
     ("backend/plan/budget.py", "gpt_oss"),
 }
 

@@ -106,14 +106,6 @@ _OLD_EXPERT = re.compile(r"ffn_(gate|up|down)\.(\d+)\.weight")
 _BLK = re.compile(r"blk\.(\d+)\.(.+)")
 
 # Mixtral checkpoint names -> the names used here (llama arch only).
-_MIXTRAL_ALIASES = (
-    (re.compile(r"(model\.layers\.\d+)\.block_sparse_moe\.gate\.weight"), r"\1.mlp.gate.weight"),
-    (re.compile(r"(model\.layers\.\d+)\.block_sparse_moe\.experts\.(\d+)\.w1\.weight"), r"\1.mlp.experts.\2.gate_proj.weight"),
-    (re.compile(r"(model\.layers\.\d+)\.block_sparse_moe\.experts\.(\d+)\.w3\.weight"), r"\1.mlp.experts.\2.up_proj.weight"),
-    (re.compile(r"(model\.layers\.\d+)\.block_sparse_moe\.experts\.(\d+)\.w2\.weight"), r"\1.mlp.experts.\2.down_proj.weight"),
-)
-
-
 @dataclass(frozen=True)
 class _Entry:
     """How one HF-named tensor is made from the file."""
@@ -243,9 +235,9 @@ class GGUFWeights:
             )
 
     def _canonical(self, name: str) -> str:
-        if name in self._map or self.architecture != "llama":
+        if name in self._map:
             return name
-        for pattern, repl in _MIXTRAL_ALIASES:
+        for pattern, repl in self._family.HF_NAME_ALIASES:  # the family's own checkpoint names
             alias = pattern.fullmatch(name)
             if alias:
                 return alias.expand(repl)

@@ -29,7 +29,9 @@ family to the whole list):
 - how a GGUF names its tensors: ``GGUF_TENSOR_NAMES`` (block tensor names, after ``blk.N.``,
   whose HF name differs from the common one), ``GGUF_PERMUTES_QK`` (llama's q/k row order),
   ``GGUF_SPLITS_FUSED_EXPERTS`` (fused gate_up / down experts written as llama.cpp's per-projection
-  tensors), ``GGUF_SPLITS_KV_B`` (MLA's kv_b_proj written as attn_k_b and attn_v_b);
+  tensors), ``GGUF_SPLITS_KV_B`` (MLA's kv_b_proj written as attn_k_b and attn_v_b),
+  ``HF_NAME_ALIASES`` ((pattern, replacement) pairs: the family's own checkpoint names as the
+  common ones a GGUF's tensors map to);
 - and the functions
 
 - ``spec_from_config(config, name, *, source) -> ModelSpec``

@@ -56,6 +56,7 @@ GGUF_PERMUTES_QK = False
 # the layout llama.cpp's absorbed attention over the compressed cache requires.
 GGUF_SPLITS_FUSED_EXPERTS = False
 GGUF_SPLITS_KV_B = True
+HF_NAME_ALIASES: tuple = ()
 
 # Config keys llama.cpp's converter stores for this family, beyond those every family has.
 GGUF_KEYS = DEEPSEEK_STYLE_MOE_KEYS + (

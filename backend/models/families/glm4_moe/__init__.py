@@ -48,6 +48,7 @@ GGUF_TENSOR_NAMES: dict[str, str] = {}
 GGUF_PERMUTES_QK = False
 GGUF_SPLITS_FUSED_EXPERTS = False
 GGUF_SPLITS_KV_B = False
+HF_NAME_ALIASES: tuple = ()
 
 # Config keys llama.cpp's converter stores for this family, beyond those every family has.
 GGUF_KEYS = DEEPSEEK_STYLE_MOE_KEYS + (

@@ -50,6 +50,7 @@ GGUF_PERMUTES_QK = False
 # x @ W) are written as llama.cpp's ffn_{gate,up,down}_exps and their biases.
 GGUF_SPLITS_FUSED_EXPERTS = True
 GGUF_SPLITS_KV_B = False
+HF_NAME_ALIASES: tuple = ()
 
 # Config keys llama.cpp's converter stores for this family, beyond those every family has.
 GGUF_KEYS = (

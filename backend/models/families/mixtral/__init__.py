@@ -5,6 +5,7 @@ up). In GGUF it is arch ``llama`` with ``llama.expert_count`` > 0.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -41,6 +42,17 @@ GGUF_TENSOR_NAMES: dict[str, str] = {}
 GGUF_PERMUTES_QK = True
 GGUF_SPLITS_FUSED_EXPERTS = False
 GGUF_SPLITS_KV_B = False
+# Mixtral's checkpoint names (block_sparse_moe, w1/w3/w2) as the common ones a GGUF's tensors
+# map to, so that the engine finds either.
+HF_NAME_ALIASES = (
+    (re.compile(r"(model\.layers\.\d+)\.block_sparse_moe\.gate\.weight"), r"\1.mlp.gate.weight"),
+    (re.compile(r"(model\.layers\.\d+)\.block_sparse_moe\.experts\.(\d+)\.w1\.weight"),
+     r"\1.mlp.experts.\2.gate_proj.weight"),
+    (re.compile(r"(model\.layers\.\d+)\.block_sparse_moe\.experts\.(\d+)\.w3\.weight"),
+     r"\1.mlp.experts.\2.up_proj.weight"),
+    (re.compile(r"(model\.layers\.\d+)\.block_sparse_moe\.experts\.(\d+)\.w2\.weight"),
+     r"\1.mlp.experts.\2.down_proj.weight"),
+)
 
 # Config keys llama.cpp's converter stores for this family, beyond those every family has.
 GGUF_KEYS = (
