@@ -5,8 +5,9 @@ here this test) and the family builder that uses it (models/families/<family>/en
 the swap below): two files. Nothing in cpu_decode.py or decode_path.py learns its class; the
 plan sends its blocks to PyTorch and says why. A router whose description is one the native
 kernels have (``decode_path.NATIVE_ROUTERS``) runs natively, in the chain, without a line
-more. (Giving the native kernels a new routing kind is four more files: ``NATIVE_ROUTERS``,
-``cpu_decode._chooser``, and the native router and its binding.)"""
+more. (Giving the native kernels a new routing kind is five more files: ``NATIVE_ROUTERS`` in
+decode_path.py, ``cpu_decode._chooser``, the native router (native/src/decode_ops), the chain's
+switch (decode_chain.cpp) and the binding (module.cpp).)"""
 
 from __future__ import annotations
 
