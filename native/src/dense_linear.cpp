@@ -141,7 +141,7 @@ void phase_gemv(void* ctx, int, int) {
         if (u >= int64_t(c.work.size())) return;
         const Unit& w = c.work[size_t(u)];
         const FormatInfo& fi = kFormats[w.fmt];
-        const int64_t step = fi.float_acts ? kMaxGemvTokens : gemv_step(*c.kt, w.fmt, c.T);
+        const int64_t step = gemv_step(*c.kt, w.fmt, c.T);
         thread_local std::vector<Q8Row> acts;
         for (int64_t t0 = 0; t0 < c.T; t0 += step) {
             const int nt = int(std::min<int64_t>(step, c.T - t0));

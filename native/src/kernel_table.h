@@ -82,7 +82,7 @@ struct KernelTable {
     RowsAxpyFn rows_axpy;
 };
 
-// Tokens one gemv_q8 call of `fmt` takes out of the `n` a caller has.
+// Tokens one GEMV call of `fmt` takes out of the `n` a caller has (float formats: four).
 inline int64_t gemv_step(const KernelTable& kt, Format fmt, int64_t n) {
     return kt.gemv_any_tokens[fmt] ? n : kMaxGemvTokens;
 }

@@ -230,7 +230,7 @@ void decode_gate_up(const Call& c, const Entry& en, int r0, int rc) {
     for (int mi = 0; mi < 2; ++mi) {
         const MatrixRef& m = mi == 0 ? w.gate : w.up;
         float* Y = mi == 0 ? G : U;
-        const int64_t step = c.float_fmt ? kMaxGemvTokens : gemv_step(*c.kt, c.fmt, en.n);
+        const int64_t step = gemv_step(*c.kt, c.fmt, en.n);
         for (int64_t i = 0; i < en.n; i += step) {
             const int nt = int(std::min<int64_t>(step, en.n - i));
             if (c.float_fmt) {
@@ -352,7 +352,7 @@ void down_rows(const Call& c, int node, int r0, int rc) {
             for (int i = 0; i < m; ++i) accumulate(c, out, w, en.begin + i, r0, rc, C + int64_t(i) * cols);
             continue;
         }
-        const int64_t step = c.float_dn ? kMaxGemvTokens : gemv_step(*c.kt, c.fmt_dn, en.n);
+        const int64_t step = gemv_step(*c.kt, c.fmt_dn, en.n);
         float* Y = tls.get(0, size_t(step) * rc);
         for (int64_t i = 0; i < en.n; i += step) {
             const int nt = int(std::min<int64_t>(step, en.n - i));
