@@ -688,6 +688,17 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
+def cuda_seconds(fn, reps: int = 50) -> float:
+    """Seconds one call of `fn` takes on the card: one warm-up call, then the mean of `reps`."""
+    fn()
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    sync()
+    return (time.perf_counter() - t0) / reps
+
+
 def targets(r: Report, rows: dict) -> dict:
     out = {}
     cpu, h0 = rows.get("cpu-only"), rows.get("hybrid 0% GPU")
@@ -839,15 +850,6 @@ def decode_kernels(r: Report) -> dict:
     def nbytes(stack):
         return sum(t.numel() * t.element_size() for t in (stack.w, stack.scale, stack.min) if t is not None) // n
 
-    def timed(fn, reps=50):
-        fn()
-        sync()
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        sync()
-        return (time.perf_counter() - t0) / reps
-
     out = {"rows": [], "sweep": []}
     slot_of = torch.arange(n, dtype=torch.int32, device="cuda")
     shapes = {"bf16 2048x768": (dense_stack, 2048, 768), "int8 2048x768": (int8_stack, 2048, 768),
@@ -872,7 +874,7 @@ def decode_kernels(r: Report) -> dict:
                     gu = F.linear(x[t].float(), dequantized(gate_up, e))
                     want[t] += weights[t, j] * F.linear(F.silu(gu[:inter]) * gu[inter:], dequantized(down, e))
             err = rel_err(got, want)
-            dt = timed(lambda: decode_experts.forward(x, ids, weights, slot_of, gate_up, down, "silu"))
+            dt = cuda_seconds(lambda: decode_experts.forward(x, ids, weights, slot_of, gate_up, down, "silu"))
             distinct = len(set(ids.flatten().tolist()))
             row = {"shape": label, "tokens": tokens, "us": dt * 1e6, "gb_s": distinct * per_expert / dt / GB,
                    "rel_err": err}
@@ -883,7 +885,7 @@ def decode_kernels(r: Report) -> dict:
         ids = torch.randperm(n, device="cuda", generator=g)[:8][None]
         weights = torch.rand(1, 8, device="cuda", generator=g)
         for blocks in sweep:
-            dt = timed(lambda: decode_experts.forward(x, ids, weights, slot_of, gate_up, down, "silu", blocks=blocks))
+            dt = cuda_seconds(lambda: decode_experts.forward(x, ids, weights, slot_of, gate_up, down, "silu", blocks=blocks))
             out["sweep"].append({"shape": label, "blocks": blocks, "us": dt * 1e6, "gb_s": 8 * per_expert / dt / GB})
             r.say(f"{label:15} T=1 blocks {blocks}: {dt * 1e6:7.1f} us ({8 * per_expert / dt / GB:5.0f} GB/s)")
         del gate_up, down
@@ -947,18 +949,9 @@ def stored_projections(r: Report) -> dict:
 
     from hybridmoe.backend.engine import stored_linear
 
-    def timed(fn, reps=20):
-        fn()
-        sync()
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        sync()
-        return (time.perf_counter() - t0) / reps
-
     src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
-    copy_traffic = 2 * src.numel() / timed(lambda: dst.copy_(src), reps=10)
+    copy_traffic = 2 * src.numel() / cuda_seconds(lambda: dst.copy_(src), reps=10)
     del src, dst
     r.say(f"device copy: {copy_traffic / GB:.0f} GB/s read + written ({copy_traffic / 2 / GB:.0f} GB/s copied)")
     out = {"copy_traffic_gb_s": copy_traffic / GB, "rows": [], "sweep": []}
@@ -981,13 +974,13 @@ def stored_projections(r: Report) -> dict:
                 continue  # the head's prompt call: only the last token's logits are computed
             x = torch.randn(tokens, cols, device="cuda", generator=g).to(torch.bfloat16)
             err = rel_err(lin(x), F.linear(x.float(), ref.float()))
-            dt = timed(lambda: lin(x))
+            dt = cuda_seconds(lambda: lin(x), reps=20)
             row = {"name": name, "type": qtype.name, "rows": rows, "cols": cols, "tokens": tokens, "us": dt * 1e6,
                    "read_gb_s": nbytes / dt / GB, "of_copy_traffic": nbytes / dt / copy_traffic,
                    "of_copied": 2 * nbytes / dt / copy_traffic, "rel_err": err}
             if tokens == 512:
                 row["tflop_s"] = 2 * tokens * rows * cols / dt / 1e12
-                dense = timed(lambda: F.linear(x, ref))
+                dense = cuda_seconds(lambda: F.linear(x, ref), reps=20)
                 row["dense_matmul_us"] = dense * 1e6
             out["rows"].append(row)
             extra = (f", {row['tflop_s']:.0f} TFLOP/s (bf16 matmul alone {row['dense_matmul_us']:.0f} us)"
@@ -1000,7 +993,7 @@ def stored_projections(r: Report) -> dict:
             try:
                 for blocks in ((4, 256), (8, 128), (8, 256), (16, 64), (16, 128), (32, 64), (2, 512)):
                     stored_linear.GEMV_BLOCKS["cuda"] = blocks
-                    dt = timed(lambda: lin(x))
+                    dt = cuda_seconds(lambda: lin(x), reps=20)
                     out["sweep"].append({"blocks": blocks, "us": dt * 1e6, "of_copy_traffic": nbytes / dt / copy_traffic})
                     r.say(f"  o_proj Q4_K T=1 blocks {blocks}: {dt * 1e6:7.1f} us ({nbytes / dt / copy_traffic:.0%})")
             finally:
