@@ -508,13 +508,7 @@ class ChatScreen(ReportsWorkerErrors, Screen):
         answer, self.answer, self.sent = self.answer, None, None
         if answer is not None:
             await answer.remove()
-        stored_id = sent.message_id if self._in_history() else None
-        await sent.remove()
-        if stored_id is not None:
-            try:
-                self.app.history.delete_message(stored_id)
-            except HistoryError as error:
-                self._history_failed(error)
+        await self._forget(sent)
         prompt = self.query_one(PromptInput)
         prompt.text = sent.text
         prompt.move_cursor(prompt.document.end)
@@ -534,14 +528,18 @@ class ChatScreen(ReportsWorkerErrors, Screen):
         last = self._last("assistant")
         if self.generating or self.session is None or last is None or self._last_message() is not last:
             return
-        stored_id = last.message_id if self._in_history() else None
-        await last.remove()
+        await self._forget(last)
+        await self._start_answer()
+
+    async def _forget(self, message: ChatMessage) -> None:
+        """`message` leaves the screen and, where it was stored, the conversation's history."""
+        stored_id = message.message_id if self._in_history() else None
+        await message.remove()
         if stored_id is not None:
             try:
                 self.app.history.delete_message(stored_id)
             except HistoryError as error:
                 self._history_failed(error)
-        await self._start_answer()
 
     def _last(self, role: str) -> ChatMessage | None:
         found = [m for m in self.query(ChatMessage) if m.role == role]
