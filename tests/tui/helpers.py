@@ -38,3 +38,15 @@ def text_of(static) -> str:
     if isinstance(content, Text):
         return content.plain
     return str(content)
+
+
+async def first_answer(pilot, chat, text: str, timeout: float = 15.0):
+    """Send `text` as the chat's first message and wait for the whole answer; return it."""
+    from hybridmoe.app.tui.widgets.chat_message import ChatMessage
+    from hybridmoe.app.tui.widgets.prompt import PromptInput
+
+    chat.query_one(PromptInput).text = text
+    await pilot.press("enter")
+    await until(pilot, lambda: len(chat.query(ChatMessage)) == 2 and not chat.generating, timeout,
+                what="the answer")
+    return chat.query(ChatMessage).last()

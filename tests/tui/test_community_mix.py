@@ -12,11 +12,9 @@ import pytest
 from hybridmoe.app.services import Services
 from hybridmoe.app.tui.app import HybridMoeApp
 from hybridmoe.app.tui.screens.chat import ChatScreen
-from hybridmoe.app.tui.widgets.chat_message import ChatMessage
-from hybridmoe.app.tui.widgets.prompt import PromptInput
 from hybridmoe.backend.engine import native_kernels
 from hybridmoe.backend.settings import Settings
-from tests.tui.helpers import until
+from tests.tui.helpers import first_answer, until
 
 pytestmark = pytest.mark.skipif(not native_kernels.enabled(), reason="the native kernels are not built")
 
@@ -65,10 +63,6 @@ async def test_the_chat_answers_from_it(ud_parts):
                     timeout=90, what="the engine to load the model")
         chat = app.screen
         assert chat.plan.engine_slow_path is None
-        chat.query_one(PromptInput).text = "Hello!"
-        await pilot.press("enter")
-        await until(pilot, lambda: len(chat.query(ChatMessage)) == 2 and not chat.generating, timeout=60,
-                    what="the answer")
-        answer = chat.query(ChatMessage).last()
+        answer = await first_answer(pilot, chat, "Hello!", timeout=60)
         assert answer.role == "assistant"
         assert chat.session.__class__.__module__.startswith("hybridmoe.backend.engine")

@@ -7,11 +7,9 @@ from hybridmoe.app.history import History
 from hybridmoe.app.services import Services
 from hybridmoe.app.tui.app import HybridMoeApp
 from hybridmoe.app.tui.screens.chat import ChatScreen
-from hybridmoe.app.tui.widgets.chat_message import ChatMessage
-from hybridmoe.app.tui.widgets.prompt import PromptInput
 from hybridmoe.app.tui.widgets.status_line import StatusLine
 from hybridmoe.backend.settings import Settings, data_dir
-from tests.tui.helpers import text_of, until
+from tests.tui.helpers import first_answer, text_of, until
 
 
 async def test_chat_with_a_tiny_real_model(tiny_model):
@@ -22,12 +20,7 @@ async def test_chat_with_a_tiny_real_model(tiny_model):
                     timeout=90, what="the engine to load the model")
         chat = app.screen
         assert chat.plan.workload.context == 256 and chat.plan.fits
-        prompt = chat.query_one(PromptInput)
-        prompt.text = "Hello!"
-        await pilot.press("enter")
-        await until(pilot, lambda: len(chat.query(ChatMessage)) == 2 and not chat.generating, timeout=60,
-                    what="the answer")
-        answer = chat.query(ChatMessage).last()
+        answer = await first_answer(pilot, chat, "Hello!", timeout=60)
         assert answer.role == "assistant"
         stored = History(data_dir() / "history.sqlite3")
         messages = stored.messages(stored.conversations()[0].id)
@@ -77,11 +70,7 @@ async def test_a_new_user_goes_from_the_wizard_to_an_answer(tiny_model):
         await until(pilot, lambda: isinstance(app.screen, ChatScreen) and app.screen.session is not None,
                     timeout=120, what="the engine to load the model")
         chat = app.screen
-        chat.query_one(PromptInput).text = "Hello!"
-        await pilot.press("enter")
-        await until(pilot, lambda: len(chat.query(ChatMessage)) == 2 and not chat.generating, timeout=120,
-                    what="the answer")
-        answer = chat.query(ChatMessage).last()
+        answer = await first_answer(pilot, chat, "Hello!", timeout=120)
         assert answer.role == "assistant"
         assert "context" in text_of(chat.query_one(StatusLine))
         stored = app.history.messages(app.history.conversations()[0].id)

@@ -16,10 +16,9 @@ from hybridmoe.app.tui.screens.chat import ChatScreen  # noqa: E402
 from hybridmoe.app.tui.screens.models import ModelsScreen  # noqa: E402
 from hybridmoe.app.tui.screens.plan import PlanScreen  # noqa: E402
 from hybridmoe.app.tui.screens.setup import SetupScreen  # noqa: E402
-from hybridmoe.app.tui.widgets.chat_message import ChatMessage  # noqa: E402
 from hybridmoe.app.tui.widgets.plan_editor import PlanEditor  # noqa: E402
 from hybridmoe.app.tui.widgets.prompt import PromptInput  # noqa: E402
-from tests.tui.helpers import until  # noqa: E402
+from tests.tui.helpers import first_answer, until  # noqa: E402
 
 
 def test_setup_hardware_step(snap_compare, services):
@@ -38,9 +37,7 @@ def test_chat_with_an_answer(snap_compare, configured):
         chat = app.screen
         prompt = chat.query_one(PromptInput)
         prompt.cursor_blink = False  # a blinking cursor makes two screenshots differ
-        prompt.text = "Show me some code"
-        await pilot.press("enter")
-        await until(pilot, lambda: len(chat.query(ChatMessage)) == 2 and not chat.generating)
+        await first_answer(pilot, chat, "Show me some code")
         await pilot.pause()
 
     assert snap_compare(HybridMoeApp(configured), terminal_size=(80, 24), run_before=answered)
