@@ -35,21 +35,27 @@ def prompt_ids(n: int) -> list[int]:
     return [int(x) for x in np.random.default_rng(0).integers(100, 16000, size=n)]
 
 
-def engine_rows(model: str, prompt: list[int], forced: list[int], dtype: str) -> list[np.ndarray]:
-    """The engine's logits before each forced token (the prompt's last row, then one per token)."""
+def engine_rows(model: str, prompt: list[int], forced: list[int] | None, steps: int,
+                dtype: str) -> tuple[list[int], list[np.ndarray]]:
+    """The engine's logits before each token (the prompt's last row, then one per token); its own
+    greedy tokens unless `forced`."""
     import torch
 
     from hybridmoe.backend.engine.model import build_model
     from hybridmoe.backend.formats.weights import open_weights
     from hybridmoe.backend.models import inspect_model
 
-    m = build_model(inspect_model(model).spec.config, open_weights(model), max_context=len(prompt) + len(forced) + 8,
+    m = build_model(inspect_model(model).spec.config, open_weights(model), max_context=len(prompt) + steps + 8,
                     dtype={"bf16": torch.bfloat16, "fp32": torch.float32}[dtype], device="cpu")
+    tokens, rows = [], []
     with torch.inference_mode():
-        rows = [m(torch.tensor(prompt), 0)[-1].float().numpy()]
-        for i, token in enumerate(forced[:-1]):
-            rows.append(m(torch.tensor([token]), len(prompt) + i)[-1].float().numpy())
-    return rows
+        row = m(torch.tensor(prompt), 0)[-1].float()
+        for i in range(steps):
+            rows.append(row.numpy())
+            tokens.append(forced[i] if forced else int(row.argmax()))
+            if i + 1 < steps:
+                row = m(torch.tensor([tokens[-1]]), len(prompt) + i)[-1].float()
+    return tokens, rows
 
 
 def llama_rows(model: str, prompt: list[int], forced: list[int] | None, steps: int) -> tuple[list[int], list[np.ndarray]]:
@@ -83,21 +89,7 @@ def reference(model: str, prompt_tokens: int, steps: int) -> tuple[list[int], li
 
 
 def write_reference(model: str, prompt: list[int], steps: int, out: str) -> None:
-    import torch
-
-    from hybridmoe.backend.engine.model import build_model
-    from hybridmoe.backend.formats.weights import open_weights
-    from hybridmoe.backend.models import inspect_model
-
-    m = build_model(inspect_model(model).spec.config, open_weights(model), max_context=len(prompt) + steps + 8,
-                    dtype=torch.float32, device="cpu")
-    tokens, rows = [], []
-    with torch.inference_mode():
-        row = m(torch.tensor(prompt), 0)[-1].float()
-        for i in range(steps):
-            rows.append(row.numpy())
-            tokens.append(int(row.argmax()))
-            row = m(torch.tensor([tokens[-1]]), len(prompt) + i)[-1].float()
+    tokens, rows = engine_rows(model, prompt, None, steps, "fp32")  # run with HYBRIDMOE_NATIVE=0
     np.savez(out, tokens=np.array(tokens), logits=np.stack(rows))
 
 
@@ -132,13 +124,13 @@ def main() -> None:
         tokens, ref = reference(args.model, args.prompt_tokens, args.steps)
         held_to("llama.cpp", llama_rows(args.model, prompt, tokens, args.steps)[1], tokens, ref)
         for name in args.dtype.split(","):
-            held_to(f"engine {name}", engine_rows(args.model, prompt, tokens, name), tokens, ref)
+            held_to(f"engine {name}", engine_rows(args.model, prompt, tokens, args.steps, name)[1], tokens, ref)
         return
 
     theirs, their_logits = llama_rows(args.model, prompt, None, args.steps)
     for name in args.dtype.split(","):
         same = 0
-        for i, (ours, token) in enumerate(zip(engine_rows(args.model, prompt, theirs, name), theirs)):
+        for i, (ours, token) in enumerate(zip(engine_rows(args.model, prompt, theirs, args.steps, name)[1], theirs)):
             best = int(ours.argmax())
             if best == token:
                 same += 1
