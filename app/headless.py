@@ -196,9 +196,9 @@ def _run(args, waiting: Waiting) -> int:
         decode_path = session.decode_path
         session.close()  # its threads end before the interpreter does
         if done is not None:
-            from hybridmoe.backend.plan.expected import remember_decode_rate
+            from hybridmoe.backend.plan.expected import remember_rates
 
-            remember_decode_rate(plan, done.stats)
+            remember_rates(plan, done.stats)
     finally:
         # The run is over: a Ctrl-C from here on could only interrupt the way out. Python hands
         # SIGINT back to the system's default while it shuts down, so one sent as a run ended

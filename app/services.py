@@ -115,12 +115,12 @@ class Services:
 
     # ---- hardware, models, catalogue ---------------------------------------------------------
 
-    def remember_decode_rate(self, plan, stats) -> None:
-        """After an answer: keep the engine's decode read rate for this machine (CPU-only plans;
-        later plans expect it, docs/sizing.md §6)."""
-        from hybridmoe.backend.plan.expected import remember_decode_rate
+    def remember_rates(self, plan, stats) -> None:
+        """After an answer: keep the engine's decode read rate and prompt rate for this machine
+        (CPU-only plans; later plans expect them, docs/sizing.md §6)."""
+        from hybridmoe.backend.plan.expected import remember_rates
 
-        remember_decode_rate(plan, stats)
+        remember_rates(plan, stats)
 
     def detect_hardware(self, measure_bandwidth: bool, *, wait: bool = False,
                         on_wait: Callable[[str], None] | None = None) -> HardwareProfile:

@@ -261,7 +261,8 @@ def measure(model: str, *, prompt_tokens: int = 512, gen_tokens: int = 64, threa
             kept["rss_peak"] = max(kept["rss_peak"], run["rss_peak"])
     summary = summarize(model, prompt_tokens, gen_tokens, threads, repeats, rounds, results)
     summary["plan_expected"] = predicted
-    record_engine_rate(results.get("engine", {}), "bench generate")
+    engine = results.get("engine", {})
+    record_engine_rate({**engine, "prompt_tokens": prompt_tokens}, "bench generate", predicted.get("engine"), threads)
     if paired and all("error" not in results[b] for b in BACKENDS):
         if on_progress is not None:
             on_progress(Progress("bench", len(runs), len(runs) + 1, unit="runs",
@@ -300,23 +301,47 @@ def plan_expectation(model: str, context: int, prompt_tokens: int) -> dict:
                              prefill_chunk=min(prompt_tokens, 2048) or 1))
         out[backend] = {"decode": plan.decode_tokens_per_s_expected, "decode_how": plan.decode_expected_how,
                         "decode_bound": plan.decode_tokens_per_s_upper_bound,
-                        "prefill": plan.prefill_tokens_per_s_expected, "prefill_how": plan.prefill_expected_how}
+                        "prefill": plan.prefill_tokens_per_s_expected, "prefill_how": plan.prefill_expected_how,
+                        # What the measured rates are kept by (record_engine_rate).
+                        "expert_format": plan.expert_format,
+                        "expert_bytes_per_weight": inspected.inventory.expert_bits_per_weight / 8,
+                        "prefill_cpu_flops_per_token": plan.prefill_cpu_flops_per_token}
     return out
 
 
-def record_engine_rate(engine: dict, source: str) -> None:
-    """Keep the engine's decode read rate (its bytes a token at its median rate) for this
-    machine (hardware.achieved): later plans expect it."""
+def record_engine_rate(engine: dict, source: str, predicted: dict | None = None, threads: int = 1) -> None:
+    """Keep what the engine reached on this machine (hardware.achieved), for later plans to
+    expect: its decode read rate (its bytes a token at its median rate), or, for a format whose
+    decoding limits its decode (plan.expected.decode_limited), the expert weights a core decoded
+    per second (the experts' part of the token, over `threads` cores); and its prompt rate (the
+    plan's flops per prompt token, `predicted`'s, at the median prompt tokens/s)."""
     end_to_end = engine.get("per_token", {}).get("end_to_end", {})
     if "error" in engine or not end_to_end.get("gbps"):
         return
     from hybridmoe.backend.hardware import achieved, detect
+    from hybridmoe.backend.plan.expected import MIN_PROMPT_TOKENS_TO_RECORD, decode_limited
 
-    achieved.record(detect(measure_bandwidth=False), bytes_per_token=end_to_end["bytes"],
-                    tokens_per_s=1 / end_to_end["seconds"],
-                    # of_probe: each pass against the probes taken right around it
-                    probe_bytes_per_s=end_to_end["bytes"] / end_to_end["seconds"] / end_to_end["of_probe"], source=f"{source}, {end_to_end['bytes'] / 1e6:.0f} MB a token at "
-                           f"{1 / end_to_end['seconds']:.1f} tokens/s")
+    here = detect(measure_bandwidth=False)
+    predicted = predicted or {}
+    fmt = predicted.get("expert_format")
+    experts = engine["per_token"]["parts"].get("experts", {})
+    if decode_limited(fmt):
+        if experts.get("seconds") and predicted.get("expert_bytes_per_weight"):
+            per_core = experts["bytes"] / predicted["expert_bytes_per_weight"] / experts["seconds"] / threads
+            achieved.record_rate(here, "expert_weights_per_s_per_core", expert_format=fmt, value=per_core,
+                                 source=f"{source}, {fmt} experts {experts['bytes'] / 1e6:.0f} MB a token in "
+                                        f"{experts['seconds'] * 1e3:.2f} ms on {threads} cores")
+    else:
+        achieved.record(here, bytes_per_token=end_to_end["bytes"], tokens_per_s=1 / end_to_end["seconds"],
+                        # of_probe: each pass against the probes taken right around it
+                        probe_bytes_per_s=end_to_end["bytes"] / end_to_end["seconds"] / end_to_end["of_probe"],
+                        source=f"{source}, {end_to_end['bytes'] / 1e6:.0f} MB a token at "
+                               f"{1 / end_to_end['seconds']:.1f} tokens/s")
+    flops = predicted.get("prefill_cpu_flops_per_token")
+    if flops and engine.get("prefill_median") and engine.get("prompt_tokens", 0) >= MIN_PROMPT_TOKENS_TO_RECORD:
+        achieved.record_rate(here, "prefill_flops_per_s", expert_format=fmt, value=flops * engine["prefill_median"],
+                             source=f"{source}, a {engine['prompt_tokens']}-token prompt at "
+                                    f"{engine['prefill_median']:.1f} tokens/s")
 
 
 def _worker_cmd(backend: str, model: str, prompt_tokens: int, gen_tokens: int, threads: int, repeats: int) -> list[str]:

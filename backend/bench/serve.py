@@ -408,6 +408,7 @@ def predictions(model: str, streams: Sequence[int], context: int, backend: str =
                   "expected_aggregate_tokens_per_s": plan.decode_tokens_per_s_aggregate_expected,
                   "expected_how": plan.decode_expected_how_per_user,
                   "host_bytes_per_token": plan.host_bytes_per_token,
+                  "expert_format": plan.expert_format,
                   "probe_bytes_per_s": hardware.memory.bandwidth_measured_bytes_per_s,
                   "experts_touched_per_layer": plan.experts_touched_per_layer}
     return out
@@ -438,11 +439,14 @@ def measure(model: str, *, streams: Sequence[int] = (1, 2, 4, 8), prompt_tokens:
 
 def record_engine_rate(summary: dict) -> None:
     """Keep the engine's one-stream decode read rate (the plan's bytes a token at the measured
-    rate) for this machine (hardware.achieved): later plans expect it."""
+    rate) for this machine (hardware.achieved): later plans expect it. Not for a format whose
+    decoding, not its reads, limits its decode (plan.expected.decode_limited)."""
+    from hybridmoe.backend.plan.expected import decode_limited
+
     runs = summary["results"].get("engine", {}).get("runs", [])
     one = next((r for r in runs if r["streams"] == 1 and r["aggregate_tokens_per_s"]), None)
     predicted = summary["predicted"].get(1) or {}
-    if one is None or not predicted.get("host_bytes_per_token"):
+    if one is None or not predicted.get("host_bytes_per_token") or decode_limited(predicted.get("expert_format")):
         return
     from hybridmoe.backend.hardware import achieved, detect
 

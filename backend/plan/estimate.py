@@ -83,6 +83,9 @@ class DecodeEstimate:
     host_seconds: float = 0.0
     gpu_seconds: float = 0.0
     all_reduce_seconds: float = 0.0
+    # Of the host bytes, the routed experts' (the rest: always-read weights and cache, CPU-only),
+    # whose decoding, for some formats, the CPU's compute limits rather than the reads.
+    host_expert_bytes_per_step: float = 0.0
 
 
 def decode_step(
@@ -94,6 +97,7 @@ def decode_step(
     all_reduces: int = 0,
     host_slow_bytes: float = 0.0,
     slowdown: float = 1.0,
+    host_expert_bytes: float = 0.0,
 ) -> DecodeEstimate:
     """Time of one decode step: the host path and the GPU path overlap, so the slower bounds.
 
@@ -101,7 +105,8 @@ def decode_step(
     Under tensor parallelism (`cards_in_parallel`) they read their shares at once: the slowest
     card's time, plus `all_reduces` × ALL_REDUCE_SECONDS; the GPU bytes are then per card.
     `host_slow_bytes` of the host bytes take a slow path (models.slow_paths): each costs
-    `slowdown` times a byte read at the bandwidth.
+    `slowdown` times a byte read at the bandwidth. `host_expert_bytes`: the routed experts' part
+    of `host_bytes`, carried for the expected figure (plan.expected).
     """
     host_time_bytes = host_bytes + (slowdown - 1.0) * host_slow_bytes
     t_host = host_time_bytes / host_bandwidth if host_bandwidth and host_bytes else 0.0
@@ -118,9 +123,11 @@ def decode_step(
     reduces = all_reduces * ALL_REDUCE_SECONDS if cards_in_parallel and t_gpu else 0.0
     t_gpu += reduces
     if host_bytes and not host_bandwidth:
-        return DecodeEstimate(host_bytes, gpu_bytes, None, "unknown: host memory bandwidth not known")
+        return DecodeEstimate(host_bytes, gpu_bytes, None, "unknown: host memory bandwidth not known",
+                              host_expert_bytes_per_step=host_expert_bytes)
     if t_host == 0 and t_gpu == 0:
-        return DecodeEstimate(host_bytes, gpu_bytes, None, "unknown: no bandwidth figures")
+        return DecodeEstimate(host_bytes, gpu_bytes, None, "unknown: no bandwidth figures",
+                              host_expert_bytes_per_step=host_expert_bytes)
     if t_host >= t_gpu:
         bound = ("PyTorch dequantization of CPU experts on the slow path" if host_slow_bytes
                  else "host memory bandwidth (CPU experts)")
@@ -128,4 +135,4 @@ def decode_step(
             bound += "; GPU bandwidth unknown, GPU time not counted"
     else:
         bound = "GPU memory bandwidth"
-    return DecodeEstimate(host_bytes, gpu_bytes, 1.0 / max(t_host, t_gpu), bound, t_host, t_gpu, reduces)
+    return DecodeEstimate(host_bytes, gpu_bytes, 1.0 / max(t_host, t_gpu), bound, t_host, t_gpu, reduces, host_expert_bytes)

@@ -13,6 +13,10 @@ same bytes at the rates a backend is known to reach, and says where each rate ca
 * the CPU's compute: the CPU experts' multiply-adds at ``estimate.cpu_flops`` (cores × an
   assumed 2.5 GHz × the FMA rate of the best vector ISA × the kernels' share of it), so that a
   step is never faster than the CPU can compute it (several conversations at once);
+* the i-quants' decoding: the engine's kernels decode an i-quant's weights from codebooks before
+  multiplying them, and at a token a step on few cores that, not the reads, sets the experts'
+  time: the expert weights over the cores × a per-format rate (``EXPERT_DECODE_WEIGHTS_PER_S_PER_CORE``,
+  or the rate measured on this machine when ``bench generate`` ran that format);
 * the GPU: its bytes at ``gpu_share`` of the card's bandwidth;
 * the hand-offs: a decode step passes from the GPU to the CPU and back at every MoE layer with
   CPU experts (the router runs on the GPU, the CPU's partial sums go back), ``handoff_s`` each.
@@ -20,14 +24,16 @@ same bytes at the rates a backend is known to reach, and says where each rate ca
 The step is the sum of the host's and the GPU's times and the hand-offs: within a layer the
 CPU waits for the router and the GPU for the CPU's experts, so the two hardly overlap in a
 decode step. Prefill counts the CPU experts' compute (or, streamed, their copy over PCIe)
-and, CPU-only, the always-read weights' compute; a GPU's own compute is not counted.
+and, CPU-only, the always-read weights' compute, at the engine's prompt rate measured on this
+machine (after ``bench generate`` or a chat with a long enough prompt), else at
+``estimate.cpu_flops``; a GPU's own compute is not counted.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hybridmoe.backend.plan.estimate import DecodeEstimate
+from hybridmoe.backend.plan.estimate import FLOPS_PER_CYCLE, PORTABLE_FLOPS_PER_CYCLE, DecodeEstimate
 
 # A sustained multi-threaded read of host memory (what the read probe measures) reaches about
 # this share of the DIMMs' theoretical figure (channels × MT/s × 8 B) on server and desktop
@@ -76,6 +82,62 @@ RATES = {
         handoff_source="a graph split each way between the CUDA and CPU back-ends per layer",
     ),
 }
+
+
+# Expert weights one core of the engine's CPU kernels decodes per second in a decode step (one
+# token), for the formats whose decoding, not the reads, sets a decode step's experts' time: the
+# i-quants below IQ4, whose weights come from codebook grids (8 or 4 values an index, signs and
+# scales from further tables). Measured with AVX-512 (bench generate's "experts" part, the
+# mid-size benchmark model retyped to each, 2-core Xeon VM, shared and loaded: docs/sizing.md
+# §6); the experts read 4.7-10.7 GB/s there where the read probe gave 33-36. IQ4_NL and IQ4_XS
+# (a 16-entry table, as Q4_0) and the K-quants keep up with the reads and have no entry.
+EXPERT_DECODE_WEIGHTS_PER_S_PER_CORE = {
+    "iq1_s": 12.0e9,
+    "iq1_m": 11.0e9,
+    "iq2_xxs": 18.0e9,
+    "iq2_xs": 16.0e9,
+    "iq2_s": 15.0e9,
+    "iq3_xxs": 14.0e9,
+    "iq3_s": 13.0e9,
+}
+# The ISA the rates above were measured with; a CPU whose best vector ISA is narrower decodes in
+# proportion to its FMA width (assumed: the kernels' decoding is vector work of the same width).
+DECODE_RATES_MEASURED_WITH = "avx512f"
+
+
+def decode_limited(expert_format: str | None) -> bool:
+    """Whether the CPU's decoding of `expert_format`, not the reads, limits the engine's decode of
+    its experts: a run of it says nothing of the read rate (hardware.achieved keeps none)."""
+    return expert_format in EXPERT_DECODE_WEIGHTS_PER_S_PER_CORE
+
+
+@dataclass(frozen=True)
+class ExpertDecode:
+    """The rate at which the CPU decodes a format's expert weights in a decode step, and how it was obtained."""
+
+    weights_per_s: float  # all cores together
+    how: str
+
+
+def expert_decode_rate(expert_format: str | None, *, cores: int | None, features: tuple[str, ...],
+                       measured: tuple[float, str, str] | None = None) -> ExpertDecode | None:
+    """For a format whose decoding limits the engine's decode (``decode_limited``): the cores ×
+    the rate a core decodes at, measured on this machine (``measured``: hardware.achieved's
+    lookup_rate) or the documented default scaled to the CPU's vector width; else None."""
+    default = EXPERT_DECODE_WEIGHTS_PER_S_PER_CORE.get(expert_format or "")
+    if default is None or not cores:
+        return None
+    if measured is not None:
+        per_core, where, _ = measured
+        how = f"{per_core / 1e9:.1f} G weights/s a core, measured on this machine ({where})"
+    else:
+        widths = dict(FLOPS_PER_CYCLE)
+        width = next((w for name, w in FLOPS_PER_CYCLE if name in features), PORTABLE_FLOPS_PER_CYCLE)
+        scale = width / widths[DECODE_RATES_MEASURED_WITH]
+        per_core = default * scale
+        how = (f"{per_core / 1e9:.1f} G weights/s a core, the documented rate for {expert_format} (measured with "
+               f"AVX-512" + (f"; × {scale:g} for a narrower vector ISA" if scale != 1 else "") + ")")
+    return ExpertDecode(per_core * cores, f"{expert_format} decoded at {how} × {cores} cores")
 
 
 @dataclass(frozen=True)
@@ -141,12 +203,17 @@ def expected_decode(
     cpu_flops_per_s: float | None,
     cpu_moe_layers: int,
     has_gpu: bool,
+    expert_decode: ExpertDecode | None = None,
+    expert_bytes_per_weight: float = 1.0,
 ) -> Expected:
     """One decode step of `users` conversations at the expected rates (module docstring).
 
     ``bound`` is the same step's bound (its host and GPU seconds); ``host_weights`` the weights
     the CPU reads per step (each computed once per conversation: 2 × users flops a weight);
-    ``cpu_moe_layers`` the MoE layers with experts on the CPU (a hand-off each, with a GPU).
+    ``cpu_moe_layers`` the MoE layers with experts on the CPU (a hand-off each, with a GPU);
+    ``expert_decode``, for a format whose decoding limits it, the rate the CPU decodes the
+    step's expert weights at (``bound.host_expert_bytes_per_step`` / ``expert_bytes_per_weight``
+    of them, once for all conversations: a super-block is decoded once for any number of tokens).
     """
     rates = RATES[backend]
     parts = []
@@ -158,13 +225,23 @@ def expected_decode(
         # where the bound has no bandwidth (the engine's rate known, the probe not run), the bytes.
         t_read = (bound.host_seconds * bound_host_bandwidth / rate.bytes_per_s if bound.host_seconds and bound_host_bandwidth
                   else bound.host_bytes_per_step / rate.bytes_per_s)
+        decoding = ""
+        if expert_decode is not None and bound.host_expert_bytes_per_step:
+            # The experts take the longer of their reads and their decoding; the other weights
+            # and the cache are read between them, not alongside.
+            t_expert_read = bound.host_expert_bytes_per_step / rate.bytes_per_s
+            t_decode = bound.host_expert_bytes_per_step / expert_bytes_per_weight / expert_decode.weights_per_s
+            if t_decode > t_expert_read:
+                t_read += t_decode - t_expert_read
+                decoding = (f"; the experts' {t_decode * 1e3:.2f} ms set by their decoding, "
+                            f"{expert_decode.how}, not by their reads ({t_expert_read * 1e3:.2f} ms)")
         t_compute = 2 * users * host_weights / cpu_flops_per_s if cpu_flops_per_s else 0.0
         t_host = max(t_read, t_compute)
         if t_compute > t_read:
             parts.append(f"CPU {t_host * 1e3:.2f} ms (compute: {2 * users * host_weights / 1e9:.1f} GFLOP at "
-                         f"{cpu_flops_per_s / 1e12:.2f} TFLOP/s; reading at {rate.how}, {t_read * 1e3:.2f} ms)")
+                         f"{cpu_flops_per_s / 1e12:.2f} TFLOP/s; reading at {rate.how}, {t_read * 1e3:.2f} ms{decoding})")
         else:
-            parts.append(f"CPU {t_host * 1e3:.2f} ms (reading at {rate.how})")
+            parts.append(f"CPU {t_host * 1e3:.2f} ms (reading at {rate.how}{decoding})")
     t_gpu = 0.0
     if bound.gpu_seconds:
         reduces = bound.all_reduce_seconds
@@ -177,7 +254,15 @@ def expected_decode(
     if t_handoff:
         parts.append(f"hand-offs {t_handoff * 1e3:.2f} ms ({cpu_moe_layers} MoE layers × {rates.handoff_s * 1e6:.0f} us)")
     step = t_host + t_gpu + t_handoff
+    if not step:  # everything on cards of unknown bandwidth
+        return Expected(None, f"unknown: {rates.name}: " + " + ".join(parts))
     return Expected(1.0 / step, f"{rates.name}: " + " + ".join(parts) + f" = {step * 1e3:.2f} ms a step")
+
+
+# A prompt shorter than this is timed by the fixed costs of a forward call and by a regime of the
+# kernels (few tokens an expert) that the plan's 2,048-token chunk is not in: not kept as the
+# engine's prompt rate.
+MIN_PROMPT_TOKENS_TO_RECORD = 256
 
 
 def expected_prefill(
@@ -188,24 +273,38 @@ def expected_prefill(
     cpu_flops_per_s: float | None,
     streamed_bytes: float | None,
     pcie_bytes_per_s: float | None,
+    measured: tuple[float, str, str] | None = None,
+    expert_format: str = "",
 ) -> Expected:
     """Prompt tokens/s for a chunk of `tokens`: the CPU's multiply-adds over the weights it
     computes per token (``cpu_expert_weights``: the routed experts a token reaches on the CPU;
     ``cpu_always_weights``: CPU-only, the always-read ones), or, when the chunk streams the CPU
-    experts to the GPU, their ``streamed_bytes`` over PCIe. A GPU's compute is not counted."""
+    experts to the GPU, their ``streamed_bytes`` over PCIe. A GPU's compute is not counted.
+
+    The CPU's rate: the engine's prompt rate measured on this machine (``measured``:
+    hardware.achieved's lookup_rate, flops/s, where from, the formats it was measured on), else
+    ``cpu_flops_per_s``, the stated model (estimate.cpu_flops)."""
     if streamed_bytes and pcie_bytes_per_s:  # (none to stream: the other cases below)
         seconds = streamed_bytes / pcie_bytes_per_s
         return Expected(tokens / seconds, f"{tokens}-token chunk: the CPU experts copied to the GPU, "
                                           f"{streamed_bytes / 1e9:.2f} GB at {pcie_bytes_per_s / 1e9:.1f} GB/s over PCIe "
                                           "(the GPU's compute not counted)")
-    if not cpu_flops_per_s:
-        return Expected(None, "unknown: the CPU's core count is not known")
     flops = 2 * tokens * (cpu_expert_weights + cpu_always_weights)
     if not flops:
         return Expected(None, "every weight is on the GPU: the GPU's compute sets it, which the plan does not count")
-    seconds = flops / cpu_flops_per_s
+    if measured is not None:
+        rate, where, formats = measured
+        other = f"; measured on {formats}, not {expert_format}" if expert_format and formats != expert_format else ""
+        source = f"the engine's prompt rate measured on this machine ({where}{other})"
+    elif cpu_flops_per_s:
+        rate = cpu_flops_per_s
+        source = ("cores × an assumed 2.5 GHz × the fp32 FMA rate of the best vector ISA × 0.5, nothing measured "
+                  "on this machine yet")
+    else:
+        return Expected(None, "unknown: the CPU's core count is not known")
+    seconds = flops / rate
     return Expected(tokens / seconds, f"{tokens}-token chunk: {flops / 1e12:.2f} TFLOP on the CPU at "
-                                      f"{cpu_flops_per_s / 1e12:.2f} TFLOP/s (the GPU's compute not counted)")
+                                      f"{rate / 1e12:.2f} TFLOP/s, {source} (the GPU's compute not counted)")
 
 
 # Fewer generated tokens than this time the first steps' warm-up (page faults, caches), not the decode.
@@ -216,23 +315,46 @@ def decode_bytes_per_token(plan, stats) -> float | None:
     """The bytes a token of a finished generation (a session.Stats) read under a CPU-only
     `plan`: the plan's, its cache at the generation's middle position rather than the full
     context. None for anything else (llama.cpp, a GPU plan, a short answer, several
-    conversations): with the measured tokens/s, what hardware.achieved keeps for this machine."""
+    conversations, a format whose decoding rather than its reads limits it): with the measured
+    tokens/s, what hardware.achieved keeps for this machine."""
     if (plan.main_device != "cpu" or stats.backend != "engine" or not stats.decode_tokens_per_s
-            or stats.generated_tokens < MIN_TOKENS_TO_RECORD or plan.workload.users != 1):
+            or stats.generated_tokens < MIN_TOKENS_TO_RECORD or plan.workload.users != 1
+            or decode_limited(plan.expert_format)):
         return None
     position = min(stats.prompt_tokens + stats.generated_tokens / 2, plan.workload.context)
     per_token = plan.host_bytes_per_token - plan.kv_bytes_per_conversation + plan.kv_bytes_per_token * position
     return per_token if per_token > 0 else None
 
 
-def remember_decode_rate(plan, stats) -> None:
-    """Keep the read rate the engine's decode reached on this machine in a finished generation
-    (``decode_bytes_per_token``; hardware.achieved), so that later plans of it expect that rate."""
+def prompt_flops_per_s(plan, stats) -> float | None:
+    """The CPU's multiply-adds per second in a finished generation's prompt (a session.Stats)
+    under a CPU-only `plan`: the plan's flops per prompt token × the measured prompt tokens/s.
+    None for anything else (llama.cpp, a GPU plan, several conversations, a prompt shorter than
+    MIN_PROMPT_TOKENS_TO_RECORD): what hardware.achieved keeps as the engine's prompt rate."""
+    if (plan.main_device != "cpu" or stats.backend != "engine" or not stats.prefill_tokens_per_s
+            or stats.prompt_tokens < MIN_PROMPT_TOKENS_TO_RECORD or plan.workload.users != 1
+            or not plan.prefill_cpu_flops_per_token):
+        return None
+    return plan.prefill_cpu_flops_per_token * stats.prefill_tokens_per_s
+
+
+def remember_rates(plan, stats) -> None:
+    """Keep the rates the engine reached on this machine in a finished generation: its decode's
+    read rate (``decode_bytes_per_token``) and its prompt's compute rate (``prompt_flops_per_s``;
+    hardware.achieved), so that later plans of it expect them."""
     per_token = decode_bytes_per_token(plan, stats)
-    if per_token is None:
+    flops = prompt_flops_per_s(plan, stats)
+    if per_token is None and flops is None:
         return
     from hybridmoe.backend.hardware import achieved, detect, probe_reading
 
-    # The share of the process's probe reading, where it took one (the TUI does; `run` does not).
-    achieved.record(detect(measure_bandwidth=False), bytes_per_token=per_token, tokens_per_s=stats.decode_tokens_per_s,
-                    probe_bytes_per_s=probe_reading(), source=f"a chat, {stats.generated_tokens} tokens at {stats.decode_tokens_per_s:.1f} tokens/s")
+    here = detect(measure_bandwidth=False)
+    if per_token is not None:
+        # The share of the process's probe reading, where it took one (the TUI does; `run` does not).
+        achieved.record(here, bytes_per_token=per_token, tokens_per_s=stats.decode_tokens_per_s,
+                        probe_bytes_per_s=probe_reading(),
+                        source=f"a chat, {stats.generated_tokens} tokens at {stats.decode_tokens_per_s:.1f} tokens/s")
+    if flops is not None:
+        achieved.record_rate(here, "prefill_flops_per_s", expert_format=plan.expert_format, value=flops,
+                             source=f"a chat's {stats.prompt_tokens}-token prompt at {stats.prefill_tokens_per_s:.1f} "
+                                    "tokens/s")

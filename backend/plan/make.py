@@ -39,7 +39,13 @@ from hybridmoe.backend.plan.estimate import (
     prefill_stream_min_tokens,
     tp_all_reduces,
 )
-from hybridmoe.backend.plan.expected import expected_decode, expected_prefill, host_read_rate
+from hybridmoe.backend.plan.expected import (
+    decode_limited,
+    expected_decode,
+    expected_prefill,
+    expert_decode_rate,
+    host_read_rate,
+)
 from hybridmoe.backend.plan.llamacpp import translate
 from hybridmoe.backend.plan.plan import DevicePlan, Plan
 from hybridmoe.backend.plan.serving import recommend
@@ -190,7 +196,16 @@ class _Planner:
                 "Use --gpu-experts auto (or int8), or a 4-bit file (int4, Q4_0, Q4_K, IQ4, MXFP4 experts).",
             )
         self.resident = {form: float(B.resident_expert_bytes(spec, form))
-                         for form in B.RESIDENT_FORMS if form != "int4" or self.int4}
+                         for form in B.RESIDENT_FORMS if form not in ("int4", "stored") or (form == "int4" and self.int4)}
+        # A GGUF's experts as the file stores them, where the GPU kernels read their types:
+        # per layer (a mix gives some layers' downs more bits).
+        self.stored_gbpe = B.stored_expert_bytes(spec, inventory)
+        if workload.gpu_expert_form == "stored" and self.stored_gbpe is None:
+            raise PlanError(
+                f"--gpu-experts stored needs routed experts in GGUF block types the GPU kernels read; "
+                f"{spec.name}'s are {spec.expert_format}",
+                "Use --gpu-experts auto (or int8, int4), or a GGUF file.",
+            )
         # The always-read weights as each side holds them: host RAM in the stored form (the
         # CPU kernels read it as stored, Q4_K in a layout 2.8 % larger; the embedding and MLA's
         # kv_b stored whole widened, the routers as routed); a GPU, for the engine, the
@@ -413,8 +428,15 @@ class _Planner:
         flops = cpu_flops(hw.cpu.physical_cores, hw.cpu.features)
         bytes_per_weight = self.inv.expert_bits_per_weight / 8 or 1.0
         cpu_layers = sum(1 for layer in spec.moe_layers if len(lay.gpu_experts[layer]) < self.E)
+        fmt = self.inv.expert_format
+        # The engine's kernels' decoding of an i-quant (llama.cpp's own rate is not measured).
+        decoding = expert_decode_rate(
+            fmt, cores=hw.cpu.physical_cores, features=hw.cpu.features,
+            measured=achieved.lookup_rate(hw, "expert_weights_per_s_per_core", fmt) if decode_limited(fmt) else None,
+        ) if backend == "engine" else None
         common = dict(backend=backend, rate=rate, bound_host_bandwidth=mem.bandwidth_bytes_per_s,
-                      cpu_flops_per_s=flops, cpu_moe_layers=cpu_layers, has_gpu=bool(gpus))
+                      cpu_flops_per_s=flops, cpu_moe_layers=cpu_layers, has_gpu=bool(gpus),
+                      expert_decode=decoding, expert_bytes_per_weight=bytes_per_weight)
         # The weights the CPU multiplies per conversation and step: what it reads, in weights.
         host_weights = lay.single.host_bytes_per_step / bytes_per_weight
         one = expected_decode(lay.single, host_weights=host_weights, users=1, **common)
@@ -431,9 +453,14 @@ class _Planner:
         chunk = min(wl.prefill_chunk, wl.context)
         streams = stream_min is not None and stream_min <= chunk and any(reserves)
         streamed = sum((self.E - len(lay.gpu_experts[layer])) * self.bpe[layer] for layer in spec.moe_layers)
+        # The engine's prompt rate measured here: this format's runs, else any format's (the
+        # figure says which), before the stated model.
+        measured = (achieved.lookup_rate(hw, "prefill_flops_per_s", fmt, any_format=True)
+                    if backend == "engine" else None)
         prefill = expected_prefill(tokens=chunk, cpu_expert_weights=expert_weights, cpu_always_weights=always_weights,
                                    cpu_flops_per_s=flops, streamed_bytes=streamed if streams else None,
-                                   pcie_bytes_per_s=pcie)
+                                   pcie_bytes_per_s=pcie, measured=measured, expert_format=fmt)
+        cpu_flops_per_token = 2 * (expert_weights + always_weights)
         return {
             "decode_tokens_per_s_expected": one.tokens_per_s,
             "decode_expected_how": one.how,
@@ -442,6 +469,7 @@ class _Planner:
             "decode_expected_how_per_user": many.how,
             "prefill_tokens_per_s_expected": prefill.tokens_per_s,
             "prefill_expected_how": prefill.how,
+            "prefill_cpu_flops_per_token": cpu_flops_per_token if cpu_flops_per_token and not streams else None,
         }
 
     # Stored formats wider than 8 bits a weight: experts held as int8 (or int4) on a GPU lose precision.
@@ -480,12 +508,13 @@ class _Planner:
 
     def _resident_form(self, lefts, moe_by_card, per_card: int) -> str:
         """"dense" when every card holds its `per_card` routed experts of each of its layers that
-        way, else "int4" for experts stored in a 4-bit format, else "int8"."""
+        way, else "stored" for a GGUF whose expert types the GPU kernels read (the file's bytes and
+        values), else "int4" for experts stored in a 4-bit format, else "int8"."""
         if self.wl.gpu_expert_form != "auto":
             return self.wl.gpu_expert_form
         dense = self.resident["dense"]
         fits = all(len(layers) * per_card * dense <= left for left, layers in zip(lefts, moe_by_card) if layers)
-        return "dense" if fits else "int4" if self.int4 else "int8"
+        return "dense" if fits else "stored" if self.stored_gbpe else "int4" if self.int4 else "int8"
 
     def _cpu_share(self, layer: int, gpu_ids) -> float:
         """Share of a layer's activations computed on the CPU: measured when stats exist."""
@@ -503,6 +532,7 @@ class _Planner:
         slow = sum(touched * self._cpu_share(layer, gpu_experts[layer]) * self.slow.bytes_by_layer.get(layer, 0) / self.E
                    for layer in self.moe) if self.slow else 0.0
         on_slow_path = {"host_slow_bytes": slow, "slowdown": SLOW_PATH_SLOWDOWN}
+        experts = host
         gpu_reads = []
         if gpus:
             for c, run in enumerate(lay.runs):
@@ -523,9 +553,9 @@ class _Planner:
         if lay.kind == "tp":
             return decode_step(host_bytes=host, host_bandwidth=self.hw.memory.bandwidth_bytes_per_s,
                                gpu_bytes_by_card=gpu_reads, cards_in_parallel=True,
-                               all_reduces=tp_all_reduces(self.spec.num_layers), **on_slow_path)
+                               all_reduces=tp_all_reduces(self.spec.num_layers), host_expert_bytes=experts, **on_slow_path)
         return decode_step(host_bytes=host, host_bandwidth=self.hw.memory.bandwidth_bytes_per_s, gpu_bytes_by_card=gpu_reads,
-                           **on_slow_path)
+                           host_expert_bytes=experts, **on_slow_path)
 
     def _layout(self, kind: str, gpus, budgets, activations) -> _Layout:
         """Weights, caches, reserves and routed experts of each card for a pipeline ("pp": each
@@ -557,7 +587,7 @@ class _Planner:
         if self.llama and kind == "pp" and gpus:
             return self._llamacpp_layout(runs, card_classes, lefts, moe_by_card)
         form = self._resident_form(lefts, moe_by_card, per_card)
-        gbpe = {layer: self.resident[form] for layer in spec.moe_layers}
+        gbpe = dict(self.stored_gbpe) if form == "stored" else {layer: self.resident[form] for layer in spec.moe_layers}
         reserves, avail = [], []
         for c, left in enumerate(lefts):
             layer_bytes = max((B.prefill_reserve_bytes(self.E, self.bpe[layer]) for layer in moe_by_card[c]), default=0)

@@ -124,6 +124,11 @@ class Plan:
     decode_expected_how_per_user: str = ""
     prefill_tokens_per_s_expected: float | None = None
     prefill_expected_how: str = ""
+    # The CPU's multiply-adds per prompt token under this layout (the CPU experts a token
+    # reaches, CPU-only the always-read weights too; two flops a weight), what a measured prompt
+    # rate is divided into to keep the engine's prompt rate for this machine (hardware.achieved).
+    # None when the chunk streams its experts to the GPU or the CPU computes nothing.
+    prefill_cpu_flops_per_token: float | None = None
     # Where the plan holds weights at another precision than the file's (bf16 GPU experts
     # narrowed to int8, say), one sentence each: said in the printed plan and the TUI.
     precision_notes: tuple[str, ...] = ()
@@ -156,8 +161,8 @@ class Plan:
 
     @property
     def resident_form(self) -> str:
-        """The engine's name for gpu_expert_format: "int8", "int4" or "dense"."""
-        return self.gpu_expert_format if self.gpu_expert_format in ("int8", "int4") else "dense"
+        """The engine's name for gpu_expert_format: "int8", "int4", "stored" or "dense"."""
+        return self.gpu_expert_format if self.gpu_expert_format in ("int8", "int4", "stored") else "dense"
 
     # ---- serialisation -------------------------------------------------------------------
 

@@ -222,3 +222,27 @@ def test_the_plans_expected_figures_are_printed_beside_the_measured(tiny_gguf, c
     # for this machine (a mid-size model's is: tests/plan/test_expected.py).
     assert summary["results"]["engine"]["per_token"]["end_to_end"]["bytes"] < achieved.MIN_BYTES_PER_TOKEN
     assert achieved.lookup(detect(measure_bandwidth=False)) is None
+
+
+def test_a_run_keeps_the_engines_prompt_rate_and_an_i_quants_decoding_rate():
+    """What bench generate keeps for this machine (hardware.achieved): the prompt's flops at the
+    measured prompt rate; for a format whose decoding limits it, the expert weights a core decoded
+    per second, and not a read rate; for the others, the read rate."""
+    from hybridmoe.backend.bench.generate import record_engine_rate
+    from hybridmoe.backend.hardware import achieved, detect
+
+    here = detect(measure_bandwidth=False)
+    engine = {"per_token": {"end_to_end": {"gbps": 13.0, "bytes": 200e6, "seconds": 0.015, "of_probe": 0.4},
+                            "parts": {"experts": {"seconds": 0.008, "bytes": 78e6}}},
+              "prefill_median": 300.0, "prompt_tokens": 512}
+    iq2 = {"expert_format": "iq2_xxs", "expert_bytes_per_weight": 2.0625 / 8, "prefill_cpu_flops_per_token": 1e9}
+    record_engine_rate(engine, "bench generate", iq2, threads=2)
+    per_core, where, _ = achieved.lookup_rate(here, "expert_weights_per_s_per_core", "iq2_xxs")
+    assert per_core == pytest.approx(78e6 / (2.0625 / 8) / 0.008 / 2) and "on 2 cores" in where
+    assert achieved.lookup(here) is None  # its reads say nothing of the read rate
+    assert achieved.lookup_rate(here, "prefill_flops_per_s", "iq2_xxs")[0] == pytest.approx(300e9)
+    # A Q4_0 run: the read rate; a short prompt's rate is not kept.
+    record_engine_rate({**engine, "prompt_tokens": 16}, "bench generate", {**iq2, "expert_format": "q4_0"}, threads=2)
+    assert achieved.lookup(here)[0] == pytest.approx(200e6 / 0.015)
+    assert achieved.lookup_rate(here, "prefill_flops_per_s", "q4_0") is None
+    assert achieved.lookup_rate(here, "expert_weights_per_s_per_core", "q4_0") is None

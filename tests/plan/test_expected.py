@@ -207,3 +207,126 @@ def test_a_card_of_unknown_bandwidth_is_left_out_and_said_so(qwen30):
     plan = make(qwen30.spec, qwen30.inventory, box, Workload(context=4096))
     assert plan.decode_tokens_per_s_expected and "GPU not counted (its memory bandwidth is not known)" in (
         plan.decode_expected_how)
+
+
+# ---- the engine's prompt rate and the i-quants' decoding, measured here or stated (#47) ----------
+
+
+def _this_machine(cores=4, features=("avx2", "avx512f"), probe=40e9):
+    return HardwareProfile(cpu=CPU(model_name="Test CPU", physical_cores=cores, sockets=1, features=features),
+                           memory=Memory(total_bytes=64 * GIB, available_bytes=64 * GIB,
+                                         bandwidth_measured_bytes_per_s=probe))
+
+
+def test_expected_prefill_is_the_prompt_rate_measured_here_else_the_stated_model(qwen30, tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path))
+    here = _this_machine()
+    wl = Workload(context=4096, strategy="cpu-only")
+    before = make(qwen30.spec, qwen30.inventory, here, wl)
+    chunk = min(wl.prefill_chunk, wl.context)
+    # Nothing measured: the CPU's multiply-adds at the stated model's rate, and it says so.
+    flops = cpu_flops(4, here.cpu.features)
+    assert before.prefill_tokens_per_s_expected == pytest.approx(flops / before.prefill_cpu_flops_per_token)
+    assert "nothing measured on this machine yet" in before.prefill_expected_how
+    assert before.prefill_cpu_flops_per_token * chunk / 1e12 == pytest.approx(
+        float(before.prefill_expected_how.split(" TFLOP on")[0].split(": ")[-1]), rel=0.01)
+    # A prompt rate measured on another format of this machine stands in, and says which it was.
+    achieved.record_rate(here, "prefill_flops_per_s", expert_format="q4_0", value=0.6e12, source="bench generate")
+    other = make(qwen30.spec, qwen30.inventory, here, wl)
+    assert other.prefill_tokens_per_s_expected == pytest.approx(0.6e12 / other.prefill_cpu_flops_per_token)
+    assert "measured on q4_0, not q4_k_m" in other.prefill_expected_how
+    # This format's runs come first, their median.
+    for value in (0.3e12, 0.5e12, 0.4e12):
+        achieved.record_rate(here, "prefill_flops_per_s", expert_format="q4_k_m", value=value, source="a chat")
+    after = make(qwen30.spec, qwen30.inventory, here, wl)
+    assert after.prefill_tokens_per_s_expected == pytest.approx(0.4e12 / after.prefill_cpu_flops_per_token)
+    assert "the engine's prompt rate measured on this machine (the median of 3 runs" in after.prefill_expected_how
+    assert "not q4_k_m" not in after.prefill_expected_how
+    # llama.cpp's plan does not take the engine's rate; a described machine never has one.
+    llama = make(qwen30.spec, qwen30.inventory, here, replace(wl, backend="llamacpp"))
+    assert llama.prefill_tokens_per_s_expected == pytest.approx(flops / llama.prefill_cpu_flops_per_token)
+    assert achieved.lookup_rate(replace(here, described=True), "prefill_flops_per_s", "q4_k_m") is None
+    # The decode read rate kept beside it is untouched by the compute rates, and theirs by it.
+    achieved.record(here, bytes_per_token=300e6, tokens_per_s=100.0, source="bench serve", probe_bytes_per_s=40e9)
+    assert achieved.lookup(here)[1] == pytest.approx(0.75)
+    assert achieved.lookup_rate(here, "prefill_flops_per_s", "q4_k_m")[0] == pytest.approx(0.4e12)
+
+
+def test_a_chat_keeps_its_prompt_rate_and_not_a_short_prompts(qwen30, tmp_path, monkeypatch):
+    from hybridmoe.backend.plan.expected import MIN_PROMPT_TOKENS_TO_RECORD, remember_rates
+    from hybridmoe.backend.session import Stats
+
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path))
+    here = _this_machine()
+    monkeypatch.setattr("hybridmoe.backend.hardware.detect", lambda **_: here)
+    plan = make(qwen30.spec, qwen30.inventory, here, Workload(context=4096, strategy="cpu-only"))
+    short = Stats(prompt_tokens=MIN_PROMPT_TOKENS_TO_RECORD - 1, generated_tokens=4, time_to_first_token_s=0.1,
+                  prefill_tokens_per_s=50.0, decode_tokens_per_s=10.0, backend="engine")
+    remember_rates(plan, short)
+    assert achieved.lookup_rate(here, "prefill_flops_per_s", plan.expert_format) is None
+    long = replace(short, prompt_tokens=MIN_PROMPT_TOKENS_TO_RECORD)
+    remember_rates(plan, long)
+    rate, where, _ = achieved.lookup_rate(here, "prefill_flops_per_s", plan.expert_format)
+    assert rate == pytest.approx(plan.prefill_cpu_flops_per_token * 50.0) and "prompt at 50.0 tokens/s" in where
+    # The next plan expects exactly that prompt rate back.
+    again = make(qwen30.spec, qwen30.inventory, here, Workload(context=4096, strategy="cpu-only"))
+    assert again.prefill_tokens_per_s_expected == pytest.approx(50.0)
+
+
+def test_an_i_quants_decode_is_set_by_its_decoding_on_few_cores(tmp_path, monkeypatch):
+    from hybridmoe.backend.plan.expected import EXPERT_DECODE_WEIGHTS_PER_S_PER_CORE
+
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path))
+    iq2 = inspect_model(CONFIGS / "Qwen__Qwen3-30B-A3B.json", expert_format="iq2_xxs")
+    here = _this_machine(cores=2)
+    wl = Workload(context=4096, strategy="cpu-only")
+    plan = make(iq2.spec, iq2.inventory, here, wl)
+    rate = 40e9 * RATES["engine"].host_share
+    weights = 2 * 48 * 8 * iq2.spec.params_per_expert  # 48 MoE layers × 8 experts a token, 2 cores below
+    expert_bytes = weights / 2 * iq2.inventory.expert_bits_per_weight / 8
+    per_core = EXPERT_DECODE_WEIGHTS_PER_S_PER_CORE["iq2_xxs"]
+    step = (plan.host_bytes_per_token - expert_bytes) / rate + (weights / 2) / (2 * per_core)
+    assert (weights / 2) / (2 * per_core) > expert_bytes / rate  # decoding, not reading, sets the experts' time
+    assert plan.decode_tokens_per_s_expected == pytest.approx(1 / step)
+    assert "set by their decoding, iq2_xxs decoded at 18.0 G weights/s a core, the documented rate" in (
+        plan.decode_expected_how)
+    # An AVX2 CPU decodes at half the AVX-512 rate (the stated scaling).
+    avx2 = make(iq2.spec, iq2.inventory, _this_machine(cores=2, features=("avx2",)), wl)
+    assert avx2.decode_tokens_per_s_expected == pytest.approx(
+        1 / ((plan.host_bytes_per_token - expert_bytes) / rate + (weights / 2) / (per_core)))
+    # Measured here (bench generate of that format): the median of its runs.
+    achieved.record_rate(here, "expert_weights_per_s_per_core", expert_format="iq2_xxs", value=10e9,
+                         source="bench generate")
+    measured = make(iq2.spec, iq2.inventory, here, wl)
+    assert measured.decode_tokens_per_s_expected == pytest.approx(
+        1 / ((plan.host_bytes_per_token - expert_bytes) / rate + (weights / 2) / (2 * 10e9)))
+    assert "10.0 G weights/s a core, measured on this machine (bench generate" in measured.decode_expected_how
+    # Many cores: the reads set it again, as for any format.
+    wide = make(iq2.spec, iq2.inventory, _this_machine(cores=64), wl)
+    assert wide.decode_tokens_per_s_expected == pytest.approx(rate / wide.host_bytes_per_token)
+    # Q4_0-class formats are never limited by their decoding.
+    q4 = inspect_model(CONFIGS / "Qwen__Qwen3-30B-A3B.json", expert_format="q4_0")
+    plain = make(q4.spec, q4.inventory, here, wl)
+    assert plain.decode_tokens_per_s_expected == pytest.approx(rate / plain.host_bytes_per_token)
+
+
+def test_a_decode_limited_formats_run_is_not_kept_as_the_read_rate(tmp_path, monkeypatch):
+    from hybridmoe.backend.plan.expected import remember_rates
+    from hybridmoe.backend.session import Stats
+
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path))
+    here = _this_machine()
+    monkeypatch.setattr("hybridmoe.backend.hardware.detect", lambda **_: here)
+    stats = Stats(prompt_tokens=8, generated_tokens=64, time_to_first_token_s=0.1, prefill_tokens_per_s=50.0,
+                  decode_tokens_per_s=10.0, backend="engine")
+    for fmt, kept in (("iq2_xxs", False), ("q4_0", True)):
+        model = inspect_model(CONFIGS / "Qwen__Qwen3-30B-A3B.json", expert_format=fmt)
+        remember_rates(make(model.spec, model.inventory, here, Workload(context=4096, strategy="cpu-only")), stats)
+        assert (achieved.lookup(here) is not None) == kept, fmt
+
+
+def test_everything_on_a_card_of_unknown_bandwidth_gives_no_figure(qwen30):
+    big = describe(gpu_count=1, gpu_memory="97887MiB", host_ram="64GiB", cpu_model="AMD Ryzen 9 7950X", cores=16)
+    plan = make(qwen30.spec, qwen30.inventory, big, Workload(context=4096))
+    assert not plan.host_bytes_per_token
+    assert plan.decode_tokens_per_s_expected is None and plan.decode_expected_how.startswith("unknown")

@@ -479,7 +479,7 @@ class ChatScreen(ReportsWorkerErrors, Screen):
         status = self.query_one(StatusLine)
         if stats is not None:
             if self.plan is not None:
-                self.app.services.remember_decode_rate(self.plan, stats)
+                self.app.services.remember_rates(self.plan, stats)
             self.context_used = stats.prompt_tokens + stats.generated_tokens
             status.show_stats(stats, self.plan.workload.context if self.plan else None,
                               self.plan.main_device if self.plan else "cpu", self.context_used)
