@@ -168,7 +168,7 @@ def _experts_per_layer(plan: Plan) -> str:
     if not counts:
         return "no MoE layers"
     whole = [layer for layer in plan.moe_layers if plan.gpu_experts.get(layer)]
-    if plan.gpu_expert_format == "stored" and whole:  # llama.cpp: whole layers (--n-cpu-moe)
+    if plan.workload.backend == "llamacpp" and whole:  # llama.cpp: whole layers (--n-cpu-moe)
         return (f"all {plan.n_routed_experts} experts of {len(whole)} of the {len(counts)} MoE layers "
                 f"(blocks {whole[0]}..{whole[-1]})")
     if min(counts) == max(counts):
@@ -177,11 +177,14 @@ def _experts_per_layer(plan: Plan) -> str:
 
 
 def _gpu_form(plan: Plan) -> str:
-    """", held as int4 (24.77 MB each)": how a GPU holds its experts, when it holds any."""
+    """", held as int4 (24.77 MB each)": how a GPU holds its experts, when it holds any (held
+    as stored, a mix's layers differ: "24.77–28.56 MB each")."""
     if not plan.gpu_expert_count or not plan.gpu_bytes_per_expert:
         return ""
-    per = next(iter(plan.gpu_bytes_per_expert.values()))
-    return f", held as {plan.gpu_expert_format} ({per / 1e6:,.2f} MB each)"
+    sizes = [plan.gpu_bytes_per_expert[layer] for layer, ids in plan.gpu_experts.items() if ids]
+    low, high = min(sizes), max(sizes)
+    each = f"{low / 1e6:,.2f}" + (f"–{high / 1e6:,.2f}" if f"{high / 1e6:,.2f}" != f"{low / 1e6:,.2f}" else "")
+    return f", held as {plan.gpu_expert_format} ({each} MB each)"
 
 
 LAYOUT_NAMES = {"pp": "pipeline (pp)", "tp": "tensor parallel (tp)"}

@@ -12,9 +12,10 @@ STRATEGIES = ("uniform", "frequency", "cpu-only")
 BACKENDS = ("auto", "engine", "llamacpp")
 PREFILL_RESERVE = ("auto", "on", "off")
 # How routed experts are held on a GPU: "auto" (dense when every routed expert fits that way,
-# else int4 for experts stored in a 4-bit format, else int8, which fits twice as many as
-# dense), "dense" (the compute dtype), "int8" (weight-only) or "int4" (the stored 4-bit codes).
-GPU_EXPERT_FORMS = ("auto", "dense", "int8", "int4")
+# else as stored for a GGUF whose expert types the GPU kernels read, else int4 for experts
+# stored in a 4-bit format, else int8, which fits twice as many as dense), "dense" (the compute
+# dtype), "int8" (weight-only), "int4" (the stored 4-bit codes) or "stored" (the GGUF's blocks).
+GPU_EXPERT_FORMS = ("auto", "dense", "int8", "int4", "stored")
 # How several GPUs share the model: "pp" (a pipeline: each card holds whole layers), "tp"
 # (tensor parallel: each card holds a share of every layer), "auto" (the faster for the workload).
 PARALLEL = ("auto", "pp", "tp")

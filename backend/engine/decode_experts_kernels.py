@@ -78,6 +78,19 @@ def _rounded(v, like_ptr):
 
 
 @triton.jit
+def _activate(gate, up, like_ptr, alpha, limit, ACT: tl.constexpr):
+    """The expert's activation of its gate and up values (float32, already rounded to the
+    compute dtype `like_ptr` points to), rounded where torch rounds it."""
+    if ACT == 0:  # silu(gate) * up
+        h = _rounded(_rounded(gate * tl.sigmoid(gate), like_ptr) * up, like_ptr)
+    else:  # GPT-OSS: clamped SwiGLU with slope alpha, up shifted by one
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+        h = _rounded((up + 1) * _rounded(gate * tl.sigmoid(gate * alpha), like_ptr), like_ptr)
+    return h
+
+
+@triton.jit
 def gate_up_kernel(x_ptr, ids_ptr, slot_ptr, h_ptr, w_ptr, scale_ptr, min_ptr, table_ptr, bias_ptr,
                    K, I, k, n_experts, w_stride_e, w_stride_r, s_stride_e, s_stride_r,
                    gate_step, up_first, up_step, alpha, limit,
@@ -110,13 +123,7 @@ def gate_up_kernel(x_ptr, ids_ptr, slot_ptr, h_ptr, w_ptr, scale_ptr, min_ptr, t
         bias_ptr += s * 2 * I
         gate = _rounded(gate + tl.load(bias_ptr + gate_rows, mask=i_ok, other=0).to(tl.float32), x_ptr)
         up = _rounded(up + tl.load(bias_ptr + up_rows, mask=i_ok, other=0).to(tl.float32), x_ptr)
-    if ACT == 0:  # silu(gate) * up, each rounded as torch rounds it
-        h = _rounded(_rounded(gate * tl.sigmoid(gate), x_ptr) * up, x_ptr)
-    else:  # GPT-OSS: clamped SwiGLU with slope alpha, up shifted by one
-        gate = tl.minimum(gate, limit)
-        up = tl.minimum(tl.maximum(up, -limit), limit)
-        h = _rounded((up + 1) * _rounded(gate * tl.sigmoid(gate * alpha), x_ptr), x_ptr)
-    tl.store(h_ptr + p * I + i, h, mask=i < I)
+    tl.store(h_ptr + p * I + i, _activate(gate, up, x_ptr, alpha, limit, ACT), mask=i < I)
 
 
 @triton.jit

@@ -30,12 +30,15 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from gguf import GGMLQuantizationType
 
 from hybridmoe.backend.engine import decode_experts
 from hybridmoe.backend.engine.decode_path import CLAMPED_SWIGLU
 from hybridmoe.backend.formats.int4_weights import Int4Weight, cat_rows
 from hybridmoe.backend.formats.int4_weights import from_quant as int4_from_quant
 from hybridmoe.backend.formats.int8_weights import Int8Weight, quantize_int8
+from hybridmoe.backend.engine.stored_linear import StoredLinear
+from hybridmoe.backend.formats import quant
 from hybridmoe.backend.engine.layers import activation
 from hybridmoe.backend.formats.weights import WeightSource, dense, missing_tensor, require
 
@@ -99,7 +102,8 @@ class ExpertActivation:
         return self.act(gate) * up
 
 
-def _linear(x: torch.Tensor, w: torch.Tensor | Int8Weight | Int4Weight, b: torch.Tensor | None) -> torch.Tensor:
+def _linear(x: torch.Tensor, w: torch.Tensor | Int8Weight | Int4Weight | StoredLinear,
+            b: torch.Tensor | None) -> torch.Tensor:
     # Expert biases (GPT-OSS) are added after the product is rounded, as the reference does.
     y = F.linear(x, w) if isinstance(w, torch.Tensor) else w.linear(x)
     return y if b is None else y + b
@@ -218,14 +222,15 @@ class ExpertGroup:
 
 
 class ResidentExperts(ExpertGroup):
-    """Experts materialised once on the main device, gate and up fused, in one of three forms:
+    """Experts materialised once on the main device, gate and up fused, in one of four forms:
     ``"dense"`` (the compute dtype), ``"int8"`` (weight-only, one scale per output row; see
-    ``int8_weights``) or ``"int4"`` (the stored 4-bit codes and group scales as they are; see
-    ``int4_weights``; a matrix not stored in a 4-bit format is held as int8). Each part of all
-    the group's experts is one stacked tensor, so the group's memory is exactly ``nbytes``
-    (what the Plan counts), in a few allocations."""
+    ``int8_weights``), ``"int4"`` (the stored 4-bit codes and group scales as they are; see
+    ``int4_weights``; a matrix not stored in a 4-bit format is held as int8) or ``"stored"``
+    (a GGUF's blocks as the file stores them, gate and up apart; see ``stored_experts``). Each
+    part of all the group's experts is one stacked tensor, so the group's memory is exactly
+    ``nbytes`` (what the Plan counts), in a few allocations."""
 
-    FORMS = ("dense", "int8", "int4")
+    FORMS = ("dense", "int8", "int4", "stored")
 
     def __init__(self, store: ExpertStore, ids: Collection[int], dtype: torch.dtype, device, act: ExpertActivation,
                  *, form: str = "dense"):
@@ -236,6 +241,7 @@ class ResidentExperts(ExpertGroup):
         self.slot = {e: j for j, e in enumerate(self.ids)}  # expert id -> index in the stacks
         self._parts: dict[str, torch.Tensor] = {}
         self._int4: dict[str, tuple[str, int]] = {}  # role -> (table, group) of its 4-bit matrices
+        self._types: dict[str, tuple[GGMLQuantizationType, int]] = {}  # stored: role -> (type, columns)
         n = len(self.ids)
         for j, e in enumerate(self.ids):
             for name, t in self._expert_parts(store, e, dtype, first=j == 0).items():
@@ -248,9 +254,12 @@ class ResidentExperts(ExpertGroup):
         self.slot_of = torch.full((self.n_experts,), -1, dtype=torch.int32)
         self.slot_of[list(self.slot)] = torch.tensor(list(self.slot.values()), dtype=torch.int32)
         self.slot_of = self.slot_of.to(self.device)
-        self.stacks = {role: self._stack(role) for role in ("gate_up", "down")} if n else {}
+        roles = tuple(self._types) if self.form == "stored" else ("gate_up", "down")
+        self.stacks = {role: self._stack(role) for role in roles} if n else {}
 
     def _expert_parts(self, store: ExpertStore, e: int, dtype: torch.dtype, *, first: bool) -> dict[str, torch.Tensor]:
+        if self.form == "stored":
+            return self._stored_parts(store, e, dtype, first=first)
         int4 = self._int4_matrices(store, e) if self.form == "int4" else {}
         if first:
             self._int4 = {role: (w.table, w.group) for role, w in int4.items()}
@@ -284,6 +293,38 @@ class ResidentExperts(ExpertGroup):
                 parts[role] = parts[role].to(device=self.device, dtype=dtype)
         return parts
 
+    def _stored_parts(self, store: ExpertStore, e: int, dtype: torch.dtype, *, first: bool) -> dict[str, torch.Tensor]:
+        """Expert e's gate, up and down as the file's GGUF blocks [rows, bytes a row] (views of the
+        file, copied into the stacks), and its biases in the compute dtype."""
+        stored = store.stored(e)
+        i, interleaved = store.intermediate, self.act.interleaved
+        parts: dict[str, torch.Tensor] = {}
+        types = {}
+        for role in ("gate", "up", "down"):
+            source = "gate_up" if role != "down" and "gate_up" in stored else role
+            got = stored_experts.blocks_of(stored[source])
+            if got is None:
+                raise ValueError(f"{store.prefix}: expert {e}'s {source} is {stored[source]!r}; the stored form holds "
+                                 "GGUF block matrices of the types the GPU kernels read (hold it as int8 or dense)")
+            qtype, blocks = got
+            if source == "gate_up":  # a fused matrix's rows: gate then up, or interleaved (GPT-OSS)
+                up = int(role == "up")
+                blocks = blocks[up::2] if interleaved else blocks[up * i : (up + 1) * i]
+            parts[role] = blocks
+            types[role] = (qtype, int(stored[source].shape[1]))
+        if first:
+            self._types = types
+        elif types != self._types:
+            raise ValueError(f"{store.prefix}: expert {e} is stored in another format than expert {self.ids[0]}")
+        if "gate_bias" in stored:
+            parts.update(gate_bias=stored["gate_bias"], up_bias=stored["up_bias"])
+        elif "gate_up_bias" in stored:
+            b = stored["gate_up_bias"]
+            parts.update(gate_bias=b[0::2] if interleaved else b[:i], up_bias=b[1::2] if interleaved else b[i:])
+        if "down_bias" in stored:
+            parts["down_bias"] = stored["down_bias"]
+        return {name: t if name in types else t.to(device=self.device, dtype=dtype) for name, t in parts.items()}
+
     def _int4_matrices(self, store: ExpertStore, e: int) -> dict[str, Int4Weight]:
         """Expert e's matrices that are stored in a 4-bit format, in that form on the device."""
         stored = store.stored(e)
@@ -297,6 +338,11 @@ class ResidentExperts(ExpertGroup):
 
     def _view(self, j: int) -> ExpertMatrices:
         p = {name: t[j] for name, t in self._parts.items()}
+        if self.form == "stored":
+            w = {role: StoredLinear(quant.from_gguf(p[role], qtype, (p[role].shape[0], cols)))
+                 for role, (qtype, cols) in self._types.items()}
+            return ExpertMatrices(down=w["down"], gate=w["gate"], up=w["up"], gate_bias=p.get("gate_bias"),
+                                  up_bias=p.get("up_bias"), down_bias=p.get("down_bias"))
         roles = {}
         for role in ("gate_up", "down"):
             if role in self._int4:
@@ -309,10 +355,14 @@ class ResidentExperts(ExpertGroup):
         return ExpertMatrices(down=roles["down"], gate_up=roles["gate_up"], gate_up_bias=p.get("gate_up_bias"),
                               down_bias=p.get("down_bias"))
 
-    def _stack(self, role: str) -> decode_experts.Stack:
-        """All the group's `role` ("gate_up" or "down") matrices as one ``decode_experts.Stack``."""
+    def _stack(self, role: str) -> decode_experts.Stack | stored_experts.StoredStack:
+        """All the group's `role` ("gate_up" or "down"; stored: "gate", "up" or "down") matrices as
+        one ``decode_experts.Stack`` (``stored_experts.StoredStack``)."""
         p = self._parts
         bias = p.get(f"{role}_bias")
+        if self.form == "stored":
+            qtype, cols = self._types[role]
+            return stored_experts.StoredStack(qtype, p[role], cols, bias)
         if role in self._int4:
             table, group = self._int4[role]
             values = getattr(self._matrices[self.ids[0]], role).table_tensor()  # the same for every expert
@@ -329,6 +379,16 @@ class ResidentExperts(ExpertGroup):
 
     def weights_of(self, e: int) -> ExpertMatrices:
         return self._matrices[e]
+
+    def decode(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        """``experts_forward`` of a few tokens as the decode kernels' two launches (``decode_experts``,
+        or ``stored_experts`` for the stored form)."""
+        act, s = self.act, self.stacks
+        if self.form == "stored":
+            return stored_experts.forward(x, topk_ids, topk_weights, self.slot_of, s["gate"], s["up"], s["down"],
+                                          act.kind, alpha=act.alpha, limit=act.limit)
+        return decode_experts.forward(x, topk_ids, topk_weights, self.slot_of, s["gate_up"], s["down"], act.kind,
+                                      interleaved=act.interleaved, alpha=act.alpha, limit=act.limit)
 
 
 class HostExperts(ExpertGroup):
@@ -404,11 +464,8 @@ def experts_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch
     at once. `host_ids`: see ``routed_groups``.
     """
     if decode_kernels_apply(x, experts):
-        act = experts.act
         try:
-            return decode_experts.forward(x, topk_ids, topk_weights, experts.slot_of, experts.stacks["gate_up"],
-                                          experts.stacks["down"], act.kind, interleaved=act.interleaved,
-                                          alpha=act.alpha, limit=act.limit)
+            return experts.decode(x, topk_ids, topk_weights)
         except Exception as error:  # noqa: BLE001 - a card or Triton build the kernels cannot run on
             decode_experts.failed(x.device, error)
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)

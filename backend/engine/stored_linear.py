@@ -123,6 +123,11 @@ class StoredLinear(nn.Module):
                 out[:, a:b] = F.linear(flat, self.dequantize(x.dtype, a, b), bias)
         return out.reshape(*lead, self.out_features)
 
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        """The same product, by the name the routed experts' matrix forms share (``experts._linear``:
+        a GPU expert held as stored is one of these over its slice of the stack)."""
+        return self(x)
+
     def _gemv(self, flat: torch.Tensor) -> torch.Tensor:
         if flat.device in _failed:
             return self._by_pytorch(flat)

@@ -6,7 +6,8 @@ import math
 
 from hybridmoe.backend.hardware.profile import GPU
 from hybridmoe.backend.models.families import family_by_name
-from hybridmoe.backend.models.formats import int4_resident_layout
+from hybridmoe.backend.models.formats import GGUF_GPU_KERNEL_TYPES, int4_resident_layout
+from hybridmoe.backend.models.inventory import TensorInventory
 from hybridmoe.backend.models.spec import ModelSpec
 
 GIB = 1 << 30
@@ -88,9 +89,10 @@ def host_reserve(usable_bytes: int | None) -> int:
 # ---- routed experts held on a GPU (the engine's ResidentExperts) -----------------------
 
 # How the engine can hold a routed expert on a GPU: dense in the compute dtype, weight-only
-# int8 with one scale per output row in the compute dtype, or (experts stored in a 4-bit
-# format) the stored 4-bit codes with one 16-bit scale, and min where the format has one, per group.
-RESIDENT_FORMS = ("dense", "int8", "int4")
+# int8 with one scale per output row in the compute dtype, (experts stored in a 4-bit format)
+# the stored 4-bit codes with one 16-bit scale, and min where the format has one, per group, or
+# (a GGUF whose expert types the GPU kernels read) the file's blocks: ``stored_expert_bytes``.
+RESIDENT_FORMS = ("dense", "int8", "int4", "stored")
 
 
 def compute_dtype_bytes(spec: ModelSpec) -> int:
@@ -111,8 +113,9 @@ def resident_expert_bytes(spec: ModelSpec, form: str) -> int:
     gate and up fused [2I, H] and down [H, I], plus per-row scales for int8 (2I + H of them)
     and GPT-OSS' expert biases (2I + H), both in the compute dtype; for int4, half a byte a
     weight and two bytes a group for its scale (and as many for its min)."""
-    if form not in RESIDENT_FORMS:
-        raise ValueError(f"resident expert form {form!r}; expected one of {RESIDENT_FORMS}")
+    if form not in RESIDENT_FORMS or form == "stored":
+        raise ValueError(f"resident expert form {form!r}; expected one of {RESIDENT_FORMS[:-1]} "
+                         "(the stored form's bytes are the file's: stored_expert_bytes)")
     h, i = spec.hidden_size, spec.moe_intermediate_size
     elem = compute_dtype_bytes(spec)
     rows = 2 * i + h
@@ -135,6 +138,28 @@ def resident_form_name(spec: ModelSpec, form: str) -> str:
     if form in ("int8", "int4", "stored"):
         return form
     return "f32" if compute_dtype_bytes(spec) == 4 else "bf16"
+
+def stored_expert_bytes(spec: ModelSpec, inventory: TensorInventory) -> dict[int, float] | None:
+    """Bytes one routed expert of each MoE layer takes on a GPU held as the GGUF stores it
+    (engine/stored_experts.py): its matrices' blocks as the file has them, and GPT-OSS' expert
+    biases (2I + H, whatever the file's float type) in the compute dtype. None where a layer's
+    experts are not all block matrices of types the GPU kernels read (a float or safetensors
+    checkpoint, a type without a kernel)."""
+    h, i = spec.hidden_size, spec.moe_intermediate_size
+    biases = 2 * i + h if spec.family == "gpt_oss" else 0
+    out = {}
+    for layer in spec.moe_layers:
+        by_format = inventory.routed_format_bytes_by_layer.get(layer)
+        if not by_format:
+            return None
+        blocks = sum(b for fmt, b in by_format.items() if fmt in GGUF_GPU_KERNEL_TYPES)
+        other = (sum(by_format.values()) - blocks) / spec.n_routed_experts
+        # Anything but the blocks must be the biases, in a 16- or 32-bit float type.
+        if other and other not in (2 * biases, 4 * biases):
+            return None
+        out[layer] = blocks / spec.n_routed_experts + biases * compute_dtype_bytes(spec)
+    return out
+
 
 
 # ---- the prefill reserve: one layer's experts streamed in their stored form -------------

@@ -43,8 +43,10 @@ def uniform(
     counts = []
     for avail, layers in zip(avail_by_card, moe_layers_by_card):
         if layers:
-            per_layer = max(bytes_per_expert[layer] for layer in layers)
-            counts.append(max(0, math.floor(avail / (len(layers) * per_layer))) if per_layer else n_experts)
+            # One more expert in each of the card's layers costs their sizes summed (a mix's
+            # layers differ when held as stored).
+            per_count = sum(bytes_per_expert[layer] for layer in layers)
+            counts.append(max(0, math.floor(avail / per_count)) if per_count else n_experts)
     n = min([n_experts, *counts]) if counts else 0
     return top([layer for layers in moe_layers_by_card for layer in layers], n, n_experts, stats)
 

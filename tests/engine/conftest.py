@@ -177,7 +177,7 @@ def relative_error(ours: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 class Dequantized:
-    """An expert group whose quantized matrices (int8, int4) come back dequantized to `dtype`:
+    """An expert group whose quantized matrices (int8, int4, stored) come back dequantized to `dtype`:
     the reference the quantized products are held to."""
 
     def __init__(self, group, dtype: torch.dtype = torch.float32):
@@ -191,8 +191,14 @@ class Dequantized:
         from hybridmoe.backend.engine.experts import ExpertMatrices
 
         w = self.group.weights_of(e)
-        return ExpertMatrices(down=w.down.dequantize(self.dtype), gate_up=w.gate_up.dequantize(self.dtype),
-                              gate_up_bias=w.gate_up_bias, down_bias=w.down_bias)
+
+        def widened(m):
+            return None if m is None else m.dequantize(self.dtype)
+
+        # (Held as stored, gate and up are apart: stored_experts.)
+        return ExpertMatrices(down=widened(w.down), gate_up=widened(w.gate_up), gate=widened(w.gate),
+                              up=widened(w.up), gate_up_bias=w.gate_up_bias, gate_bias=w.gate_bias,
+                              up_bias=w.up_bias, down_bias=w.down_bias)
 
 
 def run_kernel_check(check: str, cases: list[dict], tmp_path: Path, timeout: int) -> list[dict]:

@@ -1,4 +1,4 @@
-"""How the Plan holds routed experts on GPUs (dense or int8, counted exactly), sizes the
+"""How the Plan holds routed experts on GPUs (dense, int8 or as stored, counted exactly), sizes the
 prefill reserve, derives the streamed-prefill threshold, and hands the engine its stages."""
 
 from dataclasses import replace
@@ -64,33 +64,55 @@ def test_everything_fits_dense_on_a_big_card(qwen30b):
     assert plan.host_routed_expert_bytes == 0
 
 
-def test_a_smaller_card_holds_int8_experts_and_a_reserve(qwen30b):
+def test_a_smaller_card_holds_a_gguf_s_experts_as_stored_and_a_reserve(qwen30b):
     spec, inv = qwen30b.spec, qwen30b.inventory
-    card = h200(reported=24 * GIB)
+    card = h200(reported=16 * GIB)  # (a 24 GiB card holds all 6,144 as stored)
     plan = make(spec, inv, epyc_host(gpus=[card]), Workload(context=8192))
     assert plan.fits, plan.reason
-    assert plan.gpu_expert_format == "int8"
+    # Q4_K_M's experts, all in types the GPU kernels read: held as the file stores them, each
+    # layer's at its own size (Q6_K downs in half the layers).
+    assert plan.gpu_expert_format == "stored"
+    assert plan.gpu_bytes_per_expert == {layer: inv.bytes_per_expert(layer) for layer in spec.moe_layers}
+    assert len(set(plan.gpu_bytes_per_expert.values())) == 2
     dev = plan.devices[0]
     # One layer of experts as stored: the largest layer (Q4_K_M gives some layers more bits).
     bpe = max(inv.bytes_per_expert(layer) for layer in spec.moe_layers)
     assert dev.bytes_by_class["prefill_reserve"] == prefill_reserve_bytes(128, bpe) == 128 * (round(bpe) + STREAM_SLOT_OVERHEAD)
-    assert dev.bytes_by_class["routed_experts"] == plan.gpu_expert_count * 4_725_760
+    stored_on_gpu = sum(len(ids) * inv.bytes_per_expert(layer) for layer, ids in plan.gpu_experts.items())
+    assert dev.bytes_by_class["routed_experts"] == int(stored_on_gpu)
     assert dev.used_bytes <= dev.budget_bytes
-    # Uniform: the most experts per layer the card's room allows, in int8.
+    # Uniform: the most experts per layer the card's room allows (one more in each layer: their sizes summed).
     room = dev.budget_bytes - dev.used_bytes
-    assert 0 <= room < 48 * 4_725_760
-    # Forced forms are obeyed and counted in their own bytes.
+    assert 0 <= room < sum(inv.bytes_per_expert(layer) for layer in spec.moe_layers)
+    # Forced forms are obeyed and counted in their own bytes: int8 holds fewer, dense fewer still.
+    int8 = make(spec, inv, epyc_host(gpus=[card]), Workload(context=8192, gpu_expert_form="int8"))
+    assert int8.gpu_expert_format == "int8"
+    assert int8.devices[0].bytes_by_class["routed_experts"] == int8.gpu_expert_count * 4_725_760
+    assert int8.gpu_expert_count < plan.gpu_expert_count
     dense = make(spec, inv, epyc_host(gpus=[card]), Workload(context=8192, gpu_expert_form="dense"))
     assert dense.gpu_expert_format == "bf16"
-    assert dense.gpu_expert_count < plan.gpu_expert_count
+    assert dense.gpu_expert_count < int8.gpu_expert_count
     assert dense.devices[0].bytes_by_class["routed_experts"] == dense.gpu_expert_count * 9_437_184
-    # The host keeps the rest as the CPU kernels copy them (Q4_K 148 bytes for the file's 144);
-    # the GPU's reads are the int8 bytes.
+    # The host keeps the rest as the CPU kernels copy them (Q4_K 148 bytes for the file's 144).
     rest = sum((128 - len(ids)) * inv.host_bytes_per_expert(layer) for layer, ids in plan.gpu_experts.items())
-    stored_on_gpu = sum(len(ids) * inv.bytes_per_expert(layer) for layer, ids in plan.gpu_experts.items())
     assert plan.host_routed_expert_bytes == pytest.approx(rest, abs=1)
     assert rest > inv.routed_expert_bytes - stored_on_gpu
-    assert plan.host_bytes_per_token < dense.host_bytes_per_token
+    assert plan.host_bytes_per_token < int8.host_bytes_per_token < dense.host_bytes_per_token
+
+
+def test_only_block_types_the_gpu_kernels_read_are_held_as_stored(qwen30b, kimi):
+    """A bf16 checkpoint or compressed-tensors int4 has no stored GPU form: asking for it is
+    refused; a Q4_K_M GGUF's is its bytes per layer, GPT-OSS' expert biases in the compute dtype."""
+    from hybridmoe.backend.errors import PlanError
+    from hybridmoe.backend.plan.budget import stored_expert_bytes
+
+    bf16 = inspect_model(CONFIGS / "Qwen__Qwen3-30B-A3B.json")
+    for model in (bf16, kimi):
+        assert stored_expert_bytes(model.spec, model.inventory) is None
+        with pytest.raises(PlanError, match="--gpu-experts stored"):
+            make(model.spec, model.inventory, epyc_host(gpus=[h200()]), Workload(gpu_expert_form="stored"))
+    per_layer = stored_expert_bytes(qwen30b.spec, qwen30b.inventory)
+    assert per_layer == {layer: qwen30b.inventory.bytes_per_expert(layer) for layer in qwen30b.spec.moe_layers}
 
 
 def test_stream_threshold_from_the_crossover():

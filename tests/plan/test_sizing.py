@@ -174,13 +174,14 @@ def test_frequency_strategy_places_the_most_used_pairs(tmp_path):
         stats.record(layer, [e for e in hot for _ in range(100 if layer == 0 else 1)])
     path = tmp_path / "stats.json"
     stats.save(path)
-    # 20 experts do not hold every expert in bf16, so the plan keeps them as int8 on the card.
+    # Counted in int8 (one size in every layer; a Q4_K_M's layers held as stored differ).
     bpe = resident_expert_bytes(spec, "int8")
     probe = make(spec, model.inventory, epyc_host(gpus=[h200()]), Workload(context=4096, prefill_reserve="off"))
     fixed = probe.devices[0].bytes_by_class
     # Room for exactly 20 experts beyond the always-read weights and cache.
     reported = int((fixed["always_read"] + fixed["kv_cache"] + 20.5 * bpe + 3 * GIB) / 0.9)
-    wl = Workload(context=4096, prefill_reserve="off", strategy="frequency", stats_file=str(path))
+    wl = Workload(context=4096, prefill_reserve="off", strategy="frequency", stats_file=str(path),
+                  gpu_expert_form="int8")
     plan = make(spec, model.inventory, epyc_host(gpus=[h200(reported=reported)]), wl)
     assert plan.gpu_experts[0] == tuple(range(10))
     assert plan.gpu_expert_count == 20
