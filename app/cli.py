@@ -120,6 +120,7 @@ def cmd_plan(args) -> int:
     from hybridmoe.backend.files import write_error
     from hybridmoe.backend.plan import Workload, make
     from hybridmoe.backend.plan.plan import check_plan_path
+    from hybridmoe.backend.plan.planned_decode import planned_decode
 
     workload = Workload(
         context=args.context or DEFAULT_PLAN_CONTEXT,
@@ -143,15 +144,19 @@ def cmd_plan(args) -> int:
         workload = replace(workload, context=min(workload.context, model.spec.max_context))
     hardware = resolve_hardware(args)
     plan = make(model.spec, model.inventory, hardware, workload)
+    # The engine's path per layer group, named from the family's descriptions (a config alone
+    # stands for a safetensors checkpoint); a prediction for this machine, not part of the plan.
+    decode = planned_decode(model.spec, model.inventory, plan, "gguf" if model.kind == "gguf" else "safetensors")
     if args.save:
         try:
             plan.save(args.save)
         except OSError as exc:
             raise write_error(args.save, exc) from exc
     if args.json:
-        _print_json(plan.to_dict())
+        _print_json({**plan.to_dict(), "decode_path": decode.to_dict()})
     else:
         print(plan_text(plan))
+        print(f"\nEngine {decode.summary()}")
         if args.save:
             print(f"\nSaved to {args.save}")
     return EXIT_OK

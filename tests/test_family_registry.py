@@ -26,7 +26,7 @@ FAMILY_INTERFACE = (
     "LLAMA_PRE_TOKENIZERS", "SPECIAL_TOKEN_ROLES", "RMS_EPS_DEFAULT", "ROPE_THETA_DEFAULT",
     "PARTIAL_ROTARY_DEFAULT", "GGUF_PARTIAL_ROTARY", "GGUF_TENSOR_NAMES", "GGUF_PERMUTES_QK",
     "GGUF_SPLITS_FUSED_EXPERTS", "GGUF_SPLITS_KV_B", "HF_NAME_ALIASES",
-    "spec_from_config", "config_from_gguf", "expected_tensors",
+    "spec_from_config", "config_from_gguf", "expected_tensors", "describe_layers",
 )
 
 

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from hybridmoe.backend.engine.decode_path import CLAMPED_SWIGLU
+from hybridmoe.backend.models.layer_description import CLAMPED_SWIGLU
 from hybridmoe.backend.engine.experts import ExpertActivation, ExpertStore, HostExperts
 from hybridmoe.backend.formats.quant import QuantTensor, from_compressed_int4, from_gguf, from_mxfp4
 

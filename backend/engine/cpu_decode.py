@@ -53,8 +53,9 @@ from torch import nn
 
 from hybridmoe.backend.engine import native_experts, native_kernels, step_profile
 from hybridmoe.backend.engine.attention import Attention
-from hybridmoe.backend.engine.decode_path import (DecodePlan, DenseFeedForward, GroupedQueryAttention, LatentAttention,
-                                                  Layer, LayerPath, MixtureOfExperts, Router)
+from hybridmoe.backend.models.layer_description import (DenseFeedForward, GroupedQueryAttention, LatentAttention, Layer,
+                                                        MixtureOfExperts, Router)
+from hybridmoe.backend.plan.decode_path import DecodePlan, LayerPath
 from hybridmoe.backend.engine.kv_cache import B, Segment
 from hybridmoe.backend.engine.layers import GatedMLP, RMSNorm
 from hybridmoe.backend.engine.mla import MLAttention

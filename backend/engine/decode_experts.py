@@ -26,7 +26,7 @@ from functools import cache, cached_property
 
 import torch
 
-from hybridmoe.backend.engine.decode_path import CLAMPED_SWIGLU
+from hybridmoe.backend.models.layer_description import CLAMPED_SWIGLU
 
 log = logging.getLogger(__name__)
 

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 
 from hybridmoe.backend.engine import decode_experts
-from hybridmoe.backend.engine.decode_path import CLAMPED_SWIGLU
+from hybridmoe.backend.models.layer_description import CLAMPED_SWIGLU
 from hybridmoe.backend.formats.int4_weights import Int4Weight, cat_rows
 from hybridmoe.backend.formats.int4_weights import from_quant as int4_from_quant
 from hybridmoe.backend.formats.int8_weights import Int8Weight, quantize_int8

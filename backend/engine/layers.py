@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridmoe.backend.engine import decode_path
+from hybridmoe.backend.models import layer_description
 from hybridmoe.backend.engine.native_linear import NativeLinear
 from hybridmoe.backend.errors import UnsupportedModelError
 
@@ -79,12 +79,13 @@ class GatedMLP(nn.Module):
         super().__init__()
         self.gate, self.up, self.down = gate, up, down
         self.act = activation(act)
+        self.act_name = layer_description.activation_name(act)
         # On a CPU main device gate and up run as one native call.
         self.gate_up = NativeLinear.fused(gate, up)
 
-    def describe(self) -> decode_path.DenseFeedForward:
-        return decode_path.DenseFeedForward(
-            activation="silu" if self.act is F.silu else "other",
+    def describe(self) -> layer_description.DenseFeedForward:
+        return layer_description.DenseFeedForward(
+            activation=self.act_name,
             projections_native=self.gate_up is not None and isinstance(self.down, NativeLinear))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -24,7 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridmoe.backend.engine import decode_path, paged_decode
+from hybridmoe.backend.engine import paged_decode
+from hybridmoe.backend.models import layer_description
 from hybridmoe.backend.engine.attention import attend, eager_attention
 from hybridmoe.backend.engine.kv_cache import PagedLatent, Segment, causal_mask
 from hybridmoe.backend.engine.latent_maps import StoredMaps
@@ -77,10 +78,10 @@ class MLAttention(nn.Module):
         self.scale = scale
         self.absorb: bool | None = None  # None: choose by cost
 
-    def describe(self) -> decode_path.LatentAttention:
+    def describe(self) -> layer_description.LatentAttention:
         linears = [self.kv_a, self.o] + ([self.q_proj] if self.q_proj is not None else [self.q_a, self.q_b])
         kv_b = self.kv_b_weight
-        return decode_path.LatentAttention(
+        return layer_description.LatentAttention(
             heads=self.n_heads, nope_dim=self.nope_dim, rope_dim=self.rope_dim, value_dim=self.v_dim,
             kv_lora_rank=self.kv_lora_rank, q_lora_rank=None if self.q_a is None else self.q_a.out_features,
             absorbed_allowed=self.absorb is not False, rotary_whole=self.rotary.rotary_dim == self.rope_dim,

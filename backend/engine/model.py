@@ -19,9 +19,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridmoe.backend.engine import decode_path, native_experts, native_kernels
+from hybridmoe.backend.engine import native_experts, native_kernels
+from hybridmoe.backend.models import layer_description
+from hybridmoe.backend.plan import decode_path
 from hybridmoe.backend.engine.attention import Attention
 from hybridmoe.backend.engine.cpu_decode import DecodeStep
+from hybridmoe.backend.engine.decode_experts import triton_available
 from hybridmoe.backend.engine.experts import ExpertActivation, ExpertStore, HostExperts, ResidentExperts
 from hybridmoe.backend.engine.host_memory import HostArena
 from hybridmoe.backend.engine.hybrid import HybridOptions, attach
@@ -218,18 +221,18 @@ class MoeTransformer(nn.Module):
         split = ("layers in pipeline stages" if self.boundaries else "layers split across cards" if self.cards
                  else "experts streamed by a scheduler" if self.scheduler is not None else None)
         return decode_path.Machine(main_device="cpu" if self.device.type == "cpu" else str(self.device),
-                                   native_off=native_off, split=split)
+                                   native_off=native_off, split=split,
+                                   gpu_kernels_off=None if triton_available() else "Triton is not installed")
 
-    def describe(self) -> list[decode_path.Layer]:
+    def describe(self) -> list[layer_description.Layer]:
         """What each layer's blocks are, as loaded (whole layers on one device only: split
         layers are shards)."""
-        return [decode_path.Layer(layer.attn.describe(), layer.ffn.describe()) for layer in self.layers]
+        return [layer_description.Layer(layer.attn.describe(), layer.ffn.describe()) for layer in self.layers]
 
     def decode_plan(self) -> decode_path.DecodePlan:
         """The path each layer takes for one new token, and why (``decode_path``)."""
-        machine = self.decode_machine()
-        whole = machine.main_device == "cpu" and machine.native_off is None and machine.split is None
-        return decode_path.decode_plan(self.describe() if whole else None, machine, len(self.layers))
+        # Layers split across cards are shards, which are not described.
+        return decode_path.decode_plan(None if self.cards else self.describe(), self.decode_machine(), len(self.layers))
 
     def _native_decode(self, rows: int = 1) -> DecodeStep | None:
         """The native one-token path on a CPU main device (``cpu_decode``), built on first use

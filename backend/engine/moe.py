@@ -20,7 +20,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from hybridmoe.backend.engine import decode_path, native_experts
+from hybridmoe.backend.engine import native_experts
+from hybridmoe.backend.models import layer_description
 from hybridmoe.backend.engine.experts import (
     HostExperts,
     ResidentExperts,
@@ -53,14 +54,14 @@ class MoE(nn.Module):
         self.recorder = recorder
         self.scheduler = None  # a hybrid.HybridScheduler when the main device is not the CPU
 
-    def describe(self) -> decode_path.MixtureOfExperts:
+    def describe(self) -> layer_description.MixtureOfExperts:
         host = len(self.host)
-        return decode_path.MixtureOfExperts(
+        return layer_description.MixtureOfExperts(
             router=self.router.describe(), shared=None if self.shared is None else self.shared.describe(),
             shared_gate=self.shared_gate is not None, shared_gate_native=isinstance(self.shared_gate, NativeLinear),
             experts_on_main=len(self.main), experts_on_host=host,
             experts_native=native_experts.unsupported_reason(self.host) if host else None,
-            streamed=self.scheduler is not None)
+            streamed=self.scheduler is not None, activation=layer_description.activation_name(self.host.act.kind))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.scheduler is not None:

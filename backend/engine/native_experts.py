@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from hybridmoe.backend.engine import native_kernels
-from hybridmoe.backend.engine.decode_path import CLAMPED_SWIGLU
+from hybridmoe.backend.models.layer_description import CLAMPED_SWIGLU
 from hybridmoe.backend.engine.native_kernels import Unsupported, enabled, matrix_ref, native_format
 from hybridmoe.backend.formats.quant import QuantTensor
 

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridmoe.backend.engine.decode_path import Router
+from hybridmoe.backend.models.layer_description import Router
 
 
 def _cpu_float(t: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,6 @@
 """`run --json` names the path that computed each new token, per layer group, and why, for a
-model of every family (the engine's decode plan, ``backend/engine/decode_path.py``)."""
+model of every family (the engine's decode plan, ``backend/plan/decode_path.py``); `plan`
+names the same path before anything is loaded, from the family's descriptions."""
 
 from __future__ import annotations
 
@@ -39,3 +40,19 @@ def test_run_json_names_the_decode_path(family, tmp_path, capsys):
     assert code == 0, err
     said = json.loads(out)["decode_path"]
     assert said.startswith(EXPECTED.get(family, "decode: native chain, all "))
+
+
+@pytest.mark.skipif(not native_kernels.available(), reason="native extension not built")
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_plan_names_the_decode_path_before_a_load(family, tmp_path, capsys):
+    from hybridmoe.app.cli import main
+
+    checkpoint = build_checkpoint(tmp_path / family, family)
+    machine = ["--ram", "64GiB", "--cores", "8", "--host-bandwidth", "100GB/s", "--gpus", "0", "--context", "128"]
+    assert main(["plan", str(checkpoint.path), *machine, "--json"]) == 0
+    said = json.loads(capsys.readouterr().out)["decode_path"]
+    assert said["summary"].startswith(EXPECTED.get(family, "decode: native chain, all "))
+    layers = sorted(i for group in said["groups"] for i in group["layers"])
+    assert layers == list(range(len(layers))) and len(layers) > 1  # every layer in one group
+    assert main(["plan", str(checkpoint.path), *machine]) == 0
+    assert f"Engine {said['summary']}" in capsys.readouterr().out

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridmoe.backend.engine import native_kernels
-from hybridmoe.backend.engine.decode_path import Router
+from hybridmoe.backend.models.layer_description import Router
 from hybridmoe.backend.engine.routing import TopKSoftmax
 from tests.engine.conftest import engine, relative_error, tokens
 

@@ -39,6 +39,9 @@ family to the whole list):
   a GGUF's spec is ``spec_from_config`` of it)
 - ``expected_tensors(spec) -> Iterator[TensorShape]`` (the checkpoint's tensors, for sizing
   from the config alone)
+- ``describe_layers(spec, loading) -> tuple[Layer, ...]`` (each decoder layer as the frozen
+  description every executor compiles, ``models/layer_description``: what ``plan`` names the
+  decode path from before a load, and what the engine's built modules describe after one)
 """
 
 from __future__ import annotations

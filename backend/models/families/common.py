@@ -8,6 +8,8 @@
   routed experts, DeepSeek-style MoE MLPs and MTP layers) for config-only inventories.
 - GGUF metadata -> config: ``gguf_to_config`` reads the keys every GGUF decoder has and then
   a family's ``GGUFKey`` table.
+- Layer descriptions (``models/layer_description``) of the usual blocks, for a family's
+  ``describe_layers``: ``grouped_query``, ``latent``, ``dense``, ``mixture``.
 """
 
 from __future__ import annotations
@@ -20,6 +22,16 @@ from typing import Any
 
 from hybridmoe.backend.errors import ModelError, UnsupportedModelError
 from hybridmoe.backend.models.formats import TORCH_DTYPES, get_format
+from hybridmoe.backend.models.layer_description import (
+    SILU,
+    DenseFeedForward,
+    GroupedQueryAttention,
+    LatentAttention,
+    Loading,
+    MixtureOfExperts,
+    Router,
+    activation_name,
+)
 from hybridmoe.backend.models.spec import ModelSpec
 
 _MISSING = object()
@@ -583,3 +595,62 @@ def gguf_to_config(metadata: Mapping[str, Any], source: str, tensor_shapes: Mapp
     for key in keys:
         cfg[key.hf] = key.read(f, cfg)
     return cfg, f
+
+
+# --- layer descriptions ---------------------------------------------------------------------
+
+
+def hidden_act(s: ModelSpec) -> str:
+    """The dense and shared MLPs' activation, as a description names it."""
+    return activation_name(str(s.config.get("hidden_act", SILU)))
+
+
+def grouped_query(s: ModelSpec, i: int, loading: Loading, *, qk_norm: str | None = None, sinks: bool = False,
+                  clip_qkv: float | None = None) -> GroupedQueryAttention:
+    """Layer i's grouped-query attention with the spec's heads and, for a sliding layer, its
+    window (none where the window is as long as the context: it never bites). `qk_norm`:
+    "per_head", "whole" or None."""
+    window = s.window_of(i)
+    return GroupedQueryAttention(
+        heads=s.num_attention_heads, kv_heads=s.num_kv_heads, head_dim=s.head_dim, value_dim=s.head_dim,
+        qk_norm=qk_norm, window=window if window is not None and window < loading.context else None, sinks=sinks,
+        clip_qkv=clip_qkv, projections_native=loading.projections_native, cache_dtype=loading.cache_dtype)
+
+
+def latent(s: ModelSpec, loading: Loading) -> LatentAttention:
+    """Multi-head latent attention with the spec's ranks (the rotary part is the whole rope
+    head; kv_b as stored or in the compute dtype, both of which the absorbed kernels read)."""
+    return LatentAttention(
+        heads=s.num_attention_heads, nope_dim=s.qk_nope_head_dim, rope_dim=s.qk_rope_head_dim,
+        value_dim=s.v_head_dim, kv_lora_rank=s.kv_lora_rank, q_lora_rank=s.q_lora_rank or None,
+        absorbed_allowed=True, rotary_whole=True, projections_native=loading.projections_native,
+        kv_b_native=True, cache_dtype=loading.cache_dtype)
+
+
+def dense(s: ModelSpec, loading: Loading) -> DenseFeedForward:
+    """A dense gated MLP (or shared experts) with the config's activation."""
+    return DenseFeedForward(activation=hidden_act(s), projections_native=loading.projections_native)
+
+
+def mixture(s: ModelSpec, i: int, loading: Loading, router: Router, *, shared: bool = False,
+            shared_gate: bool = False, activation: str | None = None,
+            experts_native: str | None = None) -> MixtureOfExperts:
+    """Layer i's routed experts under `router`, split as `loading` places them; `shared`:
+    shared experts (an MLP of the spec's shared width), `shared_gate`: a sigmoid gate on them;
+    `activation`: the routed experts' (default: the config's); `experts_native`: the family's
+    reason its host experts are not read natively (else the loading's)."""
+    on_main = loading.experts_on_main.get(i, 0)
+    on_host = s.n_routed_experts - on_main
+    return MixtureOfExperts(
+        router=router, shared=dense(s, loading) if shared and s.shared_intermediate_size else None,
+        shared_gate=shared_gate and bool(s.shared_intermediate_size),
+        shared_gate_native=shared_gate and bool(s.shared_intermediate_size) and loading.projections_native,
+        experts_on_main=on_main, experts_on_host=on_host,
+        experts_native=(experts_native or loading.experts_native.get(i)) if on_host else None,
+        streamed=loading.streamed, activation=activation or hidden_act(s))
+
+
+def softmax_topk(s: ModelSpec, loading: Loading) -> Router:
+    """Softmax over all experts, top k, renormalised as the spec's routing says (Qwen, OLMoE, Mixtral)."""
+    return Router("softmax_topk", s.experts_per_token, normalize=s.routing.normalize,
+                  matrix_float32=loading.router_float32)

@@ -21,12 +21,16 @@ from hybridmoe.backend.models.families.common import (
     TensorShape,
     decoder_norms,
     deepseek_style_mlp,
+    dense,
     embeddings,
     gguf_to_config,
+    latent,
     linear,
+    mixture,
     mtp_layer_extras,
     norm,
 )
+from hybridmoe.backend.models.layer_description import Layer, Loading, Router
 from hybridmoe.backend.models.spec import ModelSpec, Routing
 
 FAMILY = "deepseek"
@@ -224,3 +228,21 @@ def config_from_gguf(metadata: Mapping[str, Any], *, source: str,
         mscale = f.float("rope.scaling.yarn_log_multiplier") / 0.1
         cfg["rope_scaling"].update(mscale=mscale, mscale_all_dim=mscale)
     return cfg
+
+
+def router(s: ModelSpec) -> Router:
+    """The router the spec's routing names: V2's softmax (greedy or group-limited), or V3's
+    sigmoid with its correction bias (GLM-4.5 routes the same way); matrices in float32."""
+    r = s.routing
+    if r.scoring == "softmax":
+        return Router("softmax_group_greedy", s.experts_per_token, normalize=r.normalize, n_group=r.n_group,
+                      topk_group=r.topk_group, scaling=float(r.scaling))
+    return Router("sigmoid_group_topk", s.experts_per_token, normalize=r.normalize, n_group=r.n_group,
+                  topk_group=r.topk_group, scaling=float(r.scaling), choice_bias=r.method == "noaux_tc")
+
+
+def describe_layers(s: ModelSpec, loading: Loading) -> tuple[Layer, ...]:
+    """Latent attention; routed and shared experts; dense first layers."""
+    return tuple(Layer(latent(s, loading),
+                       mixture(s, i, loading, router(s), shared=True) if i in s.moe_layers else dense(s, loading))
+                 for i in range(s.num_layers))

@@ -17,11 +17,16 @@ from hybridmoe.backend.models.families.common import (
     TensorShape,
     decoder_norms,
     deepseek_style_mlp,
+    dense,
     embeddings,
     gguf_to_config,
     gqa_attention,
+    grouped_query,
+    mixture,
     mtp_layer_extras,
 )
+from hybridmoe.backend.models.families import deepseek
+from hybridmoe.backend.models.layer_description import Layer, Loading
 from hybridmoe.backend.models.spec import ModelSpec, Routing
 
 FAMILY = "glm4_moe"
@@ -116,3 +121,13 @@ def config_from_gguf(metadata: Mapping[str, Any], *, source: str,
         use_qk_norm=bool(tensor_shapes and any(n.endswith("attn_q_norm.weight") for n in tensor_shapes)),
     )
     return cfg
+
+
+def describe_layers(s: ModelSpec, loading: Loading) -> tuple[Layer, ...]:
+    """Grouped-query attention, per-head q/k norm where the config asks; DeepSeek-V3's router
+    and shared experts; dense first layers."""
+    qk_norm = "per_head" if s.config.get("use_qk_norm", False) else None
+    return tuple(Layer(grouped_query(s, i, loading, qk_norm=qk_norm),
+                       mixture(s, i, loading, deepseek.router(s), shared=True) if i in s.moe_layers
+                       else dense(s, loading))
+                 for i in range(s.num_layers))

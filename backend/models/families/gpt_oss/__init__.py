@@ -22,8 +22,12 @@ from hybridmoe.backend.models.families.common import (
     embeddings,
     gguf_to_config,
     gqa_attention,
+    grouped_query,
+    mixture,
     sliding_layers_from_types,
 )
+from hybridmoe.backend.models.formats import get_format
+from hybridmoe.backend.models.layer_description import CLAMPED_SWIGLU, Layer, Loading, Router
 from hybridmoe.backend.models.spec import ModelSpec, Routing
 
 FAMILY = "gpt_oss"
@@ -112,3 +116,15 @@ def config_from_gguf(metadata: Mapping[str, Any], *, source: str,
         attention_bias=True,
     )
     return cfg
+
+
+def describe_layers(s: ModelSpec, loading: Loading) -> tuple[Layer, ...]:
+    """Sinks in every layer, windows in the sliding ones; top k of the biased logits, softmax
+    over those; clamped SwiGLU experts. Float experts in a safetensors checkpoint are fused
+    and stored for x @ W, a layout the native kernels do not read."""
+    router = Router("topk_softmax", s.experts_per_token, logit_bias=True, matrix_float32=loading.router_float32)
+    transposed = loading.checkpoint == "safetensors" and get_format(s.expert_format).kind == "float"
+    why = "float GPT-OSS experts stored as x @ W are not read natively" if transposed else None
+    return tuple(Layer(grouped_query(s, i, loading, sinks=True),
+                       mixture(s, i, loading, router, activation=CLAMPED_SWIGLU, experts_native=why))
+                 for i in range(s.num_layers))

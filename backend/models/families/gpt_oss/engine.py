@@ -6,7 +6,7 @@ only; experts fused and interleaved (gate, up) with biases and a clamped SwiGLU 
 
 from __future__ import annotations
 
-from hybridmoe.backend.engine.decode_path import CLAMPED_SWIGLU
+from hybridmoe.backend.models.layer_description import CLAMPED_SWIGLU
 from hybridmoe.backend.engine.experts import ExpertActivation
 from hybridmoe.backend.engine.routing import TopKSoftmax
 

@@ -18,8 +18,12 @@ from hybridmoe.backend.models.families.common import (
     embeddings,
     gguf_to_config,
     gqa_attention,
+    grouped_query,
+    mixture,
     routed_moe,
+    softmax_topk,
 )
+from hybridmoe.backend.models.layer_description import Layer, Loading
 from hybridmoe.backend.models.spec import ModelSpec, Routing
 
 FAMILY = "mixtral"
@@ -91,3 +95,9 @@ def config_from_gguf(metadata: Mapping[str, Any], *, source: str,
     # Not stored in the GGUF: llama.cpp's llama arch has no sliding window.
     cfg.update(architectures=["MixtralForCausalLM"], model_type="mixtral", sliding_window=None)
     return cfg
+
+
+def describe_layers(s: ModelSpec, loading: Loading) -> tuple[Layer, ...]:
+    """Plain grouped-query attention; routed experts under a softmax top-k router in every layer."""
+    return tuple(Layer(grouped_query(s, i, loading), mixture(s, i, loading, softmax_topk(s, loading)))
+                 for i in range(s.num_layers))

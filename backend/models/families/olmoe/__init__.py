@@ -15,8 +15,12 @@ from hybridmoe.backend.models.families.common import (
     embeddings,
     gguf_to_config,
     gqa_attention,
+    grouped_query,
+    mixture,
     routed_moe,
+    softmax_topk,
 )
+from hybridmoe.backend.models.layer_description import Layer, Loading
 from hybridmoe.backend.models.spec import ModelSpec, Routing
 
 FAMILY = "olmoe"
@@ -72,3 +76,11 @@ def config_from_gguf(metadata: Mapping[str, Any], *, source: str,
     # Not stored in the GGUF: llama.cpp's olmoe does not renormalise the top-k weights.
     cfg.update(architectures=["OlmoeForCausalLM"], model_type="olmoe", norm_topk_prob=False)
     return cfg
+
+
+def describe_layers(s: ModelSpec, loading: Loading) -> tuple[Layer, ...]:
+    """q/k norm over all heads at once, q/k/v clipped where the config says; a softmax top-k router."""
+    clip = s.config.get("clip_qkv")
+    return tuple(Layer(grouped_query(s, i, loading, qk_norm="whole", clip_qkv=None if clip is None else float(clip)),
+                       mixture(s, i, loading, softmax_topk(s, loading)))
+                 for i in range(s.num_layers))

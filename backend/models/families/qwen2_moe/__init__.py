@@ -13,15 +13,20 @@ from hybridmoe.backend.models.families.common import (
     GGUFKey,
     TensorShape,
     decoder_norms,
+    dense,
     embeddings,
     gguf_to_config,
     gqa_attention,
+    grouped_query,
     linear,
+    mixture,
     qwen2_sliding_layers,
     routed_moe,
+    softmax_topk,
     sparse_step_moe_layers,
     swiglu,
 )
+from hybridmoe.backend.models.layer_description import Layer, Loading
 from hybridmoe.backend.models.spec import ModelSpec, Routing
 
 FAMILY = "qwen2_moe"
@@ -102,3 +107,11 @@ def config_from_gguf(metadata: Mapping[str, Any], *, source: str,
     cfg.update(architectures=["Qwen2MoeForCausalLM"], model_type="qwen2_moe",
                decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=False)
     return cfg
+
+
+def describe_layers(s: ModelSpec, loading: Loading) -> tuple[Layer, ...]:
+    """Plain grouped-query attention; a softmax top-k router and a sigmoid-gated shared expert."""
+    return tuple(Layer(grouped_query(s, i, loading),
+                       mixture(s, i, loading, softmax_topk(s, loading), shared=True, shared_gate=True)
+                       if i in s.moe_layers else dense(s, loading))
+                 for i in range(s.num_layers))

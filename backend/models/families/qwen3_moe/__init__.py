@@ -14,14 +14,19 @@ from hybridmoe.backend.models.families.common import (
     GGUFKey,
     TensorShape,
     decoder_norms,
+    dense,
     embeddings,
     gguf_to_config,
     gqa_attention,
+    grouped_query,
+    mixture,
     qwen3_sliding_layers,
     routed_moe,
+    softmax_topk,
     sparse_step_moe_layers,
     swiglu,
 )
+from hybridmoe.backend.models.layer_description import Layer, Loading
 from hybridmoe.backend.models.spec import ModelSpec, Routing
 
 FAMILY = "qwen3_moe"
@@ -93,3 +98,10 @@ def config_from_gguf(metadata: Mapping[str, Any], *, source: str,
     cfg.update(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe",
                decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True)
     return cfg
+
+
+def describe_layers(s: ModelSpec, loading: Loading) -> tuple[Layer, ...]:
+    """Per-head q/k norm; a softmax top-k router; dense layers where the spec has them."""
+    return tuple(Layer(grouped_query(s, i, loading, qk_norm="per_head"),
+                       mixture(s, i, loading, softmax_topk(s, loading)) if i in s.moe_layers else dense(s, loading))
+                 for i in range(s.num_layers))
