@@ -59,6 +59,9 @@ class GPUModel:
     pcie_width: int
     nvlink_links: int | None  # None: depends on the bridges or baseboard installed
     aliases: tuple[str, ...] = ()
+    # "amd": driven by llama.cpp's ROCm (HIP) or Vulkan build, not by the embedded engine, whose
+    # GPU path is CUDA's; compute_capability is then the gfx version.
+    vendor: str = "nvidia"
 
 
 # The first alias is the short name shown to users; matching ignores case and punctuation.
@@ -84,6 +87,15 @@ GPU_MODELS: tuple[GPUModel, ...] = (
     GPUModel("NVIDIA GeForce RTX 3090 Ti", 24_564 * MiB, 1.008e12, (8, 6), 4, 16, None, ("RTX 3090 Ti",)),
     GPUModel("NVIDIA GeForce RTX 3090", 24_576 * MiB, 936e9, (8, 6), 4, 16, None, ("RTX 3090",)),
     GPUModel("NVIDIA GeForce RTX 2080", 8_192 * MiB, 448e9, (7, 5), 3, 16, None, ("RTX 2080",)),
+    # AMD cards as ROCm reports them (rocm-smi's "VRAM Total Memory"): the card's memory less the
+    # 16 MiB the driver keeps, 17,163,091,968 B for a 16 GB RX 6900 XT.
+    GPUModel("AMD Radeon RX 7900 XTX", 24_560 * MiB, 960e9, (11, 0), 4, 16, None, ("RX 7900 XTX",), vendor="amd"),
+    GPUModel("AMD Radeon RX 7900 XT", 20_464 * MiB, 800e9, (11, 0), 4, 16, None, ("RX 7900 XT",), vendor="amd"),
+    GPUModel("AMD Radeon RX 9070 XT", 16_368 * MiB, 644.6e9, (12, 0), 5, 16, None, ("RX 9070 XT",), vendor="amd"),
+    GPUModel("AMD Radeon RX 6900 XT", 16_368 * MiB, 512e9, (10, 3), 4, 16, None, ("RX 6900 XT",), vendor="amd"),
+    GPUModel("AMD Radeon RX 6800 XT", 16_368 * MiB, 512e9, (10, 3), 4, 16, None, ("RX 6800 XT",), vendor="amd"),
+    GPUModel("AMD Radeon PRO W7900", 49_136 * MiB, 864e9, (11, 0), 4, 16, None, ("Radeon PRO W7900", "W7900"),
+             vendor="amd"),
 )
 
 # The host a card's preset (``--hardware "RTX 4090"``, ``"2x RTX 3090"``) is given: a desktop for
@@ -104,8 +116,14 @@ _WORKSTATION_HOST: dict[str, Any] = {
 def _normalize(name: str) -> str:
     """'NVIDIA RTX-PRO 6000' and 'rtx pro 6000' are the same card; '8×' is '8x'."""
     name = name.lower().replace("×", "x")
-    name = re.sub(r"^nvidia\s+(geforce\s+)?", "", name.strip())
+    name = re.sub(r"^(nvidia\s+(geforce\s+)?|amd\s+(radeon\s+)?)", "", name.strip())
     return re.sub(r"[^a-z0-9]", "", name)
+
+
+def _vendor_of(name: str | None) -> str:
+    """A card not in GPU_MODELS, by its name: an AMD one ("AMD Radeon ...", "Radeon PRO ...",
+    "Instinct MI...") or, as any other name, NVIDIA's."""
+    return "amd" if name and re.search(r"\b(amd|radeon|instinct)\b", name, re.IGNORECASE) else "nvidia"
 
 
 def _find_gpu_model(name: str) -> GPUModel | None:
@@ -155,7 +173,7 @@ def _card_preset(name: str) -> dict[str, Any] | None:
     if card is None:
         return None
     count = int(match[1]) if match[1] else 1
-    host = _DESKTOP_HOST if "GeForce" in card.name else _WORKSTATION_HOST
+    host = _DESKTOP_HOST if "GeForce" in card.name or "Radeon RX" in card.name else _WORKSTATION_HOST
     return {"gpu_model": card.aliases[0], "gpu_count": count, **host}
 
 
@@ -405,11 +423,12 @@ def _describe(values: dict[str, Any], source: _Source) -> HardwareProfile:
     gpus = []
     for index, (card, card_name) in enumerate(zip(cards, names)):
         memory = gpu_memory if gpu_memory is not None else card.memory_bytes  # type: ignore[union-attr]
+        vendor = card.vendor if card else _vendor_of(card_name)
         gpus.append(
             GPU(
                 index=index,
                 name=card.name if card else (card_name or "GPU"),
-                vendor="nvidia",
+                vendor=vendor,
                 total_bytes=memory,
                 free_bytes=memory,
                 compute_capability=card.compute_capability if card else None,
@@ -417,7 +436,7 @@ def _describe(values: dict[str, Any], source: _Source) -> HardwareProfile:
                 pcie_width=card.pcie_width if card else None,
                 nvlink_links=card.nvlink_links if card else None,
                 memory_bandwidth_bytes_per_s=gpu_bandwidth or (card.memory_bandwidth_bytes_per_s if card else None),
-                served=True,
+                served=vendor == "nvidia",  # the engine's GPU path is CUDA's (llama.cpp drives the others)
                 source="described",
             )
         )

@@ -112,6 +112,12 @@ class HardwareProfile:
     def served_gpus(self) -> tuple[GPU, ...]:
         return tuple(g for g in self.gpus if g.served)
 
+    @property
+    def llamacpp_gpus(self) -> tuple[GPU, ...]:
+        """The GPUs llama.cpp can drive: the engine's (CUDA) and AMD cards of known memory
+        (llama.cpp's ROCm/HIP and Vulkan builds; the engine's GPU path is CUDA's alone)."""
+        return tuple(g for g in self.gpus if g.served or (g.vendor == "amd" and g.total_bytes))
+
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["memory"]["usable_bytes"] = self.memory.usable_bytes

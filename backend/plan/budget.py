@@ -61,16 +61,23 @@ def gpu_budget(gpu: GPU, described: bool, activations: int) -> int:
 
 # ---- llama.cpp's own accounting (a plan made with --backend llamacpp) --------------------
 
-# What llama.cpp leaves free on a card: its CUDA context and allocator slack (llama.cpp's own
-# layout fitting, `--fit`, leaves 1 GiB free by default). Its compute buffers are counted apart.
+# What llama.cpp leaves free on a card when it chooses the layout: its own layout fitting,
+# `--fit`, leaves 1 GiB free by default. Its compute buffers are counted apart.
 LLAMACPP_CARD_MARGIN = 1 * GIB
+# What a layout given with --n-cpu-moe leaves free: llama.cpp then allocates its buffers without
+# fitting, and needs beyond them only the GPU runtime's own context and its BLAS library's
+# workspace (CUDA, ROCm/HIP or Vulkan: a few hundred MiB). Without it, the stated layout of a
+# published RX 6900 XT run (docs/sizing.md §6), 15.3 GiB of buffers on a 16 GiB card, was
+# planned as not fitting.
+LLAMACPP_RUNTIME_RESERVE = GIB // 2
 
 
-def llamacpp_gpu_budget(gpu: GPU, described: bool) -> int:
-    """What llama.cpp can place on a card: its memory (free memory, on this machine) less its
-    margin. Unlike the engine's rule, llama.cpp's compute buffers are counted as such."""
+def llamacpp_gpu_budget(gpu: GPU, described: bool, *, layout_given: bool = False) -> int:
+    """What llama.cpp can place on a card: its memory (free memory, on this machine) less --fit's
+    margin, or with the layout given (`layout_given`: --n-cpu-moe) the runtime's reserve. Unlike
+    the engine's rule, llama.cpp's compute buffers are counted as such."""
     memory = gpu.total_bytes if described or gpu.free_bytes is None else gpu.free_bytes
-    return int((memory or 0) - LLAMACPP_CARD_MARGIN)
+    return int((memory or 0) - (LLAMACPP_RUNTIME_RESERVE if layout_given else LLAMACPP_CARD_MARGIN))
 
 
 def llamacpp_compute_buffer(spec: ModelSpec, n_ubatch: int, offloaded_tensor_bytes: float) -> int:

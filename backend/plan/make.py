@@ -240,15 +240,21 @@ class _Planner:
 
     def plan(self) -> Plan:
         spec, wl = self.spec, self.wl
-        gpus = self.hw.served_gpus if wl.strategy != "cpu-only" else ()
-        if not self.hw.served_gpus:
+        # llama.cpp drives AMD cards too (its ROCm and Vulkan builds); the engine CUDA's alone.
+        usable_gpus = self.hw.llamacpp_gpus if self.llama else self.hw.served_gpus
+        gpus = usable_gpus if wl.strategy != "cpu-only" else ()
+        if not usable_gpus:
             self.warnings.append("No GPU the hybrid backend can use: everything runs on the CPU, which is slow.")
+        others = [g.name for g in self.hw.llamacpp_gpus if g not in usable_gpus]
+        if others and wl.strategy != "cpu-only":
+            self.warnings.append(f"{', '.join(others)}: the embedded engine's GPU path is CUDA's; llama.cpp's ROCm or "
+                                 "Vulkan build uses it (--backend llamacpp).")
         activations = B.activation_bytes(spec, wl.prefill_chunk)
         usable = self.hw.memory.usable_bytes
         host_reserve = B.host_reserve(usable)
 
         if self.llama:
-            budgets = [B.llamacpp_gpu_budget(g, self.hw.described) for g in gpus]
+            budgets = [B.llamacpp_gpu_budget(g, self.hw.described, layout_given=wl.n_cpu_moe is not None) for g in gpus]
         else:
             budgets = [B.gpu_budget(g, self.hw.described, activations) for g in gpus]
         layouts = {"pp": self._layout("pp", gpus, budgets, activations)}
@@ -269,7 +275,8 @@ class _Planner:
             by_class["routed_experts"] = int(experts)
             devices.append(
                 DevicePlan(
-                    name=f"cuda:{g.index} {g.name}",
+                    # (llama.cpp names an AMD card ROCm0 or Vulkan0, after the build that drives it.)
+                    name=f"{'cuda' if g.vendor == 'nvidia' else 'gpu'}:{g.index} {g.name}",
                     kind="gpu",
                     budget_bytes=int(budgets[c]),
                     used_bytes=sum(by_class.values()),
@@ -788,7 +795,7 @@ class _Planner:
         if room_for_kv <= 0 or not per_user_token:
             # Only a card can be short of room for its always-read weights: host RAM then
             # holds them with --strategy cpu-only (never suggested where it is in force).
-            if self.wl.strategy == "cpu-only" or not self.hw.served_gpus:
+            if self.wl.strategy == "cpu-only" or not (self.hw.llamacpp_gpus if self.llama else self.hw.served_gpus):
                 return ["The always-read weights alone do not fit: a smaller quantization or more memory."]
             return ["The always-read weights alone do not fit on the GPU: add GPU memory, or keep every weight in "
                     "host RAM (--strategy cpu-only)."]

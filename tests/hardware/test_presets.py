@@ -290,3 +290,18 @@ def test_a_one_ccd_ryzen_reads_what_its_ccd_can():
 ])
 def test_common_desktop_and_workstation_cpus_have_a_bandwidth(model, figure):
     assert describe(host_ram="64GiB", cpu_model=model).memory.bandwidth_bytes_per_s == pytest.approx(figure)
+
+
+def test_the_readme_lists_every_preset_and_every_description_key():
+    """The presets and a description file's keys are the README's to list (#47): a preset or
+    key added here and not there fails."""
+    from pathlib import Path
+
+    from hybridmoe.backend.hardware.presets import _TOML_KEYS, FLAT_KEYS
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    missing = [name for name in preset_names() if f'`"{name}"`' not in readme]
+    assert not missing, f"presets missing from the README: {missing}"
+    keys = {key for _, key in _TOML_KEYS} | {parameter for parameter in FLAT_KEYS if "_" not in parameter}
+    missing = sorted(key for key in keys if f"`{key}`" not in readme and f"\n{key} = " not in readme)
+    assert not missing, f"description keys missing from the README: {missing}"

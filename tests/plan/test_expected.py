@@ -153,7 +153,32 @@ def test_a_given_n_cpu_moe_is_checked(qwen30):
     assert ran.fits and ran.llama_cpp["n_cpu_moe"] == n + 4
     too_few = make(qwen30.spec, qwen30.inventory, machine, Workload(context=4096, backend="llamacpp", n_cpu_moe=n - 4))
     assert not too_few.fits and "(--n-cpu-moe " in too_few.reason
-    assert any(f"--n-cpu-moe {n} fits" in s for s in too_few.suggestions)
+    # The smallest N that fits as given: llama.cpp then keeps free only the runtime's reserve,
+    # not --fit's 1 GiB, so it may be below the N the plan chooses itself.
+    advice = next(s for s in too_few.suggestions if "--n-cpu-moe " in s and " fits" in s)
+    smallest = int(advice.split("--n-cpu-moe ")[1].split()[0])
+    assert n - 4 < smallest <= n
+    given = lambda m: make(qwen30.spec, qwen30.inventory, machine,  # noqa: E731
+                           Workload(context=4096, backend="llamacpp", n_cpu_moe=m))
+    assert given(smallest).fits and not given(smallest - 1).fits
+    card = given(smallest).devices[0]
+    assert card.budget_bytes == 8192 * (1 << 20) - GIB // 2
+
+
+def test_amd_cards_are_described_and_driven_by_llamacpp_alone(qwen30):
+    """An RX 6900 XT: a preset of its own (ROCm's memory figure), a card llama.cpp's ROCm or
+    Vulkan build uses and the embedded engine (CUDA's) does not, which the engine's plan says."""
+    machine = describe(gpu_model="RX 6900 XT", host_ram="64GiB", cpu_model="AMD Ryzen 9 7900", cores=12)
+    card = machine.gpus[0]
+    assert (card.vendor, card.total_bytes, card.memory_bandwidth_bytes_per_s) == ("amd", 16368 * (1 << 20), 512e9)
+    llama = make(qwen30.spec, qwen30.inventory, machine, Workload(context=4096, backend="llamacpp"))
+    assert llama.main_device == "cuda" and llama.devices[0].name == "gpu:0 AMD Radeon RX 6900 XT"
+    assert llama.gpu_routed_expert_bytes > 0
+    engine = make(qwen30.spec, qwen30.inventory, machine, Workload(context=4096, backend="engine"))
+    assert engine.main_device == "cpu"
+    assert any("llama.cpp's ROCm or Vulkan build uses it (--backend llamacpp)" in w for w in engine.warnings)
+    other = describe(gpu_model="AMD Radeon PRO W9999", gpu_memory="32GiB", host_ram="64GiB")
+    assert other.gpus[0].vendor == "amd" and not other.gpus[0].served
 
 
 def test_n_cpu_moe_is_llamacpps_alone():
