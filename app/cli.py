@@ -441,8 +441,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--strategy", choices=list(STRATEGIES), default="uniform")
     p.add_argument("--stats", help="expert statistics file for --strategy frequency")
     p.add_argument("--gpu-experts", choices=list(GPU_EXPERT_FORMS), default="auto",
-                   help="how GPU experts are held: auto (dense when all fit, else 4-bit experts as stored, "
-                        "else int8), dense, int8 or int4")
+                   help="how GPU experts are held: auto (dense when all fit, else a GGUF's experts as stored, "
+                        "else other 4-bit experts' codes, else int8), dense, int8, int4 or stored")
     p.add_argument("--parallel", choices=list(PARALLEL), default="auto",
                    help="how several GPUs share the model: pp (a pipeline of whole layers), tp (tensor "
                         "parallel: a share of every layer on each card) or auto (the faster for the workload)")

@@ -22,17 +22,22 @@
 #   2. at the same time: the project's native CPU kernels (cmake on native/, nanobind from
 #      .gpu_bench/wheels) and the two benchmark GGUFs, Q4_0 (benchmarks/make_midsize_qwen3.py: the
 #      mid-size Qwen3-shaped model and the DeepSeek-V3-shaped one, 8 layers x 128 experts each).
-#   3. per model: `python -m hybridmoe.backend.bench.gpu_side_by_side FILE --gpu-share 0.5
-#      --gpu-experts int4`: a plan made on this machine with half the routed experts on the GPU in
+#   3. while the build runs (the card idle otherwise): scripts/gpu_check.py's sections "stored
+#      experts" and "stored projections" (CHECK_BUDGET s, 150): a MoE layer's GPU experts and the
+#      always-read projections at DeepSeek-V3's width held as the GGUF stores them, their decode read
+#      rate against the card's copy rate (target >= 70 %), errors, block sizes.
+#   4. per model: `python -m hybridmoe.backend.bench.gpu_side_by_side FILE --gpu-share 0.5
+#      --gpu-experts stored`: a plan made on this machine with half the routed experts on the GPU in
 #      whole layers (the last four MoE layers; llama.cpp: -ngl all, -ot of the first four layers'
-#      experts to the CPU), the engine holding its GPU experts as the stored 4-bit codes (the bytes
+#      experts to the CPU), the engine holding its GPU experts as the file stores them (the bytes
 #      llama.cpp holds); decode at 64 and 4096 positions, prefill of 512 and 4096 tokens, the
 #      backends taking turns pair by pair; host read bandwidth before every pair, the card's pinned
 #      host-to-device copy rate at the start and the end.
 #   Targets (issue 46): engine / llama.cpp decode >= 1.3x at 64 and 4096 positions, prefill of 4096
-#   tokens >= 2x, for both models.
+#   tokens >= 2x, for both models; GPU experts and projections read at >= 70 % of the copy rate.
 #
-# Writes under $OUT: side-by-side-{mid,dsv3}.{txt,json} (tables and every pass), summary.txt, the
+# Writes under $OUT: side-by-side-{mid,dsv3}.{txt,json} (tables and every pass), gpu-check-stored.{txt,json}
+# (the stored-form read rates), summary.txt, the
 # workers' logs, the build logs, timeline.txt and llama-cuda-lib/ (the built libraries, stripped,
 # for a later run to carry). Python packages the device lacks come from .gpu_bench/wheels (added to
 # PYTHONPATH only for what cannot be imported already). Exit status: 0 when both comparisons ran.
@@ -45,6 +50,7 @@ WORK=${GPU_BENCH_WORK:-/tmp/hybridmoe-gpu-bench}
 JOBS=${JOBS:-16}
 PAIRS=${PAIRS:-6}
 BUDGET=${BUDGET:-480}        # seconds for the whole script; the comparisons get what the builds leave
+CHECK_BUDGET=${CHECK_BUDGET:-150}  # seconds for the stored-form read rates (beside the build; 0: none)
 PY=${PYTHON:-python3}
 mkdir -p "$OUT" "$WORK"
 log() { echo "[$(( $(date +%s) - T0 )) s] $*" | tee -a "$OUT/timeline.txt"; }
@@ -135,6 +141,15 @@ MID_PID=$!
 make_gguf dsv3 --family deepseek_v3 > "$OUT/make-dsv3.log" 2>&1 &
 DSV3_PID=$!
 
+# 3. The stored-form read rates on the card, which the build leaves idle (its CPU work is Triton's
+# compiles, a few of them).
+if [ "$CHECK_BUDGET" -gt 0 ]; then
+  timeout "$(( CHECK_BUDGET + 30 ))" "$PY" "$ROOT/scripts/gpu_check.py" --sections "stored experts,stored projections" \
+    --budget "$CHECK_BUDGET" --json "$OUT/gpu-check-stored.json" > "$OUT/gpu-check-stored.txt" 2>&1 &
+  CHECK_PID=$!
+  log "stored-form read rates started (${CHECK_BUDGET} s at most)"
+fi
+
 wait $NATIVE_PID && log "native extension built" || log "native extension FAILED (see native-build.log); CPU experts take the PyTorch path"
 wait $MID_PID && log "mid-size GGUF made: $(tail -1 "$OUT/make-mid.log")" || log "mid-size GGUF FAILED (make-mid.log)"
 wait $DSV3_PID && log "DeepSeek-V3-shaped GGUF made: $(tail -1 "$OUT/make-dsv3.log")" || log "DeepSeek-V3-shaped GGUF FAILED (make-dsv3.log)"
@@ -160,6 +175,10 @@ if [ -n "${LLAMA_PID:-}" ]; then
     log "llama.cpp build FAILED: $(tail -3 "$OUT/llama-build.log" | tr '\n' ' ')"
   fi
 fi
+if [ -n "${CHECK_PID:-}" ]; then
+  wait $CHECK_PID && log "stored-form read rates done" || log "stored-form read rates: a section failed or timed out (gpu-check-stored.txt)"
+  grep -E "^(Q4_K_M|IQ|Q4_0|o_proj|q_a_proj|q_b_proj|kv_a_proj|shared down|lm_head|target|device copy)" "$OUT/gpu-check-stored.txt" | tee -a "$OUT/summary.txt"
+fi
 [ -f "$WORK/llama.done" ] || exit 1
 export LLAMA_CPP_LIB_PATH=$LIB
 # The libraries' own dependencies (libggml*.so beside libllama.so) from the same folder, and
@@ -167,7 +186,7 @@ export LLAMA_CPP_LIB_PATH=$LIB
 CUDA_DIRS=$(cat "$WORK/cuda-lib-dirs" 2>/dev/null)
 export LD_LIBRARY_PATH=$LIB${CUDA_DIRS:+:$CUDA_DIRS}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 
-# 3. The comparisons, each within the time left.
+# 4. The comparisons, each within the time left.
 status=0
 for model in mid dsv3; do
   file=$WORK/$model-q4_0.gguf
@@ -180,7 +199,7 @@ for model in mid dsv3; do
   log "$model: side by side (${limit} s at most)"
   # --budget ends the run with a table; timeout is the backstop (the JSON is written after every pair).
   timeout "$(( limit + 20 ))" "$PY" -m hybridmoe.backend.bench.gpu_side_by_side "$file" --gpu-share 0.5 \
-    --gpu-experts int4 --pairs "$PAIRS" --decode-tokens 32 --budget "$(( limit - 15 ))" --out "$OUT/side-by-side-$model.json" --logs "$OUT/logs-$model" ${BENCH_ARGS:-} \
+    --gpu-experts stored --pairs "$PAIRS" --decode-tokens 32 --budget "$(( limit - 15 ))" --out "$OUT/side-by-side-$model.json" --logs "$OUT/logs-$model" ${BENCH_ARGS:-} \
     > "$OUT/side-by-side-$model.txt" 2> "$OUT/side-by-side-$model.progress" || status=1
   cat "$OUT/side-by-side-$model.txt" | tee -a "$OUT/summary.txt"
   log "$model: done"

@@ -29,7 +29,12 @@ Sections, each guarded (a failure is reported and the next section runs):
 8. stored projections (issue 46): DeepSeek-V3's always-read projections at full width in
    their GGUF blocks (``engine.stored_linear``): decode read rate against the card's copy
    rate (target >= 70 %), error against the dequantized matrix, a 512-token prompt, GEMV
-   block sizes. ``--sections "stored projections"`` runs it alone (about a minute).
+   block sizes. ``--sections "stored projections"`` runs it alone (about a minute);
+9. stored experts (issue 46): one MoE layer's GPU experts at DeepSeek-V3's width held as the
+   GGUF stores them (``engine.stored_experts``), Q4_K_M's types, IQ4_XS, i-quants, Q4_0 beside
+   its int4 codes: decode read rate against the card's copy rate (target >= 70 %), error,
+   block sizes, a prompt's call. With TRITON_INTERPRET=1 and no CUDA it runs on the CPU at a
+   small shape (a check of the code).
 
 The speed section also decodes with the reference loop over the GPU experts instead of the
 decode kernels, with the reference attention instead of the decode-attention kernels
@@ -70,6 +75,7 @@ class Report:
     def __init__(self, deadline: float):
         self.deadline = deadline
         self.data: dict = {"sections": {}}
+        self.cache: dict = {}  # figures sections share (the card's copy rate)
         self.lines: list[str] = []
 
     def left(self) -> float:
@@ -917,20 +923,33 @@ def _launches(a: torch.Tensor, n: int = 2000) -> float:
 # ---- 8. stored projections -------------------------------------------------------------
 
 
-def stored_matrix(qtype, rows: int, cols: int, seed: int):
-    """A random GGUF block matrix made on the card: random codes, finite fp16 super-scales."""
+def stored_matrix(qtype, rows: int, cols: int, seed: int, device: str = "cuda"):
+    """A random GGUF block matrix made on `device` (the card): random codes, finite fp16 super-scales."""
     from gguf import GGML_QUANT_SIZES
 
     from hybridmoe.backend.formats import quant
     from tests.engine.test_stored_linear import HALVES
 
     block, size = GGML_QUANT_SIZES[qtype]
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    data = torch.randint(0, 256, (rows * cols // block, size), dtype=torch.uint8, device="cuda", generator=g)
+    g = torch.Generator(device=device).manual_seed(seed)
+    data = torch.randint(0, 256, (rows * cols // block, size), dtype=torch.uint8, device=device, generator=g)
     for offset in HALVES[qtype]:
-        d = (torch.randn(data.shape[0], device="cuda", generator=g) * 0.01).to(torch.float16)
+        d = (torch.randn(data.shape[0], device=device, generator=g) * 0.01).to(torch.float16)
         data[:, offset : offset + 2] = d.view(torch.uint8).reshape(-1, 2)
     return quant.from_gguf(data.reshape(rows, -1), qtype, (rows, cols))
+
+
+def device_copy_traffic(r: Report, device: str = "cuda", nbytes: int = 1 << 30) -> float:
+    """Bytes read plus written per second by a device-to-device copy of `nbytes` (what a kernel
+    that only reads can reach at most), measured once a run."""
+    key = ("copy traffic", device)
+    if key not in r.cache:
+        src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        dst = torch.empty_like(src)
+        r.cache[key] = 2 * src.numel() / cuda_seconds(lambda: dst.copy_(src), reps=10)
+        del src, dst
+        r.say(f"device copy: {r.cache[key] / GB:.0f} GB/s read + written ({r.cache[key] / 2 / GB:.0f} GB/s copied)")
+    return r.cache[key]
 
 
 def stored_projections(r: Report) -> dict:
@@ -949,11 +968,7 @@ def stored_projections(r: Report) -> dict:
 
     from hybridmoe.backend.engine import stored_linear
 
-    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    copy_traffic = 2 * src.numel() / cuda_seconds(lambda: dst.copy_(src), reps=10)
-    del src, dst
-    r.say(f"device copy: {copy_traffic / GB:.0f} GB/s read + written ({copy_traffic / 2 / GB:.0f} GB/s copied)")
+    copy_traffic = device_copy_traffic(r)
     out = {"copy_traffic_gb_s": copy_traffic / GB, "rows": [], "sweep": []}
     # (name, rows, columns, type): DeepSeek-V3's shapes (128 heads of 128/192, q_lora 1536,
     # kv_lora 512 + rope 64, shared expert 2048, vocab 129280) in Q4_K_M's types and others.
@@ -1009,6 +1024,131 @@ def stored_projections(r: Report) -> dict:
     return out
 
 
+# ---- 9. stored experts ------------------------------------------------------------------
+
+
+def stored_experts_section(r: Report) -> dict:
+    """One MoE layer's GPU routed experts held as a GGUF stores them (``engine.stored_experts``,
+    issue 46), at DeepSeek-V3's shape (hidden 7168, 2048; 16 held, 8 a token) in Q4_K_M's two
+    layer kinds (Q4_K gate/up with a Q6_K or a Q4_K down), IQ4_XS, IQ2_XXS/IQ3_XXS (a community
+    mix) and Q4_0, the last beside the same experts as 4-bit codes (``decode_experts`` int4): the
+    decode kernels at 1 and 4 tokens, error against the dequantized experts, the distinct experts'
+    bytes read per second against the card's copy traffic (target: Q4_K_M at >= 70 % at one
+    token); block sizes tried on Q4_K_M; one expert's 128-token prompt call (dequantized tiles
+    into matmuls) against a matmul over its widened matrices.
+
+    Without CUDA, with TRITON_INTERPRET=1 set, it runs on the CPU at a small shape in Triton's
+    interpreter: a check of this code, its figures not the card's."""
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    if not cuda() and not interpreted:
+        raise Skip("no CUDA device (TRITON_INTERPRET=1 runs it on the CPU at a small shape)")
+    import torch.nn.functional as F
+    from gguf import GGMLQuantizationType as Q
+
+    from hybridmoe.backend.engine import decode_experts, stored_experts
+    from hybridmoe.backend.formats import int4_weights, quant
+
+    device = "cuda" if cuda() else "cpu"
+    hidden, inter, n, k = (7168, 2048, 16, 8) if device == "cuda" else (512, 256, 4, 2)
+    copy_traffic = device_copy_traffic(r, device, (1 << 30) if device == "cuda" else (64 << 20))
+    g = torch.Generator(device=device).manual_seed(0)
+
+    def stack(qtype, rows, cols, seed):
+        m = stored_matrix(qtype, n * rows, cols, seed, device)
+        return stored_experts.StoredStack(qtype, m.parts["data"].reshape(n, rows, -1), cols)
+
+    def dequantized(st, e):
+        return quant.from_gguf(st.w[e], st.qtype, (st.rows, st.cols)).dequantize()
+
+    def int4_twin(gate, up, down):
+        """The same Q4_0 experts as decode_experts' 4-bit codes (gate and up fused)."""
+        def of(blocks, rows, cols):
+            ws = [int4_weights.from_quant(quant.from_gguf(blocks[e], Q.Q4_0, (rows, cols))) for e in range(n)]
+            return decode_experts.Stack("int4", torch.stack([w.codes for w in ws]), torch.stack([w.scale for w in ws]),
+                                        None, ws[0].table_tensor(), ws[0].table, ws[0].group)
+        return (of(torch.cat((gate.w, up.w), dim=1), 2 * inter, hidden), of(down.w, hidden, inter))
+
+    out = {"copy_traffic_gb_s": copy_traffic / GB, "device": device, "rows": [], "sweep": [], "prompt": []}
+    slot_of = torch.arange(n, dtype=torch.int32, device=device)
+    cases = [("Q4_K_M (Q6_K down)", Q.Q4_K, Q.Q6_K), ("Q4_K_M (Q4_K down)", Q.Q4_K, Q.Q4_K),
+             ("IQ4_XS", Q.IQ4_XS, Q.IQ4_XS), ("IQ2_XXS + IQ3_XXS down", Q.IQ2_XXS, Q.IQ3_XXS), ("Q4_0", Q.Q4_0, Q.Q4_0)]
+    sweep = [{"gate_up": (4, 256), "down": (8, 256)}, {"gate_up": (8, 128), "down": (16, 128)},
+             {"gate_up": (8, 512), "down": (16, 512)}, {"gate_up": (16, 256), "down": (32, 256)},
+             {"gate_up": (2, 512), "down": (4, 512)}]
+    for label, gu_type, down_type in cases:
+        if r.left() < 30:
+            r.say(f"{label}: skipped, time budget spent")
+            continue
+        gate, up = stack(gu_type, inter, hidden, 1), stack(gu_type, inter, hidden, 2)
+        down = stack(down_type, hidden, inter, 3)
+        per_expert = sum(st.w[0].numel() for st in (gate, up, down))
+        twin = int4_twin(gate, up, down) if gu_type == Q.Q4_0 else None
+        for tokens in (1, 4):
+            x = torch.randn(tokens, hidden, device=device, generator=g).to(torch.bfloat16)
+            ids = torch.stack([torch.randperm(n, device=device, generator=g)[:k] for _ in range(tokens)])
+            weights = torch.rand(tokens, k, device=device, generator=g)
+
+            def call(blocks=None, x=x, ids=ids, weights=weights):
+                return stored_experts.forward(x, ids, weights, slot_of, gate, up, down, "silu", blocks=blocks)
+
+            got = call()
+            want = torch.zeros(tokens, hidden, device=device)
+            for t in range(tokens):
+                for j, e in enumerate(ids[t].tolist()):
+                    # Rounded to bf16 where experts.expert_mlp rounds (and the kernels do).
+                    def lin(v, st, e=e):
+                        return F.linear(v.float(), dequantized(st, e)).to(torch.bfloat16)
+
+                    want[t] += weights[t, j] * lin(F.silu(lin(x[t], gate)) * lin(x[t], up), down).float()
+            dt = cuda_seconds(call, reps=20 if device == "cuda" else 1)
+            distinct = len(set(ids.flatten().tolist()))
+            row = {"case": label, "tokens": tokens, "us": dt * 1e6, "read_gb_s": distinct * per_expert / dt / GB,
+                   "of_copy_traffic": distinct * per_expert / dt / copy_traffic, "rel_err": rel_err(got, want),
+                   "mb_per_expert": per_expert / 1e6}
+            if twin is not None:
+                int4_dt = cuda_seconds(lambda: decode_experts.forward(x, ids, weights, slot_of, *twin, "silu"),
+                                       reps=20 if device == "cuda" else 1)
+                row["int4_us"] = int4_dt * 1e6
+            out["rows"].append(row)
+            r.say(f"{label:24} T={tokens}: {row['us']:8.1f} us, read {row['read_gb_s']:6.0f} GB/s = "
+                  f"{row['of_copy_traffic']:.0%} of copy traffic over {distinct} experts' {per_expert / 1e6:.2f} MB, "
+                  f"rel err {row['rel_err']:.1e}" + (f"; as int4 codes {row['int4_us']:.1f} us" if twin else ""))
+            if tokens == 1 and label.startswith("Q4_K_M (Q6") and device == "cuda":
+                for blocks in sweep:
+                    bt = cuda_seconds(lambda blocks=blocks: call(blocks), reps=20)
+                    out["sweep"].append({"blocks": blocks, "us": bt * 1e6,
+                                         "of_copy_traffic": distinct * per_expert / bt / copy_traffic})
+                    r.say(f"  blocks {blocks}: {bt * 1e6:7.1f} us ({distinct * per_expert / bt / copy_traffic:.0%})")
+        if label.startswith("Q4_K_M (Q6"):
+            # A prompt's call: the tokens routed to one expert, through its stored matrices.
+            tokens = 128 if device == "cuda" else 16
+            x = torch.randn(tokens, hidden, device=device, generator=g).to(torch.bfloat16)
+            mats = [st.matrix(0) for st in (gate, up, down)]
+            widened = [m.dequantize(torch.bfloat16) for m in mats]
+
+            def mlp(ws):
+                lin = (lambda v, w: w(v)) if ws is mats else F.linear
+                return lin(F.silu(lin(x, ws[0])) * lin(x, ws[1]), ws[2])
+
+            err = rel_err(mlp(mats), mlp(widened))
+            st_dt = cuda_seconds(lambda: mlp(mats), reps=10 if device == "cuda" else 1)
+            dense_dt = cuda_seconds(lambda: mlp(widened), reps=10 if device == "cuda" else 1)
+            flop = 2 * tokens * 3 * hidden * inter
+            out["prompt"].append({"case": label, "tokens": tokens, "us": st_dt * 1e6, "dense_us": dense_dt * 1e6,
+                                  "tflop_s": flop / st_dt / 1e12, "rel_err": err})
+            r.say(f"{label:24} one expert, {tokens}-token prompt call: {st_dt * 1e6:.0f} us "
+                  f"({flop / st_dt / 1e12:.1f} TFLOP/s; its widened matrices {dense_dt * 1e6:.0f} us), rel err {err:.1e}")
+        del gate, up, down, twin
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    target = [row for row in out["rows"] if row["tokens"] == 1 and row["case"].startswith("Q4_K_M")]
+    out["target_70"] = bool(target) and all(row["of_copy_traffic"] >= 0.7 for row in target)
+    out["ok"] = all(row["rel_err"] < 2e-2 for row in out["rows"] + out["prompt"])
+    r.say(f"target (Q4_K_M experts at >= 70 % of the copy traffic, one token): {'met' if out['target_70'] else 'NOT met'}"
+          f"{' (interpreter: not the card)' if device == 'cpu' else ''}; errors {'ok' if out['ok'] else 'TOO LARGE'}")
+    return out
+
+
 # ---- main -------------------------------------------------------------------------------
 
 
@@ -1026,7 +1166,8 @@ def main(argv=None) -> int:
     work = Path(tempfile.mkdtemp(prefix="hybridmoe-gpu-check-"))
     sections = [("environment", environment), ("parity", parity, work), ("bandwidth", bandwidth),
                 ("speed", speed, work, args), ("flagship", flagship, work), ("decode kernels", decode_kernels),
-                ("launch cost", launch_cost), ("stored projections", stored_projections)]
+                ("launch cost", launch_cost), ("stored projections", stored_projections),
+                ("stored experts", stored_experts_section)]
     wanted = None if not args.sections else {name.strip() for name in args.sections.split(",")}
     unknown = (wanted or set()) - {name for name, *_ in sections}
     if unknown:

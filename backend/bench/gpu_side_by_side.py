@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from hybridmoe.backend.errors import HybridMoeError, UsageError
+from hybridmoe.backend.workload_choices import GPU_EXPERT_FORMS
 
 DECODE_AT = (64, 4096)
 PREFILL = (512, 4096)
@@ -654,9 +655,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "the same experts on the GPU (a .toml/.json from `hybridmoe plan FILE --save`)")
     p.add_argument("--gpu-share", type=float, help="with --plan (or a plan made here): hold this share of the routed "
                    "experts on the GPU in whole layers, the last ones first, on both backends")
-    p.add_argument("--gpu-experts", choices=("auto", "dense", "int8", "int4"), default="auto",
-                   help="without --plan: how the engine holds its GPU experts in the plan made here (int4: the "
-                        "stored 4-bit codes, the bytes llama.cpp holds)")
+    p.add_argument("--gpu-experts", choices=GPU_EXPERT_FORMS, default="auto",
+                   help="without --plan: how the engine holds its GPU experts in the plan made here (stored: the "
+                        "GGUF's blocks, the bytes llama.cpp holds; int4: the 4-bit codes, as many for Q4_0)")
     p.add_argument("--llamacpp-layout", choices=("same", "count"), default="same",
                    help="same: llama.cpp holds exactly the plan's GPU experts (whole layers only); count: as many "
                         "whole layers as the plan's GPU experts fill")
