@@ -277,17 +277,21 @@ class _MLAStep:
         return self.o(att, self.out[:n])
 
 
+def route_fields(r: Router, choice_bias: np.ndarray | None) -> dict:
+    """The native route of a router's description: the fields a chain layer and the per-call
+    ``route`` take, under the description's names (``decode_chain.h``'s ``kRouteNames`` name
+    the kinds as ``Router.kind`` does: no translation between them)."""
+    return dict(route=r.kind, normalize=r.normalize, correction_bias=choice_bias, n_group=r.n_group,
+                topk_group=r.topk_group, scaling=r.scaling)
+
+
 def _chooser(r: Router, choice_bias: np.ndarray | None) -> Callable[[np.ndarray, np.ndarray, np.ndarray], None]:
-    """fn(logits, ids out, weights out): one token's choice, as the router's description says
-    (``decode_ops.h``; the native chain chooses from the same description)."""
-    k, normalize = r.k, r.normalize
-    if r.kind == "softmax_topk":
-        return lambda logits, ids, w: _native.softmax_topk(logits, k, normalize, ids, w)
-    if r.kind == "sigmoid_group_topk":
-        groups, keep, scaling = r.n_group, r.topk_group, r.scaling
-        return lambda logits, ids, w: _native.sigmoid_group_topk(logits, choice_bias, k, groups, keep, normalize,
-                                                                 scaling, ids, w)
-    return lambda logits, ids, w: _native.topk_softmax(logits, k, ids, w)
+    """fn(logits, ids out, weights out): one token's choice, as the router's description says,
+    through the route the native chain takes too."""
+    f = route_fields(r, choice_bias)
+    args = (f["route"], f["normalize"], f["correction_bias"], f["n_group"], f["topk_group"], f["scaling"])
+    k, route = r.k, _native.route
+    return lambda logits, ids, w: route(logits, k, *args, ids, w)
 
 
 class _GatedStep:
@@ -351,11 +355,9 @@ class _MoEStep:
     def chain_block(self) -> dict:
         """Its part of a native chain layer's arguments: the router as described, the experts,
         the shared experts."""
-        r = self.route
-        block = dict(router=self.logits.native, router_bias=self.logits.bias, experts=self.layer, route=r.kind,
-                     normalize=r.normalize, n_group=r.n_group, topk_group=r.topk_group, scaling=r.scaling,
-                     correction_bias=self.choice_bias,
-                     shared_gate=None if self.shared_gate is None else self.shared_gate.native)
+        block = dict(router=self.logits.native, router_bias=self.logits.bias, experts=self.layer,
+                     shared_gate=None if self.shared_gate is None else self.shared_gate.native,
+                     **route_fields(self.route, self.choice_bias))
         if self.shared is not None:
             block.update(self.shared.chain_block())
         return block

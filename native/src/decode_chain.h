@@ -15,8 +15,10 @@
 #pragma once
 
 #include <cstdint>
+#include <string_view>
 #include <vector>
 
+#include "decode_ops.h"
 #include "dense_linear.h"
 #include "formats.h"
 #include "mla_decode.h"
@@ -34,6 +36,40 @@ struct ChainRoute {
     int n_group = 1, topk_group = 1;
     float scaling = 1.f;
 };
+
+// The routers by the names a layer's description gives them (Python's Router.kind): the one
+// mapping from a description to a kind. The binding parses the chain's and the per-call
+// path's routes through it and exports the names (ROUTE_KINDS) for the planner's test.
+struct RouteName {
+    const char* name;
+    ChainRoute::Kind kind;
+};
+inline constexpr RouteName kRouteNames[] = {
+    {"softmax_topk", ChainRoute::SoftmaxTopK},
+    {"sigmoid_group_topk", ChainRoute::SigmoidGroupTopK},
+    {"topk_softmax", ChainRoute::TopKSoftmax},
+};
+
+// The kind called `name`; false when no router has it.
+inline bool route_kind(std::string_view name, ChainRoute::Kind& kind) {
+    for (const RouteName& r : kRouteNames)
+        if (name == r.name) {
+            kind = r.kind;
+            return true;
+        }
+    return false;
+}
+
+// One token's k experts and weights from its logits [E], as `r` says (decode_ops.h).
+inline void route_token(const ChainRoute& r, const float* logits, int64_t E, int k, int64_t* ids, float* weights) {
+    switch (r.kind) {
+    case ChainRoute::SoftmaxTopK: softmax_topk(logits, E, k, r.normalize, ids, weights); break;
+    case ChainRoute::SigmoidGroupTopK:
+        sigmoid_group_topk(logits, r.bias, E, k, r.n_group, r.topk_group, r.normalize, r.scaling, ids, weights);
+        break;
+    case ChainRoute::TopKSoftmax: topk_softmax(logits, E, k, ids, weights); break;
+    }
+}
 
 struct ChainLayer {
     const float* attn_norm;

@@ -605,6 +605,30 @@ void chain_common(ChainLayer& l, const ChainShape& s, F32Array attn_norm, float 
     l.o_bias = o_bias ? o_bias->data() : nullptr;
 }
 
+// A route from its description's fields (Python's cpu_decode.route_fields): the chain's layers
+// and the per-call path's `route` take the same. E experts, k chosen.
+ChainRoute make_route(const std::string& route, bool normalize, std::optional<F32Array> correction_bias, int n_group,
+                      int topk_group, float scaling, int64_t E, int64_t k) {
+    ChainRoute r;
+    if (!route_kind(route, r.kind)) {
+        std::string names;
+        for (const RouteName& n : kRouteNames) names += std::string(names.empty() ? "" : ", ") + n.name;
+        throw nb::value_error(("route must be one of " + names + ", not " + route).c_str());
+    }
+    if (correction_bias && int64_t(correction_bias->size()) != E)
+        throw nb::value_error("a router's bias must have one entry per expert");
+    if (r.kind == ChainRoute::SigmoidGroupTopK &&
+        (n_group < 1 || E % n_group || (n_group > 1 && E / n_group < 2) || topk_group < 1 || topk_group > n_group ||
+         k > int64_t(topk_group) * (E / n_group)))
+        throw nb::value_error("n_group must divide the experts into groups of two or more, and topk_group of them hold k");
+    r.normalize = normalize;
+    r.bias = correction_bias ? correction_bias->data() : nullptr;
+    r.n_group = n_group;
+    r.topk_group = topk_group;
+    r.scaling = scaling;
+    return r;
+}
+
 void chain_ffn(ChainLayer& l, const ChainShape& s, F32Array ffn_norm, float ffn_eps, const DenseLinear* router,
                std::optional<F32Array> router_bias, const std::string& route, bool normalize,
                std::optional<F32Array> correction_bias, int n_group, int topk_group, float scaling,
@@ -612,27 +636,13 @@ void chain_ffn(ChainLayer& l, const ChainShape& s, F32Array ffn_norm, float ffn_
                const DenseLinear* shared_gate) {
     if (int64_t(ffn_norm.size()) != s.H) throw nb::value_error("norm weights must have one entry per hidden feature");
     const int64_t E = router ? router->rows() : 0;
-    if ((router_bias && int64_t(router_bias->size()) != E) || (correction_bias && int64_t(correction_bias->size()) != E))
+    if (router_bias && int64_t(router_bias->size()) != E)
         throw nb::value_error("a router's bias must have one entry per expert");
-    ChainRoute r;
-    if (route == "softmax_topk") r.kind = ChainRoute::SoftmaxTopK;
-    else if (route == "sigmoid_group_topk") r.kind = ChainRoute::SigmoidGroupTopK;
-    else if (route == "topk_softmax") r.kind = ChainRoute::TopKSoftmax;
-    else throw nb::value_error("route must be softmax_topk, sigmoid_group_topk or topk_softmax");
-    if (r.kind == ChainRoute::SigmoidGroupTopK && router &&
-        (n_group < 1 || E % n_group || (n_group > 1 && E / n_group < 2) || topk_group < 1 || topk_group > n_group ||
-         s.k > int64_t(topk_group) * (E / n_group)))
-        throw nb::value_error("n_group must divide the experts into groups of two or more, and topk_group of them hold k");
-    r.normalize = normalize;
-    r.bias = correction_bias ? correction_bias->data() : nullptr;
-    r.n_group = n_group;
-    r.topk_group = topk_group;
-    r.scaling = scaling;
     l.ffn_norm = ffn_norm.data();
     l.ffn_eps = ffn_eps;
     l.router = router;
     l.router_bias = router_bias ? router_bias->data() : nullptr;
-    l.route = r;
+    if (router) l.route = make_route(route, normalize, correction_bias, n_group, topk_group, scaling, E, s.k);
     l.experts = experts;
     l.gate_up = gate_up;
     l.down = down;
@@ -860,6 +870,23 @@ NB_MODULE(_native, m) {
         },
         "logits"_a, "bias"_a.none(), "k"_a, "n_group"_a, "topk_group"_a, "normalize"_a, "scaling"_a, "ids"_a, "weights"_a,
         "DeepSeek-V3 routing: sigmoid scores, the best groups by their two best biased scores, the top k in them.");
+    m.def(
+        "route",
+        [](F32Array logits, int k, const std::string& route, bool normalize, std::optional<F32Array> correction_bias,
+           int n_group, int topk_group, float scaling, I64Out ids, F32Out weights) {
+            check_route(logits, k, ids, weights);
+            const int64_t E = int64_t(logits.size());
+            route_token(make_route(route, normalize, correction_bias, n_group, topk_group, scaling, E, k), logits.data(), E,
+                        k, ids.data(), weights.data());
+        },
+        "logits"_a, "k"_a, "route"_a, "normalize"_a, "correction_bias"_a.none(), "n_group"_a, "topk_group"_a,
+        "scaling"_a, "ids"_a, "weights"_a,
+        "One token's choice under the route a description names (ROUTE_KINDS; the fields the chain's layers take).");
+    {
+        nb::list names;
+        for (const RouteName& r : kRouteNames) names.append(r.name);
+        m.attr("ROUTE_KINDS") = nb::tuple(names);
+    }
     m.def(
         "topk_softmax",
         [](F32Array logits, int k, I64Out ids, F32Out weights) {

@@ -1,13 +1,15 @@
 """A new router is a module and its description: the decode plan and the executors follow.
 
 What a new router touches: its module with ``forward`` and ``describe`` (backend/engine/routing.py,
-here this test) and the family builder that uses it (models/families/<family>/engine.py, here
-the swap below): two files. Nothing in cpu_decode.py or decode_path.py learns its class; the
+here this test), the family builder that uses it (models/families/<family>/engine.py, here
+the swap below) and the family's ``describe_layers`` (its ``__init__.py``, which tests/engine/
+test_decode_path.py holds to the built modules' descriptions): three files. Nothing in cpu_decode.py or plan/decode_path.py learns its class; the
 plan sends its blocks to PyTorch and says why. A router whose description is one the native
 kernels have (``decode_path.NATIVE_ROUTERS``) runs natively, in the chain, without a line
-more. (Giving the native kernels a new routing kind is five more files: ``NATIVE_ROUTERS`` in
-decode_path.py, ``cpu_decode._chooser``, the native router (native/src/decode_ops), the chain's
-switch (decode_chain.cpp) and the binding (module.cpp).)"""
+more. (Giving the native kernels a new routing kind is three files: ``NATIVE_ROUTERS`` in
+plan/decode_path.py, the native router (native/src/decode_ops) and its name and call in
+native/src/decode_chain.h's ``kRouteNames`` / ``route_token``, which the chain and the per-call
+path both take: the description's fields reach the native route unchanged.)"""
 
 from __future__ import annotations
 
@@ -87,3 +89,10 @@ def test_a_router_the_kernels_have_runs_in_the_chain_in_a_family_that_never_used
     assert model.decode_plan().chain
     _native_against_layers(model)
     assert model._decode_step.chain is not None
+
+
+def test_the_native_routes_are_named_as_the_descriptions_name_them():
+    """One mapping: the kinds the native route parses are the planner's NATIVE_ROUTERS."""
+    from hybridmoe.backend.plan.decode_path import NATIVE_ROUTERS
+
+    assert tuple(native_kernels._native.ROUTE_KINDS) == NATIVE_ROUTERS
