@@ -482,7 +482,8 @@ class ChatScreen(ReportsWorkerErrors, Screen):
                 self.app.services.remember_rates(self.plan, stats)
             self.context_used = stats.prompt_tokens + stats.generated_tokens
             status.show_stats(stats, self.plan.workload.context if self.plan else None,
-                              self.plan.main_device if self.plan else "cpu", self.context_used)
+                              self.plan.main_device if self.plan else "cpu", self.context_used,
+                              expected=self.plan.decode_tokens_per_s_expected if self.plan else None)
         else:
             status.say(FINISH_NOTES.get(reason, reason))
         self.generating = False
