@@ -271,7 +271,7 @@ class Build:
         self.hidden = spec.hidden_size
         self.eps = float(self.config.get("rms_norm_eps", rms_eps_default))
         self.round_norm_before_weight = round_norm_before_weight
-        self.resident_form = "dense"  # or "int8", "int4": how main-device experts are held (ResidentExperts)
+        self.resident_form = "dense"  # or "int8", "int4", "stored": how main-device experts are held (ResidentExperts)
         # Tensor parallelism: (card, cards) while a card's share of a layer is built (else
         # None); `placement` is then that card's experts, `on_cards` those of every card.
         self.card: tuple[int, int] | None = None
@@ -472,7 +472,7 @@ def build_model(
     tensor_parallel: (device, placement) of each card, the main one first: every layer split
         across them (``tensor_parallel``), each card holding its placement's experts;
         `placement` and `pipeline` are then not given.
-    resident_form: "dense" (compute dtype), "int8" or "int4" main-device experts, as the Plan chose.
+    resident_form: "dense" (compute dtype), "int8", "int4" or "stored" main-device experts, as the Plan chose.
     hybrid: run the MoE layers through ``hybrid.HybridScheduler`` with these options. Default:
         with default options when any layer is on a GPU; never on a CPU-only model (pass
         options to run the scheduler there anyway, as the tests do).

@@ -7,9 +7,10 @@ routed experts until the budget is spent. Everything else stays in host RAM (sec
 Routed experts are counted in two forms: as stored (host RAM, the decode reads of CPU
 experts, and the prefill reserve, which streams them as stored) and as the engine holds
 them on a GPU (``budget.resident_expert_bytes``): dense in the compute dtype when every
-routed expert fits that way; else, for experts stored in a 4-bit format, those 4-bit codes
-with their group scales (as many bytes as stored); else weight-only int8, which fits twice
-as many as dense.
+routed expert fits that way; else, for a GGUF whose expert types the GPU kernels read, the
+file's blocks (``budget.stored_expert_bytes``, per layer); else, for experts stored in a 4-bit
+format, those 4-bit codes with their group scales (as many bytes as stored); else weight-only
+int8, which fits twice as many as dense.
 """
 
 from __future__ import annotations

@@ -99,7 +99,8 @@ class Plan:
     engine_slow_path: str | None = None
     format: str = field(default=PLAN_FORMAT)
     # How routed experts are held on the GPUs ("bf16"/"f32": dense in the compute dtype,
-    # "int8": weight-only with per-row scales, "int4": the stored 4-bit codes) and the bytes each then takes there, per MoE
+    # "int8": weight-only with per-row scales, "int4": the stored 4-bit codes, "stored": a GGUF's
+    # blocks; a llama.cpp plan's are "stored" too) and the bytes each then takes there, per MoE
     # layer: what the GPU budgets above count (bytes_per_expert is the stored form, which
     # host RAM and the prefill reserve count).
     gpu_expert_format: str = "bf16"
