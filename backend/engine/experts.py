@@ -32,13 +32,12 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 
-from hybridmoe.backend.engine import decode_experts
+from hybridmoe.backend.engine import decode_experts, stored_experts
 from hybridmoe.backend.models.layer_description import CLAMPED_SWIGLU
 from hybridmoe.backend.formats.int4_weights import Int4Weight, cat_rows
 from hybridmoe.backend.formats.int4_weights import from_quant as int4_from_quant
 from hybridmoe.backend.formats.int8_weights import Int8Weight, quantize_int8
 from hybridmoe.backend.engine.stored_linear import StoredLinear
-from hybridmoe.backend.formats import quant
 from hybridmoe.backend.engine.layers import activation
 from hybridmoe.backend.formats.weights import WeightSource, dense, missing_tensor, require
 
@@ -339,8 +338,7 @@ class ResidentExperts(ExpertGroup):
     def _view(self, j: int) -> ExpertMatrices:
         p = {name: t[j] for name, t in self._parts.items()}
         if self.form == "stored":
-            w = {role: StoredLinear(quant.from_gguf(p[role], qtype, (p[role].shape[0], cols)))
-                 for role, (qtype, cols) in self._types.items()}
+            w = {role: self._stack(role).matrix(j) for role in self._types}
             return ExpertMatrices(down=w["down"], gate=w["gate"], up=w["up"], gate_bias=p.get("gate_bias"),
                                   up_bias=p.get("up_bias"), down_bias=p.get("down_bias"))
         roles = {}
