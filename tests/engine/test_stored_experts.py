@@ -176,8 +176,8 @@ def _q4_k_m(tmp_path, family: str):
 @needs_triton
 @needs_llama_cpp
 def test_a_hybrid_model_with_stored_gpu_experts_gives_the_dequantized_models_tokens(converted, tmp_path):  # noqa: F811
-    """DeepSeek (Q4_K gate/up, Q6_K downs in some layers) and Qwen3 in Q4_K_M, GPT-OSS' MXFP4
-    experts (biases, clamped SwiGLU): three experts a layer on the stand-in card as stored, the others on
+    """DeepSeek (Q4_K gate/up, Q6_K downs in some layers) and Qwen3 in Q4_K_M, GPT-OSS in Q4_0
+    (biases, clamped SwiGLU): three experts a layer on the stand-in card as stored, the others on
     the host; the tokens of the same model with those experts dequantized at load."""
     cases = [{"path": str(_q4_k_m(tmp_path, family)), "family": family} for family in ("deepseek_v3", "qwen3_moe")]
     cases.append({"path": str(converted("gpt_oss", "q4_0")), "family": "gpt_oss"})
@@ -186,7 +186,7 @@ def test_a_hybrid_model_with_stored_gpu_experts_gives_the_dequantized_models_tok
         assert row["tokens"] == row["want"], row
         assert row["err"] < 1e-4, row  # float32 throughout: the sums' order only
     held = {row["family"]: set(row["held"]) for row in results}
-    assert held["deepseek_v3"] == held["qwen3_moe"] == {"Q4_K", "Q6_K"} and held["gpt_oss"] == {"MXFP4"}, held
+    assert held["deepseek_v3"] == held["qwen3_moe"] == {"Q4_K", "Q6_K"} and held["gpt_oss"] == {"Q4_0"}, held
 
 
 @needs_llama_cpp
