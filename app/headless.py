@@ -219,6 +219,11 @@ def _run(args, waiting: Waiting) -> int:
                 "token_ids": list(done.token_ids),
                 "finish_reason": done.reason,
                 "stats": asdict(done.stats),
+                # The plan's figures for this run (docs/sizing.md §6), beside the measured ones in stats.
+                "plan_expected": {"decode_tokens_per_s": plan.decode_tokens_per_s_expected,
+                                  "decode_source": plan.decode_expected_source,
+                                  "decode_tokens_per_s_upper_bound": plan.decode_tokens_per_s_upper_bound,
+                                  "prefill_tokens_per_s": plan.prefill_tokens_per_s_expected},
             },
             sys.stdout,
         )
@@ -232,11 +237,14 @@ def _run(args, waiting: Waiting) -> int:
             if s.time_to_first_token_s is not None:
                 parts.append(f"first token {s.time_to_first_token_s:.2f} s")
             if s.prefill_tokens_per_s:
-                parts.append(f"prefill {s.prefill_tokens_per_s:.1f} tok/s")
+                prefill = plan.prefill_tokens_per_s_expected
+                parts.append(f"prefill {s.prefill_tokens_per_s:.1f} tok/s"
+                             + (f" (the plan expected {prefill:.1f})" if prefill else ""))
             if s.decode_tokens_per_s:
                 expected = plan.decode_tokens_per_s_expected
                 bound = plan.decode_tokens_per_s_upper_bound
-                said = ", ".join(([f"the plan expected {expected:.1f}"] if expected else [])
+                source = f" from {plan.decode_expected_source}" if plan.decode_expected_source else ""
+                said = ", ".join(([f"the plan expected {expected:.1f}{source}"] if expected else [])
                                  + ([f"at most {bound:.1f}"] if bound else []))
                 parts.append(f"decode {s.decode_tokens_per_s:.1f} tok/s" + (f" ({said})" if said else ""))
             if s.main_device_expert_share is not None and plan.main_device != "cpu":

@@ -146,6 +146,8 @@ def catalogue_text(catalogue, ranked=None) -> str:
         if not ranked:
             out.append("On this machine: none of them fits.")
         else:
+            from hybridmoe.app.render import expected_sources
+
             out.append("On this machine, best variant that fits, fastest first (the plan's expected decode speed, "
                        "then its upper bound; docs/sizing.md §6):")
             rows = [[r.entry.id, r.option, fmt_bytes(r.size_bytes),
@@ -153,6 +155,7 @@ def catalogue_text(catalogue, ranked=None) -> str:
                      f"{r.bound_tokens_per_s:,.1f} tok/s" if r.bound_tokens_per_s else "unknown", f"{r.context:,}"]
                     for r in ranked]
             out += _table(["ID", "VARIANT", "SIZE", "EXPECTED", "AT MOST", "CONTEXT"], rows, right={2, 3, 4, 5})
+            out += [f"Expected from {source}." for source in expected_sources([r.plan for r in ranked])]
     out.append("\nDownload one with `hybridmoe pull ID` (the checkpoint) or `hybridmoe pull ID --quant Q4_K_M` "
                "(a GGUF); plan one with `hybridmoe plan ID`.")
     return "\n".join(out)

@@ -197,6 +197,12 @@ def _expected_and_bound(expected: float | None, bound: float | None) -> str:
     return (f"expected {expected:,.1f} tokens/s, " if expected else "") + f"at most {bound:,.1f} tokens/s"
 
 
+def expected_sources(plans) -> list[str]:
+    """Where the expected figures of `plans` came from (``decode_expected_source``), each once, in
+    order: what a table of them says beneath it (the catalogue, the wizard)."""
+    return list(dict.fromkeys(p.decode_expected_source for p in plans if p is not None and p.decode_expected_source))
+
+
 def speed_words(plan: Plan) -> str:
     """The plan's decode speed in one phrase, as every screen says it: the expected figure
     first, the bound second (docs/sizing.md §6)."""

@@ -117,6 +117,7 @@ class ExpertDecode:
 
     weights_per_s: float  # all cores together
     how: str
+    source: str = ""  # in a few words: "iq2_xxs decoding measured on this machine"
 
 
 def expert_decode_rate(expert_format: str | None, *, cores: int | None, features: tuple[str, ...],
@@ -130,6 +131,7 @@ def expert_decode_rate(expert_format: str | None, *, cores: int | None, features
     if measured is not None:
         per_core, where, _ = measured
         how = f"{per_core / 1e9:.1f} G weights/s a core, measured on this machine ({where})"
+        source = f"{expert_format} decoding measured on this machine"
     else:
         widths = dict(FLOPS_PER_CYCLE)
         width = next((w for name, w in FLOPS_PER_CYCLE if name in features), PORTABLE_FLOPS_PER_CYCLE)
@@ -137,7 +139,8 @@ def expert_decode_rate(expert_format: str | None, *, cores: int | None, features
         per_core = default * scale
         how = (f"{per_core / 1e9:.1f} G weights/s a core, the documented rate for {expert_format} (measured with "
                f"AVX-512" + (f"; × {scale:g} for a narrower vector ISA" if scale != 1 else "") + ")")
-    return ExpertDecode(per_core * cores, f"{expert_format} decoded at {how} × {cores} cores")
+        source = f"{expert_format} decoding at its documented rate"
+    return ExpertDecode(per_core * cores, f"{expert_format} decoded at {how} × {cores} cores", source)
 
 
 @dataclass(frozen=True)
@@ -146,6 +149,9 @@ class HostRate:
 
     bytes_per_s: float
     how: str
+    # Where the rate came from in a few words, for a table's note or a status line
+    # ("the engine's share of the read probe, measured on this machine").
+    source: str = ""
 
 
 def host_read_rate(
@@ -166,13 +172,17 @@ def host_read_rate(
         if share is not None and measured:
             return HostRate(measured * share, f"{measured * share / 1e9:,.1f} GB/s: the read probe's "
                                               f"{measured / 1e9:,.1f} GB/s × {share:.2f}, the engine's share measured "
-                                              f"on this machine ({where})")
-        return HostRate(rate, f"{rate / 1e9:,.1f} GB/s, the engine's decode measured on this machine ({where})")
+                                              f"on this machine ({where})",
+                            "the engine's share of the read probe, measured on this machine")
+        return HostRate(rate, f"{rate / 1e9:,.1f} GB/s, the engine's decode measured on this machine ({where})",
+                        "the engine's read rate, measured on this machine")
     if measured:
         base, base_how = measured, f"the read probe's {measured / 1e9:,.1f} GB/s"
+        source = f"the read probe × {rates.name}'s usual share, {rates.host_share:g}"
     elif theoretical:
         base = theoretical * PROBE_OF_THEORETICAL
         base_how = f"{PROBE_OF_THEORETICAL:g} × the theoretical {theoretical / 1e9:,.1f} GB/s"
+        source = f"the theoretical bandwidth × {PROBE_OF_THEORETICAL:g} × {rates.name}'s usual share, {rates.host_share:g}"
     else:
         return None
     parts = [base_how]
@@ -183,13 +193,15 @@ def host_read_rate(
         parts.append(f"{local:g} of {sockets} sockets read locally")
     rate = base * rates.host_share
     parts.append(f"× {rates.host_share:g}, {rates.name}'s share")
-    return HostRate(rate, f"{rate / 1e9:,.1f} GB/s: " + ", ".join(parts))
+    return HostRate(rate, f"{rate / 1e9:,.1f} GB/s: " + ", ".join(parts), source)
 
 
 @dataclass(frozen=True)
 class Expected:
     tokens_per_s: float | None
     how: str
+    # Where its rates came from in a few words (the screens that show the figure without `how`).
+    source: str = ""
 
 
 def expected_decode(
@@ -216,7 +228,7 @@ def expected_decode(
     of them, once for all conversations: a super-block is decoded once for any number of tokens).
     """
     rates = RATES[backend]
-    parts = []
+    parts, sources = [], []
     t_host = 0.0
     if bound.host_bytes_per_step:
         if rate is None:
@@ -235,8 +247,10 @@ def expected_decode(
                 t_read += t_decode - t_expert_read
                 decoding = (f"; the experts' {t_decode * 1e3:.2f} ms set by their decoding, "
                             f"{expert_decode.how}, not by their reads ({t_expert_read * 1e3:.2f} ms)")
+                sources.append(expert_decode.source)
         t_compute = 2 * users * host_weights / cpu_flops_per_s if cpu_flops_per_s else 0.0
         t_host = max(t_read, t_compute)
+        sources.insert(0, rate.source if t_read >= t_compute else "the CPU's assumed compute rate")
         if t_compute > t_read:
             parts.append(f"CPU {t_host * 1e3:.2f} ms (compute: {2 * users * host_weights / 1e9:.1f} GFLOP at "
                          f"{cpu_flops_per_s / 1e12:.2f} TFLOP/s; reading at {rate.how}, {t_read * 1e3:.2f} ms{decoding})")
@@ -248,6 +262,7 @@ def expected_decode(
         t_gpu = (bound.gpu_seconds - reduces) / rates.gpu_share + reduces
         parts.append(f"GPU {t_gpu * 1e3:.2f} ms ({rates.gpu_share:g} of its bandwidth"
                      + (f", all-reduces {reduces * 1e3:.2f} ms" if reduces else "") + ")")
+        sources.append(f"the GPUs' bandwidth × {rates.gpu_share:g}")
     if bound.gpu_bytes_per_step and not bound.gpu_seconds:
         parts.append("GPU not counted (its memory bandwidth is not known)")
     t_handoff = cpu_moe_layers * rates.handoff_s if has_gpu and bound.host_bytes_per_step else 0.0
@@ -256,7 +271,8 @@ def expected_decode(
     step = t_host + t_gpu + t_handoff
     if not step:  # everything on cards of unknown bandwidth
         return Expected(None, f"unknown: {rates.name}: " + " + ".join(parts))
-    return Expected(1.0 / step, f"{rates.name}: " + " + ".join(parts) + f" = {step * 1e3:.2f} ms a step")
+    return Expected(1.0 / step, f"{rates.name}: " + " + ".join(parts) + f" = {step * 1e3:.2f} ms a step",
+                    "; ".join(sources))
 
 
 # A prompt shorter than this is timed by the fixed costs of a forward call and by a regime of the

@@ -472,6 +472,7 @@ class _Planner:
         return {
             "decode_tokens_per_s_expected": one.tokens_per_s,
             "decode_expected_how": one.how,
+            "decode_expected_source": one.source,
             "decode_tokens_per_s_per_user_expected": many.tokens_per_s,
             "decode_tokens_per_s_aggregate_expected": many.tokens_per_s * wl.users if many.tokens_per_s else None,
             "decode_expected_how_per_user": many.how,

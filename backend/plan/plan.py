@@ -120,6 +120,9 @@ class Plan:
     # with how it was obtained. None where a rate is unknown.
     decode_tokens_per_s_expected: float | None = None
     decode_expected_how: str = ""
+    # Where the expected decode figure's rates came from, in a few words: what the wizard, the
+    # catalogue and `run` say beside the figure (the Plan screen says all of `..._how`).
+    decode_expected_source: str = ""
     decode_tokens_per_s_per_user_expected: float | None = None
     decode_tokens_per_s_aggregate_expected: float | None = None
     decode_expected_how_per_user: str = ""

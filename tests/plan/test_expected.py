@@ -314,8 +314,10 @@ def test_an_i_quants_decode_is_set_by_its_decoding_on_few_cores(tmp_path, monkey
     step = (plan.host_bytes_per_token - expert_bytes) / rate + (weights / 2) / (2 * per_core)
     assert (weights / 2) / (2 * per_core) > expert_bytes / rate  # decoding, not reading, sets the experts' time
     assert plan.decode_tokens_per_s_expected == pytest.approx(1 / step)
-    assert "set by their decoding, iq2_xxs decoded at 18.0 G weights/s a core, the documented rate" in (
+    assert f"set by their decoding, iq2_xxs decoded at {per_core / 1e9:.1f} G weights/s a core, the documented rate" in (
         plan.decode_expected_how)
+    assert plan.decode_expected_source == ("the read probe × the engine's usual share, 0.65; "
+                                           "iq2_xxs decoding at its documented rate")
     # An AVX2 CPU decodes at half the AVX-512 rate (the stated scaling).
     avx2 = make(iq2.spec, iq2.inventory, _this_machine(cores=2, features=("avx2",)), wl)
     assert avx2.decode_tokens_per_s_expected == pytest.approx(
@@ -327,6 +329,7 @@ def test_an_i_quants_decode_is_set_by_its_decoding_on_few_cores(tmp_path, monkey
     assert measured.decode_tokens_per_s_expected == pytest.approx(
         1 / ((plan.host_bytes_per_token - expert_bytes) / rate + (weights / 2) / (2 * 10e9)))
     assert "10.0 G weights/s a core, measured on this machine (bench generate" in measured.decode_expected_how
+    assert measured.decode_expected_source.endswith("iq2_xxs decoding measured on this machine")
     # Many cores: the reads set it again, as for any format.
     wide = make(iq2.spec, iq2.inventory, _this_machine(cores=64), wl)
     assert wide.decode_tokens_per_s_expected == pytest.approx(rate / wide.host_bytes_per_token)

@@ -19,6 +19,7 @@ from hybridmoe.app.tui.screens.dialogs import ChoiceDialog, ConfirmDialog, TextS
 from hybridmoe.app.tui.screens.transfer import TransferScreen
 from hybridmoe.app.tui.widgets.transfer import Job
 from hybridmoe.app.tui.widgets.nav_bar import NavBar
+from hybridmoe.app.render import expected_sources
 from hybridmoe.app.tui.widgets.plan_view import speed_cell
 from hybridmoe.app.tui.workers import ReportsWorkerErrors, WorkerFailed
 from hybridmoe.backend.hub.local import LocalModel
@@ -154,10 +155,12 @@ class ModelsScreen(ReportsWorkerErrors, Screen):
             else:
                 speed = speed_cell(r.plan)
                 table.add_row(name, r.option, fmt_bytes(r.size_bytes), speed, f"{r.context:,}", key=entry.id)
+        sources = expected_sources([r.plan for r in event.ranked])
         self.query_one("#models-detail", Static).update(
             f"{len(self.local)} model(s) on this machine; {len(self.ranked)} of {len(self.catalogue)} catalogue models "
             "fit. Enter uses a local model, p pulls a catalogue one, v plans and i inspects either; "
-            "c converts a checkpoint to GGUF."
+            "c converts a checkpoint to GGUF." + (f" Speeds: expected ≤ upper bound, tokens/s; expected from "
+                                                  f"{'; '.join(sources)}." if sources else "")
         )
 
     def _selected_local(self) -> LocalModel | None:

@@ -25,6 +25,7 @@ from hybridmoe.app.tui.getting import job_for, parse_typed
 from hybridmoe.app.tui.hardware_words import summary_lines, warnings
 from hybridmoe.app.tui.screens.dialogs import ConfirmDialog
 from hybridmoe.app.tui.widgets.plan_editor import PlanEditor
+from hybridmoe.app.render import expected_sources
 from hybridmoe.app.tui.widgets.plan_view import speed_cell
 from hybridmoe.app.tui.widgets.transfer import Job, TransferPanel
 from hybridmoe.app.tui.widgets.nav_bar import NavBar
@@ -226,9 +227,11 @@ class SetupScreen(ReportsWorkerErrors, Screen):
             table.add_row(m.name, m.quantization or m.format, fmt_bytes(m.size_bytes), _speed(plan) if plan else "?",
                           "on disk", key=key)
         fits = len(event.ranked)
+        sources = expected_sources([r.plan for r in event.ranked] + [plan for _, plan in event.local])
         self.query_one("#setup-choices-note", Static).update(
             f"{fits} catalogue model(s) fit this machine; {len(event.local)} usable model(s) on disk. "
-            "Speeds are the planner's upper bounds." if self.rows else
+            "Speeds are tokens/s, the plan's expected decode ≤ its upper bound"
+            + (f"; expected from {'; '.join(sources)}." if sources else ".") if self.rows else
             "Nothing in the catalogue fits this machine and no model is on disk: "
             "type a smaller model's repository below."
         )
