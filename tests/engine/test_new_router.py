@@ -6,10 +6,12 @@ the swap below) and the family's ``describe_layers`` (its ``__init__.py``, which
 test_decode_path.py holds to the built modules' descriptions): three files. Nothing in cpu_decode.py or plan/decode_path.py learns its class; the
 plan sends its blocks to PyTorch and says why. A router whose description is one the native
 kernels have (``decode_path.NATIVE_ROUTERS``) runs natively, in the chain, without a line
-more. (Giving the native kernels a new routing kind is three files: ``NATIVE_ROUTERS`` in
-plan/decode_path.py, the native router (native/src/decode_ops) and its name and call in
-native/src/decode_chain.h's ``kRouteNames`` / ``route_token``, which the chain and the per-call
-path both take: the description's fields reach the native route unchanged.)"""
+more. (Giving the native kernels a new routing kind: ``NATIVE_ROUTERS`` in plan/decode_path.py,
+the native router (native/src/decode_ops.h and .cpp) and its name and call in
+native/src/decode_chain.h's ``kRouteNames`` / ``route_token``, which the binding's chain layers
+and per-call ``route`` both parse through: the description's fields reach the native route
+unchanged. decode_chain.cpp still switches on the kind itself rather than calling
+``route_token``, one more file until it does.)"""
 
 from __future__ import annotations
 
