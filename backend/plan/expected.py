@@ -87,18 +87,19 @@ RATES = {
 # Expert weights one core of the engine's CPU kernels decodes per second in a decode step (one
 # token), for the formats whose decoding, not the reads, sets a decode step's experts' time: the
 # i-quants below IQ4, whose weights come from codebook grids (8 or 4 values an index, signs and
-# scales from further tables). Measured with AVX-512 (bench generate's "experts" part, the
-# mid-size benchmark model retyped to each, 2-core Xeon VM, shared and loaded: docs/sizing.md
-# §6); the experts read 4.7-10.7 GB/s there where the read probe gave 33-36. IQ4_NL and IQ4_XS
-# (a 16-entry table, as Q4_0) and the K-quants keep up with the reads and have no entry.
+# scales from further tables). Measured with AVX-512 by benchmarks/expert_decode_rates.py (one
+# thread's CPU time per token, a layer of the mid-size benchmark model's shape; 2-core Xeon VM):
+# IQ4_XS decoded 20.1 and Q4_0 26.6 G weights/s a core there, enough to keep up with the reads
+# on any machine with more than a few cores, and have no entry. bench generate's experts' part
+# agreed on a quiet machine (IQ2_XXS 18.1, IQ1_S 12.0, IQ3_XXS 14.0, 2 threads, wall clock).
 EXPERT_DECODE_WEIGHTS_PER_S_PER_CORE = {
-    "iq1_s": 12.0e9,
-    "iq1_m": 11.0e9,
-    "iq2_xxs": 18.0e9,
-    "iq2_xs": 16.0e9,
-    "iq2_s": 15.0e9,
-    "iq3_xxs": 14.0e9,
-    "iq3_s": 13.0e9,
+    "iq1_s": 12.9e9,
+    "iq1_m": 8.8e9,
+    "iq2_xxs": 18.4e9,
+    "iq2_xs": 15.4e9,
+    "iq2_s": 16.0e9,
+    "iq3_xxs": 14.7e9,
+    "iq3_s": 14.4e9,
 }
 # The ISA the rates above were measured with; a CPU whose best vector ISA is narrower decodes in
 # proportion to its FMA width (assumed: the kernels' decoding is vector work of the same width).

@@ -320,8 +320,10 @@ def test_an_i_quants_decode_is_set_by_its_decoding_on_few_cores(tmp_path, monkey
                                            "iq2_xxs decoding at its documented rate")
     # An AVX2 CPU decodes at half the AVX-512 rate (the stated scaling).
     avx2 = make(iq2.spec, iq2.inventory, _this_machine(cores=2, features=("avx2",)), wl)
-    assert avx2.decode_tokens_per_s_expected == pytest.approx(
-        1 / ((plan.host_bytes_per_token - expert_bytes) / rate + (weights / 2) / (per_core)))
+    assert f"{per_core / 2e9:.1f} G weights/s a core, the documented rate for iq2_xxs (measured with AVX-512; × 0.5" in (
+        avx2.decode_expected_how)
+    assert avx2.decode_tokens_per_s_expected <= 1 / ((plan.host_bytes_per_token - expert_bytes) / rate
+                                                     + (weights / 2) / per_core) * (1 + 1e-9)
     # Measured here (bench generate of that format): the median of its runs.
     achieved.record_rate(here, "expert_weights_per_s_per_core", expert_format="iq2_xxs", value=10e9,
                          source="bench generate")
