@@ -218,6 +218,7 @@ def test_the_plans_expected_figures_are_printed_beside_the_measured(tiny_gguf, c
     measured = summary["results"]["engine"]["decode_median"]
     assert (f"engine     measured decode {measured:.1f} tok/s, the plan expected {expected['decode']:.1f}" in text)
     assert f"at most {expected['decode_bound']:.1f}" in text and f"expected {expected['prefill']:.1f}" in text
+    assert f"the plan's expected prefill, the engine: {expected['prefill_how']}" in text
     # A tiny model's token is timed by its fixed costs, not its reads: its rate is not kept
     # for this machine (a mid-size model's is: tests/plan/test_expected.py).
     assert summary["results"]["engine"]["per_token"]["end_to_end"]["bytes"] < achieved.MIN_BYTES_PER_TOKEN
