@@ -1,15 +1,16 @@
-"""The chat's loaded model behind the OpenAI API, started and stopped from the TUI (F7).
+"""The app's loaded model behind the OpenAI API, started and stopped from the TUI (F7).
 
-While the server runs, the chat's session is a ``SharedSession`` around the model the chat
-loaded, and the server answers from the same one, as many at once as the model serves (the
+While the server runs, the model service's session (what the chat answers with) is a
+``SharedSession`` around the loaded model, and the server answers from the same one, as many at once as the model serves (the
 conversations its plan holds): a chat message sent while requests are answered runs beside
 them when there is a place, else waits its turn like any request.
-Stopping the server gives the chat its plain session back. When the chat loads another model
-(or unloads this one), the server stops, since what it served is gone.
+Stopping the server gives the chat its plain session back. When another model is loaded
+(or this one unloaded), the server stops, since what it served is gone.
 """
 
 from __future__ import annotations
 
+from hybridmoe.app.model_service import ModelService
 from hybridmoe.app.server.activity import Finished
 from hybridmoe.app.server.runner import ApiServer, check_exposure
 from hybridmoe.app.server.shared_session import QueueCounts, SharedSession
@@ -17,10 +18,11 @@ from hybridmoe.backend.errors import HybridMoeError
 
 
 class ChatModelServer:
-    def __init__(self):
+    def __init__(self, models: ModelService):
         self.server: ApiServer | None = None
-        self._chat = None  # the ChatScreen whose model is served
+        self._models = models
         self._shared: SharedSession | None = None
+        models.keep_while(lambda: "the API server is serving this model: stop it first (F7)" if self.running else "")
         self.watchdog = None  # the TUI's timer that calls model_gone; stopped with the server
 
     @property
@@ -35,30 +37,34 @@ class ChatModelServer:
     def model(self) -> str:
         return self.server.options.model_id if self.server is not None else ""
 
-    def start(self, chat, host: str, port: int, api_key: str | None) -> None:
-        """Serve the model ``chat`` (the ChatScreen) has loaded; raises a HybridMoeError saying
-        why not (no model yet, an answer in progress, a port in use, no key for a public host)."""
+    def start(self, services, host: str, port: int, api_key: str | None) -> None:
+        """Serve the loaded model; raises a HybridMoeError saying why not (no model yet, an
+        answer in progress, a port in use, no key for a public host). ``services``: the
+        App's, whose turn for model work the answers share."""
         if self.running:
             raise HybridMoeError(f"the API server is running already, at {self.url}", "Stop it first.")
-        if chat is None or chat.session is None:
+        loaded = self._models.loaded
+        if loaded is None:
             raise HybridMoeError("no model is loaded yet",
                                  "Open the chat (F2), let the model load, then start the server.")
-        if chat.generating:
-            # Its worker holds the plain session: wrapping it now would let a request run beside it.
-            raise HybridMoeError("the chat is answering",
-                                 "Wait for the answer (or stop it with Esc), then start the server.")
+        busy = self._models.busy()
+        if busy:
+            # An answer's worker holds the plain session: wrapping it now would let a request run beside it.
+            raise HybridMoeError(busy, "Then start the server.")
         check_exposure(host, api_key, how_to_set_key="Enter an API key")
         from hybridmoe.app.server.http import ServerOptions  # here: the HTTP layer's imports are slow
 
-        services = chat.app.services
         # The answers share the process's turn for model work: they run beside each other,
         # never beside a benchmark or a bandwidth measurement.
-        shared = chat.session if isinstance(chat.session, SharedSession) else SharedSession(
-            chat.session, hold=lambda cancel: services.model_turn("an answer", cancel=cancel, shared=True))
-        server = ApiServer(shared, ServerOptions(model_id=chat.model_name or "model", api_key=api_key), host, port)
-        server.start()
-        chat.session = shared
-        self.server, self._chat, self._shared = server, chat, shared
+        shared = self._models.share(
+            hold=lambda cancel: services.model_turn("an answer", cancel=cancel, shared=True))
+        server = ApiServer(shared, ServerOptions(model_id=loaded.name or "model", api_key=api_key), host, port)
+        try:
+            server.start()
+        except BaseException:
+            self._models.unshare(shared)
+            raise
+        self.server, self._shared = server, shared
 
     def stop(self) -> None:
         if self.server is None:
@@ -67,13 +73,12 @@ class ChatModelServer:
             self.watchdog.stop()
             self.watchdog = None
         self.server.stop()
-        if self._chat is not None and self._chat.session is self._shared and not self._shared.closed:
-            self._chat.session = self._shared.session
-        self.server = self._chat = self._shared = None
+        self._models.unshare(self._shared)
+        self.server = self._shared = None
 
     def model_gone(self) -> bool:
-        """The chat has replaced or closed the model this server serves."""
-        return self.server is not None and (self._shared.closed or self._chat.session is not self._shared)
+        """The model this server serves was replaced or closed."""
+        return self.server is not None and (self._shared.closed or self._models.session is not self._shared)
 
     def counts(self) -> QueueCounts | None:
         return self._shared.counts() if self._shared is not None else None

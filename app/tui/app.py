@@ -1,6 +1,7 @@
 """The hybridmoe terminal UI: one App, a mode (screen stack) per screen.
 
 The App owns what the screens share: the services (the backend verbs; fakes in tests), the
+model service (the loaded model, which the chat, the benchmark and the API server use), the
 settings and the app state, the conversation history, the detected hardware, and which
 model and plan the chat should run. Screens switch with F2–F6 (chat, models, plan,
 hardware, setup); each keeps its state while another is shown. Every failure of a worker
@@ -16,6 +17,7 @@ from textual.app import App, SystemCommand
 from textual.binding import Binding
 
 from hybridmoe.app.history import History
+from hybridmoe.app.model_service import ModelService
 from hybridmoe.app.services import Services
 from hybridmoe.app.state import AppState, load_state, save_state
 from hybridmoe.app.tui.api_server import ChatModelServer
@@ -73,7 +75,8 @@ class HybridMoeApp(ReportsWorkerErrors, App[None]):
         self.plan: Plan | None = None  # its plan; None: the chat makes one from the settings
         self.plan_target = ""  # the model the Plan screen shows, when not the chat's
         self.plan_target_downloaded = True  # False: a catalogue model's config.json, nothing to run yet
-        self.api_server = ChatModelServer()  # the chat's model over the OpenAI API (F7)
+        self.models = ModelService(self.services)  # the loaded model, whichever screen asks
+        self.api_server = ChatModelServer(self.models)  # the loaded model over the OpenAI API (F7)
 
     def on_mount(self) -> None:
         problems: list[HybridMoeError] = []
@@ -203,6 +206,7 @@ class HybridMoeApp(ReportsWorkerErrors, App[None]):
 
     def on_unmount(self) -> None:
         self.api_server.stop()
+        self.models.close()
         if self.history is not None:
             self.history.close()
 

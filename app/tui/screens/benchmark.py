@@ -2,8 +2,8 @@
 
 hybridmoe.backend.bench.generate measures prefill and decode tokens/s with each backend in a process
 of its own (its memory and threads its own). Those processes load the model again, so the
-chat's copy is unloaded first: two copies of a large model would not fit. The chat loads it
-again when it is shown. Esc cancels: the running process is killed.
+app's copy (the model service's, which the chat answers with) is unloaded first: two copies
+of a large model would not fit. The chat loads it again when it is shown. Esc cancels: the running process is killed.
 """
 
 from __future__ import annotations
@@ -24,17 +24,6 @@ from hybridmoe.backend.session import CancelToken, Progress
 
 BACKEND_NAMES = {"engine": "the embedded engine", "llamacpp": "llama.cpp"}
 TICK_S = 0.5
-
-
-def chat_screen(app):
-    """The chat screen, once the chat mode has been shown (it holds the loaded model)."""
-    from hybridmoe.app.tui.screens.chat import ChatScreen
-
-    try:
-        stack = app.get_screen_stack("chat")
-    except Exception:  # the mode was never shown: no model is loaded in this app
-        return None
-    return stack[0] if stack and isinstance(stack[0], ChatScreen) else None
 
 
 def _name(path: Path) -> str:
@@ -131,12 +120,12 @@ class BenchmarkScreen(ReportsWorkerErrors, ModalScreen[None]):
     def action_start(self) -> None:
         if self.running or self.path is None:
             return
-        chat = chat_screen(self.app)
-        if chat is not None:
-            refused = chat.unload("for the benchmark")
-            if refused:
-                self.notify(f"Not started: {refused}.", severity="warning")
-                return
+        models = self.app.models
+        refused = models.busy()
+        if refused:
+            self.notify(f"Not started: {refused}.", severity="warning")
+            return
+        models.unload("for the benchmark")
         self.running, self.summary, self.cancel = True, None, CancelToken()
         self._started, self._stage = time.monotonic(), "starting"
         self.query_one("#bench-table", Static).update("")

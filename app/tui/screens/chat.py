@@ -27,6 +27,7 @@ from textual.screen import Screen
 from textual.widgets import Footer, Label, ProgressBar
 
 from hybridmoe.app.history import Conversation, HistoryError, title_for
+from hybridmoe.app.model_service import LoadedModel
 from hybridmoe.app.server.shared_session import SharedSession
 from hybridmoe.app.tui.screens.chat_settings import ChatSettings, ChatSettingsScreen, sampling_params
 from hybridmoe.app.tui.screens.conversations import ConversationsScreen
@@ -35,8 +36,8 @@ from hybridmoe.app.tui.widgets.prompt import PromptInput
 from hybridmoe.app.tui.widgets.status_line import StatusLine
 from hybridmoe.app.tui.widgets.nav_bar import NavBar
 from hybridmoe.app.tui.workers import ReportsWorkerErrors, WorkerFailed
-from hybridmoe.backend.errors import HybridMoeError, PlanError, PromptTooLongError
-from hybridmoe.backend.plan import ExpertStats, Plan, Workload
+from hybridmoe.backend.errors import HybridMoeError, PromptTooLongError
+from hybridmoe.backend.plan import ExpertStats, Plan
 from hybridmoe.backend.session import Cancelled, CancelToken, Done, Message as ChatTurn, Progress, TextPiece
 
 FINISH_NOTES = {"stop": "", "length": "stopped at the token limit", "cancelled": "stopped", "error": "failed"}
@@ -65,14 +66,21 @@ class ChatScreen(ReportsWorkerErrors, Screen):
             self.progress = progress
 
     class Loaded(Message):
-        def __init__(self, target: tuple, session, path: Path, plan: Plan):
+        def __init__(self, loaded: LoadedModel):
             super().__init__()
-            self.target, self.session, self.path, self.plan = target, session, path, plan
+            self.loaded = loaded
 
     class LoadStopped(Message):
-        def __init__(self, message: str):
+        def __init__(self, target: tuple, message: str):
             super().__init__()
-            self.message = message
+            self.target, self.message = target, message
+
+    class Unloaded(Message):
+        """The model service closed the model for other work (``why``: "for the benchmark")."""
+
+        def __init__(self, why: str):
+            super().__init__()
+            self.why = why
 
     class Streamed(Message):
         def __init__(self, text: str, tokens: int):
@@ -100,17 +108,14 @@ class ChatScreen(ReportsWorkerErrors, Screen):
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
-        self.session = None
-        # The session as the backend made it: ``session`` may become a wrapper around it
-        # (the API server's shared queue), and only the backend's own one counts experts.
-        self.loaded_session = None
         # What the loaded model had counted when its usage was last accounted for; touched
         # only by the generate worker (one at a time) and by a load (never during an answer).
         self._counted: ExpertStats | None = None
-        self.loaded_target: tuple | None = None
         self.loading_target: tuple | None = None
         self.failed_target: tuple | None = None  # not retried on its own (Ctrl+L does)
         self.load_cancel = CancelToken()
+        # The model this chat last loaded: its conversations' model and the plan its figures
+        # are compared with. They stay when the model is unloaded (for a benchmark, say).
         self.model_path: Path | None = None
         self.plan: Plan | None = None
         self.generating = False
@@ -141,6 +146,10 @@ class ChatScreen(ReportsWorkerErrors, Screen):
         yield Footer(compact=True)
 
     def on_mount(self) -> None:
+        models = self.app.models
+        models.keep_while(lambda: "the chat is answering: stop it (Esc) or let it finish first"
+                          if self.generating else "")
+        models.when_unloaded(lambda why: self.post_message(self.Unloaded(why)))
         self.system_prompt = self.app.state.system_prompt
         self.query_one("#conversation", VerticalScroll).anchor()
         self.query_one("#load-panel").display = False
@@ -148,6 +157,26 @@ class ChatScreen(ReportsWorkerErrors, Screen):
 
     def on_screen_resume(self) -> None:
         self.ensure_loaded()
+
+    # ---- the model, as the App's model service holds it --------------------------------------------
+
+    @property
+    def session(self):
+        """Where the chat's answers go (the API server's shared queue while it serves the
+        model); None when no model is loaded, or while the chat loads one (until it has
+        shown it ready)."""
+        return None if self.loading_target is not None else self.app.models.session
+
+    @property
+    def loaded_session(self):
+        """The session as the backend made it: only the backend's own one counts experts."""
+        loaded = self.app.models.loaded
+        return loaded.session if loaded is not None else None
+
+    @property
+    def loaded_target(self) -> tuple | None:
+        loaded = self.app.models.loaded
+        return loaded.target if loaded is not None else None
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         if action == "stop":
@@ -187,42 +216,17 @@ class ChatScreen(ReportsWorkerErrors, Screen):
 
     @work(thread=True, exclusive=True, exit_on_error=False, group="load")
     def _load(self, target: tuple, hardware, settings, cancel: CancelToken) -> None:
-        services = self.app.services
-        model_text, plan = target
-        path = services.resolve_model(model_text)
-        if plan is None:
-            plan = self._plan_for(services, path, hardware, settings)
-
-        def waiting(what: str) -> None:
-            self.post_message(self.LoadProgressed(Progress("wait", 0, None, message=f"waiting for {what} to end")))
-
+        model, plan = target
         try:
-            with services.model_turn("loading the model", cancel=cancel, on_wait=waiting):
-                session = services.load_session(
-                    path, plan, lambda p: self.post_message(self.LoadProgressed(p)), cancel,
-                    on_notice=lambda text: self.app.call_from_thread(self.notify, text, timeout=10),
-                )
+            loaded = self.app.models.load(
+                model, plan, hardware=hardware, settings=settings,
+                on_progress=lambda p: self.post_message(self.LoadProgressed(p)), cancel=cancel,
+                on_notice=lambda text: self.app.call_from_thread(self.notify, text, timeout=10),
+            )
         except Cancelled as stopped:
-            self.post_message(self.LoadStopped(stopped.what))
+            self.post_message(self.LoadStopped(target, stopped.what))
             return
-        self.post_message(self.Loaded(target, session, Path(path), plan))
-
-    def _plan_for(self, services, path: Path, hardware, settings) -> Plan:
-        """The saved plan of this model, or one made now from the settings' workload."""
-        saved = services.plan_path(path)
-        if saved.exists():
-            return Plan.load(saved)
-        self.post_message(self.LoadProgressed(Progress("plan", 0, None, message="planning the layout")))
-        if hardware is None:
-            hardware = services.detect_hardware(measure_bandwidth=False)
-        model = services.inspect_model(path)
-        workload = Workload(context=min(settings.context, model.spec.max_context), users=settings.users,
-                           kv_dtype=settings.kv_dtype, backend=settings.backend)
-        plan = services.make_plan(model.spec, model.inventory, hardware, workload)
-        if not plan.fits:
-            raise PlanError(f"{model.spec.name} does not fit this machine: {plan.reason}",
-                            "Open the Plan screen (F4) to change the context or the layout, then save it.")
-        return plan
+        self.post_message(self.Loaded(loaded))
 
     def on_chat_screen_load_progressed(self, event: LoadProgressed) -> None:
         p = event.progress
@@ -233,45 +237,31 @@ class ChatScreen(ReportsWorkerErrors, Screen):
             self.query_one(StatusLine).say("loading", p.message)
 
     async def on_chat_screen_loaded(self, event: Loaded) -> None:
-        if event.target != self.loading_target:  # a load that was superseded: not wanted any more
-            event.session.close()
+        loaded = event.loaded
+        if loaded.target != self.loading_target:  # superseded: the service closes it for the next load
             return
-        if self.session is not None:
-            self.session.close()
-        self.session, self.model_path, self.plan = event.session, event.path, event.plan
-        self.loaded_session, self._counted = event.session, None
-        self.loaded_target, self.loading_target = event.target, None
+        self.model_path, self.plan, self._counted = loaded.path, loaded.plan, None
+        self.loading_target = None
         self.query_one("#load-panel").display = False
         status = self.query_one(StatusLine)
         status.model_name = self.model_name
-        status.say("ready", limits_words(event.session.max_parallel, event.plan.workload.context),
-                   "CPU only" if event.plan.main_device == "cpu" else "", event.session.decode_path)
+        status.say("ready", limits_words(loaded.session.max_parallel, loaded.plan.workload.context),
+                   "CPU only" if loaded.plan.main_device == "cpu" else "", loaded.session.decode_path)
         self.refresh_bindings()
         self.query_one(PromptInput).focus()
-        if self.app.settings.record_stats and not event.session.counts_experts:
+        if self.app.settings.record_stats and not loaded.session.counts_experts:
             self.notify("llama.cpp does not report which experts it uses: usage is not recorded with this model.",
                         severity="warning", timeout=10)
 
-    def unload(self, why: str) -> str:
-        """Close the model to free its memory for ``why`` (a few words: "for the benchmark").
-        Returns why it cannot, or "" when done; the chat loads the model again when shown."""
-        if self.generating:
-            return "the chat is answering: stop it (Esc) or let it finish first"
-        server = getattr(self.app, "api_server", None)
-        if server is not None and server.running:
-            return "the API server is serving this model: stop it first (F7)"
-        if self.loading_target is not None:
-            self.load_cancel.cancel()
-        if self.session is not None:
-            self.session.close()
-            self.session = self.loaded_session = None
-            self._counted = None
-            self.loaded_target = None
-            self.query_one(StatusLine).say(f"unloaded {why}; it loads again when you come back to the chat")
-            self.refresh_bindings()
-        return ""
+    def on_chat_screen_unloaded(self, event: Unloaded) -> None:
+        """The model went for other work; the chat loads it again when shown."""
+        self._counted = None
+        self.query_one(StatusLine).say(f"unloaded {event.why}; it loads again when you come back to the chat")
+        self.refresh_bindings()
 
     def on_chat_screen_load_stopped(self, event: LoadStopped) -> None:
+        if event.target != self.loading_target:  # a load another one replaced: that one goes on
+            return
         self.loading_target = None
         self.query_one("#load-panel").display = False
         self.query_one(StatusLine).say(f"{event.message}; Ctrl+L loads it again")
@@ -286,8 +276,8 @@ class ChatScreen(ReportsWorkerErrors, Screen):
             self.notify("Stop the answer first (Esc).", severity="warning")
             return
         if self.app.model:
-            self.loaded_target = self.failed_target = None
-            self.load((self.app.model, self.app.plan))
+            self.failed_target = None
+            self.load((self.app.model, self.app.plan))  # the service closes the loaded copy first
 
     # ---- sending and generating ------------------------------------------------------------------
 
@@ -636,10 +626,9 @@ class ChatScreen(ReportsWorkerErrors, Screen):
         self.notify("No code block in this conversation.", severity="warning")
 
     def on_unmount(self) -> None:
+        # The model is the App's model service's: the App closes it as it quits.
         self.cancel.cancel()
         self.load_cancel.cancel()
-        if self.session is not None:
-            self.session.close()
 
 
 class MessageDoesNotFit(HybridMoeError):

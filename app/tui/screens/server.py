@@ -1,5 +1,6 @@
-"""The API server dialog (F7): serve the chat's model over the OpenAI API, see its address
-and the requests it is answering, stop it. Closing the dialog leaves the server running."""
+"""The API server dialog (F7): serve the loaded model (the chat's) over the OpenAI API, see
+its address and the requests it is answering, stop it. Closing the dialog leaves the server
+running."""
 
 from __future__ import annotations
 
@@ -20,17 +21,8 @@ _RECENT = 5
 _REFRESH_S = 0.5
 
 
-def chat_screen(app):
-    """The chat screen, if the chat mode has been opened (it holds the loaded model)."""
-    try:
-        stack = app.get_screen_stack("chat")
-    except KeyError:
-        return None
-    return stack[0] if stack else None
-
-
 def watch_model(app, control: ChatModelServer) -> None:
-    """Stop the server once the chat no longer has the model it serves (another was loaded)."""
+    """Stop the server once the model it serves is gone (another was loaded, or it was unloaded)."""
     if control.model_gone():
         model = control.model
         control.stop()
@@ -87,8 +79,7 @@ class ServerScreen(ModalScreen[None]):
             status.update(f"Serving [b]{escape(control.model)}[/b] at [b]{escape(control.url)}[/b] (the base URL "
                           f"for OpenAI clients), {at_once}.\nEsc closes this dialog; the server keeps running.")
         else:
-            chat = chat_screen(self.app)
-            loaded = chat is not None and chat.session is not None
+            loaded = self.app.models.loaded is not None
             status.update("Stopped. Start serves the chat's model to programs on "
                           + ("this machine (or others, with a host and an API key)." if loaded else
                              "this machine, once a model is loaded (F2)."))
@@ -120,7 +111,7 @@ class ServerScreen(ModalScreen[None]):
         try:
             if not port_text.isdigit() or int(port_text) > 65535:
                 raise UsageError(f"{port_text!r} is not a TCP port", "Give a number from 1 to 65535, such as 8000.")
-            self.control.start(chat_screen(self.app), host, int(port_text), key)
+            self.control.start(self.app.services, host, int(port_text), key)
         except HybridMoeError as error:
             self.app.show_error(error)
             return
