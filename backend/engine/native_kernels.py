@@ -49,7 +49,7 @@ def available() -> bool:
 
 
 def isa() -> str:
-    """The native kernel set in use ("avx512_vnni", "avx2", "scalar"), or why there is none."""
+    """The native kernel set in use ("avx512_amx", "avx512_vnni", "avx2", "scalar"), or why there is none."""
     if _native is None:
         return f"unavailable ({_IMPORT_ERROR or 'not built'})"
     return _native.isa()

@@ -20,8 +20,10 @@ std::vector<const KernelTable*> supported_tables() {
     // kernel or hypervisor that disabled AVX-512 is respected.
     if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
         __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vnni") &&
-        __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
+        __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) {
+        if (amx_usable()) v.push_back(kernels_avx512_amx());
         v.push_back(kernels_avx512());
+    }
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
         v.push_back(kernels_avx2());
 #endif
@@ -200,15 +202,23 @@ std::string self_test(const KernelTable* t) {
         for (int k = 0; k < 256; ++k)
             for (int r = ROWS; r < P2; ++r)
                 if (p2[size_t(k * P2 + r)] != 0.f) return what + "panel padding is not zero";
-        std::vector<float> c1(size_t(NT) * P1, 0.f), c2(size_t(NT) * P2, 0.f);
         const float* as[NT] = {x.data(), x.data() + K, x.data() + 2 * K};
-        ref->gemm_panels(as, NT, p1.data(), 1, 256, c1.data(), P1);
-        t->gemm_panels(as, NT, p2.data(), 1, 256, c2.data(), P2);
-        float cm = 0.f;
-        for (float v : c1) cm = std::fmax(cm, std::fabs(v));
-        for (int i = 0; i < NT; ++i)
-            for (int r = 0; r < ROWS; ++r)
-                if (!close(c1[size_t(i * P1 + r)], c2[size_t(i * P2 + r)], cm, 1e-5f)) return what + "gemm differs";
+        // The bf16 GEMM is held to the reference on the same values rounded to bf16.
+        std::vector<float> xr(x), p1r(p1);
+        for (float& v : xr) v = bf16_to_f32(f32_to_bf16(v));
+        for (float& v : p1r) v = bf16_to_f32(f32_to_bf16(v));
+        const float* asr[NT] = {xr.data(), xr.data() + K, xr.data() + 2 * K};
+        for (int bf16 = 0; bf16 < (t->gemm_panels_bf16 ? 2 : 1); ++bf16) {
+            std::vector<float> c1(size_t(NT) * P1, 0.f), c2(size_t(NT) * P2, 0.f);
+            ref->gemm_panels(bf16 ? asr : as, NT, (bf16 ? p1r : p1).data(), 1, 256, c1.data(), P1);
+            (bf16 ? t->gemm_panels_bf16 : t->gemm_panels)(as, NT, p2.data(), 1, 256, c2.data(), P2);
+            float cm = 0.f;
+            for (float v : c1) cm = std::fmax(cm, std::fabs(v));
+            for (int i = 0; i < NT; ++i)
+                for (int r = 0; r < ROWS; ++r)
+                    if (!close(c1[size_t(i * P1 + r)], c2[size_t(i * P2 + r)], cm, 1e-5f))
+                        return what + (bf16 ? "bf16 gemm differs" : "gemm differs");
+        }
     }
 
     std::vector<float> h1(37), h2(37);

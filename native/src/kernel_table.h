@@ -60,13 +60,16 @@ using AttendRunFn = void (*)(const float* q, int group, int64_t D, int64_t Dv, c
 using RowsAxpyFn = void (*)(Format fmt, const uint8_t* rows, int64_t stride, int64_t m, int64_t n, const float* const* x,
                             int ntok, float* const* out);
 
+// One i-quant super-block (256 values) as integers: value k = d * scale[k / 16] * v[k].
+using IqUnpackFn = void (*)(const uint8_t* block, int8_t* v, int16_t* scale, float* d);
+
 constexpr int kMaxGemvTokens = 4;
 
 // A prefill switch point no call reaches: the GEMV path at every token count.
 constexpr int kNeverPrefill = 1 << 30;
 
 struct KernelTable {
-    const char* name;  // "avx512_vnni", "avx2", "scalar"
+    const char* name;  // "avx512_amx", "avx512_vnni", "avx2", "scalar"
     int panel;         // rows per prefill panel (one or two vector widths)
     QuantizeFn quantize;
     GemvQ8Fn gemv_q8[FMT_COUNT];     // null for float formats
@@ -74,8 +77,15 @@ struct KernelTable {
     // for all of them (the i-quants, whose decoding costs more than their dot products).
     bool gemv_any_tokens[FMT_COUNT];
     GemvF32Fn gemv_f32[FMT_COUNT];   // null for quantized formats
+    // A prompt's rows of the format, any number of tokens: where set (AMX tiles), they take
+    // this instead of gemv_q8 at every count (see prompt_gemv).
+    GemvQ8Fn prompt_q8[FMT_COUNT];
+    IqUnpackFn iq_unpack[FMT_COUNT];  // the i-quants (x86 sets)
     DequantPanelFn dequant_panel;    // all formats
     GemmPanelsFn gemm_panels;
+    // The same product on bf16 operands (AMX tiles), sums in fp32; null where the CPU has no
+    // bf16 tiles. See gemm_for.
+    GemmPanelsFn gemm_panels_bf16;
     SiluMulFn silu_mul;
     GptOssGluFn gptoss_glu;
     AttendRunFn attend_run;
@@ -87,10 +97,39 @@ inline int64_t gemv_step(const KernelTable& kt, Format fmt, int64_t n) {
     return kt.gemv_any_tokens[fmt] ? n : kMaxGemvTokens;
 }
 
+// Whether a call may multiply on bf16 tiles: where the table has them, the activations came
+// in bf16 (so rounding them loses nothing: a float32 model keeps float32 sums of float32
+// values) and rounding a weight to bf16 loses nothing the format holds (bf16 itself) or far
+// less than its quantization did (every quantized format: 2^-9 of a weight against 2^-3 to
+// 2^-8 steps); never for f32 and f16 weights, which llama.cpp multiplies at their own precision.
+inline bool on_tiles(const KernelTable& kt, Format fmt, bool bf16_acts) {
+    return bf16_acts && kt.gemm_panels_bf16 && fmt != FMT_F32 && fmt != FMT_F16;
+}
+
+// The GEMM for panels dequantized from `fmt` (see on_tiles).
+inline GemmPanelsFn gemm_for(const KernelTable& kt, Format fmt, bool bf16_acts) {
+    return on_tiles(kt, fmt, bf16_acts) ? kt.gemm_panels_bf16 : kt.gemm_panels;
+}
+
+// The GEMV of `fmt` for a prompt's rows (prompt) or a decode step's, and the tokens one call
+// takes out of `n`. A prompt's rows take one kernel at every count, so that a token's result
+// does not depend on how many tokens share its call: the table's prompt GEMV where it has one
+// and the call may use tiles (on_tiles), else the decode GEMV.
+struct GemvChoice {
+    GemvQ8Fn fn;
+    int64_t step;
+};
+inline GemvChoice gemv_for(const KernelTable& kt, Format fmt, int64_t n, bool prompt, bool bf16_acts) {
+    if (prompt && kt.prompt_q8[fmt] && on_tiles(kt, fmt, bf16_acts)) return {kt.prompt_q8[fmt], n};
+    return {kt.gemv_q8[fmt], gemv_step(kt, fmt, n)};
+}
+
 const KernelTable* kernels_scalar();
 #if defined(HMOE_HAVE_X86_VARIANTS)
 const KernelTable* kernels_avx2();
 const KernelTable* kernels_avx512();
+const KernelTable* kernels_avx512_amx();  // only where amx_usable()
+bool amx_usable();                        // AMX-BF16 present and its tile state granted to this process
 #endif
 
 }  // namespace hmoe

@@ -474,3 +474,17 @@ static void gemv_q8_iq(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t 
     if (ntok > kMaxGemvTokens) return gemv_iq_many<F>(w, row0, nrows, K, acts, ntok, out, ldo);
     by_tokens<IqG<F>::template G>(w, row0, nrows, K, acts, ntok, out, ldo);
 }
+
+// One super-block as plain integers, for kernels that multiply elsewhere (the AMX prompt
+// kernel, kernels_amx.cpp): value k = d * scale[k / 16] * v[k], v signed (|v| <= 127).
+template <Format F>
+static void iq_unpack(const uint8_t* block, int8_t* v, int16_t* scale, float* d) {
+    const IqBlock<F> blk(block);
+    for (int q = 0; q < 8; ++q) {
+        const IqQuarter a = blk.quarter(q);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(v + 32 * q), with_signs(a.mag, a.sign));
+        scale[2 * q] = int16_t(_mm256_extract_epi16(a.scale, 0));
+        scale[2 * q + 1] = int16_t(_mm256_extract_epi16(a.scale, 8));
+    }
+    *d = blk.d();
+}

@@ -2049,6 +2049,14 @@ static const KernelTable* make_table(const char* name) {
         q8[FMT_IQ1_M] = gemv_q8_iq<FMT_IQ1_M>;
         for (Format f : {FMT_IQ4_XS, FMT_IQ2_XXS, FMT_IQ2_XS, FMT_IQ2_S, FMT_IQ3_XXS, FMT_IQ3_S, FMT_IQ1_S, FMT_IQ1_M})
             t.gemv_any_tokens[f] = true;
+        t.iq_unpack[FMT_IQ4_XS] = iq_unpack<FMT_IQ4_XS>;
+        t.iq_unpack[FMT_IQ2_XXS] = iq_unpack<FMT_IQ2_XXS>;
+        t.iq_unpack[FMT_IQ2_XS] = iq_unpack<FMT_IQ2_XS>;
+        t.iq_unpack[FMT_IQ2_S] = iq_unpack<FMT_IQ2_S>;
+        t.iq_unpack[FMT_IQ3_XXS] = iq_unpack<FMT_IQ3_XXS>;
+        t.iq_unpack[FMT_IQ3_S] = iq_unpack<FMT_IQ3_S>;
+        t.iq_unpack[FMT_IQ1_S] = iq_unpack<FMT_IQ1_S>;
+        t.iq_unpack[FMT_IQ1_M] = iq_unpack<FMT_IQ1_M>;
         q8[FMT_Q4_0_X8] = gemv_q8_x8<FMT_Q4_0_X8>;
         q8[FMT_INT4_X8] = gemv_q8_x8<FMT_INT4_X8>;
         q8[FMT_Q4_K_X8] = gemv_q8_q4kx8;

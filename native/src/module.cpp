@@ -664,7 +664,7 @@ NB_MODULE(_native, m) {
     m.doc() = "Native CPU kernels for quantized MoE experts (see native/ in the source tree).";
 
     m.def("isa", [] { return std::string(current_table()->name); },
-          "The kernel set in use: 'avx512_vnni', 'avx2' or 'scalar'.");
+          "The kernel set in use: 'avx512_amx', 'avx512_vnni', 'avx2' or 'scalar'.");
     m.def(
         "set_isa",
         [](const std::string& name) {
@@ -690,11 +690,13 @@ NB_MODULE(_native, m) {
             // in (the x8 copy where one is made); None: the GEMV path at every count.
             nb::dict experts, dense;
             nb::list prompt_gemv;  // formats whose prompts take the GEMV at every count
+            nb::list prompt_tiles;  // ... and of those, the ones whose prompt GEMV is on bf16 tiles
             for (int i = 0; i < FMT_COUNT; ++i) {
                 const Format f = Format(i);
                 if (kFormats[f].row_group != 1 || kFormats[f].float_acts) continue;
                 const Format used = interleaved_format(f) == FMT_COUNT ? f : interleaved_format(f);
-                if (prompt_takes_gemv(current_table()->name, used)) prompt_gemv.append(kFormats[f].name);
+                if (prompt_takes_gemv(*current_table(), used, true)) prompt_gemv.append(kFormats[f].name);
+                if (current_table()->prompt_q8[used]) prompt_tiles.append(kFormats[f].name);
                 const int e = default_prefill_min_tokens(*current_table(), used);
                 const int l = dense_prefill_min_tokens(*current_table(), used);
                 experts[kFormats[f].name] = e >= kNeverPrefill ? nb::none() : nb::cast(e);
@@ -703,10 +705,13 @@ NB_MODULE(_native, m) {
             d["prefill_min_tokens"] = experts;
             d["dense_prefill_min_tokens"] = dense;
             d["prompt_gemv"] = prompt_gemv;
+            d["prompt_tiles"] = prompt_tiles;
+            // The GEMM on bf16 tiles for bf16 activations and every format but f32 and f16 (on_tiles).
+            d["gemm_bf16"] = current_table()->gemm_panels_bf16 != nullptr;
             return d;
         },
-        "The kernel set, why a better one was refused, the CPU's variants, threads, NUMA nodes and the "
-        "decode/prefill switch points by stored format.");
+        "The kernel set, why a better one was refused, the CPU's variants, threads, NUMA nodes, the "
+        "decode/prefill switch points by stored format and where the set multiplies on bf16 tiles.");
     m.def("formats", [] {
         std::vector<std::string> v;
         for (const auto& f : kFormats) v.push_back(f.name);

@@ -21,9 +21,10 @@ Format interleaved_format(Format fmt) {
     return FMT_COUNT;
 }
 
-bool prompt_takes_gemv(const char* kernels, Format fmt) {
-    if (std::strcmp(kernels, "scalar") == 0) return false;
-    const bool avx512 = std::strncmp(kernels, "avx512", 6) == 0;
+bool prompt_takes_gemv(const KernelTable& kt, Format fmt, bool bf16_acts) {
+    if (std::strcmp(kt.name, "scalar") == 0) return false;
+    if (kt.prompt_q8[fmt] && on_tiles(kt, fmt, bf16_acts)) return true;
+    const bool avx512 = std::strncmp(kt.name, "avx512", 6) == 0;
     return kFormats[fmt].row_group == 8 || interleaved_format(fmt) != FMT_COUNT || gemv_at_every_count(fmt) ||
            (avx512 && iq_prompt_gemv(fmt));
 }

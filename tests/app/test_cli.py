@@ -47,7 +47,7 @@ def test_doctor_json_has_the_documented_keys(home):
     for g in d["gpus"]:
         assert {"name", "total_bytes", "free_bytes", "compute_capability"} <= set(g)
     assert "disk" in d and "unknown" in d
-    assert d["cpu_kernels"]["isa"] in ("avx512_vnni", "avx2", "scalar")  # the extension is built here
+    assert d["cpu_kernels"]["isa"] in ("avx512_amx", "avx512_vnni", "avx2", "scalar")  # the extension is built here
 
 
 def test_doctor_text_names_the_sections(home):
@@ -56,7 +56,7 @@ def test_doctor_text_names_the_sections(home):
     for section in ("CPU", "Memory", "GPUs"):
         assert f"\n{section}\n" in f"\n{r.stdout}"
     kernels = next(line for line in r.stdout.splitlines() if line.strip().startswith("CPU kernels"))
-    assert any(name in kernels for name in ("avx512_vnni", "avx2", "scalar")) and "threads" in kernels
+    assert any(name in kernels for name in ("avx512_amx", "avx512_vnni", "avx2", "scalar")) and "threads" in kernels
 
 
 def test_plan_kimi_on_a_preset_prints_checkable_figures(home):

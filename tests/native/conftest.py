@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from hybridmoe.backend.engine import native_kernels
 
@@ -17,3 +18,21 @@ def isa(request):
     _native.set_isa(request.param)
     yield request.param
     _native.set_isa("")
+
+
+def bf16(t):
+    """t's values rounded to bf16 (nearest even), back in fp32."""
+    return t.bfloat16().float()
+
+
+def gemm_on_tiles(fmt: str, acts: torch.dtype) -> bool:
+    """Whether the kernel set in use multiplies `fmt`'s dequantized panels on bf16 operands
+    (AMX tiles, for activations that come in bf16: every format but f32 and f16), so that its
+    GEMM matches the fp32 reference on bf16-rounded weights instead."""
+    return bool(_native.isa_info()["gemm_bf16"]) and acts == torch.bfloat16 and fmt not in ("f32", "f16")
+
+
+def prompt_on_tiles(fmt: str, acts: torch.dtype) -> bool:
+    """Whether a prompt's rows of `fmt` take the set's bf16-tile GEMV (AMX: the i-quants, for
+    activations that come in bf16), which rounds the Q8 activations and the weights to bf16."""
+    return acts == torch.bfloat16 and fmt in _native.isa_info()["prompt_tiles"]

@@ -26,7 +26,7 @@ from hybridmoe.backend.engine.native_linear import NativeLinear
 from hybridmoe.backend.formats.weights import dense
 from hybridmoe.backend.hardware.memory import read_transparent_hugepages
 
-from tests.native.conftest import ISAS
+from tests.native.conftest import ISAS, bf16, gemm_on_tiles
 
 from .test_native_experts import act_group, q8, rel_err
 
@@ -47,17 +47,21 @@ def as_float(w) -> torch.Tensor:
     return dense(w, torch.float32, "cpu")
 
 
+@pytest.mark.parametrize("acts", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens", [1, 3, 5, 23, 24, 64, 300])
 @pytest.mark.parametrize("fmt", ALL_FORMATS)
-def test_matches_reference(isa, fmt, tokens):
+def test_matches_reference(isa, fmt, tokens, acts):
     w = matrix(fmt, seed=tokens)
     lin = NativeLinear(w)
-    x = torch.randn(tokens, lin.in_features, generator=torch.Generator().manual_seed(tokens))
+    x = torch.randn(tokens, lin.in_features, generator=torch.Generator().manual_seed(tokens)).to(acts)
     ref_w = as_float(w)
-    out = lin(x)
+    out = lin(x, float32=True)
+    x = x.float()
     assert out.dtype == torch.float32 and out.shape == (tokens, lin.out_features)
     gemv = tokens < lin.native.prefill_min_tokens
-    if fmt in FLOAT_FORMATS or not gemv:
+    if not gemv and gemm_on_tiles(fmt, acts):  # bf16 weights (the activations are), fp32 sums
+        assert rel_err(out, F.linear(x, bf16(ref_w))) < 1e-5
+    elif fmt in FLOAT_FORMATS or not gemv:
         assert rel_err(out, F.linear(x, ref_w)) < 1e-5
     else:
         assert rel_err(out, F.linear(q8(x, act_group(fmt)), ref_w)) < 5e-3

@@ -88,8 +88,8 @@ def test_their_prompts_take_one_path_by_format(fmt):
     """q4_1/q5_1/iq4_nl take the GEMV at every count; the i-quants switch to dequantized panels
     and the GEMM at their measured switch point (both experts and dense projections), past
     the four tokens a GEMV pass serves, and their prompts take one path: on AVX-512 the GEMV
-    (which decodes a super-block once for all of a call's tokens) but for iq4_xs, elsewhere
-    the GEMM. The portable set's GEMM is the faster from one token."""
+    (which decodes a super-block once for all of a call's tokens) but for iq4_xs, with AMX
+    the GEMV on bf16 tiles for all, elsewhere the GEMM. The portable set's GEMM is the faster from one token."""
     for name in ISAS:
         _native.set_isa(name)
         try:
@@ -102,7 +102,9 @@ def test_their_prompts_take_one_path_by_format(fmt):
                 assert experts is None and dense is None and prompt_gemv
             else:
                 assert 4 < experts <= 256 and experts == dense
-                assert prompt_gemv == (name.startswith("avx512") and fmt != "iq4_xs")
+                # AMX: every i-quant's prompt GEMV runs on bf16 tiles (prompt_tiles).
+                assert prompt_gemv == (name == "avx512_amx" or (name.startswith("avx512") and fmt != "iq4_xs"))
+                assert (fmt in info["prompt_tiles"]) == (name == "avx512_amx")
         finally:
             _native.set_isa("")
 

@@ -28,6 +28,7 @@ The SIMD kernel sets are also compared with the portable one on identical Q8 inp
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
 
 import numpy as np
@@ -45,11 +46,12 @@ from hybridmoe.backend.bench.synthetic_experts import (
 from hybridmoe.backend.engine import native_experts, native_kernels
 from hybridmoe.backend.engine.experts import (
     ExpertActivation,
+    ExpertMatrices,
     HostExperts,
     ResidentExperts,
     experts_forward,
 )
-from tests.native.conftest import ISAS
+from tests.native.conftest import ISAS, bf16, gemm_on_tiles, prompt_on_tiles
 
 pytestmark = pytest.mark.skipif(not native_kernels.available(), reason="native extension not built")
 
@@ -108,36 +110,61 @@ def q8(x: torch.Tensor, group: int = 32) -> torch.Tensor:
     return (q * d).reshape(x.shape)
 
 
-def emulated(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, ref: ResidentExperts, rounded,
-             group: int) -> torch.Tensor:
-    """The reference math with q8-rounded activations for the experts `rounded(n_tokens)` says."""
+def on_tiles(m: ExpertMatrices) -> ExpertMatrices:
+    """An expert's weights as the bf16 tiles take them (biases stay fp32)."""
+    return dataclasses.replace(m, **{f: bf16(getattr(m, f)) for f in ("down", "gate_up", "gate", "up")
+                                     if getattr(m, f) is not None})
+
+
+def emulated(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, ref: ResidentExperts, rounding) -> torch.Tensor:
+    """The reference math with the activations rounded as `rounding(n_tokens)` says for an
+    expert of that many tokens: (round, tiles), `round` (or None) applied to x and to the
+    intermediate, the weights rounded to bf16 where `tiles`."""
     out = torch.zeros(x.shape, dtype=torch.float32)
     for e in ref.ids:
         tok, slot = (ids == e).nonzero(as_tuple=True)
         if not len(tok):
             continue
-        m = ref.weights_of(e)
-        r = (lambda v: q8(v, group)) if rounded(len(tok)) else (lambda v: v)
+        r, tiles = rounding(len(tok))
+        r = r or (lambda v: v)
+        m = on_tiles(ref.weights_of(e)) if tiles else ref.weights_of(e)
         y = F.linear(r(ref.act(r(x[tok]), m)), m.down, m.down_bias)
         out.index_add_(0, tok, y * w[tok, slot][:, None])
     return out
 
 
+def kernel_rounding(fmt: str, path: str, acts: torch.dtype):
+    """(round, tiles) for a path of the kernel set in use, activations of dtype `acts`: "gemv"
+    (Q8 activations; none for the float formats), "gemm" (none; bf16 weights on tiles),
+    "prompt" (the GEMV, or the prompt GEMV on tiles of the formats that have one: Q8
+    activations, then bf16)."""
+    group = act_group(fmt)
+    if path == "gemm":
+        return (bf16, True) if gemm_on_tiles(fmt, acts) else (None, False)
+    if fmt in FLOAT_FORMATS:
+        return None, False
+    if path == "prompt" and prompt_on_tiles(fmt, acts):
+        return (lambda v: bf16(q8(v, group))), True
+    return (lambda v: q8(v, group)), False
+
+
 def check(experts: HostExperts, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, regime: str, fmt: str) -> None:
     res = reference(experts)
-    x = x.float() if x.dtype == torch.bfloat16 else x
-    ref = experts_forward(x.float(), ids, w, res)
     native = native_experts.native_for(experts)
     assert native is not None, native_experts.unsupported_reason(experts)
     out = native.forward(x, ids, w, regime=regime)
+    acts, x = x.dtype, x.float()
+    ref = experts_forward(x, ids, w, res)
     assert out.dtype == torch.float32 and out.shape == ref.shape
-    if regime == "prefill" or fmt in FLOAT_FORMATS:
-        err = rel_err(out, ref)
+    threshold = native.layer.prefill_min_tokens
+    path = {"decode": lambda n: "gemv", "prefill": lambda n: "gemm", "prompt": lambda n: "prompt",
+            "auto": lambda n: "gemv" if n < threshold else "gemm"}[regime]
+    rounds = lambda n: kernel_rounding(fmt, path(n), acts)  # noqa: E731
+    if all(rounds(n) == (None, False) for n in range(1, len(x) + 1)):
+        err = rel_err(out, ref)  # nothing rounded: fp32 math up to the order of the sums
         assert err < EXACT_TOL, f"{fmt} {regime}: relative error {err:.3g} (tolerance {EXACT_TOL})"
         return
-    threshold = native.layer.prefill_min_tokens
-    em = emulated(x, ids, w, res, (lambda n: True) if regime == "decode" else (lambda n: n < threshold),
-                  act_group(fmt))
+    em = emulated(x, ids, w, res, rounds)
     err, bound = rel_err(out, em), rel_err(out, ref)
     assert err < EMULATION_TOL, f"{fmt} {regime}: relative error {err:.3g} vs the q8 emulation"
     assert bound < DECODE_BOUND, f"{fmt} {regime}: relative error {bound:.3g} vs the fp32 reference"
@@ -157,6 +184,7 @@ def test_matches_reference(isa, fmt, regime):
         x = torch.from_numpy(rng.standard_normal((T, H)).astype(np.float32))
         ids, w = random_routing(rng, T, E, k, pad=0.1)
         check(experts, x, ids, w, regime, fmt)
+        check(experts, x.bfloat16(), ids, w, regime, fmt)  # the engine's usual activations
 
 
 @pytest.mark.parametrize("fmt", ["q4_0", "int4_g32", "q4_k", "q8_0"])
@@ -195,19 +223,24 @@ def test_a_format_without_an_x8_layout_is_read_in_place_from_process_memory():
     assert (native.layer.format, native.layer.down_format, native.layer.interleaved_bytes) == ("q6_k", "q6_k", 0)
 
 
-@pytest.mark.parametrize("fmt", ["q4_0", "q4_k", "q6_k", "bf16"])
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_k", "q6_k", "bf16", "iq2_xxs"])
 def test_prompt_rows_take_one_regime_by_format_at_any_count(isa, fmt):
     """The prompt regime: the decode regime for the formats with a row-interleaved copy (its
-    integer GEMV is the faster at every count), the prefill regime for the rest, whatever each
-    expert's count, so that a prompt's numbers do not depend on how it was split into chunks."""
+    integer GEMV is the faster at every count) and on AVX-512 the i-quants, the prefill regime
+    for the rest (with AMX, the i-quants' own GEMV on bf16 tiles), whatever each expert's count,
+    so that a prompt's numbers do not depend on how it was split into chunks."""
     rng = np.random.default_rng(zlib.crc32(fmt.encode()))
     H, I = sizes(fmt)
-    native = native_experts.NativeExperts(make_host_experts(rng, fmt, 6, H, I, range(6)))
-    x = torch.from_numpy(rng.standard_normal((40, H)).astype(np.float32))
+    experts = make_host_experts(rng, fmt, 6, H, I, range(6))
+    native = native_experts.NativeExperts(experts)
+    x = torch.from_numpy(rng.standard_normal((40, H)).astype(np.float32)).bfloat16()
     ids, w = random_routing(rng, 40, 6, 3)
     whole = native.forward(x, ids, w, regime="prompt")
-    gemv = fmt in ("q4_0", "q4_k") and isa != "scalar"
-    assert torch.equal(whole, native.forward(x, ids, w, regime="decode" if gemv else "prefill"))
+    if prompt_on_tiles(fmt, x.dtype):
+        check(experts, x, ids, w, "prompt", fmt)
+    else:
+        gemv = isa != "scalar" and (fmt in ("q4_0", "q4_k") or (fmt == "iq2_xxs" and isa.startswith("avx512")))
+        assert torch.equal(whole, native.forward(x, ids, w, regime="decode" if gemv else "prefill"))
     for a, b in ((0, 1), (1, 14), (14, 40)):
         assert torch.equal(native.forward(x[a:b], ids[a:b], w[a:b], regime="prompt"), whole[a:b]), (a, b)
 

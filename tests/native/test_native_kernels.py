@@ -44,6 +44,6 @@ def test_without_the_extension_every_kernel_user_falls_back(monkeypatch):
 @pytest.mark.skipif(not native_kernels.available(), reason="native extension not built")
 def test_isa_is_reported():
     info = native_kernels.isa_info()
-    assert info["isa"] in ("avx512_vnni", "avx2", "scalar")
+    assert info["isa"] in ("avx512_amx", "avx512_vnni", "avx2", "scalar")
     assert native_kernels.isa() == info["isa"]
     assert info["threads"] >= 1 and info["numa_nodes"] >= 1
