@@ -108,7 +108,7 @@ class Session(Protocol):
     # Whether it counts which routed experts each token chose (``save_expert_stats``).
     counts_experts: bool
     # Which path computes each new token and why, one line ("decode: native chain, all 48
-    # layers"): the engine's plan per layer group (``engine/decode_path``), or llama.cpp's.
+    # layers"): the engine's plan per layer group (``plan/decode_path``), or llama.cpp's.
     decode_path: str
 
     def generate(self, messages: Sequence[Message], sampling, cancel: CancelToken | None = None) -> Iterator[Event]: ...

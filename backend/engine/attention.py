@@ -20,12 +20,13 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from hybridmoe.backend.engine import decode_path, paged_decode
+from hybridmoe.backend.engine import paged_decode
 from hybridmoe.backend.engine.kv_cache import PagedKV, Segment, causal_mask
 from hybridmoe.backend.engine.layers import Linear, RMSNorm
 from hybridmoe.backend.engine.native_attention import decode_attention
 from hybridmoe.backend.engine.native_linear import NativeLinear
 from hybridmoe.backend.engine.rope import Rotary
+from hybridmoe.backend.models.layer_description import GroupedQueryAttention
 
 # Upper bound on score elements materialised at once by eager_attention (per query chunk).
 _EAGER_SCORE_BUDGET = 1 << 24
@@ -158,8 +159,8 @@ class Attention(nn.Module):
         self.register_buffer("sinks", sinks, persistent=False)
         self.scale = head_dim**-0.5
 
-    def describe(self) -> decode_path.GroupedQueryAttention:
-        return decode_path.GroupedQueryAttention(
+    def describe(self) -> GroupedQueryAttention:
+        return GroupedQueryAttention(
             heads=self.n_heads, kv_heads=self.n_kv_heads, head_dim=self.head_dim, value_dim=self.cache.v.shape[-1],
             qk_norm=None if self.q_norm is None else "per_head" if self.norm_per_head else "whole",
             window=self.cache.window, sinks=self.sinks is not None, clip_qkv=self.clip_qkv,
