@@ -77,8 +77,8 @@ struct KernelTable {
     // for all of them (the i-quants, whose decoding costs more than their dot products).
     bool gemv_any_tokens[FMT_COUNT];
     GemvF32Fn gemv_f32[FMT_COUNT];   // null for quantized formats
-    // A prompt's rows of the format, any number of tokens: where set (AMX tiles), they take
-    // this instead of gemv_q8 at every count (see prompt_gemv).
+    // A prompt's rows of the format, any number of tokens: where set (AMX tiles), calls of
+    // kPromptTilesMinTokens or more take this instead of gemv_q8 (see gemv_for).
     GemvQ8Fn prompt_q8[FMT_COUNT];
     IqUnpackFn iq_unpack[FMT_COUNT];  // the i-quants (x86 sets)
     DequantPanelFn dequant_panel;    // all formats
@@ -111,16 +111,26 @@ inline GemmPanelsFn gemm_for(const KernelTable& kt, Format fmt, bool bf16_acts) 
     return on_tiles(kt, fmt, bf16_acts) ? kt.gemm_panels_bf16 : kt.gemm_panels;
 }
 
+// Tokens from which a call of a prompt's rows takes the table's prompt GEMV (prompt_q8)
+// instead of the decode GEMV. Below it, unpacking every weight to bf16 costs more than the
+// tiles save: a 768 x 2048 expert matrix, one thread's CPU time, Xeon with AMX, GEMV / tiles
+// ms at 1 / 16 / 32 / 64 / 512 tokens, iq2_xxs: 0.08 / 0.40 / 0.70 / 1.82 / 18.3 against
+// 0.58 / 0.60 / 0.67 / 0.98 / 5.8 (iq3_xxs, iq2_s and iq1_m cross over at 24-32 too). So
+// these formats' prompt rows do depend on how many tokens share an expert's call, unlike
+// every other path's (prompt_takes_gemv): a chat turn's experts see one or two tokens each,
+// where the tiles would be five to seven times slower.
+constexpr int kPromptTilesMinTokens = 32;
+
 // The GEMV of `fmt` for a prompt's rows (prompt) or a decode step's, and the tokens one call
-// takes out of `n`. A prompt's rows take one kernel at every count, so that a token's result
-// does not depend on how many tokens share its call: the table's prompt GEMV where it has one
-// and the call may use tiles (on_tiles), else the decode GEMV.
+// takes out of `n`: the table's prompt GEMV where it has one, the call may use tiles
+// (on_tiles) and has enough tokens, else the decode GEMV.
 struct GemvChoice {
     GemvQ8Fn fn;
     int64_t step;
 };
 inline GemvChoice gemv_for(const KernelTable& kt, Format fmt, int64_t n, bool prompt, bool bf16_acts) {
-    if (prompt && kt.prompt_q8[fmt] && on_tiles(kt, fmt, bf16_acts)) return {kt.prompt_q8[fmt], n};
+    if (prompt && kt.prompt_q8[fmt] && on_tiles(kt, fmt, bf16_acts) && n >= kPromptTilesMinTokens)
+        return {kt.prompt_q8[fmt], n};
     return {kt.gemv_q8[fmt], gemv_step(kt, fmt, n)};
 }
 

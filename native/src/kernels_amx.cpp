@@ -168,9 +168,8 @@ void gemm_panels_amx(const float* const* a, int m, const float* w, int npanels, 
 // values likewise (q x d), and `tdpbf16ps` multiplies 16 rows x 16 tokens x 32 values at a
 // time, summing in fp32 over the whole row. Integer tiles on the codes were tried first:
 // each row's scale per 16 or 32 values forces every tile through registers, and at 32
-// tokens an expert that was no faster than the GEMV. Each token's sums are its own (no lane
-// depends on another token), so a prompt's rows take this kernel at every count
-// (KernelTable::prompt_q8).
+// tokens an expert that was no faster than the GEMV. Calls of 32 tokens or more take it
+// (kPromptTilesMinTokens, kernel_table.h).
 
 void configure_bf16_rows() {
     TileConfig cfg{};
