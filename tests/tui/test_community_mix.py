@@ -42,6 +42,10 @@ def test_the_parts_hold_the_mix(ud_parts, capsys):
     by_class = json.loads(capsys.readouterr().out)["inventory"]["types_by_class"]
     assert set(by_class["routed_experts"]) == {"iq2_xxs", "iq3_xxs"}
     assert "q4_k" in by_class["attention"] and set(by_class["lm_head"]) == {"q8_0"}
+    # The text names the experts' stored types, not the one type the file's metadata records.
+    assert main(["inspect", str(ud_parts[0])]) == 0
+    formats = next(line for line in capsys.readouterr().out.splitlines() if line.strip().startswith("formats"))
+    assert set(formats.split("experts ")[1].split(" ")[0].split("+")) == {"iq2_xxs", "iq3_xxs"}, formats
 
 
 def test_run_serves_it_on_the_engine_from_any_part(ud_parts, capsys):
