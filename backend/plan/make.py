@@ -445,11 +445,8 @@ class _Planner:
         common = dict(backend=backend, rate=rate, bound_host_bandwidth=mem.bandwidth_bytes_per_s,
                       cpu_flops_per_s=flops, cpu_moe_layers=cpu_layers, has_gpu=bool(gpus),
                       expert_decode=decoding, expert_bytes_per_weight=bytes_per_weight)
-        # The weights the CPU multiplies per conversation and step: what it reads, in weights.
-        host_weights = lay.single.host_bytes_per_step / bytes_per_weight
-        one = expected_decode(lay.single, host_weights=host_weights, users=1, **common)
-        many = expected_decode(lay.multi, host_weights=host_weights, users=wl.users, **common)
-        # Prefill: the CPU experts a token reaches, and CPU-only the always-read weights too.
+        # The weights the CPU multiplies for a token: the CPU experts it reaches, and CPU-only the
+        # always-read weights too (their elements: every class counted in the compute dtype).
         cpu_share = sum(self._cpu_share(layer, lay.gpu_experts[layer]) for layer in spec.moe_layers)
         expert_weights = self.k * spec.params_per_expert * cpu_share
         always_weights = 0.0
@@ -458,6 +455,11 @@ class _Planner:
             held = held_on_gpu(spec)
             always_weights = sum(held.bytes_by_class.get(c, 0) for c in (
                 TensorClass.ATTENTION, TensorClass.DENSE_FFN, TensorClass.SHARED_EXPERTS, TensorClass.LM_HEAD)) / dtype
+        # Decode: each conversation's token multiplies them (not the bytes read at the experts'
+        # bits a weight, which counted a bf16 attention's bytes as 8x its weights at 2 bits).
+        host_weights = expert_weights + always_weights
+        one = expected_decode(lay.single, host_weights=host_weights, users=1, **common)
+        many = expected_decode(lay.multi, host_weights=host_weights, users=wl.users, **common)
         chunk = min(wl.prefill_chunk, wl.context)
         streams = stream_min is not None and stream_min <= chunk and any(reserves)
         streamed = sum((self.E - len(lay.gpu_experts[layer])) * self.bpe[layer] for layer in spec.moe_layers)

@@ -62,7 +62,10 @@ def test_the_cpu_compute_limits_many_conversations(qwen30):
     """Two cores and 64 conversations: the CPU's multiply-adds, not the reads, set the step."""
     small = describe(host_ram="256GiB", cpu_model="Intel Xeon Gold 6454S", sockets=1, cores=2, features=["avx2"])
     plan = make(qwen30.spec, qwen30.inventory, small, Workload(context=1024, users=64, strategy="cpu-only"))
-    weights = plan.host_bytes_per_token / (qwen30.inventory.expert_bits_per_weight / 8)
+    # The weights a token multiplies: its 8 experts in each of the 48 MoE layers, and the
+    # always-read ones (two flops a weight per prompt token, as the prefill counts them).
+    weights = plan.prefill_cpu_flops_per_token / 2
+    assert weights > 48 * 8 * qwen30.spec.params_per_expert
     flops = cpu_flops(2, ("avx2",))
     assert plan.decode_tokens_per_s_per_user_expected == pytest.approx(flops / (2 * 64 * weights))
     assert "compute" in plan.decode_expected_how_per_user
