@@ -138,8 +138,10 @@ const KernelTable* kernels_scalar();
 #if defined(HMOE_HAVE_X86_VARIANTS)
 const KernelTable* kernels_avx2();
 const KernelTable* kernels_avx512();
+#if defined(HMOE_HAVE_AMX)
 const KernelTable* kernels_avx512_amx();  // only where amx_usable()
 bool amx_usable();                        // AMX-BF16 present and its tile state granted to this process
+#endif
 #endif
 
 }  // namespace hmoe

@@ -315,8 +315,8 @@ void prompt_iq(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t K, const
 bool amx_usable() {
     unsigned eax, ebx, ecx, edx;
     if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
-    const bool amx_bf16 = edx & (1u << 22), amx_tile = edx & (1u << 24), amx_int8 = edx & (1u << 25);
-    if (!amx_bf16 || !amx_tile || !amx_int8) return false;
+    const bool amx_bf16 = edx & (1u << 22), amx_tile = edx & (1u << 24);
+    if (!amx_bf16 || !amx_tile) return false;
     // Linux hands out the tile state (8 KiB of registers) per process, on request; without
     // it the first tile instruction kills the process. ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA.
     constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;
