@@ -5,9 +5,11 @@ valid blocks of each format, random routing) computes a prompt of `--tokens` tok
 prompt chunk ("prompt": each format's own path, see native prompt_takes_gemv), on the GEMV
 ("decode", the many-token form for the i-quants) and on dequantized panels and the GEMM
 ("prefill"); best of `--repeats`. CPU time of one thread, so that a shared machine's
-neighbours do not enter the figure. Run it with two builds of the extension to compare them:
-the i-quants' many-token GEMV took IQ2_XXS 551 -> 377 ms and IQ3_XXS 596 -> 405 ms here
-(Xeon with AVX-512, 512 tokens).
+neighbours do not enter the figure; bf16 activations, as the engine gives them. Run it with
+two builds of the extension (or two kernel sets: HYBRIDMOE_NATIVE_ISA=avx512_vnni) to compare
+them: the i-quants' many-token GEMV took IQ2_XXS 551 -> 377 ms and IQ3_XXS 596 -> 405 ms here
+(Xeon with AVX-512, 512 tokens); with AMX their prompts on bf16 tiles, IQ2_XXS 339 -> 250 ms,
+IQ2_S 373 -> 219 ms.
 
     python benchmarks/moe_prompt_regimes.py [--formats iq2_xxs iq3_xxs] [--tokens 512] [--repeats 3]
 """
@@ -35,7 +37,7 @@ def main() -> None:
     _native.set_num_threads(1)
     print(f"{native_kernels.isa()}, 1 thread, {args.tokens} tokens, {EXPERTS} experts of {HIDDEN} x {INTER}, "
           f"top {TOP_K}: CPU ms, best of {args.repeats}")
-    x = torch.randn(args.tokens, HIDDEN)
+    x = torch.randn(args.tokens, HIDDEN).bfloat16()  # the engine's activations
     for fmt in args.formats:
         layer = native_experts.native_for(make_layer(fmt, EXPERTS, HIDDEN, INTER))
         cells = []
