@@ -470,7 +470,7 @@ def table(summary: dict) -> str:
                      f"at most {_rate(e['decode_bound'])}); prefill {r['prefill_median']:.1f}, expected "
                      f"{_rate(e['prefill'])}")
     if expected.get("engine"):
-        lines.append(f"the plan's expected decode, the engine: {expected['engine']['decode_how']}")
+        lines.append(f"the plan's expected decode, {expected['engine']['decode_how']}")  # (its how names the engine)
         lines.append(f"the plan's expected prefill, the engine: {expected['engine']['prefill_how']}")
     if "decode_path" in engine:  # which executor computed the engine's tokens, and why
         lines.append(f"the engine's {engine['decode_path']}")
