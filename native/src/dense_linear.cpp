@@ -74,6 +74,7 @@ Workspace g_ws;
 struct Scratch {
     std::vector<float> w, tmp, c, y;
     std::vector<const float*> a;
+    std::vector<const uint16_t*> ab;  // the same rows in bf16 (on tiles)
 };
 thread_local Scratch tls;
 
@@ -174,20 +175,27 @@ void phase_gemm(void* ctx, int, int) {
     const int64_t ldc = int64_t(np_max) * P;
     float* C = grow(tls.c, size_t(c.T) * ldc);
     const float** a = grow(tls.a, size_t(c.T));
+    const uint16_t** ab = grow(tls.ab, size_t(c.T));
     for (;;) {
         const int64_t u = c.next.fetch_add(1, std::memory_order_relaxed);
         if (u >= int64_t(c.work.size())) return;
         const Unit& w = c.work[size_t(u)];
         const int rc = w.rows;
         const int np = (rc + P - 1) / P;
+        const bool tiles = on_tiles(*c.kt, w.fmt, c.x_bf16);
         std::fill(C, C + size_t(c.T) * ldc, 0.f);
         for (int64_t k0 = 0; k0 < c.K; k0 += kc_max) {
             const int kc = int(std::min<int64_t>(kc_max, c.K - k0));
             for (int p = 0; p < np; ++p)
                 c.kt->dequant_panel(w.fmt, *w.w, w.r0 + int64_t(p) * P, std::min(P, rc - p * P), k0, kc,
                                     W + int64_t(p) * kc * P, tmp);
-            for (int64_t t = 0; t < c.T; ++t) a[t] = c.x32 + t * c.K + k0;
-            gemm_for(*c.kt, w.fmt, c.x_bf16)(a, int(c.T), W, np, kc, C, ldc);
+            if (tiles) {  // the bf16 rows as they came
+                for (int64_t t = 0; t < c.T; ++t) ab[t] = static_cast<const uint16_t*>(c.x) + t * c.K + k0;
+                c.kt->gemm_panels_bf16(ab, int(c.T), W, np, kc, C, ldc);
+            } else {
+                for (int64_t t = 0; t < c.T; ++t) a[t] = c.x32 + t * c.K + k0;
+                c.kt->gemm_panels(a, int(c.T), W, np, kc, C, ldc);
+            }
         }
         for (int64_t t = 0; t < c.T; ++t) std::memcpy(c.out + t * c.N + w.col, C + t * ldc, size_t(rc) * 4);
     }

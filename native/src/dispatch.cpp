@@ -207,13 +207,18 @@ std::string self_test(const KernelTable* t) {
         const float* as[NT] = {x.data(), x.data() + K, x.data() + 2 * K};
         // The bf16 GEMM is held to the reference on the same values rounded to bf16.
         std::vector<float> xr(x), p1r(p1);
-        for (float& v : xr) v = bf16_to_f32(f32_to_bf16(v));
+        std::vector<uint16_t> xb(x.size());
+        for (size_t i = 0; i < x.size(); ++i) xr[i] = bf16_to_f32(xb[i] = f32_to_bf16(x[i]));
         for (float& v : p1r) v = bf16_to_f32(f32_to_bf16(v));
         const float* asr[NT] = {xr.data(), xr.data() + K, xr.data() + 2 * K};
+        const uint16_t* ab[NT] = {xb.data(), xb.data() + K, xb.data() + 2 * K};
         for (int bf16 = 0; bf16 < (t->gemm_panels_bf16 ? 2 : 1); ++bf16) {
             std::vector<float> c1(size_t(NT) * P1, 0.f), c2(size_t(NT) * P2, 0.f);
             ref->gemm_panels(bf16 ? asr : as, NT, (bf16 ? p1r : p1).data(), 1, 256, c1.data(), P1);
-            (bf16 ? t->gemm_panels_bf16 : t->gemm_panels)(as, NT, p2.data(), 1, 256, c2.data(), P2);
+            if (bf16)
+                t->gemm_panels_bf16(ab, NT, p2.data(), 1, 256, c2.data(), P2);
+            else
+                t->gemm_panels(as, NT, p2.data(), 1, 256, c2.data(), P2);
             float cm = 0.f;
             for (float v : c1) cm = std::fmax(cm, std::fabs(v));
             for (int i = 0; i < NT; ++i)

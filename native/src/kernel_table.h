@@ -28,6 +28,9 @@ using DequantPanelFn = void (*)(Format fmt, const MatrixRef& w, int64_t row0, in
 // p < npanels, j < panel. a[i] points at the token's k0-th activation; W panels are
 // consecutive blocks of kc * panel floats.
 using GemmPanelsFn = void (*)(const float* const* a, int m, const float* w, int npanels, int kc, float* c, int64_t ldc);
+// The same product with bf16 activations (a[i] points at the token's k0-th bf16 value) on
+// bf16-rounded weights, fp32 sums (AMX tiles).
+using GemmBf16Fn = void (*)(const uint16_t* const* a, int m, const float* w, int npanels, int kc, float* c, int64_t ldc);
 // Activations to Q8 blocks of 32 (K a multiple of group), optionally in the permuted order,
 // with one scale per `group` elements (32 or 256: a FormatInfo's act_group).
 using QuantizeFn = void (*)(const float* x, int64_t K, bool deinterleave, int group, int8_t* q, float* d, float* s);
@@ -83,9 +86,7 @@ struct KernelTable {
     IqUnpackFn iq_unpack[FMT_COUNT];  // the i-quants (x86 sets)
     DequantPanelFn dequant_panel;    // all formats
     GemmPanelsFn gemm_panels;
-    // The same product on bf16 operands (AMX tiles), sums in fp32; null where the CPU has no
-    // bf16 tiles. See gemm_for.
-    GemmPanelsFn gemm_panels_bf16;
+    GemmBf16Fn gemm_panels_bf16;  // null where the CPU has no bf16 tiles; see on_tiles
     SiluMulFn silu_mul;
     GptOssGluFn gptoss_glu;
     AttendRunFn attend_run;
@@ -104,11 +105,6 @@ inline int64_t gemv_step(const KernelTable& kt, Format fmt, int64_t n) {
 // 2^-8 steps); never for f32 and f16 weights, which llama.cpp multiplies at their own precision.
 inline bool on_tiles(const KernelTable& kt, Format fmt, bool bf16_acts) {
     return bf16_acts && kt.gemm_panels_bf16 && fmt != FMT_F32 && fmt != FMT_F16;
-}
-
-// The GEMM for panels dequantized from `fmt` (see on_tiles).
-inline GemmPanelsFn gemm_for(const KernelTable& kt, Format fmt, bool bf16_acts) {
-    return on_tiles(kt, fmt, bf16_acts) ? kt.gemm_panels_bf16 : kt.gemm_panels;
 }
 
 // Tokens from which a call of a prompt's rows takes the table's prompt GEMV (prompt_q8)

@@ -7,10 +7,9 @@
 // against 15.5 ms for the integer GEMV and 25 ms for the fp32 GEMM.
 //
 // The weights are dequantized to fp32 panels exactly as for the AVX-512 GEMM (the same
-// dequant_panel), then rounded to bf16 into the tiles' pair layout; the activations arrive as
-// fp32 rows holding bf16 values (the engine's hidden states are bf16), so only the weights
-// gain a rounding: 2^-9 of each weight, against llama.cpp's Q8 activations (2^-8 of a
-// block's largest value). Sums are fp32 in the tiles.
+// dequant_panel), then rounded to bf16 into the tiles' pair layout; the activations are the
+// engine's bf16 rows as they are, so only the weights gain a rounding: 2^-9 of each weight,
+// against llama.cpp's Q8 activations (2^-8 of a block's largest value). Sums are fp32.
 //
 // Compiled with the AMX flags in this translation unit only; dispatch.cpp offers this set
 // only where the CPU has AMX-BF16 and the kernel grants this process the tile state.
@@ -95,24 +94,20 @@ void pack_weights(const float* w, int npanels, int kc, int kc32, uint16_t* out) 
     }
 }
 
-// The contract of gemm_panels (kernel_table.h) on bf16 operands: C[i][p * 32 + j] +=
-// sum_k a[i][k] W[p][k * 32 + j]. Token groups of 32 (two A tiles) against one panel (two B
+// gemm_panels_bf16 (kernel_table.h): C[i][p * 32 + j] += sum_k a[i][k] W[p][k * 32 + j], a in
+// bf16, W rounded to bf16. Token groups of 32 (two A tiles) against one panel (two B
 // tiles) at a time, the four C tiles held over the whole of kc.
-void gemm_panels_amx(const float* const* a, int m, const float* w, int npanels, int kc, float* c, int64_t ldc) {
+void gemm_panels_amx(const uint16_t* const* a, int m, const float* w, int npanels, int kc, float* c, int64_t ldc) {
     const int kc32 = (kc + kTileK - 1) / kTileK * kTileK;
     const int kp = kc32 / 2;
     uint16_t* wb = grow(tls.w, size_t(npanels) * 2 * kp * 32);
     pack_weights(w, npanels, kc, kc32, wb);
+    // The tokens' rows side by side (the A tiles' stride), zeros up to a whole tile.
     uint16_t* ab = grow(tls.a, size_t(m) * kc32);
-    const __mmask16 tail = __mmask16((1u << (kc % 16)) - 1);
     for (int i = 0; i < m; ++i) {
         uint16_t* dst = ab + int64_t(i) * kc32;
-        int k = 0;
-        for (; k + 16 <= kc; k += 16)
-            _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + k), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(a[i] + k)));
-        for (; k < kc32; k += 16)  // the last values, then zeros up to a whole tile
-            _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + k),
-                                (__m256i)_mm512_cvtneps_pbh(k < kc ? _mm512_maskz_loadu_ps(tail, a[i] + k) : _mm512_setzero_ps()));
+        std::memcpy(dst, a[i], size_t(kc) * 2);
+        std::memset(dst + kc, 0, size_t(kc32 - kc) * 2);
     }
     const int64_t cstride = ldc * int64_t(sizeof(float)), astride = int64_t(kc32) * 2;
     int configured = -1;

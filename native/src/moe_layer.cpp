@@ -71,9 +71,17 @@ namespace {
 constexpr int kMaxKc = 4096;
 
 // Per-thread scratch, kept between calls (the pool threads are persistent), grown on demand.
+// The rows a prefill GEMM multiplies: fp32, or bf16 where it runs on tiles (on_tiles).
+struct Rows {
+    std::vector<const float*> f32;
+    std::vector<const uint16_t*> bf16;
+};
+
 struct Scratch {
     std::vector<float> f[6];
     std::vector<const float*> ptrs;
+    std::vector<const uint16_t*> ptrs_bf16;
+    Rows rows;                // a prefill call's tokens
     std::vector<Q8Row> acts;  // a GEMV call's tokens
     float* get(int slot, size_t n) {
         if (f[slot].size() < n) f[slot].resize(n);
@@ -105,6 +113,7 @@ struct Workspace {
     std::vector<uint8_t> need_q; // tokens whose x must be quantized
     std::vector<float> hf;       // fp32 intermediate per pair, [P, I] (prefill, float formats, and
                                  // decode rows waiting for the rest of their scale group)
+    std::vector<uint16_t> hb;    // the prefill intermediate in bf16, [P, I] (down on tiles)
     std::vector<int8_t> hq;      // Q8 intermediate per pair, [P, I] (decode)
     std::vector<float> hd, hs;   // [P, I / 32]
     // Decode, a down format with one activation scale per 256 (see finish_intermediate): the
@@ -206,6 +215,10 @@ void finish_intermediate(const Call& c, const ExpertWeights& w, bool prefill, in
         c.kt->gptoss_glu(g, u, h, rc, c.alpha, c.limit);
     else
         c.kt->silu_mul(g, u, h, rc);
+    if (prefill && on_tiles(*c.kt, c.fmt_dn, c.x_bf16)) {  // down's tiles take it in bf16
+        uint16_t* hb = c.ws->hb.data() + pair * c.I + r0;
+        for (int i = 0; i < rc; ++i) hb[i] = f32_to_bf16(h[i]);
+    }
     if (store_f32) return;
     if (part_of_group) {
         const int64_t g0 = r0 / c.group_dn * c.group_dn;  // units never straddle groups (see forward)
@@ -260,22 +273,29 @@ void decode_gate_up(const Call& c, const Entry& en, int r0, int rc) {
 // one (measured: dequantizing took half as long as the GEMM at 32 tokens per expert with
 // 256-column chunks, a fifth with whole rows).
 void prefill_gemm(const Call& c, Format fmt, const MatrixRef* mats, int nmats, int64_t r0, int rc, int64_t K,
-                  const float* const* a, int m, float* C, int64_t ldc) {
+                  const Rows& a, int m, float* C, int64_t ldc) {
     const int P = c.kt->panel;
     const int np = (rc + P - 1) / P;
     const int kc_max = int(std::min<int64_t>(K, kMaxKc));
     float* W = tls.get(2, size_t(nmats) * np * kc_max * P);
     float* tmp = tls.get(3, size_t(P) * (kc_max + 16));
     if (tls.ptrs.size() < size_t(m)) tls.ptrs.resize(size_t(m));
+    if (tls.ptrs_bf16.size() < size_t(m)) tls.ptrs_bf16.resize(size_t(m));
     const float** ak = tls.ptrs.data();
+    const uint16_t** bk = tls.ptrs_bf16.data();
     for (int64_t k0 = 0; k0 < K; k0 += kc_max) {
         const int kc = int(std::min<int64_t>(kc_max, K - k0));
         for (int mi = 0; mi < nmats; ++mi)
             for (int p = 0; p < np; ++p)
                 c.kt->dequant_panel(fmt, mats[mi], r0 + int64_t(p) * P, std::min(P, rc - p * P), k0, kc,
                                     W + (int64_t(mi) * np + p) * kc * P, tmp);
-        for (int i = 0; i < m; ++i) ak[i] = a[i] + k0;
-        gemm_for(*c.kt, fmt, c.x_bf16)(ak, m, W, nmats * np, kc, C, ldc);
+        if (!a.bf16.empty()) {
+            for (int i = 0; i < m; ++i) bk[i] = a.bf16[size_t(i)] + k0;
+            c.kt->gemm_panels_bf16(bk, m, W, nmats * np, kc, C, ldc);
+        } else {
+            for (int i = 0; i < m; ++i) ak[i] = a.f32[size_t(i)] + k0;
+            c.kt->gemm_panels(ak, m, W, nmats * np, kc, C, ldc);
+        }
     }
 }
 
@@ -286,10 +306,19 @@ void prefill_gate_up(const Call& c, const Entry& en, int r0, int rc) {
     const int m = int(en.n);
     float* C = tls.get(4, size_t(m) * 2 * cols);
     std::fill(C, C + size_t(m) * 2 * cols, 0.f);
-    std::vector<const float*> a(static_cast<size_t>(m));  // m can exceed the scratch pointer array's use below
-    for (int i = 0; i < m; ++i) a[size_t(i)] = c.x32 + c.ws->pair_tok[size_t(en.begin + i)] * c.H;
+    Rows& a = tls.rows;
+    const bool tiles = on_tiles(*c.kt, c.fmt, c.x_bf16);
+    a.f32.resize(tiles ? 0 : size_t(m));
+    a.bf16.resize(tiles ? size_t(m) : 0);
+    for (int i = 0; i < m; ++i) {
+        const int64_t tok = c.ws->pair_tok[size_t(en.begin + i)];
+        if (tiles)
+            a.bf16[size_t(i)] = static_cast<const uint16_t*>(c.x) + tok * c.H;
+        else
+            a.f32[size_t(i)] = c.x32 + tok * c.H;
+    }
     const MatrixRef mats[2] = {w.gate, w.up};
-    prefill_gemm(c, c.fmt, mats, 2, r0, rc, c.H, a.data(), m, C, 2 * cols);
+    prefill_gemm(c, c.fmt, mats, 2, r0, rc, c.H, a, m, C, 2 * cols);
     for (int i = 0; i < m; ++i)
         finish_intermediate(c, w, true, en.begin + i, r0, rc, C + int64_t(i) * 2 * cols, C + int64_t(i) * 2 * cols + cols);
 }
@@ -348,9 +377,17 @@ void down_rows(const Call& c, int node, int r0, int rc) {
             const int m = int(en.n);
             float* C = tls.get(5, size_t(m) * cols);
             std::fill(C, C + size_t(m) * cols, 0.f);
-            std::vector<const float*> a(static_cast<size_t>(m));
-            for (int i = 0; i < m; ++i) a[size_t(i)] = c.ws->hf.data() + (en.begin + i) * c.I;
-            prefill_gemm(c, c.fmt_dn, &w.down, 1, r0, rc, c.I, a.data(), m, C, cols);
+            Rows& a = tls.rows;
+            const bool tiles = on_tiles(*c.kt, c.fmt_dn, c.x_bf16);
+            a.f32.resize(tiles ? 0 : size_t(m));
+            a.bf16.resize(tiles ? size_t(m) : 0);
+            for (int i = 0; i < m; ++i) {
+                if (tiles)
+                    a.bf16[size_t(i)] = c.ws->hb.data() + (en.begin + i) * c.I;
+                else
+                    a.f32[size_t(i)] = c.ws->hf.data() + (en.begin + i) * c.I;
+            }
+            prefill_gemm(c, c.fmt_dn, &w.down, 1, r0, rc, c.I, a, m, C, cols);
             for (int i = 0; i < m; ++i) accumulate(c, out, w, en.begin + i, r0, rc, C + int64_t(i) * cols);
             continue;
         }
@@ -610,6 +647,7 @@ void MoELayer::forward(Executor& exec, const KernelTable& kt, const void* x, boo
     }
     const bool group_dn_wide = !fd.float_acts && any_decode && fd.act_group > 32;
     if (any_prefill || fd.float_acts || group_dn_wide) grow(ws.hf, size_t(P * I_));
+    if (any_prefill && on_tiles(kt, down_fmt_, x_bf16)) grow(ws.hb, size_t(P * I_));
     if (group_dn_wide) {
         const size_t n = size_t(P * I_ / fd.act_group);
         if (ws.h_done_size < n) {
