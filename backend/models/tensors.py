@@ -393,7 +393,7 @@ def gguf_storage_formats(records: Iterable[TensorRecord], metadata: Mapping[str,
 
     A single type when all routed-expert matrices share one; otherwise the file's mix
     (``general.file_type``, e.g. ``q4_k_m``) where its types are among theirs, else the type
-    holding most of their bytes, or ``mixed`` when no mix is recorded.
+    holding most of their bytes.
     """
     file_type = metadata.get("general.file_type")
     mix = file_type_name(int(file_type)) if isinstance(file_type, int) else None
@@ -413,11 +413,11 @@ def gguf_storage_formats(records: Iterable[TensorRecord], metadata: Mapping[str,
             return next(iter(counter))
         if not counter:
             return mix or "f16"
-        if mix and not any(t == mix or mix.startswith(t + "_") for t in counter):
-            # A dynamic mix (unsloth's UD files: IQ2/IQ3 experts) records a file type none of
-            # its expert tensors has: the type holding most of their bytes says more.
-            return counter.most_common(1)[0][0]
-        return mix or "mixed"
+        if mix and any(t == mix or mix.startswith(t + "_") for t in counter):
+            return mix
+        # A dynamic mix (unsloth's UD files: IQ2/IQ3 experts) records a file type none of its
+        # expert tensors has, or none: the type holding most of their bytes says more.
+        return counter.most_common(1)[0][0]
 
     return pick(expert_bytes), pick(other_bytes)
 
