@@ -15,7 +15,9 @@ from hybridmoe.app.tui.widgets.status_line import StatusLine
 from tests.tui.fakes import FakeBackend, FakeServices
 from tests.tui.helpers import text_of, until, until_screen
 
-LONG = [f"word{i} " for i in range(200)]
+# An answer that lasts (100 s) until the test stops it: on a loaded machine the steps between
+# its start and the benchmark's click took longer than a 4 s answer.
+LONG = [f"word{i} " for i in range(2000)]
 
 
 class MeasuredServices(FakeServices):
@@ -36,7 +38,7 @@ class MeasuredServices(FakeServices):
 
 async def test_the_screens_share_the_loaded_model_and_the_benchmark_unloads_it(configured):
     services = MeasuredServices(configured.root, local=configured.local,
-                                backend=FakeBackend(script=LONG, delay=0.02))
+                                backend=FakeBackend(script=LONG, delay=0.05))
     app = HybridMoeApp(services)
     services.models = app.models
     async with app.run_test(size=(120, 40)) as pilot:
