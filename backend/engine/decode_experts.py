@@ -116,6 +116,15 @@ def failed(device: torch.device, error: Exception) -> None:
                 device, _failed[device])
 
 
+def launch_tensors(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, inter: int):
+    """What the two launches read and write: x, ids and weights contiguous, and the float32
+    intermediate [pairs, inter] and per-pair outputs [pairs, H] they fill."""
+    pairs, hidden = topk_ids.numel(), x.shape[1]
+    h = torch.empty((pairs, inter), dtype=torch.float32, device=x.device)
+    y = torch.empty((pairs, hidden), dtype=torch.float32, device=x.device)
+    return x.contiguous(), topk_ids.contiguous(), topk_weights.contiguous(), h, y
+
+
 def forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, slot_of: torch.Tensor,
             gate_up: Stack, down: Stack, activation: str, *, interleaved: bool = False, alpha: float = 1.702,
             limit: float = 7.0, blocks: dict | None = None) -> torch.Tensor:
@@ -131,11 +140,7 @@ def forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
     k = topk_ids.shape[1]
     pairs = t * k
     inter = down.w.shape[2] * (2 if down.form == "int4" else 1)
-    x = x.contiguous()
-    ids = topk_ids.contiguous()
-    weights = topk_weights.contiguous()
-    h = torch.empty((pairs, inter), dtype=torch.float32, device=x.device)
-    y = torch.empty((pairs, hidden), dtype=torch.float32, device=x.device)
+    x, ids, weights, h, y = launch_tensors(x, topk_ids, topk_weights, inter)
     n_experts = slot_of.shape[0]
 
     block_i, block_k = blocks.get("gate_up") or BLOCKS[gate_up.form]["gate_up"]

@@ -94,17 +94,14 @@ def forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
     x [T, H] in the compute dtype; topk_ids [T, k] int64 and topk_weights [T, k] on x's device.
     Returns [T, H] float32."""
     from hybridmoe.backend.engine import decode_experts_kernels, stored_experts_kernels as kernels
+    from hybridmoe.backend.engine.decode_experts import launch_tensors
 
     where = BLOCKS["cpu" if x.device.type == "cpu" else "cuda"]
     blocks = {**where, **(blocks or {})}
     t, hidden = x.shape
     k = topk_ids.shape[1]
     pairs, inter = t * k, gate.rows
-    x = x.contiguous()
-    ids = topk_ids.contiguous()
-    weights = topk_weights.contiguous()
-    h = torch.empty((pairs, inter), dtype=torch.float32, device=x.device)
-    y = torch.empty((pairs, hidden), dtype=torch.float32, device=x.device)
+    x, ids, weights, h, y = launch_tensors(x, topk_ids, topk_weights, inter)
     n_experts = slot_of.shape[0]
     has_bias = gate.bias is not None
 
