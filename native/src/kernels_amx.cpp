@@ -1,7 +1,8 @@
 // The AVX-512 kernel set with its prompt GEMM on AMX tiles (Sapphire Rapids and later Xeons).
 //
-// Everything but the GEMM is the AVX-512 set's: the decode GEMV stays an integer dot product on
-// Q8 activations (it is bound by memory, not by arithmetic). A prompt is bound by arithmetic,
+// Everything but the prompt kernels (the GEMM on dequantized panels, the i-quants' prompt GEMV)
+// is the AVX-512 set's: the decode GEMV stays an integer dot product on Q8 activations (it is
+// bound by memory, not by arithmetic). A prompt is bound by arithmetic,
 // and one AMX tile product (16 x 16 outputs over 32 bf16 values, `tdpbf16ps`) does the work of
 // 512 fp32 FMAs: a 512 x 2048 x 2048 product on one Xeon core took 3.7 ms in bf16 tiles
 // (PyTorch's oneDNN matmul, measured) against 15.5 ms for the integer GEMV here and 25 ms
@@ -209,7 +210,6 @@ inline __m512i bf16x32(__m512 lo, __m512 hi) { return (__m512i)_mm512_cvtne2ps_p
 struct IqScratch {
     std::vector<int32_t> xb;   // [token group][K / 2][16]: each token's pairs of bf16 values
     std::vector<uint16_t> wb;  // [16 rows][K + 32]: the rows in bf16
-    std::vector<float> c;      // [tokens rounded up to 16][16]
 };
 thread_local IqScratch tls_iq;
 
@@ -222,7 +222,6 @@ void iq_prompt(IqUnpackFn unpack, int block_bytes, const MatrixRef& w, int64_t r
     // rows of an A tile fall into one L1 set and evict one another.
     const int64_t ldw = K + 32;
     uint16_t* wb = grow(tls_iq.wb, size_t(16) * ldw);
-    float* cbuf = grow(tls_iq.c, size_t(groups) * 256);
     // The tokens: q x d in bf16, 16 tokens' pairs side by side (B tiles' layout).
     for (int g = 0; g < groups; ++g) {
         alignas(64) uint16_t rows[16][32];
@@ -244,6 +243,7 @@ void iq_prompt(IqUnpackFn unpack, int block_bytes, const MatrixRef& w, int64_t r
     }
     alignas(64) int8_t v[256];
     alignas(64) int16_t scale[16];
+    alignas(64) float cbuf[2][256];  // the two C tiles: 16 rows x 16 tokens each
     configure_bf16_rows();
     const int64_t astride = ldw * 2;
     for (int64_t rb = 0; rb < nrows; rb += 16) {
@@ -285,13 +285,13 @@ void iq_prompt(IqUnpackFn unpack, int block_bytes, const MatrixRef& w, int64_t r
                     _tile_dpbf16ps(1, 2, 5);
                 }
             }
-            _tile_stored(0, cbuf, 64);
-            if (two) _tile_stored(1, cbuf + 256, 64);
+            _tile_stored(0, cbuf[0], 64);
+            if (two) _tile_stored(1, cbuf[1], 64);
             for (int gi = 0; gi < (two ? 2 : 1); ++gi)
                 for (int l = 0; l < 16; ++l) {
                     const int t = 16 * (g + gi) + l;
                     if (t >= ntok) break;
-                    for (int r = 0; r < rows; ++r) out[t * ldo + rb + r] = cbuf[gi * 256 + r * 16 + l];
+                    for (int r = 0; r < rows; ++r) out[t * ldo + rb + r] = cbuf[gi][r * 16 + l];
                 }
         }
     }

@@ -70,13 +70,13 @@ namespace {
 // 512 KB of fp32, about one core's L2.
 constexpr int kMaxKc = 4096;
 
-// Per-thread scratch, kept between calls (the pool threads are persistent), grown on demand.
 // The rows a prefill GEMM multiplies: fp32, or bf16 where it runs on tiles (on_tiles).
 struct Rows {
     std::vector<const float*> f32;
     std::vector<const uint16_t*> bf16;
 };
 
+// Per-thread scratch, kept between calls (the pool threads are persistent), grown on demand.
 struct Scratch {
     std::vector<float> f[6];
     std::vector<const float*> ptrs;
@@ -299,6 +299,23 @@ void prefill_gemm(const Call& c, Format fmt, const MatrixRef* mats, int nmats, i
     }
 }
 
+// The m rows a prefill GEMM of `fmt` multiplies (tls.rows): row i's bf16 values where the call
+// runs on tiles (on_tiles), else its fp32 ones.
+template <class F32Row, class Bf16Row>
+const Rows& gemm_rows(const Call& c, Format fmt, int m, F32Row f32_row, Bf16Row bf16_row) {
+    Rows& a = tls.rows;
+    const bool tiles = on_tiles(*c.kt, fmt, c.x_bf16);
+    a.f32.resize(tiles ? 0 : size_t(m));
+    a.bf16.resize(tiles ? size_t(m) : 0);
+    for (int i = 0; i < m; ++i) {
+        if (tiles)
+            a.bf16[size_t(i)] = bf16_row(i);
+        else
+            a.f32[size_t(i)] = f32_row(i);
+    }
+    return a;
+}
+
 void prefill_gate_up(const Call& c, const Entry& en, int r0, int rc) {
     const ExpertWeights& w = (*c.experts)[size_t(en.e)];
     const int P = c.kt->panel;
@@ -306,17 +323,10 @@ void prefill_gate_up(const Call& c, const Entry& en, int r0, int rc) {
     const int m = int(en.n);
     float* C = tls.get(4, size_t(m) * 2 * cols);
     std::fill(C, C + size_t(m) * 2 * cols, 0.f);
-    Rows& a = tls.rows;
-    const bool tiles = on_tiles(*c.kt, c.fmt, c.x_bf16);
-    a.f32.resize(tiles ? 0 : size_t(m));
-    a.bf16.resize(tiles ? size_t(m) : 0);
-    for (int i = 0; i < m; ++i) {
-        const int64_t tok = c.ws->pair_tok[size_t(en.begin + i)];
-        if (tiles)
-            a.bf16[size_t(i)] = static_cast<const uint16_t*>(c.x) + tok * c.H;
-        else
-            a.f32[size_t(i)] = c.x32 + tok * c.H;
-    }
+    const auto tok = [&](int i) { return c.ws->pair_tok[size_t(en.begin + i)]; };
+    const Rows& a = gemm_rows(
+        c, c.fmt, m, [&](int i) { return c.x32 + tok(i) * c.H; },
+        [&](int i) { return static_cast<const uint16_t*>(c.x) + tok(i) * c.H; });
     const MatrixRef mats[2] = {w.gate, w.up};
     prefill_gemm(c, c.fmt, mats, 2, r0, rc, c.H, a, m, C, 2 * cols);
     for (int i = 0; i < m; ++i)
@@ -377,16 +387,9 @@ void down_rows(const Call& c, int node, int r0, int rc) {
             const int m = int(en.n);
             float* C = tls.get(5, size_t(m) * cols);
             std::fill(C, C + size_t(m) * cols, 0.f);
-            Rows& a = tls.rows;
-            const bool tiles = on_tiles(*c.kt, c.fmt_dn, c.x_bf16);
-            a.f32.resize(tiles ? 0 : size_t(m));
-            a.bf16.resize(tiles ? size_t(m) : 0);
-            for (int i = 0; i < m; ++i) {
-                if (tiles)
-                    a.bf16[size_t(i)] = c.ws->hb.data() + (en.begin + i) * c.I;
-                else
-                    a.f32[size_t(i)] = c.ws->hf.data() + (en.begin + i) * c.I;
-            }
+            const Rows& a = gemm_rows(
+                c, c.fmt_dn, m, [&](int i) { return c.ws->hf.data() + (en.begin + i) * c.I; },
+                [&](int i) { return c.ws->hb.data() + (en.begin + i) * c.I; });
             prefill_gemm(c, c.fmt_dn, &w.down, 1, r0, rc, c.I, a, m, C, cols);
             for (int i = 0; i < m; ++i) accumulate(c, out, w, en.begin + i, r0, rc, C + int64_t(i) * cols);
             continue;
