@@ -130,6 +130,7 @@ HYBRID = textwrap.dedent("""
     from hybridmoe.backend.engine.moe import MoE
     from hybridmoe.backend.formats.weights import open_weights
     from hybridmoe.backend.models import inspect_model
+    from tests.engine.greedy_steps import max_relative, prompt_then_greedy
 
     # A decode step's calls take the kernels on the stand-in too; prompts take the loop, whose
     # stored matrices are dequantized in tiles into matmuls.
@@ -143,20 +144,13 @@ HYBRID = textwrap.dedent("""
         held = sorted({s.qtype.name for m in model.modules() if isinstance(m, MoE) for s in m.main.stacks.values()}
                       if form == "stored" else [])
         prompt = torch.randint(0, 256, (1, 10), generator=torch.Generator().manual_seed(3)).to(DEVICE)
-        logits = model(prompt, 0, last_only=True)
-        pos, tokens, steps = prompt.shape[-1], [], [logits[0, -1].float().cpu()]
-        for _ in range(4):
-            tokens.append(int(logits[0, -1].argmax()))
-            logits = model(torch.tensor([[tokens[-1]]], device=DEVICE), pos)
-            steps.append(logits[0, -1].float().cpu())
-            pos += 1
-        return held, tokens, torch.stack(steps)
+        return held, *prompt_then_greedy(model, prompt)
 
     out = []
     for case in json.loads(sys.argv[1]):
         held, tokens, logits = run(case["path"], "stored")
         _, want, want_logits = run(case["path"], "dense")  # the same experts dequantized at load
-        err = float((logits - want_logits).abs().max() / want_logits.abs().max())
+        err = max_relative(logits, want_logits)
         out.append({**case, "held": held, "tokens": tokens, "want": want, "err": err})
     print(json.dumps(out))
 """)

@@ -157,6 +157,7 @@ SERVE = textwrap.dedent("""
     from hybridmoe.backend.engine.model import build_model
     from hybridmoe.backend.formats.weights import open_weights
     from hybridmoe.backend.models import inspect_model
+    from tests.engine.greedy_steps import max_relative, prompt_then_greedy
 
     def run(path, as_stored):
         stored_linear.serves = lambda device: as_stored  # on the CPU stand-in too
@@ -165,20 +166,14 @@ SERVE = textwrap.dedent("""
         held += ["embedding"] if model.embed_stored is not None else []
         held += ["tied head"] if model.lm_head is model.embed_stored else []
         prompt = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(3)).to(DEVICE)
-        logits = model(prompt, 0, last_only=True)  # a prompt: dequantized tiles into matmuls
-        pos, tokens, steps = prompt.shape[-1], [], [logits[0, -1].float().cpu()]
-        for _ in range(4):  # decode: the GEMV kernel
-            tokens.append(int(logits[0, -1].argmax()))
-            logits = model(torch.tensor([[tokens[-1]]], device=DEVICE), pos)
-            steps.append(logits[0, -1].float().cpu())
-            pos += 1
-        return held, tokens, torch.stack(steps)
+        # the prompt: dequantized tiles into matmuls; each token after it: the GEMV kernel
+        return held, *prompt_then_greedy(model, prompt)
 
     out = []
     for case in json.loads(sys.argv[1]):
         held, tokens, logits = run(case["path"], True)
         _, want, want_logits = run(case["path"], False)
-        err = float((logits - want_logits).abs().max() / want_logits.abs().max())
+        err = max_relative(logits, want_logits)
         out.append({**case, "held": held, "tokens": tokens, "want": want, "err": err})
     print(json.dumps(out))
 """)
