@@ -120,7 +120,7 @@ def model_text(model) -> str:
              f"intermediate {spec.moe_intermediate_size}"
              + (f"; {spec.n_shared_experts} shared ({spec.shared_intermediate_size})" if spec.n_shared_experts else "")),
             ("context", f"{spec.max_context} tokens"),
-            ("formats", f"experts {_stored_as(inv, TensorClass.ROUTED_EXPERTS, inv.expert_format)} "
+            ("formats", f"experts {_stored_as(inv, (TensorClass.ROUTED_EXPERTS,), inv.expert_format)} "
              f"({inv.expert_bits_per_weight:g} bits/weight), rest {_stored_as(inv, _REST, spec.other_format)}"),
             ("KV per token", f"{fmt_bytes(spec.kv_bytes_per_token())} (bf16)"),
         ]
@@ -145,10 +145,9 @@ def model_text(model) -> str:
 _REST = (TensorClass.ATTENTION, TensorClass.DENSE_FFN, TensorClass.SHARED_EXPERTS)
 
 
-def _stored_as(inv, classes, named: str) -> str:
+def _stored_as(inv, classes: tuple[TensorClass, ...], named: str) -> str:
     """The types the tensors of `classes` are stored in, most bytes first ("iq3_xxs+iq2_xxs"
     for a dynamic mix, whose file type names one type only), else the format the model names."""
-    classes = classes if isinstance(classes, tuple) else (classes,)
     used: dict[str, int] = {}
     for c in classes:
         for name, use in (inv.types_by_class or {}).get(c, {}).items():
