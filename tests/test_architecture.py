@@ -501,6 +501,34 @@ def test_the_probe_rule_catches_an_offender(tmp_path):
     assert [line.split(": ", 1)[0] for line in _session_probes(tmp_path / "app")] == ["x.py:2", "x.py:4"]
 
 
+# The engine asks a layer what it is (what its class declares: a projection's runs_native, an
+# attention block's latent, an expert group's stacked; a block's describe()), and keeps what it
+# builds (Build.moe_blocks); it never asks isinstance() of one of its own classes.
+def _class_checks(folder: Path) -> list[str]:
+    trees = {path: ast.parse(path.read_text()) for path in sorted(folder.glob("*.py"))}
+    own = {node.name for tree in trees.values() for node in ast.walk(tree) if isinstance(node, ast.ClassDef)}
+    offenders = []
+    for path, tree in trees.items():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "isinstance" and len(node.args) == 2:
+                kinds = node.args[1].elts if isinstance(node.args[1], ast.Tuple) else [node.args[1]]
+                names = {getattr(k, "id", None) or getattr(k, "attr", None) for k in kinds}
+                if names & own:
+                    offenders.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
+    return offenders
+
+
+def test_the_engine_reads_what_a_layer_states_and_never_its_class():
+    offenders = _class_checks(ROOT / "backend" / "engine")
+    assert not offenders, "ask what the module declares instead:\n" + "\n".join(offenders)
+
+
+def test_the_class_rule_catches_an_offender(tmp_path):
+    _plant(tmp_path, {"backend/engine/a.py": "class MoE:\n    pass\n",
+                      "backend/engine/b.py": "ok = isinstance(x, torch.Tensor)\nbad = isinstance(m, (int, a.MoE))\n"})
+    assert [line.split(": ", 1)[0] for line in _class_checks(tmp_path / "backend" / "engine")] == ["b.py:2"]
+
+
 # ---- a family's facts stay in its folder --------------------------------------------------------
 
 # A family's names (its id, GGUF architecture, Hugging Face architectures and model types) as a

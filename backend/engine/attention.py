@@ -14,6 +14,7 @@ CUDA, no [T, S] score matrix in memory); attention with sinks, and MLA's absorbe
 from __future__ import annotations
 
 from contextlib import nullcontext
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -127,6 +128,8 @@ def attend(
 
 
 class Attention(nn.Module):
+    latent: ClassVar[bool] = False  # every attention block says whether it is latent attention (mla.py)
+
     def __init__(
         self,
         *,
@@ -164,7 +167,7 @@ class Attention(nn.Module):
             heads=self.n_heads, kv_heads=self.n_kv_heads, head_dim=self.head_dim, value_dim=self.cache.v.shape[-1],
             qk_norm=None if self.q_norm is None else "per_head" if self.norm_per_head else "whole",
             window=self.cache.window, sinks=self.sinks is not None, clip_qkv=self.clip_qkv,
-            projections_native=self.qkv is not None and isinstance(self.o, NativeLinear),
+            projections_native=self.qkv is not None and self.o.runs_native,
             cache_dtype=str(self.cache.k.dtype).removeprefix("torch."))
 
     def forward(self, x: torch.Tensor, segments: list[Segment]) -> torch.Tensor:

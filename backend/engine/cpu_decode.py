@@ -499,7 +499,7 @@ class DecodeStep:
         # cost ~0.2 ms a token on caches the weights have just streamed through.
         self.embed = _cache_view(model.embed)
         # A head the kernels do not read is a PyTorch Linear in the model dtype.
-        self.head = _Linear(model.lm_head, "head") if isinstance(model.lm_head, NativeLinear) else None
+        self.head = _Linear(model.lm_head, "head") if model.lm_head.runs_native else None
 
     @classmethod
     def build(cls, model: nn.Module, max_rows: int) -> DecodeStep | None:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Collection
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -203,6 +203,9 @@ def matrices_of(stored: dict[str, Any], dtype: torch.dtype, device: torch.device
 class ExpertGroup:
     """The experts of one layer that run on one device."""
 
+    # Held as the stacks ``decode_experts``' launches read (ResidentExperts), or one at a time.
+    stacked: ClassVar[bool] = False
+
     def __init__(self, ids: Collection[int], n_experts: int, device: torch.device | str, act: ExpertActivation):
         self.ids = tuple(sorted(set(int(e) for e in ids)))
         self.n_experts = n_experts
@@ -230,6 +233,7 @@ class ResidentExperts(ExpertGroup):
     ``nbytes`` (what the Plan counts), in a few allocations."""
 
     FORMS = ("dense", "int8", "int4", "stored")
+    stacked = True
 
     def __init__(self, store: ExpertStore, ids: Collection[int], dtype: torch.dtype, device, act: ExpertActivation,
                  *, form: str = "dense"):
@@ -446,7 +450,7 @@ def add_expert_output(out: torch.Tensor, x: torch.Tensor, tokens: torch.Tensor, 
 
 def decode_kernels_apply(x: torch.Tensor, experts: ExpertGroup) -> bool:
     """Whether `experts_forward` of `x` runs as ``decode_experts``' two kernel launches."""
-    return isinstance(experts, ResidentExperts) and decode_experts.applies(x, experts.act.kind)
+    return experts.stacked and decode_experts.applies(x, experts.act.kind)
 
 
 def experts_forward(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, experts: ExpertGroup,

@@ -260,10 +260,9 @@ def _cpu_half(moe: MoE, slot: HostSlot, inputs: Marker) -> None:
     slot.out.copy_(moe.cpu_part(slot.x, slot.ids, slot.weights))
 
 
-def attach(model: torch.nn.Module, options: HybridOptions) -> HybridScheduler:
-    """Install one scheduler on every MoE layer of `model`; each device of a pipeline gets a
-    streamer over its own MoE layers when streaming is on."""
-    moes = [m for m in model.modules() if isinstance(m, MoE)]
+def attach(moes: list[MoE], options: HybridOptions) -> HybridScheduler:
+    """Install one scheduler on every MoE block of a model (``moes``, as built); each device of
+    a pipeline gets a streamer over its own MoE layers when streaming is on."""
     streamers: dict[torch.device, ExpertStreamer] = {}
     if options.stream_min_tokens is not None:
         by_device: dict[torch.device, list[MoE]] = {}
@@ -277,13 +276,3 @@ def attach(model: torch.nn.Module, options: HybridOptions) -> HybridScheduler:
     for moe in moes:
         moe.scheduler = scheduler
     return scheduler
-
-
-def detach(model: torch.nn.Module) -> None:
-    """Back to the plain synchronous path (and stop the scheduler's threads)."""
-    schedulers = {id(m.scheduler): m.scheduler for m in model.modules() if isinstance(m, MoE) and m.scheduler}
-    for m in model.modules():
-        if isinstance(m, MoE):
-            m.scheduler = None
-    for s in schedulers.values():
-        s.close()

@@ -8,6 +8,7 @@ Numerics follow transformers: RMSNorm in float32, rounding where the reference r
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +36,8 @@ def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
 
 class Linear(nn.Module):
     """y = x W^T (+ b) with W [out, in] as the checkpoint stores it."""
+
+    runs_native: ClassVar[bool] = False  # every projection says whether the native kernels run it
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__()
@@ -86,7 +89,7 @@ class GatedMLP(nn.Module):
     def describe(self) -> layer_description.DenseFeedForward:
         return layer_description.DenseFeedForward(
             activation=self.act_name,
-            projections_native=self.gate_up is not None and isinstance(self.down, NativeLinear))
+            projections_native=self.gate_up is not None and self.down.runs_native)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is not None:

@@ -20,6 +20,8 @@ which the cost model counts.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -30,7 +32,6 @@ from hybridmoe.backend.engine.attention import attend, eager_attention
 from hybridmoe.backend.engine.kv_cache import PagedLatent, Segment, causal_mask
 from hybridmoe.backend.engine.latent_maps import StoredMaps
 from hybridmoe.backend.engine.layers import Linear, RMSNorm
-from hybridmoe.backend.engine.native_linear import NativeLinear
 from hybridmoe.backend.engine.rope import Rotary
 
 # The expanded form's cost of rebuilding stored maps for its call (StoredMaps.dense, ~0.8 ms a
@@ -44,6 +45,8 @@ _REBUILD_COST = 16
 
 
 class MLAttention(nn.Module):
+    latent: ClassVar[bool] = True
+
     def __init__(
         self,
         *,
@@ -85,7 +88,7 @@ class MLAttention(nn.Module):
             heads=self.n_heads, nope_dim=self.nope_dim, rope_dim=self.rope_dim, value_dim=self.v_dim,
             kv_lora_rank=self.kv_lora_rank, q_lora_rank=None if self.q_a is None else self.q_a.out_features,
             absorbed_allowed=self.absorb is not False, rotary_whole=self.rotary.rotary_dim == self.rope_dim,
-            projections_native=all(isinstance(lin, NativeLinear) for lin in linears),
+            projections_native=all(lin.runs_native for lin in linears),
             kv_b_native=self.stored_maps is not None or (
                 kv_b.dtype in (torch.float32, torch.bfloat16, torch.float16) and kv_b.is_contiguous()),
             cache_dtype=str(self.cache.kv.dtype).removeprefix("torch."))

@@ -30,10 +30,9 @@ from hybridmoe.backend.engine.host_memory import HostArena
 from hybridmoe.backend.engine.hybrid import HybridOptions, attach
 from hybridmoe.backend.engine.kv_cache import CacheGroup, PagedCache, PagedKV, Segment, Sequence
 from hybridmoe.backend.engine.layers import GatedMLP, Linear, RMSNorm
-from hybridmoe.backend.engine.native_linear import NativeLinear, native_linear
+from hybridmoe.backend.engine.native_linear import native_linear
 from hybridmoe.backend.engine.stored_linear import StoredLinear, stored_linear
 from hybridmoe.backend.engine.loader import Loader
-from hybridmoe.backend.engine.mla import MLAttention
 from hybridmoe.backend.engine.moe import MoE
 from hybridmoe.backend.engine.rope import Rotary
 from hybridmoe.backend.engine.stats import ExpertRecorder
@@ -68,19 +67,18 @@ class MoeTransformer(nn.Module):
     of several sequences in one pass: the weights are read once for all of them.
     """
 
-    def __init__(self, *, family: str, spec: ModelSpec, config: HFConfig, embed: torch.Tensor, layers: list[DecoderLayer],
-                 norm: RMSNorm, lm_head: nn.Module, recorder: ExpertRecorder, placement: dict[int, tuple[int, ...]],
-                 device: torch.device, dtype: torch.dtype, max_context: int, cache: PagedCache,
-                 max_sequences: int = 1):
+    def __init__(self, *, family: str, spec: ModelSpec, config: HFConfig, embed: torch.Tensor | None,
+                 embed_stored: StoredLinear | None, layers: list[DecoderLayer], norm: RMSNorm, lm_head: nn.Module,
+                 recorder: ExpertRecorder, placement: dict[int, tuple[int, ...]], device: torch.device,
+                 dtype: torch.dtype, max_context: int, cache: PagedCache, max_sequences: int = 1):
         super().__init__()
         self.family = family
         self.spec = spec
         self.config = config
-        # The embedding table: a tensor in the compute dtype, or (a GGUF's on a GPU) its blocks
-        # as stored, of which a call decodes the rows it looks up (``embed_stored``).
-        stored = isinstance(embed, StoredLinear)
-        self.embed_stored = embed if stored else None
-        self.register_buffer("embed", None if stored else embed, persistent=False)
+        # The embedding table: a tensor in the compute dtype (``embed``), or (a GGUF's on a GPU)
+        # its blocks as stored, of which a call dequantizes the rows it looks up (``embed_stored``).
+        self.embed_stored = embed_stored
+        self.register_buffer("embed", embed, persistent=False)
         self.layers = nn.ModuleList(layers)
         self.norm = norm
         self.lm_head = lm_head
@@ -206,7 +204,7 @@ class MoeTransformer(nn.Module):
         """float32 logits. A native head's are its kernels' float32 sums, as the decode step's
         are: rounded to bf16 (a step of 1/64 near 3, of 1/8 near 20), near ties in a large
         vocabulary became ties, and greedy picks among them by index."""
-        if isinstance(self.lm_head, NativeLinear):
+        if self.lm_head.runs_native:
             return self.lm_head(h, float32=True)
         return self.lm_head(h).float()
 
@@ -245,9 +243,10 @@ class MoeTransformer(nn.Module):
 
     def set_mla_absorb(self, absorb: bool | None) -> None:
         """Force MLA's absorbed (True) or expanded (False) form, or let it choose (None)."""
-        for m in self.modules():
-            if isinstance(m, MLAttention):
-                m.absorb = absorb
+        for layer in self.layers:
+            for attn in layer.attn.parts if self.cards else (layer.attn,):  # each card's, split across cards
+                if attn is not None and attn.latent:
+                    attn.absorb = absorb
         self._decode_step = False  # rebuilt for the next decode: the native one is absorbed only
 
 
@@ -279,6 +278,7 @@ class Build:
         self.sequences = 1  # conversations the KV cache is sized for
         self.cache = PagedCache([], max_context)
         self.host_memory = HostArena()  # the CPU's cache tensors, every group's, in huge pages
+        self.moe_blocks: list[MoE] = []  # every MoE block built (each card's), in layer order
         self._memo: dict[str, Any] = {}
 
     def on(self, device: torch.device) -> None:
@@ -402,8 +402,10 @@ class Build:
         act = act or ExpertActivation(str(self.config.get("hidden_act", "silu")))
         main, host = self.routed_experts(i, prefix, n_experts, intermediate, act, names=names,
                                          fused_xw_with_biases=fused_xw_with_biases)
-        return MoE(i, router, main, host, shared=shared, shared_gate=shared_gate,
-                   recorder=self.recorder if self.first_card else None)
+        moe = MoE(i, router, main, host, shared=shared, shared_gate=shared_gate,
+                  recorder=self.recorder if self.first_card else None)
+        self.moe_blocks.append(moe)
+        return moe
 
 
 def _default_dtype(embed: Any) -> torch.dtype:
@@ -512,8 +514,8 @@ def build_model(
     b.resident_form = resident_form
     b.sequences = sequences
     vocab = spec.vocab_size
-    embed = (stored_linear(require(weights, "model.embed_tokens.weight", (vocab, b.hidden)), None, b.device)
-             or b.load.tensor("model.embed_tokens.weight", (vocab, b.hidden)))
+    embed_stored = stored_linear(require(weights, "model.embed_tokens.weight", (vocab, b.hidden)), None, b.device)
+    embed = None if embed_stored is not None else b.load.tensor("model.embed_tokens.weight", (vocab, b.hidden))
     layers = []
     for i in range(n_layers):
         b.on(stage_of[i][0])
@@ -545,19 +547,20 @@ def build_model(
         # the embedding's own (no second copy where both are on one device): its blocks on a
         # GPU that holds it as stored, or its materialised tensor.
         stored = require(weights, "model.embed_tokens.weight", (vocab, b.hidden))
-        if isinstance(embed, StoredLinear):
-            lm_head = embed if embed.data.device == b.device else StoredLinear(embed.stored.to(b.device))
+        if embed_stored is not None:
+            lm_head = (embed_stored if embed_stored.data.device == b.device
+                       else StoredLinear(embed_stored.stored.to(b.device)))
         else:
             lm_head = native_linear(stored, None, b.device) or Linear(embed.to(b.device))
-    net = MoeTransformer(family=family, spec=spec, config=b.config, embed=embed, layers=layers, norm=norm, lm_head=lm_head,
-                           recorder=recorder, placement=placement, device=device, dtype=dtype, max_context=max_context,
-                           cache=b.cache, max_sequences=sequences)
+    net = MoeTransformer(family=family, spec=spec, config=b.config, embed=embed, embed_stored=embed_stored,
+                         layers=layers, norm=norm, lm_head=lm_head, recorder=recorder, placement=placement,
+                         device=device, dtype=dtype, max_context=max_context, cache=b.cache, max_sequences=sequences)
     net.boundaries = {i: stage_of[i][0] for i in range(1, n_layers) if stage_of[i][1] != stage_of[i - 1][1]}
     net.cards = [d for d, _ in cards]
     if hybrid is None and any(d.type != "cpu" for d, _ in stage_of):
         hybrid = HybridOptions()
     if hybrid is not None:
-        net.scheduler = attach(net, hybrid)
+        net.scheduler = attach(b.moe_blocks, hybrid)
     return net
 
 

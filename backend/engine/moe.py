@@ -29,7 +29,6 @@ from hybridmoe.backend.engine.experts import (
     experts_forward,
 )
 from hybridmoe.backend.engine.layers import GatedMLP, Linear
-from hybridmoe.backend.engine.native_linear import NativeLinear
 from hybridmoe.backend.engine.stats import ExpertRecorder
 
 
@@ -58,7 +57,8 @@ class MoE(nn.Module):
         host = len(self.host)
         return layer_description.MixtureOfExperts(
             router=self.router.describe(), shared=None if self.shared is None else self.shared.describe(),
-            shared_gate=self.shared_gate is not None, shared_gate_native=isinstance(self.shared_gate, NativeLinear),
+            shared_gate=self.shared_gate is not None,
+            shared_gate_native=self.shared_gate is not None and self.shared_gate.runs_native,
             experts_on_main=len(self.main), experts_on_host=host,
             experts_native=native_experts.unsupported_reason(self.host) if host else None,
             streamed=self.scheduler is not None, activation=layer_description.activation_name(self.host.act.kind))

@@ -18,7 +18,7 @@ matmul; quantized formats see Q8-rounded activations, like llama.cpp.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -30,6 +30,8 @@ from hybridmoe.backend.engine.native_kernels import Unsupported, matrix_ref, nat
 class NativeLinear(nn.Module):
     """y = x W^T (+ b) from the stored matrix `stored` [out, in] (a float tensor or a quant
     object); or, given several matrices of one width, their outputs side by side (``fused``)."""
+
+    runs_native: ClassVar[bool] = True
 
     def __init__(self, stored: Any, bias: torch.Tensor | None = None, *, interleave: bool = True):
         super().__init__()
@@ -56,7 +58,7 @@ class NativeLinear(nn.Module):
         reading their matrices (no second copy), each in its own format and layout (a K-quant
         mix keeps v in Q6_K beside a Q4_K q and k); None when they cannot be (not all native,
         or widths differ)."""
-        if not all(isinstance(lin, NativeLinear) for lin in linears):
+        if not all(lin.runs_native for lin in linears):
             return None
         try:
             native = native_kernels._native.DenseLinear.join([lin.native for lin in linears])

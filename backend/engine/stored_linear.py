@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 from functools import cache
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -86,6 +87,8 @@ def _tables(qtype: GGMLQuantizationType, device: torch.device) -> tuple[torch.Te
 
 class StoredLinear(nn.Module):
     """y = x W^T (+ b) from a GGUF matrix `stored` [out, in] held in its blocks on its device."""
+
+    runs_native: ClassVar[bool] = False
 
     def __init__(self, stored: QuantTensor, bias: torch.Tensor | None = None):
         super().__init__()

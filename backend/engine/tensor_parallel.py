@@ -18,6 +18,8 @@ part waits for the CPU experts.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 from torch import nn
 
@@ -48,6 +50,8 @@ class Shards(nn.Module):
 
 class HeadShards(nn.Module):
     """The LM head split by vocabulary rows: the cards' logits side by side."""
+
+    runs_native: ClassVar[bool] = False
 
     def __init__(self, parts: list[nn.Module], devices: list[torch.device]):
         super().__init__()

@@ -180,6 +180,8 @@ class Dequantized:
     """An expert group whose quantized matrices (int8, int4, stored) come back dequantized to `dtype`:
     the reference the quantized products are held to."""
 
+    stacked = False  # one expert at a time: experts_forward's loop, never the stacks' launches
+
     def __init__(self, group, dtype: torch.dtype = torch.float32):
         self.__dict__.update(group.__dict__)
         self.group, self.dtype = group, dtype
