@@ -248,19 +248,8 @@ void DecodeChain::run(Executor& exec, const KernelTable& kt, float* x, int64_t T
         laps.lap(CP_ROUTER);
         int64_t* ids = ids_out + moe * T * s.k;
         ++moe;
-        const ChainRoute& r = l.route;
-        for (int64_t t = 0; t < T; ++t) {
-            const float* lg = logits_.data() + t * E;
-            int64_t* id = ids + t * s.k;
-            float* w = weights_.data() + t * s.k;
-            switch (r.kind) {
-            case ChainRoute::SoftmaxTopK: softmax_topk(lg, E, int(s.k), r.normalize, id, w); break;
-            case ChainRoute::SigmoidGroupTopK:
-                sigmoid_group_topk(lg, r.bias, E, int(s.k), r.n_group, r.topk_group, r.normalize, r.scaling, id, w);
-                break;
-            case ChainRoute::TopKSoftmax: topk_softmax(lg, E, int(s.k), id, w); break;
-            }
-        }
+        for (int64_t t = 0; t < T; ++t)
+            route_token(l.route, logits_.data() + t * E, E, int(s.k), ids + t * s.k, weights_.data() + t * s.k);
         laps.lap(CP_SMALL);
         l.experts->forward(exec, kt, h_.data(), false, T, ids, weights_.data(), int(s.k), tmp_.data(), Regime::Decode, 0);
         laps.lap(CP_EXPERTS);

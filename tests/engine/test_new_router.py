@@ -9,9 +9,8 @@ kernels have (``decode_path.NATIVE_ROUTERS``) runs natively, in the chain, witho
 more. (Giving the native kernels a new routing kind: ``NATIVE_ROUTERS`` in plan/decode_path.py,
 the native router (native/src/decode_ops.h and .cpp) and its name and call in
 native/src/decode_chain.h's ``kRouteNames`` / ``route_token``, which the binding's chain layers
-and per-call ``route`` both parse through: the description's fields reach the native route
-unchanged. decode_chain.cpp still switches on the kind itself rather than calling
-``route_token``, one more file until it does.)"""
+and per-call ``route`` both parse through and the chain's step calls: four files, and the
+description's fields reach the native route unchanged.)"""
 
 from __future__ import annotations
 
