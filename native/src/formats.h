@@ -91,6 +91,7 @@
 // Permuting activations costs nothing per weight; permuting weights would cost a copy.
 #pragma once
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -143,45 +144,55 @@ struct FormatInfo {
     int act_group = 32;   // Q8 activations share one scale over this many (see below)
 };
 
-// Indexed by Format. Q8 activation blocks are 32 wide for every quantized format (K-quant
-// super-blocks of 256 are eight of them), which is why every quantized K must be a
-// multiple of 32 (of 256 for the K-quants, which the format itself requires). The K-quants
-// read activations quantized with one scale per 256 (every block of a super-block has the
-// same d, as llama.cpp's Q8_K): their SIMD kernels then add a super-block's integer dots in
-// int32 and convert once, instead of one int-to-float and FMA per 32 weights (hot GEMV, the
-// old and new kernels in one process: q6_k 1.27-1.32x, q4_kx8 1.09-1.12x). The portable
-// kernels read d per block as ever.
-static constexpr FormatInfo kFormats[FMT_COUNT] = {
-    {"q8_0", 32, 34, 0, false, false},
-    {"q4_0", 32, 18, 0, false, false},
-    {"q4_k", 256, 144, 0, false, false, 1, 256},
-    {"q5_k", 256, 176, 0, false, false, 1, 256},
-    {"q6_k", 256, 210, 0, false, false, 1, 256},
-    {"mxfp4", 32, 17, 0, false, false},
-    {"mxfp4_hf", 32, 16, 1, true, false},
-    {"int4_g32", 32, 16, 2, true, false},
-    {"bf16", 1, 2, 0, false, true},
-    {"f16", 1, 2, 0, false, true},
-    {"f32", 1, 4, 0, false, true},
-    {"q4_0x8", 32, 18, 0, false, false, 8},
-    {"int4_g32x8", 32, 18, 0, false, false, 8},
-    {"q4_kx8", 256, 148, 0, false, false, 8, 256},
-    {"q8_0x8", 32, 34, 0, false, false, 8},
-    {"q5_0", 32, 22, 0, false, false},
-    {"q3_k", 256, 110, 0, false, false, 1, 256},
-    {"q2_k", 256, 84, 0, false, false, 1, 256},
-    {"q4_1", 32, 20, 0, false, false},
-    {"q5_1", 32, 24, 0, false, false},
-    {"iq4_nl", 32, 18, 0, false, false},
-    {"iq4_xs", 256, 136, 0, false, false, 1, 256},
-    {"iq2_xxs", 256, 66, 0, false, false, 1, 256},
-    {"iq2_xs", 256, 74, 0, false, false, 1, 256},
-    {"iq2_s", 256, 82, 0, false, false, 1, 256},
-    {"iq3_xxs", 256, 98, 0, false, false, 1, 256},
-    {"iq3_s", 256, 110, 0, false, false, 1, 256},
-    {"iq1_s", 256, 50, 0, false, false, 1, 256},
-    {"iq1_m", 256, 56, 0, false, false, 1, 256},
-};
+// Indexed by Format, each entry set under its enumerator: reordering the enum moves no entry,
+// and a format without one fails to compile. Q8 activation blocks are 32 wide for every
+// quantized format (K-quant super-blocks of 256 are eight of them), which is why every
+// quantized K must be a multiple of 32 (of 256 for the K-quants, which the format itself
+// requires). The K-quants read activations quantized with one scale per 256 (every block of a
+// super-block has the same d, as llama.cpp's Q8_K): their SIMD kernels then add a
+// super-block's integer dots in int32 and convert once, instead of one int-to-float and FMA
+// per 32 weights (hot GEMV, the old and new kernels in one process: q6_k 1.27-1.32x, q4_kx8
+// 1.09-1.12x). The portable kernels read d per block as ever.
+static constexpr std::array<FormatInfo, FMT_COUNT> format_infos() {
+    std::array<FormatInfo, FMT_COUNT> f{};
+    f[FMT_Q8_0] = {"q8_0", 32, 34, 0, false, false};
+    f[FMT_Q4_0] = {"q4_0", 32, 18, 0, false, false};
+    f[FMT_Q4_K] = {"q4_k", 256, 144, 0, false, false, 1, 256};
+    f[FMT_Q5_K] = {"q5_k", 256, 176, 0, false, false, 1, 256};
+    f[FMT_Q6_K] = {"q6_k", 256, 210, 0, false, false, 1, 256};
+    f[FMT_MXFP4] = {"mxfp4", 32, 17, 0, false, false};
+    f[FMT_MXFP4_HF] = {"mxfp4_hf", 32, 16, 1, true, false};
+    f[FMT_INT4_G32] = {"int4_g32", 32, 16, 2, true, false};
+    f[FMT_BF16] = {"bf16", 1, 2, 0, false, true};
+    f[FMT_F16] = {"f16", 1, 2, 0, false, true};
+    f[FMT_F32] = {"f32", 1, 4, 0, false, true};
+    f[FMT_Q4_0_X8] = {"q4_0x8", 32, 18, 0, false, false, 8};
+    f[FMT_INT4_X8] = {"int4_g32x8", 32, 18, 0, false, false, 8};
+    f[FMT_Q4_K_X8] = {"q4_kx8", 256, 148, 0, false, false, 8, 256};
+    f[FMT_Q8_0_X8] = {"q8_0x8", 32, 34, 0, false, false, 8};
+    f[FMT_Q5_0] = {"q5_0", 32, 22, 0, false, false};
+    f[FMT_Q3_K] = {"q3_k", 256, 110, 0, false, false, 1, 256};
+    f[FMT_Q2_K] = {"q2_k", 256, 84, 0, false, false, 1, 256};
+    f[FMT_Q4_1] = {"q4_1", 32, 20, 0, false, false};
+    f[FMT_Q5_1] = {"q5_1", 32, 24, 0, false, false};
+    f[FMT_IQ4_NL] = {"iq4_nl", 32, 18, 0, false, false};
+    f[FMT_IQ4_XS] = {"iq4_xs", 256, 136, 0, false, false, 1, 256};
+    f[FMT_IQ2_XXS] = {"iq2_xxs", 256, 66, 0, false, false, 1, 256};
+    f[FMT_IQ2_XS] = {"iq2_xs", 256, 74, 0, false, false, 1, 256};
+    f[FMT_IQ2_S] = {"iq2_s", 256, 82, 0, false, false, 1, 256};
+    f[FMT_IQ3_XXS] = {"iq3_xxs", 256, 98, 0, false, false, 1, 256};
+    f[FMT_IQ3_S] = {"iq3_s", 256, 110, 0, false, false, 1, 256};
+    f[FMT_IQ1_S] = {"iq1_s", 256, 50, 0, false, false, 1, 256};
+    f[FMT_IQ1_M] = {"iq1_m", 256, 56, 0, false, false, 1, 256};
+    return f;
+}
+static constexpr std::array<FormatInfo, FMT_COUNT> kFormats = format_infos();
+static constexpr bool every_format_has_info() {
+    for (const FormatInfo& f : kFormats)
+        if (!f.name) return false;
+    return true;
+}
+static_assert(every_format_has_info(), "a Format without its kFormats entry");
 
 // Formats whose prompts take the decode GEMV at every token count (see prompt_takes_gemv in
 // repack.h): q2_k and q3_k, whose dequantizing costs the most bit work per weight, and q4_1,

@@ -161,12 +161,17 @@ static void rows_axpy(Format fmt, const uint8_t* rows, int64_t stride, int64_t m
         }
 }
 
-// Every format through the same dequantize-and-dot loops, filled by format.
+// Every format through the same dequantize-and-dot loops: format F's slot gets the loop for F.
+template <Format F>
+static void fill_gemv(KernelTable& t) {
+    if (kFormats[F].float_acts)
+        t.gemv_f32[F] = gemv_f32_fmt<F>;
+    else
+        t.gemv_q8[F] = gemv_q8_fmt<F>;
+}
 template <size_t... I>
 static void fill_gemvs(KernelTable& t, std::index_sequence<I...>) {
-    ((kFormats[I].float_acts ? (void)(t.gemv_f32[I] = gemv_f32_fmt<Format(I)>)
-                             : (void)(t.gemv_q8[I] = gemv_q8_fmt<Format(I)>)),
-     ...);
+    (fill_gemv<Format(I)>(t), ...);  // every enumerator
 }
 
 }  // namespace scalar_isa

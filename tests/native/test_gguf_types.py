@@ -48,8 +48,10 @@ def test_dequantizing_is_ggmls_bit_for_bit(fmt, isa):
 
 
 @pytest.mark.parametrize("tokens", [1, 3, 4, 6, 13])
-@pytest.mark.parametrize("fmt", NEW_TYPES)
+@pytest.mark.parametrize("fmt", TYPES)
 def test_the_gemv_computes_the_dequantized_product(fmt, tokens, isa):
+    """Every type's GEMV, called by the type's name, in every kernel set: the kernel in the type's
+    slot of the table is that type's (native/src/formats.h and the tables fill them by enumerator)."""
     data = stored(fmt)
     weights = torch.from_numpy(reference(fmt, data))
     x = torch.from_numpy(np.random.default_rng(1).standard_normal((tokens, K)).astype(np.float32))
