@@ -197,8 +197,8 @@ static_assert(every_format_has_info(), "a Format without its kFormats entry");
 // Formats whose prompts take the decode GEMV at every token count (see prompt_takes_gemv in
 // repack.h): q2_k and q3_k, whose dequantizing costs the most bit work per weight, and q4_1,
 // q5_1 and iq4_nl, whose 32-block GEMV reads at the bandwidth's pace. The i-quants' prompts:
-// see iq_prompt_gemv below; elsewhere they dequantize through their GEMV decoders into the
-// GEMM's panels.
+// see iq_prompt_gemv below; elsewhere they dequantize through their GEMV's unpacking
+// (iq_unpack) into the GEMM's panels.
 static inline bool gemv_at_every_count(Format f) {
     return f == FMT_Q2_K || f == FMT_Q3_K || f == FMT_Q4_1 || f == FMT_Q5_1 || f == FMT_IQ4_NL;
 }
@@ -207,7 +207,7 @@ static inline bool gemv_at_every_count(Format f) {
 // tokens a call needs for the GEMM to be the faster, measured per format and kernel set
 // (1536 x 2048 matrices, hot, one thread's CPU time, GEMV and GEMM in turn at 16-256 tokens,
 // Xeon with AVX-512; the first count measured where the GEMM was the faster, or 256). The
-// GEMV decodes a super-block once for all of a call's tokens (kernels_iq.inl); on AVX-512,
+// GEMV unpacks a super-block once for all of a call's tokens (kernels_iq.inl); on AVX-512,
 // with the signs on the weights and two quarters a vector, it stays level with the GEMM up to
 // 256 tokens (ms at 32 / 128 / 256 tokens, iq2_xxs: GEMV 1.45 / 5.73 / 12.1, GEMM 2.40 /
 // 6.56 / 12.7; iq4_xs, whose values need the sign-per-token form: 1.93 / 6.84 / 14.5 against
@@ -240,7 +240,7 @@ constexpr int kQ4KX8Bytes = 1184;
 constexpr int kQ8X8BlockBytes = 272;  // q8_0x8: 32 columns
 
 // Where a row's bytes lie inside one such block (the layouts above; `lane` is the row within
-// its group): the copy writes and the portable decoder reads through these, the SIMD kernels
+// its group): the copy writes and the portable dequantizer reads through these, the SIMD kernels
 // read whole 32-byte chunks at the same places.
 static inline int x8_code_at(int lane, int j) { return 16 + 32 * (j / 4) + 4 * lane + j % 4; }  // q4_0 code byte j
 // (q8_0x8: the same places for its 32 code bytes, eight chunks instead of four)

@@ -12,7 +12,7 @@ namespace hmoe {
 
 // Decode: out[t * ldo + r] = dot(row row0 + r of w, acts[t]) for r < nrows, t < ntok
 // (ntok <= kMaxGemvTokens, or any number where the table's gemv_any_tokens says so).
-// Weights are decoded once per block and used for all ntok tokens. K is the row length in
+// Weights are unpacked once per block and used for all ntok tokens. K is the row length in
 // weights.
 using GemvQ8Fn = void (*)(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t K, const Q8Row* acts, int ntok,
                           float* out, int64_t ldo);
@@ -76,8 +76,8 @@ struct KernelTable {
     int panel;         // rows per prefill panel (one or two vector widths)
     QuantizeFn quantize;
     GemvQ8Fn gemv_q8[FMT_COUNT];     // null for float formats
-    // The format's gemv_q8 takes any number of tokens in one call, decoding each block once
-    // for all of them (the i-quants, whose decoding costs more than their dot products).
+    // The format's gemv_q8 takes any number of tokens in one call, unpacking each block once
+    // for all of them (the i-quants, whose unpacking costs more than their dot products).
     bool gemv_any_tokens[FMT_COUNT];
     GemvF32Fn gemv_f32[FMT_COUNT];   // null for quantized formats
     // A prompt's rows of the format, any number of tokens: where set (AMX tiles), calls of

@@ -10,7 +10,7 @@
 namespace hmoe {
 namespace scalar_isa {
 
-#include "block_decode.inl"
+#include "block_dequant.inl"
 
 constexpr int kPanel = 8;
 

@@ -33,7 +33,7 @@
 
 #include <vector>
 
-#include "block_decode.inl"
+#include "block_dequant.inl"
 
 #if defined(HMOE_AVX512)
 constexpr int kPanel = 32;
@@ -1152,9 +1152,9 @@ static inline __m256i interleave_nibbles(__m256i n) {
     return _mm256_set_m128i(_mm_unpackhi_epi8(lo, hi), _mm_unpacklo_epi8(lo, hi));
 }
 
-// The i-quant super-blocks through their GEMV decoders (kernels_iq.inl): value = (d x the
+// The i-quant super-blocks through their GEMV's unpacking (kernels_iq.inl): value = (d x the
 // integer scale) x w, which is ggml's float arithmetic (the block scale rounded once, then
-// the product; iq1's 8g +- 1 against its d / 8 likewise): the bits of the portable decoding.
+// the product; iq1's 8g +- 1 against its d / 8 likewise): the bits of the portable dequantizing.
 template <Format F>
 static void dequant_iq_row(const uint8_t* row, int64_t k0, int kc, float* dst) {
     for (int64_t sb = k0 / 256; sb < (k0 + kc) / 256; ++sb) {

@@ -1,9 +1,9 @@
-// Portable decoding of one row segment of any stored format to fp32, the plain statement of
+// Portable dequantizing of one row segment of any stored format to fp32, the plain statement of
 // every layout in formats.h. Included *inside* each ISA translation unit's own namespace
 // (never compiled as shared inline code, see kernel_table.h), so the compiler may vectorize
 // it with that unit's instruction set and nothing leaks between units.
 //
-// The float operations follow ggml's reference dequantizers (and backend/engine/quant.py),
+// The float operations follow ggml's reference dequantizers (and backend/formats/quant.py),
 // so for the GGUF formats the values are the ones the PyTorch reference sees.
 
 // Q6_K: the 256 six-bit values of a super-block, minus 32, in element order.
