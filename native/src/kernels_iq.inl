@@ -73,6 +73,7 @@ static inline __m256i grid8(const uint32_t* grid, const uint8_t* q, int hi) {  /
 }
 #if defined(HMOE_AVX512) && !defined(HMOE_NO_GRID_GATHER)
 #define HMOE_GRID_GATHER 1
+constexpr bool kGatherByDefault = true;
 static inline __m256i gather4(const uint64_t* grid, __m128i idx) {
     return _mm256_i32gather_epi64(reinterpret_cast<const long long*>(grid), idx, 8);
 }
@@ -82,6 +83,8 @@ static inline __m256i gather8(const uint32_t* grid, __m256i idx) {
 static inline __m256i bytes8(const uint8_t* q) {
     return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q)));
 }
+#else
+constexpr bool kGatherByDefault = false;
 #endif
 
 // Eight sign bytes from seven-bit fields, for all eight quarters of a super-block at once:
@@ -126,12 +129,14 @@ struct XxsWords {
     }
 };
 
-// One decoder per format: the super-block's float (d()) and its 32-value quarters.
-template <Format F>
+// One decoder per format: the super-block's float (d()) and its 32-value quarters. `Gather`
+// picks the gathered grid look-ups where a format has them (iq2_s, iq3_xxs, iq3_s); the
+// values are the same either way.
+template <Format F, bool Gather = kGatherByDefault>
 struct IqBlock;
 
-template <>
-struct IqBlock<FMT_IQ2_XXS> {
+template <bool Gather>
+struct IqBlock<FMT_IQ2_XXS, Gather> {
     const uint8_t* p;
     XxsWords words;
     // The eight words sit after each quarter's four index bytes: the odd 32-bit words of the
@@ -150,8 +155,8 @@ struct IqBlock<FMT_IQ2_XXS> {
     }
 };
 
-template <>
-struct IqBlock<FMT_IQ2_XS> {
+template <bool Gather>
+struct IqBlock<FMT_IQ2_XS, Gather> {
     const uint8_t* p;
     alignas(32) uint32_t sign[8];
     explicit IqBlock(const uint8_t* blk) : p(blk) {
@@ -167,64 +172,70 @@ struct IqBlock<FMT_IQ2_XS> {
     }
 };
 
-template <>
-struct IqBlock<FMT_IQ2_S> {
+template <bool Gather>
+struct IqBlock<FMT_IQ2_S, Gather> {
     const uint8_t* p;
     explicit IqBlock(const uint8_t* blk) : p(blk) {}
     float d() const { return h2f(p) * 0.125f; }
     IqQuarter quarter(int ib) const {
         const uint8_t* qs = p + 2 + 4 * ib;
         const int h = p[66 + ib];
-#if defined(HMOE_GRID_GATHER)
-        const __m128i high = _mm_and_si128(_mm_srlv_epi32(_mm_set1_epi32(h << 8), _mm_setr_epi32(0, 2, 4, 6)),
-                                           _mm_set1_epi32(0x300));
-        const __m128i idx = _mm_or_si128(_mm_cvtepu8_epi32(_mm_cvtsi32_si128(int(load_u32(qs)))), high);
-        const __m256i g = gather4(kIq2sGrid, idx);
-#else
-        const __m256i g = grid4(kIq2sGrid, qs[0] | (h << 8 & 0x300), qs[1] | (h << 6 & 0x300), qs[2] | (h << 4 & 0x300),
-                                qs[3] | (h << 2 & 0x300));
-#endif
         const uint8_t sc = p[74 + ib];
-        return {g, signs_from_bits(load_u32(p + 34 + 4 * ib)), scale_pair(2 * (sc & 15) + 1, 2 * (sc >> 4) + 1)};
+        return {grid(qs, h), signs_from_bits(load_u32(p + 34 + 4 * ib)), scale_pair(2 * (sc & 15) + 1, 2 * (sc >> 4) + 1)};
+    }
+    static __m256i grid(const uint8_t* qs, int h) {
+#if defined(HMOE_GRID_GATHER)
+        if constexpr (Gather) {
+            const __m128i high = _mm_and_si128(_mm_srlv_epi32(_mm_set1_epi32(h << 8), _mm_setr_epi32(0, 2, 4, 6)),
+                                               _mm_set1_epi32(0x300));
+            return gather4(kIq2sGrid, _mm_or_si128(_mm_cvtepu8_epi32(_mm_cvtsi32_si128(int(load_u32(qs)))), high));
+        }
+#endif
+        return grid4(kIq2sGrid, qs[0] | (h << 8 & 0x300), qs[1] | (h << 6 & 0x300), qs[2] | (h << 4 & 0x300),
+                     qs[3] | (h << 2 & 0x300));
     }
 };
 
-template <>
-struct IqBlock<FMT_IQ3_XXS> {
+template <bool Gather>
+struct IqBlock<FMT_IQ3_XXS, Gather> {
     const uint8_t* p;
     XxsWords words;
     explicit IqBlock(const uint8_t* blk) : p(blk), words(load32(blk + 66)) {}
     float d() const { return h2f(p) * 0.25f; }  // d (0.5 + s) / 2 = d (2s + 1) / 4
     IqQuarter quarter(int ib) const {
         const uint8_t* qs = p + 2 + 8 * ib;
+        return {grid(qs), signs_from_bits(words.sign[ib]), _mm256_set1_epi16(short(words.scale[ib]))};
+    }
+    static __m256i grid(const uint8_t* qs) {
 #if defined(HMOE_GRID_GATHER)
-        const __m256i g = gather8(kIq3xxsGrid, bytes8(qs));
-#else
-        const __m256i g = grid8(kIq3xxsGrid, qs, 0);
+        if constexpr (Gather) return gather8(kIq3xxsGrid, bytes8(qs));
 #endif
-        return {g, signs_from_bits(words.sign[ib]), _mm256_set1_epi16(short(words.scale[ib]))};
+        return grid8(kIq3xxsGrid, qs, 0);
     }
 };
 
-template <>
-struct IqBlock<FMT_IQ3_S> {
+template <bool Gather>
+struct IqBlock<FMT_IQ3_S, Gather> {
     const uint8_t* p;
     explicit IqBlock(const uint8_t* blk) : p(blk) {}
     float d() const { return h2f(p); }
     IqQuarter quarter(int ib) const {
         const uint8_t* qs = p + 2 + 8 * ib;
         const int h = p[66 + ib];
-#if defined(HMOE_GRID_GATHER)
-        const __m256i hi = _mm256_slli_epi32(
-            _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(h), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)),
-                             _mm256_set1_epi32(1)),
-            8);
-        const __m256i g = gather8(kIq3sGrid, _mm256_or_si256(bytes8(qs), hi));
-#else
-        const __m256i g = grid8(kIq3sGrid, qs, h);
-#endif
         const int s = 1 + 2 * ((p[106 + ib / 2] >> (4 * (ib % 2))) & 15);
-        return {g, signs_from_bits(load_u32(p + 74 + 4 * ib)), _mm256_set1_epi16(short(s))};
+        return {grid(qs, h), signs_from_bits(load_u32(p + 74 + 4 * ib)), _mm256_set1_epi16(short(s))};
+    }
+    static __m256i grid(const uint8_t* qs, int h) {
+#if defined(HMOE_GRID_GATHER)
+        if constexpr (Gather) {
+            const __m256i hi = _mm256_slli_epi32(
+                _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(h), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)),
+                                 _mm256_set1_epi32(1)),
+                8);
+            return gather8(kIq3sGrid, _mm256_or_si256(bytes8(qs), hi));
+        }
+#endif
+        return grid8(kIq3sGrid, qs, h);
     }
 };
 
@@ -234,8 +245,8 @@ static inline IqQuarter iq1_quarter(__m256i g, __m256i deltas, __m256i scale) {
     return {_mm256_sign_epi8(v, v), signs_of(v), scale};
 }
 
-template <>
-struct IqBlock<FMT_IQ1_S> {
+template <bool Gather>
+struct IqBlock<FMT_IQ1_S, Gather> {
     const uint8_t* p;
     explicit IqBlock(const uint8_t* blk) : p(blk) {}
     float d() const { return h2f(p) * 0.125f; }
@@ -248,8 +259,8 @@ struct IqBlock<FMT_IQ1_S> {
     }
 };
 
-template <>
-struct IqBlock<FMT_IQ1_M> {
+template <bool Gather>
+struct IqBlock<FMT_IQ1_M, Gather> {
     const uint8_t* p;
     explicit IqBlock(const uint8_t* blk) : p(blk) {}
     float d() const {
@@ -269,8 +280,8 @@ struct IqBlock<FMT_IQ1_M> {
     }
 };
 
-template <>
-struct IqBlock<FMT_IQ4_XS> {
+template <bool Gather>
+struct IqBlock<FMT_IQ4_XS, Gather> {
     const uint8_t* p;
     explicit IqBlock(const uint8_t* blk) : p(blk) {}
     float d() const { return h2f(p); }
@@ -299,7 +310,7 @@ static inline void iq_tokens(const IqQuarter* q, float d, const Q8Row* acts, int
 }
 
 // Decode: up to four tokens, their float lanes in registers.
-template <Format F, int N>
+template <Format F, bool G, int N>
 static void gemv_iq_n(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t K, const Q8Row* acts, float* out,
                       int64_t ldo) {
     constexpr int kBytes = kFormats[F].block_bytes;
@@ -310,7 +321,7 @@ static void gemv_iq_n(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t K
         for (int t = 0; t < N; ++t) acc[t] = _mm256_setzero_ps();
         _mm_prefetch(reinterpret_cast<const char*>(w.row(row0 + r + 1)), _MM_HINT_T0);
         for (int64_t sb = 0; sb < nsb; ++sb) {
-            const IqBlock<F> blk(row + sb * kBytes);
+            const IqBlock<F, G> blk(row + sb * kBytes);
             prefetch_span(blk.p + kPrefetchAheadK, kBytes);
             IqQuarter q[8];
 #pragma GCC unroll 8
@@ -332,7 +343,7 @@ constexpr int kIqTokenGroup = 8;
 constexpr int kIqTokenGroup = 4;
 #endif
 
-template <Format F>
+template <Format F, bool G>
 static void gemv_iq_many(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t K, const Q8Row* acts, int ntok,
                          float* out, int64_t ldo) {
     constexpr int kBytes = kFormats[F].block_bytes;
@@ -345,7 +356,7 @@ static void gemv_iq_many(const MatrixRef& w, int64_t row0, int64_t nrows, int64_
         for (int t = 0; t < ntok; ++t) acc[t] = _mm256_setzero_ps();
         _mm_prefetch(reinterpret_cast<const char*>(w.row(row0 + r + 1)), _MM_HINT_T0);
         for (int64_t sb = 0; sb < nsb; ++sb) {
-            const IqBlock<F> blk(row + sb * kBytes);
+            const IqBlock<F, G> blk(row + sb * kBytes);
             prefetch_span(blk.p + kPrefetchAheadK, kBytes);
             IqQuarter q[8];
             for (int ib = 0; ib < 8; ++ib) q[ib] = blk.quarter(ib);
@@ -398,7 +409,7 @@ static inline void iq_tokens_512(const __m512i* w, const __m512i* scale, __m256i
     }
 }
 
-template <Format F>
+template <Format F, bool G>
 static void gemv_iq_many_512(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t K, const Q8Row* acts, int ntok,
                              float* out, int64_t ldo) {
     constexpr int kBytes = kFormats[F].block_bytes;
@@ -426,7 +437,7 @@ static void gemv_iq_many_512(const MatrixRef& w, int64_t row0, int64_t nrows, in
         for (int t = 0; t < ntok; ++t) acc[t] = _mm256_setzero_ps();
         _mm_prefetch(reinterpret_cast<const char*>(w.row(row0 + r + 1)), _MM_HINT_T0);
         for (int64_t sb = 0; sb < nsb; ++sb) {
-            const IqBlock<F> blk(row + sb * kBytes);
+            const IqBlock<F, G> blk(row + sb * kBytes);
             prefetch_span(blk.p + kPrefetchAheadK, kBytes);
             __m512i wv[4], sc[4];
             __m512i offset_sums = _mm512_setzero_si512();
@@ -454,25 +465,77 @@ static void gemv_iq_many_512(const MatrixRef& w, int64_t row0, int64_t nrows, in
 }
 #endif
 
-template <Format F>
+template <Format F, bool G>
 struct IqG {
     template <int N>
-    struct G {
+    struct Gemv {
         static void run(const MatrixRef& w, int64_t r0, int64_t n, int64_t K, const Q8Row* a, float* o, int64_t l) {
-            gemv_iq_n<F, N>(w, r0, n, K, a, o, l);
+            gemv_iq_n<F, G, N>(w, r0, n, K, a, o, l);
         }
     };
 };
 
+template <Format F, bool G>
+static void gemv_q8_iq_with(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t K, const Q8Row* acts, int ntok,
+                            float* out, int64_t ldo) {
+#if defined(HMOE_AVX512)
+    if constexpr (kIqSmallValues<F>)
+        if (ntok > kMaxGemvTokens) return gemv_iq_many_512<F, G>(w, row0, nrows, K, acts, ntok, out, ldo);
+#endif
+    if (ntok > kMaxGemvTokens) return gemv_iq_many<F, G>(w, row0, nrows, K, acts, ntok, out, ldo);
+    by_tokens<IqG<F, G>::template Gemv>(w, row0, nrows, K, acts, ntok, out, ldo);
+}
+
+#if defined(HMOE_GRID_GATHER)
+// Whether gathering the grid look-ups is faster on this CPU than loading them one by one:
+// timed once per format, on first use, on a small matrix of this format (L2-resident), the
+// better of seven tries each. It depends on the core, not on the format's bytes: on the
+// Xeon (AVX-512, AMX) gathering won for all three formats (iq2_s 24 -> 33, iq3_xxs 31 ->
+// 35, iq3_s 17 -> 27 G weights/s), on an AMD EPYC (Zen 4) it lost for two (iq3_xxs 13.5 ->
+// 8.9, iq2_s 11.4 -> 9.9) and won for iq3_s (7.5 -> 8.9): one token, one thread. Both give
+// the same values. HYBRIDMOE_GRID_GATHER=0 or 1 decides instead (tests take both).
+template <Format F>
+static bool gather_is_faster() {
+    if (const char* v = std::getenv("HYBRIDMOE_GRID_GATHER"); v && (*v == '0' || *v == '1')) return *v == '1';
+    constexpr int64_t kRows = 64, kK = 2048;
+    constexpr int kBytes = kFormats[F].block_bytes;
+    std::vector<uint8_t> blocks(size_t(kRows * (kK / 256) * kBytes));
+    uint32_t x = 0x9E3779B9u;
+    for (uint8_t& b : blocks) b = uint8_t((x = x * 1664525u + 1013904223u) >> 24);
+    for (size_t i = 0; i < blocks.size(); i += kBytes) blocks[i] = 0x00, blocks[i + 1] = 0x3C;  // d = 1 (no subnormals)
+    alignas(64) static int8_t q[kK];
+    static float d[kK / 32], sums[kK / 32];
+    for (int64_t k = 0; k < kK; ++k) q[k] = int8_t(k % 17 - 8);
+    for (float& v : d) v = 1.0f;
+    MatrixRef w;
+    w.data = blocks.data();
+    w.row_stride = kK / 256 * kBytes;
+    const Q8Row act{q, d, sums};
+    std::vector<float> out(kRows);
+    const auto time_of = [&](auto gemv) {
+        const auto t0 = std::chrono::steady_clock::now();
+        for (int rep = 0; rep < 4; ++rep) gemv(w, 0, kRows, kK, &act, 1, out.data(), kRows);
+        return std::chrono::steady_clock::now() - t0;
+    };
+    auto with = std::chrono::steady_clock::duration::max(), without = with;
+    for (int trial = 0; trial < 7; ++trial) {
+        with = std::min(with, time_of(gemv_q8_iq_with<F, true>));
+        without = std::min(without, time_of(gemv_q8_iq_with<F, false>));
+    }
+    return with < without;
+}
+#endif
+
 template <Format F>
 static void gemv_q8_iq(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t K, const Q8Row* acts, int ntok,
                        float* out, int64_t ldo) {
-#if defined(HMOE_AVX512)
-    if constexpr (kIqSmallValues<F>)
-        if (ntok > kMaxGemvTokens) return gemv_iq_many_512<F>(w, row0, nrows, K, acts, ntok, out, ldo);
+#if defined(HMOE_GRID_GATHER)
+    if constexpr (F == FMT_IQ2_S || F == FMT_IQ3_XXS || F == FMT_IQ3_S) {
+        static const bool gather = gather_is_faster<F>();
+        if (!gather) return gemv_q8_iq_with<F, false>(w, row0, nrows, K, acts, ntok, out, ldo);
+    }
 #endif
-    if (ntok > kMaxGemvTokens) return gemv_iq_many<F>(w, row0, nrows, K, acts, ntok, out, ldo);
-    by_tokens<IqG<F>::template G>(w, row0, nrows, K, acts, ntok, out, ldo);
+    gemv_q8_iq_with<F, kGatherByDefault>(w, row0, nrows, K, acts, ntok, out, ldo);
 }
 
 // One super-block as plain integers, for kernels that multiply elsewhere (the AMX prompt
