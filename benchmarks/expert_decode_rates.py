@@ -1,5 +1,5 @@
 """The expert weights one core of the engine's CPU kernels decodes per second in a decode step,
-per format: what plan.expected's EXPERT_DECODE_WEIGHTS_PER_S_PER_CORE documents (docs/sizing.md
+per format: what plan.expected's EXPERT_UNPACK_WEIGHTS_PER_S_PER_CORE documents (docs/sizing.md
 §6, "Expected speed").
 
 A layer of the mid-size benchmark model's shape (128 experts of 2048 x 768, top 8; random valid
@@ -22,14 +22,14 @@ import torch
 from hybridmoe import _native
 from hybridmoe.backend.bench.kernel_layer import make_layer, routing
 from hybridmoe.backend.engine import native_experts, native_kernels
-from hybridmoe.backend.plan.expected import EXPERT_DECODE_WEIGHTS_PER_S_PER_CORE
+from hybridmoe.backend.plan.expected import EXPERT_UNPACK_WEIGHTS_PER_S_PER_CORE
 
 EXPERTS, HIDDEN, INTER, TOP_K = 128, 2048, 768, 8
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--formats", nargs="+", default=[*EXPERT_DECODE_WEIGHTS_PER_S_PER_CORE, "iq4_xs", "q4_0"])
+    p.add_argument("--formats", nargs="+", default=[*EXPERT_UNPACK_WEIGHTS_PER_S_PER_CORE, "iq4_xs", "q4_0"])
     p.add_argument("--calls", type=int, default=400)
     args = p.parse_args()
     _native.set_num_threads(1)
@@ -48,7 +48,7 @@ def main() -> None:
             if call >= 8:  # the first calls warm up
                 seconds.append(time.process_time() - start)
         median = statistics.median(seconds)
-        documented = EXPERT_DECODE_WEIGHTS_PER_S_PER_CORE.get(fmt)
+        documented = EXPERT_UNPACK_WEIGHTS_PER_S_PER_CORE.get(fmt)
         note = f"  (documented {documented / 1e9:.1f})" if documented else ""
         print(f"{fmt:<8} {median * 1e3:6.3f} ms a token  {weights / median / 1e9:5.1f} G weights/s a core{note}")
 

@@ -312,20 +312,20 @@ def plan_expectation(model: str, context: int, prompt_tokens: int) -> dict:
 def record_engine_rate(engine: dict, source: str, predicted: dict | None = None, threads: int = 1) -> None:
     """Keep what the engine reached on this machine (hardware.achieved), for later plans to
     expect: its decode read rate (its bytes a token at its median rate), or, for a format whose
-    decoding limits its decode (plan.expected.decode_limited), the expert weights a core decoded
+    unpacking limits its decode (plan.expected.unpack_limited), the expert weights a core unpacked
     per second (the experts' part of the token, over `threads` cores); and its prompt rate (the
     plan's flops per prompt token, `predicted`'s, at the median prompt tokens/s)."""
     end_to_end = engine.get("per_token", {}).get("end_to_end", {})
     if "error" in engine or not end_to_end.get("gbps"):
         return
     from hybridmoe.backend.hardware import achieved, detect
-    from hybridmoe.backend.plan.expected import MIN_PROMPT_TOKENS_TO_RECORD, decode_limited
+    from hybridmoe.backend.plan.expected import MIN_PROMPT_TOKENS_TO_RECORD, unpack_limited
 
     here = detect(measure_bandwidth=False)
     predicted = predicted or {}
     fmt = predicted.get("expert_format")
     experts = engine["per_token"]["parts"].get("experts", {})
-    if decode_limited(fmt):
+    if unpack_limited(fmt):
         if experts.get("seconds") and predicted.get("expert_bytes_per_weight"):
             per_core = experts["bytes"] / predicted["expert_bytes_per_weight"] / experts["seconds"] / threads
             achieved.record_rate(here, "expert_weights_per_s_per_core", expert_format=fmt, value=per_core,

@@ -440,13 +440,13 @@ def measure(model: str, *, streams: Sequence[int] = (1, 2, 4, 8), prompt_tokens:
 def record_engine_rate(summary: dict) -> None:
     """Keep the engine's one-stream decode read rate (the plan's bytes a token at the measured
     rate) for this machine (hardware.achieved): later plans expect it. Not for a format whose
-    decoding, not its reads, limits its decode (plan.expected.decode_limited)."""
-    from hybridmoe.backend.plan.expected import decode_limited
+    unpacking, not its reads, limits its decode (plan.expected.unpack_limited)."""
+    from hybridmoe.backend.plan.expected import unpack_limited
 
     runs = summary["results"].get("engine", {}).get("runs", [])
     one = next((r for r in runs if r["streams"] == 1 and r["aggregate_tokens_per_s"]), None)
     predicted = summary["predicted"].get(1) or {}
-    if one is None or not predicted.get("host_bytes_per_token") or decode_limited(predicted.get("expert_format")):
+    if one is None or not predicted.get("host_bytes_per_token") or unpack_limited(predicted.get("expert_format")):
         return
     from hybridmoe.backend.hardware import achieved, detect
 

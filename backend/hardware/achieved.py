@@ -11,8 +11,8 @@ minutes), else the rate.
 
 Two compute rates are kept beside it the same way, per machine and per expert format (``RATES``):
 the CPU's multiply-adds per second in a prompt (``prefill_flops_per_s``), and for the formats
-whose decode the CPU's decoding of the weights limits, not the reads (the i-quants), the expert
-weights a core decodes per second in a decode step (``expert_weights_per_s_per_core``).
+whose decode the CPU's unpacking of the weights limits, not the reads (the i-quants), the expert
+weights a core unpacks per second in a decode step (``expert_weights_per_s_per_core``).
 
 A machine is known by what the plan depends on: CPU model, physical cores, sockets, RAM and
 GPUs. A described machine is never this one, so nothing is recorded or looked up for it.

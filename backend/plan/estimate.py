@@ -84,7 +84,7 @@ class DecodeEstimate:
     gpu_seconds: float = 0.0
     all_reduce_seconds: float = 0.0
     # Of the host bytes, the routed experts' (the rest: always-read weights and cache, CPU-only),
-    # whose decoding, for some formats, the CPU's compute limits rather than the reads.
+    # whose unpacking, for some formats, the CPU's compute limits rather than the reads.
     host_expert_bytes_per_step: float = 0.0
 
 

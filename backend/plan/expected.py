@@ -13,9 +13,9 @@ same bytes at the rates a backend is known to reach, and says where each rate ca
 * the CPU's compute: the CPU experts' multiply-adds at ``estimate.cpu_flops`` (cores × an
   assumed 2.5 GHz × the FMA rate of the best vector ISA × the kernels' share of it), so that a
   step is never faster than the CPU can compute it (several conversations at once);
-* the i-quants' decoding: the engine's kernels decode an i-quant's weights from codebooks before
+* the i-quants' unpacking: the engine's kernels unpack an i-quant's weights from codebooks before
   multiplying them, and at a token a step on few cores that, not the reads, sets the experts'
-  time: the expert weights over the cores × a per-format rate (``EXPERT_DECODE_WEIGHTS_PER_S_PER_CORE``,
+  time: the expert weights over the cores × a per-format rate (``EXPERT_UNPACK_WEIGHTS_PER_S_PER_CORE``,
   or the rate measured on this machine when ``bench generate`` ran that format);
 * the GPU: its bytes at ``gpu_share`` of the card's bandwidth;
 * the hand-offs: a decode step passes from the GPU to the CPU and back at every MoE layer with
@@ -84,15 +84,15 @@ RATES = {
 }
 
 
-# Expert weights one core of the engine's CPU kernels decodes per second in a decode step (one
-# token), for the formats whose decoding, not the reads, sets a decode step's experts' time: the
+# Expert weights one core of the engine's CPU kernels unpacks per second in a decode step (one
+# token), for the formats whose unpacking, not the reads, sets a decode step's experts' time: the
 # i-quants below IQ4, whose weights come from codebook grids (8 or 4 values an index, signs and
 # scales from further tables). Measured with AVX-512 by benchmarks/expert_decode_rates.py (one
 # thread's CPU time per token, a layer of the mid-size benchmark model's shape; 2-core Xeon VM):
-# IQ4_XS decoded 20.1 and Q4_0 26.6 G weights/s a core there, enough to keep up with the reads
+# IQ4_XS unpacked 20.1 and Q4_0 26.6 G weights/s a core there, enough to keep up with the reads
 # on any machine with more than a few cores, and have no entry. bench generate's experts' part
 # agreed on a quiet machine (IQ2_XXS 18.1, IQ1_S 12.0, IQ3_XXS 14.0, 2 threads, wall clock).
-EXPERT_DECODE_WEIGHTS_PER_S_PER_CORE = {
+EXPERT_UNPACK_WEIGHTS_PER_S_PER_CORE = {
     "iq1_s": 12.9e9,
     "iq1_m": 8.8e9,
     "iq2_xxs": 18.4e9,
@@ -101,47 +101,47 @@ EXPERT_DECODE_WEIGHTS_PER_S_PER_CORE = {
     "iq3_xxs": 14.7e9,
     "iq3_s": 14.4e9,
 }
-# The ISA the rates above were measured with; a CPU whose best vector ISA is narrower decodes in
-# proportion to its FMA width (assumed: the kernels' decoding is vector work of the same width).
-DECODE_RATES_MEASURED_WITH = "avx512f"
+# The ISA the rates above were measured with; a CPU whose best vector ISA is narrower unpacks in
+# proportion to its FMA width (assumed: the kernels' unpacking is vector work of the same width).
+UNPACK_RATES_MEASURED_WITH = "avx512f"
 
 
-def decode_limited(expert_format: str | None) -> bool:
-    """Whether the CPU's decoding of `expert_format`, not the reads, limits the engine's decode of
+def unpack_limited(expert_format: str | None) -> bool:
+    """Whether the CPU's unpacking of `expert_format`, not the reads, limits the engine's decode of
     its experts: a run of it says nothing of the read rate (hardware.achieved keeps none)."""
-    return expert_format in EXPERT_DECODE_WEIGHTS_PER_S_PER_CORE
+    return expert_format in EXPERT_UNPACK_WEIGHTS_PER_S_PER_CORE
 
 
 @dataclass(frozen=True)
-class ExpertDecode:
-    """The rate at which the CPU decodes a format's expert weights in a decode step, and how it was obtained."""
+class ExpertUnpack:
+    """The rate at which the CPU unpacks a format's expert weights in a decode step, and how it was obtained."""
 
     weights_per_s: float  # all cores together
     how: str
-    source: str = ""  # in a few words: "iq2_xxs decoding measured on this machine"
+    source: str = ""  # in a few words: "iq2_xxs unpacking measured on this machine"
 
 
-def expert_decode_rate(expert_format: str | None, *, cores: int | None, features: tuple[str, ...],
-                       measured: tuple[float, str, str] | None = None) -> ExpertDecode | None:
-    """For a format whose decoding limits the engine's decode (``decode_limited``): the cores ×
-    the rate a core decodes at, measured on this machine (``measured``: hardware.achieved's
+def expert_unpack_rate(expert_format: str | None, *, cores: int | None, features: tuple[str, ...],
+                       measured: tuple[float, str, str] | None = None) -> ExpertUnpack | None:
+    """For a format whose unpacking limits the engine's decode (``unpack_limited``): the cores ×
+    the rate a core unpacks at, measured on this machine (``measured``: hardware.achieved's
     lookup_rate) or the documented default scaled to the CPU's vector width; else None."""
-    default = EXPERT_DECODE_WEIGHTS_PER_S_PER_CORE.get(expert_format or "")
+    default = EXPERT_UNPACK_WEIGHTS_PER_S_PER_CORE.get(expert_format or "")
     if default is None or not cores:
         return None
     if measured is not None:
         per_core, where, _ = measured
         how = f"{per_core / 1e9:.1f} G weights/s a core, measured on this machine ({where})"
-        source = f"{expert_format} decoding measured on this machine"
+        source = f"{expert_format} unpacking measured on this machine"
     else:
         widths = dict(FLOPS_PER_CYCLE)
         width = next((w for name, w in FLOPS_PER_CYCLE if name in features), PORTABLE_FLOPS_PER_CYCLE)
-        scale = width / widths[DECODE_RATES_MEASURED_WITH]
+        scale = width / widths[UNPACK_RATES_MEASURED_WITH]
         per_core = default * scale
         how = (f"{per_core / 1e9:.1f} G weights/s a core, the documented rate for {expert_format} (measured with "
                f"AVX-512" + (f"; × {scale:g} for a narrower vector ISA" if scale != 1 else "") + ")")
-        source = f"{expert_format} decoding at its documented rate"
-    return ExpertDecode(per_core * cores, f"{expert_format} decoded at {how} × {cores} cores", source)
+        source = f"{expert_format} unpacking at its documented rate"
+    return ExpertUnpack(per_core * cores, f"{expert_format} unpacked at {how} × {cores} cores", source)
 
 
 @dataclass(frozen=True)
@@ -216,7 +216,7 @@ def expected_decode(
     cpu_flops_per_s: float | None,
     cpu_moe_layers: int,
     has_gpu: bool,
-    expert_decode: ExpertDecode | None = None,
+    expert_unpack: ExpertUnpack | None = None,
     expert_bytes_per_weight: float = 1.0,
 ) -> Expected:
     """One decode step of `users` conversations at the expected rates (module docstring).
@@ -224,9 +224,9 @@ def expected_decode(
     ``bound`` is the same step's bound (its host and GPU seconds); ``host_weights`` the weights
     the CPU reads per step (each computed once per conversation: 2 × users flops a weight);
     ``cpu_moe_layers`` the MoE layers with experts on the CPU (a hand-off each, with a GPU);
-    ``expert_decode``, for a format whose decoding limits it, the rate the CPU decodes the
+    ``expert_unpack``, for a format whose unpacking limits it, the rate the CPU unpacks the
     step's expert weights at (``bound.host_expert_bytes_per_step`` / ``expert_bytes_per_weight``
-    of them, once for all conversations: a super-block is decoded once for any number of tokens).
+    of them, once for all conversations: a super-block is unpacked once for any number of tokens).
     """
     rates = RATES[backend]
     parts, sources = [], []
@@ -238,25 +238,25 @@ def expected_decode(
         # where the bound has no bandwidth (the engine's rate known, the probe not run), the bytes.
         t_read = (bound.host_seconds * bound_host_bandwidth / rate.bytes_per_s if bound.host_seconds and bound_host_bandwidth
                   else bound.host_bytes_per_step / rate.bytes_per_s)
-        decoding = ""
-        if expert_decode is not None and bound.host_expert_bytes_per_step:
-            # The experts take the longer of their reads and their decoding; the other weights
+        unpacking = ""
+        if expert_unpack is not None and bound.host_expert_bytes_per_step:
+            # The experts take the longer of their reads and their unpacking; the other weights
             # and the cache are read between them, not alongside.
             t_expert_read = bound.host_expert_bytes_per_step / rate.bytes_per_s
-            t_decode = bound.host_expert_bytes_per_step / expert_bytes_per_weight / expert_decode.weights_per_s
-            if t_decode > t_expert_read:
-                t_read += t_decode - t_expert_read
-                decoding = (f"; the experts' {t_decode * 1e3:.2f} ms set by their decoding, "
-                            f"{expert_decode.how}, not by their reads ({t_expert_read * 1e3:.2f} ms)")
-                sources.append(expert_decode.source)
+            t_unpack = bound.host_expert_bytes_per_step / expert_bytes_per_weight / expert_unpack.weights_per_s
+            if t_unpack > t_expert_read:
+                t_read += t_unpack - t_expert_read
+                unpacking = (f"; the experts' {t_unpack * 1e3:.2f} ms set by their unpacking, "
+                             f"{expert_unpack.how}, not by their reads ({t_expert_read * 1e3:.2f} ms)")
+                sources.append(expert_unpack.source)
         t_compute = 2 * users * host_weights / cpu_flops_per_s if cpu_flops_per_s else 0.0
         t_host = max(t_read, t_compute)
         sources.insert(0, rate.source if t_read >= t_compute else "the CPU's assumed compute rate")
         if t_compute > t_read:
             parts.append(f"CPU {t_host * 1e3:.2f} ms (compute: {2 * users * host_weights / 1e9:.1f} GFLOP at "
-                         f"{cpu_flops_per_s / 1e12:.2f} TFLOP/s; reading at {rate.how}, {t_read * 1e3:.2f} ms{decoding})")
+                         f"{cpu_flops_per_s / 1e12:.2f} TFLOP/s; reading at {rate.how}, {t_read * 1e3:.2f} ms{unpacking})")
         else:
-            parts.append(f"CPU {t_host * 1e3:.2f} ms (reading at {rate.how}{decoding})")
+            parts.append(f"CPU {t_host * 1e3:.2f} ms (reading at {rate.how}{unpacking})")
     t_gpu = 0.0
     if bound.gpu_seconds:
         reduces = bound.all_reduce_seconds
@@ -332,11 +332,11 @@ def decode_bytes_per_token(plan, stats) -> float | None:
     """The bytes a token of a finished generation (a session.Stats) read under a CPU-only
     `plan`: the plan's, its cache at the generation's middle position rather than the full
     context. None for anything else (llama.cpp, a GPU plan, a short answer, several
-    conversations, a format whose decoding rather than its reads limits it): with the measured
+    conversations, a format whose unpacking rather than its reads limits it): with the measured
     tokens/s, what hardware.achieved keeps for this machine."""
     if (plan.main_device != "cpu" or stats.backend != "engine" or not stats.decode_tokens_per_s
             or stats.generated_tokens < MIN_TOKENS_TO_RECORD or plan.workload.users != 1
-            or decode_limited(plan.expert_format)):
+            or unpack_limited(plan.expert_format)):
         return None
     position = min(stats.prompt_tokens + stats.generated_tokens / 2, plan.workload.context)
     per_token = plan.host_bytes_per_token - plan.kv_bytes_per_conversation + plan.kv_bytes_per_token * position

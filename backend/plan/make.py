@@ -41,10 +41,10 @@ from hybridmoe.backend.plan.estimate import (
     tp_all_reduces,
 )
 from hybridmoe.backend.plan.expected import (
-    decode_limited,
+    unpack_limited,
     expected_decode,
     expected_prefill,
-    expert_decode_rate,
+    expert_unpack_rate,
     host_read_rate,
 )
 from hybridmoe.backend.plan.llamacpp import translate
@@ -437,14 +437,14 @@ class _Planner:
         bytes_per_weight = self.inv.expert_bits_per_weight / 8 or 1.0
         cpu_layers = sum(1 for layer in spec.moe_layers if len(lay.gpu_experts[layer]) < self.E)
         fmt = self.inv.expert_format
-        # The engine's kernels' decoding of an i-quant (llama.cpp's own rate is not measured).
-        decoding = expert_decode_rate(
+        # The engine's kernels' unpacking of an i-quant (llama.cpp's own rate is not measured).
+        unpacking = expert_unpack_rate(
             fmt, cores=hw.cpu.physical_cores, features=hw.cpu.features,
-            measured=achieved.lookup_rate(hw, "expert_weights_per_s_per_core", fmt) if decode_limited(fmt) else None,
+            measured=achieved.lookup_rate(hw, "expert_weights_per_s_per_core", fmt) if unpack_limited(fmt) else None,
         ) if backend == "engine" else None
         common = dict(backend=backend, rate=rate, bound_host_bandwidth=mem.bandwidth_bytes_per_s,
                       cpu_flops_per_s=flops, cpu_moe_layers=cpu_layers, has_gpu=bool(gpus),
-                      expert_decode=decoding, expert_bytes_per_weight=bytes_per_weight)
+                      expert_unpack=unpacking, expert_bytes_per_weight=bytes_per_weight)
         # The weights the CPU multiplies for a token: the CPU experts it reaches, and CPU-only the
         # always-read weights too (their elements: every class counted in the compute dtype).
         cpu_share = sum(self._cpu_share(layer, lay.gpu_experts[layer]) for layer in spec.moe_layers)

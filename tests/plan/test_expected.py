@@ -238,7 +238,7 @@ def test_a_card_of_unknown_bandwidth_is_left_out_and_said_so(qwen30):
         plan.decode_expected_how)
 
 
-# ---- the engine's prompt rate and the i-quants' decoding, measured here or stated (#47) ----------
+# ---- the engine's prompt rate and the i-quants' unpacking, measured here or stated (#47) ----------
 
 
 def _this_machine(cores=4, features=("avx2", "avx512f"), probe=40e9):
@@ -302,8 +302,8 @@ def test_a_chat_keeps_its_prompt_rate_and_not_a_short_prompts(qwen30, tmp_path, 
     assert again.prefill_tokens_per_s_expected == pytest.approx(50.0)
 
 
-def test_an_i_quants_decode_is_set_by_its_decoding_on_few_cores(tmp_path, monkeypatch):
-    from hybridmoe.backend.plan.expected import EXPERT_DECODE_WEIGHTS_PER_S_PER_CORE
+def test_an_i_quants_decode_is_set_by_its_unpacking_on_few_cores(tmp_path, monkeypatch):
+    from hybridmoe.backend.plan.expected import EXPERT_UNPACK_WEIGHTS_PER_S_PER_CORE
 
     monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path))
     iq2 = inspect_model(CONFIGS / "Qwen__Qwen3-30B-A3B.json", expert_format="iq2_xxs")
@@ -313,15 +313,15 @@ def test_an_i_quants_decode_is_set_by_its_decoding_on_few_cores(tmp_path, monkey
     rate = 40e9 * RATES["engine"].host_share
     weights = 2 * 48 * 8 * iq2.spec.params_per_expert  # 48 MoE layers × 8 experts a token, 2 cores below
     expert_bytes = weights / 2 * iq2.inventory.expert_bits_per_weight / 8
-    per_core = EXPERT_DECODE_WEIGHTS_PER_S_PER_CORE["iq2_xxs"]
+    per_core = EXPERT_UNPACK_WEIGHTS_PER_S_PER_CORE["iq2_xxs"]
     step = (plan.host_bytes_per_token - expert_bytes) / rate + (weights / 2) / (2 * per_core)
-    assert (weights / 2) / (2 * per_core) > expert_bytes / rate  # decoding, not reading, sets the experts' time
+    assert (weights / 2) / (2 * per_core) > expert_bytes / rate  # unpacking, not reading, sets the experts' time
     assert plan.decode_tokens_per_s_expected == pytest.approx(1 / step)
-    assert f"set by their decoding, iq2_xxs decoded at {per_core / 1e9:.1f} G weights/s a core, the documented rate" in (
+    assert f"set by their unpacking, iq2_xxs unpacked at {per_core / 1e9:.1f} G weights/s a core, the documented rate" in (
         plan.decode_expected_how)
     assert plan.decode_expected_source == ("the read probe × the engine's usual share, 0.65; "
-                                           "iq2_xxs decoding at its documented rate")
-    # An AVX2 CPU decodes at half the AVX-512 rate (the stated scaling).
+                                           "iq2_xxs unpacking at its documented rate")
+    # An AVX2 CPU unpacks at half the AVX-512 rate (the stated scaling).
     avx2 = make(iq2.spec, iq2.inventory, _this_machine(cores=2, features=("avx2",)), wl)
     assert f"{per_core / 2e9:.1f} G weights/s a core, the documented rate for iq2_xxs (measured with AVX-512; × 0.5" in (
         avx2.decode_expected_how)
@@ -334,17 +334,17 @@ def test_an_i_quants_decode_is_set_by_its_decoding_on_few_cores(tmp_path, monkey
     assert measured.decode_tokens_per_s_expected == pytest.approx(
         1 / ((plan.host_bytes_per_token - expert_bytes) / rate + (weights / 2) / (2 * 10e9)))
     assert "10.0 G weights/s a core, measured on this machine (bench generate" in measured.decode_expected_how
-    assert measured.decode_expected_source.endswith("iq2_xxs decoding measured on this machine")
+    assert measured.decode_expected_source.endswith("iq2_xxs unpacking measured on this machine")
     # Many cores: the reads set it again, as for any format.
     wide = make(iq2.spec, iq2.inventory, _this_machine(cores=64), wl)
     assert wide.decode_tokens_per_s_expected == pytest.approx(rate / wide.host_bytes_per_token)
-    # Q4_0-class formats are never limited by their decoding.
+    # Q4_0-class formats are never limited by their unpacking.
     q4 = inspect_model(CONFIGS / "Qwen__Qwen3-30B-A3B.json", expert_format="q4_0")
     plain = make(q4.spec, q4.inventory, here, wl)
     assert plain.decode_tokens_per_s_expected == pytest.approx(rate / plain.host_bytes_per_token)
 
 
-def test_a_decode_limited_formats_run_is_not_kept_as_the_read_rate(tmp_path, monkeypatch):
+def test_an_unpack_limited_formats_run_is_not_kept_as_the_read_rate(tmp_path, monkeypatch):
     from hybridmoe.backend.plan.expected import remember_rates
     from hybridmoe.backend.session import Stats
 
