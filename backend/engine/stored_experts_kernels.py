@@ -2,13 +2,13 @@
 GGUF blocks the file stores, two launches a layer whatever the number of experts hit.
 
 They are ``decode_experts_kernels``' two launches (gate and up with the activation for every
-(token, slot) pair, then down weighted by the routing weight) with the weights decoded from
+(token, slot) pair, then down weighted by the routing weight) with the weights dequantized from
 their blocks by ``stored_linear_kernels._tile`` (every GGML block type the engine reads, bit
 for bit ggml's values) instead of read from a widened copy. Gate, up and down each have a
 stack of their own, in a type of their own: llama.cpp's mixes give down more bits than gate
 and up (Q4_K_M: Q6_K in half the layers), and nothing forbids gate and up to differ.
 
-Each weight is decoded once per (token, slot) pair that reads it and summed in float32; the
+Each weight is dequantized once per (token, slot) pair that reads it and summed in float32; the
 results are rounded to the compute dtype where ``experts.expert_mlp`` rounds them.
 
 Imported only where Triton is (the tests run these in Triton's interpreter, which must be

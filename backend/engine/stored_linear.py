@@ -7,22 +7,22 @@ always-read weights 32.1 GiB where llama.cpp holds them in 9.8, too much for a 2
 Here they stay as stored on the card and:
 
 - a call of up to ``GEMV_TOKENS`` tokens (decode, a few conversations' decode) runs one Triton
-  launch (``stored_linear_kernels.gemv_kernel``) that decodes each weight once from its block
+  launch (``stored_linear_kernels.gemv_kernel``) that dequantizes each weight once from its block
   and multiplies it into every token's float32 sum: a decode step reads the stored bytes only;
 - a longer call (a prompt) dequantizes ``TILE_BYTES`` of rows at a time in the compute dtype
   (``dequantize_kernel``) into a tensor-core matmul, so the widened copy exists for one tile.
 
 Every GGUF block type the engine reads is served (``KERNEL_TYPES``: the types of
-``formats.quant``'s decoders, k-quants, legacy quants, IQ4, MXFP4 and the grid i-quants), with
+``formats.quant``'s dequantizers, k-quants, legacy quants, IQ4, MXFP4 and the grid i-quants), with
 the block geometry of gguf's ``GGML_QUANT_SIZES``. Float matrices (bf16/fp16/f32) are not
 stored here: the loader holds them in the compute dtype, as many bytes as bf16/fp16 store.
 
 Numerics: float32 sums rounded once to the compute dtype, like PyTorch's matmul over the
-dequantized matrix (the reference, ``formats.quant.linear``); the decoded weights are the
-reference decoders' bit for bit.
+dequantized matrix (the reference, ``formats.quant.linear``); the dequantized weights are the
+reference dequantizers' bit for bit.
 
 Where Triton cannot build the kernels for a card, the calls on that device dequantize with the
-torch decoders instead (the same values, more launches), and the reason is logged once.
+torch dequantizers instead (the same values, more launches), and the reason is logged once.
 """
 
 from __future__ import annotations
@@ -42,10 +42,10 @@ from hybridmoe.backend.formats.quant import QuantTensor
 
 log = logging.getLogger(__name__)
 
-# GGML types the kernels decode: every block type the engine reads (floats are held as tensors).
+# GGML types the kernels dequantize: every block type the engine reads (floats are held as tensors).
 KERNEL_TYPES = frozenset(quant.GGUF_SUPPORTED_TYPES - set(quant.GGUF_FLOAT_TYPES))
 
-# Tokens per call up to which the GEMV kernel runs: it decodes each weight once for all tokens,
+# Tokens per call up to which the GEMV kernel runs: it dequantizes each weight once for all tokens,
 # and its float32 sums for up to 8 tokens stay in registers; beyond that the tensor cores'
 # matmul over a dequantized tile does the arithmetic better.
 GEMV_TOKENS = 8
@@ -78,7 +78,7 @@ def _tables(qtype: GGMLQuantizationType, device: torch.device) -> tuple[torch.Te
         return torch.tensor(quant._IQ4_GRID, dtype=torch.float32, device=device), signs
     if qtype == GGMLQuantizationType.MXFP4:
         return torch.tensor(quant._MXFP4_GRID_X2, dtype=torch.float32, device=device), signs
-    if qtype in iquants.DECODERS:
+    if qtype in iquants.DEQUANTIZERS:
         grid_of = "IQ1_S" if qtype == GGMLQuantizationType.IQ1_M else qtype.name  # IQ1_M shares IQ1_S' grid
         grid = iquants._grid(grid_of, device).reshape(-1).contiguous()
         return grid, iquants._signs(device).to(torch.int32)
@@ -167,7 +167,7 @@ class StoredLinear(nn.Module):
         return self._dequantized(self.data[start : self.out_features if end is None else end], dtype)
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """The rows `ids` [n] in `dtype`: an embedding lookup, only those rows' blocks decoded."""
+        """The rows `ids` [n] in `dtype`: an embedding lookup, only those rows' blocks dequantized."""
         return self._dequantized(self.data[ids], dtype)
 
     def _dequantized(self, data: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -3,7 +3,7 @@ file stores, for every block type the engine reads.
 
 ``_value`` gives the weight at (row, column) of a stored matrix from the bytes of its block:
 one branch per GGML type (chosen at compile time by the type's number, ``TYPE``), each the
-same float operations in the same order as the torch decoders of ``formats.quant`` and
+same float operations in the same order as the torch dequantizers of ``formats.quant`` and
 ``formats.iquants`` (themselves ggml's), so a dequantized tile equals theirs. Two kernels use
 it: ``gemv_kernel`` (a few tokens: every weight read once, multiplied into each token's sum in
 float32) and ``dequantize_kernel`` (a tile of rows in the compute dtype, for a prompt's
@@ -90,7 +90,7 @@ def _signed(sign_byte, e):
 
 @triton.jit
 def _value(p, j0, j, m, grid_ptr, signs_ptr, TYPE: tl.constexpr):
-    """Weights j of the blocks at p, float32, as ggml decodes them. The weights come in chunks
+    """Weights j of the blocks at p, float32, as ggml dequantizes them. The weights come in chunks
     (``CHUNK``: 32, or 16 for the types with 16-weight sub-blocks): p [.., chunks, 1] points at
     each chunk's block, j0 [.., chunks, 1] is the chunk's first weight in its block and j
     [.., chunks, CHUNK] each weight's; m [.., chunks, 1] masks whole chunks. What a chunk
@@ -220,7 +220,7 @@ def gemv_kernel(x_ptr, w_ptr, grid_ptr, signs_ptr, y_ptr, T, N, K, row_bytes,
                 TYPE: tl.constexpr, QK: tl.constexpr, TS: tl.constexpr, CHUNK: tl.constexpr,
                 BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
     """y[t, r] = sum_c W[r, c] x[t, c] for the T (<= BLOCK_T) tokens, BLOCK_R rows a program:
-    each weight is decoded once and meets every token's activations, float32 sums."""
+    each weight is dequantized once and meets every token's activations, float32 sums."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     r_ok = rows < N
     t = tl.arange(0, BLOCK_T)

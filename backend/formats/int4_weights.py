@@ -3,7 +3,7 @@
 A routed expert stored in a 4-bit format (Kimi's compressed-tensors int4 with groups of 32,
 GGUF Q4_0/Q4_1/Q4_K/IQ4_NL/IQ4_XS, MXFP4) is held on the card with the same codes and group
 scales it has on disk, so it takes the bytes it takes in host RAM (Kimi: 24.77 MB an expert,
-against 44.06 MB widened to int8 per row). Every one of those formats decodes a weight as
+against 44.06 MB widened to int8 per row). Every one of those formats dequantizes a weight as
 
     w = table[code] · scale[group] (+ min[group])
 
@@ -37,7 +37,7 @@ from hybridmoe.backend.models.formats import int4_resident_layout
 
 _INT = tuple(float(v) for v in range(-8, 8))  # symmetric int4: code − 8
 _UINT = tuple(float(v) for v in range(16))  # with a min: code as is
-# The 16 values of the non-linear 4-bit formats, as quant.py decodes them.
+# The 16 values of the non-linear 4-bit formats, as quant.py dequantizes them.
 TABLES = {
     "int": _INT,
     "uint": _UINT,
@@ -144,7 +144,7 @@ def from_quant(q: QuantTensor | torch.Tensor, device: torch.device | str | None 
 
 def _gguf_parts(fmt: str, b: torch.Tensor):
     """(codes [blocks, block], scale, min or None, table) of GGUF blocks b [blocks, type_size],
-    in the element order quant.py's decoders give (a row's blocks one after another)."""
+    in the element order quant.py's dequantizers give (a row's blocks one after another)."""
     n = b.shape[0]
     if fmt in ("q4_0", "iq4_nl"):
         return quant._nibbles_split(b[:, 2:18]), quant._f16(b, 0), None, "int" if fmt == "q4_0" else "iq4"

@@ -1,10 +1,10 @@
-"""PyTorch decoders of GGUF's grid i-quants (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S,
+"""PyTorch dequantizers of GGUF's grid i-quants (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S,
 IQ1_M), the routed experts of the community GGUFs of DeepSeek, Kimi, Qwen3 and GLM.
 
 Each takes uint8 blocks [N, type_size] and returns float32 [N, 256] with ggml's float
 operations in ggml's order (a grid value times a sign times a block scale made as ggml makes
 it), so the values are bit for bit those of its dequantizers. The CPU kernels read these
-types in place (native/src/kernels_iq.inl); these decoders serve the GPU and the reference.
+types in place (native/src/kernels_iq.inl); these dequantizers serve the GPU and the reference.
 The grids and sign table are the formats' published constants, taken from the gguf package.
 The block layouts are described in native/src/formats.h.
 """
@@ -150,7 +150,7 @@ def _deq_iq1_m(b: torch.Tensor) -> torch.Tensor:
     return _iq1(dl.repeat_interleave(2, dim=-1), idx, negative)
 
 
-DECODERS: dict[GGMLQuantizationType, Callable[[torch.Tensor], torch.Tensor]] = {
+DEQUANTIZERS: dict[GGMLQuantizationType, Callable[[torch.Tensor], torch.Tensor]] = {
     GGMLQuantizationType.IQ2_XXS: _deq_iq2_xxs,
     GGMLQuantizationType.IQ2_XS: _deq_iq2_xs,
     GGMLQuantizationType.IQ2_S: _deq_iq2_s,

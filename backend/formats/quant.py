@@ -38,7 +38,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from hybridmoe.backend.errors import UnsupportedModelError
-from hybridmoe.backend.formats.iquants import DECODERS as IQ_DECODERS
+from hybridmoe.backend.formats.iquants import DEQUANTIZERS as IQ_DEQUANTIZERS
 
 __all__ = [
     "GGUF_FLOAT_TYPES",
@@ -54,7 +54,7 @@ __all__ = [
 
 QK_K = 256  # weights per GGUF K-quant super-block
 
-# GGUF float types come back as plain torch tensors (views of the mmap): nothing to decode.
+# GGUF float types come back as plain torch tensors (views of the mmap): nothing to dequantize.
 GGUF_FLOAT_TYPES = {
     GGMLQuantizationType.F32: torch.float32,
     GGMLQuantizationType.F16: torch.float16,
@@ -76,7 +76,7 @@ def _torch_view(arr: np.ndarray) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------------------
-# GGUF block decoders. Each takes uint8 blocks [N, type_size] and returns float32
+# GGUF block dequantizers. Each takes uint8 blocks [N, type_size] and returns float32
 # [N, block_size]. They mirror gguf-py's numpy reference (gguf/quants.py, itself a port of
 # ggml-quants.c) operation for operation, so the float32 results are bit-identical.
 # --------------------------------------------------------------------------------------
@@ -277,7 +277,7 @@ def _deq_mxfp4(b: torch.Tensor) -> torch.Tensor:
     return d * _lut(_MXFP4_GRID_X2, b.device)[q]
 
 
-_GGUF_DECODERS: dict[GGMLQuantizationType, Callable[[torch.Tensor], torch.Tensor]] = {
+_GGUF_DEQUANTIZERS: dict[GGMLQuantizationType, Callable[[torch.Tensor], torch.Tensor]] = {
     GGMLQuantizationType.Q8_0: _deq_q8_0,
     GGMLQuantizationType.Q4_0: _deq_q4_0,
     GGMLQuantizationType.Q4_1: _deq_q4_1,
@@ -291,11 +291,11 @@ _GGUF_DECODERS: dict[GGMLQuantizationType, Callable[[torch.Tensor], torch.Tensor
     GGMLQuantizationType.IQ4_NL: _deq_iq4_nl,
     GGMLQuantizationType.IQ4_XS: _deq_iq4_xs,
     GGMLQuantizationType.MXFP4: _deq_mxfp4,
-    **IQ_DECODERS,
+    **IQ_DEQUANTIZERS,
 }
 
 # Every GGML type a GGUF weight may have for the embedded engine to read it.
-GGUF_SUPPORTED_TYPES = frozenset(_GGUF_DECODERS) | frozenset(GGUF_FLOAT_TYPES)
+GGUF_SUPPORTED_TYPES = frozenset(_GGUF_DEQUANTIZERS) | frozenset(GGUF_FLOAT_TYPES)
 
 
 # --------------------------------------------------------------------------------------
@@ -444,7 +444,7 @@ def _dequant_gguf(q: QuantTensor) -> torch.Tensor:
     qtype: GGMLQuantizationType = q.meta["ggml_type"]
     type_size = GGML_QUANT_SIZES[qtype][1]
     blocks = q.parts["data"].reshape(-1, type_size)
-    return _GGUF_DECODERS[qtype](blocks).reshape(q.shape)
+    return _GGUF_DEQUANTIZERS[qtype](blocks).reshape(q.shape)
 
 
 def _dequant_fp8_block(q: QuantTensor) -> torch.Tensor:

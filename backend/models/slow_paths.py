@@ -10,7 +10,7 @@ Q5_1 files before the kernels read them, 0.01-0.03x llama.cpp's decode speed on 
 and ``TensorInventory.widened`` counts it.)
 
 Since issue 45 every GGUF type the engine reads, the kernels read too (tests/models/
-test_slow_paths.py holds formats/quant.py's decoders to that), so a GGUF type outside
+test_slow_paths.py holds formats/quant.py's dequantizers to that), so a GGUF type outside
 ``CPU_KERNEL_DTYPES`` is one the engine does not read at all (TQ1_0, TQ2_0): not a slow path but
 a refusal, which names the tensor and type (formats/gguf_weights.py) and sends ``auto`` to
 llama.cpp. The slow formats left are safetensors layouts (fp8_block, int4 with groups other

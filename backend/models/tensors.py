@@ -173,9 +173,9 @@ _KV_B_ANY = re.compile(r"(?:\.self_attn\.(?:kv_b_proj|k_b|v_b)\.|\.attn_(?:kv_b|
 def _widened_on_gpu(c: Classified, name: str, fmt: str, shape: tuple[int, ...]) -> bool:
     """Whether the engine holds this always-read tensor in its compute dtype on a GPU: all but
     the matrices stored in a GGUF block type its GPU kernels read (engine/stored_linear.py:
-    projections, the head, and the embedding table, whose lookups decode the rows they read).
+    projections, the head, and the embedding table, whose lookups dequantize the rows they read).
     MLA's kv_b is widened whatever its type: the latent attention kernels read it whole every
-    step, in the compute dtype (decoding it per step would cost more time than its 1.4 GiB of
+    step, in the compute dtype (dequantizing it per step would cost more time than its 1.4 GiB of
     DeepSeek-V3 Q4_K_M on the card would buy as GPU experts); so are vectors and float matrices."""
     if c.cls is C.ATTENTION and _KV_B_ANY.search(name):
         return True

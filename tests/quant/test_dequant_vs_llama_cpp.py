@@ -1,5 +1,5 @@
 """Dequantizing every GGUF type the engine reads is bit for bit llama.cpp's own: the PyTorch
-decoders (hybridmoe.backend.formats.quant) against ggml's ``to_float`` of each type, called
+dequantizers (hybridmoe.backend.formats.quant) against ggml's ``to_float`` of each type, called
 through ctypes in the libggml that llama-cpp-python ships, on random valid blocks.
 
 The blocks are random bytes (every code, grid index, sign bit and sub-scale field) with their

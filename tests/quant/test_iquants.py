@@ -1,4 +1,4 @@
-"""The PyTorch decoders of the grid i-quants (backend/formats/iquants.py) against gguf's
+"""The PyTorch dequantizers of the grid i-quants (backend/formats/iquants.py) against gguf's
 reference dequantizers, bit for bit, on random valid blocks (every grid index, sign bit and
 scale field), and through ``from_gguf`` / ``dequantize`` as the engine reads a tensor."""
 
@@ -10,15 +10,15 @@ import torch
 from gguf import GGMLQuantizationType, quants
 
 from hybridmoe.backend.bench.synthetic_experts import random_matrix
-from hybridmoe.backend.formats.iquants import DECODERS
+from hybridmoe.backend.formats.iquants import DEQUANTIZERS
 from hybridmoe.backend.formats.quant import dequantize, from_gguf
 
 
-@pytest.mark.parametrize("qtype", list(DECODERS), ids=lambda t: t.name.lower())
-def test_decoders_are_ggmls_bit_for_bit(qtype):
+@pytest.mark.parametrize("qtype", list(DEQUANTIZERS), ids=lambda t: t.name.lower())
+def test_dequantizers_are_ggmls_bit_for_bit(qtype):
     data = random_matrix(np.random.default_rng(int(qtype)), qtype.name.lower(), (96, 256)).parts["data"].numpy()
     expected = quants.dequantize(data, qtype).reshape(-1, 256).astype(np.float32)
-    ours = DECODERS[qtype](torch.from_numpy(data)).numpy()
+    ours = DEQUANTIZERS[qtype](torch.from_numpy(data)).numpy()
     assert np.isfinite(expected).all()
     assert np.array_equal(ours.view(np.uint32), expected.view(np.uint32))
 
