@@ -31,7 +31,7 @@ MAX_FILE_ROWS = 14
 
 def plan_text(plan: PullPlan) -> str:
     sel = plan.selection
-    kind = f"GGUF {sel.quantization}" if sel.format == "gguf" else "safetensors checkpoint"
+    kind = f"GGUF {sel.quantization}" if sel.kind == "gguf" else "safetensors checkpoint"
     rows = []
     for f in plan.files:
         have = plan.present_by_file.get(f.path, 0)
@@ -95,7 +95,7 @@ def progress_text(p: Progress) -> str:
 def pulled_text(model: LocalModel) -> str:
     quant = f" {model.quantization}" if model.quantization else ""
     family = f", {model.family}" if model.family else ""
-    out = [f"{model.name}: {model.format}{quant}{family}, {fmt_bytes(model.size_bytes)}"]
+    out = [f"{model.name}: {model.kind}{quant}{family}, {fmt_bytes(model.size_bytes)}"]
     if model.note:
         out.append(f"  {model.note}")
     if model.problem:
@@ -115,7 +115,7 @@ def models_text(models: list[LocalModel]) -> str:
     out = []
     if usable:
         out.append(f"Models ({len(usable)})")
-        rows = [[m.name, m.format, m.quantization or "", m.family or "", fmt_bytes(m.size_bytes), m.source, str(m.path)]
+        rows = [[m.name, m.kind, m.quantization or "", m.family or "", fmt_bytes(m.size_bytes), m.source, str(m.path)]
                 for m in sorted(usable, key=lambda m: (m.source, m.name.lower()))]
         out += _table(["NAME", "FORMAT", "QUANT", "FAMILY", "SIZE", "SOURCE", "PATH"], rows, right={4})
     if broken:

@@ -82,7 +82,7 @@ def given_path(path: str | os.PathLike[str]) -> LocalModel:
     (no ``files``: those around it are not known to be the model's alone)."""
     p = Path(path)
     files = [f for f in p.rglob("*") if f.is_file()] if p.is_dir() else [p]
-    return LocalModel(name=p.name, path=p, format="gguf" if p.suffix == ".gguf" else "safetensors",
+    return LocalModel(name=p.name, path=p, kind="gguf" if p.suffix == ".gguf" else "safetensors",
                       size_bytes=sum(f.stat().st_size for f in files), source="path")
 
 
@@ -159,7 +159,7 @@ def _repo_models(repo, source: str) -> list[LocalModel]:
         if not have_checkpoint and is_safetensors_checkpoint(paths):
             chosen = select(files, None, repo.repo_id)
             out.append(LocalModel(
-                name=repo.repo_id, path=snapshot, format="safetensors", size_bytes=chosen.total_bytes,
+                name=repo.repo_id, path=snapshot, kind="safetensors", size_bytes=chosen.total_bytes,
                 source=source, repo_id=repo.repo_id, revision=rev.commit_hash,
                 files=tuple(snapshot / f.path for f in chosen.files),
                 problem=_missing_shards(snapshot, set(paths), f"hybridmoe pull {repo.repo_id}"),
@@ -201,7 +201,7 @@ def _gguf_model(name: str, root: Path, s: gguf_sets.GGUFSet, source: str, *, rep
         if finish:
             problem += f"; `{finish}` downloads the rest"
     return LocalModel(
-        name=name, path=root / s.first, format="gguf", size_bytes=s.size_bytes, source=source,
+        name=name, path=root / s.first, kind="gguf", size_bytes=s.size_bytes, source=source,
         quantization=s.label, repo_id=repo_id, revision=revision, files=tuple(root / f for f in s.files),
         problem=problem,
     )
@@ -226,7 +226,7 @@ def scan_directory(root: Path, *, source: str, gguf_only: bool = False) -> list[
         if not gguf_only and is_safetensors_checkpoint(names):
             chosen = select([RepoFile(n, _size(directory / n)) for n in names], None, str(directory))
             models.append(LocalModel(
-                name=directory.name if rel != "." else root.name, path=directory, format="safetensors",
+                name=directory.name if rel != "." else root.name, path=directory, kind="safetensors",
                 size_bytes=chosen.total_bytes, source=source,
                 files=tuple(directory / f.path for f in chosen.files),
             ))
@@ -287,7 +287,7 @@ def scan_ollama(models_dir: Path) -> list[LocalModel]:
 
 def _ollama_model(name: str, manifest: Path, blobs: Path, tag: str) -> LocalModel:
     def unusable(problem: str, path: Path = manifest, size: int = 0) -> LocalModel:
-        return LocalModel(name=name, path=path, format="gguf", size_bytes=size, source="ollama", problem=problem)
+        return LocalModel(name=name, path=path, kind="gguf", size_bytes=size, source="ollama", problem=problem)
 
     try:
         data = json.loads(manifest.read_text(encoding="utf-8"))
@@ -303,5 +303,5 @@ def _ollama_model(name: str, manifest: Path, blobs: Path, tag: str) -> LocalMode
     if not blob.is_file():
         return unusable(f"its model blob {blob} is missing (run `ollama pull {name}`)", blob, size)
     label = gguf_sets.quant_label(f"{tag}.gguf")
-    return LocalModel(name=name, path=blob, format="gguf", size_bytes=size, source="ollama",
+    return LocalModel(name=name, path=blob, kind="gguf", size_bytes=size, source="ollama",
                       quantization=label if label != tag else None, files=(blob,))

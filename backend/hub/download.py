@@ -90,7 +90,7 @@ def plan_pull(repo_id: str, *, quant: str | None = None, revision: str | None = 
     cache_dir = Path(cache_dir) if cache_dir is not None else cache.default_cache_dir()
     remote = fetch_repo(repo_id, revision, token=token)
     selection = select(remote.files, quant, repo_id)
-    if selection.format == "gguf" and len(selection.files) != selection.expected_parts:
+    if selection.kind == "gguf" and len(selection.files) != selection.expected_parts:
         raise ModelError(
             f"{repo_id} lists {len(selection.files)} of the {selection.expected_parts} parts of "
             f"{selection.quantization} ({selection.weights_path}).",
@@ -236,7 +236,7 @@ def cached_model(repo_id: str, *, quant: str | None = None, revision: str | None
 
 def _check_complete(snapshot: Path, selection: Selection, repo_id: str) -> None:
     hint = "Connect to the network and run `hybridmoe pull` again to finish the download."
-    if selection.format == "gguf":
+    if selection.kind == "gguf":
         if len(selection.files) != selection.expected_parts:
             raise ModelError(
                 f"The cached copy of {repo_id} has {len(selection.files)} of the {selection.expected_parts} "
@@ -265,6 +265,6 @@ def _local_model(repo_id: str, commit: str, snapshot: Path, selection: Selection
         problem = str(error)
     name = f"{repo_id}:{selection.quantization}" if selection.quantization else repo_id
     return LocalModel(
-        name=name, path=path, format=selection.format, size_bytes=selection.total_bytes, source="hf-cache",
+        name=name, path=path, kind=selection.kind, size_bytes=selection.total_bytes, source="hf-cache",
         quantization=quant, family=family, repo_id=repo_id, revision=commit, files=files, problem=problem,
     )

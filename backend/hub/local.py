@@ -20,7 +20,7 @@ SOURCES = ("hf-cache", "directory", "lmstudio", "ollama", "path")
 class LocalModel:
     name: str  # "moonshotai/Kimi-K2.6", "unsloth/Qwen3-30B-A3B-GGUF:Q4_K_M", "qwen3:30b"
     path: Path
-    format: str  # "safetensors" or "gguf"
+    kind: str  # "safetensors" or "gguf", as InspectedModel.kind
     size_bytes: int  # of the files that make up the model (a GGUF set, or shards + tokenizer)
     source: str  # one of SOURCES
     quantization: str | None = None  # GGUF name ("Q4_K_M") or storage format ("int4_g32", "bf16")
@@ -39,7 +39,7 @@ class LocalModel:
         return {
             "name": self.name,
             "path": str(self.path),
-            "format": self.format,
+            "format": self.kind,  # the JSON key `models --json` has always printed
             "size_bytes": self.size_bytes,
             "source": self.source,
             "quantization": self.quantization,

@@ -56,7 +56,7 @@ class RepoFile:
 
 @dataclass(frozen=True)
 class Selection:
-    format: str  # "safetensors" or "gguf"
+    kind: str  # "safetensors" or "gguf", as InspectedModel.kind
     files: tuple[RepoFile, ...]
     quantization: str | None = None  # the GGUF set's name
     weights_path: str = ""  # what inspect_model takes, relative to the snapshot ("" = the snapshot itself)

@@ -119,7 +119,7 @@ def test_the_wizard_reuses_a_finished_conversion_and_keeps_an_older_file(checkpo
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
     monkeypatch.delenv("HYBRIDMOE_CONFIG", raising=False)
     ck = shutil.copytree(checkpoints("qwen3_moe").path, tmp_path / "tiny")
-    model = LocalModel(name="org/tiny", path=ck, format="safetensors", size_bytes=0, source="directory")
+    model = LocalModel(name="org/tiny", path=ck, kind="safetensors", size_bytes=0, source="directory")
     services = Services()
 
     first = services.convert(model, "q8_0", None, None)

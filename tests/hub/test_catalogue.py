@@ -207,7 +207,7 @@ def test_run_of_a_catalogue_name_loads_its_copy_on_disk_or_says_how_to_get_it(mo
         runnable_path("qwen3-30b-a3b")  # was: the bundled config.json, planned as the bf16 checkpoint
     assert "hybridmoe pull qwen3-30b-a3b" in err.value.hint
     gguf = tmp_path / "Qwen_Qwen3-30B-A3B-Q4_K_M.gguf"
-    on_disk.append(LocalModel(name="q", path=gguf, format="gguf", size_bytes=1, source="hf-cache",
+    on_disk.append(LocalModel(name="q", path=gguf, kind="gguf", size_bytes=1, source="hf-cache",
                               repo_id="bartowski/Qwen_Qwen3-30B-A3B-GGUF"))
     assert runnable_path("qwen3-30b-a3b") == gguf
 

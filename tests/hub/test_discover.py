@@ -39,10 +39,10 @@ def test_pulled_models_are_listed_from_the_hf_cache(hub, checkpoint_files, gguf_
     models = by_name(list_local_models())
     assert set(models) == {"org/tiny", "org/tiny-GGUF:Q4_K_M", "org/tiny-GGUF:Q8_0"}
     st = models["org/tiny"]
-    assert (st.format, st.family, st.quantization, st.source) == ("safetensors", "mixtral", "fp16", "hf-cache")
+    assert (st.kind, st.family, st.quantization, st.source) == ("safetensors", "mixtral", "fp16", "hf-cache")
     assert st.size_bytes == sum(len(b) for b in checkpoint_files.values()) and st.repo_id == "org/tiny"
     q4 = models["org/tiny-GGUF:Q4_K_M"]
-    assert (q4.format, q4.family, q4.quantization) == ("gguf", "qwen3_moe", "Q4_K_M")
+    assert (q4.kind, q4.family, q4.quantization) == ("gguf", "qwen3_moe", "Q4_K_M")
     assert q4.path.name.startswith("tiny-Q4_K_M-00001-of-") and len(q4.files) == int(gguf_bytes["n_parts"])
 
 
@@ -75,7 +75,7 @@ def test_a_registered_folder_with_checkpoints_and_loose_gguf_files(home, tmp_pat
     before = tree(models_dir)
 
     models = by_name(list_local_models(lmstudio=False, ollama=False))
-    assert models["my-mixtral"].format == "safetensors" and models["my-mixtral"].family == "mixtral"
+    assert models["my-mixtral"].kind == "safetensors" and models["my-mixtral"].family == "mixtral"
     assert models["my-mixtral"].source == "directory"
     assert models["qwen:Q4_K_M"].usable and models["qwen:Q4_K_M"].family == "qwen3_moe"
     assert models["tiny-Q8_0.gguf"].quantization == "Q8_0" and models["tiny-Q8_0.gguf"].usable
@@ -136,7 +136,7 @@ def test_ollama_manifests_name_their_gguf_blobs(home, gguf_bytes):
     before = tree(home)
     models = by_name(list_local_models(lmstudio=False))
     tagged = models["tiny:30b-a3b-q4_K_M"]
-    assert tagged.source == "ollama" and tagged.format == "gguf" and tagged.family == "qwen3_moe"
+    assert tagged.source == "ollama" and tagged.kind == "gguf" and tagged.family == "qwen3_moe"
     assert tagged.quantization == "Q4_K_M" and tagged.path.name == f"sha256-{digest}"
     assert tagged.size_bytes == len(gguf_bytes["single"])
     assert "tiny:latest" not in models or models["tiny:latest"].path == tagged.path  # one entry per blob

@@ -37,7 +37,7 @@ def tiny_gguf(hub, gguf_bytes):
 
 
 def snapshot_files(model) -> set[str]:
-    root = model.path if model.format == "safetensors" else model.path.parent.parent
+    root = model.path if model.kind == "safetensors" else model.path.parent.parent
     return {p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file()}
 
 
@@ -50,7 +50,7 @@ def incomplete_files(cache_dir: Path) -> list[Path]:
 
 def test_safetensors_pull_takes_only_what_the_engine_reads(tiny, cache_dir, checkpoint_files):
     model = pull("org/tiny")
-    assert model.format == "safetensors" and model.family == "mixtral" and model.usable
+    assert model.kind == "safetensors" and model.family == "mixtral" and model.usable
     assert snapshot_files(model) == set(checkpoint_files)  # config, tokenizer, template, shards, index
     assert model.size_bytes == sum(len(b) for b in checkpoint_files.values())
     for junk in JUNK:  # never even asked for
@@ -95,7 +95,7 @@ def test_gguf_pull_takes_one_quantization_by_name(tiny_gguf, gguf_bytes):
     n = int(gguf_bytes["n_parts"])
     expected = [f"Q4_K_M/tiny-Q4_K_M-{k:05d}-of-{n:05d}.gguf" for k in range(1, n + 1)]
     assert [f.path for f in plans[0].files] == expected
-    assert model.format == "gguf" and model.quantization == "Q4_K_M" and model.family == "qwen3_moe"
+    assert model.kind == "gguf" and model.quantization == "Q4_K_M" and model.family == "qwen3_moe"
     assert model.path.name == f"tiny-Q4_K_M-00001-of-{n:05d}.gguf"  # the first part: what inspect takes
     assert model.name == "org/tiny-GGUF:Q4_K_M"
     assert sorted(snapshot_files(model)) == expected

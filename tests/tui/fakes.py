@@ -133,7 +133,7 @@ class FakeDownloader:
                                                  files_total=1))
         config = directory / "config.json"
         shutil.copyfile(_catalogue_config(repo), config)
-        return LocalModel(name=repo, path=config, format="safetensors", size_bytes=self.size, source="hf-cache",
+        return LocalModel(name=repo, path=config, kind="safetensors", size_bytes=self.size, source="hf-cache",
                           repo_id=repo, files=(config, blob))
 
 
@@ -216,5 +216,5 @@ def local_model(root: Path, catalogue_id: str = "qwen3-30b-a3b", name: str | Non
     directory.mkdir(parents=True, exist_ok=True)
     config = directory / "config.json"
     config.write_text(json.dumps(json.loads(entry.config_path.read_text())))
-    return LocalModel(name=name or entry.repo, path=config, format="safetensors", size_bytes=60 * GiB,
+    return LocalModel(name=name or entry.repo, path=config, kind="safetensors", size_bytes=60 * GiB,
                       source="directory", family=entry.family, files=(config,))

@@ -29,7 +29,7 @@ def test_a_cached_model_goes_with_its_blobs_but_shared_blobs_stay(tmp_path):
     _link(old / "config.json", blobs / "cfg")  # an older snapshot shares the config blob
     _link(new / "config.json", blobs / "cfg")
     _link(new / "sub" / "model.safetensors", blobs / "w1")
-    model = LocalModel(name="org/model", path=new, format="safetensors", size_bytes=1002, source="hf-cache",
+    model = LocalModel(name="org/model", path=new, kind="safetensors", size_bytes=1002, source="hf-cache",
                        files=(new / "config.json", new / "sub" / "model.safetensors"))
 
     freed = delete_model_files(model)
@@ -46,7 +46,7 @@ def test_a_folder_model_loses_only_its_own_files(tmp_path):
     folder.mkdir()
     (folder / "m-Q4_K_M.gguf").write_bytes(b"g" * 10)
     (folder / "notes.txt").write_text("mine")
-    model = LocalModel(name="m", path=folder / "m-Q4_K_M.gguf", format="gguf", size_bytes=10, source="directory",
+    model = LocalModel(name="m", path=folder / "m-Q4_K_M.gguf", kind="gguf", size_bytes=10, source="directory",
                        files=(folder / "m-Q4_K_M.gguf",))
     assert delete_model_files(model) == 10
     assert sorted(p.name for p in folder.iterdir()) == ["notes.txt"]
@@ -56,7 +56,7 @@ def test_a_folder_model_loses_only_its_own_files(tmp_path):
 def test_other_programs_stores_are_refused(tmp_path, source, needle):
     blob = tmp_path / "blob"
     blob.write_bytes(b"1")
-    model = LocalModel(name="qwen3:30b", path=blob, format="gguf", size_bytes=1, source=source, files=(blob,))
+    model = LocalModel(name="qwen3:30b", path=blob, kind="gguf", size_bytes=1, source=source, files=(blob,))
     assert needle in deletable(model)
     with pytest.raises(HybridMoeError):
         delete_model_files(model)

@@ -82,7 +82,7 @@ async def test_plan_editing_updates_the_numbers_and_saves(configured):
 
 
 async def test_models_lists_pulls_converts_uses_and_deletes(configured, tmp_path):
-    ollama = LocalModel(name="qwen3:30b", path=tmp_path / "blob", format="gguf", size_bytes=1, source="ollama",
+    ollama = LocalModel(name="qwen3:30b", path=tmp_path / "blob", kind="gguf", size_bytes=1, source="ollama",
                         files=(tmp_path / "blob",))
     configured.local.append(ollama)
     app = HybridMoeApp(configured)

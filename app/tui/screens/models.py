@@ -141,7 +141,7 @@ class ModelsScreen(ReportsWorkerErrors, Screen):
                 notes.append("got by hybridmoe")
             if m.problem:
                 notes.append(m.problem)
-            table.add_row(m.name, m.format, m.quantization or "", fmt_bytes(m.size_bytes), m.source,
+            table.add_row(m.name, m.kind, m.quantization or "", fmt_bytes(m.size_bytes), m.source,
                           "; ".join(notes), key=str(i))
         table = self.query_one("#catalogue-models", DataTable)
         table.clear()
@@ -231,7 +231,7 @@ class ModelsScreen(ReportsWorkerErrors, Screen):
         if model is None or self._focused_table() != "local-models":
             self.notify("Select a model on this machine first.", severity="warning")
             return
-        if model.format != "safetensors" or model.problem:
+        if model.kind != "safetensors" or model.problem:
             self.notify("Only a complete safetensors checkpoint can be converted to GGUF.", severity="warning")
             return
         quants = self.app.services.convert_quants()

@@ -224,7 +224,7 @@ class SetupScreen(ReportsWorkerErrors, Screen):
         for i, (m, plan) in enumerate(event.local):
             key = f"local:{i}"
             self.rows[key] = Path(m.path)
-            table.add_row(m.name, m.quantization or m.format, fmt_bytes(m.size_bytes), _speed(plan) if plan else "?",
+            table.add_row(m.name, m.quantization or m.kind, fmt_bytes(m.size_bytes), _speed(plan) if plan else "?",
                           "on disk", key=key)
         fits = len(event.ranked)
         sources = expected_sources([r.plan for r in event.ranked] + [plan for _, plan in event.local])
