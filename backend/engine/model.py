@@ -244,8 +244,8 @@ class MoeTransformer(nn.Module):
     def set_mla_absorb(self, absorb: bool | None) -> None:
         """Force MLA's absorbed (True) or expanded (False) form, or let it choose (None)."""
         for layer in self.layers:
-            for attn in layer.attn.parts if self.cards else (layer.attn,):  # each card's, split across cards
-                if attn is not None and attn.latent:
+            for attn in layer.attn.parts if self.cards else (layer.attn,):  # split across cards: each card's
+                if attn.latent:
                     attn.absorb = absorb
         self._decode_step = False  # rebuilt for the next decode: the native one is absorbed only
 
