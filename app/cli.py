@@ -298,16 +298,26 @@ def cmd_bench_generate(args) -> int:
         return _bench_side_by_side(args)
     if args.types:
         result = generate.sweep(args.model, args.types, threads=args.threads, pairs=args.pairs)
+        _write_results(args.out, result)
         print(json.dumps(result, indent=1) if args.json else generate.sweep_table(result))
         return EXIT_OK
     summary = generate.measure(args.model, prompt_tokens=args.prompt_tokens, gen_tokens=args.gen_tokens,
                                threads=args.threads, repeats=args.repeats, rounds=args.rounds,
                                pairs=args.pairs, backends=args.backends)
+    _write_results(args.out, summary)
     print(json.dumps(summary, indent=1) if args.json else generate.table(summary))
     # The table shows each backend's error in its row; a benchmark with a backend that could
     # not be measured did not do what was asked.
     failed = [b for b, r in summary["results"].items() if "error" in r]
     return EXIT_ERROR if failed else EXIT_OK
+
+
+def _write_results(out: str | None, result: dict) -> None:
+    """--out: the results as JSON, whole or not at all (written beside and renamed)."""
+    if out:
+        from hybridmoe.backend.files import write_atomic
+
+        write_atomic(out, json.dumps(result, indent=1))
 
 
 def _bench_side_by_side(args) -> int:

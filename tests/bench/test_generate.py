@@ -114,9 +114,11 @@ def test_the_report_has_the_breakdown(tiny_gguf, capsys):
     # Which executor computed the tokens: every layer of the tiny Qwen3-MoE in the native chain.
     assert engine["decode_path"] == "decode: native chain, all 2 layers"
 
+    saved = tiny_gguf.parent / "bench.json"
     cli.main(["bench", "generate", str(tiny_gguf), "--backends", "engine", "--prompt-tokens", "16",
-              "--gen-tokens", "5", "--threads", "1", "--repeats", "1", "--rounds", "1"])
+              "--gen-tokens", "5", "--threads", "1", "--repeats", "1", "--rounds", "1", "--out", str(saved)])
     text = capsys.readouterr().out
+    assert set(json.loads(saved.read_text())["results"]) == {"engine"}  # --out: the results beside the table
     assert "engine decode, one token part by part" in text
     assert "the engine's decode: native chain, all 2 layers" in text
     assert "routed experts" in text and "between calls" in text
