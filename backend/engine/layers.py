@@ -66,7 +66,7 @@ class RMSNorm(nn.Module):
         self.round_before_weight = round_before_weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
+        dtype = self.weight.dtype  # the compute dtype, also for the float32 residual stream
         # One fused op for x * rsqrt(mean(x^2) + eps) (bit-equal to the four-op form, measured):
         # at decode the per-op overhead is most of a norm's cost.
         h = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)

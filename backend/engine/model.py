@@ -184,7 +184,11 @@ class MoeTransformer(nn.Module):
             with native_kernels.rows_are("decode" if decode else "prompt"), torch.inference_mode():
                 ids = torch.tensor(flat, dtype=torch.long, device=self.device)
                 x = F.embedding(ids, self.embed) if self.embed is not None else self.embed_stored.rows(ids, self.dtype)
-                x = self._layers(x, segments, stop)
+                # The residual stream in float32, as llama.cpp's and the native decode step's: in
+                # bf16 each layer's sum rounded it again (a first greedy token that llama.cpp and
+                # the float32 product share, at a margin of 0.05, went another way); the blocks
+                # read it normalised in the compute dtype and their outputs add in float32.
+                x = self._layers(x.float(), segments, stop)
                 if last_only:
                     x = x[[s.row + s.n - 1 for s in segments]]
                     rows = [slice(i, i + 1) for i in range(len(segments))]
