@@ -20,11 +20,10 @@ import time
 
 import torch
 
-from hybridmoe.backend.engine import step_profile
+from hybridmoe.backend.engine import build_layers, step_profile
 from hybridmoe.backend.engine.session import EngineBackend
 from hybridmoe.backend.hardware import detect
 from hybridmoe.backend.models import inspect_model
-from hybridmoe.backend.models.families.deepseek import engine as deepseek_engine
 from hybridmoe.backend.plan import Workload, make
 
 
@@ -40,12 +39,12 @@ def main() -> int:
     context = 64 + args.gen_tokens + args.prompt_tokens + 8
     plan = make(inspected.spec, inspected.inventory, detect(measure_bandwidth=False),
                 Workload(context=context, strategy="cpu-only"))
-    stored_maps = deepseek_engine.stored_maps
+    stored_maps = build_layers.stored_maps
     models = {}
     for name in ("stored", "whole"):
-        deepseek_engine.stored_maps = stored_maps if name == "stored" else (lambda *_: None)
+        build_layers.stored_maps = stored_maps if name == "stored" else (lambda *_: None)
         models[name] = EngineBackend().load(args.model, plan).model
-    deepseek_engine.stored_maps = stored_maps
+    build_layers.stored_maps = stored_maps
     if all(m.stored_maps is None for m in models["stored"].modules() if hasattr(m, "stored_maps")):
         print(f"{args.model}: no split kv_b the kernels read (not a DeepSeek/Kimi GGUF?)", file=sys.stderr)
         return 1

@@ -14,8 +14,8 @@ from hybridmoe.backend.models.families import FAMILIES, family_by_gguf_arch
 ROOT = Path(__file__).resolve().parent.parent
 FAMILY_FOLDER = Path("backend/models/families")
 
-# What every family folder holds: identity, readers and tensors; the torch builder; the GGUF writer.
-FAMILY_FILES = ("__init__.py", "engine.py", "gguf.py")
+# What every family folder holds: identity, readers, tensors and layer descriptions; the GGUF writer.
+FAMILY_FILES = ("__init__.py", "gguf.py")
 # The converter's modules that once held a writer per architecture.
 CONVERTER_KEYS = ("backend/convert/hparams.py", "backend/convert/gguf_keys.py")
 
@@ -122,7 +122,7 @@ def family_parts_elsewhere(root: Path) -> list[str]:
 
 
 @pytest.mark.parametrize("family", FAMILIES, ids=lambda f: f.FAMILY)
-def test_every_family_is_one_folder_with_its_builder_and_writer(family):
+def test_every_family_is_one_folder_with_its_writer(family):
     folder = Path(family.__file__).parent
     assert folder == ROOT / FAMILY_FOLDER / family.FAMILY
     assert [name for name in FAMILY_FILES if not (folder / name).is_file()] == []
@@ -135,7 +135,7 @@ def test_no_part_of_a_family_lives_outside_its_folder():
 def test_the_scan_finds_a_family_part_outside_its_folder(tmp_path):
     for name, text in {
         "backend/engine/olmoe.py": "",
-        "backend/models/families/olmoe/engine.py": "",
+        "backend/models/families/olmoe/gguf.py": "",
         "backend/convert/hparams.py": '"""Writes glm4moe keys too."""\n@_writes("deepseek2")\ndef w(): pass\n',
     }.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)

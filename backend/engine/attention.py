@@ -167,6 +167,7 @@ class Attention(nn.Module):
             heads=self.n_heads, kv_heads=self.n_kv_heads, head_dim=self.head_dim, value_dim=self.cache.v.shape[-1],
             qk_norm=None if self.q_norm is None else "per_head" if self.norm_per_head else "whole",
             window=self.cache.window, sinks=self.sinks is not None, clip_qkv=self.clip_qkv,
+            rotary=self.rotary.describe(),
             projections_native=self.qkv is not None and self.o.runs_native,
             cache_dtype=str(self.cache.k.dtype).removeprefix("torch."))
 

@@ -65,6 +65,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.round_before_weight = round_before_weight
 
+    def describe(self) -> layer_description.Norm:
+        return layer_description.Norm(self.eps, weight_before_rounding=not self.round_before_weight)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = self.weight.dtype  # the compute dtype, also for the float32 residual stream
         # One fused op for x * rsqrt(mean(x^2) + eps) (bit-equal to the four-op form, measured):

@@ -87,7 +87,7 @@ class MLAttention(nn.Module):
         return layer_description.LatentAttention(
             heads=self.n_heads, nope_dim=self.nope_dim, rope_dim=self.rope_dim, value_dim=self.v_dim,
             kv_lora_rank=self.kv_lora_rank, q_lora_rank=None if self.q_a is None else self.q_a.out_features,
-            absorbed_allowed=self.absorb is not False, rotary_whole=self.rotary.rotary_dim == self.rope_dim,
+            absorbed_allowed=self.absorb is not False, rotary=self.rotary.describe(),
             projections_native=all(lin.runs_native for lin in linears),
             kv_b_native=self.stored_maps is not None or (
                 kv_b.dtype in (torch.float32, torch.bfloat16, torch.float16) and kv_b.is_contiguous()),

@@ -1,15 +1,13 @@
 """The decoder-only MoE transformer and ``build_model``.
 
 Every family is the same skeleton: embedding, N pre-norm decoder layers
-(x + attn(norm(x)), then x + ffn(norm(x))), final norm, LM head. A family's torch builder
-(``models/families/<family>/engine.py``) supplies only what differs: the attention of layer i,
-the feed-forward block of layer i (dense MLP or MoE), which layers are MoE and how many
-routed experts they have. ``Build`` carries what those builders share.
+(x + attn(norm(x)), then x + ffn(norm(x))), final norm, LM head. What differs, the family
+describes (``describe_layers`` in its folder: each layer's attention, feed-forward block and
+norms as data), and ``build_layers`` compiles those descriptions into modules.
 """
 
 from __future__ import annotations
 
-import importlib
 import threading
 from collections.abc import Callable, Collection, Mapping
 from collections.abc import Sequence as Seq
@@ -19,29 +17,25 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridmoe.backend.engine import native_experts, native_kernels
+from hybridmoe.backend.engine import build_layers, native_kernels
 from hybridmoe.backend.models import layer_description
 from hybridmoe.backend.plan import decode_path
-from hybridmoe.backend.engine.attention import Attention
+from hybridmoe.backend.engine.build_layers import Build
 from hybridmoe.backend.engine.cpu_decode import DecodeStep
 from hybridmoe.backend.engine.decode_experts import triton_available
-from hybridmoe.backend.engine.experts import ExpertActivation, ExpertStore, HostExperts, ResidentExperts
-from hybridmoe.backend.engine.host_memory import HostArena
 from hybridmoe.backend.engine.hybrid import HybridOptions, attach
-from hybridmoe.backend.engine.kv_cache import CacheGroup, PagedCache, PagedKV, Segment, Sequence
-from hybridmoe.backend.engine.layers import GatedMLP, Linear, RMSNorm
+from hybridmoe.backend.engine.kv_cache import PagedCache, Segment, Sequence
+from hybridmoe.backend.engine.layers import Linear, RMSNorm
 from hybridmoe.backend.engine.native_linear import native_linear
 from hybridmoe.backend.engine.stored_linear import StoredLinear, stored_linear
-from hybridmoe.backend.engine.loader import Loader
-from hybridmoe.backend.engine.moe import MoE
-from hybridmoe.backend.engine.rope import Rotary
 from hybridmoe.backend.engine.stats import ExpertRecorder
-from hybridmoe.backend.engine.tensor_parallel import HeadShards, Shards, kv_heads, part
+from hybridmoe.backend.engine.tensor_parallel import HeadShards, Shards, part
 from hybridmoe.backend.formats.weights import WeightSource, missing_tensor, require, text_model_weights
 from hybridmoe.backend.errors import ModelUnloadedError, UnsupportedModelError
 from hybridmoe.backend.models.families import family_by_name, family_for_config, spec_from_config
 from hybridmoe.backend.models.hf_config import HFConfig
-from hybridmoe.backend.models.spec import KV_BLOCK_TOKENS, SLIDING_REWIND_TOKENS, ModelSpec
+from hybridmoe.backend.models.layer_description import Loading
+from hybridmoe.backend.models.spec import SLIDING_REWIND_TOKENS, ModelSpec
 from hybridmoe.backend.session import Cancelled
 
 Placement = Mapping[int, Collection[int]]
@@ -229,7 +223,8 @@ class MoeTransformer(nn.Module):
     def describe(self) -> list[layer_description.Layer]:
         """What each layer's blocks are, as loaded (whole layers on one device only: split
         layers are shards)."""
-        return [layer_description.Layer(layer.attn.describe(), layer.ffn.describe()) for layer in self.layers]
+        return [layer_description.Layer(layer.attn.describe(), layer.ffn.describe(), layer.attn_norm.describe())
+                for layer in self.layers]
 
     def decode_plan(self) -> decode_path.DecodePlan:
         """The path each layer takes for one new token, and why (``decode_path``)."""
@@ -254,164 +249,6 @@ class MoeTransformer(nn.Module):
         self._decode_step = False  # rebuilt for the next decode: the native one is absorbed only
 
 
-class Build:
-    """What a family's layer builders share while one model is built."""
-
-    def __init__(self, spec: ModelSpec, weights: WeightSource, placement: dict[int, tuple[int, ...]],
-                 device: torch.device, dtype: torch.dtype, max_context: int, recorder: ExpertRecorder | None,
-                 *, sliding_rewind: int = 0, rms_eps_default: float = 1e-6, round_norm_before_weight: bool = True):
-        # The spec decides the model's shape (layers, heads, windows, routing); the config
-        # dict keeps what only the engine reads (rotary parameters, norm epsilons, biases).
-        self.spec = spec
-        self.config = HFConfig(spec.config)
-        self.moe_layers = frozenset(spec.moe_layers)  # layers whose feed-forward block has routed experts
-        self.weights = weights
-        self.load = Loader(weights, device, dtype)
-        self.placement = placement
-        self.device, self.dtype, self.max_context = device, dtype, max_context
-        self.sliding_rewind = sliding_rewind
-        self.recorder = recorder
-        self.hidden = spec.hidden_size
-        self.eps = float(self.config.get("rms_norm_eps", rms_eps_default))
-        self.round_norm_before_weight = round_norm_before_weight
-        self.resident_form = "dense"  # or "int8", "int4", "stored": how main-device experts are held (ResidentExperts)
-        # Tensor parallelism: (card, cards) while a card's share of a layer is built (else
-        # None); `placement` is then that card's experts, `on_cards` those of every card.
-        self.card: tuple[int, int] | None = None
-        self.on_cards = placement
-        self.sequences = 1  # conversations the KV cache is sized for
-        self.cache = PagedCache([], max_context)
-        self.host_memory = HostArena()  # the CPU's cache tensors, every group's, in huge pages
-        self.moe_blocks: list[MoE] = []  # every MoE block built (each card's), in layer order
-        self._memo: dict[str, Any] = {}
-
-    def on(self, device: torch.device) -> None:
-        """Build what follows (a pipeline stage's layers, the head) on `device`."""
-        self.device = device
-        self.load.device = device
-
-    def memo(self, key: str, factory: Callable[[], Any]) -> Any:
-        if key not in self._memo:
-            self._memo[key] = factory()
-        return self._memo[key]
-
-    def cache_group(self, i: int) -> CacheGroup:
-        """The KV cache group of layer i: blocks for `sequences` conversations of the
-        context, each as many as ``ModelSpec.kv_tokens`` counts (the planner's figure)."""
-        window = self.spec.window_of(i)
-        if window is not None and window >= self.max_context:
-            window = None  # a window as long as the context never bites
-        def make() -> CacheGroup:
-            tokens = self.spec.kv_tokens(i, self.max_context, self.sliding_rewind)
-            blocks = self.sequences * tokens // KV_BLOCK_TOKENS
-            group = CacheGroup(blocks, window, self.sliding_rewind, self.host_memory)
-            self.cache.groups.append(group)
-            return group
-        return self.memo(f"cache/{window}", make)
-
-    @property
-    def first_card(self) -> bool:
-        """Whether this is the card (or the one device) that adds what must be added once:
-        the output projection's bias, the CPU experts, the expert counts."""
-        return self.card is None or self.card[0] == 0
-
-    def part(self, count: int, align: int = 1) -> tuple[int, int] | None:
-        """This card's range of `count` units under tensor parallelism (None: all of them)."""
-        return None if self.card is None else part(count, *self.card, align)
-
-    def mlp(self, prefix: str, intermediate: int, act: str = "silu",
-            names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")) -> GatedMLP | None:
-        """A dense MLP or shared experts: under tensor parallelism, this card's columns (None
-        when it has none)."""
-        cols = self.part(intermediate, align=32)
-        if cols is not None and cols[0] == cols[1]:
-            return None
-        return self.load.mlp(prefix, self.hidden, intermediate, act, names, part=cols)
-
-    def norm(self, name: str, dim: int | None = None) -> RMSNorm:
-        return self.load.norm(name, dim or self.hidden, self.eps, round_before_weight=self.round_norm_before_weight)
-
-    def rotary(self, rotary_dim: int, *, default_theta: float = 10000.0, default_partial: float = 1.0,
-               layout: str = "halves", float32_math: bool = False) -> Rotary:
-        """The rotary tables, built once per model and shared by its layers."""
-        def make() -> Rotary:
-            params = self.config.rope(default_theta=default_theta, default_partial=default_partial)
-            return Rotary(params, rotary_dim, self.max_context,
-                          int(self.config.get("max_position_embeddings", self.max_context)),
-                          layout=layout, float32_math=float32_math, device=self.device)
-        return self.memo(f"rotary/{rotary_dim}/{layout}/{self.device}", make)
-
-    def gqa(self, i: int, *, rotary: Rotary, qk_norm: str | None = None, clip_qkv: float | None = None,
-            sinks: bool = False, o_bias: bool | None = None) -> Attention:
-        """Grouped-query attention of layer i (`qk_norm`: None, "head" or "full"), with the
-        spec's heads and, for a sliding layer, its window."""
-        p = f"model.layers.{i}.self_attn"
-        h = self.hidden
-        n_heads, n_kv_heads, head_dim = self.spec.num_attention_heads, self.spec.num_kv_heads, self.spec.head_dim
-        heads = self.part(n_heads)
-        if heads is None:
-            heads, kv = (0, n_heads), (0, n_kv_heads)
-        else:
-            if qk_norm == "full":
-                raise UnsupportedModelError(
-                    "tensor parallelism: this model normalises q and k over all heads together",
-                    "Use a pipeline (--parallel pp).")
-            kv = kv_heads(heads, n_heads, n_kv_heads)
-        rows = (heads[0] * head_dim, heads[1] * head_dim)
-        kv_rows = (kv[0] * head_dim, kv[1] * head_dim)
-        q = self.load.linear(f"{p}.q_proj", n_heads * head_dim, h, rows=rows)
-        k = self.load.linear(f"{p}.k_proj", n_kv_heads * head_dim, h, rows=kv_rows)
-        v = self.load.linear(f"{p}.v_proj", n_kv_heads * head_dim, h, rows=kv_rows)
-        o_bias = (self.load.has(f"{p}.o_proj.bias") if o_bias is None else o_bias) and self.first_card
-        o = self.load.linear(f"{p}.o_proj", h, n_heads * head_dim, bias=o_bias,
-                             cols=None if self.card is None else rows)
-        q_norm = k_norm = None
-        if qk_norm == "head":
-            q_norm, k_norm = self.norm(f"{p}.q_norm.weight", head_dim), self.norm(f"{p}.k_norm.weight", head_dim)
-        elif qk_norm == "full":
-            q_norm = self.norm(f"{p}.q_norm.weight", n_heads * head_dim)
-            k_norm = self.norm(f"{p}.k_norm.weight", n_kv_heads * head_dim)
-        n_heads, n_kv_heads = heads[1] - heads[0], kv[1] - kv[0]
-        cache = PagedKV(self.cache_group(i), n_kv_heads, head_dim, head_dim, self.dtype, self.device)
-        return Attention(
-            q=q, k=k, v=v, o=o, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim,
-            rotary=rotary, cache=cache, q_norm=q_norm, k_norm=k_norm,
-            norm_per_head=qk_norm == "head", clip_qkv=clip_qkv,
-            sinks=self.load.tensor(f"{p}.sinks", (self.spec.num_attention_heads,), rows=heads) if sinks else None,
-        )
-
-    def routed_experts(self, i: int, prefix: str, n_experts: int, intermediate: int, act: ExpertActivation, *,
-                       names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
-                       fused_xw_with_biases: bool = False) -> tuple[ResidentExperts, HostExperts]:
-        """Layer i's routed experts split by the placement: (main device, host)."""
-        store = ExpertStore(self.weights, prefix, n_experts, self.hidden, intermediate, names=names,
-                            fused_xw_with_biases=fused_xw_with_biases)
-        on_main = set(self.placement.get(i, ()))
-        on_gpus = set(self.on_cards.get(i, ()))  # on any card (the main device's, without tensor parallelism)
-        bad = [e for e in on_gpus if not 0 <= e < n_experts]
-        if bad:
-            raise ValueError(f"placement for layer {i} names experts {sorted(bad)}; the layer has {n_experts}")
-        main = ResidentExperts(store, on_main, self.dtype, self.device, act, form=self.resident_form)
-        host_ids = set(range(n_experts)) - on_gpus if self.first_card else set()
-        host = HostExperts(store, host_ids, self.dtype, act)
-        native_experts.prepare(host)
-        return main, host
-
-    def moe(self, i: int, prefix: str, router: nn.Module, n_experts: int, intermediate: int, *,
-            act: ExpertActivation | None = None, names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
-            fused_xw_with_biases: bool = False, shared: GatedMLP | None = None,
-            shared_gate: Linear | None = None) -> MoE:
-        """Layer i's MoE block: `router`, its routed experts under `prefix` (ExpertStore says
-        what `fused_xw_with_biases` means), shared experts."""
-        act = act or ExpertActivation(str(self.config.get("hidden_act", "silu")))
-        main, host = self.routed_experts(i, prefix, n_experts, intermediate, act, names=names,
-                                         fused_xw_with_biases=fused_xw_with_biases)
-        moe = MoE(i, router, main, host, shared=shared, shared_gate=shared_gate,
-                  recorder=self.recorder if self.first_card else None)
-        self.moe_blocks.append(moe)
-        return moe
-
-
 def _default_dtype(embed: Any) -> torch.dtype:
     """float32 for float32 checkpoints (the tests), else bfloat16: float16 activations
     overflow in DeepSeek-style models, and quantized checkpoints carry no compute dtype."""
@@ -428,11 +265,6 @@ def _spec(config: Mapping[str, Any], name: str | None) -> ModelSpec:
     except UnsupportedModelError as e:
         raise UnsupportedModelError(e.what, "Run this model with `--backend llamacpp`.") from None
     return spec_from_config(config, name or "model")
-
-
-def _family_module(name: str):
-    """The torch builder of a family: the ``engine`` module in the family's folder."""
-    return importlib.import_module(f"{family_by_name(name).__name__}.engine")
 
 
 def default_device() -> str:
@@ -485,7 +317,6 @@ def build_model(
     """
     spec = model if isinstance(model, ModelSpec) else _spec(model, name)
     family = spec.family
-    module = _family_module(family)
     config = spec.config
     weights = text_model_weights(weights)
     device = _device(device if device is not None else default_device())
@@ -513,20 +344,27 @@ def build_model(
                               moe_layers, placement)
     stage_of = _stages(pipeline, n_layers, device)
     device = stage_of[0][0]
-    b = Build(spec, weights, placement, device, dtype, max_context, recorder, sliding_rewind=sliding_rewind,
-              **module.BUILD_OPTIONS)
+    b = Build(spec, weights, placement, device, dtype, max_context, recorder, sliding_rewind=sliding_rewind)
     b.resident_form = resident_form
     b.sequences = sequences
     vocab = spec.vocab_size
     embed_stored = stored_linear(require(weights, "model.embed_tokens.weight", (vocab, b.hidden)), None, b.device)
     embed = None if embed_stored is not None else b.load.tensor("model.embed_tokens.weight", (vocab, b.hidden))
+    # The build compiles the layers' architecture from their descriptions. What those say of
+    # the loaded forms (the checkpoint's kind, formats the native kernels read, where the
+    # experts are) it does not read: the built modules state it (``MoeTransformer.describe``).
+    described = family_by_name(family).describe_layers(spec, Loading(
+        main_device="cpu" if device.type == "cpu" else str(device), context=max_context, checkpoint="safetensors",
+        cache_dtype=str(dtype).removeprefix("torch."), projections_native=False))
     layers = []
-    for i in range(n_layers):
+    for i, d in enumerate(described):
         b.on(stage_of[i][0])
+        b.norms = d.norm
         if cards:
-            attn, ffn = (_on_cards(b, cards, lambda: build(b, i)) for build in (module.attention, module.feed_forward))
+            attn = _on_cards(b, cards, lambda: build_layers.attention(b, i, d.attention))
+            ffn = _on_cards(b, cards, lambda: build_layers.feed_forward(b, i, d.ffn))
         else:
-            attn, ffn = module.attention(b, i), module.feed_forward(b, i)
+            attn, ffn = build_layers.attention(b, i, d.attention), build_layers.feed_forward(b, i, d.ffn)
         layers.append(DecoderLayer(
             b.norm(f"model.layers.{i}.input_layernorm.weight"), attn,
             b.norm(f"model.layers.{i}.post_attention_layernorm.weight"), ffn,

@@ -43,6 +43,7 @@ class MoE(nn.Module):
         shared: GatedMLP | None = None,
         shared_gate: Linear | None = None,
         recorder: ExpertRecorder | None = None,
+        tensors: layer_description.ExpertTensors = layer_description.ExpertTensors(),
     ):
         super().__init__()
         self.layer = layer
@@ -51,6 +52,7 @@ class MoE(nn.Module):
         self.shared = shared
         self.shared_gate = shared_gate  # Qwen2-MoE: sigmoid gate on the shared expert
         self.recorder = recorder
+        self.tensors = tensors  # where it was read from
         self.scheduler = None  # a hybrid.HybridScheduler when the main device is not the CPU
 
     def describe(self) -> layer_description.MixtureOfExperts:
@@ -61,7 +63,8 @@ class MoE(nn.Module):
             shared_gate_native=self.shared_gate is not None and self.shared_gate.runs_native,
             experts_on_main=len(self.main), experts_on_host=host,
             experts_native=native_experts.unsupported_reason(self.host) if host else None,
-            streamed=self.scheduler is not None, activation=layer_description.activation_name(self.host.act.kind))
+            streamed=self.scheduler is not None, activation=layer_description.activation_name(self.host.act.kind),
+            swiglu_alpha=self.host.act.alpha, swiglu_limit=self.host.act.limit, tensors=self.tensors)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.scheduler is not None:

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from hybridmoe.backend.models.hf_config import RopeParams
+from hybridmoe.backend.models.layer_description import Rotation
 
 
 def inverse_frequencies(params: RopeParams, dim: int, max_position_embeddings: int) -> tuple[torch.Tensor, float]:
@@ -119,6 +120,7 @@ class Rotary(nn.Module):
         super().__init__()
         if layout not in ("halves", "pairs"):
             raise ValueError(f"unknown rotary layout {layout!r}")
+        self.params = params
         self.rotary_dim = rotary_dim
         self.layout = layout
         # DeepSeek-V2's reference rotates in float32 (complex multiply) and rounds once.
@@ -127,6 +129,9 @@ class Rotary(nn.Module):
         freqs = torch.arange(max_context, dtype=torch.int64).float()[:, None] * inv_freq[None, :]
         self.register_buffer("cos", (freqs.cos() * attention_factor).to(device), persistent=False)
         self.register_buffer("sin", (freqs.sin() * attention_factor).to(device), persistent=False)
+
+    def describe(self) -> Rotation:
+        return Rotation(self.params, self.rotary_dim, self.layout, self.float32_math)
 
     def tables(self, start: int, n: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [n, rotary_dim/2] for positions start..start+n-1, in the math dtype."""

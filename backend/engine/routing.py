@@ -52,7 +52,7 @@ class SoftmaxTopK(nn.Module):
 
     def describe(self) -> Router:
         return Router("softmax_topk", self.k, normalize=self.normalize,
-                      matrix_float32=self.weight.dtype == torch.float32)
+                      matrix_float32=self.weight.dtype == torch.float32, weights_float32=self.float32_weights)
 
 
 class SigmoidGroupedTopK(nn.Module):
@@ -106,15 +106,14 @@ class SigmoidGroupedTopK(nn.Module):
 
 
 class SoftmaxGroupedGreedy(nn.Module):
-    """DeepSeek-V2 routing: softmax scores, top k over all experts ("greedy") or over the
-    topk_group groups with the best single expert ("group_limited_greedy")."""
+    """DeepSeek-V2 routing: softmax scores, top k over the topk_group of n_group groups with the
+    best single expert ("group_limited_greedy"; one group: over all experts, "greedy")."""
 
     def __init__(
         self,
         weight: torch.Tensor,
         k: int,
         *,
-        method: str,
         n_group: int,
         topk_group: int,
         normalize: bool,
@@ -122,12 +121,12 @@ class SoftmaxGroupedGreedy(nn.Module):
     ):
         super().__init__()
         self.register_buffer("weight", weight.float(), persistent=False)
-        self.k, self.method, self.n_group, self.topk_group = k, method, n_group, topk_group
+        self.k, self.n_group, self.topk_group = k, n_group, topk_group
         self.normalize, self.scaling = normalize, scaling
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         scores = F.linear(x.float(), self.weight).softmax(dim=-1, dtype=torch.float32)
-        if self.method == "group_limited_greedy" and self.n_group > 1:
+        if self.n_group > 1:
             n_tokens, n_experts = scores.shape
             grouped = scores.view(n_tokens, self.n_group, n_experts // self.n_group)
             best_groups = grouped.max(dim=-1).values.topk(self.topk_group, dim=-1, sorted=False).indices

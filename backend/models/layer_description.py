@@ -7,9 +7,10 @@ each other. ``plan/decode_path.py`` decides from them, and from the machine, whi
 runs each block (the native chain, the per-call native path, the CUDA kernels, the PyTorch
 modules).
 
-A description states the block's architecture and the facts of how it is loaded that the
-executors depend on (whether its projections are in formats the native kernels read, the
-cache dtype, where its experts live: ``Loading``), nothing of torch.
+A description states the block's architecture (what the torch builder, ``engine/build_layers``,
+compiles: the kinds of its parts, their settings, where its tensors are) and the facts of how it
+is loaded that the executors depend on (whether its projections are in formats the native
+kernels read, the cache dtype, where its experts live: ``Loading``), nothing of torch.
 """
 
 from __future__ import annotations
@@ -17,16 +18,39 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from hybridmoe.backend.models.hf_config import RopeParams
+
 # The routed experts' activations: SiLU of gate times up ("silu"), or SwiGLU with both halves
 # clamped to a limit, a sigmoid slope alpha and up shifted by one (GPT-OSS).
 SILU, CLAMPED_SWIGLU = "silu", "clamped_swiglu"
+
+
+@dataclass(frozen=True)
+class Norm:
+    """A layer's RMSNorms (before its attention and its feed-forward block, and inside them: q/k,
+    latent attention's; the model's final norm is its last layer's)."""
+
+    eps: float
+    weight_before_rounding: bool = False  # times the weight in float32, then rounded (GPT-OSS); else the other way
+
+
+@dataclass(frozen=True)
+class Rotation:
+    """The rotary position embedding of an attention block."""
+
+    params: RopeParams  # the config's rope settings, the family's defaults where it has none
+    dim: int  # features of each head rotated (the first ones; partial rotary passes the rest)
+    layout: str = "halves"  # "halves" (x[:d/2], x[d/2:]) or "pairs" (x0, x1), (x2, x3)... (DeepSeek)
+    float32: bool = False  # rotated in float32, rounded once (DeepSeek-V2's reference)
+
 
 @dataclass(frozen=True)
 class Router:
     """How a token chooses its experts from the router's logits. kind: "softmax_topk" (softmax,
     top k, optionally renormalised), "sigmoid_group_topk" (sigmoid, groups, a choice bias),
     "topk_softmax" (top k of the biased logits, softmax over those), "softmax_group_greedy"
-    (DeepSeek-V2)."""
+    (DeepSeek-V2: softmax, top k within the topk_group groups with the best single expert;
+    over all experts with one group)."""
 
     kind: str
     k: int
@@ -37,6 +61,7 @@ class Router:
     choice_bias: bool = False  # a per-expert bias added for the choice only (sigmoid_group_topk)
     logit_bias: bool = False  # a bias added to the logits (topk_softmax)
     matrix_float32: bool = True  # the matrix as the router computes with it
+    weights_float32: bool = False  # the chosen weights kept in float32 (softmax_topk: else rounded to the logits' dtype)
 
 
 @dataclass(frozen=True)
@@ -49,6 +74,7 @@ class GroupedQueryAttention:
     window: int | None  # sliding window, None: full attention
     sinks: bool
     clip_qkv: float | None
+    rotary: Rotation
     projections_native: bool  # q|k|v joined and the output in formats the native kernels read
     cache_dtype: str
 
@@ -62,7 +88,7 @@ class LatentAttention:
     kv_lora_rank: int
     q_lora_rank: int | None  # None: q straight from the hidden state
     absorbed_allowed: bool  # False where the expanded form is forced (``set_mla_absorb(False)``)
-    rotary_whole: bool  # the rotary part is the whole rope_dim
+    rotary: Rotation  # YaRN's mscale_all_dim in its params also sharpens the softmax
     projections_native: bool
     kv_b_native: bool  # kv_b as stored, or in a dtype and layout the absorbed kernels read
     cache_dtype: str
@@ -72,6 +98,18 @@ class LatentAttention:
 class DenseFeedForward:
     activation: str  # "silu" or another (the native path multiplies silu(gate) by up)
     projections_native: bool  # gate|up joined and down in formats the native kernels read
+
+
+@dataclass(frozen=True)
+class ExpertTensors:
+    """Where a MoE block's tensors are (model.layers.{i}.{block}.…) and how they are laid out."""
+
+    blocks: tuple[str, ...] = ("mlp",)  # the block's name: the first of these whose router the checkpoint has
+    router: str = "gate"
+    experts: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # per-expert gate, up, down
+    shared: str = "shared_experts"
+    fused_xw_with_biases: bool = False  # fused experts carry biases, and as floats are stored for x @ W (GPT-OSS)
+    gate_up_interleaved: bool = False  # a fused gate_up alternates gate and up rows (GPT-OSS)
 
 
 @dataclass(frozen=True)
@@ -85,6 +123,9 @@ class MixtureOfExperts:
     experts_native: str | None  # why the native kernels cannot read the host experts, None: they can
     streamed: bool  # a scheduler streams them (GPU main device)
     activation: str = SILU  # the routed experts' (SILU or CLAMPED_SWIGLU)
+    swiglu_alpha: float = 1.702  # CLAMPED_SWIGLU's sigmoid slope
+    swiglu_limit: float = 7.0  # and clamp
+    tensors: ExpertTensors = ExpertTensors()
 
 
 Attention = GroupedQueryAttention | LatentAttention
@@ -95,8 +136,7 @@ FeedForward = DenseFeedForward | MixtureOfExperts
 class Layer:
     attention: Attention
     ffn: FeedForward
-
-
+    norm: Norm
 
 
 def activation_name(hidden_act: str) -> str:

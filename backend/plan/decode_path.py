@@ -75,7 +75,7 @@ def attention_covered(a: Attention) -> str | None:
             return "latent attention's expanded form is forced"
         if not a.projections_native:
             return "projections in a format the native kernels do not read"
-        if not a.rotary_whole:
+        if a.rotary.dim != a.rope_dim:
             return "partial rotary in latent attention"
         if not a.kv_b_native:
             return "kv_b in a dtype or layout the absorbed kernels do not read"

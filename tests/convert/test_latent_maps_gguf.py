@@ -17,7 +17,7 @@ from hybridmoe.backend.engine.model import build_model
 from hybridmoe.backend.engine.native_kernels import native_format
 from hybridmoe.backend.formats.weights import open_weights
 from hybridmoe.backend.models import inspect_model
-from hybridmoe.backend.models.families.deepseek import engine as deepseek_engine
+from hybridmoe.backend.engine import build_layers
 from tests.engine.conftest import relative_error, tokens
 
 
@@ -44,7 +44,7 @@ def test_a_gguf_deepseek_reads_its_split_kv_b_as_stored(converted, quant, tolera
     stored = _decode(model, ids, 8)
     assert all(isinstance(s.attn, _MLAStep) for s in model._decode_step.layers)
 
-    monkeypatch.setattr(deepseek_engine, "stored_maps", lambda *args: None)
+    monkeypatch.setattr(build_layers, "stored_maps", lambda *args: None)
     whole = build_model(config, open_weights(path), max_context=64, dtype=torch.float32)
     assert all(m.kv_b_weight is not None for m in whole.modules() if isinstance(m, MLAttention))
     assert relative_error(stored, _decode(whole, ids, 8)) < tolerance

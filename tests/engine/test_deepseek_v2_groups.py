@@ -21,17 +21,17 @@ STEPS = 12
 GROUPED = dict(num_experts_per_tok=3, n_group=4, topk_group=2, topk_method="group_limited_greedy")
 
 
-def _router(method: str) -> SoftmaxGroupedGreedy:
+def _router(n_group: int, topk_group: int) -> SoftmaxGroupedGreedy:
     # The identity as the router's matrix: a token's logits are the token itself.
-    return SoftmaxGroupedGreedy(torch.eye(8), 3, method=method, n_group=4, topk_group=2, normalize=False,
+    return SoftmaxGroupedGreedy(torch.eye(8), 3, n_group=n_group, topk_group=topk_group, normalize=False,
                                 scaling=1.0)
 
 
 def test_group_limited_greedy_chooses_only_in_the_best_groups():
     # Groups (0, 1), (2, 3), (4, 5), (6, 7); best experts 0, 2 and 4 lie in three groups.
     logits = torch.tensor([[3.0, 0.5, 2.9, 0.0, 2.8, 0.0, 0.0, 0.0]])
-    greedy_ids, _ = _router("greedy")(logits)
-    grouped_ids, grouped_weights = _router("group_limited_greedy")(logits)
+    greedy_ids, _ = _router(1, 1)(logits)  # "greedy": one group
+    grouped_ids, grouped_weights = _router(4, 2)(logits)
     assert sorted(greedy_ids[0].tolist()) == [0, 2, 4]
     assert sorted(grouped_ids[0].tolist()) == [0, 1, 2]  # group (4, 5) is third: not eligible
     probs = logits.softmax(-1)[0]

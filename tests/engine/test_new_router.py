@@ -1,9 +1,10 @@
 """A new router is a module and its description: the decode plan and the executors follow.
 
 What a new router touches: its module with ``forward`` and ``describe`` (backend/engine/routing.py,
-here this test), the family builder that uses it (models/families/<family>/engine.py, here
-the swap below) and the family's ``describe_layers`` (its ``__init__.py``, which tests/engine/
-test_decode_path.py holds to the built modules' descriptions): three files. Nothing in cpu_decode.py or plan/decode_path.py learns its class; the
+here this test), its branch in the builder's ``_router`` (backend/engine/build_layers.py: the
+module of a description's kind, here the swap below) and the family's ``describe_layers`` that
+names the kind (its ``__init__.py``, which tests/engine/test_decode_path.py holds to the built
+modules' descriptions): three files. Nothing in cpu_decode.py or plan/decode_path.py learns its class; the
 plan sends its blocks to PyTorch and says why. A router whose description is one the native
 kernels have (``decode_path.NATIVE_ROUTERS``) runs natively, in the chain, without a line
 more. (Giving the native kernels a new routing kind: ``NATIVE_ROUTERS`` in plan/decode_path.py,
@@ -50,7 +51,7 @@ def _routed(model):
 
 
 def _swap_routers(model, make) -> None:
-    """The family builder's part: every MoE layer gets the new router (its bias drawn here)."""
+    """The builder's part: every MoE layer gets the new router (its bias drawn here)."""
     gen = torch.Generator().manual_seed(3)
     for moe in _routed(model):
         bias = torch.randn(moe.router.weight.shape[0], generator=gen)

@@ -4,31 +4,38 @@ of the layers' descriptions and the machine, asked here without a model."""
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import partial
 
 import pytest
 
+from hybridmoe.backend.models import layer_description
+from hybridmoe.backend.models.hf_config import RopeParams
 from hybridmoe.backend.models.layer_description import (
     CLAMPED_SWIGLU,
     DenseFeedForward,
     GroupedQueryAttention,
     LatentAttention,
-    Layer,
     MixtureOfExperts,
+    Norm,
+    Rotation,
     Router,
 )
 from hybridmoe.backend.plan.decode_path import Machine, chain_covers, cuda_covers, decode_plan, native_covers
 
 CPU = Machine(main_device="cpu", native_off=None, split=None)
 GPU = Machine(main_device="cuda:0", native_off=None, split="experts streamed by a scheduler")
+ROPE = RopeParams("default", 10000.0, 1.0, {})
 GQA = GroupedQueryAttention(heads=32, kv_heads=4, head_dim=128, value_dim=128, qk_norm="per_head", window=None,
-                            sinks=False, clip_qkv=None, projections_native=True, cache_dtype="bfloat16")
+                            sinks=False, clip_qkv=None, rotary=Rotation(ROPE, 128), projections_native=True,
+                            cache_dtype="bfloat16")
 MLA = LatentAttention(heads=16, nope_dim=128, rope_dim=64, value_dim=128, kv_lora_rank=512, q_lora_rank=1536,
-                      absorbed_allowed=True, rotary_whole=True, projections_native=True, kv_b_native=True,
-                      cache_dtype="bfloat16")
+                      absorbed_allowed=True, rotary=Rotation(ROPE, 64, "pairs"), projections_native=True,
+                      kv_b_native=True, cache_dtype="bfloat16")
 DENSE = DenseFeedForward(activation="silu", projections_native=True)
 MOE = MixtureOfExperts(router=Router("softmax_topk", 8, normalize=True), shared=None, shared_gate=False,
                        shared_gate_native=False, experts_on_main=0, experts_on_host=128, experts_native=None,
                        streamed=False)
+Layer = partial(layer_description.Layer, norm=Norm(1e-6))  # the norms take no part in the choice
 
 
 def test_a_model_of_one_covered_shape_runs_in_the_chain():

@@ -2,12 +2,12 @@
 
 Everything hybridmoe knows about a family is in its folder, and every other package looks
 the family up here (``family_by_name``, ``family_by_gguf_arch``) instead of keeping a table
-of its own. A family folder ``<family>/`` holds three modules:
+of its own. A family folder ``<family>/`` holds two modules, neither importing torch or the
+engine:
 
-- ``__init__.py``: identity, config readers and tensor inventory (below; no torch, so that
-  inspecting and planning load none);
-- ``engine.py``: the torch builder, which ``engine.model`` imports for the family's layers
-  (``attention``, ``feed_forward``, ``BUILD_OPTIONS``);
+- ``__init__.py``: identity, config readers, tensor inventory and the layers as descriptions
+  (below; so that inspecting and planning load no torch; the engine compiles the
+  descriptions into its modules, ``engine/build_layers.py``);
 - ``gguf.py``: the converter's writer of the family's llama.cpp keys,
   ``WRITER = ArchWriter(write, ...)`` over ``convert.gguf_keys.GGUFKeys``.
 
@@ -23,9 +23,10 @@ family to the whole list):
   pre-tokenizer, most faithful first: several share one set of split expressions and differ
   in BOS handling and regex support), ``SPECIAL_TOKEN_ROLES`` ("eot", "eom", "bos" -> token
   texts, where the family's turns end otherwise than the converter's defaults say),
-  ``RMS_EPS_DEFAULT``, ``ROPE_THETA_DEFAULT``, ``PARTIAL_ROTARY_DEFAULT`` (values written where
-  the config leaves them out), ``GGUF_PARTIAL_ROTARY`` (llama.cpp's graph rotates only the
-  first rope.dimension_count dims of a head);
+  ``RMS_EPS_DEFAULT``, ``ROPE_THETA_DEFAULT``, ``PARTIAL_ROTARY_DEFAULT`` (transformers'
+  defaults where the config leaves them out: written by the converter, described to the
+  engine), ``GGUF_PARTIAL_ROTARY`` (llama.cpp's graph rotates only the first
+  rope.dimension_count dims of a head);
 - how a GGUF names its tensors: ``GGUF_TENSOR_NAMES`` (block tensor names, after ``blk.N.``,
   whose HF name differs from the common one), ``GGUF_PERMUTES_QK`` (llama's q/k row order),
   ``GGUF_SPLITS_FUSED_EXPERTS`` (fused gate_up / down experts written as llama.cpp's per-projection
@@ -40,8 +41,9 @@ family to the whole list):
 - ``expected_tensors(spec) -> Iterator[TensorShape]`` (the checkpoint's tensors, for sizing
   from the config alone)
 - ``describe_layers(spec, loading) -> tuple[Layer, ...]`` (each decoder layer as the frozen
-  description every executor compiles, ``models/layer_description``: what ``plan`` names the
-  decode path from before a load, and what the engine's built modules describe after one)
+  description every executor compiles, ``models/layer_description``: what the engine builds
+  its modules from, what ``plan`` names the decode path from before a load, and what the
+  engine's built modules describe after one)
 """
 
 from __future__ import annotations

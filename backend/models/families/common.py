@@ -9,7 +9,8 @@
 - GGUF metadata -> config: ``gguf_to_config`` reads the keys every GGUF decoder has and then
   a family's ``GGUFKey`` table.
 - Layer descriptions (``models/layer_description``) of the usual blocks, for a family's
-  ``describe_layers``: ``grouped_query``, ``latent``, ``dense``, ``mixture``.
+  ``describe_layers``: ``rms_norms``, ``rotation``, ``grouped_query``, ``latent``, ``dense``,
+  ``mixture``, ``softmax_topk``.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Any
 
 from hybridmoe.backend.errors import ModelError, UnsupportedModelError
 from hybridmoe.backend.models.formats import TORCH_DTYPES, get_format
+from hybridmoe.backend.models.hf_config import HFConfig
 from hybridmoe.backend.models.layer_description import (
     SILU,
     DenseFeedForward,
@@ -29,6 +31,8 @@ from hybridmoe.backend.models.layer_description import (
     LatentAttention,
     Loading,
     MixtureOfExperts,
+    Norm,
+    Rotation,
     Router,
     activation_name,
 )
@@ -605,8 +609,21 @@ def hidden_act(s: ModelSpec) -> str:
     return activation_name(str(s.config.get("hidden_act", SILU)))
 
 
-def grouped_query(s: ModelSpec, i: int, loading: Loading, *, qk_norm: str | None = None, sinks: bool = False,
-                  clip_qkv: float | None = None) -> GroupedQueryAttention:
+def rms_norms(s: ModelSpec, eps: float, *, weight_before_rounding: bool = False) -> Norm:
+    """The RMSNorms of the config's epsilon (`eps` where it has none)."""
+    return Norm(float(HFConfig(s.config).get("rms_norm_eps", eps)), weight_before_rounding)
+
+
+def rotation(s: ModelSpec, theta: float, partial: float = 1.0, *, dim: int | None = None, layout: str = "halves",
+             float32: bool = False) -> Rotation:
+    """The rotary embedding of the config's rope settings (`theta` and `partial` where it has
+    none) over `dim` features of each head (default: all)."""
+    params = HFConfig(s.config).rope(default_theta=theta, default_partial=partial)
+    return Rotation(params, s.head_dim if dim is None else dim, layout, float32)
+
+
+def grouped_query(s: ModelSpec, i: int, loading: Loading, rotary: Rotation, *, qk_norm: str | None = None,
+                  sinks: bool = False, clip_qkv: float | None = None) -> GroupedQueryAttention:
     """Layer i's grouped-query attention with the spec's heads and, for a sliding layer, its
     window (none where the window is as long as the context: it never bites). `qk_norm`:
     "per_head", "whole" or None."""
@@ -614,16 +631,17 @@ def grouped_query(s: ModelSpec, i: int, loading: Loading, *, qk_norm: str | None
     return GroupedQueryAttention(
         heads=s.num_attention_heads, kv_heads=s.num_kv_heads, head_dim=s.head_dim, value_dim=s.head_dim,
         qk_norm=qk_norm, window=window if window is not None and window < loading.context else None, sinks=sinks,
-        clip_qkv=clip_qkv, projections_native=loading.projections_native, cache_dtype=loading.cache_dtype)
+        clip_qkv=clip_qkv, rotary=rotary, projections_native=loading.projections_native,
+        cache_dtype=loading.cache_dtype)
 
 
-def latent(s: ModelSpec, loading: Loading) -> LatentAttention:
-    """Multi-head latent attention with the spec's ranks (the rotary part is the whole rope
-    head; kv_b as stored or in the compute dtype, both of which the absorbed kernels read)."""
+def latent(s: ModelSpec, loading: Loading, rotary: Rotation) -> LatentAttention:
+    """Multi-head latent attention with the spec's ranks (kv_b as stored or in the compute
+    dtype, both of which the absorbed kernels read)."""
     return LatentAttention(
         heads=s.num_attention_heads, nope_dim=s.qk_nope_head_dim, rope_dim=s.qk_rope_head_dim,
         value_dim=s.v_head_dim, kv_lora_rank=s.kv_lora_rank, q_lora_rank=s.q_lora_rank or None,
-        absorbed_allowed=True, rotary_whole=True, projections_native=loading.projections_native,
+        absorbed_allowed=True, rotary=rotary, projections_native=loading.projections_native,
         kv_b_native=True, cache_dtype=loading.cache_dtype)
 
 
@@ -633,12 +651,13 @@ def dense(s: ModelSpec, loading: Loading) -> DenseFeedForward:
 
 
 def mixture(s: ModelSpec, i: int, loading: Loading, router: Router, *, shared: bool = False,
-            shared_gate: bool = False, activation: str | None = None,
-            experts_native: str | None = None) -> MixtureOfExperts:
+            shared_gate: bool = False, experts_native: str | None = None, **experts) -> MixtureOfExperts:
     """Layer i's routed experts under `router`, split as `loading` places them; `shared`:
     shared experts (an MLP of the spec's shared width), `shared_gate`: a sigmoid gate on them;
-    `activation`: the routed experts' (default: the config's); `experts_native`: the family's
-    reason its host experts are not read natively (else the loading's)."""
+    `experts_native`: the family's reason its host experts are not read natively (else the
+    loading's); `experts`: the fields in which these experts differ from the usual ones
+    (``activation``, else the config's; ``tensors``; the clamped SwiGLU's)."""
+    experts.setdefault("activation", hidden_act(s))
     on_main = loading.experts_on_main.get(i, 0)
     on_host = s.n_routed_experts - on_main
     return MixtureOfExperts(
@@ -647,10 +666,10 @@ def mixture(s: ModelSpec, i: int, loading: Loading, router: Router, *, shared: b
         shared_gate_native=shared_gate and bool(s.shared_intermediate_size) and loading.projections_native,
         experts_on_main=on_main, experts_on_host=on_host,
         experts_native=(experts_native or loading.experts_native.get(i)) if on_host else None,
-        streamed=loading.streamed, activation=activation or hidden_act(s))
+        streamed=loading.streamed, **experts)
 
 
-def softmax_topk(s: ModelSpec, loading: Loading) -> Router:
+def softmax_topk(s: ModelSpec, loading: Loading, *, weights_float32: bool = False) -> Router:
     """Softmax over all experts, top k, renormalised as the spec's routing says (Qwen, OLMoE, Mixtral)."""
     return Router("softmax_topk", s.experts_per_token, normalize=s.routing.normalize,
-                  matrix_float32=loading.router_float32)
+                  matrix_float32=loading.router_float32, weights_float32=weights_float32)

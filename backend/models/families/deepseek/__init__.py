@@ -29,7 +29,10 @@ from hybridmoe.backend.models.families.common import (
     mixture,
     mtp_layer_extras,
     norm,
+    rms_norms,
+    rotation,
 )
+from hybridmoe.backend.models.hf_config import HFConfig
 from hybridmoe.backend.models.layer_description import Layer, Loading, Router
 from hybridmoe.backend.models.spec import ModelSpec, Routing
 
@@ -231,18 +234,29 @@ def config_from_gguf(metadata: Mapping[str, Any], *, source: str,
 
 
 def router(s: ModelSpec) -> Router:
-    """The router the spec's routing names: V2's softmax (greedy or group-limited), or V3's
-    sigmoid with its correction bias (GLM-4.5 routes the same way); matrices in float32."""
+    """The router the spec's routing names: V2's softmax (greedy: over one group of all the
+    experts; or group-limited), or V3's sigmoid with its correction bias (GLM-4.5 routes the
+    same way); matrices in float32."""
     r = s.routing
     if r.scoring == "softmax":
-        return Router("softmax_group_greedy", s.experts_per_token, normalize=r.normalize, n_group=r.n_group,
-                      topk_group=r.topk_group, scaling=float(r.scaling))
+        grouped = r.method == "group_limited_greedy"
+        return Router("softmax_group_greedy", s.experts_per_token, normalize=r.normalize,
+                      n_group=r.n_group if grouped else 1, topk_group=r.topk_group if grouped else 1,
+                      scaling=float(r.scaling))
     return Router("sigmoid_group_topk", s.experts_per_token, normalize=r.normalize, n_group=r.n_group,
                   topk_group=r.topk_group, scaling=float(r.scaling), choice_bias=r.method == "noaux_tc")
 
 
 def describe_layers(s: ModelSpec, loading: Loading) -> tuple[Layer, ...]:
-    """Latent attention; routed and shared experts; dense first layers."""
-    return tuple(Layer(latent(s, loading),
-                       mixture(s, i, loading, router(s), shared=True) if i in s.moe_layers else dense(s, loading))
+    """Latent attention, its rotary part interleaved in pairs (``rope_interleave``, true for
+    every released checkpoint; V2's reference always, in float32); routed and shared experts;
+    dense first layers."""
+    v2 = s.routing.scoring == "softmax"
+    interleaved = v2 or HFConfig(s.config).get("rope_interleave", True)
+    rotary = rotation(s, ROPE_THETA_DEFAULT, PARTIAL_ROTARY_DEFAULT, dim=s.qk_rope_head_dim,
+                      layout="pairs" if interleaved else "halves", float32=v2)
+    norms = rms_norms(s, RMS_EPS_DEFAULT)
+    return tuple(Layer(latent(s, loading, rotary),
+                       mixture(s, i, loading, router(s), shared=True) if i in s.moe_layers else dense(s, loading),
+                       norms)
                  for i in range(s.num_layers))

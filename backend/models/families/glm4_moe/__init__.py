@@ -7,6 +7,7 @@ the decoder stack. GGUF arch ``glm4moe`` (its block_count includes the NextN lay
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
+from dataclasses import replace
 from typing import Any
 
 from hybridmoe.backend.models.families.common import (
@@ -24,6 +25,8 @@ from hybridmoe.backend.models.families.common import (
     grouped_query,
     mixture,
     mtp_layer_extras,
+    rms_norms,
+    rotation,
 )
 from hybridmoe.backend.models.families import deepseek
 from hybridmoe.backend.models.layer_description import Layer, Loading
@@ -124,10 +127,15 @@ def config_from_gguf(metadata: Mapping[str, Any], *, source: str,
 
 
 def describe_layers(s: ModelSpec, loading: Loading) -> tuple[Layer, ...]:
-    """Grouped-query attention, per-head q/k norm where the config asks; DeepSeek-V3's router
-    and shared experts; dense first layers."""
+    """Grouped-query attention, per-head q/k norm where the config asks, rotary on the first
+    partial_rotary_factor (0.5) of each head; DeepSeek-V3's router and shared experts; dense
+    first layers."""
     qk_norm = "per_head" if s.config.get("use_qk_norm", False) else None
-    return tuple(Layer(grouped_query(s, i, loading, qk_norm=qk_norm),
+    rotary = rotation(s, ROPE_THETA_DEFAULT, PARTIAL_ROTARY_DEFAULT)
+    rotary = replace(rotary, dim=int(s.head_dim * rotary.params.partial_rotary_factor))
+    norms = rms_norms(s, RMS_EPS_DEFAULT)
+    return tuple(Layer(grouped_query(s, i, loading, rotary, qk_norm=qk_norm),
                        mixture(s, i, loading, deepseek.router(s), shared=True) if i in s.moe_layers
-                       else dense(s, loading))
+                       else dense(s, loading),
+                       norms)
                  for i in range(s.num_layers))

@@ -24,10 +24,13 @@ from hybridmoe.backend.models.families.common import (
     gqa_attention,
     grouped_query,
     mixture,
+    rms_norms,
+    rotation,
     sliding_layers_from_types,
 )
 from hybridmoe.backend.models.formats import get_format
-from hybridmoe.backend.models.layer_description import CLAMPED_SWIGLU, Layer, Loading, Router
+from hybridmoe.backend.models.hf_config import HFConfig
+from hybridmoe.backend.models.layer_description import CLAMPED_SWIGLU, ExpertTensors, Layer, Loading, Router
 from hybridmoe.backend.models.spec import ModelSpec, Routing
 
 FAMILY = "gpt_oss"
@@ -119,12 +122,20 @@ def config_from_gguf(metadata: Mapping[str, Any], *, source: str,
 
 
 def describe_layers(s: ModelSpec, loading: Loading) -> tuple[Layer, ...]:
-    """Sinks in every layer, windows in the sliding ones; top k of the biased logits, softmax
-    over those; clamped SwiGLU experts. Float experts in a safetensors checkpoint are fused
-    and stored for x @ W, a layout the native kernels do not read."""
+    """Sinks in every layer, windows in the sliding ones; RMSNorm multiplies by its weight
+    before rounding; the router ``mlp.router``, with a bias: top k of the biased logits,
+    softmax over those; clamped SwiGLU experts (alpha 1.702, limit 7), fused with biases, gate
+    and up rows interleaved. Float experts in a safetensors checkpoint are stored for x @ W, a
+    layout the native kernels do not read."""
+    rotary = rotation(s, ROPE_THETA_DEFAULT, PARTIAL_ROTARY_DEFAULT)
+    norms = rms_norms(s, RMS_EPS_DEFAULT, weight_before_rounding=True)
     router = Router("topk_softmax", s.experts_per_token, logit_bias=True, matrix_float32=loading.router_float32)
     transposed = loading.checkpoint == "safetensors" and get_format(s.expert_format).kind == "float"
     why = "float GPT-OSS experts stored as x @ W are not read natively" if transposed else None
-    return tuple(Layer(grouped_query(s, i, loading, sinks=True),
-                       mixture(s, i, loading, router, activation=CLAMPED_SWIGLU, experts_native=why))
+    cfg = HFConfig(s.config)
+    experts = dict(activation=CLAMPED_SWIGLU, swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)),
+                   swiglu_limit=float(cfg.get("swiglu_limit", 7.0)),
+                   tensors=ExpertTensors(router="router", fused_xw_with_biases=True, gate_up_interleaved=True))
+    return tuple(Layer(grouped_query(s, i, loading, rotary, sinks=True),
+                       mixture(s, i, loading, router, experts_native=why, **experts), norms)
                  for i in range(s.num_layers))

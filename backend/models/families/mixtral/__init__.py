@@ -20,10 +20,12 @@ from hybridmoe.backend.models.families.common import (
     gqa_attention,
     grouped_query,
     mixture,
+    rms_norms,
+    rotation,
     routed_moe,
     softmax_topk,
 )
-from hybridmoe.backend.models.layer_description import Layer, Loading
+from hybridmoe.backend.models.layer_description import ExpertTensors, Layer, Loading
 from hybridmoe.backend.models.spec import ModelSpec, Routing
 
 FAMILY = "mixtral"
@@ -35,8 +37,8 @@ GGUF_KEEPS_MTP = False
 ROUTER_FLOAT32 = False
 LLAMA_PRE_TOKENIZERS = ("llama-bpe", "tekken")
 SPECIAL_TOKEN_ROLES: dict[str, tuple[str, ...]] = {}
-RMS_EPS_DEFAULT = 1e-6
-ROPE_THETA_DEFAULT = 10000.0
+RMS_EPS_DEFAULT = 1e-5
+ROPE_THETA_DEFAULT = 1e6
 PARTIAL_ROTARY_DEFAULT = 1.0
 GGUF_PARTIAL_ROTARY = False
 
@@ -98,6 +100,11 @@ def config_from_gguf(metadata: Mapping[str, Any], *, source: str,
 
 
 def describe_layers(s: ModelSpec, loading: Loading) -> tuple[Layer, ...]:
-    """Plain grouped-query attention; routed experts under a softmax top-k router in every layer."""
-    return tuple(Layer(grouped_query(s, i, loading), mixture(s, i, loading, softmax_topk(s, loading)))
+    """Plain grouped-query attention; routed experts under a softmax top-k router, its weights
+    kept in float32, in every layer. Hub checkpoints name the block block_sparse_moe and the
+    experts w1 (gate), w3 (up), w2 (down); transformers' fused layout names it mlp."""
+    rotary, norms = rotation(s, ROPE_THETA_DEFAULT, PARTIAL_ROTARY_DEFAULT), rms_norms(s, RMS_EPS_DEFAULT)
+    router = softmax_topk(s, loading, weights_float32=True)
+    tensors = ExpertTensors(blocks=("block_sparse_moe", "mlp"), experts=("w1", "w3", "w2"))
+    return tuple(Layer(grouped_query(s, i, loading, rotary), mixture(s, i, loading, router, tensors=tensors), norms)
                  for i in range(s.num_layers))

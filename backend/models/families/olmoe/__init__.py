@@ -17,6 +17,8 @@ from hybridmoe.backend.models.families.common import (
     gqa_attention,
     grouped_query,
     mixture,
+    rms_norms,
+    rotation,
     routed_moe,
     softmax_topk,
 )
@@ -32,7 +34,7 @@ GGUF_KEEPS_MTP = False
 ROUTER_FLOAT32 = False
 LLAMA_PRE_TOKENIZERS = ("gpt-2", "olmo")
 SPECIAL_TOKEN_ROLES: dict[str, tuple[str, ...]] = {}
-RMS_EPS_DEFAULT = 1e-6
+RMS_EPS_DEFAULT = 1e-5
 ROPE_THETA_DEFAULT = 10000.0
 PARTIAL_ROTARY_DEFAULT = 1.0
 GGUF_PARTIAL_ROTARY = False
@@ -81,6 +83,8 @@ def config_from_gguf(metadata: Mapping[str, Any], *, source: str,
 def describe_layers(s: ModelSpec, loading: Loading) -> tuple[Layer, ...]:
     """q/k norm over all heads at once, q/k/v clipped where the config says; a softmax top-k router."""
     clip = s.config.get("clip_qkv")
-    return tuple(Layer(grouped_query(s, i, loading, qk_norm="whole", clip_qkv=None if clip is None else float(clip)),
-                       mixture(s, i, loading, softmax_topk(s, loading)))
+    rotary, norms = rotation(s, ROPE_THETA_DEFAULT, PARTIAL_ROTARY_DEFAULT), rms_norms(s, RMS_EPS_DEFAULT)
+    return tuple(Layer(grouped_query(s, i, loading, rotary, qk_norm="whole",
+                                     clip_qkv=None if clip is None else float(clip)),
+                       mixture(s, i, loading, softmax_topk(s, loading)), norms)
                  for i in range(s.num_layers))

@@ -21,12 +21,14 @@ from hybridmoe.backend.models.families.common import (
     linear,
     mixture,
     qwen2_sliding_layers,
+    rms_norms,
+    rotation,
     routed_moe,
     softmax_topk,
     sparse_step_moe_layers,
     swiglu,
 )
-from hybridmoe.backend.models.layer_description import Layer, Loading
+from hybridmoe.backend.models.layer_description import ExpertTensors, Layer, Loading
 from hybridmoe.backend.models.spec import ModelSpec, Routing
 
 FAMILY = "qwen2_moe"
@@ -110,8 +112,12 @@ def config_from_gguf(metadata: Mapping[str, Any], *, source: str,
 
 
 def describe_layers(s: ModelSpec, loading: Loading) -> tuple[Layer, ...]:
-    """Plain grouped-query attention; a softmax top-k router and a sigmoid-gated shared expert."""
-    return tuple(Layer(grouped_query(s, i, loading),
-                       mixture(s, i, loading, softmax_topk(s, loading), shared=True, shared_gate=True)
-                       if i in s.moe_layers else dense(s, loading))
+    """Plain grouped-query attention; a softmax top-k router and a sigmoid-gated shared expert
+    (``mlp.shared_expert``, its gate ``mlp.shared_expert_gate``)."""
+    rotary, norms = rotation(s, ROPE_THETA_DEFAULT, PARTIAL_ROTARY_DEFAULT), rms_norms(s, RMS_EPS_DEFAULT)
+    tensors = ExpertTensors(shared="shared_expert")
+    return tuple(Layer(grouped_query(s, i, loading, rotary),
+                       mixture(s, i, loading, softmax_topk(s, loading), shared=True, shared_gate=True, tensors=tensors)
+                       if i in s.moe_layers else dense(s, loading),
+                       norms)
                  for i in range(s.num_layers))

@@ -21,6 +21,8 @@ from hybridmoe.backend.models.families.common import (
     grouped_query,
     mixture,
     qwen3_sliding_layers,
+    rms_norms,
+    rotation,
     routed_moe,
     softmax_topk,
     sparse_step_moe_layers,
@@ -102,6 +104,8 @@ def config_from_gguf(metadata: Mapping[str, Any], *, source: str,
 
 def describe_layers(s: ModelSpec, loading: Loading) -> tuple[Layer, ...]:
     """Per-head q/k norm; a softmax top-k router; dense layers where the spec has them."""
-    return tuple(Layer(grouped_query(s, i, loading, qk_norm="per_head"),
-                       mixture(s, i, loading, softmax_topk(s, loading)) if i in s.moe_layers else dense(s, loading))
+    rotary, norms = rotation(s, ROPE_THETA_DEFAULT, PARTIAL_ROTARY_DEFAULT), rms_norms(s, RMS_EPS_DEFAULT)
+    return tuple(Layer(grouped_query(s, i, loading, rotary, qk_norm="per_head"),
+                       mixture(s, i, loading, softmax_topk(s, loading)) if i in s.moe_layers else dense(s, loading),
+                       norms)
                  for i in range(s.num_layers))
