@@ -16,8 +16,9 @@ layer, never of a higher one, and the packages of one layer do not import each o
     files | units                atomic writes; sizes and rates
     errors | workload_choices | _native   leaves: error classes, the workload's vocabulary, the extension
 
-A family folder, backend/models/families/<family>/, spans layers: its `engine` module is layered
-with the engine and its `gguf` module with the converter (FAMILY_PARTS); the rest is in models.
+A family folder, backend/models/families/<family>/, spans layers: its `gguf` module is layered
+with the converter (FAMILY_PARTS); the rest is in models, and none of it imports torch or the
+engine (the engine compiles the folder's layer descriptions).
 
 An import counts when it runs: one inside a function does (it runs on the first call), one
 under ``if TYPE_CHECKING:`` does not. Importing ``a.b.c`` runs the ``__init__`` of ``a`` and
@@ -55,12 +56,12 @@ LAYERS = (
     (_B + "errors", _B + "workload_choices", EXTENSION),
 )
 # A family is one folder, backend/models/families/<family>/ (docs/architecture.md), and the
-# folder spans layers: its torch builder `engine.py` belongs to the engine and its GGUF writer
-# `gguf.py` to the converter, so each may import what its package may (and the family's
-# models-layer modules, below both); the rest of the folder (identity, config readers, tensor
-# inventory) is model inspection, in the models layer, and imports neither part.
+# folder spans layers: its GGUF writer `gguf.py` belongs to the converter, so it may import what
+# the converter may (and the family's models-layer modules, below it); the rest of the folder
+# (identity, config readers, tensor inventory, layer descriptions) is model inspection, in the
+# models layer, and does not import it.
 FAMILY_FOLDER = _B + "models.families"
-FAMILY_PARTS = {"engine": _B + "engine", "gguf": _B + "convert"}
+FAMILY_PARTS = {"gguf": _B + "convert"}
 # Package roots with an empty __init__: below everything, importing nothing.
 EMPTY_ROOTS = ("hybridmoe.backend",)
 # What the planner, model inspection, hardware detection and the hub must load without torch.
@@ -390,22 +391,21 @@ def test_an_upward_or_sideways_import_breaks_the_layers(tmp_path):
     ]
 
 
-def test_a_family_folder_spans_the_engine_models_and_convert_layers(tmp_path):
+def test_a_family_folder_spans_the_models_and_convert_layers(tmp_path):
     families = "backend/models/families/"
     root = _plant(tmp_path, {
         families + "__init__.py": "from hybridmoe.backend.models.families import olmoe\n",
-        families + "olmoe/__init__.py": "from hybridmoe.backend.models.families.olmoe import engine\n",
-        families + "olmoe/engine.py": "from hybridmoe.backend.engine.routing import SoftmaxTopK\n",
+        families + "olmoe/__init__.py": "from hybridmoe.backend.models.families.olmoe import gguf\n",
         families + "olmoe/gguf.py": "from hybridmoe.backend.convert.gguf_keys import GGUFKeys\n"
                                     "from hybridmoe.backend.models.hf_config import HFConfig\n",
-        "backend/engine/routing.py": "", "backend/models/hf_config.py": "",
+        "backend/models/hf_config.py": "",
         "backend/convert/gguf_keys.py": "from hybridmoe.backend.models.families import olmoe\n",
     })
-    # engine.py and gguf.py import their own layer and below; the folder's models-layer
-    # __init__ importing the family's torch builder is an import up the layers.
+    # gguf.py imports its own layer and below; the folder's models-layer __init__ importing the
+    # family's GGUF writer is an import up the layers.
     assert layer_violations(import_graph(root)[0]) == [
         "backend/models/families/olmoe/__init__.py:1: hybridmoe.backend.models.families.olmoe imports"
-        " hybridmoe.backend.models.families.olmoe.engine (up: hybridmoe.backend.engine is not below"
+        " hybridmoe.backend.models.families.olmoe.gguf (up: hybridmoe.backend.convert is not below"
         " hybridmoe.backend.models)",
     ]
 
@@ -578,3 +578,38 @@ def test_the_family_rule_catches_an_offender(tmp_path):
     root = _plant(tmp_path, {"backend/convert/x.py": 'split = arch == "deepseek2"\n# deepseek2 in a comment\n',
                              "backend/models/families/deepseek/__init__.py": 'GGUF_ARCH = "deepseek2"\n'})
     assert family_facts_outside(root, {"deepseek2"}) == {("backend/convert/x.py", "deepseek2")}
+
+
+# A family folder states its layers as data (``describe_layers``) and the engine compiles them
+# (engine/build_layers.py): no module in the folder imports torch or the engine, not even in a
+# function.
+FAMILY_FOLDER_IMPORTS_NOT = ("torch", _B + "engine")
+
+
+def family_folder_torch_imports(root: Path) -> list[str]:
+    found = []
+    for path in sorted((root / "backend" / "models" / "families").rglob("*.py")):
+        for node in _running_imports(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            else:  # `from a import b` names a and, b being a module perhaps, a.b
+                names = [node.module or ""] + [f"{node.module}.{alias.name}" for alias in node.names]
+            hits = [name for name in names if _is_under(name, FAMILY_FOLDER_IMPORTS_NOT)]
+            if hits:
+                found.append(f"{path.relative_to(root).as_posix()}:{node.lineno} imports {hits[0]}")
+    return found
+
+
+def test_a_family_folder_imports_neither_torch_nor_the_engine():
+    assert family_folder_torch_imports(ROOT) == []
+
+
+def test_the_torch_free_family_rule_catches_an_offender(tmp_path):
+    families = "backend/models/families/"
+    root = _plant(tmp_path, {families + "olmoe/__init__.py": "def build():\n    import torch.nn\n",
+                             families + "olmoe/gguf.py": "from hybridmoe.backend import engine\n",
+                             families + "common.py": "from hybridmoe.backend.models import spec\n"})
+    assert family_folder_torch_imports(root) == [
+        "backend/models/families/olmoe/__init__.py:2 imports torch.nn",
+        "backend/models/families/olmoe/gguf.py:1 imports hybridmoe.backend.engine",
+    ]
