@@ -19,7 +19,7 @@ from datetime import datetime
 
 from hybridmoe.app.arguments import comma_separated, non_negative_int, positive_float, positive_int
 from hybridmoe.app.waiting import Waiting
-from hybridmoe.backend.errors import HybridMoeError
+from hybridmoe.backend.errors import HybridMoeError, UnsupportedModelError
 from hybridmoe.backend.plan.workload import (
     BACKENDS,
     GPU_EXPERT_FORMS,
@@ -146,17 +146,23 @@ def cmd_plan(args) -> int:
     plan = make(model.spec, model.inventory, hardware, workload)
     # The engine's path per layer group, named from the family's descriptions (a config alone
     # stands for a safetensors checkpoint); a prediction for this machine, not part of the plan.
-    decode = planned_decode(model.spec, model.inventory, plan, "gguf" if model.kind == "gguf" else "safetensors")
+    # A model the engine does not run (a rope type it lacks, say) is still planned: llama.cpp's
+    # plan needs no engine path, and an engine plan says why there is none.
+    try:
+        decode = planned_decode(model.spec, model.inventory, plan, "gguf" if model.kind == "gguf" else "safetensors")
+        engine_path, engine_line = decode.to_dict(), f"Engine {decode.summary()}"
+    except UnsupportedModelError as exc:
+        engine_path, engine_line = {"unsupported": exc.what}, f"The embedded engine does not run this model: {exc.what}"
     if args.save:
         try:
             plan.save(args.save)
         except OSError as exc:
             raise write_error(args.save, exc) from exc
     if args.json:
-        _print_json({**plan.to_dict(), "decode_path": decode.to_dict()})
+        _print_json({**plan.to_dict(), "decode_path": engine_path})
     else:
         print(plan_text(plan))
-        print(f"\nEngine {decode.summary()}")
+        print(f"\n{engine_line}")
         if args.save:
             print(f"\nSaved to {args.save}")
     return EXIT_OK

@@ -56,3 +56,20 @@ def test_plan_names_the_decode_path_before_a_load(family, tmp_path, capsys):
     assert layers == list(range(len(layers))) and len(layers) > 1  # every layer in one group
     assert main(["plan", str(checkpoint.path), *machine]) == 0
     assert f"Engine {said['summary']}" in capsys.readouterr().out
+
+
+def test_plan_of_a_model_the_engine_does_not_run_says_so_and_still_plans(tmp_path, capsys):
+    """A rope type the engine lacks: `plan --backend llamacpp` plans it (no engine path needed)
+    and says why the engine has none, instead of refusing with advice already in force."""
+    from hybridmoe.app.cli import main
+
+    checkpoint = build_checkpoint(tmp_path / "qwen3_moe", "qwen3_moe")
+    config = json.loads((checkpoint.path / "config.json").read_text())
+    config["rope_parameters"] = {**config.get("rope_parameters", {}), "rope_type": "dynamic", "factor": 2.0}
+    (checkpoint.path / "config.json").write_text(json.dumps(config))
+    machine = ["--ram", "64GiB", "--cores", "8", "--host-bandwidth", "100GB/s", "--gpus", "0", "--context", "128"]
+    assert main(["plan", str(checkpoint.path), *machine, "--backend", "llamacpp", "--json"]) == 0
+    assert "rope type 'dynamic'" in json.loads(capsys.readouterr().out)["decode_path"]["unsupported"]
+    assert main(["plan", str(checkpoint.path), *machine, "--backend", "llamacpp"]) == 0
+    out = capsys.readouterr().out
+    assert "The embedded engine does not run this model" in out and "--backend llamacpp`" not in out
