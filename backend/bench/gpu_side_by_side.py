@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from hybridmoe.backend.errors import HybridMoeError, UsageError
+from hybridmoe.backend.files import write_atomic
 from hybridmoe.backend.workload_choices import GPU_EXPERT_FORMS
 
 DECODE_AT = (64, 4096)
@@ -695,8 +696,7 @@ def run(model: str, *, plan_path: str | None, gpu_share: float | None, match: st
         plan = with_gpu_experts(plan, whole_layers(plan.moe_layers, plan.n_routed_experts, gpu_share))
     def write(result: dict) -> None:
         if out:
-            Path(out).parent.mkdir(parents=True, exist_ok=True)
-            Path(out).write_text(json.dumps(result, indent=1))
+            write_atomic(out, json.dumps(result, indent=1))
 
     result = measure(model, plan, pairs=pairs, decode_at=decode_at, prefill=prefill, decode_tokens=decode_tokens,
                      threads=threads, match=match, log_dir=log_dir, budget_s=budget_s,

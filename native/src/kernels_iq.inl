@@ -503,8 +503,8 @@ static bool gather_is_faster() {
     uint32_t x = 0x9E3779B9u;
     for (uint8_t& b : blocks) b = uint8_t((x = x * 1664525u + 1013904223u) >> 24);
     for (size_t i = 0; i < blocks.size(); i += kBytes) blocks[i] = 0x00, blocks[i + 1] = 0x3C;  // d = 1 (no subnormals)
-    alignas(64) static int8_t q[kK];
-    static float d[kK / 32], sums[kK / 32];
+    int8_t q[kK];
+    float d[kK / 32], sums[kK / 32] = {};
     for (int64_t k = 0; k < kK; ++k) q[k] = int8_t(k % 17 - 8);
     for (float& v : d) v = 1.0f;
     MatrixRef w;
