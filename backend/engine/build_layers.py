@@ -279,5 +279,7 @@ def _router(b: Build, name: str, r: Router) -> nn.Module:
         return SoftmaxGroupedGreedy(weight, r.k, n_group=r.n_group, topk_group=r.topk_group, normalize=r.normalize,
                                     scaling=r.scaling)
     raise ValueError(f"no router module of kind {r.kind!r}")
+
+
 _ATTENTION = {GroupedQueryAttention: _grouped_query, LatentAttention: _latent}
 _FEED_FORWARD = {DenseFeedForward: _dense, MixtureOfExperts: _mixture}
