@@ -106,16 +106,27 @@ def random_matrix(rng: np.random.Generator, fmt: str, shape: tuple[int, ...], sc
     if fmt in ("q8_0", "q4_0", "q5_0"):
         data[:, 0:2] = _f16_bytes(scales(nb, True) / {"q8_0": 73, "q4_0": 4.6, "q5_0": 9.2}[fmt])
     elif fmt in ("q4_k", "q5_k"):
-        spread = 32 * (4.6 if fmt == "q4_k" else 9.2)
-        data[:, 0:2] = _f16_bytes(scales(nb, False) / spread)  # d
-        data[:, 2:4] = _f16_bytes(scales(nb, False) / spread)  # dmin
+        spread = 36.5 * (4.6 if fmt == "q4_k" else 9.2)  # rms of 6-bit scales times the codes' spread
+        d = scales(nb, False) / spread
+        # Each sub-block's min equal to its scale and dmin = d x the codes' mean (7.5 / 15.5),
+        # so every sub-block is centred on zero as a quantizer's output is: random mins would
+        # shift whole rows by about their spread, and a model built of such rows attends and
+        # routes near-argmax (a chaotic model, no test of accuracy). The 12 scale bytes:
+        # mins 0-3 in bytes 4-7 (= scales 0-3, bytes 0-3), scales/mins 4-7 the low/high
+        # nibbles of bytes 8-11, their top bits in those of bytes 0-3 / 4-7.
+        data[:, 0:2] = _f16_bytes(d)
+        data[:, 2:4] = _f16_bytes(d * (7.5 if fmt == "q4_k" else 15.5))
+        data[:, 8:12] = data[:, 4:8]
+        data[:, 12:16] = (data[:, 12:16] & 0x0F) * 0x11
     elif fmt == "q6_k":
         data[:, 208:210] = _f16_bytes(scales(nb, False) / (73 * 18))
     elif fmt == "q3_k":  # 6-bit scales less 32 (about 16 in size) times codes -4..3
         data[:, 108:110] = _f16_bytes(scales(nb, False) / (16 * 2.3))
-    elif fmt == "q2_k":  # 4-bit scales and mins (about 7.5) times codes 0..3
-        data[:, 80:82] = _f16_bytes(scales(nb, False) / (7.5 * 1.1))  # d
-        data[:, 82:84] = _f16_bytes(scales(nb, False) / (7.5 * 1.1))  # dmin
+    elif fmt == "q2_k":  # 4-bit scales (rms 8.8) times codes 0..3, centred as q4_k's above
+        d = scales(nb, False) / (8.8 * 1.12)
+        data[:, 80:82] = _f16_bytes(d)
+        data[:, 82:84] = _f16_bytes(d * 1.5)
+        data[:, 0:16] = (data[:, 0:16] & 0x0F) * 0x11  # each sub-block's min nibble = its scale's
     elif fmt == "mxfp4":
         data[:, 0] = rng.integers(118, 124, size=nb)
     elif fmt in IQ_FORMATS:  # d over the measured spread of what it multiplies; iq4_nl's d signed

@@ -39,3 +39,16 @@ def test_random_matrix_of_each_new_type(fmt, scale):
     # the codes are random: expert 0 and 1 differ, and a second draw differs from the first
     assert not torch.equal(x[0], x[1])
     assert not torch.equal(x, random_matrix(np.random.default_rng(8), fmt, shape, scale).dequantize())
+
+
+@pytest.mark.parametrize("fmt", ["q2_k", "q4_k", "q5_k"])
+def test_k_quants_with_mins_are_centred_like_a_quantizers_output(fmt):
+    """Their sub-block mins cancel the codes' mean: random mins would shift whole rows by about
+    their spread, and a model made of such rows attends and routes near-argmax (chaotic: no
+    measure of an implementation's accuracy)."""
+    scale = 0.02
+    x = random_matrix(np.random.default_rng(3), fmt, (64, 2048), scale).dequantize()
+    assert 0.8 * scale < float(x.std()) < 1.3 * scale
+    assert float(x.mean(dim=1).abs().max()) < 0.2 * scale  # no row is shifted
+    sub = 16 if fmt == "q2_k" else 32
+    assert float(x.reshape(-1, sub).mean(dim=1).std()) < 0.45 * scale  # codes' spread only
