@@ -48,6 +48,7 @@ struct IqQuarter {
     __m256i mag;
     Signs sign;
     __m256i scale;
+    int lo, hi;  // the scale's two multipliers as integers (the prompt kernel's panels)
 };
 
 static inline __m256i scale_pair(int lo, int hi) {
@@ -151,7 +152,8 @@ struct IqBlock<FMT_IQ2_XXS, Gather> {
     IqQuarter quarter(int ib) const {
         const uint8_t* q = p + 2 + 8 * ib;
         const __m256i g = grid4(kIq2xxsGrid, q[0], q[1], q[2], q[3]);
-        return {g, signs_from_bits(words.sign[ib]), _mm256_set1_epi16(short(words.scale[ib]))};
+        const int s = words.scale[ib];
+        return {g, signs_from_bits(words.sign[ib]), _mm256_set1_epi16(short(s)), s, s};
     }
 };
 
@@ -168,7 +170,8 @@ struct IqBlock<FMT_IQ2_XS, Gather> {
         const __m256i g = grid4(kIq2xsGrid, load_u16(q) & 511, load_u16(q + 2) & 511, load_u16(q + 4) & 511,
                                 load_u16(q + 6) & 511);
         const uint8_t sc = p[66 + ib];
-        return {g, signs_from_bits(sign[ib]), scale_pair(2 * (sc & 15) + 1, 2 * (sc >> 4) + 1)};
+        const int lo = 2 * (sc & 15) + 1, hi = 2 * (sc >> 4) + 1;
+        return {g, signs_from_bits(sign[ib]), scale_pair(lo, hi), lo, hi};
     }
 };
 
@@ -181,7 +184,8 @@ struct IqBlock<FMT_IQ2_S, Gather> {
         const uint8_t* qs = p + 2 + 4 * ib;
         const int h = p[66 + ib];
         const uint8_t sc = p[74 + ib];
-        return {grid(qs, h), signs_from_bits(load_u32(p + 34 + 4 * ib)), scale_pair(2 * (sc & 15) + 1, 2 * (sc >> 4) + 1)};
+        const int lo = 2 * (sc & 15) + 1, hi = 2 * (sc >> 4) + 1;
+        return {grid(qs, h), signs_from_bits(load_u32(p + 34 + 4 * ib)), scale_pair(lo, hi), lo, hi};
     }
     static __m256i grid(const uint8_t* qs, int h) {
 #if defined(HMOE_GRID_GATHER)
@@ -204,7 +208,8 @@ struct IqBlock<FMT_IQ3_XXS, Gather> {
     float d() const { return h2f(p) * 0.25f; }  // d (0.5 + s) / 2 = d (2s + 1) / 4
     IqQuarter quarter(int ib) const {
         const uint8_t* qs = p + 2 + 8 * ib;
-        return {grid(qs), signs_from_bits(words.sign[ib]), _mm256_set1_epi16(short(words.scale[ib]))};
+        const int s = words.scale[ib];
+        return {grid(qs), signs_from_bits(words.sign[ib]), _mm256_set1_epi16(short(s)), s, s};
     }
     static __m256i grid(const uint8_t* qs) {
 #if defined(HMOE_GRID_GATHER)
@@ -223,7 +228,7 @@ struct IqBlock<FMT_IQ3_S, Gather> {
         const uint8_t* qs = p + 2 + 8 * ib;
         const int h = p[66 + ib];
         const int s = 1 + 2 * ((p[106 + ib / 2] >> (4 * (ib % 2))) & 15);
-        return {grid(qs, h), signs_from_bits(load_u32(p + 74 + 4 * ib)), _mm256_set1_epi16(short(s))};
+        return {grid(qs, h), signs_from_bits(load_u32(p + 74 + 4 * ib)), _mm256_set1_epi16(short(s)), s, s};
     }
     static __m256i grid(const uint8_t* qs, int h) {
 #if defined(HMOE_GRID_GATHER)
@@ -240,9 +245,9 @@ struct IqBlock<FMT_IQ3_S, Gather> {
 };
 
 // iq1: 8g + delta with g in {-1, 0, 1} and delta = +-1 per group of 8 (`deltas`: a byte each).
-static inline IqQuarter iq1_quarter(__m256i g, __m256i deltas, __m256i scale) {
+static inline IqQuarter iq1_quarter(__m256i g, __m256i deltas, __m256i scale, int lo, int hi) {
     const __m256i v = _mm256_add_epi8(_mm256_sign_epi8(_mm256_set1_epi8(8), g), deltas);
-    return {_mm256_sign_epi8(v, v), signs_of(v), scale};
+    return {_mm256_sign_epi8(v, v), signs_of(v), scale, lo, hi};
 }
 
 template <bool Gather>
@@ -255,7 +260,8 @@ struct IqBlock<FMT_IQ1_S, Gather> {
         const int qh = load_u16(p + 34 + 2 * ib);
         const __m256i g = grid4(kIq1sGrid, qs[0] | (qh & 7) << 8, qs[1] | (qh >> 3 & 7) << 8,
                                 qs[2] | (qh >> 6 & 7) << 8, qs[3] | (qh >> 9 & 7) << 8);
-        return iq1_quarter(g, _mm256_set1_epi8(qh & 0x8000 ? -1 : 1), _mm256_set1_epi16(short(2 * (qh >> 12 & 7) + 1)));
+        const int s = 2 * (qh >> 12 & 7) + 1;
+        return iq1_quarter(g, _mm256_set1_epi8(qh & 0x8000 ? -1 : 1), _mm256_set1_epi16(short(s)), s, s);
     }
 };
 
@@ -276,7 +282,8 @@ struct IqBlock<FMT_IQ1_M, Gather> {
         const auto delta = [](int bit) { return int64_t(bit ? 0xFFFFFFFFFFFFFFFFull : 0x0101010101010101ull); };
         const __m256i deltas = _mm256_set_epi64x(delta(h1 & 0x80), delta(h1 & 0x08), delta(h0 & 0x80), delta(h0 & 0x08));
         const int sc = load_u16(p + 48 + 2 * (ib / 2)) >> (6 * (ib % 2));
-        return iq1_quarter(g, deltas, scale_pair(2 * (sc & 7) + 1, 2 * (sc >> 3 & 7) + 1));
+        const int lo = 2 * (sc & 7) + 1, hi = 2 * (sc >> 3 & 7) + 1;
+        return iq1_quarter(g, deltas, scale_pair(lo, hi), lo, hi);
     }
 };
 
@@ -288,7 +295,7 @@ struct IqBlock<FMT_IQ4_XS, Gather> {
     IqQuarter quarter(int ib) const {
         const __m256i v = _mm256_shuffle_epi8(iq4nl_table(), nibbles32(p + 8 + 16 * ib));
         const int ls = ((p[4 + ib / 2] >> (4 * (ib % 2))) & 15) | ((load_u16(p + 2) >> (2 * ib)) & 3) << 4;
-        return {_mm256_sign_epi8(v, v), signs_of(v), _mm256_set1_epi16(short(ls - 32))};
+        return {_mm256_sign_epi8(v, v), signs_of(v), _mm256_set1_epi16(short(ls - 32)), ls - 32, ls - 32};
     }
 };
 
@@ -379,88 +386,226 @@ static void gemv_iq_many(const MatrixRef& w, int64_t row0, int64_t nrows, int64_
 }
 
 #if defined(HMOE_AVX512)
-// AVX-512, formats whose values stay within +-63: the signs go onto the weights once per
-// super-block instead of onto every token's activations, two quarters to a 512-bit vector.
-// vpmaddubsw needs one unsigned side, so the activations come offset by 128 (x ^ 0x80, once
-// per call) and the offset's share, 128 x w x scale summed the same way, is taken off per
-// super-block: (x + 128) w - 128 w = x w exactly in int32 (pairs at most 2 x 255 x 63, no
-// saturation). The two 256-bit halves add into the lanes gemv_iq_n's sums have, so every
-// token gets the same integers, floats and bits as there. Per token and super-block: four
-// loads, four vpmaddubsw, four vpdpwssd, against eight of each and eight sign applications.
+// Prompts on AVX-512, formats whose values stay within +-62 (all but iq4_xs): a GEMM
+// micro-kernel with 16 rows in the vector lanes and the tokens broadcast. The integers each
+// token needs are gemv_iq_n's eight lanes per super-block (lane i: bytes 4i .. 4i + 3 of every
+// quarter, times the quarter's scale for those bytes), each with its own float FMA, so every
+// four-value dot product meets a scale of its own. vpdpbusd gives that dot for 16 rows in one
+// instruction: activations offset to unsigned bytes (x + 128: x ^ 0x80, once per call)
+// against the signed weights, the accumulator starting from the offset's share -128 x the
+// four weights' sum, so it holds sum x w exactly, at most 4 x 128 x 62 in size: an int16.
+// So the dots of quarters 2j and 2j + 1 go into the two halves of a dword (shift, blend) and
+// one vpdpwssd applies both quarters' scales and adds them into the lane's int32 (exact: at
+// most 8 x 4 x 128 x 62 x 31). Three multiply instructions per 2 x 16 x 4 values, where the
+// token-at-a-time loop (vpmaddubsw + vpdpwssd per 64 values, the scales on the int16 pairs)
+// needs four; on Zen 4, whose two multiply pipes take one 512-bit multiply a cycle, that is
+// what bounds both. Lane i's integer is the same as gemv_iq_n's, and so are its FMA per
+// super-block (d x the token's d, times it, into the lane's float), the super-blocks' order
+// and hsum_ps's additions of the lanes: the same bits as the decode GEMV, per token.
+//
+// The weights are decoded once per call and super-block into a panel of 16 rows (the dwords
+// transposed to [k][row], the offsets' shares, the scales as pairs, ~8.5 KB), which stays in L1
+// while every token passes (sixteen at a time, their int32 lanes in registers; each token's
+// float lanes in memory between super-blocks); the activations are transposed once per call
+// to [super-block][k][token], so that a token's dword is one broadcast from a constant offset.
+// Measured on Zen 4 (one core, 768 x 2048 and 2048 x 768 matrices, 32 tokens, both paths in one
+// process in turn): 1.45-1.55x the token-at-a-time loop's speed; in a whole MoE layer, whose
+// weights come cold from memory and whose super-block decoding (the grid look-ups, the same
+// work in both) then takes a third to half of the time, less (see docs/architecture.md).
 template <Format F>
 constexpr bool kIqSmallValues = F != FMT_IQ4_XS;  // iq4_xs reaches 127
 
+constexpr int kIqTileTokens = 16;  // tokens whose int32 lanes stay in registers
+
+// One row block's super-block, decoded: wq[k] the 16 rows' dwords k = 8 ib + i (signed
+// bytes), corr[k] the offset's share -128 x the dword's sum, scale[j][h] the scales of
+// quarters 2j and 2j + 1 for lanes i < 4 (h = 0) or i >= 4 (h = 1) as int16 pairs, d the
+// rows' floats. Rows past the block's are zero.
+struct alignas(64) IqPanel {
+    int32_t wq[64][16];
+    int32_t corr[64][16];
+    int32_t scale[4][2][16];
+    float d[16];
+};
+
+// N tokens (x: their offset activations at this super-block, dword k of token t at
+// x[16 k + t]; xd: their d) against a panel: into f[t * 8 + i], token t's float lanes i over
+// the 16 rows.
 template <int N>
-static inline void iq_tokens_512(const __m512i* w, const __m512i* scale, __m256i corr, float d, const uint8_t* const* xu,
-                                 const float* const* xd, int64_t sb, __m256* acc) {
-    __m512i sums[N];
-    for (int t = 0; t < N; ++t) sums[t] = _mm512_setzero_si512();
+static inline void iq_panel_tokens(const IqPanel& P, const int32_t* x, const float* xd, __m512* f) {
+    alignas(64) __m512 dx[N];
+    const __m512 d = _mm512_load_ps(P.d);
+    for (int t = 0; t < N; ++t) dx[t] = _mm512_mul_ps(d, _mm512_set1_ps(xd[t]));
+#pragma GCC unroll 1
+    for (int i = 0; i < 8; ++i) {
+        __m512i L[N];
+        for (int t = 0; t < N; ++t) L[t] = _mm512_setzero_si512();
 #pragma GCC unroll 4
-    for (int j = 0; j < 4; ++j) {
-        for (int t = 0; t < N; ++t) {
-            const __m512i a = _mm512_loadu_si512(xu[t] + 256 * sb + 64 * j);
-            sums[t] = _mm512_dpwssd_epi32(sums[t], _mm512_maddubs_epi16(a, w[j]), scale[j]);
+        for (int j = 0; j < 4; ++j) {
+            const __m512i wa = _mm512_load_si512(P.wq[16 * j + i]), wb = _mm512_load_si512(P.wq[16 * j + 8 + i]);
+            const __m512i ca = _mm512_load_si512(P.corr[16 * j + i]), cb = _mm512_load_si512(P.corr[16 * j + 8 + i]);
+            const __m512i s = _mm512_load_si512(P.scale[j][i >> 2]);
+            const int32_t* xa = x + 16 * (16 * j + i);
+            const int32_t* xb = x + 16 * (16 * j + 8 + i);
+#pragma GCC unroll 16
+            for (int t = 0; t < N; ++t) {
+                const __m512i da = _mm512_dpbusd_epi32(ca, _mm512_set1_epi32(xa[t]), wa);
+                const __m512i db = _mm512_dpbusd_epi32(cb, _mm512_set1_epi32(xb[t]), wb);
+                const __m512i both = _mm512_mask_blend_epi16(0xAAAAAAAA, da, _mm512_slli_epi32(db, 16));
+                L[t] = _mm512_dpwssd_epi32(L[t], both, s);
+            }
         }
-    }
-    for (int t = 0; t < N; ++t) {
-        const __m256i lanes = _mm256_sub_epi32(
-            _mm256_add_epi32(_mm512_castsi512_si256(sums[t]), _mm512_extracti64x4_epi64(sums[t], 1)), corr);
-        acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * xd[t][8 * sb]), _mm256_cvtepi32_ps(lanes), acc[t]);
+        for (int t = 0; t < N; ++t) f[t * 8 + i] = _mm512_fmadd_ps(dx[t], _mm512_cvtepi32_ps(L[t]), f[t * 8 + i]);
     }
 }
 
-template <Format F, bool G>
-static void gemv_iq_many_512(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t K, const Q8Row* acts, int ntok,
-                             float* out, int64_t ldo) {
-    constexpr int kBytes = kFormats[F].block_bytes;
-    constexpr int kGroup = 4;
-    const int64_t nsb = K / 256;
-    thread_local std::vector<__m256> acc_buf;
-    thread_local std::vector<uint8_t> xu_buf;
-    thread_local std::vector<const uint8_t*> xu;
-    thread_local std::vector<const float*> xd;
-    if (acc_buf.size() < size_t(ntok)) acc_buf.resize(size_t(ntok));
-    xu_buf.resize(size_t(ntok) * size_t(K));
-    xu.resize(size_t(ntok));
-    xd.resize(size_t(ntok));
-    const __m512i offset = _mm512_set1_epi8(char(0x80));
-    for (int t = 0; t < ntok; ++t) {
-        uint8_t* dst = xu_buf.data() + size_t(t) * size_t(K);
-        for (int64_t k = 0; k < K; k += 64)
-            _mm512_storeu_si512(dst + k, _mm512_xor_si512(_mm512_loadu_si512(acts[t].q + k), offset));
-        xu[size_t(t)] = dst;
-        xd[size_t(t)] = acts[t].d;
+static void iq_panel_any(int n, const IqPanel& P, const int32_t* x, const float* xd, __m512* f) {
+    switch (n) {
+        case 16: return iq_panel_tokens<16>(P, x, xd, f);
+        case 15: return iq_panel_tokens<15>(P, x, xd, f);
+        case 14: return iq_panel_tokens<14>(P, x, xd, f);
+        case 13: return iq_panel_tokens<13>(P, x, xd, f);
+        case 12: return iq_panel_tokens<12>(P, x, xd, f);
+        case 11: return iq_panel_tokens<11>(P, x, xd, f);
+        case 10: return iq_panel_tokens<10>(P, x, xd, f);
+        case 9: return iq_panel_tokens<9>(P, x, xd, f);
+        case 8: return iq_panel_tokens<8>(P, x, xd, f);
+        case 7: return iq_panel_tokens<7>(P, x, xd, f);
+        case 6: return iq_panel_tokens<6>(P, x, xd, f);
+        case 5: return iq_panel_tokens<5>(P, x, xd, f);
+        case 4: return iq_panel_tokens<4>(P, x, xd, f);
+        case 3: return iq_panel_tokens<3>(P, x, xd, f);
+        case 2: return iq_panel_tokens<2>(P, x, xd, f);
+        default: return iq_panel_tokens<1>(P, x, xd, f);
     }
-    __m256* acc = acc_buf.data();
-    for (int64_t r = 0; r < nrows; ++r) {
-        const uint8_t* row = w.row(row0 + r);
-        for (int t = 0; t < ntok; ++t) acc[t] = _mm256_setzero_ps();
-        _mm_prefetch(reinterpret_cast<const char*>(w.row(row0 + r + 1)), _MM_HINT_T0);
+}
+
+// m[i][j] <- m[j][i], sixteen vectors of sixteen dwords.
+static inline void transpose16x16_epi32(__m512i* m) {
+    __m512i t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(m[i], m[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(m[i], m[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        m[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        m[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        m[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        m[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    // m[4a + b]: per 128-bit block c, rows 4a .. 4a + 3 of column 4c + b.
+    for (int a = 0; a < 4; a += 2)
+        for (int b = 0; b < 4; ++b) {
+            t[4 * a + b] = _mm512_shuffle_i32x4(m[4 * a + b], m[4 * a + 4 + b], 0x88);
+            t[4 * a + 4 + b] = _mm512_shuffle_i32x4(m[4 * a + b], m[4 * a + 4 + b], 0xDD);
+        }
+    for (int b = 0; b < 4; ++b) {
+        m[b] = _mm512_shuffle_i32x4(t[b], t[8 + b], 0x88);
+        m[8 + b] = _mm512_shuffle_i32x4(t[b], t[8 + b], 0xDD);
+        m[4 + b] = _mm512_shuffle_i32x4(t[4 + b], t[12 + b], 0x88);
+        m[12 + b] = _mm512_shuffle_i32x4(t[4 + b], t[12 + b], 0xDD);
+    }
+}
+
+// Super-block sb of rows r0 .. r0 + nr - 1 (nr <= 16; the others zero) into a panel, with
+// the same super-block of the next `next` rows prefetched.
+template <Format F, bool G>
+static void iq_decode_panel(const MatrixRef& w, int64_t r0, int nr, int next, int64_t sb, IqPanel& P) {
+    constexpr int kBytes = kFormats[F].block_bytes;
+    alignas(64) int32_t rows[16][64];
+    for (int r = 0; r < 16; ++r) {
+        if (r >= nr) {
+            for (int k = 0; k < 64; k += 16) _mm512_store_si512(rows[r] + k, _mm512_setzero_si512());
+            for (int j = 0; j < 4; ++j) P.scale[j][0][r] = P.scale[j][1][r] = 0;
+            P.d[r] = 0.0f;
+            continue;
+        }
+        const IqBlock<F, G> blk(w.row(r0 + r) + sb * kBytes);
+        if (r < next) prefetch_span(w.row(r0 + 16 + r) + sb * kBytes, kBytes);
+        for (int j = 0; j < 4; ++j) {
+            const IqQuarter a = blk.quarter(2 * j), b = blk.quarter(2 * j + 1);
+            _mm256_store_si256(reinterpret_cast<__m256i*>(rows[r] + 16 * j), with_signs(a.mag, a.sign));
+            _mm256_store_si256(reinterpret_cast<__m256i*>(rows[r] + 16 * j + 8), with_signs(b.mag, b.sign));
+            P.scale[j][0][r] = int32_t(uint32_t(uint16_t(a.lo)) | uint32_t(b.lo) << 16);
+            P.scale[j][1][r] = int32_t(uint32_t(uint16_t(a.hi)) | uint32_t(b.hi) << 16);
+        }
+        P.d[r] = blk.d();
+    }
+    const __m512i k128 = _mm512_set1_epi8(char(0x80));
+    for (int c = 0; c < 4; ++c) {
+        __m512i m[16];
+        for (int r = 0; r < 16; ++r) m[r] = _mm512_load_si512(rows[r] + 16 * c);
+        transpose16x16_epi32(m);
+        for (int k = 0; k < 16; ++k) _mm512_store_si512(P.wq[16 * c + k], m[k]);
+        for (int k = 0; k < 16; ++k)
+            _mm512_store_si512(P.corr[16 * c + k],
+                               _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), k128, m[k])));
+    }
+}
+
+// n elements of v's storage from a 64-byte boundary on.
+template <typename E>
+static E* aligned64(std::vector<E>& v, int64_t n) {
+    v.resize(size_t(n) + 64 / sizeof(E));
+    const uintptr_t p = reinterpret_cast<uintptr_t>(v.data());
+    return reinterpret_cast<E*>((p + 63) & ~uintptr_t(63));
+}
+
+template <Format F, bool G>
+static void gemm_iq_512(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t K, const Q8Row* acts, int ntok,
+                        float* out, int64_t ldo) {
+    const int64_t nsb = K / 256;
+    const int ngroups = (ntok + kIqTileTokens - 1) / kIqTileTokens;
+    thread_local std::vector<int32_t> x_buf;
+    thread_local std::vector<float> f_buf;
+    thread_local std::vector<float> xds;
+    int32_t* const X = aligned64(x_buf, nsb * ngroups * 64 * 16);
+    xds.resize(size_t(ntok) * size_t(nsb));
+    // The activations, once per call: offset to unsigned bytes (x + 128, as x ^ 0x80), in
+    // groups of 16 tokens, each super-block's dwords k of the group's tokens side by side
+    // (X[((sb * ngroups + g) * 64 + k) * 16 + t]); and each super-block's token d's.
+    const __m512i offset = _mm512_set1_epi8(char(0x80));
+    for (int g = 0; g < ngroups; ++g) {
+        const int t0 = g * kIqTileTokens, n = std::min(kIqTileTokens, ntok - t0);
+        for (int64_t k = 0; k < K; k += 64) {
+            __m512i m[16];
+            for (int t = 0; t < 16; ++t) m[t] = _mm512_setzero_si512();
+            for (int t = 0; t < n; ++t) m[t] = _mm512_xor_si512(_mm512_loadu_si512(acts[t0 + t].q + k), offset);
+            transpose16x16_epi32(m);
+            int32_t* dst = X + ((k / 256 * ngroups + g) * 64 + k % 256 / 4) * 16;
+            for (int kk = 0; kk < 16; ++kk) _mm512_store_si512(dst + 16 * kk, m[kk]);
+        }
+    }
+    for (int t = 0; t < ntok; ++t)
+        for (int64_t sb = 0; sb < nsb; ++sb) xds[size_t(sb * ntok + t)] = acts[t].d[8 * sb];
+    __m512* const f = reinterpret_cast<__m512*>(aligned64(f_buf, int64_t(ntok) * 8 * 16));
+    alignas(64) IqPanel P;
+    // The blocks are read super-block by super-block across 16 rows, not along a row, which
+    // the hardware's stream prefetch follows less well: each row's super-block is decoded
+    // with the same one of the row 16 further on prefetched (iq_decode_panel), the first row
+    // block's all at the start.
+    constexpr int kBytes = kFormats[F].block_bytes;
+    for (int r = 0; r < std::min<int64_t>(16, nrows); ++r) prefetch_span(w.row(row0 + r), int(nsb) * kBytes);
+    for (int64_t rb = 0; rb < nrows; rb += 16) {
+        const int nr = int(std::min<int64_t>(16, nrows - rb));
+        const int next = int(std::min<int64_t>(16, nrows - rb - 16));
+        for (int64_t i = 0; i < int64_t(ntok) * 8; ++i) f[i] = _mm512_setzero_ps();
         for (int64_t sb = 0; sb < nsb; ++sb) {
-            const IqBlock<F, G> blk(row + sb * kBytes);
-            prefetch_span(blk.p + kPrefetchAheadK, kBytes);
-            __m512i wv[4], sc[4];
-            __m512i offset_sums = _mm512_setzero_si512();
-            for (int j = 0; j < 4; ++j) {
-                const IqQuarter a = blk.quarter(2 * j), b = blk.quarter(2 * j + 1);
-                wv[j] = _mm512_inserti64x4(_mm512_castsi256_si512(with_signs(a.mag, a.sign)), with_signs(b.mag, b.sign), 1);
-                sc[j] = _mm512_inserti64x4(_mm512_castsi256_si512(a.scale), b.scale, 1);
-                offset_sums = _mm512_dpwssd_epi32(offset_sums, _mm512_maddubs_epi16(offset, wv[j]), sc[j]);
-            }
-            const __m256i corr =
-                _mm256_add_epi32(_mm512_castsi512_si256(offset_sums), _mm512_extracti64x4_epi64(offset_sums, 1));
-            const float d = blk.d();
-            int t = 0;
-            for (; t + kGroup <= ntok; t += kGroup)
-                iq_tokens_512<kGroup>(wv, sc, corr, d, xu.data() + t, xd.data() + t, sb, acc + t);
-            switch (ntok - t) {
-                case 0: break;
-                case 1: iq_tokens_512<1>(wv, sc, corr, d, xu.data() + t, xd.data() + t, sb, acc + t); break;
-                case 2: iq_tokens_512<2>(wv, sc, corr, d, xu.data() + t, xd.data() + t, sb, acc + t); break;
-                default: iq_tokens_512<3>(wv, sc, corr, d, xu.data() + t, xd.data() + t, sb, acc + t); break;
+            iq_decode_panel<F, G>(w, row0 + rb, nr, next, sb, P);
+            const float* xd = xds.data() + sb * ntok;
+            for (int g = 0; g < ngroups; ++g) {
+                const int t0 = g * kIqTileTokens;
+                iq_panel_any(std::min(kIqTileTokens, ntok - t0), P, X + (sb * ngroups + g) * 64 * 16, xd + t0, f + t0 * 8);
             }
         }
-        for (int t = 0; t < ntok; ++t) out[t * ldo + r] = hsum_ps(acc[t]);
+        const __mmask16 mask = __mmask16((1u << nr) - 1);
+        for (int t = 0; t < ntok; ++t) {
+            const __m512* l = f + t * 8;
+            // hsum_ps's order: ((x0 + x4) + (x2 + x6)) + ((x1 + x5) + (x3 + x7)).
+            const __m512 s = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(l[0], l[4]), _mm512_add_ps(l[2], l[6])),
+                                           _mm512_add_ps(_mm512_add_ps(l[1], l[5]), _mm512_add_ps(l[3], l[7])));
+            _mm512_mask_storeu_ps(out + t * ldo + rb, mask, s);
+        }
     }
 }
 #endif
@@ -480,7 +625,7 @@ static void gemv_q8_iq_with(const MatrixRef& w, int64_t row0, int64_t nrows, int
                             float* out, int64_t ldo) {
 #if defined(HMOE_AVX512)
     if constexpr (kIqSmallValues<F>)
-        if (ntok > kMaxGemvTokens) return gemv_iq_many_512<F, G>(w, row0, nrows, K, acts, ntok, out, ldo);
+        if (ntok > kMaxGemvTokens) return gemm_iq_512<F, G>(w, row0, nrows, K, acts, ntok, out, ldo);
 #endif
     if (ntok > kMaxGemvTokens) return gemv_iq_many<F, G>(w, row0, nrows, K, acts, ntok, out, ldo);
     by_tokens<IqG<F, G>::template Gemv>(w, row0, nrows, K, acts, ntok, out, ldo);

@@ -1,0 +1,57 @@
+"""The i-quants' many-token GEMV (on AVX-512 a GEMM micro-kernel over panels of 16 decoded rows,
+kernels_iq.inl) gives every token the bits of the decode GEMV (calls of at most four tokens),
+in every kernel set this CPU runs: each format, token counts around the kernel's groups of 16
+(ragged ones included), row counts that are not a multiple of 16 (a call's last, short row
+block) and rows of one to eight super-blocks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from hybridmoe.backend.engine import native_kernels
+from tests.native.test_gguf_types import reference, stored
+
+_native = native_kernels._native
+pytestmark = pytest.mark.skipif(_native is None, reason="native extension not built")
+
+FORMATS = ("iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs", "iq3_s", "iq1_s", "iq1_m")
+SHAPES = [(7, 256), (24, 768), (40, 2048), (67, 512)]  # rows, K
+TOKENS = (5, 8, 13, 16, 17, 31, 33, 40, 67)
+
+
+def _linear(fmt: str, rows: int, k: int):
+    data = stored(fmt, rows, k, seed=rows + k)
+    tensor = torch.from_numpy(data)
+    return _native.DenseLinear(fmt, k, [(rows, [tensor.data_ptr(), 0, data.shape[1], 0])], False), data, tensor
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_many_tokens_give_the_decode_gemvs_bits(fmt, isa):
+    for rows, k in SHAPES:
+        linear, data, _keep = _linear(fmt, rows, k)
+        # Larger activations than the unit normal, so that every 8-bit code is used.
+        x = torch.from_numpy(np.random.default_rng(rows).standard_normal((max(TOKENS), k)).astype(np.float32)) * 3
+        apart = torch.empty(max(TOKENS), rows)
+        for t0 in range(0, max(TOKENS), 4):  # the decode GEMV: four tokens a call
+            part = torch.empty(min(4, max(TOKENS) - t0), rows)
+            linear.forward(x[t0:t0 + 4].contiguous(), part, 1 << 30)
+            apart[t0:t0 + 4] = part
+        for n in TOKENS:
+            together = torch.empty(n, rows)
+            linear.forward(x[:n].contiguous(), together, 1 << 30)
+            assert torch.equal(together, apart[:n]), f"{rows} x {k}, {n} tokens: {int((together != apart[:n]).sum())} differ"
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_many_tokens_compute_the_dequantized_product(fmt, isa):
+    rows, k, n = 67, 768, 37
+    linear, data, _keep = _linear(fmt, rows, k)
+    weights = torch.from_numpy(reference(fmt, data))
+    x = torch.from_numpy(np.random.default_rng(9).standard_normal((n, k)).astype(np.float32))
+    out = torch.empty(n, rows)
+    linear.forward(x, out, 1 << 30)
+    expected = x @ weights.T
+    scale = float((x.abs() @ weights.abs().T).max())
+    assert float((out - expected).abs().max()) <= 0.01 * scale
