@@ -157,6 +157,15 @@ struct IqBlock<FMT_IQ2_XXS, Gather> {
     }
 };
 
+// Sub-block scales of iq2_xs / iq2_s (a byte per quarter, a nibble per 16 values) as the
+// quarter's multipliers: lanes 0-7 2 lo + 1, lanes 8-15 2 hi + 1, in vectors from the byte
+// broadcast (the scalar nibbles and two broadcasts cost twice as much in the decode GEMV).
+static inline __m256i nibble_scale_pair(uint8_t sc) {
+    const __m256i nib = _mm256_and_si256(
+        _mm256_srlv_epi32(_mm256_set1_epi16(short(sc)), _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)), _mm256_set1_epi16(15));
+    return _mm256_or_si256(_mm256_slli_epi16(nib, 1), _mm256_set1_epi16(1));
+}
+
 template <bool Gather>
 struct IqBlock<FMT_IQ2_XS, Gather> {
     const uint8_t* p;
@@ -170,33 +179,50 @@ struct IqBlock<FMT_IQ2_XS, Gather> {
         const __m256i g = grid4(kIq2xsGrid, load_u16(q) & 511, load_u16(q + 2) & 511, load_u16(q + 4) & 511,
                                 load_u16(q + 6) & 511);
         const uint8_t sc = p[66 + ib];
-        const int lo = 2 * (sc & 15) + 1, hi = 2 * (sc >> 4) + 1;
-        return {g, signs_from_bits(sign[ib]), scale_pair(lo, hi), lo, hi};
+        return {g, signs_from_bits(sign[ib]), nibble_scale_pair(sc), 2 * (sc & 15) + 1, 2 * (sc >> 4) + 1};
     }
 };
 
 template <bool Gather>
 struct IqBlock<FMT_IQ2_S, Gather> {
     const uint8_t* p;
-    explicit IqBlock(const uint8_t* blk) : p(blk) {}
+    // The 32 ten-bit grid indices, computed for the whole super-block at once in vectors (low
+    // eight bits in qs, two more per index in the quarter's qh byte): one by one they cost
+    // three scalar operations each, more than the look-up itself.
+    alignas(32) uint16_t index[32];
+    explicit IqBlock(const uint8_t* blk) : p(blk) {
+        if constexpr (!Gather) {
+            // qh byte of quarter ib to index lanes 4 ib .. 4 ib + 3, shifted so that its bits
+            // 2k, 2k + 1 land on bits 8, 9 of lane k (a multiply by 256, 64, 16, 4).
+            const __m128i qh = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 66));
+            const __m256i mul = _mm256_setr_epi16(256, 64, 16, 4, 256, 64, 16, 4, 256, 64, 16, 4, 256, 64, 16, 4);
+            for (int half = 0; half < 2; ++half) {
+                const __m128i spread = _mm_shuffle_epi8(
+                    qh, _mm_add_epi8(_mm_setr_epi8(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3), _mm_set1_epi8(char(4 * half))));
+                const __m256i high =
+                    _mm256_and_si256(_mm256_mullo_epi16(_mm256_cvtepu8_epi16(spread), mul), _mm256_set1_epi16(0x300));
+                const __m256i low = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2 + 16 * half)));
+                _mm256_store_si256(reinterpret_cast<__m256i*>(index + 16 * half), _mm256_or_si256(low, high));
+            }
+        }
+    }
     float d() const { return h2f(p) * 0.125f; }
     IqQuarter quarter(int ib) const {
-        const uint8_t* qs = p + 2 + 4 * ib;
-        const int h = p[66 + ib];
         const uint8_t sc = p[74 + ib];
-        const int lo = 2 * (sc & 15) + 1, hi = 2 * (sc >> 4) + 1;
-        return {grid(qs, h), signs_from_bits(load_u32(p + 34 + 4 * ib)), scale_pair(lo, hi), lo, hi};
+        return {grid(ib), signs_from_bits(load_u32(p + 34 + 4 * ib)), nibble_scale_pair(sc), 2 * (sc & 15) + 1,
+                2 * (sc >> 4) + 1};
     }
-    static __m256i grid(const uint8_t* qs, int h) {
+    __m256i grid(int ib) const {
 #if defined(HMOE_GRID_GATHER)
         if constexpr (Gather) {
+            const int h = p[66 + ib];
             const __m128i high = _mm_and_si128(_mm_srlv_epi32(_mm_set1_epi32(h << 8), _mm_setr_epi32(0, 2, 4, 6)),
                                                _mm_set1_epi32(0x300));
-            return gather4(kIq2sGrid, _mm_or_si128(_mm_cvtepu8_epi32(_mm_cvtsi32_si128(int(load_u32(qs)))), high));
+            return gather4(kIq2sGrid, _mm_or_si128(_mm_cvtepu8_epi32(_mm_cvtsi32_si128(int(load_u32(p + 2 + 4 * ib)))), high));
         }
 #endif
-        return grid4(kIq2sGrid, qs[0] | (h << 8 & 0x300), qs[1] | (h << 6 & 0x300), qs[2] | (h << 4 & 0x300),
-                     qs[3] | (h << 2 & 0x300));
+        const uint16_t* i = index + 4 * ib;
+        return grid4(kIq2sGrid, i[0], i[1], i[2], i[3]);
     }
 };
 
@@ -250,16 +276,43 @@ static inline IqQuarter iq1_quarter(__m256i g, __m256i deltas, __m256i scale, in
     return {_mm256_sign_epi8(v, v), signs_of(v), scale, lo, hi};
 }
 
+// Four bytes of a super-block's table, one per group of eight values, each spread over its
+// group's eight bytes of the quarter.
+static inline __m256i bytes_by_group(uint32_t four) {
+    return _mm256_shuffle_epi8(_mm256_set1_epi32(int(four)),
+                               _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3,
+                                                3, 3, 3, 3, 3, 3, 3));
+}
+
 template <bool Gather>
 struct IqBlock<FMT_IQ1_S, Gather> {
     const uint8_t* p;
-    explicit IqBlock(const uint8_t* blk) : p(blk) {}
+    // The 32 eleven-bit grid indices in vectors, as iq2_s's: the three high bits of entry k
+    // are bits 3k .. 3k + 2 of the quarter's qh word, which a multiply by 2^(8 - 3k) brings
+    // to bits 8-10 (k = 3: a shift right by one, the high half of a multiply by 2^15).
+    alignas(32) uint16_t index[32];
+    explicit IqBlock(const uint8_t* blk) : p(blk) {
+        const __m128i qh = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 34));
+        const __m256i up = _mm256_setr_epi16(256, 32, 4, 0, 256, 32, 4, 0, 256, 32, 4, 0, 256, 32, 4, 0);
+        const __m256i down = _mm256_setr_epi16(0, 0, 0, short(0x8000), 0, 0, 0, short(0x8000), 0, 0, 0, short(0x8000), 0,
+                                               0, 0, short(0x8000));
+        for (int half = 0; half < 2; ++half) {
+            // qh word of quarter 4 half + q to lanes 4q .. 4q + 3
+            const __m128i first = _mm_add_epi8(_mm_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3, 2, 3),
+                                               _mm_set1_epi8(char(8 * half)));
+            const __m256i w = _mm256_set_m128i(_mm_shuffle_epi8(qh, _mm_add_epi8(first, _mm_set1_epi8(4))),
+                                               _mm_shuffle_epi8(qh, first));
+            const __m256i high = _mm256_and_si256(_mm256_or_si256(_mm256_mullo_epi16(w, up), _mm256_mulhi_epu16(w, down)),
+                                                  _mm256_set1_epi16(0x700));
+            const __m256i low = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2 + 16 * half)));
+            _mm256_store_si256(reinterpret_cast<__m256i*>(index + 16 * half), _mm256_or_si256(low, high));
+        }
+    }
     float d() const { return h2f(p) * 0.125f; }
     IqQuarter quarter(int ib) const {
-        const uint8_t* qs = p + 2 + 4 * ib;
         const int qh = load_u16(p + 34 + 2 * ib);
-        const __m256i g = grid4(kIq1sGrid, qs[0] | (qh & 7) << 8, qs[1] | (qh >> 3 & 7) << 8,
-                                qs[2] | (qh >> 6 & 7) << 8, qs[3] | (qh >> 9 & 7) << 8);
+        const uint16_t* i = index + 4 * ib;
+        const __m256i g = grid4(kIq1sGrid, i[0], i[1], i[2], i[3]);
         const int s = 2 * (qh >> 12 & 7) + 1;
         return iq1_quarter(g, _mm256_set1_epi8(qh & 0x8000 ? -1 : 1), _mm256_set1_epi16(short(s)), s, s);
     }
@@ -268,22 +321,39 @@ struct IqBlock<FMT_IQ1_S, Gather> {
 template <bool Gather>
 struct IqBlock<FMT_IQ1_M, Gather> {
     const uint8_t* p;
-    explicit IqBlock(const uint8_t* blk) : p(blk) {}
+    // The 32 grid indices (high three bits from a nibble of qh each: a multiply by 256 or 16)
+    // and the 32 deltas (+-1: the nibble's fourth bit) in vectors, for the whole super-block.
+    alignas(32) uint16_t index[32];
+    alignas(32) uint8_t delta[32];
+    explicit IqBlock(const uint8_t* blk) : p(blk) {
+        const __m128i qh = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 32));
+        const __m256i mul = _mm256_setr_epi16(256, 16, 256, 16, 256, 16, 256, 16, 256, 16, 256, 16, 256, 16, 256, 16);
+        for (int half = 0; half < 2; ++half) {
+            const __m128i nibbles = _mm_shuffle_epi8(
+                qh, _mm_add_epi8(_mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7), _mm_set1_epi8(char(8 * half))));
+            const __m256i high =
+                _mm256_and_si256(_mm256_mullo_epi16(_mm256_cvtepu8_epi16(nibbles), mul), _mm256_set1_epi16(0x700));
+            const __m256i low = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16 * half)));
+            _mm256_store_si256(reinterpret_cast<__m256i*>(index + 16 * half), _mm256_or_si256(low, high));
+        }
+        // Group j's delta: bit 3 (j even) or 7 (j odd) of qh byte j / 2 set: -1, else +1.
+        const __m128i lo = _mm_and_si128(qh, _mm_set1_epi8(0x08)), hi = _mm_and_si128(qh, _mm_set1_epi8(char(0x80)));
+        const __m256i clear =
+            _mm256_cmpeq_epi8(_mm256_set_m128i(_mm_unpackhi_epi8(lo, hi), _mm_unpacklo_epi8(lo, hi)), _mm256_setzero_si256());
+        _mm256_store_si256(reinterpret_cast<__m256i*>(delta),
+                           _mm256_or_si256(_mm256_xor_si256(clear, _mm256_set1_epi8(-1)), _mm256_set1_epi8(1)));
+    }
     float d() const {
         const uint16_t s0 = load_u16(p + 48), s1 = load_u16(p + 50), s2 = load_u16(p + 52), s3 = load_u16(p + 54);
         const uint16_t bits = uint16_t((s0 >> 12) | ((s1 >> 8) & 0x00F0) | ((s2 >> 4) & 0x0F00) | (s3 & 0xF000));
         return _cvtsh_ss(bits) * 0.125f;
     }
     IqQuarter quarter(int ib) const {
-        const uint8_t* qs = p + 4 * ib;
-        const int h0 = p[32 + 2 * ib], h1 = p[33 + 2 * ib];
-        const __m256i g = grid4(kIq1sGrid, qs[0] | (h0 & 7) << 8, qs[1] | (h0 >> 4 & 7) << 8, qs[2] | (h1 & 7) << 8,
-                                qs[3] | (h1 >> 4 & 7) << 8);
-        const auto delta = [](int bit) { return int64_t(bit ? 0xFFFFFFFFFFFFFFFFull : 0x0101010101010101ull); };
-        const __m256i deltas = _mm256_set_epi64x(delta(h1 & 0x80), delta(h1 & 0x08), delta(h0 & 0x80), delta(h0 & 0x08));
+        const uint16_t* i = index + 4 * ib;
+        const __m256i g = grid4(kIq1sGrid, i[0], i[1], i[2], i[3]);
         const int sc = load_u16(p + 48 + 2 * (ib / 2)) >> (6 * (ib % 2));
         const int lo = 2 * (sc & 7) + 1, hi = 2 * (sc >> 3 & 7) + 1;
-        return iq1_quarter(g, deltas, scale_pair(lo, hi), lo, hi);
+        return iq1_quarter(g, bytes_by_group(load_u32(delta + 4 * ib)), scale_pair(lo, hi), lo, hi);
     }
 };
 
