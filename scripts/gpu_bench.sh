@@ -23,9 +23,10 @@
 #      .gpu_bench/wheels) and the two benchmark GGUFs, Q4_0 (benchmarks/make_midsize_qwen3.py: the
 #      mid-size Qwen3-shaped model and the DeepSeek-V3-shaped one, 8 layers x 128 experts each).
 #   3. while the build runs (the card idle otherwise): scripts/gpu_check.py's sections "stored
-#      experts" and "stored projections" (CHECK_BUDGET s, 150): a MoE layer's GPU experts and the
-#      always-read projections at DeepSeek-V3's width held as the GGUF stores them, their decode read
-#      rate against the card's copy rate (target >= 70 %), errors, block sizes.
+#      experts" and "stored projections" (CHECK_BUDGET s, 180): a MoE layer's GPU experts, the
+#      always-read projections and MLA's kv_b (its per-head products) at DeepSeek-V3's width held
+#      as the GGUF stores them, their decode read rate against the card's copy rate (target >= 70 %),
+#      errors, block sizes.
 #   4. per model: `python -m hybridmoe.backend.bench.gpu_side_by_side FILE --gpu-share 0.5
 #      --gpu-experts stored`: a plan made on this machine with half the routed experts on the GPU in
 #      whole layers (the last four MoE layers; llama.cpp: -ngl all, -ot of the first four layers'
@@ -50,7 +51,7 @@ WORK=${GPU_BENCH_WORK:-/tmp/hybridmoe-gpu-bench}
 JOBS=${JOBS:-16}
 PAIRS=${PAIRS:-6}
 BUDGET=${BUDGET:-480}        # seconds for the whole script; the comparisons get what the builds leave
-CHECK_BUDGET=${CHECK_BUDGET:-150}  # seconds for the stored-form read rates (beside the build; 0: none)
+CHECK_BUDGET=${CHECK_BUDGET:-180}  # seconds for the stored-form read rates (beside the build; 0: none)
 PY=${PYTHON:-python3}
 mkdir -p "$OUT" "$WORK"
 log() { echo "[$(( $(date +%s) - T0 )) s] $*" | tee -a "$OUT/timeline.txt"; }

@@ -29,7 +29,10 @@ Sections, each guarded (a failure is reported and the next section runs):
 8. stored projections (issue 46): DeepSeek-V3's always-read projections at full width in
    their GGUF blocks (``engine.stored_linear``): decode read rate against the card's copy
    rate (target >= 70 %), error against the dequantized matrix, a 512-token prompt, GEMV
-   block sizes. ``--sections "stored projections"`` runs it alone (about a minute);
+   block sizes; then MLA's kv_b held as stored (``engine.stored_latent``), split and whole:
+   the absorbed form's two per-head products at 1 and 4 rows, read rate, error, the bf16
+   matmuls over the widened maps they replace, block sizes. ``--sections "stored
+   projections"`` runs it alone (about a minute and a half);
 9. stored experts (issue 46): one MoE layer's GPU experts at DeepSeek-V3's width held as the
    GGUF stores them (``engine.stored_experts``), Q4_K_M's types, IQ4_XS, i-quants, Q4_0 beside
    its int4 codes: decode read rate against the card's copy rate (target >= 70 %), error,
@@ -1015,13 +1018,82 @@ def stored_projections(r: Report) -> dict:
                 stored_linear.GEMV_BLOCKS["cuda"] = default
         del lin, ref
         torch.cuda.empty_cache()
+    out["kv_b"], out["kv_b_sweep"] = stored_kv_b(r, copy_traffic)
     big = [row for row in out["rows"] if row["tokens"] == 1 and row["name"] in ("o_proj", "lm_head")
            and row["type"] in ("Q4_K", "Q6_K")]
     out["target_70"] = bool(big) and all(row["of_copy_traffic"] >= 0.7 for row in big)
-    out["ok"] = all(row["rel_err"] < 2e-2 for row in out["rows"])
+    out["ok"] = all(row["rel_err"] < 2e-2 for row in out["rows"] + out["kv_b"])
     r.say(f"target (o_proj Q4_K and head Q6_K at >= 70 % of the copy traffic, one token): "
           f"{'met' if out['target_70'] else 'NOT met'}; errors {'ok' if out['ok'] else 'TOO LARGE'}")
     return out
+
+
+def stored_kv_b(r: Report, copy_traffic: float, device: str = "cuda") -> tuple[list[dict], list[dict]]:
+    """MLA's kv_b at DeepSeek-V3's width (128 heads, nope 128, v 128, kv_lora 512) held as a GGUF
+    stores it (``engine.stored_latent``): split as Q4_K_M (attn_k_b Q5_0, attn_v_b Q4_K) and Q8_0
+    write it, and whole in Q4_K (an older file's attn_kv_b). Each of the absorbed form's per-head
+    products, W_UK folded into the queries ("query") and W_UV after attention ("values"), at 1
+    and 4 decode rows: time, its stored bytes read per second against the copy traffic, the
+    error against the product over the dequantized maps in float32, and the bf16 matmul over the
+    widened maps that the engine ran before (``widened_us``); block sizes tried at one row.
+    On the CPU (Triton's interpreter) two heads and no block sizes: a check of this code."""
+    from gguf import GGMLQuantizationType as Q
+
+    from hybridmoe.backend.engine import stored_latent, stored_linear
+
+    h, nope, v, c = (128 if device == "cuda" else 2), 128, 128, 512
+    rows, sweep = [], []
+    g = torch.Generator(device=device).manual_seed(1)
+    forms = (("split Q4_K_M", (Q.Q5_0, Q.Q4_K)), ("split Q8_0", (Q.Q8_0, Q.Q8_0)), ("whole Q4_K", (Q.Q4_K,)))
+    for form, types in forms:
+        if r.left() < 15:
+            r.say(f"kv_b {form}: skipped, time budget spent")
+            continue
+        if len(types) == 2:
+            k_b = stored_linear.StoredLinear(stored_matrix(types[0], h * c, nope, 1, device))
+            v_b = stored_linear.StoredLinear(stored_matrix(types[1], h * v, c, 2, device))
+            maps = stored_latent.StoredLatent(h, nope, v, c, k_b=k_b, v_b=v_b)
+            nbytes = {"query": k_b.data.numel(), "values": v_b.data.numel()}
+        else:
+            whole = stored_linear.StoredLinear(stored_matrix(types[0], h * (nope + v), c, 3, device))
+            maps = stored_latent.StoredLatent(h, nope, v, c, whole=whole)
+            nbytes = {"query": h * nope * whole.row_bytes, "values": h * v * whole.row_bytes}
+        ref = maps.dense(torch.float32).view(h, nope + v, c)  # the torch decoders' values
+        widened = ref.to(torch.bfloat16)
+        products = {"query": (maps.query, ref[:, :nope], widened[:, :nope], nope),
+                    "values": (maps.values, ref[:, nope:].transpose(1, 2), widened[:, nope:].transpose(1, 2), c)}
+        for product, (fn, w_ref, w_bf16, width) in products.items():
+            for tokens in (1, 4):
+                x = torch.randn(h, tokens, width, device=device, generator=g).to(torch.bfloat16)
+                err = rel_err(fn(x), torch.matmul(x.float(), w_ref))
+                dt = cuda_seconds(lambda: fn(x), reps=20)
+                dense = cuda_seconds(lambda: torch.matmul(x, w_bf16), reps=20)
+                row = {"name": f"kv_b {product}", "form": form, "tokens": tokens, "us": dt * 1e6,
+                       "read_gb_s": nbytes[product] / dt / GB, "of_copy_traffic": nbytes[product] / dt / copy_traffic,
+                       "widened_us": dense * 1e6, "rel_err": err}
+                rows.append(row)
+                r.say(f"kv_b {product:6} {form:12} T={tokens}: {row['us']:7.1f} us, read {row['read_gb_s']:5.0f} "
+                      f"GB/s = {row['of_copy_traffic']:.0%} of copy traffic; bf16 matmul over the widened maps "
+                      f"{row['widened_us']:6.1f} us; rel err {err:.1e}")
+            if form != "split Q8_0" and device == "cuda":  # block sizes at one row
+                transposed = (form, product) == ("whole Q4_K", "query")  # whole kv_b's W_UK: x^T W
+                table = stored_latent.GEMV_T_BLOCKS if transposed else stored_latent.GEMV_BLOCKS
+                default = table["cuda"]
+                x = torch.randn(h, 1, width, device=device, generator=g).to(torch.bfloat16)
+                try:
+                    for blocks in ((4, 128), (8, 128), (16, 128), (8, 256), (16, 64), (32, 64), (32, 128)):
+                        table["cuda"] = blocks
+                        dt = cuda_seconds(lambda: fn(x), reps=20)
+                        sweep.append({"form": form, "product": product, "blocks": blocks, "us": dt * 1e6,
+                                      "of_copy_traffic": nbytes[product] / dt / copy_traffic})
+                        r.say(f"  kv_b {product} {form} T=1 blocks {blocks}: {dt * 1e6:7.1f} us "
+                              f"({nbytes[product] / dt / copy_traffic:.0%})")
+                finally:
+                    table["cuda"] = default
+        del maps, ref, widened
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    return rows, sweep
 
 
 # ---- 9. stored experts ------------------------------------------------------------------

@@ -32,6 +32,7 @@ from hybridmoe.backend.engine.moe import MoE
 from hybridmoe.backend.engine.rope import Rotary, softmax_scale_multiplier
 from hybridmoe.backend.engine.routing import SigmoidGroupedTopK, SoftmaxGroupedGreedy, SoftmaxTopK, TopKSoftmax
 from hybridmoe.backend.engine.stats import ExpertRecorder
+from hybridmoe.backend.engine.stored_latent import stored_latent
 from hybridmoe.backend.engine.tensor_parallel import kv_heads, part
 from hybridmoe.backend.errors import UnsupportedModelError
 from hybridmoe.backend.formats.weights import WeightSource
@@ -199,15 +200,18 @@ def _latent(b: Build, i: int, d: LatentAttention) -> MLAttention:
         q_proj = b.load.linear(f"{p}.q_proj", n_heads * (nope + rope), h, rows=q_rows)
         q_a = q_a_norm = q_b = None
     kv_b = f"{p}.kv_b_proj.weight"
-    # On the CPU a GGUF's split kv_b is read as stored (engine/latent_maps.py).
+    # A GGUF's kv_b is read as stored: split on the CPU (engine/latent_maps.py), whole or split
+    # on a GPU (engine/stored_latent.py).
     maps = stored_maps(b.load.weights, kv_b, heads, nope, v_dim, kv_lora, b.device, b.dtype)
+    held = None if maps is not None else stored_latent(b.load.weights, kv_b, heads, n_heads, nope, v_dim, kv_lora,
+                                                       b.device, b.dtype)
     return MLAttention(
         q_proj=q_proj, q_a=q_a, q_a_norm=q_a_norm, q_b=q_b,
         kv_a=b.load.linear(f"{p}.kv_a_proj_with_mqa", kv_lora + rope, h),
         kv_a_norm=b.norm(f"{p}.kv_a_layernorm.weight", kv_lora),
-        kv_b_weight=None if maps else b.load.tensor(kv_b, (n_heads * (nope + v_dim), kv_lora),
-                                                    rows=(heads[0] * (nope + v_dim), heads[1] * (nope + v_dim))),
-        stored_maps=maps,
+        kv_b_weight=None if maps is not None or held is not None else b.load.tensor(
+            kv_b, (n_heads * (nope + v_dim), kv_lora), rows=(heads[0] * (nope + v_dim), heads[1] * (nope + v_dim))),
+        stored_maps=maps, stored_kv_b=held,
         o=b.load.linear(f"{p}.o_proj", h, n_heads * v_dim,
                         cols=None if b.card is None else (heads[0] * v_dim, heads[1] * v_dim)),
         n_heads=heads[1] - heads[0], nope_dim=nope, rope_dim=rope, v_dim=v_dim, kv_lora_rank=kv_lora,

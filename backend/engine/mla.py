@@ -13,9 +13,11 @@ Two ways to attend over the cache, with the same result:
   latent. Nothing per cached token is recomputed, which is what decode needs.
 A cost model picks one per call; ``absorb`` forces either (tests compare them).
 
-On a CPU main device a GGUF's kv_b stays as the file stores it (``latent_maps``): the absorbed
+A GGUF's kv_b stays as the file stores it on a CPU main device (``latent_maps``: the absorbed
 form then runs natively on the stored maps, and the expanded form rebuilds kv_b for its call,
-which the cost model counts.
+which the cost model counts) and on a GPU (``stored_latent``: the absorbed form's two per-head
+products read its blocks with Triton kernels, in the paged decode step and here; the expanded
+form, and calls of more rows than those kernels take, dequantize it for the call).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from hybridmoe.backend.models import layer_description
 from hybridmoe.backend.engine.attention import attend, eager_attention
 from hybridmoe.backend.engine.kv_cache import PagedLatent, Segment, causal_mask
 from hybridmoe.backend.engine.latent_maps import StoredMaps
+from hybridmoe.backend.engine.stored_latent import StoredLatent
 from hybridmoe.backend.engine.layers import Linear, RMSNorm
 from hybridmoe.backend.engine.rope import Rotary
 
@@ -67,13 +70,16 @@ class MLAttention(nn.Module):
         cache: PagedLatent,
         scale: float,
         stored_maps: StoredMaps | None = None,
+        stored_kv_b: StoredLatent | None = None,
     ):
         super().__init__()
         self.q_proj, self.q_a, self.q_a_norm, self.q_b = q_proj, q_a, q_a_norm, q_b
         self.kv_a, self.kv_a_norm, self.o = kv_a, kv_a_norm, o
-        # kv_b [H*(nope+v), kv_lora] in the compute dtype, or (stored_maps) as the file stores it.
+        # kv_b [H*(nope+v), kv_lora] in the compute dtype, or as the file stores it: on the CPU
+        # (stored_maps), on a GPU (stored_kv_b).
         self.register_buffer("kv_b_weight", kv_b_weight, persistent=False)
         self.stored_maps = stored_maps
+        self.stored_kv_b = stored_kv_b
         self.n_heads, self.nope_dim, self.rope_dim, self.v_dim = n_heads, nope_dim, rope_dim, v_dim
         self.kv_lora_rank = kv_lora_rank
         self.rotary = rotary
@@ -89,8 +95,8 @@ class MLAttention(nn.Module):
             kv_lora_rank=self.kv_lora_rank, q_lora_rank=None if self.q_a is None else self.q_a.out_features,
             absorbed_allowed=self.absorb is not False, rotary=self.rotary.describe(),
             projections_native=all(lin.runs_native for lin in linears),
-            kv_b_native=self.stored_maps is not None or (
-                kv_b.dtype in (torch.float32, torch.bfloat16, torch.float16) and kv_b.is_contiguous()),
+            kv_b_native=self.stored_maps is not None or (kv_b is not None and (
+                kv_b.dtype in (torch.float32, torch.bfloat16, torch.float16) and kv_b.is_contiguous())),
             cache_dtype=str(self.cache.kv.dtype).removeprefix("torch."))
 
     def _use_absorbed(self, n_q: int, n_keys: int) -> bool:
@@ -105,8 +111,10 @@ class MLAttention(nn.Module):
         return absorbed <= expanded
 
     def kv_b(self, dtype: torch.dtype) -> torch.Tensor:
-        """kv_b [H*(nope+v), kv_lora]: the held one, or the stored maps dequantized now."""
-        return self.kv_b_weight if self.kv_b_weight is not None else self.stored_maps.dense(dtype)
+        """kv_b [H*(nope+v), kv_lora]: the held one, or the stored form dequantized now."""
+        if self.kv_b_weight is not None:
+            return self.kv_b_weight
+        return (self.stored_maps if self.stored_maps is not None else self.stored_kv_b).dense(dtype)
 
     def forward(self, x: torch.Tensor, segments: list[Segment]) -> torch.Tensor:
         """x [T, hidden]: the rows of one or more sequences; projections over all rows,
@@ -115,10 +123,11 @@ class MLAttention(nn.Module):
         q = self.q_proj(x) if self.q_proj is not None else self.q_b(self.q_a_norm(self.q_a(x)))
         compressed = self.kv_a(x)
         latent = self.kv_a_norm(compressed[:, :c])
-        if (self.kv_b_weight is not None and self.absorb is not False
+        if ((self.kv_b_weight is not None or self.stored_kv_b is not None) and self.absorb is not False
                 and paged_decode.applies_latent(x, segments, self.cache, c, self.rope_dim)):
             try:
-                kv_b = self.kv_b_weight.view(self.n_heads, self.nope_dim + self.v_dim, c)
+                kv_b = self.stored_kv_b if self.kv_b_weight is None else self.kv_b_weight.view(
+                    self.n_heads, self.nope_dim + self.v_dim, c)
                 return self.o(paged_decode.attend_latent(q, latent, compressed[:, c:], segments, self.cache,
                                                          self.rotary, kv_b, self.nope_dim, self.scale))
             except Exception as error:  # noqa: BLE001 - a card or Triton build the kernels cannot run on
@@ -148,10 +157,12 @@ class MLAttention(nn.Module):
         cached = self.cache.update(seg.seq, latent, k_rope.reshape(n, rope), start_pos)  # [S, c + rope]
         n_keys = cached.shape[0]
 
-        kv_b = self.kv_b(q.dtype)
-        w = kv_b.view(h, nope + self.v_dim, c)
         if self._use_absorbed(n, n_keys):
-            q_latent = torch.matmul(q_nope, w[:, :nope])  # [1, H, n, c]: W_UK folded into q
+            # kv_b's blocks read in place on a GPU (few rows), else kv_b in the compute dtype.
+            stored = self.stored_kv_b if self.stored_kv_b is not None and self.stored_kv_b.reads_stored(n) else None
+            w = None if stored is not None else self.kv_b(q.dtype).view(h, nope + self.v_dim, c)
+            # [1, H, n, c]: W_UK folded into q
+            q_latent = stored.query(q_nope[0]).unsqueeze(0) if w is None else torch.matmul(q_nope, w[:, :nope])
             q_full = torch.cat((q_latent, q_rope), dim=-1)
             keys = cached.view(1, 1, n_keys, c + rope)
             values = cached[:, :c].view(1, 1, n_keys, c)
@@ -160,8 +171,12 @@ class MLAttention(nn.Module):
                 q_pos = torch.arange(start_pos, start_pos + n, device=q.device)
                 mask = causal_mask(q_pos, None, n_keys, None)
             attended = eager_attention(q_full, keys, values, mask, self.scale)  # [1, H, n, c]
-            out = torch.matmul(attended, w[:, nope:].transpose(1, 2))  # W_UV after attention
+            if w is None:  # W_UV after attention
+                out = stored.values(attended[0]).unsqueeze(0)
+            else:
+                out = torch.matmul(attended, w[:, nope:].transpose(1, 2))
         else:
+            kv_b = self.kv_b(q.dtype)
             kv = F.linear(cached[:, :c], kv_b).view(n_keys, h, nope + self.v_dim).transpose(0, 1)
             k_nope, values = kv[..., :nope], kv[..., nope:]
             k_shared = cached[:, c:].view(1, n_keys, rope).expand(h, n_keys, rope)

@@ -16,7 +16,8 @@ the positions and block tables go to the device once per step, for all layers.
 - latent attention, absorbed (``attend_latent``): the latent queries are the reference's
   product with W_UK; one program per (row, block of 16 heads) scores them and the rotary
   queries against the cached [latent | rotary key] rows with tensor-core products and sums the
-  latents; W_UV follows as in the reference.
+  latents; W_UV follows as in the reference. With kv_b held as the file stores it
+  (``stored_latent``) both products are per-head GEMVs over its blocks.
 
 Taken by decode rows (one token per sequence) on CUDA for layers without a sliding window
 or attention sinks, up to ``MAX_KEYS`` positions per sequence (one program walks its
@@ -35,6 +36,7 @@ from hybridmoe.backend.engine.decode_experts import triton_available
 from hybridmoe.backend.engine.kv_cache import B, PagedKV, PagedLatent, Segment
 from hybridmoe.backend.engine.layers import RMSNorm
 from hybridmoe.backend.engine.rope import Rotary
+from hybridmoe.backend.engine.stored_latent import StoredLatent
 
 log = logging.getLogger(__name__)
 
@@ -145,15 +147,17 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: list[Seg
 
 
 def attend_latent(q: torch.Tensor, latent: torch.Tensor, rope_key: torch.Tensor, segments: list[Segment],
-                  cache: PagedLatent, rotary: Rotary, kv_b: torch.Tensor, nope_dim: int, scale: float) -> torch.Tensor:
+                  cache: PagedLatent, rotary: Rotary, kv_b: torch.Tensor | StoredLatent, nope_dim: int,
+                  scale: float) -> torch.Tensor:
     """Latent attention of n decode rows in its absorbed form, as ``MLAttention._attend``
     computes it: q [n, H * (nope + rope)], the normed latent [n, C] and the unrotated rotary
-    key [n, rope] (views of the projections' output); kv_b [H, nope + v, C]. Writes the cache
-    and returns [n, H * v]."""
+    key [n, rope] (views of the projections' output); kv_b [H, nope + v, C], or held as stored
+    (its ``query`` and ``values`` the two products). Writes the cache and returns [n, H * v]."""
     from hybridmoe.backend.engine import paged_decode_kernels as kernels
 
     n, c = latent.shape
-    n_heads, rope = kv_b.shape[0], rope_key.shape[1]
+    dense = isinstance(kv_b, torch.Tensor)
+    n_heads, rope = kv_b.shape[0] if dense else kv_b.n_heads, rope_key.shape[1]
     device = q.device
     meta = step_meta(segments, cache, device)
     q_rope = torch.empty((n, n_heads, rope), dtype=q.dtype, device=device)
@@ -165,7 +169,7 @@ def attend_latent(q: torch.Tensor, latent: torch.Tensor, rope_key: torch.Tensor,
         rope, c, BLOCK=B, RP=rope, CP=c, FLOAT32_MATH=rotary.float32_math, num_warps=1)
     # W_UK folded into the queries: [H, n, nope] x [H, nope, C].
     q_nope = q.view(n, n_heads, -1)[:, :, :nope_dim].transpose(0, 1)
-    q_latent = torch.matmul(q_nope, kv_b[:, :nope_dim])
+    q_latent = torch.matmul(q_nope, kv_b[:, :nope_dim]) if dense else kv_b.query(q_nope)
     attended = torch.empty((n_heads, n, c), dtype=q.dtype, device=device)
     heads_per_program = 16
     kernels.latent_attend_kernel[(n, -(-n_heads // heads_per_program))](
@@ -174,5 +178,5 @@ def attend_latent(q: torch.Tensor, latent: torch.Tensor, rope_key: torch.Tensor,
         HB=heads_per_program, CP=c, RP=rope, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=8 if c >= 512 else 4)  # a [32, C] float32 tile of the cache and [16, C] sums per program
     # W_UV after attention: [H, n, C] x [H, C, v] -> [n, H * v].
-    out = torch.matmul(attended, kv_b[:, nope_dim:].transpose(1, 2))
+    out = torch.matmul(attended, kv_b[:, nope_dim:].transpose(1, 2)) if dense else kv_b.values(attended)
     return out.transpose(0, 1).reshape(n, -1)

@@ -16,6 +16,8 @@ Every GGUF block type the engine reads is served (``KERNEL_TYPES``: the types of
 ``formats.quant``'s dequantizers, k-quants, legacy quants, IQ4, MXFP4 and the grid i-quants), with
 the block geometry of gguf's ``GGML_QUANT_SIZES``. Float matrices (bf16/fp16/f32) are not
 stored here: the loader holds them in the compute dtype, as many bytes as bf16/fp16 store.
+MLA's kv_b, whose per-head products are no projection, is held in these blocks too, with
+kernels of its own over the same dequantizing (``stored_latent``).
 
 Numerics: float32 sums rounded once to the compute dtype, like PyTorch's matmul over the
 dequantized matrix (the reference, ``formats.quant.linear``); the dequantized weights are the

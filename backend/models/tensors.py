@@ -165,20 +165,12 @@ def _widened(c: Classified, name: str, fmt: str, shape: tuple[int, ...]) -> bool
     return len(shape) < 2 or _FP8_SCALES.search(name) is not None or fmt.lower() not in CPU_KERNEL_DTYPES
 
 
-# MLA's kv_b in any form: whole, or split into k_b and v_b (a GGUF's attn_k_b / attn_v_b; the
-# config's inventory names them self_attn.k_b / v_b).
-_KV_B_ANY = re.compile(r"(?:\.self_attn\.(?:kv_b_proj|k_b|v_b)\.|\.attn_(?:kv_b|k_b|v_b)\.)")
-
-
 def _widened_on_gpu(c: Classified, name: str, fmt: str, shape: tuple[int, ...]) -> bool:
     """Whether the engine holds this always-read tensor in its compute dtype on a GPU: all but
     the matrices stored in a GGUF block type its GPU kernels read (engine/stored_linear.py:
-    projections, the head, and the embedding table, whose lookups dequantize the rows they read).
-    MLA's kv_b is widened whatever its type: the latent attention kernels read it whole every
-    step, in the compute dtype (dequantizing it per step would cost more time than its 1.4 GiB of
-    DeepSeek-V3 Q4_K_M on the card would buy as GPU experts); so are vectors and float matrices."""
-    if c.cls is C.ATTENTION and _KV_B_ANY.search(name):
-        return True
+    projections, the head, and the embedding table, whose lookups dequantize the rows they read;
+    engine/stored_latent.py: MLA's kv_b, whole or split into k_b and v_b, whose per-head
+    products read its blocks in decode steps); vectors and float matrices are."""
     if c.cls not in (C.ATTENTION, C.DENSE_FFN, C.SHARED_EXPERTS, C.LM_HEAD, C.EMBEDDING):
         return False
     return len(shape) < 2 or fmt.lower() not in GGUF_GPU_KERNEL_TYPES

@@ -210,9 +210,10 @@ class _Planner:
         # The always-read weights as each side holds them: host RAM in the stored form (the
         # CPU kernels read it as stored, Q4_K in a layout 2.8 % larger; the embedding and MLA's
         # kv_b stored whole widened, the routers as routed); a GPU, for the engine, the
-        # projections in a GGUF block type as stored (engine/stored_linear.py) and the rest in
-        # the compute dtype (embedding, MLA's kv_b, norms, float and fp8 matrices: the
-        # inventory's gpu_widened); llama.cpp keeps all of them as the file stores them.
+        # matrices in a GGUF block type as stored (projections, the embedding, MLA's kv_b:
+        # engine/stored_linear.py, engine/stored_latent.py) and the rest in the compute dtype
+        # (norms, float and fp8 matrices: the inventory's gpu_widened); llama.cpp keeps all of
+        # them as the file stores them.
         self.stored = _AlwaysRead.of(spec, inventory, as_stored=True)
         self.host = self.stored if workload.backend == "llamacpp" else _AlwaysRead.of(spec, inventory)
         self.kv_elem = workload.kv_bytes_per_element

@@ -2,11 +2,12 @@
 from a Q8_0 GGUF and from a Hugging Face checkpoint; and a CPU-only plan's bytes per token are
 what the decode step reads (docs/sizing.md §1, §6).
 
-A GPU takes a GGUF's projections in their stored blocks (``stored_linear``), the other
-always-read weights (norms, embedding, MLA's kv_b, a checkpoint's projections) in the compute
-dtype and the routers as the family routes; the figure is measured here on the CPU with the
-native kernels off and the CPU standing in for the card (``stored_linear.serves``), where the
-loader takes the same path as for a GPU (``Loader.projection``)."""
+A GPU takes a GGUF's matrices in their stored blocks (``stored_linear``: projections, the head,
+the embedding; ``stored_latent``: MLA's kv_b, whole or split), the other always-read weights
+(norms, float matrices, a checkpoint's projections) in the compute dtype and the routers as the
+family routes; the figure is measured here on the CPU with the native kernels off and the CPU
+standing in for the card (``stored_linear.serves``), where the loader takes the same path as for
+a GPU (``Loader.projection``, ``stored_latent``)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from hybridmoe.backend.engine import step_profile, stored_linear
+from hybridmoe.backend.engine.mla import MLAttention
 from hybridmoe.backend.engine.model import build_model
 from hybridmoe.backend.engine.session import EngineBackend
 from hybridmoe.backend.formats.weights import open_weights
@@ -35,27 +37,44 @@ MLA_K_QUANT = dict(hidden_size=256, intermediate_size=512, moe_intermediate_size
                    kv_lora_rank=256, qk_nope_head_dim=128, v_head_dim=128)
 
 
+# A source's suffix for a DeepSeek GGUF that stores MLA's kv_b whole (attn_kv_b, as conversions
+# before spring 2025 did) instead of split into attn_k_b and attn_v_b.
+WHOLE_KV_B = " whole kv_b"
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict[tuple[str, str], Path]:
-    """(family, "hf" | "q8_0" | a K_QUANT_SIZES key) -> path of a tiny bf16 checkpoint or its
-    GGUF (for the Q4_K_M ones, of a checkpoint of those sizes)."""
+    """(family, "hf" | "q8_0" | a K_QUANT_SIZES key, either GGUF one + WHOLE_KV_B) -> path of a
+    tiny bf16 checkpoint or its GGUF (for the Q4_K_M ones, of a checkpoint of those sizes)."""
     from hybridmoe.backend.convert import to_gguf
+    from hybridmoe.backend.models.families import deepseek
 
     cache: dict[tuple[str, str], Path] = {}
 
     def get(family: str, source: str) -> Path:
+        if source.endswith(WHOLE_KV_B):
+            if (family, source) not in cache:
+                fmt = source.removesuffix(WHOLE_KV_B)
+                get(family, fmt)  # the split GGUF's checkpoint, converted again
+                out = tmp_path_factory.mktemp(f"gguf_{family}_whole") / f"{family}-{fmt}.gguf"
+                with pytest.MonkeyPatch.context() as m:
+                    m.setattr(deepseek, "GGUF_SPLITS_KV_B", False)
+                    quant = "q4_k_m" if fmt in K_QUANT_SIZES else fmt
+                    cache[family, source] = to_gguf(cache[family, f"{fmt} checkpoint"], out, quant)
+            return cache[family, source]
         if source in K_QUANT_SIZES:
             if (family, source) not in cache:
                 sizes = MLA_K_QUANT if family.startswith("deepseek") else K_QUANT_SIZES[source]
                 hf = build_checkpoint(tmp_path_factory.mktemp(f"{family}_k"), family, overrides=sizes).path
                 out = tmp_path_factory.mktemp(f"gguf_{family}") / f"{family}-q4_k_m.gguf"
-                cache[family, source] = to_gguf(hf, out, "q4_k_m")
+                cache[family, source], cache[family, f"{source} checkpoint"] = to_gguf(hf, out, "q4_k_m"), hf
             return cache[family, source]
         if (family, "hf") not in cache:
             cache[family, "hf"] = build_checkpoint(tmp_path_factory.mktemp(family), family).path
         if source != "hf" and (family, source) not in cache:
             out = tmp_path_factory.mktemp(f"gguf_{family}") / f"{family}-{source}.gguf"
             cache[family, source] = to_gguf(cache[family, "hf"], out, source)
+            cache[family, f"{source} checkpoint"] = cache[family, "hf"]
         return cache[family, source]
 
     return get
@@ -78,8 +97,12 @@ def _held_bytes(model) -> int:
 
 
 @pytest.mark.parametrize("family,source", [(f, s) for s in ("hf", "q8_0") for f in FAMILIES]
-                         + [pytest.param(f, "q4_k_m", marks=needs_llama_cpp) for f in ("qwen3_moe", "deepseek_v3")])
+                         + [pytest.param(f, "q4_k_m", marks=needs_llama_cpp) for f in ("qwen3_moe", "deepseek_v3")]
+                         + [("deepseek_v3", "q8_0" + WHOLE_KV_B),
+                            pytest.param("deepseek_v3", "q4_k_m" + WHOLE_KV_B, marks=needs_llama_cpp)])
 def test_the_plans_gpu_always_read_bytes_are_what_the_engine_holds(models, family, source, monkeypatch):
+    """Every family, from a checkpoint and from GGUFs; a DeepSeek's kv_b split (attn_k_b and
+    attn_v_b, each in its own type) and whole (attn_kv_b), both held as stored."""
     path = models(family, source)
     inspected = inspect_model(path)
     plan = make(inspected.spec, inspected.inventory, _workstation(), Workload(context=64, prefill_reserve="off"))
@@ -93,6 +116,9 @@ def test_the_plans_gpu_always_read_bytes_are_what_the_engine_holds(models, famil
         assert held and planned < _widened_bytes(inspected.spec, inspected.inventory)
         assert sum(m.data.numel() for m in held) == sum(
             f.bytes for forms in inspected.inventory.gpu_forms.values() for f in forms if not f.widened)
+        if family.startswith("deepseek"):  # kv_b among them, in every layer
+            assert all(m.kv_b_weight is None and m.stored_kv_b is not None
+                       for m in model.modules() if isinstance(m, MLAttention))
     else:
         assert not held
 
@@ -138,9 +164,11 @@ def test_a_cpu_only_plans_bytes_per_token_are_what_the_decode_step_reads(models,
 
 
 def test_a_card_too_small_for_the_widened_weights_is_planned_for_llamacpp(models):
-    """A quantized file's always-read weights that fit on the card as stored but not as the
-    engine holds them (a DeepSeek's: the engine widens MLA's kv_b, which its latent attention
-    reads whole): the engine's plan does not fit and says that llama.cpp would hold them as
+    """A quantized file's always-read weights that fit on the card as llama.cpp holds them but
+    not as the engine does (a tiny Q8_0 DeepSeek's: all of its matrices as stored on both, MLA's
+    kv_b too, but the engine's card holds the token embedding, which llama.cpp's leaves in host
+    RAM, and that outweighs the norms the engine holds in bf16 where the file has f32): the
+    engine's plan does not fit and says that llama.cpp would hold them as
     stored; llama.cpp's plan counts them so, and fits; and an automatic choice of backend plans
     for llama.cpp, saying why (the session then runs it there, and nowhere else:
     tests/llamacpp/test_loading.py)."""
