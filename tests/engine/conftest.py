@@ -206,15 +206,18 @@ class Dequantized:
 def run_kernel_check(check: str, cases: list[dict], tmp_path: Path, timeout: int) -> list[dict]:
     """A Triton kernel test's script `check` run on `cases` in a process of its own (Triton picks
     its interpreter when imported): it gets the cases' JSON and the device, compiled kernels on
-    a CUDA card where there is one, else the interpreter on CPU tensors; returns the rows it
-    printed last (also printed here: the measured errors, for pytest -rP)."""
+    a CUDA card where there is one, else the interpreter (TRITON_INTERPRET=1, set here) on CPU
+    tensors; returns the rows it printed last (also printed here: the measured errors, for
+    pytest -rP)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     root = Path(__file__).resolve().parents[2]
     script = tmp_path / "check.py"
     script.write_text(check)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join((str(root), os.environ.get("PYTHONPATH", "")))}
+    if device == "cpu":
+        env["TRITON_INTERPRET"] = "1"  # read when Triton is imported: set before the script starts
     r = subprocess.run([sys.executable, str(script), json.dumps(cases), device], capture_output=True, text=True,
-                       timeout=timeout, cwd=root,
-                       env={**os.environ, "PYTHONPATH": os.pathsep.join((str(root), os.environ.get("PYTHONPATH", "")))})
+                       timeout=timeout, cwd=root, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = json.loads(r.stdout.splitlines()[-1])
     print(device, *rows, sep="\n")

@@ -18,10 +18,8 @@ from tests.convert.conftest import checkpoints, converted  # noqa: F401 - fixtur
 from tests.engine.conftest import run_kernel_check
 
 CHECK = textwrap.dedent("""
-    import json, os, sys
+    import json, sys
     DEVICE = sys.argv[2]
-    if DEVICE == "cpu":
-        os.environ["TRITON_INTERPRET"] = "1"  # before Triton is imported
     import torch
     import torch.nn.functional as F
     from gguf import GGMLQuantizationType as Q

@@ -27,10 +27,8 @@ from tests.engine.test_stored_linear import random_blocks
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
 
 CHECK = textwrap.dedent("""
-    import json, os, sys
+    import json, sys
     DEVICE = sys.argv[2]
-    if DEVICE == "cpu":
-        os.environ["TRITON_INTERPRET"] = "1"  # before Triton is imported
     import torch
     from gguf import GGMLQuantizationType as Q
     from hybridmoe.backend.engine import stored_latent
@@ -154,7 +152,6 @@ SERVE = textwrap.dedent("""
     import json, os, sys
     DEVICE = sys.argv[2]
     if DEVICE == "cpu":
-        os.environ["TRITON_INTERPRET"] = "1"  # before Triton is imported
         os.environ["HYBRIDMOE_NATIVE"] = "0"  # the CPU stands in for the card: no native projections
     import torch
     from hybridmoe.backend.engine import build_layers, paged_decode, stored_latent, stored_latent_kernels, stored_linear

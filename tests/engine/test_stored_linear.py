@@ -47,10 +47,8 @@ def random_blocks(qtype: Q, rows: int, cols: int, seed: int = 0) -> np.ndarray:
 
 
 CHECK = textwrap.dedent("""
-    import json, os, sys
+    import json, sys
     DEVICE = sys.argv[2]
-    if DEVICE == "cpu":
-        os.environ["TRITON_INTERPRET"] = "1"  # before Triton is imported
     import torch
     import torch.nn.functional as F
     from gguf import GGMLQuantizationType as Q
@@ -150,7 +148,6 @@ SERVE = textwrap.dedent("""
     import json, os, sys
     DEVICE = sys.argv[2]
     if DEVICE == "cpu":
-        os.environ["TRITON_INTERPRET"] = "1"  # before Triton is imported
         os.environ["HYBRIDMOE_NATIVE"] = "0"  # the CPU stands in for the card: no native projections
     import torch
     from hybridmoe.backend.engine import stored_linear
