@@ -196,11 +196,12 @@ static_assert(every_format_has_info(), "a Format without its kFormats entry");
 
 // Formats whose prompts take the decode GEMV at every token count (see prompt_takes_gemv in
 // repack.h): q2_k and q3_k, whose dequantizing costs the most bit work per weight, and q4_1,
-// q5_1 and iq4_nl, whose 32-block GEMV reads at the bandwidth's pace. The i-quants' prompts:
-// see iq_prompt_gemv below; elsewhere they dequantize through their GEMV's unpacking
-// (iq_unpack) into the GEMM's panels.
+// q5_1, iq4_nl and iq4_xs, whose 32-block GEMV reads at the bandwidth's pace (iq4_xs is
+// iq4_nl's codes with a 6-bit scale per 32 under one fp16 per 256: kernels_x86.inl's
+// Block32). The other i-quants' prompts: see iq_prompt_gemv below; elsewhere they dequantize
+// through their GEMV's unpacking into the GEMM's panels.
 static inline bool gemv_at_every_count(Format f) {
-    return f == FMT_Q2_K || f == FMT_Q3_K || f == FMT_Q4_1 || f == FMT_Q5_1 || f == FMT_IQ4_NL;
+    return f == FMT_Q2_K || f == FMT_Q3_K || f == FMT_Q4_1 || f == FMT_Q5_1 || f == FMT_IQ4_NL || f == FMT_IQ4_XS;
 }
 
 // Where the i-quants' prompts switch from the GEMV to dequantized panels and the GEMM: the
@@ -210,13 +211,12 @@ static inline bool gemv_at_every_count(Format f) {
 // GEMV unpacks a super-block once for all of a call's tokens (kernels_iq.inl); on AVX-512,
 // with the signs on the weights and two quarters a vector, it stays level with the GEMM up to
 // 256 tokens (ms at 32 / 128 / 256 tokens, iq2_xxs: GEMV 1.45 / 5.73 / 12.1, GEMM 2.40 /
-// 6.56 / 12.7; iq4_xs, whose values need the sign-per-token form: 1.93 / 6.84 / 14.5 against
-// 2.60 / 6.75 / 12.6). On AVX2 the GEMM's FMAs catch up by 32-64 tokens.
-// 0: not an i-quant.
+// 6.56 / 12.7). On AVX2 the GEMM's FMAs catch up by 32-64 tokens. (iq4_xs is not one of
+// these: gemv_at_every_count.)
+// 0: not one of these i-quants.
 static inline int iq_prefill_min_tokens(Format f, bool avx512) {
     switch (f) {
         case FMT_IQ2_XXS: return avx512 ? 256 : 64;
-        case FMT_IQ4_XS: return avx512 ? 128 : 64;
         case FMT_IQ1_M:
         case FMT_IQ1_S:
         case FMT_IQ2_XS:
@@ -228,10 +228,10 @@ static inline int iq_prefill_min_tokens(Format f, bool avx512) {
 }
 
 // Prompts (prompt_takes_gemv) take one path per format at any count, so that a token's result
-// does not depend on the tokens beside it. On AVX-512 that is the GEMV for the i-quants whose
-// values fit its signs-on-weights form (all but iq4_xs): the faster up to 256 tokens a call,
+// does not depend on the tokens beside it. On AVX-512 that is the GEMV for these i-quants
+// (their values fit gemm_iq_512's signs-on-weights form): the faster up to 256 tokens a call,
 // and an expert's share of a prompt chunk is far fewer (32 of 512 tokens for 8 of 128 experts).
-static inline bool iq_prompt_gemv(Format f) { return f != FMT_IQ4_XS && iq_prefill_min_tokens(f, true) != 0; }
+static inline bool iq_prompt_gemv(Format f) { return iq_prefill_min_tokens(f, true) != 0; }
 
 // Bytes of one block of a group of eight rows in the x8 layouts: 32 columns of q4_0x8 /
 // int4_g32x8, a 256-column super-block of q4_kx8.

@@ -1,6 +1,8 @@
 // Decode GEMV of the i-quant super-blocks (iq2_xxs, iq2_xs, iq2_s, iq3_xxs, iq3_s, iq1_s,
-// iq1_m, iq4_xs): the low-bit experts of the community GGUFs of DeepSeek, Kimi, Qwen3 and
-// GLM. Included by kernels_x86.inl (inside each ISA's namespace, after its helpers).
+// iq1_m): the low-bit experts of the community GGUFs of DeepSeek, Kimi, Qwen3 and GLM.
+// Included by kernels_x86.inl (inside each ISA's namespace, after its helpers). iq4_xs has a
+// decoder here too (IqBlock: the dequantizing and iq_unpack, the AMX prompt kernel's), but its
+// GEMV is the 32-block one of kernels_x86.inl (gemv_b32_n: iq4_nl's codes, a scale per block).
 //
 // Every value of these formats is an integer w times an integer scale per 16 or 32 values
 // times one float per super-block (formats.h), so one GEMV serves them all: a decoder turns
@@ -456,7 +458,8 @@ static void gemv_iq_many(const MatrixRef& w, int64_t row0, int64_t nrows, int64_
 }
 
 #if defined(HMOE_AVX512)
-// Prompts on AVX-512, formats whose values stay within +-62 (all but iq4_xs): a GEMM
+// Prompts on AVX-512, formats whose values stay within +-62 (all that come here; iq4_xs,
+// which reaches 127, takes the 32-block GEMV): a GEMM
 // micro-kernel with 16 rows in the vector lanes and the tokens broadcast. The integers each
 // token needs are gemv_iq_n's eight lanes per super-block (lane i: bytes 4i .. 4i + 3 of every
 // quarter, times the quarter's scale for those bytes), each with its own float FMA, so every
@@ -482,9 +485,6 @@ static void gemv_iq_many(const MatrixRef& w, int64_t row0, int64_t nrows, int64_
 // process in turn): 1.45-1.55x the token-at-a-time loop's speed; in a whole MoE layer, whose
 // weights come cold from memory and whose super-block decoding (the grid look-ups, the same
 // work in both) then takes a third to half of the time, less (see docs/architecture.md).
-template <Format F>
-constexpr bool kIqSmallValues = F != FMT_IQ4_XS;  // iq4_xs reaches 127
-
 constexpr int kIqTileTokens = 16;  // tokens whose int32 lanes stay in registers
 
 // One row block's super-block, decoded: wq[k] the 16 rows' dwords k = 8 ib + i (signed
@@ -694,8 +694,7 @@ template <Format F, bool G>
 static void gemv_q8_iq_with(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t K, const Q8Row* acts, int ntok,
                             float* out, int64_t ldo) {
 #if defined(HMOE_AVX512)
-    if constexpr (kIqSmallValues<F>)
-        if (ntok > kMaxGemvTokens) return gemm_iq_512<F, G>(w, row0, nrows, K, acts, ntok, out, ldo);
+    if (ntok > kMaxGemvTokens) return gemm_iq_512<F, G>(w, row0, nrows, K, acts, ntok, out, ldo);
 #endif
     if (ntok > kMaxGemvTokens) return gemv_iq_many<F, G>(w, row0, nrows, K, acts, ntok, out, ldo);
     by_tokens<IqG<F, G>::template Gemv>(w, row0, nrows, K, acts, ntok, out, ldo);

@@ -141,7 +141,7 @@ static inline __m256i hsum8(const __m256i v[8]) {
     return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
 }
 
-// ---- decode: blocks of 32 (q8_0, q4_0, q5_0, mxfp4, mxfp4_hf, int4_g32) ------------------
+// ---- decode: blocks of 32 (q8_0, q4_0/1, q5_0/1, iq4_nl, iq4_xs, mxfp4, mxfp4_hf, int4_g32) -
 
 // q5_0's fifth bits: bit j of the 32-bit word at p as 0x10 in byte j. Byte j of the broadcast
 // word is picked by j / 8 (a byte shuffle within each 128-bit half, where every byte of the
@@ -161,7 +161,10 @@ static inline __m256i iq4nl_table() {
 
 // One 32-weight block as int8 codes plus its scale. kUnsigned: codes are 0..15 (0..31 for
 // q5_0) with an implicit -kOffset (q4_0, q5_0, int4), or with a stored min m (q4_1, q5_1:
-// value d * code + m, so the dot gains m * s_act); otherwise signed values.
+// value d * code + m, so the dot gains m * s_act); otherwise signed values. iq4_xs is taken
+// as 32-blocks too: block b is sub-block b % 8 of super-block b / 8, iq4_nl's codes with the
+// scale d * (ls - 32) (its rows are whole super-blocks, so gemv_b32_n's blocks b .. b+7 are
+// always one super-block).
 template <Format F>
 struct Block32 {
     static constexpr bool kMin = F == FMT_Q4_1 || F == FMT_Q5_1;
@@ -180,6 +183,8 @@ struct Block32 {
             return _mm256_or_si256(nibbles32(row + b * 24 + 8), fifth_bits32(row + b * 24 + 4));
         } else if constexpr (F == FMT_IQ4_NL) {
             return _mm256_shuffle_epi8(iq4nl_table(), nibbles32(row + b * 18 + 2));
+        } else if constexpr (F == FMT_IQ4_XS) {
+            return _mm256_shuffle_epi8(iq4nl_table(), nibbles32(row + b / 8 * 136 + 8 + 16 * (b % 8)));
         } else if constexpr (F == FMT_INT4_G32 || F == FMT_MXFP4_HF) {
             const __m256i n = nibbles32(row + b * 16);
             if constexpr (F == FMT_INT4_G32) return n;
@@ -192,6 +197,12 @@ struct Block32 {
         if constexpr (F == FMT_Q8_0) return h2f(row + b * 34);
         if constexpr (F == FMT_Q4_0 || F == FMT_IQ4_NL) return h2f(row + b * 18);
         if constexpr (F == FMT_Q5_0) return h2f(row + b * 22);
+        if constexpr (F == FMT_IQ4_XS) {
+            const uint8_t* p = row + b / 8 * 136;
+            const int ib = int(b % 8);
+            const int ls = ((p[4 + ib / 2] >> (4 * (ib % 2))) & 15) | ((load_u16(p + 2) >> (2 * ib)) & 3) << 4;
+            return h2f(p) * float(ls - 32);
+        }
         if constexpr (kMin) return h2f(row + b * kFormats[F].block_bytes);
         if constexpr (F == FMT_INT4_G32) return bf16_to_f32(load_u16(srow + 2 * b));
         if constexpr (F == FMT_MXFP4_HF) return e8m0_half(srow[b]);
@@ -219,6 +230,18 @@ static inline __m256 scales8(const uint8_t* row, const uint8_t* srow, int64_t b)
         return _mm256_cvtph_ps(h);
     } else if constexpr (F == FMT_INT4_G32) {  // eight consecutive bf16
         return load8_as_ps<FMT_BF16>(srow, b);
+    } else if constexpr (F == FMT_IQ4_XS) {  // b / 8's super-block: d * (ls_i - 32), i = 0 .. 7
+        // Block i's 6-bit ls: its low nibble at bit 4i of the 32-bit scales_l, its two high
+        // bits at bit 2i of the 16-bit scales_h (taken pre-shifted by 4, so they land at 4-5).
+        const uint8_t* p = row + b / 8 * 136;
+        const __m256i lo = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(int(load_u32(p + 4))),
+                                                              _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28)),
+                                            _mm256_set1_epi32(0x0F));
+        const __m256i hi = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(int(load_u16(p + 2)) << 4),
+                                                              _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14)),
+                                            _mm256_set1_epi32(0x30));
+        const __m256i ls = _mm256_sub_epi32(_mm256_or_si256(lo, hi), _mm256_set1_epi32(32));
+        return _mm256_mul_ps(_mm256_set1_ps(h2f(p)), _mm256_cvtepi32_ps(ls));
     } else {
         __m256i e;
         if constexpr (F == FMT_MXFP4_HF) {
@@ -250,7 +273,7 @@ template <Format F, int N>
 static void gemv_b32_n(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t K, const Q8Row* acts, float* out,
                        int64_t ldo) {
     using B = Block32<F>;
-    constexpr int kBlockBytes = kFormats[F].block_bytes;
+    constexpr int kBlockBytes = kFormats[F].block_bytes * 32 / kFormats[F].block;  // a 32-block's (iq4_xs: 17)
     const int64_t nb = K / 32;
     const int64_t nb8 = nb / 8 * 8;
     // Each row's sum vector waits here for seven more: one hsum8_ps adds up eight rows (the
@@ -724,6 +747,62 @@ struct Q6G {
 template <Format F>
 static void gemv_q8_b32(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t K, const Q8Row* acts, int ntok,
                         float* out, int64_t ldo) {
+    by_tokens<B32<F>::template G>(w, row0, nrows, K, acts, ntok, out, ldo);
+}
+
+// iq4_xs's calls of more than four tokens (prompts; the table's gemv_any_tokens): gemv_b32_n's
+// arithmetic per token, in the same order (the same bits however the tokens are grouped), but
+// each eight blocks decoded once for all of the call's tokens (|w| too: dot_s8s8's first sign),
+// the tokens' float lanes in memory between them, instead of decoded and read again for every
+// four tokens. Signed formats whose rows are whole super-blocks (no tail blocks).
+template <Format F>
+static void gemv_b32_many(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t K, const Q8Row* acts, int ntok,
+                          float* out, int64_t ldo) {
+    using B = Block32<F>;
+    static_assert(!B::kUnsigned, "signed codes only");
+    constexpr int kBlockBytes = kFormats[F].block_bytes * 32 / kFormats[F].block;
+    const int64_t nb8 = K / 256 * 8;
+    thread_local std::vector<__m256> acc_buf;
+    if (acc_buf.size() < size_t(ntok)) acc_buf.resize(size_t(ntok));
+    __m256* acc = acc_buf.data();
+    for (int64_t r = 0; r < nrows; ++r) {
+        const uint8_t* row = w.row(row0 + r);
+        const uint8_t* srow = w.scales ? w.scale_row(row0 + r) : nullptr;
+        for (int t = 0; t < ntok; ++t) acc[t] = _mm256_setzero_ps();
+        _mm_prefetch(reinterpret_cast<const char*>(w.row(row0 + r + 1)), _MM_HINT_T0);
+        for (int64_t b = 0; b < nb8; b += 8) {
+            prefetch_span(row + b * kBlockBytes + kPrefetchAhead, 8 * kBlockBytes);
+            __m256i q[8], m[8];
+            for (int j = 0; j < 8; ++j) {
+                q[j] = B::codes(row, b + j);
+                m[j] = _mm256_sign_epi8(q[j], q[j]);
+            }
+            const __m256 dw = scales8<F>(row, srow, b);
+            for (int t = 0; t < ntok; ++t) {
+                const int8_t* a = acts[t].q + 32 * b;
+                __m256i v[8];
+                for (int j = 0; j < 8; ++j)
+                    v[j] = dot_u8s8(_mm256_setzero_si256(), m[j], _mm256_sign_epi8(load32(a + 32 * j), q[j]));
+                acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_loadu_ps(acts[t].d + b)), _mm256_cvtepi32_ps(hsum8(v)),
+                                         acc[t]);
+            }
+        }
+        for (int t = 0; t < ntok; ++t) out[t * ldo + r] = hsum_ps(acc[t]);  // hsum8_ps's additions
+    }
+}
+
+template <Format F>
+static void gemv_q8_b32_any(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t K, const Q8Row* acts, int ntok,
+                            float* out, int64_t ldo) {
+    if (ntok > kMaxGemvTokens) {
+        // Every row reads all of a pass's activations again: passes of up to ~256 KB of them
+        // (L2), 8 to 64 tokens (a 2048 x 2048 matrix at 512 tokens in one pass read them from
+        // memory for each row: 1.4x the time of passes of 64).
+        const int step = int(std::clamp<int64_t>((256 << 10) / K, 8, 64));
+        for (int t0 = 0; t0 < ntok; t0 += step)
+            gemv_b32_many<F>(w, row0, nrows, K, acts + t0, std::min(step, ntok - t0), out + t0 * ldo, ldo);
+        return;
+    }
     by_tokens<B32<F>::template G>(w, row0, nrows, K, acts, ntok, out, ldo);
 }
 static void gemv_q8_q4k(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t K, const Q8Row* acts, int ntok,
@@ -2031,6 +2110,7 @@ static const KernelTable* make_table(const char* name) {
         q8[FMT_Q5_0] = gemv_q8_b32<FMT_Q5_0>;
         q8[FMT_Q5_1] = gemv_q8_b32<FMT_Q5_1>;
         q8[FMT_IQ4_NL] = gemv_q8_b32<FMT_IQ4_NL>;
+        q8[FMT_IQ4_XS] = gemv_q8_b32_any<FMT_IQ4_XS>;
         q8[FMT_MXFP4] = gemv_q8_b32<FMT_MXFP4>;
         q8[FMT_MXFP4_HF] = gemv_q8_b32<FMT_MXFP4_HF>;
         q8[FMT_INT4_G32] = gemv_q8_b32<FMT_INT4_G32>;
@@ -2039,7 +2119,6 @@ static const KernelTable* make_table(const char* name) {
         q8[FMT_Q4_K] = gemv_q8_q4k;
         q8[FMT_Q5_K] = gemv_q8_q5k;
         q8[FMT_Q6_K] = gemv_q8_q6k;
-        q8[FMT_IQ4_XS] = gemv_q8_iq<FMT_IQ4_XS>;
         q8[FMT_IQ2_XXS] = gemv_q8_iq<FMT_IQ2_XXS>;
         q8[FMT_IQ2_XS] = gemv_q8_iq<FMT_IQ2_XS>;
         q8[FMT_IQ2_S] = gemv_q8_iq<FMT_IQ2_S>;

@@ -82,16 +82,17 @@ def test_the_gemv_gives_each_token_the_same_bits_however_many_come_at_once(fmt, 
         assert torch.equal(together[t0:t0 + 3], apart), f"tokens {t0}..{t0 + 2}"
 
 
-GEMV_ALWAYS = ("q4_1", "q5_1", "iq4_nl")  # their 32-block GEMV reads at the bandwidth's pace
+GEMV_ALWAYS = ("q4_1", "q5_1", "iq4_nl", "iq4_xs")  # their 32-block GEMV reads at the bandwidth's pace
 
 
 @pytest.mark.parametrize("fmt", NEW_TYPES)
 def test_their_prompts_take_one_path_by_format(fmt):
-    """q4_1/q5_1/iq4_nl take the GEMV at every count; the i-quants switch to dequantized panels
+    """q4_1/q5_1/iq4_nl/iq4_xs take the GEMV at every count (with AMX, iq4_xs's prompt GEMV
+    is on bf16 tiles from 32 tokens a call); the other i-quants switch to dequantized panels
     and the GEMM at their measured switch point (both experts and dense projections), past
     the four tokens a GEMV pass serves, and their prompts take one path: on AVX-512 the GEMV
-    (which decodes a super-block once for all of a call's tokens) but for iq4_xs, with AMX
-    the GEMV on bf16 tiles for all, elsewhere the GEMM. The portable set's GEMM is the faster from one token."""
+    (which decodes a super-block once for all of a call's tokens), with AMX the GEMV on bf16
+    tiles, elsewhere the GEMM. The portable set's GEMM is the faster from one token."""
     for name in ISAS:
         _native.set_isa(name)
         try:
@@ -102,10 +103,11 @@ def test_their_prompts_take_one_path_by_format(fmt):
                 assert experts == dense == 1 and not prompt_gemv
             elif fmt in GEMV_ALWAYS:
                 assert experts is None and dense is None and prompt_gemv
+                assert (fmt in info["prompt_tiles"]) == (name == "avx512_amx" and fmt == "iq4_xs")
             else:
                 assert 4 < experts <= 256 and experts == dense
                 # AMX: every i-quant's prompt GEMV runs on bf16 tiles (prompt_tiles).
-                assert prompt_gemv == (name == "avx512_amx" or (name.startswith("avx512") and fmt != "iq4_xs"))
+                assert prompt_gemv == name.startswith("avx512")
                 assert (fmt in info["prompt_tiles"]) == (name == "avx512_amx")
         finally:
             _native.set_isa("")
@@ -124,6 +126,27 @@ def test_the_prompt_path_computes_the_dequantized_product(fmt, isa):
     expected = x @ weights.T
     scale = float((x.abs() @ weights.abs().T).max())
     assert float((out - expected).abs().max()) <= 0.01 * scale
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 5, 40])
+@pytest.mark.parametrize("fmt", ["iq4_xs", "iq4_nl"])
+def test_the_32_block_formats_prompts_at_any_count_compute_the_dequantized_product(fmt, tokens, isa):
+    """iq4_xs (iq4_nl's codes, a scale d * (ls - 32) per 32 values) and iq4_nl go through the
+    32-block GEMV for decode steps and prompts alike (iq4_xs: past four tokens in one call, each
+    block decoded once for all of them): a prompt's rows of any count (and a decode step's)
+    against the dequantized matrix, in every kernel set."""
+    rows, k = 40, 1024  # four super-blocks a row: gemv_b32_n's eight-block steps
+    data = stored(fmt, rows, k, seed=5)
+    weights = torch.from_numpy(reference(fmt, data))
+    x = torch.from_numpy(np.random.default_rng(6).standard_normal((tokens, k)).astype(np.float32))
+    tensor = torch.from_numpy(data)
+    linear = _native.DenseLinear(fmt, k, [(rows, [tensor.data_ptr(), 0, data.shape[1], 0])], False)
+    expected = x @ weights.T
+    scale = float((x.abs() @ weights.abs().T).max())
+    for prefill_min_tokens in (-1, 1 << 30):  # prompt rows, then the decode GEMV at every count
+        out = torch.full((tokens, rows), float("nan"))
+        linear.forward(x, out, prefill_min_tokens)
+        assert float((out - expected).abs().max()) <= 0.01 * scale, prefill_min_tokens
 
 
 @pytest.mark.parametrize("name", ISAS)
