@@ -621,31 +621,45 @@ static E* aligned64(std::vector<E>& v, int64_t n) {
     return reinterpret_cast<E*>((p + 63) & ~uintptr_t(63));
 }
 
-template <Format F, bool G>
-static void gemm_iq_512(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t K, const Q8Row* acts, int ntok,
-                        float* out, int64_t ldo) {
+// The activations of the 16-row panel GEMMs (gemm_iq_512, gemm_b32_512), once per call: in
+// groups of 16 tokens, each super-block's dwords k of the group's tokens side by side,
+// X[((sb * ngroups + g) * 64 + k) * 16 + t] (the tokens past ntok in the last group zero), so
+// that a token's dword is one broadcast; offset to unsigned bytes (x + 128, as x ^ 0x80) where
+// kOffset (gemm_iq_512's, whose weights are vpdpbusd's signed operand). In a per-thread
+// buffer, valid until the thread's next call.
+template <bool kOffset>
+static const int32_t* transposed_acts(const Q8Row* acts, int ntok, int64_t K) {
     const int64_t nsb = K / 256;
     const int ngroups = (ntok + kIqTileTokens - 1) / kIqTileTokens;
     thread_local std::vector<int32_t> x_buf;
-    thread_local std::vector<float> f_buf;
-    thread_local std::vector<float> xds;
     int32_t* const X = aligned64(x_buf, nsb * ngroups * 64 * 16);
-    xds.resize(size_t(ntok) * size_t(nsb));
-    // The activations, once per call: offset to unsigned bytes (x + 128, as x ^ 0x80), in
-    // groups of 16 tokens, each super-block's dwords k of the group's tokens side by side
-    // (X[((sb * ngroups + g) * 64 + k) * 16 + t]); and each super-block's token d's.
-    const __m512i offset = _mm512_set1_epi8(char(0x80));
     for (int g = 0; g < ngroups; ++g) {
         const int t0 = g * kIqTileTokens, n = std::min(kIqTileTokens, ntok - t0);
         for (int64_t k = 0; k < K; k += 64) {
             __m512i m[16];
             for (int t = 0; t < 16; ++t) m[t] = _mm512_setzero_si512();
-            for (int t = 0; t < n; ++t) m[t] = _mm512_xor_si512(_mm512_loadu_si512(acts[t0 + t].q + k), offset);
+            for (int t = 0; t < n; ++t) {
+                m[t] = _mm512_loadu_si512(acts[t0 + t].q + k);
+                if constexpr (kOffset) m[t] = _mm512_xor_si512(m[t], _mm512_set1_epi8(char(0x80)));
+            }
             transpose16x16_epi32(m);
             int32_t* dst = X + ((k / 256 * ngroups + g) * 64 + k % 256 / 4) * 16;
             for (int kk = 0; kk < 16; ++kk) _mm512_store_si512(dst + 16 * kk, m[kk]);
         }
     }
+    return X;
+}
+
+template <Format F, bool G>
+static void gemm_iq_512(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t K, const Q8Row* acts, int ntok,
+                        float* out, int64_t ldo) {
+    const int64_t nsb = K / 256;
+    const int ngroups = (ntok + kIqTileTokens - 1) / kIqTileTokens;
+    thread_local std::vector<float> f_buf;
+    thread_local std::vector<float> xds;
+    const int32_t* const X = transposed_acts<true>(acts, ntok, K);
+    // Each super-block's token d's.
+    xds.resize(size_t(ntok) * size_t(nsb));
     for (int t = 0; t < ntok; ++t)
         for (int64_t sb = 0; sb < nsb; ++sb) xds[size_t(sb * ntok + t)] = acts[t].d[8 * sb];
     __m512* const f = reinterpret_cast<__m512*>(aligned64(f_buf, int64_t(ntok) * 8 * 16));
@@ -672,6 +686,189 @@ static void gemm_iq_512(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t
         for (int t = 0; t < ntok; ++t) {
             const __m512* l = f + t * 8;
             // hsum_ps's order: ((x0 + x4) + (x2 + x6)) + ((x1 + x5) + (x3 + x7)).
+            const __m512 s = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(l[0], l[4]), _mm512_add_ps(l[2], l[6])),
+                                           _mm512_add_ps(_mm512_add_ps(l[1], l[5]), _mm512_add_ps(l[3], l[7])));
+            _mm512_mask_storeu_ps(out + t * ldo + rb, mask, s);
+        }
+    }
+}
+
+// iq4_xs's prompts on AVX-512 (calls of more than four tokens; kernels_x86.inl's
+// gemv_q8_b32_any): gemm_iq_512's form for the 32-block GEMV's arithmetic. 16 rows in the
+// lanes, a super-block's values (iq4_nl's table, as Block32::codes) offset to unsigned bytes
+// (w + 128) and transposed to [k][row] dwords; the tokens' signed activations transposed
+// (transposed_acts), a token's dword the embedded broadcast of vpdpbusd's memory operand (no
+// broadcast instruction of its own). Block j of a super-block is one vpdpbusd chain over its
+// eight dwords per token, starting from the offset's share -128 x the token's sum over the
+// block: gemv_b32_n's block integer (hsum8's lane j; exact, at most 32 x 255 x 127 in size).
+// Each block then takes gemv_b32_n's float step, the same operands in the same order:
+// (d * (ls - 32)) x the token's d of the block, times the integer, into the token's float
+// lane j (fma), the lanes kept in memory between super-blocks, and at the end of the row
+// block hsum_ps's (hsum8_ps's) additions of the eight lanes: the same bits as the decode GEMV,
+// per token, however the tokens are grouped. Per token and 16 x 256 values: 64 vpdpbusd (64
+// multiply-adds each) and 8 x (broadcast, cvt, mul, fma), where gemv_b32_many spends per row
+// 8 signs + 8 dpbusd (32 each) + a hsum8.
+struct alignas(64) B32Panel {
+    uint32_t wq[64][16];  // dword k (values 4k .. 4k + 3 of the super-block) of the 16 rows, + 128
+    float dws[8][16];     // block j: d * (ls_j - 32), as scales8 computes it
+};
+
+// Super-block sb of rows r0 .. r0 + nr - 1 (nr <= 16; the others zero) into a panel, with
+// the same super-block of the next `next` rows prefetched.
+template <Format F>
+static void b32_decode_panel(const MatrixRef& w, int64_t r0, int nr, int next, int64_t sb, B32Panel& P) {
+    static_assert(F == FMT_IQ4_XS, "iq4_xs's super-blocks only");
+    constexpr int kBytes = kFormats[F].block_bytes;
+    const uint8_t* p[16];
+    alignas(64) uint16_t dh[16], sh[16];
+    alignas(64) uint32_t sl[16];
+    for (int r = 0; r < 16; ++r) {
+        if (r >= nr) {
+            p[r] = nullptr;
+            dh[r] = sh[r] = 0;
+            sl[r] = 0;
+            continue;
+        }
+        p[r] = w.row(r0 + r) + sb * kBytes;
+        if (r < next) prefetch_span(w.row(r0 + 16 + r) + sb * kBytes, kBytes);
+        dh[r] = load_u16(p[r]);
+        sh[r] = load_u16(p[r] + 2);
+        sl[r] = load_u32(p[r] + 4);
+    }
+    // Blocks 2c and 2c + 1 of a row (32 bytes of nibbles) as one vector of its 64 values,
+    // [low nibbles of 2c, high of 2c, low of 2c + 1, high of 2c + 1] (Block32::codes' order),
+    // through the table offset by 128.
+    alignas(16) int8_t shifted[16];
+    for (int i = 0; i < 16; ++i) shifted[i] = int8_t(kIq4nlValues[i] ^ 0x80);
+    const __m512i table = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(shifted)));
+    const __m512i halves = _mm512_set_epi64(3, 2, 3, 2, 1, 0, 1, 0);
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    for (int c = 0; c < 4; ++c) {
+        __m512i m[16];
+        for (int r = 0; r < 16; ++r) {
+            if (r >= nr) {
+                m[r] = _mm512_setzero_si512();
+                continue;
+            }
+            __m512i v = _mm512_permutexvar_epi64(halves, _mm512_castsi256_si512(load32(p[r] + 8 + 32 * c)));
+            v = _mm512_mask_srli_epi16(v, __mmask32(0xFF00FF00u), v, 4);
+            m[r] = _mm512_shuffle_epi8(table, _mm512_and_si512(v, low));
+        }
+        transpose16x16_epi32(m);
+        for (int k = 0; k < 16; ++k) _mm512_store_si512(P.wq[16 * c + k], m[k]);
+    }
+    // scales8<FMT_IQ4_XS>'s arithmetic with the rows in the lanes: ls_j's low nibble at bit 4j
+    // of scales_l, its high two bits at bit 2j of scales_h; h2f(d) x float(ls_j - 32).
+    const __m512 d = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(dh)));
+    const __m512i h = _mm512_cvtepu16_epi32(_mm256_load_si256(reinterpret_cast<const __m256i*>(sh)));
+    const __m512i l = _mm512_load_si512(sl);
+    for (int j = 0; j < 8; ++j) {
+        const __m512i lo = _mm512_and_si512(_mm512_srli_epi32(l, unsigned(4 * j)), _mm512_set1_epi32(0x0F));
+        const __m512i hi = _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(h, unsigned(2 * j)), _mm512_set1_epi32(3)), 4);
+        const __m512i ls = _mm512_sub_epi32(_mm512_or_si512(lo, hi), _mm512_set1_epi32(32));
+        _mm512_store_ps(P.dws[j], _mm512_mul_ps(d, _mm512_cvtepi32_ps(ls)));
+    }
+}
+
+// acc + vpdpbusd of the unsigned bytes u and the signed dword at s broadcast, as the
+// instruction's embedded broadcast (GCC issues a vpbroadcastd of its own for the intrinsic
+// on _mm512_set1_epi32(*s): a second instruction per multiply, 1.1x the time at 32 tokens).
+static inline __m512i dpbusd_bcast(__m512i acc, __m512i u, const int32_t* s) {
+    asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(u), "m"(*s));
+    return acc;
+}
+
+// N tokens against a panel, into f[t * 8 + j], token t's float lane j over the 16 rows. x:
+// their activations at this super-block (dword k of token t at x[16 k + t]); xc[16 j + t]:
+// token t's -128 x sum over block j; xd[16 j + t]: token t's d of block j.
+template <int N>
+static inline void b32_panel_tokens(const B32Panel& P, const int32_t* x, const int32_t* xc, const float* xd,
+                                    __m512* f) {
+#pragma GCC unroll 1
+    for (int j = 0; j < 8; ++j) {
+        __m512i I[N];
+        for (int t = 0; t < N; ++t) I[t] = _mm512_set1_epi32(xc[16 * j + t]);
+#pragma GCC unroll 8
+        for (int i = 0; i < 8; ++i) {
+            const __m512i wv = _mm512_load_si512(P.wq[8 * j + i]);
+            const int32_t* xk = x + 16 * (8 * j + i);
+#pragma GCC unroll 16
+            for (int t = 0; t < N; ++t) I[t] = dpbusd_bcast(I[t], wv, xk + t);
+        }
+        const __m512 dw = _mm512_load_ps(P.dws[j]);
+#pragma GCC unroll 16
+        for (int t = 0; t < N; ++t)
+            f[t * 8 + j] = _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_set1_ps(xd[16 * j + t])), _mm512_cvtepi32_ps(I[t]),
+                                           f[t * 8 + j]);
+    }
+}
+
+static void b32_panel_any(int n, const B32Panel& P, const int32_t* x, const int32_t* xc, const float* xd, __m512* f) {
+    switch (n) {
+        case 16: return b32_panel_tokens<16>(P, x, xc, xd, f);
+        case 15: return b32_panel_tokens<15>(P, x, xc, xd, f);
+        case 14: return b32_panel_tokens<14>(P, x, xc, xd, f);
+        case 13: return b32_panel_tokens<13>(P, x, xc, xd, f);
+        case 12: return b32_panel_tokens<12>(P, x, xc, xd, f);
+        case 11: return b32_panel_tokens<11>(P, x, xc, xd, f);
+        case 10: return b32_panel_tokens<10>(P, x, xc, xd, f);
+        case 9: return b32_panel_tokens<9>(P, x, xc, xd, f);
+        case 8: return b32_panel_tokens<8>(P, x, xc, xd, f);
+        case 7: return b32_panel_tokens<7>(P, x, xc, xd, f);
+        case 6: return b32_panel_tokens<6>(P, x, xc, xd, f);
+        case 5: return b32_panel_tokens<5>(P, x, xc, xd, f);
+        case 4: return b32_panel_tokens<4>(P, x, xc, xd, f);
+        case 3: return b32_panel_tokens<3>(P, x, xc, xd, f);
+        case 2: return b32_panel_tokens<2>(P, x, xc, xd, f);
+        default: return b32_panel_tokens<1>(P, x, xc, xd, f);
+    }
+}
+
+template <Format F>
+static void gemm_b32_512(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t K, const Q8Row* acts, int ntok,
+                         float* out, int64_t ldo) {
+    const int64_t nsb = K / 256;
+    const int ngroups = (ntok + kIqTileTokens - 1) / kIqTileTokens;
+    thread_local std::vector<float> f_buf;
+    thread_local std::vector<int32_t> xc_buf;
+    thread_local std::vector<float> xd_buf;
+    const int32_t* const X = transposed_acts<false>(acts, ntok, K);
+    // The offset's shares, -128 x each token's sum over each block, the group's tokens side by
+    // side: XC[((sb * ngroups + g) * 8 + j) * 16 + t].
+    int32_t* const XC = aligned64(xc_buf, nsb * ngroups * 8 * 16);
+    const __m512i ones = _mm512_set1_epi8(1);
+    for (int64_t q = 0; q < nsb * ngroups * 8; ++q) {
+        __m512i s = _mm512_setzero_si512();
+        for (int i = 0; i < 8; ++i) s = _mm512_dpbusd_epi32(s, ones, _mm512_load_si512(X + (8 * q + i) * 16));
+        _mm512_store_si512(XC + 16 * q, _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(s, 7)));
+    }
+    // And their d's the same way: XD[((sb * ngroups + g) * 8 + j) * 16 + t] (of 32-block 8 sb + j).
+    float* const XD = aligned64(xd_buf, nsb * ngroups * 8 * 16);
+    for (int t = 0; t < ntok; ++t) {
+        const float* d = acts[t].d;
+        float* dst = XD + (t / kIqTileTokens) * 8 * 16 + t % kIqTileTokens;
+        for (int64_t b = 0; b < nsb * 8; ++b) dst[(b / 8 * ngroups * 8 + b % 8) * 16] = d[b];
+    }
+    __m512* const f = reinterpret_cast<__m512*>(aligned64(f_buf, int64_t(ntok) * 8 * 16));
+    alignas(64) B32Panel P;
+    constexpr int kBytes = kFormats[F].block_bytes;
+    for (int r = 0; r < std::min<int64_t>(16, nrows); ++r) prefetch_span(w.row(row0 + r), int(nsb) * kBytes);
+    for (int64_t rb = 0; rb < nrows; rb += 16) {
+        const int nr = int(std::min<int64_t>(16, nrows - rb));
+        const int next = int(std::min<int64_t>(16, nrows - rb - 16));
+        for (int64_t i = 0; i < int64_t(ntok) * 8; ++i) f[i] = _mm512_setzero_ps();
+        for (int64_t sb = 0; sb < nsb; ++sb) {
+            b32_decode_panel<F>(w, row0 + rb, nr, next, sb, P);
+            for (int g = 0; g < ngroups; ++g) {
+                const int t0 = g * kIqTileTokens;
+                const int64_t q = (sb * ngroups + g) * 8 * 16;
+                b32_panel_any(std::min(kIqTileTokens, ntok - t0), P, X + q * 8, XC + q, XD + q, f + t0 * 8);
+            }
+        }
+        const __mmask16 mask = __mmask16((1u << nr) - 1);
+        for (int t = 0; t < ntok; ++t) {
+            const __m512* l = f + t * 8;
+            // hsum_ps's order (gemv_b32_n's hsum8_ps): ((x0 + x4) + (x2 + x6)) + ((x1 + x5) + (x3 + x7)).
             const __m512 s = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(l[0], l[4]), _mm512_add_ps(l[2], l[6])),
                                            _mm512_add_ps(_mm512_add_ps(l[1], l[5]), _mm512_add_ps(l[3], l[7])));
             _mm512_mask_storeu_ps(out + t * ldo + rb, mask, s);

@@ -1,5 +1,6 @@
 """The i-quants' many-token GEMV (on AVX-512 a GEMM micro-kernel over panels of 16 decoded rows,
-kernels_iq.inl) gives every token the bits of the decode GEMV (calls of at most four tokens),
+kernels_iq.inl; iq4_xs's the 32-block GEMV's, gemm_b32_512) gives every token the bits of the
+decode GEMV (calls of at most four tokens),
 in every kernel set this CPU runs: each format, token counts around the kernel's groups of 16
 (ragged ones included), row counts that are not a multiple of 16 (a call's last, short row
 block) and rows of one to eight super-blocks."""
@@ -16,7 +17,7 @@ from tests.native.test_gguf_types import reference, stored
 _native = native_kernels._native
 pytestmark = pytest.mark.skipif(_native is None, reason="native extension not built")
 
-FORMATS = ("iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs", "iq3_s", "iq1_s", "iq1_m")
+FORMATS = ("iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs", "iq3_s", "iq1_s", "iq1_m", "iq4_xs")
 SHAPES = [(7, 256), (24, 768), (40, 2048), (67, 512)]  # rows, K
 TOKENS = (5, 8, 13, 16, 17, 31, 33, 40, 67)
 
@@ -55,3 +56,19 @@ def test_many_tokens_compute_the_dequantized_product(fmt, isa):
     expected = x @ weights.T
     scale = float((x.abs() @ weights.abs().T).max())
     assert float((out - expected).abs().max()) <= 0.01 * scale
+
+
+def test_iq4_xs_prompt_rows_give_each_token_alone_its_bits(isa):
+    """iq4_xs past four tokens a call (AVX-512: gemm_b32_512, 16 rows in the lanes; AVX2:
+    gemv_b32_many) against calls of one token (gemv_b32_n<1>), bit for bit: token counts around
+    the GEMM's groups of 16, a row count that leaves a short last row block."""
+    rows, k = 37, 1024
+    linear, data, _keep = _linear("iq4_xs", rows, k)
+    x = torch.from_numpy(np.random.default_rng(11).standard_normal((67, k)).astype(np.float32)) * 3
+    alone = torch.empty(67, rows)
+    for t in range(67):
+        linear.forward(x[t:t + 1].contiguous(), alone[t:t + 1], 1 << 30)
+    for n in (5, 16, 17, 40, 67):
+        together = torch.empty(n, rows)
+        linear.forward(x[:n].contiguous(), together, 1 << 30)
+        assert torch.equal(together, alone[:n]), f"{n} tokens: {int((together != alone[:n]).sum())} differ"
