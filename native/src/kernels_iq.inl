@@ -278,6 +278,76 @@ static inline IqQuarter iq1_quarter(__m256i g, __m256i deltas, __m256i scale, in
     return {_mm256_sign_epi8(v, v), signs_of(v), scale, lo, hi};
 }
 
+#if defined(HMOE_AVX512)
+// iq1's decode GEMV on AVX-512 (gemv_iq1_n): a quarter as the unsigned bytes s x |8g + delta|
+// (at most 15 x 9 = 135: vpdpbusd's unsigned operand) and the values v = 8g + delta themselves,
+// whose signs go onto the activations (vpsignb; v is never zero), so that one vpdpbusd per
+// token and quarter gives lane i = sum over bytes 4i .. 4i + 3 of s v a: lane by lane the
+// integers of iq_tokens' vpmaddubsw + vpdpwssd with the scale pair (exact both ways: the int16
+// pairs never saturate), hence the same floats. Per token and quarter two instructions where
+// iq_tokens has three; per quarter the decoder drops the sign mask and the scale pair.
+// iq1_m's s x |v| through vpshufb: a 32-byte row per 6-bit scale field (lo: the first 16
+// values' scale, hi: the second's), byte j of each half the scale times j (j <= 15: <= 225).
+struct Iq1Dot {
+    __m256i u, v;
+};
+struct Iq1ScaleTable {
+    alignas(32) uint8_t row[64][32];
+    constexpr Iq1ScaleTable() : row{} {
+        for (int sc = 0; sc < 64; ++sc)
+            for (int j = 0; j < 16; ++j) {
+                row[sc][j] = uint8_t((2 * (sc & 7) + 1) * j);
+                row[sc][16 + j] = uint8_t((2 * (sc >> 3) + 1) * j);
+            }
+    }
+};
+inline constexpr Iq1ScaleTable kIq1ScaleTable{};
+// iq1_s, whose scale and delta are per quarter: by the quarter's top four qh bits (the scale
+// field, the delta's sign), the 16 bytes s x |v| and the 16 bytes v by code j = g & 3 (0: g = 0,
+// 1: g = 1, 3: g = -1; 2 never occurs), each looked up with one vpshufb.
+struct Iq1sDotTable {
+    alignas(32) int8_t row[16][32];
+    constexpr Iq1sDotTable() : row{} {
+        for (int r = 0; r < 16; ++r) {
+            const int s = 2 * (r & 7) + 1, delta = r & 8 ? -1 : 1;
+            const int v[4] = {delta, 8 + delta, 1, -8 + delta};
+            for (int j = 0; j < 16; ++j) {
+                const int vj = v[j & 3];
+                row[r][j] = int8_t(uint8_t(s * (vj < 0 ? -vj : vj)));
+                row[r][16 + j] = int8_t(vj);
+            }
+        }
+    }
+};
+inline constexpr Iq1sDotTable kIq1sDotTable{};
+// grid4 of four word indices in memory, written out: GCC, short of general registers in the
+// unrolled decode, otherwise parks the indices in vector registers between their load and
+// the look-up (vmovq there and back, two more micro-ops each).
+static inline __m256i grid4_at(const uint64_t* grid, const uint16_t* i) {
+    __m256i out;
+    __m128i hi;
+    uint64_t a, b, c, d;
+    asm("movzwl %[i0], %k[a]\n\t"
+        "movzwl %[i1], %k[b]\n\t"
+        "movzwl %[i2], %k[c]\n\t"
+        "movzwl %[i3], %k[d]\n\t"
+        "vmovq (%[g],%[a],8), %x[o]\n\t"
+        "vmovhps (%[g],%[b],8), %x[o], %x[o]\n\t"
+        "vmovq (%[g],%[c],8), %x[h]\n\t"
+        "vmovhps (%[g],%[d],8), %x[h], %x[h]\n\t"
+        "vinserti128 $1, %x[h], %t[o], %t[o]"
+        : [o] "=&x"(out), [h] "=&x"(hi), [a] "=&r"(a), [b] "=&r"(b), [c] "=&r"(c), [d] "=&r"(d)
+        : [g] "r"(grid), [i0] "m"(i[0]), [i1] "m"(i[1]), [i2] "m"(i[2]), [i3] "m"(i[3]));
+    return out;
+}
+
+static inline Iq1Dot iq1_dot(__m256i g, __m256i deltas, const uint8_t* row) {
+    const __m256i v = _mm256_add_epi8(_mm256_sign_epi8(_mm256_set1_epi8(8), g), deltas);
+    const __m256i table = _mm256_load_si256(reinterpret_cast<const __m256i*>(row));
+    return {_mm256_shuffle_epi8(table, _mm256_abs_epi8(v)), v};
+}
+#endif
+
 // Four bytes of a super-block's table, one per group of eight values, each spread over its
 // group's eight bytes of the quarter.
 static inline __m256i bytes_by_group(uint32_t four) {
@@ -286,9 +356,25 @@ static inline __m256i bytes_by_group(uint32_t four) {
                                                 3, 3, 3, 3, 3, 3, 3));
 }
 
+// An iq1 super-block's indices (and, on AVX-512, its table rows) stay in memory, each read back
+// with a load (gemv_iq1_n: a super-block after the store): GCC otherwise keeps the vectors in
+// registers and takes every index out with vpextrw, two micro-ops each on Zen 4. The AVX2 set
+// keeps its code.
+template <typename T>
+static inline void index_in_memory(T& index) {
+#if defined(HMOE_AVX512)
+    asm("" : "+m"(index));
+#else
+    (void)index;
+#endif
+}
+
 template <bool Gather>
 struct IqBlock<FMT_IQ1_S, Gather> {
     const uint8_t* p;
+#if defined(HMOE_AVX512)
+    alignas(32) uint32_t row[8];  // dot(): each quarter's table row
+#endif
     // The 32 eleven-bit grid indices in vectors, as iq2_s's: the three high bits of entry k
     // are bits 3k .. 3k + 2 of the quarter's qh word, which a multiply by 2^(8 - 3k) brings
     // to bits 8-10 (k = 3: a shift right by one, the high half of a multiply by 2^15).
@@ -309,6 +395,13 @@ struct IqBlock<FMT_IQ1_S, Gather> {
             const __m256i low = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2 + 16 * half)));
             _mm256_store_si256(reinterpret_cast<__m256i*>(index + 16 * half), _mm256_or_si256(low, high));
         }
+        index_in_memory(index);
+#if defined(HMOE_AVX512)
+        // dot(): each quarter's row of kIq1sDotTable (its qh word's top four bits), in bytes.
+        _mm256_store_si256(reinterpret_cast<__m256i*>(row),
+                           _mm256_slli_epi32(_mm256_srli_epi32(_mm256_cvtepu16_epi32(qh), 12), 5));
+        index_in_memory(row);
+#endif
     }
     float d() const { return h2f(p) * 0.125f; }
     IqQuarter quarter(int ib) const {
@@ -318,6 +411,15 @@ struct IqBlock<FMT_IQ1_S, Gather> {
         const int s = 2 * (qh >> 12 & 7) + 1;
         return iq1_quarter(g, _mm256_set1_epi8(qh & 0x8000 ? -1 : 1), _mm256_set1_epi16(short(s)), s, s);
     }
+#if defined(HMOE_AVX512)
+    Iq1Dot dot(int ib) const {
+        const uint16_t* i = index + 4 * ib;
+        const int8_t* r = kIq1sDotTable.row[0] + row[ib];
+        const __m256i j = _mm256_and_si256(grid4_at(kIq1sGrid, i), _mm256_set1_epi8(3));
+        return {_mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(r))), j),
+                _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(r + 16))), j)};
+    }
+#endif
 };
 
 template <bool Gather>
@@ -327,6 +429,9 @@ struct IqBlock<FMT_IQ1_M, Gather> {
     // and the 32 deltas (+-1: the nibble's fourth bit) in vectors, for the whole super-block.
     alignas(32) uint16_t index[32];
     alignas(32) uint8_t delta[32];
+#if defined(HMOE_AVX512)
+    alignas(32) uint32_t row[8];  // dot(): each quarter's table row
+#endif
     explicit IqBlock(const uint8_t* blk) : p(blk) {
         const __m128i qh = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 32));
         const __m256i mul = _mm256_setr_epi16(256, 16, 256, 16, 256, 16, 256, 16, 256, 16, 256, 16, 256, 16, 256, 16);
@@ -338,12 +443,22 @@ struct IqBlock<FMT_IQ1_M, Gather> {
             const __m256i low = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16 * half)));
             _mm256_store_si256(reinterpret_cast<__m256i*>(index + 16 * half), _mm256_or_si256(low, high));
         }
+        index_in_memory(index);
         // Group j's delta: bit 3 (j even) or 7 (j odd) of qh byte j / 2 set: -1, else +1.
         const __m128i lo = _mm_and_si128(qh, _mm_set1_epi8(0x08)), hi = _mm_and_si128(qh, _mm_set1_epi8(char(0x80)));
         const __m256i clear =
             _mm256_cmpeq_epi8(_mm256_set_m128i(_mm_unpackhi_epi8(lo, hi), _mm_unpacklo_epi8(lo, hi)), _mm256_setzero_si256());
         _mm256_store_si256(reinterpret_cast<__m256i*>(delta),
                            _mm256_or_si256(_mm256_xor_si256(clear, _mm256_set1_epi8(-1)), _mm256_set1_epi8(1)));
+#if defined(HMOE_AVX512)
+        // dot(): quarter ib's row of kIq1ScaleTable, in bytes: its 6-bit field, bits 6 (ib % 2) ..
+        // of scale word ib / 2.
+        const __m256i words = _mm256_cvtepu16_epi32(_mm_shuffle_epi8(
+            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 48)), _mm_setr_epi8(0, 1, 0, 1, 2, 3, 2, 3, 4, 5, 4, 5, 6, 7, 6, 7)));
+        const __m256i field = _mm256_srlv_epi32(words, _mm256_setr_epi32(0, 6, 0, 6, 0, 6, 0, 6));
+        _mm256_store_si256(reinterpret_cast<__m256i*>(row), _mm256_and_si256(_mm256_slli_epi32(field, 5), _mm256_set1_epi32(63 * 32)));
+        index_in_memory(row);
+#endif
     }
     float d() const {
         const uint16_t s0 = load_u16(p + 48), s1 = load_u16(p + 50), s2 = load_u16(p + 52), s3 = load_u16(p + 54);
@@ -357,6 +472,12 @@ struct IqBlock<FMT_IQ1_M, Gather> {
         const int lo = 2 * (sc & 7) + 1, hi = 2 * (sc >> 3 & 7) + 1;
         return iq1_quarter(g, bytes_by_group(load_u32(delta + 4 * ib)), scale_pair(lo, hi), lo, hi);
     }
+#if defined(HMOE_AVX512)
+    Iq1Dot dot(int ib) const {
+        const uint16_t* i = index + 4 * ib;
+        return iq1_dot(grid4_at(kIq1sGrid, i), bytes_by_group(load_u32(delta + 4 * ib)), kIq1ScaleTable.row[0] + row[ib]);
+    }
+#endif
 };
 
 template <bool Gather>
@@ -388,10 +509,82 @@ static inline void iq_tokens(const IqQuarter* q, float d, const Q8Row* acts, int
         acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * acts[t].d[8 * sb]), _mm256_cvtepi32_ps(sums[t]), acc[t]);
 }
 
+#if defined(HMOE_AVX512)
+// iq_tokens for Iq1Dot quarters: the even and odd quarters in two chains of vpdpbusd (half
+// the latency), added before the conversion (integers: the same lane sums).
+template <int N>
+static inline void iq1_tokens(const Iq1Dot* q, float d, const Q8Row* acts, int64_t sb, __m256* acc) {
+    __m256i sums[2][N];
+    for (int t = 0; t < N; ++t) sums[0][t] = sums[1][t] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int ib = 0; ib < 8; ++ib) {
+        for (int t = 0; t < N; ++t) {
+            const __m256i a = _mm256_sign_epi8(load32(acts[t].q + 256 * sb + 32 * ib), q[ib].v);
+            sums[ib & 1][t] = _mm256_dpbusd_epi32(sums[ib & 1][t], q[ib].u, a);
+        }
+    }
+    for (int t = 0; t < N; ++t)
+        acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * acts[t].d[8 * sb]),
+                                 _mm256_cvtepi32_ps(_mm256_add_epi32(sums[0][t], sums[1][t])), acc[t]);
+}
+#endif
+
+// iq1's decode GEMV on AVX-512: each super-block's IqBlock built one super-block ahead (across
+// rows too), into one of two fixed slots in turn, so that the decode's narrow loads of the
+// indices, deltas and table rows find the constructor's vector stores long done. Read back
+// right after the stores, they held the loop up (apparently no store-to-load forwarding from
+// a vector store to a narrower load at an offset on Zen 4): one token, L2-resident 768 x 2048,
+// 12.3 -> 16.3 G weights/s from the slots alone (no PMU on the VM to say more).
+#if defined(HMOE_AVX512)
+template <Format F, bool G, int N>
+static void gemv_iq1_n(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t K, const Q8Row* acts, float* out,
+                       int64_t ldo) {
+    using Blk = IqBlock<F, G>;
+    constexpr int kBytes = kFormats[F].block_bytes;
+    const int64_t nsb = K / 256;
+    alignas(64) unsigned char slot0[(sizeof(Blk) + 63) / 64 * 64], slot1[sizeof(slot0)];
+    int64_t r = 0, sb = 0;            // the super-block being multiplied
+    int64_t next_r = 0, next_sb = 0;  // the one being built
+    const auto advance = [&]() -> const uint8_t* {
+        if (++next_sb == nsb) next_sb = 0, ++next_r;
+        return w.row(row0 + (next_r < nrows ? next_r : 0)) + next_sb * kBytes;
+    };
+    __m256 acc[N];
+    for (int t = 0; t < N; ++t) acc[t] = _mm256_setzero_ps();
+    const auto step = [&](const Blk& b) {
+        prefetch_span(b.p + kPrefetchAheadK, kBytes);
+        Iq1Dot q[8];
+#pragma GCC unroll 8
+        for (int ib = 0; ib < 8; ++ib) q[ib] = b.dot(ib);
+        iq1_tokens<N>(q, b.d(), acts, sb, acc);
+        if (++sb == nsb) {
+            for (int t = 0; t < N; ++t) out[t * ldo + r] = hsum_ps(acc[t]), acc[t] = _mm256_setzero_ps();
+            sb = 0;
+            ++r;
+            _mm_prefetch(reinterpret_cast<const char*>(w.row(row0 + r + 1)), _MM_HINT_T0);
+        }
+    };
+    _mm_prefetch(reinterpret_cast<const char*>(w.row(row0 + 1)), _MM_HINT_T0);
+    const Blk* b0 = new (slot0) Blk(w.row(row0));
+    const int64_t total = nrows * nsb;
+    for (int64_t i = 0; i < total; i += 2) {
+        const Blk* b1 = new (slot1) Blk(advance());
+        step(*b0);
+        if (i + 1 == total) break;
+        b0 = new (slot0) Blk(advance());
+        step(*b1);
+    }
+}
+#endif
+
 // Decode: up to four tokens, their float lanes in registers.
 template <Format F, bool G, int N>
 static void gemv_iq_n(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t K, const Q8Row* acts, float* out,
                       int64_t ldo) {
+#if defined(HMOE_AVX512)
+    if constexpr (F == FMT_IQ1_S || F == FMT_IQ1_M)
+        if (nrows > 0 && K >= 256) return gemv_iq1_n<F, G, N>(w, row0, nrows, K, acts, out, ldo);
+#endif
     constexpr int kBytes = kFormats[F].block_bytes;
     const int64_t nsb = K / 256;
     for (int64_t r = 0; r < nrows; ++r) {
