@@ -722,24 +722,42 @@ static inline void iq_panel_tokens(const IqPanel& P, const int32_t* x, const flo
     }
 }
 
-static void iq_panel_any(int n, const IqPanel& P, const int32_t* x, const float* xd, __m512* f) {
+// body(std::integral_constant<int, N>{}) for N = n, 1 .. kIqTileTokens: a panel GEMM's tokens
+// of one group as a compile-time count (their int32 accumulators stay in registers).
+template <class Body>
+static inline void with_tile_tokens(int n, Body&& body) {
     switch (n) {
-        case 16: return iq_panel_tokens<16>(P, x, xd, f);
-        case 15: return iq_panel_tokens<15>(P, x, xd, f);
-        case 14: return iq_panel_tokens<14>(P, x, xd, f);
-        case 13: return iq_panel_tokens<13>(P, x, xd, f);
-        case 12: return iq_panel_tokens<12>(P, x, xd, f);
-        case 11: return iq_panel_tokens<11>(P, x, xd, f);
-        case 10: return iq_panel_tokens<10>(P, x, xd, f);
-        case 9: return iq_panel_tokens<9>(P, x, xd, f);
-        case 8: return iq_panel_tokens<8>(P, x, xd, f);
-        case 7: return iq_panel_tokens<7>(P, x, xd, f);
-        case 6: return iq_panel_tokens<6>(P, x, xd, f);
-        case 5: return iq_panel_tokens<5>(P, x, xd, f);
-        case 4: return iq_panel_tokens<4>(P, x, xd, f);
-        case 3: return iq_panel_tokens<3>(P, x, xd, f);
-        case 2: return iq_panel_tokens<2>(P, x, xd, f);
-        default: return iq_panel_tokens<1>(P, x, xd, f);
+        case 16: return body(std::integral_constant<int, 16>{});
+        case 15: return body(std::integral_constant<int, 15>{});
+        case 14: return body(std::integral_constant<int, 14>{});
+        case 13: return body(std::integral_constant<int, 13>{});
+        case 12: return body(std::integral_constant<int, 12>{});
+        case 11: return body(std::integral_constant<int, 11>{});
+        case 10: return body(std::integral_constant<int, 10>{});
+        case 9: return body(std::integral_constant<int, 9>{});
+        case 8: return body(std::integral_constant<int, 8>{});
+        case 7: return body(std::integral_constant<int, 7>{});
+        case 6: return body(std::integral_constant<int, 6>{});
+        case 5: return body(std::integral_constant<int, 5>{});
+        case 4: return body(std::integral_constant<int, 4>{});
+        case 3: return body(std::integral_constant<int, 3>{});
+        case 2: return body(std::integral_constant<int, 2>{});
+        default: return body(std::integral_constant<int, 1>{});
+    }
+}
+static_assert(kIqTileTokens == 16, "with_tile_tokens covers 1 .. 16 tokens");
+
+// The end of a panel GEMM's block of 16 rows (nr of them real): token t's eight float lanes
+// f[t * 8 + j] (the rows in the vector lanes) added in hsum_ps's order, ((x0 + x4) + (x2 +
+// x6)) + ((x1 + x5) + (x3 + x7)), the decode GEMVs' (gemv_iq_n's hsum_ps, gemv_b32_n's
+// hsum8_ps), into out[t * ldo + r].
+static inline void store_panel_sums(const __m512* f, int ntok, int nr, float* out, int64_t ldo) {
+    const __mmask16 mask = __mmask16((1u << nr) - 1);
+    for (int t = 0; t < ntok; ++t) {
+        const __m512* l = f + t * 8;
+        const __m512 s = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(l[0], l[4]), _mm512_add_ps(l[2], l[6])),
+                                       _mm512_add_ps(_mm512_add_ps(l[1], l[5]), _mm512_add_ps(l[3], l[7])));
+        _mm512_mask_storeu_ps(out + t * ldo, mask, s);
     }
 }
 
@@ -872,19 +890,23 @@ static void gemm_iq_512(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t
             const float* xd = xds.data() + sb * ntok;
             for (int g = 0; g < ngroups; ++g) {
                 const int t0 = g * kIqTileTokens;
-                iq_panel_any(std::min(kIqTileTokens, ntok - t0), P, X + (sb * ngroups + g) * 64 * 16, xd + t0, f + t0 * 8);
+                const int32_t* x = X + (sb * ngroups + g) * 64 * 16;
+                with_tile_tokens(std::min(kIqTileTokens, ntok - t0),
+                                 [&](auto n) { iq_panel_tokens<decltype(n)::value>(P, x, xd + t0, f + t0 * 8); });
             }
         }
-        const __mmask16 mask = __mmask16((1u << nr) - 1);
-        for (int t = 0; t < ntok; ++t) {
-            const __m512* l = f + t * 8;
-            // hsum_ps's order: ((x0 + x4) + (x2 + x6)) + ((x1 + x5) + (x3 + x7)).
-            const __m512 s = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(l[0], l[4]), _mm512_add_ps(l[2], l[6])),
-                                           _mm512_add_ps(_mm512_add_ps(l[1], l[5]), _mm512_add_ps(l[3], l[7])));
-            _mm512_mask_storeu_ps(out + t * ldo + rb, mask, s);
-        }
+        store_panel_sums(f, ntok, nr, out + rb, ldo);
     }
 }
+
+// iq4_nl's values + 128 (as x ^ 0x80), the panel's unsigned bytes.
+struct Iq4nlOffsetTable {
+    alignas(16) int8_t v[16];
+    constexpr Iq4nlOffsetTable() : v{} {
+        for (int i = 0; i < 16; ++i) v[i] = int8_t(kIq4nlValues[i] ^ 0x80);
+    }
+};
+inline constexpr Iq4nlOffsetTable kIq4nlOffset{};
 
 // iq4_xs's prompts on AVX-512 (calls of more than four tokens; kernels_x86.inl's
 // gemv_q8_b32_any): gemm_iq_512's form for the 32-block GEMV's arithmetic. 16 rows in the
@@ -931,9 +953,7 @@ static void b32_decode_panel(const MatrixRef& w, int64_t r0, int nr, int next, i
     // Blocks 2c and 2c + 1 of a row (32 bytes of nibbles) as one vector of its 64 values,
     // [low nibbles of 2c, high of 2c, low of 2c + 1, high of 2c + 1] (Block32::codes' order),
     // through the table offset by 128.
-    alignas(16) int8_t shifted[16];
-    for (int i = 0; i < 16; ++i) shifted[i] = int8_t(kIq4nlValues[i] ^ 0x80);
-    const __m512i table = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(shifted)));
+    const __m512i table = _mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(kIq4nlOffset.v)));
     const __m512i halves = _mm512_set_epi64(3, 2, 3, 2, 1, 0, 1, 0);
     const __m512i low = _mm512_set1_epi8(0x0F);
     for (int c = 0; c < 4; ++c) {
@@ -996,27 +1016,6 @@ static inline void b32_panel_tokens(const B32Panel& P, const int32_t* x, const i
     }
 }
 
-static void b32_panel_any(int n, const B32Panel& P, const int32_t* x, const int32_t* xc, const float* xd, __m512* f) {
-    switch (n) {
-        case 16: return b32_panel_tokens<16>(P, x, xc, xd, f);
-        case 15: return b32_panel_tokens<15>(P, x, xc, xd, f);
-        case 14: return b32_panel_tokens<14>(P, x, xc, xd, f);
-        case 13: return b32_panel_tokens<13>(P, x, xc, xd, f);
-        case 12: return b32_panel_tokens<12>(P, x, xc, xd, f);
-        case 11: return b32_panel_tokens<11>(P, x, xc, xd, f);
-        case 10: return b32_panel_tokens<10>(P, x, xc, xd, f);
-        case 9: return b32_panel_tokens<9>(P, x, xc, xd, f);
-        case 8: return b32_panel_tokens<8>(P, x, xc, xd, f);
-        case 7: return b32_panel_tokens<7>(P, x, xc, xd, f);
-        case 6: return b32_panel_tokens<6>(P, x, xc, xd, f);
-        case 5: return b32_panel_tokens<5>(P, x, xc, xd, f);
-        case 4: return b32_panel_tokens<4>(P, x, xc, xd, f);
-        case 3: return b32_panel_tokens<3>(P, x, xc, xd, f);
-        case 2: return b32_panel_tokens<2>(P, x, xc, xd, f);
-        default: return b32_panel_tokens<1>(P, x, xc, xd, f);
-    }
-}
-
 template <Format F>
 static void gemm_b32_512(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t K, const Q8Row* acts, int ntok,
                          float* out, int64_t ldo) {
@@ -1055,17 +1054,12 @@ static void gemm_b32_512(const MatrixRef& w, int64_t row0, int64_t nrows, int64_
             for (int g = 0; g < ngroups; ++g) {
                 const int t0 = g * kIqTileTokens;
                 const int64_t q = (sb * ngroups + g) * 8 * 16;
-                b32_panel_any(std::min(kIqTileTokens, ntok - t0), P, X + q * 8, XC + q, XD + q, f + t0 * 8);
+                with_tile_tokens(std::min(kIqTileTokens, ntok - t0), [&](auto n) {
+                    b32_panel_tokens<decltype(n)::value>(P, X + q * 8, XC + q, XD + q, f + t0 * 8);
+                });
             }
         }
-        const __mmask16 mask = __mmask16((1u << nr) - 1);
-        for (int t = 0; t < ntok; ++t) {
-            const __m512* l = f + t * 8;
-            // hsum_ps's order (gemv_b32_n's hsum8_ps): ((x0 + x4) + (x2 + x6)) + ((x1 + x5) + (x3 + x7)).
-            const __m512 s = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(l[0], l[4]), _mm512_add_ps(l[2], l[6])),
-                                           _mm512_add_ps(_mm512_add_ps(l[1], l[5]), _mm512_add_ps(l[3], l[7])));
-            _mm512_mask_storeu_ps(out + t * ldo + rb, mask, s);
-        }
+        store_panel_sums(f, ntok, nr, out + rb, ldo);
     }
 }
 #endif

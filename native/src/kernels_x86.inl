@@ -31,6 +31,7 @@
 
 #include <immintrin.h>
 
+#include <type_traits>
 #include <vector>
 
 #include "block_dequant.inl"
