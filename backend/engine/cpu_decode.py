@@ -318,15 +318,6 @@ class _GatedStep:
         return self.down(act, self.out[:n])
 
 
-def _router_matrix(router: nn.Module) -> torch.Tensor:
-    """The router's matrix as the decode step reads it: in the 16-bit compute dtype the model
-    holds it in (the router computes with it widened to float32, which is exact), half the
-    bytes for the same products, and what the plan counts. 2-core Zen 5, decode of the 8-layer
-    benchmark models, in turn in one process: 1.013x (Q4_0), 1.018x (Q4_K_M), the same logits."""
-    w = router.weight
-    return w.to(router.held_dtype) if router.held_dtype in (torch.bfloat16, torch.float16) else w
-
-
 class _MoEStep:
     """Router, the routed experts (all in host memory, one call over the union of the rows'
     choices), shared experts."""
@@ -337,8 +328,7 @@ class _MoEStep:
         experts = native_experts.native_for(moe.host)  # the plan saw that the kernels read them
         self.moe, self.layer = moe, experts.layer
         self.route = route = moe.router.describe()
-        self.logits = _Linear(NativeLinear(_router_matrix(moe.router), moe.router.bias if route.logit_bias else None),
-                              "router")
+        self.logits = _Linear(moe.router.native, "router")  # (``routing``: with its bias, in its held dtype)
         self.choice_bias = _np(moe.router.correction_bias) if route.choice_bias else None
         self.choose = _chooser(route, self.choice_bias)
         self.shared = None if moe.shared is None else _GatedStep(moe.shared, max_rows, "shared")

@@ -49,7 +49,7 @@ class Linear(nn.Module):
         return self.weight.shape[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return F.linear(x.to(self.weight.dtype), self.weight, self.bias)  # (a float32 norm's output: see RMSNorm)
 
 
 class RMSNorm(nn.Module):
@@ -57,7 +57,12 @@ class RMSNorm(nn.Module):
 
     `round_before_weight`: Llama-style models round the normalised value to the input dtype
     and then multiply by the weight; GPT-OSS multiplies in float32 and rounds once.
+    `float32`: return the weighted value unrounded, for blocks whose projections read float32
+    rows (the native kernels on a CPU main device: ``model._norms_in_float32``), as
+    llama.cpp's do; the projections round their outputs to the compute dtype.
     """
+
+    float32: bool = False
 
     def __init__(self, weight: torch.Tensor, eps: float, *, round_before_weight: bool = True):
         super().__init__()
@@ -73,6 +78,8 @@ class RMSNorm(nn.Module):
         # One fused op for x * rsqrt(mean(x^2) + eps) (bit-equal to the four-op form, measured):
         # at decode the per-op overhead is most of a norm's cost.
         h = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        if self.float32:
+            return self.weight.float() * h
         if self.round_before_weight:
             return self.weight * h.to(dtype)
         return (self.weight * h).to(dtype)

@@ -63,14 +63,14 @@ class Loader:
         """y = x W^T (+ b) for a stored [out, in] matrix: natively on a CPU main device (in its
         stored form, or dequantized once when the kernels do not read that form), in its GGUF
         blocks on a GPU, else as a tensor in the compute dtype on the main device."""
-        native = native_linear(stored, bias, self.device)
+        native = native_linear(stored, bias, self.device, self.dtype)
         if native is not None:
             return native
         held = stored_linear(stored, bias, self.device)
         if held is not None:
             return held
         w = dense(stored, self.dtype, self.device)
-        return native_linear(w.contiguous(), bias, self.device) or Linear(w, bias)
+        return native_linear(w.contiguous(), bias, self.device, self.dtype) or Linear(w, bias)
 
     def norm(self, name: str, dim: int, eps: float, *, round_before_weight: bool = True) -> RMSNorm:
         return RMSNorm(self.tensor(name, (dim,)), eps, round_before_weight=round_before_weight)

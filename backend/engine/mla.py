@@ -124,7 +124,7 @@ class MLAttention(nn.Module):
         compressed = self.kv_a(x)
         latent = self.kv_a_norm(compressed[:, :c])
         if ((self.kv_b_weight is not None or self.stored_kv_b is not None) and self.absorb is not False
-                and paged_decode.applies_latent(x, segments, self.cache, c, self.rope_dim)):
+                and paged_decode.applies_latent(latent, segments, self.cache, c, self.rope_dim)):
             try:
                 kv_b = self.stored_kv_b if self.kv_b_weight is None else self.kv_b_weight.view(
                     self.n_heads, self.nope_dim + self.v_dim, c)

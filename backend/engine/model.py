@@ -393,7 +393,7 @@ def build_model(
             lm_head = (embed_stored if embed_stored.data.device == b.device
                        else StoredLinear(embed_stored.stored.to(b.device)))
         else:
-            lm_head = native_linear(stored, None, b.device) or Linear(embed.to(b.device))
+            lm_head = native_linear(stored, None, b.device, dtype) or Linear(embed.to(b.device))
     net = MoeTransformer(family=family, spec=spec, config=b.config, embed=embed, embed_stored=embed_stored,
                          layers=layers, norm=norm, lm_head=lm_head, recorder=recorder, placement=placement,
                          device=device, dtype=dtype, max_context=max_context, cache=b.cache, max_sequences=sequences)
@@ -403,7 +403,42 @@ def build_model(
         hybrid = HybridOptions()
     if hybrid is not None:
         net.scheduler = attach(b.moe_blocks, hybrid)
+    if not cards and all(d.type == "cpu" for d, _ in stage_of) and native_kernels.enabled():
+        _norms_in_float32(net)
     return net
+
+
+def _norms_in_float32(net: MoeTransformer) -> None:
+    """Norms hand their float32 value, unrounded, to the blocks the native kernels compute on
+    a CPU: their projections and experts read float32 rows (quantizing them per row as
+    llama.cpp does, or into their GEMM) and round their outputs to the compute dtype; the
+    routers read them too (``routing``). With the rows rounded to bf16 first, a prompt's
+    logits were further from the exact product of a file's weights than llama.cpp's: on the
+    mid-size benchmark model, 0.047 of the logits' spread against llama.cpp's 0.043 in Q3_K,
+    0.024 against 0.019 in IQ4_XS; 0.035 and 0.017 with float32 rows
+    (benchmarks/greedy_vs_llama_cpp.py --reference). Not on AMX, whose prompts multiply on
+    bf16 tiles that take bf16 rows (native on_tiles): float32 rows would send them to the
+    slower AVX-512 GEMM."""
+    if native_kernels.isa() == "avx512_amx":
+        return
+    for layer in net.layers:
+        if _reads_float32(layer.attn.describe()):
+            layer.attn_norm.float32 = True
+        if _reads_float32(layer.ffn.describe()):
+            layer.ffn_norm.float32 = True
+    if getattr(net.lm_head, "runs_native", False):
+        net.norm.float32 = True
+
+
+def _reads_float32(block: Any) -> bool:
+    """Whether everything of a described block that reads its input takes float32 rows: native
+    projections and host experts (the router always does); not PyTorch's resident experts."""
+    if isinstance(block, layer_description.MixtureOfExperts):
+        shared = block.shared is None or block.shared.projections_native
+        gate = not block.shared_gate or block.shared_gate_native
+        return (shared and gate and not block.experts_on_main and not block.streamed
+                and (not block.experts_on_host or block.experts_native is None))
+    return block.projections_native
 
 
 def _placement(p: Placement | None) -> dict[int, tuple[int, ...]]:

@@ -101,7 +101,8 @@ class MoE(nn.Module):
     @staticmethod
     def combine(x: torch.Tensor, main: torch.Tensor | None, part: torch.Tensor | None,
                 shared: torch.Tensor | None) -> torch.Tensor:
-        """main + part in float32, rounded to x's dtype once, plus the shared experts."""
+        """main + part in float32, rounded to x's dtype once (a norm's float32 rows: not at
+        all, as llama.cpp's), plus the shared experts."""
         routed = main if part is None else part if main is None else main + part
         routed = torch.zeros_like(x) if routed is None else routed.to(x.dtype)
         return routed if shared is None else routed + shared

@@ -33,7 +33,8 @@ class NativeLinear(nn.Module):
 
     runs_native: ClassVar[bool] = True
 
-    def __init__(self, stored: Any, bias: torch.Tensor | None = None, *, interleave: bool = True):
+    def __init__(self, stored: Any, bias: torch.Tensor | None = None, *, interleave: bool = True,
+                 dtype: torch.dtype | None = None):
         super().__init__()
         fmt = native_format(stored)
         if fmt is None:
@@ -44,10 +45,11 @@ class NativeLinear(nn.Module):
             native = native_kernels._native.DenseLinear(fmt, cols, [(rows, ref)], interleave)
         except ValueError as err:
             raise Unsupported(str(err)) from None
-        self._setup(native, bias, keep)
+        self._setup(native, bias, keep, dtype)
 
-    def _setup(self, native: Any, bias: torch.Tensor | None, keep: list) -> None:
+    def _setup(self, native: Any, bias: torch.Tensor | None, keep: list, dtype: torch.dtype | None) -> None:
         self.native = native
+        self.dtype = dtype  # of the outputs (None: the input's)
         self._keep = keep  # what the kernels read: the stored tensors, or the joined projections
         self.register_buffer("bias", None if bias is None else bias.float(), persistent=False)
         self.out_features, self.in_features = int(native.rows), int(native.cols)
@@ -68,11 +70,14 @@ class NativeLinear(nn.Module):
         any_bias = any(lin.bias is not None for lin in linears)
         joined = cls.__new__(cls)
         nn.Module.__init__(joined)
-        joined._setup(native, torch.cat(biases) if any_bias else None, list(linears))
+        dtypes = {lin.dtype for lin in linears}
+        joined._setup(native, torch.cat(biases) if any_bias else None, list(linears),
+                      dtypes.pop() if len(dtypes) == 1 else None)
         return joined
 
     def forward(self, x: torch.Tensor, *, float32: bool = False) -> torch.Tensor:
-        """float32: the kernels' float32 output as it is, not rounded to x's dtype (logits)."""
+        """float32: the kernels' float32 output as it is, not rounded to the compute dtype
+        (logits). x may be float32 where the compute dtype is not (a norm's output, ``RMSNorm``)."""
         lead = x.shape[:-1]
         flat = x.reshape(-1, self.in_features)
         if flat.dtype not in (torch.float32, torch.bfloat16):
@@ -82,14 +87,16 @@ class NativeLinear(nn.Module):
             self.native.forward(flat.contiguous(), out, native_kernels.dense_threshold())
         if self.bias is not None:
             out += self.bias
-        return (out if float32 else out.to(x.dtype)).reshape(*lead, self.out_features)
+        return (out if float32 else out.to(self.dtype or x.dtype)).reshape(*lead, self.out_features)
 
 
-def native_linear(stored: Any, bias: torch.Tensor | None, device: torch.device) -> NativeLinear | None:
-    """A NativeLinear over `stored` when the main device is the CPU and the kernels read it, else None."""
+def native_linear(stored: Any, bias: torch.Tensor | None, device: torch.device,
+                  dtype: torch.dtype | None = None) -> NativeLinear | None:
+    """A NativeLinear over `stored` with outputs in `dtype` when the main device is the CPU and
+    the kernels read it, else None."""
     if device.type != "cpu" or not native_kernels.enabled():
         return None
     try:
-        return NativeLinear(stored, bias)
+        return NativeLinear(stored, bias, dtype=dtype)
     except Unsupported:
         return None

@@ -1,12 +1,13 @@
 """Routers: for each token, which k experts and with what weights.
 
-Every router returns ``(topk_ids [T, k] int64, topk_weights [T, k])``; the weights keep the
-dtype the reference keeps (float32 for DeepSeek/GLM/Mixtral, the model dtype for
-Qwen/OLMoE/GPT-OSS) because the expert outputs are multiplied by them before rounding.
-
-Router logits in the model dtype are computed in float32 and rounded once, which is what
-a reduced-precision matmul does too; on a CPU that avoids PyTorch's bf16 GEMV, which runs
-at a fraction of the fp32 one there (see ``native_linear``).
+Every router returns ``(topk_ids [T, k] int64, topk_weights [T, k])``. On a CPU main device
+the logits are the native kernels' float32 sums and everything after them float32, as in
+llama.cpp (``_keep_weight``). Elsewhere the weights keep the dtype the reference keeps
+(float32 for DeepSeek/GLM/Mixtral, the model dtype for Qwen/OLMoE/GPT-OSS), because the
+expert outputs are multiplied by them before rounding, and logits in the model dtype are
+computed in float32 and rounded once, which is what a reduced-precision matmul does too (on
+a CPU without the kernels that avoids PyTorch's bf16 GEMV, a fraction of the fp32 one's
+speed there: see ``native_linear``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybridmoe.backend.engine.native_linear import native_linear
 from hybridmoe.backend.models.layer_description import Router
 
 
@@ -23,12 +25,30 @@ def _cpu_float(t: torch.Tensor) -> torch.Tensor:
     return t.float() if t.device.type == "cpu" else t
 
 
-def _keep_weight(router: nn.Module, weight: torch.Tensor, computed: torch.Tensor) -> None:
+def _keep_weight(router: nn.Module, weight: torch.Tensor, computed: torch.Tensor,
+                 bias: torch.Tensor | None = None) -> None:
     """The router's matrix as it computes with it, and the dtype the model holds it in (the
-    compute dtype the loader gave it): the native decode step reads it in that dtype
-    (``cpu_decode``), the bytes the plan counts for it."""
+    compute dtype the loader gave it): the native kernels read it in that dtype (``native``,
+    also the decode step's), the bytes the plan counts for it."""
     router.register_buffer("weight", computed, persistent=False)
     router.held_dtype = weight.dtype
+    # On a CPU main device the logits are the native kernels' float32 sums, as llama.cpp's
+    # are: row by row the same numbers at any row count (a prompt's however it is chunked),
+    # which PyTorch's float32 GEMM does not promise (its GEMV and GEMM differ).
+    # The matrix in its 16-bit held dtype where it is one (widened to float32 in the kernels,
+    # which is exact): half the bytes for the same products, and what the plan counts.
+    held = weight if weight.dtype in (torch.bfloat16, torch.float16) else computed
+    router.native = native_linear(held.contiguous(), None if bias is None else bias.float(), weight.device)
+
+
+def _logits(router: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None,
+            dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x W^T (+ bias): float32 from the native kernels; else PyTorch's, rounded to `dtype`
+    (None: left in float32)."""
+    if router.native is not None and x.device.type == "cpu":
+        return router.native(x, float32=True)
+    logits = F.linear(x.to(router.weight.dtype), router.weight, bias)
+    return logits if dtype is None else logits.to(dtype)
 
 
 class SoftmaxTopK(nn.Module):
@@ -43,7 +63,7 @@ class SoftmaxTopK(nn.Module):
         self.float32_weights = float32_weights
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = F.linear(x.to(self.weight.dtype), self.weight).to(x.dtype)
+        logits = _logits(self, x, dtype=self.held_dtype)
         probs = F.softmax(logits, dim=-1, dtype=torch.float32)
         weights, ids = torch.topk(probs, self.k, dim=-1)
         if self.normalize:
@@ -83,7 +103,7 @@ class SigmoidGroupedTopK(nn.Module):
         self.normalize, self.scaling = normalize, scaling
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        scores = F.linear(x.float(), self.weight).sigmoid()
+        scores = _logits(self, x).sigmoid()
         choice = scores if self.correction_bias is None else scores + self.correction_bias
         if self.n_group > 1 and self.topk_group < self.n_group:
             n_tokens, n_experts = choice.shape
@@ -120,12 +140,12 @@ class SoftmaxGroupedGreedy(nn.Module):
         scaling: float,
     ):
         super().__init__()
-        self.register_buffer("weight", weight.float(), persistent=False)
+        _keep_weight(self, weight, weight.float())
         self.k, self.n_group, self.topk_group = k, n_group, topk_group
         self.normalize, self.scaling = normalize, scaling
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        scores = F.linear(x.float(), self.weight).softmax(dim=-1, dtype=torch.float32)
+        scores = _logits(self, x).softmax(dim=-1, dtype=torch.float32)
         if self.n_group > 1:
             n_tokens, n_experts = scores.shape
             grouped = scores.view(n_tokens, self.n_group, n_experts // self.n_group)
@@ -149,12 +169,12 @@ class TopKSoftmax(nn.Module):
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor, k: int):
         super().__init__()
-        _keep_weight(self, weight, _cpu_float(weight))
+        _keep_weight(self, weight, _cpu_float(weight), bias)
         self.register_buffer("bias", _cpu_float(bias), persistent=False)
         self.k = k
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = F.linear(x.to(self.weight.dtype), self.weight, self.bias).to(x.dtype)
+        logits = _logits(self, x, self.bias, self.held_dtype)
         top, ids = torch.topk(logits, self.k, dim=-1)
         return ids, F.softmax(top, dim=-1, dtype=top.dtype)
 

@@ -107,7 +107,7 @@ def test_the_decode_step_reads_each_router_in_the_compute_dtype(checkpoints):
     assert read == inspect_model(path).inventory.router_bytes_held(2)
     for layer in model.layers:
         if hasattr(layer.ffn, "router"):
-            layer.ffn.router.held_dtype = torch.float32
+            layer.ffn.router.native = NativeLinear(layer.ffn.router.weight)  # its float32 matrix
     model._decode_step = False  # rebuilt on the next step, reading the widened matrices
     widened = _decode(model, ids, 8)
     assert router_bytes() == 2 * read
