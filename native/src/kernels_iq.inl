@@ -44,6 +44,19 @@ static inline __m256i add_scaled_pairs(__m256i acc, __m256i pairs, __m256i scale
 }
 #endif
 
+// A super-block's precomputed indices, sign words and scales (iq1: also its table rows) stay
+// in memory, each read back with a load (gemv_iq_ahead_n: a super-block after the store): GCC
+// otherwise keeps the vectors in registers and takes every index out with vpextrw, two
+// micro-ops each on Zen 4. The AVX2 set keeps its code.
+template <typename T>
+static inline void index_in_memory(T& index) {
+#if defined(HMOE_AVX512)
+    asm("" : "+m"(index));
+#else
+    (void)index;
+#endif
+}
+
 // 32 values of a super-block: magnitudes, signs, and the int16 multipliers of the vpmaddubsw
 // pairs (lanes 0-7 the first 16 values' scale, 8-15 the second 16's).
 struct IqQuarter {
@@ -88,6 +101,96 @@ static inline __m256i bytes8(const uint8_t* q) {
 }
 #else
 constexpr bool kGatherByDefault = false;
+#endif
+
+#if defined(HMOE_AVX512)
+// grid4 / grid8 on AVX-512 by the word indices a decoder stored a super-block ahead (iq2_xs,
+// iq2_s, iq3_s) or by the block's own index bytes (iq3_xxs), written out: in the unrolled
+// decode GEMV GCC parks indices in vector registers between their load and the look-up
+// (vmovq there and back, two more micro-ops each). Four indices come in with one 64-bit
+// load and are taken apart in registers (fewer loads: the look-ups are most of the decode's).
+// In each group of four entries the first is a vmovq / vmovd, the others merge-masked
+// broadcasts (one instruction each, no vpinsr / vmovhps shuffle), the constant masks in
+// three mask registers.
+#define HMOE_SPLIT_WORDS                      \
+    "movzwl %w[w], %k[a]\n\t"                 \
+    "shrq $16, %q[w]\n\t"                     \
+    "movzwl %w[w], %k[b]\n\t"                 \
+    "shrq $16, %q[w]\n\t"                     \
+    "movzwl %w[w], %k[c]\n\t"                 \
+    "shrq $16, %q[w]\n\t"                     \
+    "movq %q[w], %q[d]\n\t"
+
+// Four 8-byte entries by the four words at i.
+static inline __m256i grid4_words(const uint64_t* grid, const uint16_t* i) {
+    __m256i out;
+    uint64_t w, a, b, c, d;
+    asm("movq %[i], %q[w]\n\t" HMOE_SPLIT_WORDS
+        "vmovq (%[g],%[a],8), %x[o]\n\t"
+        "vpbroadcastq (%[g],%[b],8), %t[o]%{%[k1]%}\n\t"
+        "vpbroadcastq (%[g],%[c],8), %t[o]%{%[k2]%}\n\t"
+        "vpbroadcastq (%[g],%[d],8), %t[o]%{%[k3]%}"
+        : [o] "=&v"(out), [w] "=&r"(w), [a] "=&r"(a), [b] "=&r"(b), [c] "=&r"(c), [d] "=&r"(d)
+        : [g] "r"(grid), [i] "m"(*reinterpret_cast<const uint64_t*>(i)), [k1] "Yk"(__mmask8(2)),
+          [k2] "Yk"(__mmask8(4)), [k3] "Yk"(__mmask8(8)));
+    return out;
+}
+
+// Eight 4-byte entries by the eight words at i: two halves of four as grid4_words does them
+// (lanes 1-3 merge-masked vpbroadcastd), the upper one put in place with a vinserti128
+// (L2-resident iq3_s, one token: 12.7 with seven vpbroadcastd + vpblendd, 13.9 so).
+static inline __m256i grid8_words(const uint32_t* grid, const uint16_t* i) {
+    __m256i out, tmp;
+    uint64_t w, a, b, c, d;
+    asm("movq %[i], %q[w]\n\t" HMOE_SPLIT_WORDS
+        "vmovd (%[g],%[a],4), %x[o]\n\t"
+        "vpbroadcastd (%[g],%[b],4), %x[o]%{%[k1]%}\n\t"
+        "vpbroadcastd (%[g],%[c],4), %x[o]%{%[k2]%}\n\t"
+        "vpbroadcastd (%[g],%[d],4), %x[o]%{%[k3]%}\n\t"
+        "movq %[j], %q[w]\n\t" HMOE_SPLIT_WORDS
+        "vmovd (%[g],%[a],4), %x[h]\n\t"
+        "vpbroadcastd (%[g],%[b],4), %x[h]%{%[k1]%}\n\t"
+        "vpbroadcastd (%[g],%[c],4), %x[h]%{%[k2]%}\n\t"
+        "vpbroadcastd (%[g],%[d],4), %x[h]%{%[k3]%}\n\t"
+        "vinserti128 $1, %x[h], %t[o], %t[o]"
+        : [o] "=&x"(out), [h] "=&x"(tmp), [w] "=&r"(w), [a] "=&r"(a), [b] "=&r"(b), [c] "=&r"(c), [d] "=&r"(d)
+        : [g] "r"(grid), [i] "m"(*reinterpret_cast<const uint64_t*>(i)),
+          [j] "m"(*reinterpret_cast<const uint64_t*>(i + 4)), [k1] "Yk"(__mmask8(2)), [k2] "Yk"(__mmask8(4)),
+          [k3] "Yk"(__mmask8(8)));
+    return out;
+}
+// The same by eight byte indices at i (iq3_xxs: the block's own bytes, in gemv_iq_n's loop),
+// taken apart with movzbl of the low and high byte registers (which take no REX prefix: w, b
+// and d among rax, rbx, rcx, rdx). L2-resident iq3_xxs at 1/2/3/4 tokens: 14.1/23.5/31.9/36.8
+// with grid8 -> 14.0/25.2/33.4/39.1 G weights/s.
+#define HMOE_SPLIT_BYTES                      \
+    "movzbl %b[w], %k[a]\n\t"                 \
+    "movzbl %h[w], %k[b]\n\t"                 \
+    "shrq $16, %q[w]\n\t"                     \
+    "movzbl %b[w], %k[c]\n\t"                 \
+    "movzbl %h[w], %k[d]\n\t"                 \
+    "shrq $16, %q[w]\n\t"
+static inline __m256i grid8_bytes(const uint32_t* grid, const uint8_t* i) {
+    __m256i out, tmp;
+    uint64_t w, a, b, c, d;
+    asm("movq %[i], %q[w]\n\t" HMOE_SPLIT_BYTES
+        "vmovd (%[g],%[a],4), %x[o]\n\t"
+        "vpbroadcastd (%[g],%[b],4), %x[o]%{%[k1]%}\n\t"
+        "vpbroadcastd (%[g],%[c],4), %x[o]%{%[k2]%}\n\t"
+        "vpbroadcastd (%[g],%[d],4), %x[o]%{%[k3]%}\n\t"
+        HMOE_SPLIT_BYTES
+        "vmovd (%[g],%[a],4), %x[h]\n\t"
+        "vpbroadcastd (%[g],%[b],4), %x[h]%{%[k1]%}\n\t"
+        "vpbroadcastd (%[g],%[c],4), %x[h]%{%[k2]%}\n\t"
+        "vpbroadcastd (%[g],%[d],4), %x[h]%{%[k3]%}\n\t"
+        "vinserti128 $1, %x[h], %t[o], %t[o]"
+        : [o] "=&x"(out), [h] "=&x"(tmp), [w] "=&Q"(w), [a] "=&r"(a), [b] "=&Q"(b), [c] "=&r"(c), [d] "=&Q"(d)
+        : [g] "r"(grid), [i] "m"(*reinterpret_cast<const uint64_t*>(i)), [k1] "Yk"(__mmask8(2)),
+          [k2] "Yk"(__mmask8(4)), [k3] "Yk"(__mmask8(8)));
+    return out;
+}
+#undef HMOE_SPLIT_BYTES
+#undef HMOE_SPLIT_WORDS
 #endif
 
 // Eight sign bytes from seven-bit fields, for all eight quarters of a super-block at once:
@@ -168,20 +271,55 @@ static inline __m256i nibble_scale_pair(uint8_t sc) {
     return _mm256_or_si256(_mm256_slli_epi16(nib, 1), _mm256_set1_epi16(1));
 }
 
+#if defined(HMOE_AVX512)
+// nibble_scale_pair of all eight scale bytes at sc at once, into pair[ib] (the AVX-512 decode
+// GEMV: per quarter a load instead of five vector operations on its critical path).
+static inline void nibble_scale_pairs(const uint8_t* sc, int16_t (*pair)[16]) {
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc));
+    const __m128i lo = _mm_and_si128(b, _mm_set1_epi8(15)), hi = _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(15));
+    // Word 2 ib: 2 lo + 1 of byte ib, word 2 ib + 1: 2 hi + 1.
+    __m512i m = _mm512_cvtepu8_epi16(_mm256_zextsi128_si256(_mm_unpacklo_epi8(lo, hi)));
+    m = _mm512_or_si512(_mm512_slli_epi16(m, 1), _mm512_set1_epi16(1));
+    // Quarters 2z, 2z + 1 per vector: words 4z (x8), 4z + 1 (x8), 4z + 2 (x8), 4z + 3 (x8).
+    const __m512i spread = _mm512_set_epi64(0x0003000300030003, 0x0003000300030003, 0x0002000200020002,
+                                            0x0002000200020002, 0x0001000100010001, 0x0001000100010001, 0, 0);
+    for (int z = 0; z < 4; ++z)
+        _mm512_store_si512(pair[2 * z],
+                           _mm512_permutexvar_epi16(_mm512_add_epi16(spread, _mm512_set1_epi16(short(4 * z))), m));
+}
+#endif
+
 template <bool Gather>
 struct IqBlock<FMT_IQ2_XS, Gather> {
     const uint8_t* p;
     alignas(32) uint32_t sign[8];
+#if defined(HMOE_AVX512)
+    // The 32 nine-bit grid indices and the quarters' scale pairs, for the whole super-block.
+    alignas(64) uint16_t index[32];
+    alignas(64) int16_t pair[8][16];
+#endif
     explicit IqBlock(const uint8_t* blk) : p(blk) {
         _mm256_store_si256(reinterpret_cast<__m256i*>(sign), sign_bytes_of_words(blk + 2));
+        index_in_memory(sign);
+#if defined(HMOE_AVX512)
+        _mm512_store_si512(index, _mm512_and_si512(_mm512_loadu_si512(blk + 2), _mm512_set1_epi16(511)));
+        index_in_memory(index);
+        nibble_scale_pairs(blk + 66, pair);
+        index_in_memory(pair);
+#endif
     }
     float d() const { return h2f(p) * 0.125f; }
     IqQuarter quarter(int ib) const {
+        const uint8_t sc = p[66 + ib];
+#if defined(HMOE_AVX512)
+        return {grid4_words(kIq2xsGrid, index + 4 * ib), signs_from_bits(sign[ib]),
+                _mm256_load_si256(reinterpret_cast<const __m256i*>(pair[ib])), 2 * (sc & 15) + 1, 2 * (sc >> 4) + 1};
+#else
         const uint8_t* q = p + 2 + 8 * ib;
         const __m256i g = grid4(kIq2xsGrid, load_u16(q) & 511, load_u16(q + 2) & 511, load_u16(q + 4) & 511,
                                 load_u16(q + 6) & 511);
-        const uint8_t sc = p[66 + ib];
         return {g, signs_from_bits(sign[ib]), nibble_scale_pair(sc), 2 * (sc & 15) + 1, 2 * (sc >> 4) + 1};
+#endif
     }
 };
 
@@ -192,7 +330,14 @@ struct IqBlock<FMT_IQ2_S, Gather> {
     // eight bits in qs, two more per index in the quarter's qh byte): one by one they cost
     // three scalar operations each, more than the look-up itself.
     alignas(32) uint16_t index[32];
+#if defined(HMOE_AVX512)
+    alignas(64) int16_t pair[8][16];  // the quarters' scale pairs (nibble_scale_pairs)
+#endif
     explicit IqBlock(const uint8_t* blk) : p(blk) {
+#if defined(HMOE_AVX512)
+        nibble_scale_pairs(blk + 74, pair);
+        index_in_memory(pair);
+#endif
         if constexpr (!Gather) {
             // qh byte of quarter ib to index lanes 4 ib .. 4 ib + 3, shifted so that its bits
             // 2k, 2k + 1 land on bits 8, 9 of lane k (a multiply by 256, 64, 16, 4).
@@ -206,13 +351,18 @@ struct IqBlock<FMT_IQ2_S, Gather> {
                 const __m256i low = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2 + 16 * half)));
                 _mm256_store_si256(reinterpret_cast<__m256i*>(index + 16 * half), _mm256_or_si256(low, high));
             }
+            index_in_memory(index);
         }
     }
     float d() const { return h2f(p) * 0.125f; }
     IqQuarter quarter(int ib) const {
         const uint8_t sc = p[74 + ib];
-        return {grid(ib), signs_from_bits(load_u32(p + 34 + 4 * ib)), nibble_scale_pair(sc), 2 * (sc & 15) + 1,
-                2 * (sc >> 4) + 1};
+#if defined(HMOE_AVX512)
+        const __m256i scale = _mm256_load_si256(reinterpret_cast<const __m256i*>(pair[ib]));
+#else
+        const __m256i scale = nibble_scale_pair(sc);
+#endif
+        return {grid(ib), signs_from_bits(load_u32(p + 34 + 4 * ib)), scale, 2 * (sc & 15) + 1, 2 * (sc >> 4) + 1};
     }
     __m256i grid(int ib) const {
 #if defined(HMOE_GRID_GATHER)
@@ -224,7 +374,11 @@ struct IqBlock<FMT_IQ2_S, Gather> {
         }
 #endif
         const uint16_t* i = index + 4 * ib;
+#if defined(HMOE_AVX512)
+        return grid4_words(kIq2sGrid, i);
+#else
         return grid4(kIq2sGrid, i[0], i[1], i[2], i[3]);
+#endif
     }
 };
 
@@ -243,32 +397,80 @@ struct IqBlock<FMT_IQ3_XXS, Gather> {
 #if defined(HMOE_GRID_GATHER)
         if constexpr (Gather) return gather8(kIq3xxsGrid, bytes8(qs));
 #endif
+#if defined(HMOE_AVX512)
+        return grid8_bytes(kIq3xxsGrid, qs);
+#else
         return grid8(kIq3xxsGrid, qs, 0);
+#endif
     }
 };
 
 template <bool Gather>
 struct IqBlock<FMT_IQ3_S, Gather> {
     const uint8_t* p;
-    explicit IqBlock(const uint8_t* blk) : p(blk) {}
+#if defined(HMOE_AVX512)
+    // The 64 nine-bit grid indices (index 8 ib + k: qs byte 8 ib + k, bit k of qh byte ib as
+    // bit 8) and the quarters' scales (s in both halves of a dword: a broadcast is a load),
+    // for the whole super-block in vectors: one by one the index costs four scalar
+    // operations, the scale five.
+    alignas(64) uint16_t index[64];
+    alignas(32) int32_t scale[8];
+#endif
+    explicit IqBlock(const uint8_t* blk) : p(blk) {
+#if defined(HMOE_AVX512)
+        if constexpr (!Gather) {
+            // qh byte of quarter 4 z + L into the eight words of 128-bit lane L (pshufb, high
+            // byte zeroed), each shifted so that its bit k lands on bit 8 of word k.
+            const __m512i qh = _mm512_broadcast_i32x4(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 66)));
+            const __m512i lane = _mm512_set_epi64(0x0003000300030003, 0x0003000300030003, 0x0002000200020002,
+                                                  0x0002000200020002, 0x0001000100010001, 0x0001000100010001, 0, 0);
+            const __m512i shift = _mm512_broadcast_i32x4(_mm_setr_epi16(8, 7, 6, 5, 4, 3, 2, 1));
+            for (int z = 0; z < 2; ++z) {
+                const __m512i spread =
+                    _mm512_shuffle_epi8(qh, _mm512_add_epi16(lane, _mm512_set1_epi16(short(0x8000 + 4 * z))));
+                const __m512i high = _mm512_and_si512(_mm512_sllv_epi16(spread, shift), _mm512_set1_epi16(0x100));
+                const __m512i low = _mm512_cvtepu8_epi16(load32(blk + 2 + 32 * z));
+                _mm512_store_si512(index + 32 * z, _mm512_or_si512(low, high));
+            }
+            index_in_memory(index);
+        }
+        // Scale nibbles in quarter order (byte 106 + j: quarters 2 j, 2 j + 1), then 2 s + 1.
+        const __m128i b = _mm_cvtsi32_si128(int(load_u32(blk + 106)));
+        const __m128i nib =
+            _mm_unpacklo_epi8(_mm_and_si128(b, _mm_set1_epi8(15)), _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(15)));
+        const __m256i s = _mm256_or_si256(_mm256_slli_epi32(_mm256_cvtepu8_epi32(nib), 1), _mm256_set1_epi32(1));
+        _mm256_store_si256(reinterpret_cast<__m256i*>(scale), _mm256_or_si256(s, _mm256_slli_epi32(s, 16)));
+        index_in_memory(scale);
+#endif
+    }
     float d() const { return h2f(p); }
     IqQuarter quarter(int ib) const {
-        const uint8_t* qs = p + 2 + 8 * ib;
-        const int h = p[66 + ib];
+        const Signs sign = signs_from_bits(load_u32(p + 74 + 4 * ib));
+#if defined(HMOE_AVX512)
+        const int s = scale[ib] & 0xFFFF;
+        return {grid(ib), sign, _mm256_set1_epi32(scale[ib]), s, s};
+#else
         const int s = 1 + 2 * ((p[106 + ib / 2] >> (4 * (ib % 2))) & 15);
-        return {grid(qs, h), signs_from_bits(load_u32(p + 74 + 4 * ib)), _mm256_set1_epi16(short(s)), s, s};
+        return {grid(ib), sign, _mm256_set1_epi16(short(s)), s, s};
+#endif
     }
-    static __m256i grid(const uint8_t* qs, int h) {
+    __m256i grid(int ib) const {
+        const uint8_t* qs = p + 2 + 8 * ib;
 #if defined(HMOE_GRID_GATHER)
         if constexpr (Gather) {
             const __m256i hi = _mm256_slli_epi32(
-                _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(h), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)),
-                                 _mm256_set1_epi32(1)),
+                _mm256_and_si256(
+                    _mm256_srlv_epi32(_mm256_set1_epi32(p[66 + ib]), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)),
+                    _mm256_set1_epi32(1)),
                 8);
             return gather8(kIq3sGrid, _mm256_or_si256(bytes8(qs), hi));
         }
 #endif
-        return grid8(kIq3sGrid, qs, h);
+#if defined(HMOE_AVX512)
+        return grid8_words(kIq3sGrid, index + 8 * ib);
+#else
+        return grid8(kIq3sGrid, qs, p[66 + ib]);
+#endif
     }
 };
 
@@ -354,19 +556,6 @@ static inline __m256i bytes_by_group(uint32_t four) {
     return _mm256_shuffle_epi8(_mm256_set1_epi32(int(four)),
                                _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3,
                                                 3, 3, 3, 3, 3, 3, 3));
-}
-
-// An iq1 super-block's indices (and, on AVX-512, its table rows) stay in memory, each read back
-// with a load (gemv_iq1_n: a super-block after the store): GCC otherwise keeps the vectors in
-// registers and takes every index out with vpextrw, two micro-ops each on Zen 4. The AVX2 set
-// keeps its code.
-template <typename T>
-static inline void index_in_memory(T& index) {
-#if defined(HMOE_AVX512)
-    asm("" : "+m"(index));
-#else
-    (void)index;
-#endif
 }
 
 template <bool Gather>
@@ -529,16 +718,21 @@ static inline void iq1_tokens(const Iq1Dot* q, float d, const Q8Row* acts, int64
 }
 #endif
 
-// iq1's decode GEMV on AVX-512: each super-block's IqBlock built one super-block ahead (across
-// rows too), into one of two fixed slots in turn, so that the decode's narrow loads of the
-// indices, deltas and table rows find the constructor's vector stores long done. Read back
-// right after the stores, they held the loop up (apparently no store-to-load forwarding from
-// a vector store to a narrower load at an offset on Zen 4): one token, L2-resident 768 x 2048,
-// 12.3 -> 16.3 G weights/s from the slots alone (no PMU on the VM to say more).
+// The decode GEMV on AVX-512 of the formats whose decoders store per-super-block arrays (iq1_s,
+// iq1_m, iq2_xs, iq2_s, iq3_s: indices, signs, scales, table rows): each super-block's IqBlock
+// built one super-block ahead (across rows too), into one of two fixed slots in turn, so that
+// the decode's narrow loads of those arrays find the constructor's vector stores long done.
+// Read back right after the stores, they held the loop up (apparently no store-to-load
+// forwarding from a vector store to a narrower load at an offset on Zen 4): iq1_s one token,
+// L2-resident 768 x 2048, 12.3 -> 16.3 G weights/s from the slots alone (no PMU on the VM to
+// say more); iq2_xs / iq2_s / iq3_s with their arrays in the old loop 14.3 / 13.5 / 10.0, here
+// 18 / 19 / 13. (iq2_xxs and iq3_xxs, whose indices are the block's own bytes, gain nothing
+// from it and keep the loop below.) flatten: GCC otherwise calls iq_tokens out of line, the
+// quarters passed through memory.
 #if defined(HMOE_AVX512)
 template <Format F, bool G, int N>
-static void gemv_iq1_n(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t K, const Q8Row* acts, float* out,
-                       int64_t ldo) {
+[[gnu::flatten]] static void gemv_iq_ahead_n(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t K,
+                                             const Q8Row* acts, float* out, int64_t ldo) {
     using Blk = IqBlock<F, G>;
     constexpr int kBytes = kFormats[F].block_bytes;
     const int64_t nsb = K / 256;
@@ -553,10 +747,17 @@ static void gemv_iq1_n(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t 
     for (int t = 0; t < N; ++t) acc[t] = _mm256_setzero_ps();
     const auto step = [&](const Blk& b) {
         prefetch_span(b.p + kPrefetchAheadK, kBytes);
-        Iq1Dot q[8];
+        if constexpr (F == FMT_IQ1_S || F == FMT_IQ1_M) {
+            Iq1Dot q[8];
 #pragma GCC unroll 8
-        for (int ib = 0; ib < 8; ++ib) q[ib] = b.dot(ib);
-        iq1_tokens<N>(q, b.d(), acts, sb, acc);
+            for (int ib = 0; ib < 8; ++ib) q[ib] = b.dot(ib);
+            iq1_tokens<N>(q, b.d(), acts, sb, acc);
+        } else {
+            IqQuarter q[8];
+#pragma GCC unroll 8
+            for (int ib = 0; ib < 8; ++ib) q[ib] = b.quarter(ib);
+            iq_tokens<N>(q, b.d(), acts, sb, acc);
+        }
         if (++sb == nsb) {
             for (int t = 0; t < N; ++t) out[t * ldo + r] = hsum_ps(acc[t]), acc[t] = _mm256_setzero_ps();
             sb = 0;
@@ -582,8 +783,8 @@ template <Format F, bool G, int N>
 static void gemv_iq_n(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t K, const Q8Row* acts, float* out,
                       int64_t ldo) {
 #if defined(HMOE_AVX512)
-    if constexpr (F == FMT_IQ1_S || F == FMT_IQ1_M)
-        if (nrows > 0 && K >= 256) return gemv_iq1_n<F, G, N>(w, row0, nrows, K, acts, out, ldo);
+    if constexpr (F == FMT_IQ1_S || F == FMT_IQ1_M || F == FMT_IQ2_XS || F == FMT_IQ2_S || F == FMT_IQ3_S)
+        if (nrows > 0 && K >= 256) return gemv_iq_ahead_n<F, G, N>(w, row0, nrows, K, acts, out, ldo);
 #endif
     constexpr int kBytes = kFormats[F].block_bytes;
     const int64_t nsb = K / 256;
@@ -1090,8 +1291,10 @@ static void gemv_q8_iq_with(const MatrixRef& w, int64_t row0, int64_t nrows, int
 // better of seven tries each. It depends on the core, not on the format's bytes: on the
 // Xeon (AVX-512, AMX) gathering won for all three formats (iq2_s 24 -> 33, iq3_xxs 31 ->
 // 35, iq3_s 17 -> 27 G weights/s), on an AMD EPYC (Zen 4) it lost for two (iq3_xxs 13.5 ->
-// 8.9, iq2_s 11.4 -> 9.9) and won for iq3_s (7.5 -> 8.9): one token, one thread. Both give
-// the same values. HYBRIDMOE_GRID_GATHER=0 or 1 decides instead (tests take both).
+// 8.9, iq2_s 11.4 -> 9.9) and won for iq3_s (7.5 -> 8.9): one token, one thread; since iq3_s's
+// indices are computed per super-block in vectors and loaded a super-block ahead
+// (gemv_iq_ahead_n) loading wins there too (L2-resident, one token: 9.1 gathered, 13 loaded).
+// Both give the same values. HYBRIDMOE_GRID_GATHER=0 or 1 decides instead (tests take both).
 template <Format F>
 static bool gather_is_faster() {
     if (const char* v = std::getenv("HYBRIDMOE_GRID_GATHER"); v && (*v == '0' || *v == '1')) return *v == '1';
