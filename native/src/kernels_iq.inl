@@ -1263,6 +1263,254 @@ static void gemm_b32_512(const MatrixRef& w, int64_t row0, int64_t nrows, int64_
         store_panel_sums(f, ntok, nr, out + rb, ldo);
     }
 }
+
+// q3_k's and q2_k's prompts on AVX-512 (calls of more than four tokens; kernels_x86.inl's
+// gemv_q8_q3k / gemv_q8_q2k): gemm_b32_512's form for gemv_q23k_n's arithmetic, the same bits
+// per token. That GEMV's int32 lane L of a super-block (per token) is the sum over the eight
+// quarters q of s(q, L) x (codes . activations of the quarter's dword L), s the scale of the
+// 16 the dword lies in (L < 4: group 2q, else 2q + 1); q3_k's (6-bit, less 32, codes 0 .. 7)
+// less 4 x (s_2L A_2L + s_2L+1 A_2L+1) (A_g: the token's sum over group g; the codes' offset
+// of 4, taken off in lanes other than the ones its products fell in); q2_k's (4-bit, codes 0
+// .. 3) with no offset, its mins apart: lane L of a second float sum is dmin x d times m_2L
+// A_2L + m_2L+1 A_2L+1. Here 16 rows in the lanes, a super-block's values decoded once per
+// 16 rows for all of the call's tokens as bytes through a vpshufb table per 16 (q2_k: s x
+// code, 0 .. 45; q3_k: u = 128 - s x (code - 4), 0 .. 252, as s x code does not fit a byte)
+// and transposed to [k][row] dwords; lane L is one chain of eight vpdpbusd over dwords 8q + L,
+// each token's dword the embedded broadcast. q3_k's chain starts from -128 x the token's sum
+// over those dwords, which leaves -(sum s (code - 4) a), and five vpdpwssd of the row's scale
+// pairs with the token's coefficients (x -4) per group add -4 x (sum s a over the lane's
+// dwords - s_2L A_2L - s_2L+1 A_2L+1): J = -I, I the GEMV's lane integer, exactly (at most
+// ~2^21 in size); its float step, the GEMV's fma(d x d_t, I, acc), is fma(-d x d_t, J, acc):
+// the same product (negation is exact), the same bits. q2_k's chain from zero is the GEMV's
+// integer itself; its mins' integer one vpdpwssd of the row's (m_2L, m_2L+1) with the token's
+// (A_2L, A_2L+1). The lanes stay in memory between super-blocks; at the end of a row block
+// (q2_k: acc - accm per lane, as the GEMV) hsum_ps's additions. The activations' sums come
+// from the transposed activations, 16 tokens a vector, once per call.
+struct alignas(64) Q23Panel {
+    uint32_t wq[64][16];  // dword k (values 4k .. 4k + 3) of the 16 rows: the bytes above
+    uint32_t sp[8][16];   // q3_k's scale pairs (s_g1, s_g2) as int16: 0-3 (4p, 4p + 2), 4-7 (4p + 1,
+                          // 4p + 3); q2_k's min pairs (m_2L, m_2L+1)
+    float d[16];          // q3_k: -d; q2_k: d
+    float dmin[16];       // q2_k
+};
+
+// q3_k's scale pair p (0 .. 4) of lane L: the four of the lane's parity and the other
+// parity's pair that holds group 2L or 2L + 1.
+static constexpr int q3k_pair(int L, int p) { return p < 4 ? (L < 4 ? p : 4 + p) : (L < 4 ? 4 + L / 2 : L / 2); }
+
+template <bool kThree>
+static void q23k_decode_panel(const MatrixRef& w, int64_t r0, int nr, int next, int64_t sb, Q23Panel& P) {
+    constexpr int kBytes = kThree ? 110 : 84;
+    alignas(64) int32_t rows[16][64];
+    alignas(64) int32_t sp_rows[16][16];
+    const __m512i low2 = _mm512_set1_epi8(3), four = _mm512_set1_epi8(4), k128 = _mm512_set1_epi16(kThree ? 128 : 0);
+    // Chunk c = values 64c .. 64c + 63: half c / 2, quarters 2 (c & 1) and 2 (c & 1) + 1.
+    const __m512i shift[2] = {_mm512_inserti64x4(_mm512_set1_epi16(0), _mm256_set1_epi16(2), 1),
+                              _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(6), 1)};
+    __m512i bit[4], idx[4];
+    for (int c = 0; c < 4; ++c) {
+        const int b = 4 * (c / 2) + 2 * (c & 1);
+        bit[c] = _mm512_inserti64x4(_mm512_set1_epi8(char(1 << b)), _mm256_set1_epi8(char(1 << (b + 1))), 1);
+        alignas(64) int16_t ix[32];
+        for (int p = 0; p < 32; ++p) ix[p] = int16_t(4 * c + p / 8);
+        idx[c] = _mm512_load_si512(ix);
+    }
+    // Table entry i of a 16's lane: q3_k 128 + s (4 - i), q2_k s i.
+    alignas(64) int16_t mc[32];
+    for (int p = 0; p < 32; ++p) mc[p] = int16_t(kThree ? 4 - p % 8 : p % 8);
+    const __m512i mul = _mm512_load_si512(mc);
+    const __m256i pairs = _mm256_setr_epi16(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+    for (int r = 0; r < 16; ++r) {
+        if (r >= nr) {
+            for (int k = 0; k < 64; k += 16) _mm512_store_si512(rows[r] + k, _mm512_setzero_si512());
+            _mm512_store_si512(sp_rows[r], _mm512_setzero_si512());
+            P.d[r] = P.dmin[r] = 0.0f;
+            continue;
+        }
+        const uint8_t* b = w.row(r0 + r) + sb * kBytes;
+        if (r < next) prefetch_span(w.row(r0 + 16 + r) + sb * kBytes, kBytes);
+        __m256i s16;
+        if constexpr (kThree) {
+            s16 = _mm256_cvtepi8_epi16(q3k_scales16(b + 96));
+            _mm512_store_si512(sp_rows[r], _mm512_zextsi256_si512(_mm256_permutexvar_epi16(pairs, s16)));
+        } else {
+            const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b)), m4 = _mm_set1_epi8(0x0F);
+            s16 = _mm256_cvtepu8_epi16(_mm_and_si128(raw, m4));
+            _mm512_store_si512(sp_rows[r],
+                               _mm512_zextsi256_si512(_mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), m4))));
+        }
+        const __m512i s512 = _mm512_zextsi256_si512(s16);
+        const __m512i hm = kThree ? _mm512_broadcast_i64x4(load32(b)) : _mm512_setzero_si512();
+        for (int c = 0; c < 4; ++c) {
+            const __m512i qs = _mm512_broadcast_i64x4(load32(b + (kThree ? 32 : 16) + 32 * (c / 2)));
+            __m512i code = _mm512_and_si512(_mm512_srlv_epi16(qs, shift[c & 1]), low2);
+            if constexpr (kThree) code = _mm512_mask_add_epi8(code, _mm512_test_epi8_mask(hm, bit[c]), code, four);
+            const __m512i tw = _mm512_add_epi16(_mm512_mullo_epi16(_mm512_permutexvar_epi16(idx[c], s512), mul), k128);
+            _mm512_store_si512(rows[r] + 16 * c, _mm512_shuffle_epi8(_mm512_packus_epi16(tw, tw), code));
+        }
+        if constexpr (kThree) {
+            P.d[r] = -h2f(b + 108);
+        } else {
+            P.d[r] = h2f(b + 80);
+            P.dmin[r] = h2f(b + 82);
+        }
+    }
+    for (int c = 0; c < 4; ++c) {
+        __m512i m[16];
+        for (int r = 0; r < 16; ++r) m[r] = _mm512_load_si512(rows[r] + 16 * c);
+        transpose16x16_epi32(m);
+        for (int k = 0; k < 16; ++k) _mm512_store_si512(P.wq[16 * c + k], m[k]);
+    }
+    __m512i m[16];
+    for (int r = 0; r < 16; ++r) m[r] = _mm512_load_si512(sp_rows[r]);
+    transpose16x16_epi32(m);
+    for (int k = 0; k < 8; ++k) _mm512_store_si512(P.sp[k], m[k]);
+}
+
+static inline __m512i dpwssd_bcast(__m512i acc, __m512i u, const int32_t* s) {
+    asm("vpdpwssd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(u), "m"(*s));
+    return acc;
+}
+
+// N tokens against a panel, into f[t * 8 + L] (q2_k's mins into fm[t * 8 + L]). x: their
+// activations at this super-block (dword k of token t at x[16 k + t]); xc[16 L + t]: q3_k's
+// -128 x token t's sum over lane L's dwords; xe[16 (5 L + p) + t]: q3_k's coefficient pair
+// of token t for the lane's scale pair p, q2_k's (A_2L, A_2L+1) at xe[16 L + t]; xd[t]:
+// token t's d of the super-block.
+template <bool kThree, int N>
+static inline void q23k_panel_tokens(const Q23Panel& P, const int32_t* x, const int32_t* xc, const int32_t* xe,
+                                     const float* xd, __m512* f, __m512* fm) {
+    alignas(64) __m512 dx[N];
+    const __m512 d = _mm512_load_ps(P.d);
+    for (int t = 0; t < N; ++t) dx[t] = _mm512_mul_ps(d, _mm512_set1_ps(xd[t]));
+    if constexpr (!kThree) {
+        alignas(64) __m512 dmx[N];
+        const __m512 dmin = _mm512_load_ps(P.dmin);
+        for (int t = 0; t < N; ++t) dmx[t] = _mm512_mul_ps(dmin, _mm512_set1_ps(xd[t]));
+#pragma GCC unroll 1
+        for (int L = 0; L < 8; ++L) {
+            const __m512i sv = _mm512_load_si512(P.sp[L]);
+#pragma GCC unroll 16
+            for (int t = 0; t < N; ++t) {
+                const __m512i M = dpwssd_bcast(_mm512_setzero_si512(), sv, xe + 16 * L + t);
+                fm[t * 8 + L] = _mm512_fmadd_ps(dmx[t], _mm512_cvtepi32_ps(M), fm[t * 8 + L]);
+            }
+        }
+    }
+#pragma GCC unroll 1
+    for (int L = 0; L < 8; ++L) {
+        __m512i J[N];
+        for (int t = 0; t < N; ++t) J[t] = kThree ? _mm512_set1_epi32(xc[16 * L + t]) : _mm512_setzero_si512();
+#pragma GCC unroll 8
+        for (int q = 0; q < 8; ++q) {
+            const __m512i wv = _mm512_load_si512(P.wq[8 * q + L]);
+            const int32_t* xk = x + 16 * (8 * q + L);
+#pragma GCC unroll 16
+            for (int t = 0; t < N; ++t) J[t] = dpbusd_bcast(J[t], wv, xk + t);
+        }
+        if constexpr (kThree) {
+#pragma GCC unroll 5
+            for (int p = 0; p < 5; ++p) {
+                const __m512i sv = _mm512_load_si512(P.sp[q3k_pair(L, p)]);
+                const int32_t* xk = xe + 16 * (5 * L + p);
+#pragma GCC unroll 16
+                for (int t = 0; t < N; ++t) J[t] = dpwssd_bcast(J[t], sv, xk + t);
+            }
+        }
+#pragma GCC unroll 16
+        for (int t = 0; t < N; ++t) f[t * 8 + L] = _mm512_fmadd_ps(dx[t], _mm512_cvtepi32_ps(J[t]), f[t * 8 + L]);
+    }
+}
+
+template <bool kThree>
+static void gemm_q23k_512(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t K, const Q8Row* acts, int ntok,
+                          float* out, int64_t ldo) {
+    const int64_t nsb = K / 256;
+    const int ngroups = (ntok + kIqTileTokens - 1) / kIqTileTokens;
+    constexpr int kPairs = kThree ? 5 : 1;
+    thread_local std::vector<float> f_buf, fm_buf;
+    thread_local std::vector<int32_t> xc_buf, xe_buf;
+    thread_local std::vector<float> xd_buf;
+    const int32_t* const X = transposed_acts<false>(acts, ntok, K);
+    // Per super-block and group of 16 tokens, the tokens side by side: XC[((sb * ngroups + g)
+    // * 8 + L) * 16 + t], XE[(((sb * ngroups + g) * 8 + L) * kPairs + p) * 16 + t], XD[(sb *
+    // ngroups + g) * 16 + t]; from the transposed activations, 16 tokens a vector: a4[k], the
+    // sums of dwords k, and A[g], of the 16s.
+    int32_t* const XC = aligned64(xc_buf, nsb * ngroups * 8 * 16);
+    int32_t* const XE = aligned64(xe_buf, nsb * ngroups * 8 * kPairs * 16);
+    float* const XD = aligned64(xd_buf, nsb * ngroups * 16);
+    const __m512i ones = _mm512_set1_epi8(1), low16 = _mm512_set1_epi32(0xFFFF);
+    for (int64_t q0 = 0; q0 < nsb * ngroups; ++q0) {
+        const int32_t* x = X + q0 * 64 * 16;
+        __m512i a4[64], A[16];
+        for (int k = 0; k < 64; ++k) a4[k] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, _mm512_load_si512(x + 16 * k));
+        for (int g = 0; g < 16; ++g)
+            A[g] = _mm512_add_epi32(_mm512_add_epi32(a4[4 * g], a4[4 * g + 1]), _mm512_add_epi32(a4[4 * g + 2], a4[4 * g + 3]));
+        for (int L = 0; L < 8; ++L) {
+            if constexpr (!kThree) {
+                _mm512_store_si512(XE + (q0 * 8 + L) * 16,
+                                   _mm512_or_si512(_mm512_and_si512(A[2 * L], low16), _mm512_slli_epi32(A[2 * L + 1], 16)));
+                continue;
+            }
+            __m512i S = _mm512_setzero_si512();
+            for (int q = 0; q < 8; ++q) S = _mm512_add_epi32(S, a4[8 * q + L]);
+            _mm512_store_si512(XC + (q0 * 8 + L) * 16, _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(S, 7)));
+            // Group g's coefficient in lane L: the lane's dword of g's quarter where the lane
+            // takes g's scale, less A_g where g is 2L or 2L + 1; times -4.
+            auto coef = [&](int g) {
+                __m512i v = _mm512_setzero_si512();
+                if ((g & 1) == (L < 4 ? 0 : 1)) v = a4[8 * (g / 2) + L];
+                if (g == 2 * L || g == 2 * L + 1) v = _mm512_sub_epi32(v, A[g]);
+                return _mm512_mullo_epi32(v, _mm512_set1_epi32(-4));
+            };
+            for (int p = 0; p < kPairs; ++p) {
+                const int i = q3k_pair(L, p), g1 = i < 4 ? 4 * i : 4 * (i - 4) + 1;
+                _mm512_store_si512(XE + ((q0 * 8 + L) * kPairs + p) * 16,
+                                   _mm512_or_si512(_mm512_and_si512(coef(g1), low16), _mm512_slli_epi32(coef(g1 + 2), 16)));
+            }
+        }
+    }
+    for (int t = 0; t < ntok; ++t) {
+        const int g = t / kIqTileTokens, tt = t % kIqTileTokens;
+        for (int64_t sb = 0; sb < nsb; ++sb) XD[(sb * ngroups + g) * 16 + tt] = acts[t].d[8 * sb];
+    }
+    __m512* const f = reinterpret_cast<__m512*>(aligned64(f_buf, int64_t(ntok) * 8 * 16));
+    __m512* const fm = kThree ? nullptr : reinterpret_cast<__m512*>(aligned64(fm_buf, int64_t(ntok) * 8 * 16));
+    alignas(64) Q23Panel P;
+    constexpr int kBytes = kThree ? 110 : 84;
+    for (int r = 0; r < std::min<int64_t>(16, nrows); ++r) prefetch_span(w.row(row0 + r), int(nsb) * kBytes);
+    for (int64_t rb = 0; rb < nrows; rb += 16) {
+        const int nr = int(std::min<int64_t>(16, nrows - rb));
+        const int next = int(std::min<int64_t>(16, nrows - rb - 16));
+        for (int64_t i = 0; i < int64_t(ntok) * 8; ++i) f[i] = _mm512_setzero_ps();
+        if constexpr (!kThree)
+            for (int64_t i = 0; i < int64_t(ntok) * 8; ++i) fm[i] = _mm512_setzero_ps();
+        for (int64_t sb = 0; sb < nsb; ++sb) {
+            q23k_decode_panel<kThree>(w, row0 + rb, nr, next, sb, P);
+            for (int g = 0; g < ngroups; ++g) {
+                const int t0 = g * kIqTileTokens;
+                const int64_t q0 = sb * ngroups + g;
+                with_tile_tokens(std::min(kIqTileTokens, ntok - t0), [&](auto n) {
+                    q23k_panel_tokens<kThree, decltype(n)::value>(P, X + q0 * 64 * 16, XC + q0 * 8 * 16,
+                                                                  XE + q0 * 8 * kPairs * 16, XD + q0 * 16, f + t0 * 8,
+                                                                  kThree ? nullptr : fm + t0 * 8);
+                });
+            }
+        }
+        if constexpr (!kThree)  // the GEMV's acc - accm, lane by lane
+            for (int64_t i = 0; i < int64_t(ntok) * 8; ++i) f[i] = _mm512_sub_ps(f[i], fm[i]);
+        store_panel_sums(f, ntok, nr, out + rb, ldo);
+    }
+}
+
+static void gemm_q3k_512(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t K, const Q8Row* acts, int ntok,
+                         float* out, int64_t ldo) {
+    gemm_q23k_512<true>(w, row0, nrows, K, acts, ntok, out, ldo);
+}
+static void gemm_q2k_512(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t K, const Q8Row* acts, int ntok,
+                         float* out, int64_t ldo) {
+    gemm_q23k_512<false>(w, row0, nrows, K, acts, ntok, out, ldo);
+}
 #endif
 
 template <Format F, bool G>

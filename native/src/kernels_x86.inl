@@ -829,13 +829,31 @@ static void gemv_q8_q6k(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t
                         float* out, int64_t ldo) {
     by_tokens<Q6G>(w, row0, nrows, K, acts, ntok, out, ldo);
 }
+#if defined(HMOE_AVX512)
+// AVX-512: q3_k's and q2_k's calls of more than four tokens (prompts) as a GEMM over panels
+// of 16 rows, the same bits per token (kernels_iq.inl).
+static void gemm_q3k_512(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t K, const Q8Row* acts, int ntok,
+                         float* out, int64_t ldo);
+static void gemm_q2k_512(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t K, const Q8Row* acts, int ntok,
+                         float* out, int64_t ldo);
+#endif
 static void gemv_q8_q3k(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t K, const Q8Row* acts, int ntok,
                         float* out, int64_t ldo) {
-    by_tokens<Q23<true>::template G>(w, row0, nrows, K, acts, ntok, out, ldo);
+#if defined(HMOE_AVX512)
+    if (ntok > kMaxGemvTokens) return gemm_q3k_512(w, row0, nrows, K, acts, ntok, out, ldo);
+#endif
+    for (int t0 = 0; t0 < ntok; t0 += kMaxGemvTokens)  // one call where gemv_any_tokens is unset
+        by_tokens<Q23<true>::template G>(w, row0, nrows, K, acts + t0, std::min(kMaxGemvTokens, ntok - t0),
+                                         out + t0 * ldo, ldo);
 }
 static void gemv_q8_q2k(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t K, const Q8Row* acts, int ntok,
                         float* out, int64_t ldo) {
-    by_tokens<Q23<false>::template G>(w, row0, nrows, K, acts, ntok, out, ldo);
+#if defined(HMOE_AVX512)
+    if (ntok > kMaxGemvTokens) return gemm_q2k_512(w, row0, nrows, K, acts, ntok, out, ldo);
+#endif
+    for (int t0 = 0; t0 < ntok; t0 += kMaxGemvTokens)  // one call where gemv_any_tokens is unset
+        by_tokens<Q23<false>::template G>(w, row0, nrows, K, acts + t0, std::min(kMaxGemvTokens, ntok - t0),
+                                          out + t0 * ldo, ldo);
 }
 
 // ---- decode: the i-quant super-blocks ----------------------------------------------------
@@ -2140,6 +2158,9 @@ static const KernelTable* make_table(const char* name) {
         q8[FMT_IQ1_M] = gemv_q8_iq<FMT_IQ1_M>;
         for (Format f : {FMT_IQ4_XS, FMT_IQ2_XXS, FMT_IQ2_XS, FMT_IQ2_S, FMT_IQ3_XXS, FMT_IQ3_S, FMT_IQ1_S, FMT_IQ1_M})
             t.gemv_any_tokens[f] = true;
+#if defined(HMOE_AVX512)
+        t.gemv_any_tokens[FMT_Q3_K] = t.gemv_any_tokens[FMT_Q2_K] = true;  // gemm_q3k_512 / gemm_q2k_512 past four
+#endif
         t.iq_unpack[FMT_IQ4_XS] = iq_unpack<FMT_IQ4_XS>;
         t.iq_unpack[FMT_IQ2_XXS] = iq_unpack<FMT_IQ2_XXS>;
         t.iq_unpack[FMT_IQ2_XS] = iq_unpack<FMT_IQ2_XS>;
