@@ -198,8 +198,10 @@ static_assert(every_format_has_info(), "a Format without its kFormats entry");
 // repack.h): q2_k and q3_k, whose dequantizing costs the most bit work per weight, and q4_1,
 // q5_1, iq4_nl and iq4_xs, whose 32-block GEMV reads at the bandwidth's pace (iq4_xs is
 // iq4_nl's codes with a 6-bit scale per 32 under one fp16 per 256: kernels_x86.inl's
-// Block32). The other i-quants' prompts: see iq_prompt_gemv below; elsewhere they dequantize
-// through their GEMV's unpacking into the GEMM's panels.
+// Block32). On AVX-512 the calls of more than four tokens of q2_k, q3_k and iq4_xs are panel
+// GEMMs with the GEMV's bits per token (gemm_q3k_512 / gemm_q2k_512 / gemm_b32_512). The other
+// i-quants' prompts: see iq_prompt_gemv below; elsewhere they dequantize through their GEMV's
+// unpacking into the GEMM's panels.
 static inline bool gemv_at_every_count(Format f) {
     return f == FMT_Q2_K || f == FMT_Q3_K || f == FMT_Q4_1 || f == FMT_Q5_1 || f == FMT_IQ4_NL || f == FMT_IQ4_XS;
 }
