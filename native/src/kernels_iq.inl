@@ -104,8 +104,8 @@ constexpr bool kGatherByDefault = false;
 #endif
 
 #if defined(HMOE_AVX512)
-// grid4 / grid8 on AVX-512 by the word indices a decoder stored a super-block ahead (iq2_xs,
-// iq2_s, iq3_s) or by the block's own index bytes (iq3_xxs), written out: in the unrolled
+// grid4 / grid8 on AVX-512 by the word indices a decoder stored a super-block ahead (iq1_s,
+// iq1_m, iq2_xs, iq2_s, iq3_s) or by the block's own index bytes (iq3_xxs), written out: in the unrolled
 // decode GEMV GCC parks indices in vector registers between their load and the look-up
 // (vmovq there and back, two more micro-ops each). Four indices come in with one 64-bit
 // load and are taken apart in registers (fewer loads: the look-ups are most of the decode's).
@@ -272,6 +272,13 @@ static inline __m256i nibble_scale_pair(uint8_t sc) {
 }
 
 #if defined(HMOE_AVX512)
+// Word k of 128-bit lane L holds L: vpermw / vpshufb indices that spread four items over the
+// four lanes (plus a per-call offset).
+static inline __m512i lane_numbers_epi16() {
+    return _mm512_set_epi64(0x0003000300030003, 0x0003000300030003, 0x0002000200020002, 0x0002000200020002,
+                            0x0001000100010001, 0x0001000100010001, 0, 0);
+}
+
 // nibble_scale_pair of all eight scale bytes at sc at once, into pair[ib] (the AVX-512 decode
 // GEMV: per quarter a load instead of five vector operations on its critical path).
 static inline void nibble_scale_pairs(const uint8_t* sc, int16_t (*pair)[16]) {
@@ -281,8 +288,7 @@ static inline void nibble_scale_pairs(const uint8_t* sc, int16_t (*pair)[16]) {
     __m512i m = _mm512_cvtepu8_epi16(_mm256_zextsi128_si256(_mm_unpacklo_epi8(lo, hi)));
     m = _mm512_or_si512(_mm512_slli_epi16(m, 1), _mm512_set1_epi16(1));
     // Quarters 2z, 2z + 1 per vector: words 4z (x8), 4z + 1 (x8), 4z + 2 (x8), 4z + 3 (x8).
-    const __m512i spread = _mm512_set_epi64(0x0003000300030003, 0x0003000300030003, 0x0002000200020002,
-                                            0x0002000200020002, 0x0001000100010001, 0x0001000100010001, 0, 0);
+    const __m512i spread = lane_numbers_epi16();
     for (int z = 0; z < 4; ++z)
         _mm512_store_si512(pair[2 * z],
                            _mm512_permutexvar_epi16(_mm512_add_epi16(spread, _mm512_set1_epi16(short(4 * z))), m));
@@ -422,8 +428,7 @@ struct IqBlock<FMT_IQ3_S, Gather> {
             // qh byte of quarter 4 z + L into the eight words of 128-bit lane L (pshufb, high
             // byte zeroed), each shifted so that its bit k lands on bit 8 of word k.
             const __m512i qh = _mm512_broadcast_i32x4(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 66)));
-            const __m512i lane = _mm512_set_epi64(0x0003000300030003, 0x0003000300030003, 0x0002000200020002,
-                                                  0x0002000200020002, 0x0001000100010001, 0x0001000100010001, 0, 0);
+            const __m512i lane = lane_numbers_epi16();
             const __m512i shift = _mm512_broadcast_i32x4(_mm_setr_epi16(8, 7, 6, 5, 4, 3, 2, 1));
             for (int z = 0; z < 2; ++z) {
                 const __m512i spread =
@@ -522,27 +527,6 @@ struct Iq1sDotTable {
     }
 };
 inline constexpr Iq1sDotTable kIq1sDotTable{};
-// grid4 of four word indices in memory, written out: GCC, short of general registers in the
-// unrolled decode, otherwise parks the indices in vector registers between their load and
-// the look-up (vmovq there and back, two more micro-ops each).
-static inline __m256i grid4_at(const uint64_t* grid, const uint16_t* i) {
-    __m256i out;
-    __m128i hi;
-    uint64_t a, b, c, d;
-    asm("movzwl %[i0], %k[a]\n\t"
-        "movzwl %[i1], %k[b]\n\t"
-        "movzwl %[i2], %k[c]\n\t"
-        "movzwl %[i3], %k[d]\n\t"
-        "vmovq (%[g],%[a],8), %x[o]\n\t"
-        "vmovhps (%[g],%[b],8), %x[o], %x[o]\n\t"
-        "vmovq (%[g],%[c],8), %x[h]\n\t"
-        "vmovhps (%[g],%[d],8), %x[h], %x[h]\n\t"
-        "vinserti128 $1, %x[h], %t[o], %t[o]"
-        : [o] "=&x"(out), [h] "=&x"(hi), [a] "=&r"(a), [b] "=&r"(b), [c] "=&r"(c), [d] "=&r"(d)
-        : [g] "r"(grid), [i0] "m"(i[0]), [i1] "m"(i[1]), [i2] "m"(i[2]), [i3] "m"(i[3]));
-    return out;
-}
-
 static inline Iq1Dot iq1_dot(__m256i g, __m256i deltas, const uint8_t* row) {
     const __m256i v = _mm256_add_epi8(_mm256_sign_epi8(_mm256_set1_epi8(8), g), deltas);
     const __m256i table = _mm256_load_si256(reinterpret_cast<const __m256i*>(row));
@@ -604,7 +588,7 @@ struct IqBlock<FMT_IQ1_S, Gather> {
     Iq1Dot dot(int ib) const {
         const uint16_t* i = index + 4 * ib;
         const int8_t* r = kIq1sDotTable.row[0] + row[ib];
-        const __m256i j = _mm256_and_si256(grid4_at(kIq1sGrid, i), _mm256_set1_epi8(3));
+        const __m256i j = _mm256_and_si256(grid4_words(kIq1sGrid, i), _mm256_set1_epi8(3));
         return {_mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(r))), j),
                 _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(r + 16))), j)};
     }
@@ -664,7 +648,7 @@ struct IqBlock<FMT_IQ1_M, Gather> {
 #if defined(HMOE_AVX512)
     Iq1Dot dot(int ib) const {
         const uint16_t* i = index + 4 * ib;
-        return iq1_dot(grid4_at(kIq1sGrid, i), bytes_by_group(load_u32(delta + 4 * ib)), kIq1ScaleTable.row[0] + row[ib]);
+        return iq1_dot(grid4_words(kIq1sGrid, i), bytes_by_group(load_u32(delta + 4 * ib)), kIq1ScaleTable.row[0] + row[ib]);
     }
 #endif
 };
@@ -1299,8 +1283,11 @@ struct alignas(64) Q23Panel {
 static constexpr int q3k_pair(int L, int p) { return p < 4 ? (L < 4 ? p : 4 + p) : (L < 4 ? 4 + L / 2 : L / 2); }
 
 template <bool kThree>
+static constexpr int kQ23Bytes = kFormats[kThree ? FMT_Q3_K : FMT_Q2_K].block_bytes;
+
+template <bool kThree>
 static void q23k_decode_panel(const MatrixRef& w, int64_t r0, int nr, int next, int64_t sb, Q23Panel& P) {
-    constexpr int kBytes = kThree ? 110 : 84;
+    constexpr int kBytes = kQ23Bytes<kThree>;
     alignas(64) int32_t rows[16][64];
     alignas(64) int32_t sp_rows[16][16];
     const __m512i low2 = _mm512_set1_epi8(3), four = _mm512_set1_epi8(4), k128 = _mm512_set1_epi16(kThree ? 128 : 0);
@@ -1477,7 +1464,7 @@ static void gemm_q23k_512(const MatrixRef& w, int64_t row0, int64_t nrows, int64
     __m512* const f = reinterpret_cast<__m512*>(aligned64(f_buf, int64_t(ntok) * 8 * 16));
     __m512* const fm = kThree ? nullptr : reinterpret_cast<__m512*>(aligned64(fm_buf, int64_t(ntok) * 8 * 16));
     alignas(64) Q23Panel P;
-    constexpr int kBytes = kThree ? 110 : 84;
+    constexpr int kBytes = kQ23Bytes<kThree>;
     for (int r = 0; r < std::min<int64_t>(16, nrows); ++r) prefetch_span(w.row(row0 + r), int(nsb) * kBytes);
     for (int64_t rb = 0; rb < nrows; rb += 16) {
         const int nr = int(std::min<int64_t>(16, nrows - rb));

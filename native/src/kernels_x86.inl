@@ -842,18 +842,14 @@ static void gemv_q8_q3k(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t
 #if defined(HMOE_AVX512)
     if (ntok > kMaxGemvTokens) return gemm_q3k_512(w, row0, nrows, K, acts, ntok, out, ldo);
 #endif
-    for (int t0 = 0; t0 < ntok; t0 += kMaxGemvTokens)  // one call where gemv_any_tokens is unset
-        by_tokens<Q23<true>::template G>(w, row0, nrows, K, acts + t0, std::min(kMaxGemvTokens, ntok - t0),
-                                         out + t0 * ldo, ldo);
+    by_tokens<Q23<true>::template G>(w, row0, nrows, K, acts, ntok, out, ldo);
 }
 static void gemv_q8_q2k(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t K, const Q8Row* acts, int ntok,
                         float* out, int64_t ldo) {
 #if defined(HMOE_AVX512)
     if (ntok > kMaxGemvTokens) return gemm_q2k_512(w, row0, nrows, K, acts, ntok, out, ldo);
 #endif
-    for (int t0 = 0; t0 < ntok; t0 += kMaxGemvTokens)  // one call where gemv_any_tokens is unset
-        by_tokens<Q23<false>::template G>(w, row0, nrows, K, acts + t0, std::min(kMaxGemvTokens, ntok - t0),
-                                          out + t0 * ldo, ldo);
+    by_tokens<Q23<false>::template G>(w, row0, nrows, K, acts, ntok, out, ldo);
 }
 
 // ---- decode: the i-quant super-blocks ----------------------------------------------------
