@@ -41,6 +41,13 @@ def _keep_weight(router: nn.Module, weight: torch.Tensor, computed: torch.Tensor
     router.native = native_linear(held.contiguous(), None if bias is None else bias.float(), weight.device)
 
 
+def _matrix(router: nn.Module) -> dict:
+    """What a router's description says of its matrix: the dtype it computes with, and whether
+    the native kernels read it (a model built with them off has no ``native``, whichever way
+    the switch is when it decodes)."""
+    return dict(matrix_float32=router.weight.dtype == torch.float32, matrix_native=router.native is not None)
+
+
 def _logits(router: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None,
             dtype: torch.dtype | None = None) -> torch.Tensor:
     """x W^T (+ bias): float32 from the native kernels; else PyTorch's, rounded to `dtype`
@@ -72,7 +79,7 @@ class SoftmaxTopK(nn.Module):
 
     def describe(self) -> Router:
         return Router("softmax_topk", self.k, normalize=self.normalize,
-                      matrix_float32=self.weight.dtype == torch.float32, weights_float32=self.float32_weights)
+                      **_matrix(self), weights_float32=self.float32_weights)
 
 
 class SigmoidGroupedTopK(nn.Module):
@@ -122,7 +129,7 @@ class SigmoidGroupedTopK(nn.Module):
     def describe(self) -> Router:
         return Router("sigmoid_group_topk", self.k, normalize=self.normalize, n_group=self.n_group,
                       topk_group=self.topk_group, scaling=float(self.scaling),
-                      choice_bias=self.correction_bias is not None, matrix_float32=self.weight.dtype == torch.float32)
+                      choice_bias=self.correction_bias is not None, **_matrix(self))
 
 
 class SoftmaxGroupedGreedy(nn.Module):
@@ -161,7 +168,7 @@ class SoftmaxGroupedGreedy(nn.Module):
     def describe(self) -> Router:
         return Router("softmax_group_greedy", self.k, normalize=self.normalize, n_group=self.n_group,
                       topk_group=self.topk_group, scaling=float(self.scaling),
-                      matrix_float32=self.weight.dtype == torch.float32)
+                      **_matrix(self))
 
 
 class TopKSoftmax(nn.Module):
@@ -179,4 +186,4 @@ class TopKSoftmax(nn.Module):
         return ids, F.softmax(top, dim=-1, dtype=top.dtype)
 
     def describe(self) -> Router:
-        return Router("topk_softmax", self.k, logit_bias=True, matrix_float32=self.weight.dtype == torch.float32)
+        return Router("topk_softmax", self.k, logit_bias=True, **_matrix(self))

@@ -61,6 +61,9 @@ class Router:
     choice_bias: bool = False  # a per-expert bias added for the choice only (sigmoid_group_topk)
     logit_bias: bool = False  # a bias added to the logits (topk_softmax)
     matrix_float32: bool = True  # the matrix as the router computes with it
+    # The native kernels read the matrix (the router's NativeLinear, ``routing._keep_weight``): a
+    # CPU main device with the kernels on when it was built, as for the projections.
+    matrix_native: bool = True
     weights_float32: bool = False  # the chosen weights kept in float32 (softmax_topk: else rounded to the logits' dtype)
 
 

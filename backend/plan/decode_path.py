@@ -119,6 +119,8 @@ def ffn_covered(f: FeedForward) -> str | None:
         return f"the {f.router.kind} router"
     if not f.router.matrix_float32:
         return "a router matrix not in float32"
+    if not f.router.matrix_native:  # the decode step computes the logits with the router's NativeLinear
+        return "a router matrix the native kernels do not read"
     if f.shared is not None and (why := _dense_covered(f.shared)) is not None:
         return f"shared experts: {why}"
     if f.shared_gate and not f.shared_gate_native:

@@ -57,6 +57,23 @@ def test_not_used_with_the_kernels_switched_off(checkpoints, monkeypatch):
     assert isinstance(model._native_decode(), DecodeStep)
 
 
+def test_a_model_built_with_the_kernels_off_decodes_with_them_on(checkpoints, monkeypatch):
+    """Its routers have no NativeLinear (``routing._keep_weight`` builds none with the kernels
+    off), which the native MoE step computes the logits with: the plan, from the routers'
+    descriptions, leaves those blocks to PyTorch instead of building a step that cannot run."""
+    monkeypatch.setenv("HYBRIDMOE_NATIVE", "0")
+    off = engine(checkpoints("qwen3_moe"))
+    ids = tokens(12, seed=9)
+    reference = _decode(off, ids, 6)  # every token with the kernels off
+    model = engine(checkpoints("qwen3_moe"))
+    monkeypatch.delenv("HYBRIDMOE_NATIVE")
+    decoded = _decode(model, ids, 6)  # once crashed: a native MoE step over router.native, None
+    assert relative_error(decoded, reference) < 1e-5
+    plan = model.decode_plan()
+    assert all(path.ffn is not None for path in plan.layers)
+    assert "a router matrix the native kernels do not read" in plan.summary()
+
+
 def test_rewinding_overwrites_what_the_native_step_wrote(checkpoints):
     """A second continuation from an earlier position sees none of the first one."""
     model = engine(checkpoints("qwen3_moe"))

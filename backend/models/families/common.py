@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from hybridmoe.backend.errors import ModelError, UnsupportedModelError
@@ -661,7 +661,9 @@ def mixture(s: ModelSpec, i: int, loading: Loading, router: Router, *, shared: b
     on_main = loading.experts_on_main.get(i, 0)
     on_host = s.n_routed_experts - on_main
     return MixtureOfExperts(
-        router=router, shared=dense(s, loading) if shared and s.shared_intermediate_size else None,
+        # The router's matrix is read natively where the projections are (``routing._keep_weight``).
+        router=replace(router, matrix_native=loading.projections_native),
+        shared=dense(s, loading) if shared and s.shared_intermediate_size else None,
         shared_gate=shared_gate and bool(s.shared_intermediate_size),
         shared_gate_native=shared_gate and bool(s.shared_intermediate_size) and loading.projections_native,
         experts_on_main=on_main, experts_on_host=on_host,
