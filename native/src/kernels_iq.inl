@@ -762,13 +762,29 @@ template <Format F, bool G, int N>
 }
 #endif
 
-// Decode: up to four tokens, their float lanes in registers.
+// n elements of v's storage from a 64-byte boundary on.
+template <typename E>
+static E* aligned64(std::vector<E>& v, int64_t n) {
+    v.resize(size_t(n) + 64 / sizeof(E));
+    const uintptr_t p = reinterpret_cast<uintptr_t>(v.data());
+    return reinterpret_cast<E*>((p + 63) & ~uintptr_t(63));
+}
+
+#if defined(HMOE_AVX512)
+#include "kernels_planes.inl"
+#endif
+
+// Decode: up to four tokens, their float lanes in registers (iq2_xxs and iq3_xxs on AVX-512:
+// kernels_planes.inl).
 template <Format F, bool G, int N>
 static void gemv_iq_n(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t K, const Q8Row* acts, float* out,
                       int64_t ldo) {
 #if defined(HMOE_AVX512)
-    if constexpr (F == FMT_IQ1_S || F == FMT_IQ1_M || F == FMT_IQ2_XS || F == FMT_IQ2_S || F == FMT_IQ3_S)
+    if constexpr (F == FMT_IQ1_S || F == FMT_IQ1_M)
         if (nrows > 0 && K >= 256) return gemv_iq_ahead_n<F, G, N>(w, row0, nrows, K, acts, out, ldo);
+    if constexpr (F == FMT_IQ2_XXS || F == FMT_IQ2_XS || F == FMT_IQ2_S)
+        return gemv_iq2_planes<F, N>(w, row0, nrows, K, acts, out, ldo);
+    if constexpr (F == FMT_IQ3_XXS || F == FMT_IQ3_S) return gemv_iq3_planes<F, N>(w, row0, nrows, K, acts, out, ldo);
 #endif
     constexpr int kBytes = kFormats[F].block_bytes;
     const int64_t nsb = K / 256;
@@ -907,6 +923,51 @@ static inline void iq_panel_tokens(const IqPanel& P, const int32_t* x, const flo
     }
 }
 
+// The panel of the formats whose decode GEMV (kernels_planes.inl) has an integer per quarter:
+// token t's lane q is quarter q's 32 values . activations, each scale group's (kGroups in the
+// super-block: 8, a scale per quarter, for iq2_xxs / iq3_xxs / iq3_s; 16, per 16 values, for
+// iq2_xs / iq2_s) one chain of vpdpbusd from the offset's share, times its scale (vpmulld),
+// added (exact: at most 32 x 62 x 127 x 31 < 2^24, so the conversion to float is too).
+template <int kGroups>
+struct alignas(64) QuarterPanel {
+    int32_t wq[64][16];          // as IqPanel's: dword k = 8 q + i holds values 4i .. 4i + 3 of quarter q
+    int32_t corr[kGroups][16];   // -128 x the sum of group g's values
+    int32_t scale[kGroups][16];  // group g's multiplier
+    float d[16];
+};
+
+template <int kGroups, int N>
+static inline void quarter_panel_tokens(const QuarterPanel<kGroups>& P, const int32_t* x, const float* xd, __m512* f) {
+    constexpr int kPer = kGroups / 8, kDwords = 8 / kPer;  // groups a quarter, dwords a group
+    alignas(64) __m512 dx[N];
+    const __m512 d = _mm512_load_ps(P.d);
+    for (int t = 0; t < N; ++t) dx[t] = _mm512_mul_ps(d, _mm512_set1_ps(xd[t]));
+#pragma GCC unroll 1
+    for (int q = 0; q < 8; ++q) {
+        __m512i L[N];
+#pragma GCC unroll 2
+        for (int h = 0; h < kPer; ++h) {
+            const int g = q * kPer + h;
+            __m512i G[N];
+            const __m512i c = _mm512_load_si512(P.corr[g]);
+            for (int t = 0; t < N; ++t) G[t] = c;
+#pragma GCC unroll 8
+            for (int i = 0; i < kDwords; ++i) {
+                const int k = 8 * q + kDwords * h + i;
+                const __m512i wv = _mm512_load_si512(P.wq[k]);
+#pragma GCC unroll 16
+                for (int t = 0; t < N; ++t) G[t] = _mm512_dpbusd_epi32(G[t], _mm512_set1_epi32(x[16 * k + t]), wv);
+            }
+            const __m512i s = _mm512_load_si512(P.scale[g]);
+            for (int t = 0; t < N; ++t) {
+                const __m512i v = _mm512_mullo_epi32(G[t], s);
+                L[t] = h == 0 ? v : _mm512_add_epi32(L[t], v);
+            }
+        }
+        for (int t = 0; t < N; ++t) f[t * 8 + q] = _mm512_fmadd_ps(dx[t], _mm512_cvtepi32_ps(L[t]), f[t * 8 + q]);
+    }
+}
+
 // body(std::integral_constant<int, N>{}) for N = n, 1 .. kIqTileTokens: a panel GEMM's tokens
 // of one group as a compile-time count (their int32 accumulators stay in registers).
 template <class Body>
@@ -1009,12 +1070,41 @@ static void iq_decode_panel(const MatrixRef& w, int64_t r0, int nr, int next, in
     }
 }
 
-// n elements of v's storage from a 64-byte boundary on.
-template <typename E>
-static E* aligned64(std::vector<E>& v, int64_t n) {
-    v.resize(size_t(n) + 64 / sizeof(E));
-    const uintptr_t p = reinterpret_cast<uintptr_t>(v.data());
-    return reinterpret_cast<E*>((p + 63) & ~uintptr_t(63));
+// iq_decode_panel for the quarter panel.
+template <Format F, bool G, int kGroups>
+static void quarter_decode_panel(const MatrixRef& w, int64_t r0, int nr, int next, int64_t sb, QuarterPanel<kGroups>& P) {
+    constexpr int kBytes = kFormats[F].block_bytes;
+    constexpr int kPer = kGroups / 8, kDwords = 8 / kPer;
+    alignas(64) int32_t rows[16][64];
+    for (int r = 0; r < 16; ++r) {
+        if (r >= nr) {
+            for (int k = 0; k < 64; k += 16) _mm512_store_si512(rows[r] + k, _mm512_setzero_si512());
+            for (int g = 0; g < kGroups; ++g) P.scale[g][r] = 0;
+            P.d[r] = 0.0f;
+            continue;
+        }
+        const IqBlock<F, G> blk(w.row(r0 + r) + sb * kBytes);
+        if (r < next) prefetch_span(w.row(r0 + 16 + r) + sb * kBytes, kBytes);
+        for (int q = 0; q < 8; ++q) {
+            const IqQuarter a = blk.quarter(q);
+            _mm256_store_si256(reinterpret_cast<__m256i*>(rows[r] + 8 * q), with_signs(a.mag, a.sign));
+            P.scale[kPer * q][r] = a.lo;
+            if (kPer == 2) P.scale[kPer * q + 1][r] = a.hi;
+        }
+        P.d[r] = blk.d();
+    }
+    for (int c = 0; c < 4; ++c) {
+        __m512i m[16];
+        for (int r = 0; r < 16; ++r) m[r] = _mm512_load_si512(rows[r] + 16 * c);
+        transpose16x16_epi32(m);
+        for (int k = 0; k < 16; ++k) _mm512_store_si512(P.wq[16 * c + k], m[k]);
+    }
+    const __m512i k128 = _mm512_set1_epi8(char(0x80));
+    for (int g = 0; g < kGroups; ++g) {
+        __m512i sum = _mm512_setzero_si512();
+        for (int i = 0; i < kDwords; ++i) sum = _mm512_dpbusd_epi32(sum, k128, _mm512_load_si512(P.wq[kDwords * g + i]));
+        _mm512_store_si512(P.corr[g], _mm512_sub_epi32(_mm512_setzero_si512(), sum));
+    }
 }
 
 // The activations of the 16-row panel GEMMs (gemm_iq_512, gemm_b32_512), once per call: in
@@ -1059,7 +1149,10 @@ static void gemm_iq_512(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t
     for (int t = 0; t < ntok; ++t)
         for (int64_t sb = 0; sb < nsb; ++sb) xds[size_t(sb * ntok + t)] = acts[t].d[8 * sb];
     __m512* const f = reinterpret_cast<__m512*>(aligned64(f_buf, int64_t(ntok) * 8 * 16));
-    alignas(64) IqPanel P;
+    // The formats whose decode GEMV sums per quarter (kernels_planes.inl): see QuarterPanel.
+    constexpr bool kQuarters = F != FMT_IQ1_S && F != FMT_IQ1_M;
+    constexpr int kGroups = F == FMT_IQ2_XS || F == FMT_IQ2_S ? 16 : 8;
+    alignas(64) std::conditional_t<kQuarters, QuarterPanel<kGroups>, IqPanel> P;
     // The blocks are read super-block by super-block across 16 rows, not along a row, which
     // the hardware's stream prefetch follows less well: each row's super-block is decoded
     // with the same one of the row 16 further on prefetched (iq_decode_panel), the first row
@@ -1071,13 +1164,21 @@ static void gemm_iq_512(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t
         const int next = int(std::min<int64_t>(16, nrows - rb - 16));
         for (int64_t i = 0; i < int64_t(ntok) * 8; ++i) f[i] = _mm512_setzero_ps();
         for (int64_t sb = 0; sb < nsb; ++sb) {
-            iq_decode_panel<F, G>(w, row0 + rb, nr, next, sb, P);
+            if constexpr (kQuarters)
+                quarter_decode_panel<F, G>(w, row0 + rb, nr, next, sb, P);
+            else
+                iq_decode_panel<F, G>(w, row0 + rb, nr, next, sb, P);
             const float* xd = xds.data() + sb * ntok;
             for (int g = 0; g < ngroups; ++g) {
                 const int t0 = g * kIqTileTokens;
                 const int32_t* x = X + (sb * ngroups + g) * 64 * 16;
                 with_tile_tokens(std::min(kIqTileTokens, ntok - t0),
-                                 [&](auto n) { iq_panel_tokens<decltype(n)::value>(P, x, xd + t0, f + t0 * 8); });
+                                 [&](auto n) {
+                                     if constexpr (kQuarters)
+                                         quarter_panel_tokens<kGroups, decltype(n)::value>(P, x, xd + t0, f + t0 * 8);
+                                     else
+                                         iq_panel_tokens<decltype(n)::value>(P, x, xd + t0, f + t0 * 8);
+                                 });
             }
         }
         store_panel_sums(f, ntok, nr, out + rb, ldo);
@@ -1530,6 +1631,8 @@ static void gemv_q8_iq_with(const MatrixRef& w, int64_t row0, int64_t nrows, int
 // indices are computed per super-block in vectors and loaded a super-block ahead
 // (gemv_iq_ahead_n) loading wins there too (L2-resident, one token: 9.1 gathered, 13 loaded).
 // Both give the same values. HYBRIDMOE_GRID_GATHER=0 or 1 decides instead (tests take both).
+// Since their decode GEMV takes no grid look-ups (kernels_planes.inl) only the prompt panels'
+// decoding does: timed at 16 tokens.
 template <Format F>
 static bool gather_is_faster() {
     if (const char* v = std::getenv("HYBRIDMOE_GRID_GATHER"); v && (*v == '0' || *v == '1')) return *v == '1';
@@ -1539,6 +1642,7 @@ static bool gather_is_faster() {
     uint32_t x = 0x9E3779B9u;
     for (uint8_t& b : blocks) b = uint8_t((x = x * 1664525u + 1013904223u) >> 24);
     for (size_t i = 0; i < blocks.size(); i += kBytes) blocks[i] = 0x00, blocks[i + 1] = 0x3C;  // d = 1 (no subnormals)
+    constexpr int kTokens = 16;
     int8_t q[kK];
     float d[kK / 32], sums[kK / 32] = {};
     for (int64_t k = 0; k < kK; ++k) q[k] = int8_t(k % 17 - 8);
@@ -1546,11 +1650,11 @@ static bool gather_is_faster() {
     MatrixRef w;
     w.data = blocks.data();
     w.row_stride = kK / 256 * kBytes;
-    const Q8Row act{q, d, sums};
-    std::vector<float> out(kRows);
+    std::vector<Q8Row> acts(kTokens, Q8Row{q, d, sums});
+    std::vector<float> out(kRows * kTokens);
     const auto time_of = [&](auto gemv) {
         const auto t0 = std::chrono::steady_clock::now();
-        for (int rep = 0; rep < 4; ++rep) gemv(w, 0, kRows, kK, &act, 1, out.data(), kRows);
+        for (int rep = 0; rep < 2; ++rep) gemv(w, 0, kRows, kK, acts.data(), kTokens, out.data(), kRows);
         return std::chrono::steady_clock::now() - t0;
     };
     auto with = std::chrono::steady_clock::duration::max(), without = with;

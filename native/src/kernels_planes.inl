@@ -1,0 +1,407 @@
+// The decode GEMV of iq2_xxs and iq3_xxs on AVX-512 by byte planes: the grid look-ups done 64
+// entries at a time with vpermb / vpermi2b (VBMI) instead of one load per entry. Included by
+// kernels_iq.inl in the AVX-512 set only (dispatch.cpp requires VBMI, GFNI and BITALG there).
+//
+// Why: one grid entry a load (8 values of iq2_xxs, 4 of iq3_xxs) held these formats at 18 and
+// 14 G weights/s a core on Zen 4, a third of what memory gives a core; the look-ups were the
+// decode. A vector look-up takes 64 indices at once but gives one byte per index, so the
+// weights come out as planes: plane j holds value j of 64 entries (iq2_xxs: entries of two
+// super-blocks; iq3_xxs: of one). The activations are put in the same order once per call
+// (plane_acts: byte i of plane j is value j of entry i), and vpdpbusd's dword lane m then adds
+// the products of entries 4m .. 4m + 3, all in one quarter (32 values) of one super-block: a
+// quarter's integer is one lane (iq2_xxs) or two (iq3_xxs), summed over the planes.
+//
+// So a super-block's integers here are per quarter, not gemv_iq_n's per dword of every quarter:
+// the prompt GEMM of these two formats (gemm_iq_512's quarter panels) computes the same
+// per-quarter integers, and both apply them alike, one FMA per quarter and super-block into
+// float lane q, the super-blocks in order, then hsum_ps: the same bits per token in decode and
+// prompt.
+//
+// iq2_xxs (2 x 64 look-ups per 512 values, then one vpermb + vpdpbusd per plane): its values
+// are 8, 25 or 43 (codes 0, 1, 2), four codes to a byte by a 256-entry look-up (two vpermi2b
+// and a blend on the index's top bit); signs are seven bits per entry with an eighth for even
+// parity, which an affine map over GF(2) (gf2p8affineqb) computes with the bits it moves. Per
+// pair of planes one byte per entry [code j, code j + 1, sign j, sign j + 1] indexes a 64-entry
+// table of the signed value + 64: vpdpbusd's unsigned operand, the +64 taken off per quarter as
+// -64 x the quarter's activation sum (plane_acts' bias). iq3_xxs's eight magnitudes (3-bit
+// codes, two to a byte) go in as they are and the signs onto the activations (vpshufbitqmb
+// picks each entry's sign bit of a plane from its quarter's 32 sign bits, a masked subtract
+// applies it): 4 planes of 64 per super-block.
+//
+// One core of the 2-core Zen 4, L2-resident 768 x 2048, one token: iq2_xxs 17.9 -> 51 G
+// weights/s; iq3_xxs (below).
+
+static inline uint64_t load_u64(const uint8_t* p) {
+    uint64_t v;
+    std::memcpy(&v, p, 8);
+    return v;
+}
+
+// ---- tables -----------------------------------------------------------------------------
+
+// iq2_xxs / iq2_xs / iq2_s (grids of 256 / 512 / 1024 entries of eight values 8, 25 or 43):
+// codes (0, 1, 2) of an entry's values 0-3 (lo) and 4-7 (hi), value j at bits 2j.
+template <int kEntries>
+struct alignas(64) Iq2PlaneCodes {
+    uint8_t lo[kEntries], hi[kEntries];
+    constexpr Iq2PlaneCodes(const uint64_t* grid) : lo{}, hi{} {
+        const auto code = [](uint64_t v) { return v == 8 ? 0 : v == 25 ? 1 : 2; };
+        for (int e = 0; e < kEntries; ++e)
+            for (int j = 0; j < 4; ++j) {
+                lo[e] = uint8_t(lo[e] | code(grid[e] >> (8 * j) & 255) << (2 * j));
+                hi[e] = uint8_t(hi[e] | code(grid[e] >> (8 * (j + 4)) & 255) << (2 * j));
+            }
+    }
+};
+inline constexpr Iq2PlaneCodes<256> kIq2xxsCodes{kIq2xxsGrid};
+inline constexpr Iq2PlaneCodes<512> kIq2xsCodes{kIq2xsGrid};
+inline constexpr Iq2PlaneCodes<1024> kIq2sCodes{kIq2sGrid};
+template <Format F>
+constexpr const auto& iq2_plane_codes() {
+    if constexpr (F == FMT_IQ2_XXS)
+        return kIq2xxsCodes;
+    else if constexpr (F == FMT_IQ2_XS)
+        return kIq2xsCodes;
+    else
+        return kIq2sCodes;
+}
+
+// value[h]: the signed value + 64 of plane 2k + h by index bits [c_2k, c_2k+1, s_2k, s_2k+1].
+struct alignas(64) Iq2PlaneValues {
+    uint8_t value[2][64];
+    constexpr Iq2PlaneValues() : value{} {
+        const int mag[4] = {8, 25, 43, 0};
+        for (int x = 0; x < 64; ++x) {
+            value[0][x] = uint8_t(64 + ((x >> 4 & 1) ? -mag[x & 3] : mag[x & 3]));
+            value[1][x] = uint8_t(64 + ((x >> 5 & 1) ? -mag[x >> 2 & 3] : mag[x >> 2 & 3]));
+        }
+    }
+};
+inline constexpr Iq2PlaneValues kIq2PlaneValues{};
+
+// iq3_xxs / iq3_s: codes of an entry's values 0, 1 (lo) and 2, 3 (hi) at bits 0 and 3 (the
+// grid's eight magnitudes in order: iq3_xxs 4, 12, .., 52, 62; iq3_s 1, 3, .., 15); value[h]
+// the magnitude of the code at bits 3h.
+template <int kEntries>
+struct alignas(64) Iq3PlaneTables {
+    uint8_t lo[kEntries], hi[kEntries];
+    uint8_t value[2][64];
+    constexpr Iq3PlaneTables(const uint32_t* grid, const uint8_t (&mag)[8]) : lo{}, hi{}, value{} {
+        const auto code = [&](uint32_t v) {
+            int c = 0;
+            while (mag[c] != v) ++c;
+            return c;
+        };
+        for (int e = 0; e < kEntries; ++e) {
+            const uint32_t g = grid[e];
+            lo[e] = uint8_t(code(g & 255) | code(g >> 8 & 255) << 3);
+            hi[e] = uint8_t(code(g >> 16 & 255) | code(g >> 24) << 3);
+        }
+        for (int x = 0; x < 64; ++x) value[0][x] = mag[x & 7], value[1][x] = mag[x >> 3 & 7];
+    }
+};
+inline constexpr uint8_t kIq3xxsMagnitudes[8] = {4, 12, 20, 28, 36, 44, 52, 62};
+inline constexpr uint8_t kIq3sMagnitudes[8] = {1, 3, 5, 7, 9, 11, 13, 15};
+inline constexpr Iq3PlaneTables<256> kIq3xxsPlanes{kIq3xxsGrid, kIq3xxsMagnitudes};
+inline constexpr Iq3PlaneTables<512> kIq3sPlanes{kIq3sGrid, kIq3sMagnitudes};
+template <Format F>
+constexpr const auto& iq3_plane_tables() {
+    if constexpr (F == FMT_IQ3_S)
+        return kIq3sPlanes;
+    else
+        return kIq3xxsPlanes;
+}
+
+// gf2p8affineqb's matrix (the row of output bit i in byte 7 - i) moving the signs of values j and
+// j + 1 of an entry to bits 4 and 5: from a byte of eight sign bits (iq2_s), or from seven
+// stored bits (iq2_xxs, iq2_xs; bit 7 of the input, another field's, left out) whose parity is
+// sign 7.
+static constexpr uint64_t sign_pair_matrix(int j, bool parity) {
+    const auto row = [&](int v) -> uint64_t { return v == 7 && parity ? 0x7F : uint64_t(1) << v; };
+    return row(j) << (8 * (7 - 4)) | row(j + 1) << (8 * (7 - 5));
+}
+
+// 256 entries of bytes by 64 indices: two vpermi2b over 128 each, the index's top bit picks.
+static inline __m512i look_up_256(const uint8_t* table, __m512i idx, __mmask64 top) {
+    const __m512i lo = _mm512_permutex2var_epi8(_mm512_load_si512(table), idx, _mm512_load_si512(table + 64));
+    const __m512i hi = _mm512_permutex2var_epi8(_mm512_load_si512(table + 128), idx, _mm512_load_si512(table + 192));
+    return _mm512_mask_blend_epi8(top, lo, hi);
+}
+
+// 512 entries: the ninth index bit (`ninth`, one per byte) picks between two halves.
+static inline __m512i look_up_512(const uint8_t* table, __m512i idx, __mmask64 top, __mmask64 ninth) {
+    return _mm512_mask_blend_epi8(ninth, look_up_256(table, idx, top), look_up_256(table + 256, idx, top));
+}
+
+// 1024 entries: the tenth bit picks between two 512.
+static inline __m512i look_up_1024(const uint8_t* table, __m512i idx, __mmask64 top, __mmask64 ninth, __mmask64 tenth) {
+    return _mm512_mask_blend_epi8(tenth, look_up_512(table, idx, top, ninth), look_up_512(table + 512, idx, top, ninth));
+}
+
+// ---- the activations in plane order -------------------------------------------------------
+
+// Per token, once per call, into a per-thread buffer: byte i of plane j = value j of entry i,
+// entries of kWidth values (iq2: 8, planes of a 512-value chunk; iq3: 4, of a 256-value one);
+// a last chunk of 256 of a 512 span is padded with zeros. The 8-wide formats also get `sums`,
+// each 16 values' sum as an int16 (32 a chunk): their +64 offset's share (plane values + 64).
+struct PlaneActs {
+    const int8_t* q;
+    const int16_t* sums;
+};
+
+// One chunk (zero-padded past n values) in plane order: each 64-byte vector's entries first
+// regrouped by value (vpermb: 64 / kWidth bytes of each value together), then those groups
+// copied to their planes.
+template <int kWidth, int kSpan>
+static void chunk_to_planes(const int8_t* q, int64_t n, int8_t* out) {
+    constexpr int kVecs = kSpan / 64, kGroup = 64 / kWidth;  // kGroup: entries of a vector
+    alignas(64) uint8_t order[64];
+    for (int j = 0; j < kWidth; ++j)
+        for (int e = 0; e < kGroup; ++e) order[j * kGroup + e] = uint8_t(e * kWidth + j);
+    const __m512i by_value = _mm512_load_si512(order);
+    alignas(64) int8_t grouped[kVecs][64];
+    for (int v = 0; v < kVecs; ++v) {
+        const __m512i z = 64 * v < n ? _mm512_loadu_si512(q + 64 * v) : _mm512_setzero_si512();
+        _mm512_store_si512(grouped[v], _mm512_permutexvar_epi8(by_value, z));
+    }
+    for (int j = 0; j < kWidth; ++j)
+        for (int v = 0; v < kVecs; ++v) std::memcpy(out + j * 64 + v * kGroup, grouped[v] + j * kGroup, kGroup);
+}
+
+template <Format F>
+static PlaneActs plane_acts(const Q8Row& a, int64_t K, int slot) {
+    constexpr bool kIq2 = F == FMT_IQ2_XXS || F == FMT_IQ2_XS || F == FMT_IQ2_S;
+    constexpr int kSpan = kIq2 ? 512 : 256;
+    const int64_t nchunks = (K + kSpan - 1) / kSpan;
+    thread_local std::vector<int8_t> q_buf[kMaxGemvTokens];
+    thread_local std::vector<int16_t> sums_buf[kMaxGemvTokens];
+    int8_t* q = aligned64(q_buf[slot], nchunks * kSpan);
+    for (int64_t c = 0; c < nchunks; ++c)
+        chunk_to_planes<kIq2 ? 8 : 4, kSpan>(a.q + c * kSpan, std::min<int64_t>(kSpan, K - c * kSpan), q + c * kSpan);
+    if constexpr (!kIq2) return {q, nullptr};
+    // Entries 2g and 2g + 1 of every plane are the 16 values of group g: vpmaddubsw by ones.
+    int16_t* sums = aligned64(sums_buf[slot], nchunks * 32);
+    for (int64_t c = 0; c < nchunks; ++c) {
+        __m512i s = _mm512_setzero_si512();
+        for (int j = 0; j < 8; ++j)
+            s = _mm512_add_epi16(s, _mm512_maddubs_epi16(_mm512_set1_epi8(1), _mm512_load_si512(q + 512 * c + 64 * j)));
+        _mm512_store_si512(sums + 32 * c, s);
+    }
+    return {q, sums};
+}
+
+// ---- the GEMVs ----------------------------------------------------------------------------
+
+// Two super-blocks of an iq2 format as plane indices: per pair of planes 2k, 2k + 1 a byte per
+// entry [c_2k, c_2k+1, s_2k, s_2k+1] (x[k]; codes by a look-up of the grid index, signs moved
+// by gf2p8affineqb), and the scales: iq2_xxs one per quarter (a dword lane), iq2_xs / iq2_s
+// one per 16 values (int16 lane g: entries 2g, 2g + 1). `two`: the second super-block exists
+// (else its half is zero; it is never read).
+template <Format F>
+struct Iq2Planes {
+    __m512i x[4];
+    __m512i scale;
+
+    Iq2Planes(const uint8_t* p, bool two) {
+        constexpr int kBytes = kFormats[F].block_bytes;
+        constexpr bool kParity = F != FMT_IQ2_S;
+        constexpr const auto& kCodes = iq2_plane_codes<F>();
+        const uint8_t* p2 = p + kBytes;
+        __m512i idx, signs;  // signs: a byte per entry, its sign bits (iq2_xxs / iq2_xs: the 7 stored)
+        __mmask64 ninth = 0, tenth = 0;
+        if constexpr (F == FMT_IQ2_XXS) {
+            // Entry i's index: byte i % 4 of quarter i / 4's eight bytes (after d); quarter m's
+            // sign-and-scale word: dword 2m + 1 of the codes; entry 8k + b's seven sign bits
+            // start at bit 7b of qword k's two words (b < 4) or 32 + 7 (b - 4).
+            alignas(64) static constexpr struct Order {
+                uint8_t index[64];
+                int32_t word[16];
+                constexpr Order() : index{}, word{} {
+                    for (int i = 0; i < 64; ++i) index[i] = uint8_t((i < 32 ? 0 : 64) + 8 * (i % 32 / 4) + i % 4);
+                    for (int m = 0; m < 16; ++m) word[m] = (m < 8 ? 0 : 16) + 2 * (m % 8) + 1;
+                }
+            } kOrder{};
+            const __m512i a = _mm512_loadu_si512(p + 2);
+            const __m512i b = two ? _mm512_loadu_si512(p2 + 2) : _mm512_setzero_si512();
+            idx = _mm512_permutex2var_epi8(a, _mm512_load_si512(kOrder.index), b);
+            const __m512i words = _mm512_permutex2var_epi32(a, _mm512_load_si512(kOrder.word), b);
+            signs = _mm512_multishift_epi64_epi8(_mm512_set1_epi64(0x352E2720150E0700LL), words);
+            scale = _mm512_add_epi32(_mm512_slli_epi32(_mm512_srli_epi32(words, 28), 1), _mm512_set1_epi32(1));
+        } else {
+            uint64_t sc = load_u64(p + (F == FMT_IQ2_XS ? 66 : 74)), sc2 = two ? load_u64(p2 + (F == FMT_IQ2_XS ? 66 : 74)) : 0;
+            // Scale bytes j: nibbles of groups 2j (low) and 2j + 1, as 2s + 1 in int16 lanes.
+            const __m128i b = _mm_set_epi64x(int64_t(sc2), int64_t(sc));
+            const __m256i nib = _mm256_setr_m128i(_mm_unpacklo_epi8(_mm_and_si128(b, _mm_set1_epi8(15)),
+                                                                    _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(15))),
+                                                  _mm_unpackhi_epi8(_mm_and_si128(b, _mm_set1_epi8(15)),
+                                                                    _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(15))));
+            scale = _mm512_add_epi16(_mm512_slli_epi16(_mm512_cvtepu8_epi16(nib), 1), _mm512_set1_epi16(1));
+            if constexpr (F == FMT_IQ2_XS) {
+                // 16-bit words: a nine-bit index, then the seven sign bits.
+                alignas(64) static constexpr struct Order {
+                    uint8_t low[64], high[64];
+                    constexpr Order() : low{}, high{} {
+                        for (int i = 0; i < 64; ++i) low[i] = uint8_t(2 * i), high[i] = uint8_t(2 * i + 1);
+                    }
+                } kOrder{};
+                const __m512i a = _mm512_loadu_si512(p + 2);
+                const __m512i b2 = two ? _mm512_loadu_si512(p2 + 2) : _mm512_setzero_si512();
+                idx = _mm512_permutex2var_epi8(a, _mm512_load_si512(kOrder.low), b2);
+                const __m512i high = _mm512_permutex2var_epi8(a, _mm512_load_si512(kOrder.high), b2);
+                ninth = _mm512_test_epi8_mask(high, _mm512_set1_epi8(1));
+                signs = _mm512_srli_epi16(high, 1);
+            } else {
+                // Index bytes, then a sign byte per entry; qh: entry e's ninth and tenth bits at 2e, 2e + 1.
+                idx = _mm512_inserti64x4(_mm512_castsi256_si512(load32(p + 2)), two ? load32(p2 + 2) : _mm256_setzero_si256(), 1);
+                signs = _mm512_inserti64x4(_mm512_castsi256_si512(load32(p + 34)), two ? load32(p2 + 34) : _mm256_setzero_si256(), 1);
+                const uint64_t qh = load_u64(p + 66), qh2 = two ? load_u64(p2 + 66) : 0;
+                constexpr uint64_t kEven = 0x5555555555555555ULL;
+                ninth = _pext_u64(qh, kEven) | _pext_u64(qh2, kEven) << 32;
+                tenth = _pext_u64(qh, kEven << 1) | _pext_u64(qh2, kEven << 1) << 32;
+            }
+        }
+        const __mmask64 top = _mm512_movepi8_mask(idx);
+        __m512i lo, hi;
+        if constexpr (F == FMT_IQ2_XXS) {
+            lo = look_up_256(kCodes.lo, idx, top), hi = look_up_256(kCodes.hi, idx, top);
+        } else if constexpr (F == FMT_IQ2_XS) {
+            lo = look_up_512(kCodes.lo, idx, top, ninth), hi = look_up_512(kCodes.hi, idx, top, ninth);
+        } else {
+            lo = look_up_1024(kCodes.lo, idx, top, ninth, tenth), hi = look_up_1024(kCodes.hi, idx, top, ninth, tenth);
+        }
+        const __m512i low4 = _mm512_set1_epi8(0x0F);
+        const auto pair = [&](__m512i codes, int j) {  // (codes & 15) | signs: ternary logic 0xEC = (A & C) | B
+            const __m512i m = _mm512_set1_epi64(int64_t(sign_pair_matrix(j, kParity)));
+            return _mm512_ternarylogic_epi32(codes, _mm512_gf2p8affine_epi64_epi8(signs, m, 0), low4, 0xEC);
+        };
+        x[0] = pair(lo, 0), x[1] = pair(_mm512_srli_epi16(lo, 4), 2);
+        x[2] = pair(hi, 4), x[3] = pair(_mm512_srli_epi16(hi, 4), 6);
+    }
+};
+
+// iq2_xxs / iq2_xs / iq2_s, up to four tokens: two super-blocks a step, their 16 quarters in
+// the 16 dword lanes (a lone last super-block's other half is zero), each quarter's integer
+// from the offset's share -64 x (its activations' sum, times the scale per 16 for iq2_xs /
+// iq2_s, whose per-plane pairs vpdpwssd scales; iq2_xxs's quarter scale goes on at the end).
+template <Format F, int N>
+static void gemv_iq2_planes(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t K, const Q8Row* acts, float* out,
+                            int64_t ldo) {
+    constexpr bool kXxs = F == FMT_IQ2_XXS;
+    constexpr int kBytes = kFormats[F].block_bytes;
+    const int64_t nsb = K / 256, npairs = (nsb + 1) / 2;
+    PlaneActs pa[N];
+    for (int t = 0; t < N; ++t) pa[t] = plane_acts<F>(acts[t], K, t);
+    const __m512i even = _mm512_load_si512(kIq2PlaneValues.value[0]), odd = _mm512_load_si512(kIq2PlaneValues.value[1]);
+    for (int64_t r = 0; r < nrows; ++r) {
+        const uint8_t* row = w.row(row0 + r);
+        _mm_prefetch(reinterpret_cast<const char*>(w.row(row0 + r + 1)), _MM_HINT_T0);
+        __m256 acc[N];
+        for (int t = 0; t < N; ++t) acc[t] = _mm256_setzero_ps();
+        for (int64_t c = 0; c < npairs; ++c) {
+            const uint8_t* p = row + 2 * kBytes * c;
+            const bool two = 2 * c + 1 < nsb;
+            prefetch_span(p + kPrefetchAheadK, 2 * kBytes);
+            const Iq2Planes<F> b(p, two);
+            // -64 x the activations' sums per 16 values (pairs added; iq2_xs / iq2_s: scaled).
+            const __m512i offset = kXxs ? _mm512_set1_epi16(-64) : _mm512_mullo_epi16(b.scale, _mm512_set1_epi16(-64));
+            __m512i sums[N];
+            for (int t = 0; t < N; ++t) sums[t] = _mm512_madd_epi16(_mm512_load_si512(pa[t].sums + 32 * c), offset);
+#pragma GCC unroll 4
+            for (int k = 0; k < 4; ++k) {
+                const __m512i v0 = _mm512_permutexvar_epi8(b.x[k], even), v1 = _mm512_permutexvar_epi8(b.x[k], odd);
+                for (int t = 0; t < N; ++t) {
+                    const int8_t* q = pa[t].q + 512 * c + 128 * k;
+                    const __m512i a0 = _mm512_load_si512(q), a1 = _mm512_load_si512(q + 64);
+                    if constexpr (kXxs) {
+                        sums[t] = _mm512_dpbusd_epi32(sums[t], v0, a0);
+                        sums[t] = _mm512_dpbusd_epi32(sums[t], v1, a1);
+                    } else {  // at most 2 x 107 x 127 a pair: no saturation
+                        sums[t] = _mm512_dpwssd_epi32(sums[t], _mm512_maddubs_epi16(v0, a0), b.scale);
+                        sums[t] = _mm512_dpwssd_epi32(sums[t], _mm512_maddubs_epi16(v1, a1), b.scale);
+                    }
+                }
+            }
+            const float da = h2f(p) * 0.125f, db = two ? h2f(p + kBytes) * 0.125f : 0.0f;
+            for (int t = 0; t < N; ++t) {
+                const __m512 v = _mm512_cvtepi32_ps(kXxs ? _mm512_mullo_epi32(sums[t], b.scale) : sums[t]);
+                acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(da * acts[t].d[16 * c]), _mm512_castps512_ps256(v), acc[t]);
+                if (two)
+                    acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(db * acts[t].d[16 * c + 8]),
+                                             _mm512_extractf32x8_ps(v, 1), acc[t]);
+            }
+        }
+        for (int t = 0; t < N; ++t) out[t * ldo + r] = hsum_ps(acc[t]);
+    }
+}
+
+// iq3_xxs and iq3_s, up to four tokens: a super-block a step, its 64 entries of four values;
+// quarter q's integer is lanes 2q and 2q + 1 added. iq3_s: ninth index bits in qh (bit e of
+// the eight bytes: entry e), its signs stored as bits (value order), a scale nibble per quarter.
+template <Format F, int N>
+static void gemv_iq3_planes(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t K, const Q8Row* acts, float* out,
+                            int64_t ldo) {
+    constexpr bool kS = F == FMT_IQ3_S;
+    constexpr int kBytes = kFormats[F].block_bytes;
+    constexpr const auto& kTables = iq3_plane_tables<F>();
+    const int64_t nsb = K / 256;
+    PlaneActs pa[N];
+    for (int t = 0; t < N; ++t) pa[t] = plane_acts<F>(acts[t], K, t);
+    const __m512i sign_fields = _mm512_set1_epi64(0x352E2720150E0700LL);  // as iq2_xxs's: 4 fields a word
+    const __m512i signs_lo = _mm512_loadu_si512(kSignsIq2), signs_hi = _mm512_loadu_si512(kSignsIq2 + 64);
+    const __m512i mag0 = _mm512_load_si512(kTables.value[0]), mag1 = _mm512_load_si512(kTables.value[1]);
+    // Entry b of a quarter holds its values 4b .. 4b + 3: plane j's sign is bit 4b + j of the
+    // quarter's 32 sign bits.
+    __m512i sign_bit[4];
+    for (int j = 0; j < 4; ++j) sign_bit[j] = _mm512_set1_epi64(0x1C1814100C080400LL + 0x0101010101010101LL * j);
+    const __m256i nibble_shift = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+    for (int64_t r = 0; r < nrows; ++r) {
+        const uint8_t* row = w.row(row0 + r);
+        _mm_prefetch(reinterpret_cast<const char*>(w.row(row0 + r + 1)), _MM_HINT_T0);
+        __m256 acc[N];
+        for (int t = 0; t < N; ++t) acc[t] = _mm256_setzero_ps();
+        for (int64_t sb = 0; sb < nsb; ++sb) {
+            const uint8_t* p = row + kBytes * sb;
+            prefetch_span(p + kPrefetchAheadK, kBytes);
+            const __m512i idx = _mm512_loadu_si512(p + 2);
+            const __mmask64 top = _mm512_movepi8_mask(idx);
+            __m512i lo, hi, quarter_signs;
+            __m256i scale;
+            if constexpr (kS) {
+                const __mmask64 ninth = _cvtu64_mask64(load_u64(p + 66));
+                lo = look_up_512(kTables.lo, idx, top, ninth);
+                hi = look_up_512(kTables.hi, idx, top, ninth);
+                quarter_signs = _mm512_cvtepu32_epi64(load32(p + 74));
+                // byte 106 + j: quarters 2j (low nibble) and 2j + 1
+                const __m256i nib = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(int(load_u32(p + 106))), nibble_shift),
+                                                     _mm256_set1_epi32(15));
+                scale = _mm256_add_epi32(_mm256_slli_epi32(nib, 1), _mm256_set1_epi32(1));
+            } else {
+                lo = look_up_256(kTables.lo, idx, top);
+                hi = look_up_256(kTables.hi, idx, top);
+                const __m256i words = load32(p + 66);
+                const __m512i fields = _mm512_multishift_epi64_epi8(sign_fields, _mm512_castsi256_si512(words));
+                const __m512i signs = _mm512_permutex2var_epi8(signs_lo, fields, signs_hi);
+                quarter_signs = _mm512_cvtepu32_epi64(_mm512_castsi512_si256(signs));
+                scale = _mm256_add_epi32(_mm256_slli_epi32(_mm256_srli_epi32(words, 28), 1), _mm256_set1_epi32(1));
+            }
+            const __m512i mag[4] = {_mm512_permutexvar_epi8(lo, mag0), _mm512_permutexvar_epi8(lo, mag1),
+                                    _mm512_permutexvar_epi8(hi, mag0), _mm512_permutexvar_epi8(hi, mag1)};
+            __mmask64 neg[4];
+            for (int j = 0; j < 4; ++j) neg[j] = _mm512_bitshuffle_epi64_mask(quarter_signs, sign_bit[j]);
+            const float d = kS ? h2f(p) : h2f(p) * 0.25f;  // iq3_xxs: d (2s + 1) / 4
+            for (int t = 0; t < N; ++t) {
+                const int8_t* q = pa[t].q + 256 * sb;
+                __m512i sums = _mm512_setzero_si512();
+#pragma GCC unroll 4
+                for (int j = 0; j < 4; ++j) {
+                    const __m512i a = _mm512_load_si512(q + 64 * j);
+                    sums = _mm512_dpbusd_epi32(sums, mag[j], _mm512_mask_sub_epi8(a, neg[j], _mm512_setzero_si512(), a));
+                }
+                const __m256i quarters = _mm512_cvtepi64_epi32(_mm512_add_epi32(sums, _mm512_srli_epi64(sums, 32)));
+                acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * acts[t].d[8 * sb]),
+                                         _mm256_cvtepi32_ps(_mm256_mullo_epi32(quarters, scale)), acc[t]);
+            }
+        }
+        for (int t = 0; t < N; ++t) out[t * ldo + r] = hsum_ps(acc[t]);
+    }
+}
