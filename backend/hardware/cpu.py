@@ -30,16 +30,22 @@ from hybridmoe.backend.hardware.sysfs import (
 
 __all__ = ["detect_cpu", "X86_FEATURES", "ARM_FEATURES"]
 
-# x86 flags the CPU expert kernels (and llama.cpp's) dispatch on, named as in /proc/cpuinfo.
+# x86 flags the CPU expert kernels (and llama.cpp's) dispatch on, named as in /proc/cpuinfo:
+# every flag a native kernel set needs (cpu_kernels.NATIVE_KERNEL_SETS) is among them.
 X86_FEATURES = (
     "avx2",
     "fma",
+    "f16c",
     "avx_vnni",
     "avx512f",
     "avx512bw",
     "avx512vl",
+    "avx512dq",
     "avx512_vnni",
     "avx512_bf16",
+    "avx512vbmi",
+    "avx512_bitalg",
+    "gfni",
     "avx512_fp16",
     "amx_tile",
     "amx_int8",
@@ -417,12 +423,17 @@ def _detect_from_sysctl(sysctl: Callable[[str], str | None]) -> tuple[CPU, dict[
             "sve": "hw.optional.arm.FEAT_SVE",
         }
     else:
+        # hw.optional names no VNNI, BF16, BITALG or GFNI: an Intel Mac (none has AVX512_BF16)
+        # runs the native AVX2 kernel set at best, as cpu_kernels.native_kernel_set then says.
         flags = {
             "avx2": "hw.optional.avx2_0",
             "fma": "hw.optional.fma",
+            "f16c": "hw.optional.f16c",
             "avx512f": "hw.optional.avx512f",
             "avx512bw": "hw.optional.avx512bw",
             "avx512vl": "hw.optional.avx512vl",
+            "avx512dq": "hw.optional.avx512dq",
+            "avx512vbmi": "hw.optional.avx512vbmi",
         }
     features = tuple(name for name, key in flags.items() if number(key) == 1)
 

@@ -26,7 +26,8 @@ the same facts at the top level, under the names of ``FLAT_KEYS``: ``gpu_count =
     threads = 128
     sockets = 2
     l3 = "512MiB"
-    features = ["avx512f", "avx512_vnni", "avx512_bf16"]
+    features = ["avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq",
+                "avx512_vnni", "avx512_bf16", "avx512vbmi", "avx512_bitalg", "gfni"]
 """
 
 from __future__ import annotations
@@ -101,15 +102,19 @@ GPU_MODELS: tuple[GPUModel, ...] = (
 # The host a card's preset (``--hardware "RTX 4090"``, ``"2x RTX 3090"``) is given: a desktop for
 # the GeForce cards, a workstation for the others. Real hosts differ: --ram, --host-bandwidth and
 # --cores change these, and a TOML description says everything.
+# The flags past AVX-512 VNNI/BF16 that the native AVX-512 kernel set also needs
+# (cpu_kernels.NATIVE_KERNEL_SETS), which Zen 4 and Zen 5 have: listed last, so that the
+# hardware screen's first line of features stays as it was.
+_ZEN4_5_KERNEL_FLAGS = ("f16c", "avx512dq", "avx512vbmi", "avx512_bitalg", "gfni")
 _DESKTOP_HOST: dict[str, Any] = {
     "cpu_model": "AMD Ryzen 9 9950X 16-Core Processor", "sockets": 1, "cores": 16, "threads": 32,
     "l3": 64 * MiB, "host_ram": 96 * GiB, "features": ("avx2", "fma", "avx512f", "avx512bw", "avx512vl",
-                                                         "avx512_vnni", "avx512_bf16"),
+                                                         "avx512_vnni", "avx512_bf16", *_ZEN4_5_KERNEL_FLAGS),
 }
 _WORKSTATION_HOST: dict[str, Any] = {
     "cpu_model": "AMD Ryzen Threadripper PRO 7975WX 32-Cores", "sockets": 1, "cores": 32, "threads": 64,
     "l3": 128 * MiB, "host_ram": 512 * GiB, "features": ("avx2", "fma", "avx512f", "avx512bw", "avx512vl",
-                                                          "avx512_vnni", "avx512_bf16"),
+                                                          "avx512_vnni", "avx512_bf16", *_ZEN4_5_KERNEL_FLAGS),
 }
 
 
@@ -137,7 +142,8 @@ def _find_gpu_model(name: str) -> GPUModel | None:
 # --- presets ----------------------------------------------------------------------------------
 
 # Zen 5 (EPYC 9005) ISA as /proc/cpuinfo names it.
-_ZEN5_FEATURES = ("avx2", "fma", "avx_vnni", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16")
+_ZEN5_FEATURES = ("avx2", "fma", "avx_vnni", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
+                  *_ZEN4_5_KERNEL_FLAGS)
 
 # A plausible host for these GPUs: two EPYC 9355 (32 cores each, 8 × 32 MiB L3 each) with
 # all 24 channels populated; the bandwidth follows from the platform table (1,228.8 GB/s).
@@ -417,7 +423,7 @@ def _describe(values: dict[str, Any], source: _Source) -> HardwareProfile:
         isinstance(features_value, str) or not all(isinstance(f, str) for f in features_value)
     ):
         raise _fail(source, "features", f"features must be a list of names, not {features_value!r}",
-                    'Write e.g. ["avx512f", "avx512_vnni"].')
+                    'Write e.g. ["avx2", "fma", "f16c"] (the names /proc/cpuinfo gives).')
 
     # GPUs: explicit numbers win over the model catalogue.
     gpus = []

@@ -26,9 +26,10 @@ class CPU:
     physical_cores: int | None = None
     threads: int | None = None
     numa_nodes: tuple[NumaNode, ...] = ()
-    # Lower-case names as in /proc/cpuinfo where one exists: "avx2", "fma", "avx512f",
-    # "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8",
-    # "amx_bf16", "neon", "sve".
+    # Lower-case names as in /proc/cpuinfo where one exists: "avx2", "fma", "f16c", "avx512f",
+    # "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512_bf16", "avx512vbmi",
+    # "avx512_bitalg", "gfni", "amx_tile", "amx_int8", "amx_bf16", "neon", "sve" (cpu.X86_FEATURES,
+    # cpu.ARM_FEATURES; the native kernel set they get: cpu_kernels.native_kernel_set).
     features: tuple[str, ...] = ()
     l3_bytes: int | None = None  # all L3 instances of all sockets together
 

@@ -15,8 +15,10 @@ same bytes at the rates a backend is known to reach, and says where each rate ca
   step is never faster than the CPU can compute it (several conversations at once);
 * the i-quants' unpacking: the engine's kernels unpack an i-quant's weights from codebooks before
   multiplying them, and at a token a step on few cores that, not the reads, sets the experts'
-  time: the expert weights over the cores × a per-format rate (``EXPERT_UNPACK_WEIGHTS_PER_S_PER_CORE``,
-  or the rate measured on this machine when ``bench generate`` ran that format);
+  time: the expert weights over the cores × the rate a core unpacks the format at, measured on
+  this machine when ``bench generate`` ran that format, else the documented rate of the native
+  kernel set the CPU's features get (``EXPERT_UNPACK_RATES_PER_CORE``: measured for the AVX-512
+  and the AVX2 sets; the portable set's scaled from AVX2's by FMA width);
 * the GPU: its bytes at ``gpu_share`` of the card's bandwidth;
 * the hand-offs: a decode step passes from the GPU to the CPU and back at every MoE layer with
   CPU experts (the router runs on the GPU, the CPU's partial sums go back), ``handoff_s`` each.
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hybridmoe.backend.hardware.cpu_kernels import KERNEL_SET_NAMES, native_kernel_set, native_kernel_set_lacks
 from hybridmoe.backend.plan.estimate import FLOPS_PER_CYCLE, PORTABLE_FLOPS_PER_CYCLE, DecodeEstimate
 
 # A sustained multi-threaded read of host memory (what the read probe measures) reaches about
@@ -85,31 +88,52 @@ RATES = {
 
 
 # Expert weights one core of the engine's CPU kernels unpacks per second in a decode step (one
-# token), for the formats whose unpacking, not the reads, sets a decode step's experts' time: the
+# token), per native kernel set (hardware.cpu_kernels.native_kernel_set: the set a CPU's features
+# get), for the formats whose unpacking, not the reads, sets a decode step's experts' time: the
 # i-quants below IQ4, whose weights come from codebook grids (8 or 4 values an index, signs and
-# scales from further tables). Measured with AVX-512 by benchmarks/expert_decode_rates.py (one
-# thread's CPU time per token, a layer of the mid-size benchmark model's shape; 2-core Xeon VM):
-# IQ4_XS unpacked 20.1 and Q4_0 26.6 G weights/s a core there, enough to keep up with the reads
-# on any machine with more than a few cores, and have no entry. bench generate's experts' part
-# agreed on a quiet machine (IQ2_XXS 18.1, IQ1_S 12.0, IQ3_XXS 14.0, 2 threads, wall clock).
-EXPERT_UNPACK_WEIGHTS_PER_S_PER_CORE = {
-    "iq1_s": 12.9e9,
-    "iq1_m": 8.8e9,
-    "iq2_xxs": 18.4e9,
-    "iq2_xs": 15.4e9,
-    "iq2_s": 16.0e9,
-    "iq3_xxs": 14.7e9,
-    "iq3_s": 14.4e9,
+# scales from further tables). The one place to update them.
+# Measured on a 2-core AMD EPYC (Zen 4) VM with the AVX-512 set's byte-plane decode kernels (commit
+# a109eec) by `python benchmarks/expert_decode_rates.py`: one thread's CPU time per token of a
+# layer of 128 experts of 2048 x 768, top 8 (the mid-size benchmark model's shape, random valid
+# blocks), the median over the script's calls; the AVX2 set on the same CPU with
+# HYBRIDMOE_NATIVE_ISA=avx2. The AMX set decodes with the AVX-512 set's kernels. The portable set
+# has no entry: the AVX2 set's rates scaled by FMA width (documented_unpack_rate).
+# The formats with no entry (IQ4_XS, IQ4_NL, the K-quants, Q4_0-Q8_0: a 16-entry table at most)
+# unpack fast enough to keep up with the reads on any machine with more than a few cores (IQ4_XS
+# 20.1 and Q4_0 26.6 G weights/s a core with AVX-512, measured earlier on a 2-core Xeon VM).
+EXPERT_UNPACK_RATES_PER_CORE: dict[str, dict[str, float]] = {
+    "avx512": {
+        "iq1_s": 17.0e9,
+        "iq1_m": 16.5e9,
+        "iq2_xxs": 40.0e9,
+        "iq2_xs": 28.0e9,
+        "iq2_s": 20.5e9,
+        "iq3_xxs": 31.0e9,
+        "iq3_s": 26.0e9,
+    },
+    "avx2": {
+        "iq1_s": 9.6e9,
+        "iq1_m": 9.8e9,
+        "iq2_xxs": 11.0e9,
+        "iq2_xs": 10.6e9,
+        "iq2_s": 9.3e9,
+        "iq3_xxs": 8.5e9,
+        "iq3_s": 7.9e9,
+    },
 }
-# The ISA the rates above were measured with; a CPU whose best vector ISA is narrower unpacks in
-# proportion to its FMA width (assumed: the kernels' unpacking is vector work of the same width).
-UNPACK_RATES_MEASURED_WITH = "avx512f"
+# The set the portable kernels' rates are scaled from: × estimate.PORTABLE_FLOPS_PER_CYCLE over
+# its FLOPS_PER_CYCLE (assumed, not measured: the unpacking goes as the kernels' vector width).
+PORTABLE_UNPACK_SCALED_FROM = "avx2"
+# The AVX-512 set's rates under the name benchmarks/expert_decode_rates.py prints them by
+# (its formats and its "documented" column): not a second table.
+EXPERT_UNPACK_WEIGHTS_PER_S_PER_CORE = EXPERT_UNPACK_RATES_PER_CORE["avx512"]
 
 
 def unpack_limited(expert_format: str | None) -> bool:
     """Whether the CPU's unpacking of `expert_format`, not the reads, limits the engine's decode of
-    its experts: a run of it says nothing of the read rate (hardware.achieved keeps none)."""
-    return expert_format in EXPERT_UNPACK_WEIGHTS_PER_S_PER_CORE
+    its experts (an i-quant below IQ4, on every kernel set): a run of it says nothing of the read
+    rate (hardware.achieved keeps none)."""
+    return any(expert_format in rates for rates in EXPERT_UNPACK_RATES_PER_CORE.values())
 
 
 @dataclass(frozen=True)
@@ -121,26 +145,52 @@ class ExpertUnpack:
     source: str = ""  # in a few words: "iq2_xxs unpacking measured on this machine"
 
 
+def documented_unpack_rate(expert_format: str | None, features: tuple[str, ...]) -> tuple[float, str, str] | None:
+    """The documented rate a core of a CPU with `features` unpacks `expert_format` at, with the
+    kernel set it runs (EXPERT_UNPACK_RATES_PER_CORE): (weights/s, how, the set's name in words);
+    None for a format that is not unpack-limited."""
+    if not unpack_limited(expert_format):
+        return None
+    kernel_set = native_kernel_set(features)
+    words = KERNEL_SET_NAMES[kernel_set]
+    if kernel_set in EXPERT_UNPACK_RATES_PER_CORE:
+        per_core = EXPERT_UNPACK_RATES_PER_CORE[kernel_set][expert_format]
+        how = (f"{per_core / 1e9:.1f} G weights/s a core, the documented rate for {expert_format} with the {words} "
+               "kernels")
+        if kernel_set == "avx2" and "avx512f" in features:
+            lacks = ", ".join(native_kernel_set_lacks("avx512", features))
+            how += f" (this CPU has AVX-512 but not {lacks}, which the AVX-512 kernels need)"
+        return per_core, how, words
+    # The portable kernels: the AVX2 set's rate scaled by the FMA widths (stated, not measured).
+    base = KERNEL_SET_NAMES[PORTABLE_UNPACK_SCALED_FROM]
+    width = dict(FLOPS_PER_CYCLE)[PORTABLE_UNPACK_SCALED_FROM]
+    scale = PORTABLE_FLOPS_PER_CYCLE / width
+    per_core = EXPERT_UNPACK_RATES_PER_CORE[PORTABLE_UNPACK_SCALED_FROM][expert_format] * scale
+    how = (f"{per_core / 1e9:.1f} G weights/s a core, the documented rate for {expert_format} with the {base} "
+           f"kernels × {scale:g} for the portable kernels ({PORTABLE_FLOPS_PER_CYCLE:g} of {width:g} flops a cycle, "
+           "assumed")
+    lacks = native_kernel_set_lacks(PORTABLE_UNPACK_SCALED_FROM, features)
+    if "avx2" in features and lacks:
+        how += f"; this CPU has AVX2 but not {', '.join(lacks)}, which the {base} kernels need"
+    return per_core, how + ")", words
+
+
 def expert_unpack_rate(expert_format: str | None, *, cores: int | None, features: tuple[str, ...],
                        measured: tuple[float, str, str] | None = None) -> ExpertUnpack | None:
     """For a format whose unpacking limits the engine's decode (``unpack_limited``): the cores ×
     the rate a core unpacks at, measured on this machine (``measured``: hardware.achieved's
-    lookup_rate) or the documented default scaled to the CPU's vector width; else None."""
-    default = EXPERT_UNPACK_WEIGHTS_PER_S_PER_CORE.get(expert_format or "")
-    if default is None or not cores:
+    lookup_rate) or the documented rate of the native kernel set the CPU's features get
+    (``documented_unpack_rate``); else None."""
+    documented = documented_unpack_rate(expert_format, features)
+    if documented is None or not cores:
         return None
     if measured is not None:
         per_core, where, _ = measured
         how = f"{per_core / 1e9:.1f} G weights/s a core, measured on this machine ({where})"
         source = f"{expert_format} unpacking measured on this machine"
     else:
-        widths = dict(FLOPS_PER_CYCLE)
-        width = next((w for name, w in FLOPS_PER_CYCLE if name in features), PORTABLE_FLOPS_PER_CYCLE)
-        scale = width / widths[UNPACK_RATES_MEASURED_WITH]
-        per_core = default * scale
-        how = (f"{per_core / 1e9:.1f} G weights/s a core, the documented rate for {expert_format} (measured with "
-               f"AVX-512" + (f"; × {scale:g} for a narrower vector ISA" if scale != 1 else "") + ")")
-        source = f"{expert_format} unpacking at its documented rate"
+        per_core, how, words = documented
+        source = f"{expert_format} unpacking at its documented rate with the {words} kernels"
     return ExpertUnpack(per_core * cores, f"{expert_format} unpacked at {how} × {cores} cores", source)
 
 

@@ -148,7 +148,8 @@ EPYC_FLAGS = (
 SPR_FLAGS = (
     "fpu vme de pse tsc msr pae mce cx8 apic sep lm constant_tsc sse sse2 ssse3 fma cx16 "
     "sse4_1 sse4_2 avx f16c avx2 avx_vnni avx512f avx512dq avx512cd avx512bw avx512vl "
-    "avx512_bf16 avx512_vnni avx512_fp16 amx_bf16 amx_tile amx_int8 serialize tsxldtrk"
+    "avx512_bf16 avx512vbmi avx512_vbmi2 gfni vaes vpclmulqdq avx512_vnni avx512_bitalg "
+    "avx512_vpopcntdq avx512_fp16 amx_bf16 amx_tile amx_int8 serialize tsxldtrk"
 )
 NEOVERSE_V2_FEATURES = (
     "fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics fphp asimdhp cpuid asimdrdm jscvt "

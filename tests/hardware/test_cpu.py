@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from hybridmoe.backend.hardware.cpu import detect_cpu
+from hybridmoe.backend.hardware.cpu_kernels import native_kernel_set
 from tests.hardware.fakes import (
     GIB,
     MIB,
@@ -25,9 +26,11 @@ def test_two_socket_epyc_with_avx512_and_two_numa_nodes(tmp_path):
     assert cpu.arch == "x86_64"
     assert (cpu.sockets, cpu.physical_cores, cpu.threads) == (2, 8, 16)
     assert set(cpu.features) == {
-        "avx2", "fma", "avx_vnni", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
+        "avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512_bf16",
+        "avx512vbmi", "avx512_bitalg", "gfni",
     }
     assert not any(f.startswith("amx") for f in cpu.features)
+    assert native_kernel_set(cpu.features) == "avx512"
     assert [n.id for n in cpu.numa_nodes] == [0, 1]
     assert cpu.numa_nodes[0].cpus == (0, 1, 2, 3, 8, 9, 10, 11)
     assert cpu.numa_nodes[1].cpus == (4, 5, 6, 7, 12, 13, 14, 15)
@@ -44,6 +47,7 @@ def test_sapphire_rapids_with_amx_and_l3_from_cpuinfo(tmp_path):
     assert (cpu.sockets, cpu.physical_cores, cpu.threads) == (1, 4, 8)
     for feature in ("amx_tile", "amx_int8", "amx_bf16", "avx512_fp16", "avx512_bf16", "avx512_vnni", "avx_vnni"):
         assert feature in cpu.features
+    assert native_kernel_set(cpu.features) == "avx512"  # the AMX set decodes with the AVX-512 set's kernels
     # No cache directories in this sysfs: Intel's cpuinfo "cache size" is the package L3.
     assert cpu.l3_bytes == 107520 * 1024
     assert "cpu.l3_bytes" not in unknown
@@ -57,6 +61,7 @@ def test_aarch64_neoverse_with_sve_from_sysfs_topology(tmp_path):
     assert cpu.arch == "aarch64"
     assert cpu.model_name == "ARM Neoverse-V2"
     assert set(cpu.features) == {"neon", "dotprod", "i8mm", "bf16", "sve", "sve2"}
+    assert native_kernel_set(cpu.features) == "portable"
     # No "physical id" on Arm: sockets and cores come from sysfs.
     assert (cpu.sockets, cpu.physical_cores, cpu.threads) == (1, 4, 4)
     assert cpu.l3_bytes == 114 * MIB
@@ -134,3 +139,24 @@ def test_macos_through_sysctl():
     assert (cpu.physical_cores, cpu.threads) == (16, 16)
     assert cpu.features == ("neon", "dotprod", "bf16")
     assert "no L3" in unknown["cpu.l3_bytes"]
+
+
+def test_an_intel_mac_through_sysctl_reports_what_the_avx2_kernels_need():
+    values = {
+        "machdep.cpu.brand_string": "Intel(R) Xeon(R) W-3245 CPU @ 3.20GHz",
+        "hw.machine": "x86_64",
+        "hw.packages": "1",
+        "hw.physicalcpu": "16",
+        "hw.logicalcpu": "32",
+        "hw.optional.avx2_0": "1",
+        "hw.optional.fma": "1",
+        "hw.optional.f16c": "1",
+        "hw.optional.avx512f": "1",
+        "hw.optional.avx512bw": "1",
+        "hw.optional.avx512vl": "1",
+        "hw.optional.avx512dq": "1",
+        "hw.optional.avx512vbmi": "0",
+    }
+    cpu, _ = detect_cpu(sysctl=values.get)
+    assert cpu.features == ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq")
+    assert native_kernel_set(cpu.features) == "avx2"

@@ -241,6 +241,13 @@ def test_a_card_of_unknown_bandwidth_is_left_out_and_said_so(qwen30):
 # ---- the engine's prompt rate and the i-quants' unpacking, measured here or stated (#47) ----------
 
 
+# The flags of a Zen 4 CPU that the native kernel sets look at (all the AVX-512 set's), and a
+# Cooper Lake's: AVX-512 with VNNI and BF16 but no VBMI, BITALG, GFNI, which takes the AVX2 set.
+ZEN4 = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512_bf16",
+        "avx512vbmi", "avx512_bitalg", "gfni")
+COOPER_LAKE = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512_bf16")
+
+
 def _this_machine(cores=4, features=("avx2", "avx512f"), probe=40e9):
     return HardwareProfile(cpu=CPU(model_name="Test CPU", physical_cores=cores, sockets=1, features=features),
                            memory=Memory(total_bytes=64 * GIB, available_bytes=64 * GIB,
@@ -303,30 +310,47 @@ def test_a_chat_keeps_its_prompt_rate_and_not_a_short_prompts(qwen30, tmp_path, 
 
 
 def test_an_i_quants_decode_is_set_by_its_unpacking_on_few_cores(tmp_path, monkeypatch):
-    from hybridmoe.backend.plan.expected import EXPERT_UNPACK_WEIGHTS_PER_S_PER_CORE
+    from hybridmoe.backend.plan.expected import EXPERT_UNPACK_RATES_PER_CORE
 
     monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path))
     iq2 = inspect_model(CONFIGS / "Qwen__Qwen3-30B-A3B.json", expert_format="iq2_xxs")
-    here = _this_machine(cores=2)
+    here = _this_machine(cores=2, features=ZEN4)
     wl = Workload(context=4096, strategy="cpu-only")
     plan = make(iq2.spec, iq2.inventory, here, wl)
     rate = 40e9 * RATES["engine"].host_share
     weights = 2 * 48 * 8 * iq2.spec.params_per_expert  # 48 MoE layers × 8 experts a token, 2 cores below
     expert_bytes = weights / 2 * iq2.inventory.expert_bits_per_weight / 8
-    per_core = EXPERT_UNPACK_WEIGHTS_PER_S_PER_CORE["iq2_xxs"]
-    step = (plan.host_bytes_per_token - expert_bytes) / rate + (weights / 2) / (2 * per_core)
+
+    def unpack_bound(per_core):  # tokens/s when 2 cores unpacking at per_core set the experts' time
+        return 1 / ((plan.host_bytes_per_token - expert_bytes) / rate + (weights / 2) / (2 * per_core))
+
+    # The AVX-512 kernels' documented rate (a CPU with every flag they need).
+    per_core = EXPERT_UNPACK_RATES_PER_CORE["avx512"]["iq2_xxs"]
     assert (weights / 2) / (2 * per_core) > expert_bytes / rate  # unpacking, not reading, sets the experts' time
-    assert plan.decode_tokens_per_s_expected == pytest.approx(1 / step)
-    assert f"set by their unpacking, iq2_xxs unpacked at {per_core / 1e9:.1f} G weights/s a core, the documented rate" in (
-        plan.decode_expected_how)
+    assert plan.decode_tokens_per_s_expected == pytest.approx(unpack_bound(per_core))
+    assert (f"set by their unpacking, iq2_xxs unpacked at {per_core / 1e9:.1f} G weights/s a core, the documented "
+            "rate for iq2_xxs with the AVX-512 kernels × 2 cores") in plan.decode_expected_how
     assert plan.decode_expected_source == ("the read probe × the engine's usual share, 0.65; "
-                                           "iq2_xxs unpacking at its documented rate")
-    # An AVX2 CPU unpacks at half the AVX-512 rate (the stated scaling).
-    avx2 = make(iq2.spec, iq2.inventory, _this_machine(cores=2, features=("avx2",)), wl)
-    assert f"{per_core / 2e9:.1f} G weights/s a core, the documented rate for iq2_xxs (measured with AVX-512; × 0.5" in (
-        avx2.decode_expected_how)
-    assert avx2.decode_tokens_per_s_expected <= 1 / ((plan.host_bytes_per_token - expert_bytes) / rate
-                                                     + (weights / 2) / per_core) * (1 + 1e-9)
+                                           "iq2_xxs unpacking at its documented rate with the AVX-512 kernels")
+    # An AVX2 CPU: the AVX2 kernels' own documented rate, not a scaling of the AVX-512 one.
+    avx2_rate = EXPERT_UNPACK_RATES_PER_CORE["avx2"]["iq2_xxs"]
+    avx2 = make(iq2.spec, iq2.inventory, _this_machine(cores=2, features=("avx2", "fma", "f16c")), wl)
+    assert avx2.decode_tokens_per_s_expected == pytest.approx(unpack_bound(avx2_rate))
+    assert (f"{avx2_rate / 1e9:.1f} G weights/s a core, the documented rate for iq2_xxs with the AVX2 kernels × 2 "
+            "cores") in avx2.decode_expected_how
+    assert avx2.decode_expected_source.endswith("iq2_xxs unpacking at its documented rate with the AVX2 kernels")
+    # AVX-512 without the flags the AVX-512 kernels need (Cooper Lake) runs the AVX2 kernels, and says why.
+    cooper = make(iq2.spec, iq2.inventory, _this_machine(cores=2, features=COOPER_LAKE), wl)
+    assert cooper.decode_tokens_per_s_expected == pytest.approx(avx2.decode_tokens_per_s_expected)
+    assert ("the documented rate for iq2_xxs with the AVX2 kernels (this CPU has AVX-512 but not avx512vbmi, "
+            "avx512_bitalg, gfni, which the AVX-512 kernels need)") in cooper.decode_expected_how
+    # The portable kernels: the AVX2 rate × their FMA width over AVX2's (stated, not measured).
+    portable = make(iq2.spec, iq2.inventory, _this_machine(cores=2, features=("avx2", "avx512f")), wl)
+    assert portable.decode_tokens_per_s_expected == pytest.approx(unpack_bound(avx2_rate / 4))
+    assert (f"{avx2_rate / 4e9:.1f} G weights/s a core, the documented rate for iq2_xxs with the AVX2 kernels × 0.25 "
+            "for the portable kernels (8 of 32 flops a cycle, assumed; this CPU has AVX2 but not fma, f16c, which the "
+            "AVX2 kernels need)") in portable.decode_expected_how
+    assert portable.decode_expected_source.endswith("with the portable kernels")
     # Measured here (bench generate of that format): the median of its runs.
     achieved.record_rate(here, "expert_weights_per_s_per_core", expert_format="iq2_xxs", value=10e9,
                          source="bench generate")
@@ -336,7 +360,7 @@ def test_an_i_quants_decode_is_set_by_its_unpacking_on_few_cores(tmp_path, monke
     assert "10.0 G weights/s a core, measured on this machine (bench generate" in measured.decode_expected_how
     assert measured.decode_expected_source.endswith("iq2_xxs unpacking measured on this machine")
     # Many cores: the reads set it again, as for any format.
-    wide = make(iq2.spec, iq2.inventory, _this_machine(cores=64), wl)
+    wide = make(iq2.spec, iq2.inventory, _this_machine(cores=64, features=ZEN4), wl)
     assert wide.decode_tokens_per_s_expected == pytest.approx(rate / wide.host_bytes_per_token)
     # Q4_0-class formats are never limited by their unpacking.
     q4 = inspect_model(CONFIGS / "Qwen__Qwen3-30B-A3B.json", expert_format="q4_0")
