@@ -124,9 +124,6 @@ EXPERT_UNPACK_RATES_PER_CORE: dict[str, dict[str, float]] = {
 # The set the portable kernels' rates are scaled from: × estimate.PORTABLE_FLOPS_PER_CYCLE over
 # its FLOPS_PER_CYCLE (assumed, not measured: the unpacking goes as the kernels' vector width).
 PORTABLE_UNPACK_SCALED_FROM = "avx2"
-# The AVX-512 set's rates under the name benchmarks/expert_decode_rates.py prints them by
-# (its formats and its "documented" column): not a second table.
-EXPERT_UNPACK_WEIGHTS_PER_S_PER_CORE = EXPERT_UNPACK_RATES_PER_CORE["avx512"]
 
 
 def unpack_limited(expert_format: str | None) -> bool:
