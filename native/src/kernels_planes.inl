@@ -141,29 +141,27 @@ static inline __m512i look_up_1024(const uint8_t* table, __m512i idx, __mmask64 
 // ---- the activations in plane order -------------------------------------------------------
 
 // Per token, once per call, into a per-thread buffer: byte i of plane j = value j of entry i,
-// entries of kWidth values (iq2: 8, planes of a 512-value chunk; iq3: 4, of a 256-value one);
-// a last chunk of 256 of a 512 span is padded with zeros. The 8-wide formats also get `sums`,
-// each 16 values' sum as an int16 (32 a chunk): their +64 offset's share (plane values + 64).
+// entries of kWidth values (iq2: 8, planes of a 512-value chunk; iq3: 4, of a 256-value one).
+// An iq2 row of an odd number of super-blocks ends on a chunk of its last super-block twice
+// (see gemv_iq2_planes). The iq2 formats also get `sums`, each 16 values' sum as an int16
+// (32 a chunk): their +64 offset's share (plane values + 64).
 struct PlaneActs {
     const int8_t* q;
     const int16_t* sums;
 };
 
-// One chunk (zero-padded past n values) in plane order: each 64-byte vector's entries first
-// regrouped by value (vpermb: 64 / kWidth bytes of each value together), then those groups
-// copied to their planes.
+// One chunk in plane order: each 64-byte vector's entries first regrouped by value (vpermb:
+// 64 / kWidth bytes of each value together), then those groups copied to their planes.
 template <int kWidth, int kSpan>
-static void chunk_to_planes(const int8_t* q, int64_t n, int8_t* out) {
+static void chunk_to_planes(const int8_t* q, int8_t* out) {
     constexpr int kVecs = kSpan / 64, kGroup = 64 / kWidth;  // kGroup: entries of a vector
     alignas(64) uint8_t order[64];
     for (int j = 0; j < kWidth; ++j)
         for (int e = 0; e < kGroup; ++e) order[j * kGroup + e] = uint8_t(e * kWidth + j);
     const __m512i by_value = _mm512_load_si512(order);
     alignas(64) int8_t grouped[kVecs][64];
-    for (int v = 0; v < kVecs; ++v) {
-        const __m512i z = 64 * v < n ? _mm512_loadu_si512(q + 64 * v) : _mm512_setzero_si512();
-        _mm512_store_si512(grouped[v], _mm512_permutexvar_epi8(by_value, z));
-    }
+    for (int v = 0; v < kVecs; ++v)
+        _mm512_store_si512(grouped[v], _mm512_permutexvar_epi8(by_value, _mm512_loadu_si512(q + 64 * v)));
     for (int j = 0; j < kWidth; ++j)
         for (int v = 0; v < kVecs; ++v) std::memcpy(out + j * 64 + v * kGroup, grouped[v] + j * kGroup, kGroup);
 }
@@ -176,8 +174,16 @@ static PlaneActs plane_acts(const Q8Row& a, int64_t K, int slot) {
     thread_local std::vector<int8_t> q_buf[kMaxGemvTokens];
     thread_local std::vector<int16_t> sums_buf[kMaxGemvTokens];
     int8_t* q = aligned64(q_buf[slot], nchunks * kSpan);
-    for (int64_t c = 0; c < nchunks; ++c)
-        chunk_to_planes<kIq2 ? 8 : 4, kSpan>(a.q + c * kSpan, std::min<int64_t>(kSpan, K - c * kSpan), q + c * kSpan);
+    for (int64_t c = 0; c < nchunks; ++c) {
+        const int8_t* chunk = a.q + c * kSpan;
+        alignas(64) int8_t twice[512];
+        if (kIq2 && K - c * kSpan == 256) {  // an odd row's last super-block: twice (see gemv_iq2_planes)
+            std::memcpy(twice, chunk, 256);
+            std::memcpy(twice + 256, chunk, 256);
+            chunk = twice;
+        }
+        chunk_to_planes<kIq2 ? 8 : 4, kSpan>(chunk, q + c * kSpan);
+    }
     if constexpr (!kIq2) return {q, nullptr};
     // Entries 2g and 2g + 1 of every plane are the 16 values of group g: vpmaddubsw by ones.
     int16_t* sums = aligned64(sums_buf[slot], nchunks * 32);
@@ -195,18 +201,17 @@ static PlaneActs plane_acts(const Q8Row& a, int64_t K, int slot) {
 // Two super-blocks of an iq2 format as plane indices: per pair of planes 2k, 2k + 1 a byte per
 // entry [c_2k, c_2k+1, s_2k, s_2k+1] (x[k]; codes by a look-up of the grid index, signs moved
 // by gf2p8affineqb), and the scales: iq2_xxs one per quarter (a dword lane), iq2_xs / iq2_s
-// one per 16 values (int16 lane g: entries 2g, 2g + 1). `two`: the second super-block exists
-// (else its half is zero; it is never read).
+// one per 16 values (int16 lane g: entries 2g, 2g + 1). Super-blocks p (entries 0-31) and p2
+// (32-63: not necessarily the next one; if null, zeros).
 template <Format F>
 struct Iq2Planes {
     __m512i x[4];
     __m512i scale;
 
-    Iq2Planes(const uint8_t* p, bool two) {
-        constexpr int kBytes = kFormats[F].block_bytes;
+    Iq2Planes(const uint8_t* p, const uint8_t* p2) {
         constexpr bool kParity = F != FMT_IQ2_S;
         constexpr const auto& kCodes = iq2_plane_codes<F>();
-        const uint8_t* p2 = p + kBytes;
+        const bool two = p2 != nullptr;
         __m512i idx, signs;  // signs: a byte per entry, its sign bits (iq2_xxs / iq2_xs: the 7 stored)
         __mmask64 ninth = 0, tenth = 0;
         if constexpr (F == FMT_IQ2_XXS) {
@@ -280,54 +285,95 @@ struct Iq2Planes {
 };
 
 // iq2_xxs / iq2_xs / iq2_s, up to four tokens: two super-blocks a step, their 16 quarters in
-// the 16 dword lanes (a lone last super-block's other half is zero), each quarter's integer
-// from the offset's share -64 x (its activations' sum, times the scale per 16 for iq2_xs /
-// iq2_s, whose per-plane pairs vpdpwssd scales; iq2_xxs's quarter scale goes on at the end).
+// the 16 dword lanes, each quarter's integer from the offset's share -64 x (its activations'
+// sum, times the scale per 16 for iq2_xs / iq2_s, whose per-plane pairs vpdpwssd scales;
+// iq2_xxs's quarter scale goes on at the end). A row of an odd number of super-blocks (K = 768:
+// Qwen3-30B's down projections) ends on a lone one, which shares a step with the next row's
+// (even rows wait for odd ones with their sums put aside; the activations of that step are the
+// last super-block's twice, plane_acts' last chunk); a last even row's takes a step alone.
 template <Format F, int N>
 static void gemv_iq2_planes(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t K, const Q8Row* acts, float* out,
                             int64_t ldo) {
     constexpr bool kXxs = F == FMT_IQ2_XXS;
     constexpr int kBytes = kFormats[F].block_bytes;
-    const int64_t nsb = K / 256, npairs = (nsb + 1) / 2;
+    const int64_t nsb = K / 256, full = nsb / 2, last = nsb - 1;
+    const bool odd = nsb % 2 != 0;
     PlaneActs pa[N];
     for (int t = 0; t < N; ++t) pa[t] = plane_acts<F>(acts[t], K, t);
-    const __m512i even = _mm512_load_si512(kIq2PlaneValues.value[0]), odd = _mm512_load_si512(kIq2PlaneValues.value[1]);
+    const __m512i even_plane = _mm512_load_si512(kIq2PlaneValues.value[0]);
+    const __m512i odd_plane = _mm512_load_si512(kIq2PlaneValues.value[1]);
+    // Super-blocks a (lanes 0-7) and b (8-15; zeros if null) against chunk c of the activations:
+    // v[t], token t's 16 quarters' integers as floats.
+    struct Products {
+        __m512 v[N];
+    };
+    const auto products = [&](const uint8_t* a, const uint8_t* b, int64_t c) {
+        Products out;
+        prefetch_span(a + kPrefetchAheadK, 2 * kBytes);
+        const Iq2Planes<F> blk(a, b);
+        // -64 x the activations' sums per 16 values (pairs added; iq2_xs / iq2_s: scaled).
+        const __m512i offset = kXxs ? _mm512_set1_epi16(-64) : _mm512_mullo_epi16(blk.scale, _mm512_set1_epi16(-64));
+        // Two chains (even and odd planes), added at the end: half the latency of one.
+        __m512i sums[N], odd_sums[N];
+        for (int t = 0; t < N; ++t) {
+            sums[t] = _mm512_madd_epi16(_mm512_load_si512(pa[t].sums + 32 * c), offset);
+            odd_sums[t] = _mm512_setzero_si512();
+        }
+#pragma GCC unroll 4
+        for (int k = 0; k < 4; ++k) {
+            const __m512i v0 = _mm512_permutexvar_epi8(blk.x[k], even_plane);
+            const __m512i v1 = _mm512_permutexvar_epi8(blk.x[k], odd_plane);
+            for (int t = 0; t < N; ++t) {
+                const int8_t* q = pa[t].q + 512 * c + 128 * k;
+                const __m512i a0 = _mm512_load_si512(q), a1 = _mm512_load_si512(q + 64);
+                if constexpr (kXxs) {
+                    sums[t] = _mm512_dpbusd_epi32(sums[t], v0, a0);
+                    odd_sums[t] = _mm512_dpbusd_epi32(odd_sums[t], v1, a1);
+                } else {  // at most 2 x 107 x 127 a pair: no saturation
+                    sums[t] = _mm512_dpwssd_epi32(sums[t], _mm512_maddubs_epi16(v0, a0), blk.scale);
+                    odd_sums[t] = _mm512_dpwssd_epi32(odd_sums[t], _mm512_maddubs_epi16(v1, a1), blk.scale);
+                }
+            }
+        }
+        for (int t = 0; t < N; ++t) {
+            const __m512i i = _mm512_add_epi32(sums[t], odd_sums[t]);
+            out.v[t] = _mm512_cvtepi32_ps(kXxs ? _mm512_mullo_epi32(i, blk.scale) : i);
+        }
+        return out;
+    };
+    // acc + the super-block at d's (index sb) share, half h of v.
+    const auto add = [&](__m256 acc, const __m512& v, int h, const uint8_t* d, int64_t sb, int t) {
+        const __m256 half = h == 0 ? _mm512_castps512_ps256(v) : _mm512_extractf32x8_ps(v, 1);
+        return _mm256_fmadd_ps(_mm256_set1_ps(h2f(d) * 0.125f * acts[t].d[8 * sb]), half, acc);
+    };
+    __m256 waiting[N];  // an even row's sums, waiting for the next row (odd K)
     for (int64_t r = 0; r < nrows; ++r) {
         const uint8_t* row = w.row(row0 + r);
         _mm_prefetch(reinterpret_cast<const char*>(w.row(row0 + r + 1)), _MM_HINT_T0);
         __m256 acc[N];
         for (int t = 0; t < N; ++t) acc[t] = _mm256_setzero_ps();
-        for (int64_t c = 0; c < npairs; ++c) {
+        for (int64_t c = 0; c < full; ++c) {
             const uint8_t* p = row + 2 * kBytes * c;
-            const bool two = 2 * c + 1 < nsb;
-            prefetch_span(p + kPrefetchAheadK, 2 * kBytes);
-            const Iq2Planes<F> b(p, two);
-            // -64 x the activations' sums per 16 values (pairs added; iq2_xs / iq2_s: scaled).
-            const __m512i offset = kXxs ? _mm512_set1_epi16(-64) : _mm512_mullo_epi16(b.scale, _mm512_set1_epi16(-64));
-            __m512i sums[N];
-            for (int t = 0; t < N; ++t) sums[t] = _mm512_madd_epi16(_mm512_load_si512(pa[t].sums + 32 * c), offset);
-#pragma GCC unroll 4
-            for (int k = 0; k < 4; ++k) {
-                const __m512i v0 = _mm512_permutexvar_epi8(b.x[k], even), v1 = _mm512_permutexvar_epi8(b.x[k], odd);
-                for (int t = 0; t < N; ++t) {
-                    const int8_t* q = pa[t].q + 512 * c + 128 * k;
-                    const __m512i a0 = _mm512_load_si512(q), a1 = _mm512_load_si512(q + 64);
-                    if constexpr (kXxs) {
-                        sums[t] = _mm512_dpbusd_epi32(sums[t], v0, a0);
-                        sums[t] = _mm512_dpbusd_epi32(sums[t], v1, a1);
-                    } else {  // at most 2 x 107 x 127 a pair: no saturation
-                        sums[t] = _mm512_dpwssd_epi32(sums[t], _mm512_maddubs_epi16(v0, a0), b.scale);
-                        sums[t] = _mm512_dpwssd_epi32(sums[t], _mm512_maddubs_epi16(v1, a1), b.scale);
-                    }
-                }
+            const Products v = products(p, p + kBytes, c);
+            for (int t = 0; t < N; ++t)
+                acc[t] = add(add(acc[t], v.v[t], 0, p, 2 * c, t), v.v[t], 1, p + kBytes, 2 * c + 1, t);
+        }
+        if (odd) {
+            if (r % 2 == 0 && r + 1 < nrows) {
+                for (int t = 0; t < N; ++t) waiting[t] = acc[t];
+                continue;
             }
-            const float da = h2f(p) * 0.125f, db = two ? h2f(p + kBytes) * 0.125f : 0.0f;
-            for (int t = 0; t < N; ++t) {
-                const __m512 v = _mm512_cvtepi32_ps(kXxs ? _mm512_mullo_epi32(sums[t], b.scale) : sums[t]);
-                acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(da * acts[t].d[16 * c]), _mm512_castps512_ps256(v), acc[t]);
-                if (two)
-                    acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(db * acts[t].d[16 * c + 8]),
-                                             _mm512_extractf32x8_ps(v, 1), acc[t]);
+            const uint8_t* mine = row + kBytes * last;
+            if (r % 2 == 1) {
+                const uint8_t* before = w.row(row0 + r - 1) + kBytes * last;
+                const Products v = products(before, mine, full);
+                for (int t = 0; t < N; ++t) {
+                    out[t * ldo + r - 1] = hsum_ps(add(waiting[t], v.v[t], 0, before, last, t));
+                    acc[t] = add(acc[t], v.v[t], 1, mine, last, t);
+                }
+            } else {
+                const Products v = products(mine, nullptr, full);
+                for (int t = 0; t < N; ++t) acc[t] = add(acc[t], v.v[t], 0, mine, last, t);
             }
         }
         for (int t = 0; t < N; ++t) out[t * ldo + r] = hsum_ps(acc[t]);

@@ -154,3 +154,26 @@ def test_every_kernel_set_agrees_with_the_portable_one(name):
     """The extension's own self-test: every format's GEMV and dequantizing against the
     portable kernels, on random blocks (the i-quants included)."""
     assert _native.self_test(name) == ""
+
+
+@pytest.mark.parametrize("fmt", ["iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs", "iq3_s"])
+def test_a_rows_bits_do_not_depend_on_its_neighbours(fmt, isa):
+    """The AVX-512 iq2 GEMV computes two super-blocks a step, and a row of an odd number of them
+    shares its last step with the next row's: each row must still get the bits it gets alone
+    (a one-row matrix: its last super-block in a step by itself), for 1-4 tokens, at one to five
+    super-blocks a row and row counts odd and even."""
+    for k in (256, 768, 1280, 1024):
+        for rows in (1, 2, 3, 6):
+            data = stored(fmt, rows=rows, k=k, seed=rows * 7 + k)
+            tensor = torch.from_numpy(data)
+            together = _native.DenseLinear(fmt, k, [(rows, [tensor.data_ptr(), 0, data.shape[1], 0])], False)
+            x = torch.from_numpy(np.random.default_rng(k + rows).standard_normal((4, k)).astype(np.float32)) * 3
+            for n in (1, 2, 3, 4):
+                out = torch.empty(n, rows)
+                together.forward(x[:n].contiguous(), out, 1 << 30)
+                for r in range(rows):
+                    one = torch.from_numpy(np.ascontiguousarray(data[r:r + 1]))
+                    alone = _native.DenseLinear(fmt, k, [(1, [one.data_ptr(), 0, data.shape[1], 0])], False)
+                    row_out = torch.empty(n, 1)
+                    alone.forward(x[:n].contiguous(), row_out, 1 << 30)
+                    assert torch.equal(out[:, r:r + 1], row_out), f"{k} values, {rows} rows, {n} tokens: row {r}"
