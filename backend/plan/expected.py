@@ -93,7 +93,7 @@ RATES = {
 # i-quants below IQ4, whose weights come from codebook grids (8 or 4 values an index, signs and
 # scales from further tables). The one place to update them.
 # Measured on a 2-core AMD EPYC (Zen 4) VM with the AVX-512 set's byte-plane decode kernels (commit
-# a109eec) by `python benchmarks/expert_decode_rates.py`: one thread's CPU time per token of a
+# 7ab2641) by `python benchmarks/expert_decode_rates.py`: one thread's CPU time per token of a
 # layer of 128 experts of 2048 x 768, top 8 (the mid-size benchmark model's shape, random valid
 # blocks), the median over the script's calls; the AVX2 set on the same CPU with
 # HYBRIDMOE_NATIVE_ISA=avx2. The AMX set decodes with the AVX-512 set's kernels. The portable set
@@ -103,21 +103,21 @@ RATES = {
 # 20.1 and Q4_0 26.6 G weights/s a core with AVX-512, measured earlier on a 2-core Xeon VM).
 EXPERT_UNPACK_RATES_PER_CORE: dict[str, dict[str, float]] = {
     "avx512": {
-        "iq1_s": 17.0e9,
-        "iq1_m": 16.5e9,
-        "iq2_xxs": 40.0e9,
-        "iq2_xs": 28.0e9,
-        "iq2_s": 20.5e9,
-        "iq3_xxs": 31.0e9,
-        "iq3_s": 26.0e9,
+        "iq1_s": 17.5e9,
+        "iq1_m": 16.9e9,
+        "iq2_xxs": 44.0e9,
+        "iq2_xs": 32.5e9,
+        "iq2_s": 25.5e9,
+        "iq3_xxs": 33.3e9,
+        "iq3_s": 29.0e9,
     },
     "avx2": {
-        "iq1_s": 9.6e9,
-        "iq1_m": 9.8e9,
-        "iq2_xxs": 11.0e9,
-        "iq2_xs": 10.6e9,
-        "iq2_s": 9.3e9,
-        "iq3_xxs": 8.5e9,
+        "iq1_s": 11.4e9,
+        "iq1_m": 10.6e9,
+        "iq2_xxs": 15.1e9,
+        "iq2_xs": 12.7e9,
+        "iq2_s": 11.4e9,
+        "iq3_xxs": 12.1e9,
         "iq3_s": 7.9e9,
     },
 }
