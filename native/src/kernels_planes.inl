@@ -1,35 +1,33 @@
-// The decode GEMV of iq2_xxs and iq3_xxs on AVX-512 by byte planes: the grid look-ups done 64
-// entries at a time with vpermb / vpermi2b (VBMI) instead of one load per entry. Included by
-// kernels_iq.inl in the AVX-512 set only (dispatch.cpp requires VBMI, GFNI and BITALG there).
+// The decode GEMV of the iq2 and iq3 formats (iq2_xxs, iq2_xs, iq2_s, iq3_xxs, iq3_s) on AVX-512
+// by byte planes: the grid look-ups done 64 entries at a time with vpermb / vpermi2b (VBMI)
+// instead of one load per entry. Included by kernels_iq.inl in the AVX-512 set only
+// (dispatch.cpp requires VBMI, GFNI and BITALG there).
 //
-// Why: one grid entry a load (8 values of iq2_xxs, 4 of iq3_xxs) held these formats at 18 and
-// 14 G weights/s a core on Zen 4, a third of what memory gives a core; the look-ups were the
-// decode. A vector look-up takes 64 indices at once but gives one byte per index, so the
-// weights come out as planes: plane j holds value j of 64 entries (iq2_xxs: entries of two
-// super-blocks; iq3_xxs: of one). The activations are put in the same order once per call
-// (plane_acts: byte i of plane j is value j of entry i), and vpdpbusd's dword lane m then adds
-// the products of entries 4m .. 4m + 3, all in one quarter (32 values) of one super-block: a
-// quarter's integer is one lane (iq2_xxs) or two (iq3_xxs), summed over the planes.
+// Why: one grid entry a load (8 values of iq2, 4 of iq3) held these formats at 14-18 G weights/s
+// a core on Zen 4, a third of what memory gives a core; the look-ups were the decode. A vector
+// look-up takes 64 indices at once but gives one byte per index, so the weights come out as
+// planes: plane j holds value j of 64 entries (iq2: entries of two super-blocks; iq3: of one).
+// The activations are put in the same order once per call (plane_acts), and vpdpbusd's dword
+// lane m then adds the products of entries 4m .. 4m + 3, all in one quarter (32 values) of one
+// super-block: a quarter's integer is one lane (iq2) or two (iq3), summed over the planes.
 //
 // So a super-block's integers here are per quarter, not gemv_iq_n's per dword of every quarter:
-// the prompt GEMM of these two formats (gemm_iq_512's quarter panels) computes the same
-// per-quarter integers, and both apply them alike, one FMA per quarter and super-block into
-// float lane q, the super-blocks in order, then hsum_ps: the same bits per token in decode and
-// prompt.
+// the prompt GEMM of these formats (gemm_iq_512's quarter panels) computes the same per-quarter
+// integers, and both apply them alike, one FMA per quarter and super-block into float lane q,
+// the super-blocks in order, then hsum_ps: the same bits per token in decode and prompt.
 //
-// iq2_xxs (2 x 64 look-ups per 512 values, then one vpermb + vpdpbusd per plane): its values
-// are 8, 25 or 43 (codes 0, 1, 2), four codes to a byte by a 256-entry look-up (two vpermi2b
-// and a blend on the index's top bit); signs are seven bits per entry with an eighth for even
-// parity, which an affine map over GF(2) (gf2p8affineqb) computes with the bits it moves. Per
-// pair of planes one byte per entry [code j, code j + 1, sign j, sign j + 1] indexes a 64-entry
-// table of the signed value + 64: vpdpbusd's unsigned operand, the +64 taken off per quarter as
-// -64 x the quarter's activation sum (plane_acts' bias). iq3_xxs's eight magnitudes (3-bit
-// codes, two to a byte) go in as they are and the signs onto the activations (vpshufbitqmb
-// picks each entry's sign bit of a plane from its quarter's 32 sign bits, a masked subtract
-// applies it): 4 planes of 64 per super-block.
+// iq2 (values 8, 25 or 43: codes 0, 1, 2): four codes to a byte by a 256 / 512 / 1024-entry
+// look-up (two vpermi2b per 256 and blends on the index's high bits); signs are seven stored
+// bits per entry with an eighth for even parity (iq2_s: eight stored), which an affine map over
+// GF(2) (gf2p8affineqb) computes with the bits it moves. Per pair of planes one byte per entry
+// [code j, code j + 1, sign j, sign j + 1] indexes a 64-entry table of the signed value + 64:
+// vpdpbusd's unsigned operand, the +64 taken off per quarter from the activations' sums. iq3's
+// eight magnitudes (3-bit codes, two to a byte) go in as they are and the signs onto the
+// activations (vpshufbitqmb picks each entry's sign bit of a plane from its quarter's 32 sign
+// bits, a masked subtract applies it): 4 planes of 64 per super-block.
 //
-// One core of the 2-core Zen 4, L2-resident 768 x 2048, one token: iq2_xxs 17.9 -> 51 G
-// weights/s; iq3_xxs (below).
+// One core of the 2-core Zen 4, L2-resident 768 x 2048, one token, before -> now: iq2_xxs 17.9
+// -> 43, iq2_xs 16.9 -> 32, iq2_s 17.8 -> 27, iq3_xxs 14.0 -> 32, iq3_s 13.9 -> 29 G weights/s.
 
 static inline uint64_t load_u64(const uint8_t* p) {
     uint64_t v;
