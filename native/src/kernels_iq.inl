@@ -105,7 +105,8 @@ constexpr bool kGatherByDefault = false;
 
 #if defined(HMOE_AVX512)
 // grid4 / grid8 on AVX-512 by the word indices a decoder stored a super-block ahead (iq1_s,
-// iq1_m, iq2_xs, iq2_s, iq3_s) or by the block's own index bytes (iq3_xxs), written out: in the unrolled
+// iq1_m, iq2_xs, iq2_s, iq3_s) or by the block's own index bytes (iq3_xxs), written out (now for
+// iq1's decode GEMV and the others' prompt panels, kernels_planes.inl doing their decode): in the unrolled
 // decode GEMV GCC parks indices in vector registers between their load and the look-up
 // (vmovq there and back, two more micro-ops each). Four indices come in with one 64-bit
 // load and are taken apart in registers (fewer loads: the look-ups are most of the decode's).
@@ -702,8 +703,9 @@ static inline void iq1_tokens(const Iq1Dot* q, float d, const Q8Row* acts, int64
 }
 #endif
 
-// The decode GEMV on AVX-512 of the formats whose decoders store per-super-block arrays (iq1_s,
-// iq1_m, iq2_xs, iq2_s, iq3_s: indices, signs, scales, table rows): each super-block's IqBlock
+// The decode GEMV on AVX-512 of iq1_s and iq1_m (the iq2 / iq3 formats' is kernels_planes.inl's;
+// it served iq2_xs / iq2_s / iq3_s before, figures below), whose decoders store per-super-block
+// arrays (indices, signs, scales, table rows): each super-block's IqBlock
 // built one super-block ahead (across rows too), into one of two fixed slots in turn, so that
 // the decode's narrow loads of those arrays find the constructor's vector stores long done.
 // Read back right after the stores, they held the loop up (apparently no store-to-load
@@ -854,7 +856,9 @@ static void gemv_iq_many(const MatrixRef& w, int64_t row0, int64_t nrows, int64_
 #if defined(HMOE_AVX512)
 // Prompts on AVX-512, formats whose values stay within +-62 (all that come here; iq4_xs,
 // which reaches 127, takes the 32-block GEMV): a GEMM
-// micro-kernel with 16 rows in the vector lanes and the tokens broadcast. The integers each
+// micro-kernel with 16 rows in the vector lanes and the tokens broadcast. (Below, iq1_s and
+// iq1_m's form; the iq2 / iq3 formats, whose decode sums per quarter, take the same loop over
+// QuarterPanel.) The integers each
 // token needs are gemv_iq_n's eight lanes per super-block (lane i: bytes 4i .. 4i + 3 of every
 // quarter, times the quarter's scale for those bytes), each with its own float FMA, so every
 // four-value dot product meets a scale of its own. vpdpbusd gives that dot for 16 rows in one
