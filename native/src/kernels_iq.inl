@@ -1038,77 +1038,70 @@ static inline void transpose16x16_epi32(__m512i* m) {
     }
 }
 
-// Super-block sb of rows r0 .. r0 + nr - 1 (nr <= 16; the others zero) into a panel, with
-// the same super-block of the next `next` rows prefetched.
-template <Format F, bool G>
-static void iq_decode_panel(const MatrixRef& w, int64_t r0, int nr, int next, int64_t sb, IqPanel& P) {
+// Super-block sb of rows r0 .. r0 + nr - 1 (nr <= 16; the others zero), with the same
+// super-block of the next `next` rows prefetched: the values with their signs transposed to
+// wq[k][row] (dword k = 8 q + i holds values 4i .. 4i + 3 of quarter q), the rows' d, and each
+// row's quarter multipliers handed to scales(r, lo, hi) (zeros for the rows past nr): what both
+// panels below take from the decoders.
+template <Format F, bool G, class Scales>
+static void decode_panel_rows(const MatrixRef& w, int64_t r0, int nr, int next, int64_t sb, int32_t (*wq)[16], float* d,
+                              Scales&& scales) {
     constexpr int kBytes = kFormats[F].block_bytes;
     alignas(64) int32_t rows[16][64];
     for (int r = 0; r < 16; ++r) {
+        int lo[8] = {}, hi[8] = {};
         if (r >= nr) {
             for (int k = 0; k < 64; k += 16) _mm512_store_si512(rows[r] + k, _mm512_setzero_si512());
-            for (int j = 0; j < 4; ++j) P.scale[j][0][r] = P.scale[j][1][r] = 0;
-            P.d[r] = 0.0f;
-            continue;
+            d[r] = 0.0f;
+        } else {
+            const IqBlock<F, G> blk(w.row(r0 + r) + sb * kBytes);
+            if (r < next) prefetch_span(w.row(r0 + 16 + r) + sb * kBytes, kBytes);
+            for (int q = 0; q < 8; ++q) {
+                const IqQuarter a = blk.quarter(q);
+                _mm256_store_si256(reinterpret_cast<__m256i*>(rows[r] + 8 * q), with_signs(a.mag, a.sign));
+                lo[q] = a.lo, hi[q] = a.hi;
+            }
+            d[r] = blk.d();
         }
-        const IqBlock<F, G> blk(w.row(r0 + r) + sb * kBytes);
-        if (r < next) prefetch_span(w.row(r0 + 16 + r) + sb * kBytes, kBytes);
-        for (int j = 0; j < 4; ++j) {
-            const IqQuarter a = blk.quarter(2 * j), b = blk.quarter(2 * j + 1);
-            _mm256_store_si256(reinterpret_cast<__m256i*>(rows[r] + 16 * j), with_signs(a.mag, a.sign));
-            _mm256_store_si256(reinterpret_cast<__m256i*>(rows[r] + 16 * j + 8), with_signs(b.mag, b.sign));
-            P.scale[j][0][r] = int32_t(uint32_t(uint16_t(a.lo)) | uint32_t(b.lo) << 16);
-            P.scale[j][1][r] = int32_t(uint32_t(uint16_t(a.hi)) | uint32_t(b.hi) << 16);
-        }
-        P.d[r] = blk.d();
+        scales(r, lo, hi);
     }
-    const __m512i k128 = _mm512_set1_epi8(char(0x80));
     for (int c = 0; c < 4; ++c) {
         __m512i m[16];
         for (int r = 0; r < 16; ++r) m[r] = _mm512_load_si512(rows[r] + 16 * c);
         transpose16x16_epi32(m);
-        for (int k = 0; k < 16; ++k) _mm512_store_si512(P.wq[16 * c + k], m[k]);
-        for (int k = 0; k < 16; ++k)
-            _mm512_store_si512(P.corr[16 * c + k],
-                               _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), k128, m[k])));
+        for (int k = 0; k < 16; ++k) _mm512_store_si512(wq[16 * c + k], m[k]);
     }
+}
+
+// -128 x the sum of dwords wq[k0 .. k0 + n) of each row: the activations' offset's share.
+static inline __m512i offset_share(const int32_t (*wq)[16], int k0, int n) {
+    __m512i sum = _mm512_setzero_si512();
+    for (int i = 0; i < n; ++i) sum = _mm512_dpbusd_epi32(sum, _mm512_set1_epi8(char(0x80)), _mm512_load_si512(wq[k0 + i]));
+    return _mm512_sub_epi32(_mm512_setzero_si512(), sum);
+}
+
+template <Format F, bool G>
+static void iq_decode_panel(const MatrixRef& w, int64_t r0, int nr, int next, int64_t sb, IqPanel& P) {
+    decode_panel_rows<F, G>(w, r0, nr, next, sb, P.wq, P.d, [&](int r, const int* lo, const int* hi) {
+        for (int j = 0; j < 4; ++j) {  // quarters 2j and 2j + 1 as an int16 pair
+            P.scale[j][0][r] = int32_t(uint32_t(uint16_t(lo[2 * j])) | uint32_t(lo[2 * j + 1]) << 16);
+            P.scale[j][1][r] = int32_t(uint32_t(uint16_t(hi[2 * j])) | uint32_t(hi[2 * j + 1]) << 16);
+        }
+    });
+    for (int k = 0; k < 64; ++k) _mm512_store_si512(P.corr[k], offset_share(P.wq, k, 1));
 }
 
 // iq_decode_panel for the quarter panel.
 template <Format F, bool G, int kGroups>
 static void quarter_decode_panel(const MatrixRef& w, int64_t r0, int nr, int next, int64_t sb, QuarterPanel<kGroups>& P) {
-    constexpr int kBytes = kFormats[F].block_bytes;
     constexpr int kPer = kGroups / 8, kDwords = 8 / kPer;
-    alignas(64) int32_t rows[16][64];
-    for (int r = 0; r < 16; ++r) {
-        if (r >= nr) {
-            for (int k = 0; k < 64; k += 16) _mm512_store_si512(rows[r] + k, _mm512_setzero_si512());
-            for (int g = 0; g < kGroups; ++g) P.scale[g][r] = 0;
-            P.d[r] = 0.0f;
-            continue;
-        }
-        const IqBlock<F, G> blk(w.row(r0 + r) + sb * kBytes);
-        if (r < next) prefetch_span(w.row(r0 + 16 + r) + sb * kBytes, kBytes);
+    decode_panel_rows<F, G>(w, r0, nr, next, sb, P.wq, P.d, [&](int r, const int* lo, const int* hi) {
         for (int q = 0; q < 8; ++q) {
-            const IqQuarter a = blk.quarter(q);
-            _mm256_store_si256(reinterpret_cast<__m256i*>(rows[r] + 8 * q), with_signs(a.mag, a.sign));
-            P.scale[kPer * q][r] = a.lo;
-            if (kPer == 2) P.scale[kPer * q + 1][r] = a.hi;
+            P.scale[kPer * q][r] = lo[q];
+            if (kPer == 2) P.scale[kPer * q + 1][r] = hi[q];
         }
-        P.d[r] = blk.d();
-    }
-    for (int c = 0; c < 4; ++c) {
-        __m512i m[16];
-        for (int r = 0; r < 16; ++r) m[r] = _mm512_load_si512(rows[r] + 16 * c);
-        transpose16x16_epi32(m);
-        for (int k = 0; k < 16; ++k) _mm512_store_si512(P.wq[16 * c + k], m[k]);
-    }
-    const __m512i k128 = _mm512_set1_epi8(char(0x80));
-    for (int g = 0; g < kGroups; ++g) {
-        __m512i sum = _mm512_setzero_si512();
-        for (int i = 0; i < kDwords; ++i) sum = _mm512_dpbusd_epi32(sum, k128, _mm512_load_si512(P.wq[kDwords * g + i]));
-        _mm512_store_si512(P.corr[g], _mm512_sub_epi32(_mm512_setzero_si512(), sum));
-    }
+    });
+    for (int g = 0; g < kGroups; ++g) _mm512_store_si512(P.corr[g], offset_share(P.wq, kDwords * g, kDwords));
 }
 
 // The activations of the 16-row panel GEMMs (gemm_iq_512, gemm_b32_512), once per call: in

@@ -35,6 +35,10 @@ static inline uint64_t load_u64(const uint8_t* p) {
     return v;
 }
 
+// vpmultishiftqb's control taking the four 7-bit fields of each 32-bit word of a qword (bits 0,
+// 7, 14, 21 of each) into its bytes in order: the sign fields of iq2_xxs / iq3_xxs.
+constexpr int64_t kSevenBitFields = 0x352E2720150E0700LL;
+
 // ---- tables -----------------------------------------------------------------------------
 
 // iq2_xxs / iq2_xs / iq2_s (grids of 256 / 512 / 1024 entries of eight values 8, 25 or 43):
@@ -215,7 +219,7 @@ struct Iq2Planes {
         if constexpr (F == FMT_IQ2_XXS) {
             // Entry i's index: byte i % 4 of quarter i / 4's eight bytes (after d); quarter m's
             // sign-and-scale word: dword 2m + 1 of the codes; entry 8k + b's seven sign bits
-            // start at bit 7b of qword k's two words (b < 4) or 32 + 7 (b - 4).
+            // start at bit 7b of qword k's two words (b < 4) or 32 + 7 (b - 4): kSevenBitFields.
             alignas(64) static constexpr struct Order {
                 uint8_t index[64];
                 int32_t word[16];
@@ -228,16 +232,13 @@ struct Iq2Planes {
             const __m512i b = two ? _mm512_loadu_si512(p2 + 2) : _mm512_setzero_si512();
             idx = _mm512_permutex2var_epi8(a, _mm512_load_si512(kOrder.index), b);
             const __m512i words = _mm512_permutex2var_epi32(a, _mm512_load_si512(kOrder.word), b);
-            signs = _mm512_multishift_epi64_epi8(_mm512_set1_epi64(0x352E2720150E0700LL), words);
+            signs = _mm512_multishift_epi64_epi8(_mm512_set1_epi64(kSevenBitFields), words);
             scale = _mm512_add_epi32(_mm512_slli_epi32(_mm512_srli_epi32(words, 28), 1), _mm512_set1_epi32(1));
         } else {
-            uint64_t sc = load_u64(p + (F == FMT_IQ2_XS ? 66 : 74)), sc2 = two ? load_u64(p2 + (F == FMT_IQ2_XS ? 66 : 74)) : 0;
             // Scale bytes j: nibbles of groups 2j (low) and 2j + 1, as 2s + 1 in int16 lanes.
-            const __m128i b = _mm_set_epi64x(int64_t(sc2), int64_t(sc));
-            const __m256i nib = _mm256_setr_m128i(_mm_unpacklo_epi8(_mm_and_si128(b, _mm_set1_epi8(15)),
-                                                                    _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(15))),
-                                                  _mm_unpackhi_epi8(_mm_and_si128(b, _mm_set1_epi8(15)),
-                                                                    _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(15))));
+            constexpr int kScales = F == FMT_IQ2_XS ? 66 : 74;
+            const __m128i b = _mm_set_epi64x(two ? int64_t(load_u64(p2 + kScales)) : 0, int64_t(load_u64(p + kScales)));
+            const __m256i nib = interleave_nibbles(nibbles32(b));
             scale = _mm512_add_epi16(_mm512_slli_epi16(_mm512_cvtepu8_epi16(nib), 1), _mm512_set1_epi16(1));
             if constexpr (F == FMT_IQ2_XS) {
                 // 16-bit words: a nine-bit index, then the seven sign bits.
@@ -390,7 +391,7 @@ static void gemv_iq3_planes(const MatrixRef& w, int64_t row0, int64_t nrows, int
     const int64_t nsb = K / 256;
     PlaneActs pa[N];
     for (int t = 0; t < N; ++t) pa[t] = plane_acts<F>(acts[t], K, t);
-    const __m512i sign_fields = _mm512_set1_epi64(0x352E2720150E0700LL);  // as iq2_xxs's: 4 fields a word
+    const __m512i sign_fields = _mm512_set1_epi64(kSevenBitFields);
     const __m512i signs_lo = _mm512_loadu_si512(kSignsIq2), signs_hi = _mm512_loadu_si512(kSignsIq2 + 64);
     const __m512i mag0 = _mm512_load_si512(kTables.value[0]), mag1 = _mm512_load_si512(kTables.value[1]);
     // Entry b of a quarter holds its values 4b .. 4b + 3: plane j's sign is bit 4b + j of the

@@ -128,10 +128,17 @@ static inline __m256i dot_s8s8(__m256i acc, __m256i w, __m256i a) {
 
 // 16 bytes of packed nibbles -> 32 codes: low nibbles in bytes 0-15, high ones in 16-31
 // (the GGUF element order, and the permuted activation order of the interleaved formats).
-static inline __m256i nibbles32(const uint8_t* p) {
-    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+static inline __m256i nibbles32(__m128i b) {
     const __m256i v = _mm256_set_m128i(_mm_srli_epi16(b, 4), b);  // the 16-bit shift leaks bits across
     return _mm256_and_si256(v, _mm256_set1_epi8(0x0F));           // bytes; the mask drops them
+}
+static inline __m256i nibbles32(const uint8_t* p) { return nibbles32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+
+// nibbles32's codes (low nibble = even element) back in byte order: low and high nibble of
+// byte 0, then of byte 1, ... (the interleaved formats' element order; nibble-packed scales).
+static inline __m256i interleave_nibbles(__m256i n) {
+    const __m128i lo = _mm256_castsi256_si128(n), hi = _mm256_extracti128_si256(n, 1);
+    return _mm256_set_m128i(_mm_unpackhi_epi8(lo, hi), _mm_unpacklo_epi8(lo, hi));
 }
 
 // Eight int32x8 vectors -> one int32x8 whose lane j is the sum of all lanes of v[j].
@@ -1250,12 +1257,6 @@ static inline void store32(float* dst, __m256i q, float d, float d1, float m, fl
     _mm256_storeu_ps(dst + 24, _mm256_fmsub_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8))), vd1, vm1));
 }
 static inline void store32(float* dst, __m256i q, float d, float d1, float m) { store32(dst, q, d, d1, m, m); }
-
-// The interleaved formats' codes (low nibble = even element) back in element order.
-static inline __m256i interleave_nibbles(__m256i n) {
-    const __m128i lo = _mm256_castsi256_si128(n), hi = _mm256_extracti128_si256(n, 1);
-    return _mm256_set_m128i(_mm_unpackhi_epi8(lo, hi), _mm_unpacklo_epi8(lo, hi));
-}
 
 // The i-quant super-blocks through their GEMV's unpacking (kernels_iq.inl): value = (d x the
 // integer scale) x w, which is ggml's float arithmetic (the block scale rounded once, then
