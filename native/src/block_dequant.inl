@@ -334,7 +334,8 @@ static inline void dequant_block(Format fmt, const uint8_t* row, const uint8_t* 
     }
 }
 
-// Block b of row r of an x8 matrix (q4_0 order, codes q + 8; q8_0x8: signed codes) into dst[0 .. 32).
+// Block b of row r of an x8 matrix (q4_0 order, codes q + 8; iq4_nlx8: indices into the iq4_nl
+// table; q8_0x8: signed codes) into dst[0 .. 32).
 static inline void dequant_x8_block(Format fmt, const MatrixRef& w, int64_t r, int64_t b, float* dst) {
     if (fmt == FMT_Q8_0_X8) {
         const uint8_t* blk = w.data + (r / 8) * w.row_stride + b * kQ8X8BlockBytes;
@@ -347,10 +348,11 @@ static inline void dequant_x8_block(Format fmt, const MatrixRef& w, int64_t r, i
     const int lane = int(r % 8);
     const uint16_t s = load_u16(blk + 2 * lane);
     const float d = fmt == FMT_INT4_X8 ? bf16_to_f32(s) : fp16_to_f32(s);
+    const auto value = [fmt](int code) { return fmt == FMT_IQ4_NL_X8 ? int(kIq4nlValues[code]) : code - 8; };
     for (int j = 0; j < 16; ++j) {
         const uint8_t c = blk[x8_code_at(lane, j)];
-        dst[j] = d * float(int(c & 0x0F) - 8);
-        dst[j + 16] = d * float(int(c >> 4) - 8);
+        dst[j] = d * float(value(c & 0x0F));
+        dst[j + 16] = d * float(value(c >> 4));
     }
 }
 

@@ -71,6 +71,8 @@
 //          32-bit lane is one row, so the decode GEMV accumulates eight rows per vector with
 //          no horizontal sums. MatrixRef.data is group 0 and row_stride the bytes from one
 //          group to the next; row counts and first rows are multiples of 8.
+//   iq4_nlx8  iq4_nl rows interleaved as q4_0x8 (fp16 scales, the same code places); a
+//          code is an index into the iq4_nl table, not q + 8
 //   q8_0x8  q8_0 rows interleaved the same way: per group, K / 32 blocks of 272 bytes, the
 //          eight rows' fp16 scales, then eight chunks of 32 bytes, chunk c holding code
 //          bytes 4c .. 4c+3 (elements, signed) of row r at bytes 4r .. 4r+3. The GEMV still
@@ -130,6 +132,7 @@ enum Format : int {
     FMT_IQ3_S,
     FMT_IQ1_S,
     FMT_IQ1_M,
+    FMT_IQ4_NL_X8,  // iq4_nl rows interleaved in groups of 8 (made at load)
     FMT_COUNT
 };
 
@@ -184,6 +187,7 @@ static constexpr std::array<FormatInfo, FMT_COUNT> format_infos() {
     f[FMT_IQ3_S] = {"iq3_s", 256, 110, 0, false, false, 1, 256};
     f[FMT_IQ1_S] = {"iq1_s", 256, 50, 0, false, false, 1, 256};
     f[FMT_IQ1_M] = {"iq1_m", 256, 56, 0, false, false, 1, 256};
+    f[FMT_IQ4_NL_X8] = {"iq4_nlx8", 32, 18, 0, false, false, 8};
     return f;
 }
 static constexpr std::array<FormatInfo, FMT_COUNT> kFormats = format_infos();
@@ -236,7 +240,7 @@ static inline int iq_prefill_min_tokens(Format f, bool avx512) {
 static inline bool iq_prompt_gemv(Format f) { return iq_prefill_min_tokens(f, true) != 0; }
 
 // Bytes of one block of a group of eight rows in the x8 layouts: 32 columns of q4_0x8 /
-// int4_g32x8, a 256-column super-block of q4_kx8.
+// int4_g32x8 / iq4_nlx8, a 256-column super-block of q4_kx8.
 constexpr int kX8BlockBytes = 144;
 constexpr int kQ4KX8Bytes = 1184;
 constexpr int kQ8X8BlockBytes = 272;  // q8_0x8: 32 columns

@@ -932,6 +932,85 @@ static void gemv_x8_n(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t K
     }
 }
 
+// -128 times the sum of each 32-block of a token's Q8 activations (iq4_nlx8's offset, below).
+static void offset_block_sums(const int8_t* q, int64_t nb, int32_t* out) {
+    const __m256i ones8 = _mm256_set1_epi8(1), ones16 = _mm256_set1_epi16(1);
+    const auto block_sum = [&](int64_t b) { return _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, load32(q + 32 * b)), ones16); };
+    int64_t b = 0;
+    for (; b + 8 <= nb; b += 8) {
+        __m256i v[8];
+        for (int j = 0; j < 8; ++j) v[j] = block_sum(b + j);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + b), _mm256_mullo_epi32(hsum8(v), _mm256_set1_epi32(-128)));
+    }
+    for (; b < nb; ++b) {
+        alignas(32) int32_t lanes[8];
+        _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), block_sum(b));
+        int32_t sum = 0;
+        for (int32_t x : lanes) sum += x;
+        out[b] = -128 * sum;
+    }
+}
+
+// iq4_nlx8: gemv_x8_n's eight rows a vector, the codes looked up in the iq4_nl table (one
+// vpshufb a chunk and nibble half). Each block's integer dot is exact, as in llama.cpp, and
+// so the same on every kernel set. With AVX-512 VNNI a value goes in as value + 128 (1 .. 241:
+// vpdpbusd's unsigned operand) and each block's sum starts from -128 times its activations'
+// sum (offset_block_sums, once a call). Without VNNI vpmaddubsw would saturate on 241 x 127
+// pairs, so the values stay signed, their signs go onto the activations (|w| x +-a, at most
+// 2 x 127 x 127 a pair) and each chunk widens to int32 at once, as q8_0x8's do.
+template <int N>
+static void gemv_x8nl_n(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t K, const Q8Row* acts, float* out,
+                        int64_t ldo) {
+    const int64_t nb = K / 32;
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+#if defined(HMOE_AVX512)
+    const __m256i table = _mm256_add_epi8(iq4nl_table(), _mm256_set1_epi8(char(0x80)));
+    thread_local std::vector<int32_t> offsets_buf;
+    offsets_buf.resize(size_t(N * nb));
+    for (int t = 0; t < N; ++t) offset_block_sums(acts[t].q, nb, offsets_buf.data() + t * nb);
+    const int32_t* offsets = offsets_buf.data();
+#else
+    const __m256i table = iq4nl_table();
+#endif
+    for (int64_t g = 0; g < nrows / 8; ++g) {
+        const uint8_t* blk = w.data + (row0 / 8 + g) * w.row_stride;
+        __m256 acc[N];
+        for (int t = 0; t < N; ++t) acc[t] = _mm256_setzero_ps();
+        for (int64_t b = 0; b < nb; ++b, blk += kX8BlockBytes) {
+            prefetch_span(blk + kPrefetchAhead, kX8BlockBytes);
+            const __m256 dw = load8_as_ps<FMT_F16>(blk, 0);
+            __m256i v[8];  // chunk c's low nibbles' values at 2c, its high nibbles' at 2c + 1
+            for (int c = 0; c < 4; ++c) {
+                const __m256i raw = load32(blk + 16 + 32 * c);
+                v[2 * c] = _mm256_shuffle_epi8(table, _mm256_and_si256(raw, m4));
+                v[2 * c + 1] = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4));
+            }
+#if !defined(HMOE_AVX512)
+            __m256i mag[8];
+            for (int i = 0; i < 8; ++i) mag[i] = _mm256_sign_epi8(v[i], v[i]);
+#endif
+            for (int t = 0; t < N; ++t) {
+                const int8_t* a = acts[t].q + 32 * b;
+#if defined(HMOE_AVX512)
+                __m256i s32 = _mm256_set1_epi32(offsets[t * nb + b]);
+                for (int c = 0; c < 4; ++c) {
+                    s32 = _mm256_dpbusd_epi32(s32, v[2 * c], bcast4(a + 4 * c));
+                    s32 = _mm256_dpbusd_epi32(s32, v[2 * c + 1], bcast4(a + 16 + 4 * c));
+                }
+#else
+                __m256i s32 = _mm256_setzero_si256();
+                for (int c = 0; c < 4; ++c) {
+                    s32 = dot_u8s8(s32, mag[2 * c], _mm256_sign_epi8(bcast4(a + 4 * c), v[2 * c]));
+                    s32 = dot_u8s8(s32, mag[2 * c + 1], _mm256_sign_epi8(bcast4(a + 16 + 4 * c), v[2 * c + 1]));
+                }
+#endif
+                acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(acts[t].d[b])), _mm256_cvtepi32_ps(s32), acc[t]);
+            }
+        }
+        for (int t = 0; t < N; ++t) _mm256_storeu_ps(out + t * ldo + 8 * g, acc[t]);
+    }
+}
+
 // q4_kx8: the same eight-rows-per-vector scheme over q4_k super-blocks. A 32-byte code
 // chunk of a row holds two sub-blocks (low and high nibbles), each with its own scale and
 // min: per sub-block and token, eight u8 x s8 products into int16 (at most 16 * 15 * 127 =
@@ -1150,6 +1229,18 @@ struct Q4KX8G {
 static void gemv_q8_q4kx8(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t K, const Q8Row* acts, int ntok,
                           float* out, int64_t ldo) {
     by_tokens<Q4KX8G>(w, row0, nrows, K, acts, ntok, out, ldo);
+}
+
+template <int N>
+struct X8NL {
+    static void run(const MatrixRef& w, int64_t r0, int64_t n, int64_t K, const Q8Row* a, float* o, int64_t l) {
+        gemv_x8nl_n<N>(w, r0, n, K, a, o, l);
+    }
+};
+
+static void gemv_q8_x8nl(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t K, const Q8Row* acts, int ntok,
+                         float* out, int64_t ldo) {
+    by_tokens<X8NL>(w, row0, nrows, K, acts, ntok, out, ldo);
 }
 
 template <Format F>
@@ -1452,6 +1543,19 @@ static void dequant_panel_x8(const MatrixRef& w, int64_t row0, int nrows, int64_
             float* o = dst + int64_t(32 * b) * kPanel + 8 * g;
             for (int c = 0; c < 4; ++c) {
                 const __m256i raw = load32(blk + 16 + 32 * c);
+                if constexpr (F == FMT_IQ4_NL_X8) {  // table values, byte i sign-extended as in q8_0x8's
+                    const __m256i nib = _mm256_set1_epi8(0x0F);
+                    const __m256i lo = _mm256_shuffle_epi8(iq4nl_table(), _mm256_and_si256(raw, nib));
+                    const __m256i hi = _mm256_shuffle_epi8(iq4nl_table(), _mm256_and_si256(_mm256_srli_epi16(raw, 4), nib));
+                    for (int i = 0; i < 4; ++i) {
+                        const auto byte = [i](__m256i x) {
+                            return _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_sllv_epi32(x, _mm256_set1_epi32(24 - 8 * i)), 24));
+                        };
+                        _mm256_storeu_ps(o + int64_t(4 * c + i) * kPanel, _mm256_mul_ps(byte(lo), dw));
+                        _mm256_storeu_ps(o + int64_t(16 + 4 * c + i) * kPanel, _mm256_mul_ps(byte(hi), dw));
+                    }
+                    continue;
+                }
                 for (int i = 0; i < 4; ++i) {
                     const __m256i lo = _mm256_and_si256(_mm256_srli_epi32(raw, 8 * i), m4);
                     const __m256i hi = _mm256_and_si256(_mm256_srli_epi32(raw, 8 * i + 4), m4);
@@ -1523,6 +1627,7 @@ static void dequant_panel(Format fmt, const MatrixRef& w, int64_t row0, int nrow
     if (fmt == FMT_Q8_0_X8) return dequant_panel_q8x8(w, row0, nrows, k0, kc, dst);
     if (fmt == FMT_Q4_0_X8) return dequant_panel_x8<FMT_Q4_0_X8>(w, row0, nrows, k0, kc, dst);
     if (fmt == FMT_INT4_X8) return dequant_panel_x8<FMT_INT4_X8>(w, row0, nrows, k0, kc, dst);
+    if (fmt == FMT_IQ4_NL_X8) return dequant_panel_x8<FMT_IQ4_NL_X8>(w, row0, nrows, k0, kc, dst);
     // Rows of tmp are kc + 16 floats apart: with a power-of-two stride (kc = 2048: 8 KiB) all
     // rows would fall into the same L1 sets and the transpose's eight loads would evict one
     // another; one extra cache line per row staggers them.
@@ -2170,6 +2275,7 @@ static const KernelTable* make_table(const char* name) {
         q8[FMT_INT4_X8] = gemv_q8_x8<FMT_INT4_X8>;
         q8[FMT_Q4_K_X8] = gemv_q8_q4kx8;
         q8[FMT_Q8_0_X8] = gemv_q8_q8x8;
+        q8[FMT_IQ4_NL_X8] = gemv_q8_x8nl;
         t.gemv_f32[FMT_BF16] = gemv_float<FMT_BF16>;
         t.gemv_f32[FMT_F16] = gemv_float<FMT_F16>;
         t.gemv_f32[FMT_F32] = gemv_float<FMT_F32>;

@@ -18,6 +18,7 @@ Format interleaved_format(Format fmt) {
     if (fmt == FMT_INT4_G32) return FMT_INT4_X8;
     if (fmt == FMT_Q4_K) return FMT_Q4_K_X8;
     if (fmt == FMT_Q8_0) return FMT_Q8_0_X8;
+    if (fmt == FMT_IQ4_NL) return FMT_IQ4_NL_X8;
     return FMT_COUNT;
 }
 
@@ -99,7 +100,7 @@ MatrixRef interleave_rows(Format fmt, Format to, const MatrixRef& src, int64_t r
             for (int lane = 0; lane < 8; ++lane) {
                 const int64_t r = 8 * g + lane;
                 uint8_t codes[16];  // q4_0 order: low nibble element j, high nibble element 16 + j
-                if (fmt == FMT_Q4_0) {
+                if (fmt == FMT_Q4_0 || fmt == FMT_IQ4_NL) {  // the same block: fp16 d, 16 code bytes
                     const uint8_t* blk = src.row(r) + b * 18;
                     std::memcpy(o + 2 * lane, blk, 2);
                     std::memcpy(codes, blk + 2, 16);

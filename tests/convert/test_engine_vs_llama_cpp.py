@@ -159,4 +159,5 @@ def test_engine_matches_llama_cpp_on_community_expert_types(fmt, wide_q8_0, tmp_
     from hybridmoe.backend.bench.retype import retype
 
     (path,) = retype(wide_q8_0, tmp_path / f"m-{fmt}.gguf", experts=fmt)
-    assert_matches_llama_cpp_with_experts_in_place(path, (fmt, fmt))
+    layout = f"{fmt}x8" if fmt == "iq4_nl" else fmt  # rows in eights: the row-interleaved copy
+    assert_matches_llama_cpp_with_experts_in_place(path, (layout, layout))

@@ -147,11 +147,14 @@ def test_prompt_rows_take_one_path_by_format_at_any_count(isa, fmt, rows):
 
 
 @pytest.mark.skipif(not {"avx512_vnni", "avx2"} <= set(ISAS), reason="needs both x86 kernel sets")
-def test_q4_kx8_gemv_gives_the_same_bits_on_avx512_as_on_avx2():
-    """AVX-512 computes three or four tokens on pairs of 8-row groups (vpdpbusd into int32),
-    AVX2 group by group (vpmaddubsw into int16): exact integer sums, the same float steps."""
-    lin = NativeLinear(random_matrix(np.random.default_rng(9), "q4_k", (72, 1024)))  # 4 pairs and a group
-    assert lin.native.format == "q4_kx8"
+@pytest.mark.parametrize("fmt", ["q4_k", "iq4_nl"])
+def test_x8_gemv_gives_the_same_bits_on_avx512_as_on_avx2(fmt):
+    """q4_kx8: AVX-512 computes three or four tokens on pairs of 8-row groups (vpdpbusd into
+    int32), AVX2 group by group (vpmaddubsw into int16). iq4_nlx8: AVX-512 takes the values
+    + 128 and an offset per block, AVX2 the signs onto the activations. Both: exact integer
+    sums, the same float steps."""
+    lin = NativeLinear(random_matrix(np.random.default_rng(9), fmt, (72, 1024)))  # 4 pairs and a group
+    assert lin.native.format == f"{fmt}x8"
     x = torch.randn(9, 1024)
     outs = {}
     try:
