@@ -4,7 +4,7 @@ says at each step whether its best token is llama.cpp's, and where not, both mar
 gap between the two tokens in llama.cpp's logits and in the engine's): a difference at a
 margin under about 5e-3 is a near tie that rounding decides.
 
-    python benchmarks/greedy_vs_llama_cpp.py FILE.gguf [--dtype bf16,fp32] [--steps 32] [--reference]
+    python benchmarks/greedy_vs_llama_cpp.py FILE.gguf [--dtype bf16,fp32] [--steps 32] [--reference | --llama-self]
 
 `--reference` asks who is right where they differ: the exact product of the file's weights
 (the engine's PyTorch path with the native kernels off, in float32: every weight
@@ -14,6 +14,10 @@ distance of each one's logits from it (RMS over the vocabulary, in units of the 
 spread). A random model whose routing sits on near ties (many experts, grouped top-k)
 amplifies any rounding: there neither backend keeps the reference's tokens for long, and the
 distance says which stays closer.
+
+`--llama-self` measures that floor on llama.cpp alone: its prompt evaluated in batches of 8
+against 512 (for the i-quants and K-quant mixes other matmul paths), teacher-forced the same
+way. The plain comparison also prints how far the engine's logits are from llama.cpp's.
 """
 
 from __future__ import annotations
@@ -58,11 +62,13 @@ def engine_rows(model: str, prompt: list[int], forced: list[int] | None, steps: 
     return tokens, rows
 
 
-def llama_rows(model: str, prompt: list[int], forced: list[int] | None, steps: int) -> tuple[list[int], list[np.ndarray]]:
-    """llama.cpp's logits before each token; its own greedy tokens unless `forced`."""
+def llama_rows(model: str, prompt: list[int], forced: list[int] | None, steps: int,
+               batch: int = 512) -> tuple[list[int], list[np.ndarray]]:
+    """llama.cpp's logits before each token; its own greedy tokens unless `forced`. `batch`: the
+    prompt's tokens per evaluation (llama.cpp's n_batch and n_ubatch)."""
     from hybridmoe.backend.llamacpp.model import RawModel
 
-    llm = RawModel(model, n_ctx=len(prompt) + steps + 8, n_batch=512, n_threads=2)
+    llm = RawModel(model, n_ctx=len(prompt) + steps + 8, n_batch=batch, n_ubatch=batch, n_threads=2)
     try:
         llm.reset()
         logits = llm.eval(prompt)
@@ -114,11 +120,27 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--reference", action="store_true", help="hold both to the exact product of the weights")
+    p.add_argument("--llama-self", action="store_true", help="llama.cpp against itself, its prompt in batches of 8")
     p.add_argument("--write-reference", help=argparse.SUPPRESS)
     args = p.parse_args()
     prompt = prompt_ids(args.prompt_tokens)
     if args.write_reference:
         return write_reference(args.model, prompt, args.steps, args.write_reference)
+
+    if args.llama_self:
+        # llama.cpp against itself: the prompt in batches of 8 instead of 512 takes other
+        # matmul paths for some types; where that moves its logits, its choices differ at
+        # margins that are rounding's, the floor under any other backend's agreement with it.
+        tokens, rows = llama_rows(args.model, prompt, None, args.steps)
+        other = llama_rows(args.model, prompt, tokens, args.steps, batch=8)[1]
+        same = sum(int(np.argmax(o)) == t for o, t in zip(other, tokens))
+        for i, (r, o, t) in enumerate(zip(rows, other, tokens)):
+            if int(np.argmax(o)) != t:
+                print(f"step {i}: batches of 8 choose {int(np.argmax(o))}, of 512 {t}; margin {float(r[t] - r[int(np.argmax(o))]):.4f}")
+        apart = np.mean([np.sqrt(((o - r) ** 2).mean()) / r.std() for r, o in zip(rows, other)])
+        print(f"llama.cpp, prompt in batches of 8 against 512: the same choice at {same} of {args.steps} steps; logits "
+              f"{apart:.4f} of the spread apart (their spread {np.mean([r.std() for r in rows]):.3f})")
+        return
 
     if args.reference:
         tokens, ref = reference(args.model, args.prompt_tokens, args.steps)
@@ -130,7 +152,8 @@ def main() -> None:
     theirs, their_logits = llama_rows(args.model, prompt, None, args.steps)
     for name in args.dtype.split(","):
         same = 0
-        for i, (ours, token) in enumerate(zip(engine_rows(args.model, prompt, theirs, args.steps, name)[1], theirs)):
+        rows = engine_rows(args.model, prompt, theirs, args.steps, name)[1]
+        for i, (ours, token) in enumerate(zip(rows, theirs)):
             best = int(ours.argmax())
             if best == token:
                 same += 1
@@ -138,7 +161,9 @@ def main() -> None:
                 ref = their_logits[i]
                 print(f"{name}: step {i}: engine {best}, llama.cpp {token}; llama.cpp's margin "
                       f"{float(ref[token] - ref[best]):.4f}, the engine's {float(ours[best] - ours[token]):.4f}")
-        print(f"{name}: the engine's greedy choice is llama.cpp's at {same} of {args.steps} steps")
+        apart = np.mean([np.sqrt(((r - t) ** 2).mean()) / t.std() for r, t in zip(rows, their_logits)])
+        print(f"{name}: the engine's greedy choice is llama.cpp's at {same} of {args.steps} steps; logits "
+              f"{apart:.4f} of the spread from llama.cpp's")
 
 
 if __name__ == "__main__":
