@@ -88,7 +88,7 @@ def _a_plan(out: str) -> bool:
 RUN_SHELL = {
     "hybridmoe --version": lambda out: out.startswith("hybridmoe "),
     'hybridmoe plan path/to/Kimi-K2.6/config.json --hardware "4x RTX PRO 6000" --context 65536': _a_plan,
-    "hybridmoe plan model.gguf --users 4 --kv-dtype fp8 --save plan.toml": _a_plan,
+    "hybridmoe plan model.gguf --users 4 --backend llamacpp --kv-dtype fp8 --save plan.toml": _a_plan,
     "hybridmoe plan config.json --hardware this --ram 1.5TB --host-bandwidth 1229GB/s": _a_plan,
     'hybridmoe plan config.json --hardware "2x RTX 3090" --ram 128GiB': _a_plan,
     'hybridmoe plan model.gguf --hardware "RTX 4090" --backend llamacpp --n-cpu-moe 1':

@@ -216,7 +216,9 @@ class _Planner:
         # them as the file stores them.
         self.stored = _AlwaysRead.of(spec, inventory, as_stored=True)
         self.host = self.stored if workload.backend == "llamacpp" else _AlwaysRead.of(spec, inventory)
-        self.kv_elem = workload.kv_bytes_per_element
+        # llama.cpp's cache takes the workload's type; the engine's is always in its compute
+        # dtype (engine/model.py), whatever --kv-dtype says (below: a warning where they differ).
+        self.kv_elem = workload.kv_bytes_per_element if self.llama else B.compute_dtype_bytes(spec)
         self.kv_layer_token = spec.kv_bytes_per_token_per_layer(self.kv_elem)
         # Routed experts the engine's CPU would dequantize with PyTorch on every call
         # (models.slow_paths), counted in the estimate where the plan leaves them on the CPU. A
@@ -339,6 +341,12 @@ class _Planner:
             self.warnings.append(
                 f"{numa} NUMA nodes: CPU experts are split across nodes, each node's threads reading local memory."
             )
+        engine_kv = "fp32" if self.kv_elem == 4 else "bf16"
+        if not self.llama and wl.kv_dtype != engine_kv:
+            self.warnings.append(
+                f"The embedded engine keeps its KV cache in {engine_kv} ({self.kv_elem:g} bytes an element), "
+                f"not {wl.kv_dtype}, and this plan counts it so; --kv-dtype {wl.kv_dtype} is for llama.cpp "
+                "(--backend llamacpp).")
         features = self.hw.cpu.features
         if self.hw.cpu.arch in (None, "x86_64") and features and "avx2" not in features:
             self.warnings.append("This CPU has no AVX2: the CPU expert kernels fall back to a slow portable path.")
@@ -814,7 +822,8 @@ class _Planner:
         if 1 <= max_users < wl.users:
             out.append(f"Fewer conversations fit: at most {max_users} at {wl.context} tokens (--users {max_users}).")
         if self.kv_elem > 1.0:
-            out.append("An 8-bit KV cache halves the cache (--kv-dtype fp8).")
+            out.append("An 8-bit KV cache halves the cache (--kv-dtype fp8)." if self.llama else
+                       "llama.cpp's 8-bit KV cache halves the cache (--backend llamacpp --kv-dtype fp8).")
         return out
 
     def _outgrown(self, fits, reason, per_user, single) -> bool:

@@ -153,6 +153,26 @@ def test_kv_that_does_not_fit_on_the_gpu_suggests_context_and_users():
     assert "--context" in text and "--users" in text and "fp8" in text
 
 
+def test_the_engines_plan_counts_its_own_kv_cache_whatever_kv_dtype_says():
+    """The engine holds its cache in its compute dtype (bf16 here): a plan for it with an 8-bit
+    --kv-dtype counts two bytes an element, as it allocates (tests/engine/test_kv_cache_sizing.py),
+    and says that fp8 is llama.cpp's; a plan for llama.cpp counts the one byte it holds."""
+    model = inspect_model(CONFIGS / "Qwen__Qwen3-30B-A3B.json", expert_format="q4_k_m")
+    host = epyc_host(gpus=[h200()])
+
+    def planned(**workload):
+        return make(model.spec, model.inventory, host, Workload(context=32768, **workload))
+
+    bf16 = planned(backend="engine")
+    for kv in ("fp8", "q8_0"):
+        engine = planned(backend="engine", kv_dtype=kv)
+        assert engine.kv_bytes_per_conversation == bf16.kv_bytes_per_conversation
+        assert any(f"not {kv}" in w and "--backend llamacpp" in w for w in engine.warnings)
+    assert not any("KV cache in" in w for w in bf16.warnings)
+    llama, llama_bf16 = planned(backend="llamacpp", kv_dtype="fp8"), planned(backend="llamacpp")
+    assert llama.kv_bytes_per_conversation == llama_bf16.kv_bytes_per_conversation / 2
+
+
 def test_many_users_outgrow_the_workstation_and_get_a_deployment(kimi):
     plan = make(kimi.spec, kimi.inventory, epyc_host(gpus=[h200(i) for i in range(4)]),
                 Workload(context=131072, users=64))
