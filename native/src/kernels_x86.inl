@@ -863,7 +863,7 @@ static void gemv_q8_q2k(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t
 
 #include "kernels_iq.inl"
 
-// ---- decode: the row-interleaved x8 layouts (q4_0x8, int4_g32x8) -------------------------
+// ---- decode: the row-interleaved x8 layouts (q4_0x8, int4_g32x8, iq4_nlx8) ---------------
 
 // Four activation bytes in every 32-bit lane.
 static inline __m256i bcast4(const int8_t* p) {
@@ -978,7 +978,7 @@ static void gemv_x8nl_n(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t
         for (int t = 0; t < N; ++t) acc[t] = _mm256_setzero_ps();
         for (int64_t b = 0; b < nb; ++b, blk += kX8BlockBytes) {
             prefetch_span(blk + kPrefetchAhead, kX8BlockBytes);
-            const __m256 dw = load8_as_ps<FMT_F16>(blk, 0);
+            const __m256 dw = x8_scales<FMT_IQ4_NL_X8>(blk);
             __m256i v[8];  // chunk c's low nibbles' values at 2c, its high nibbles' at 2c + 1
             for (int c = 0; c < 4; ++c) {
                 const __m256i raw = load32(blk + 16 + 32 * c);
