@@ -81,7 +81,7 @@ def summary() -> str:
 # matrix computed on one path chosen by its stored format alone, at any count, so that a
 # prompt gives the same numbers however it was split into chunks (a conversation continued
 # from the cache gets the logits of a fresh prefill): the many-token path (dequantized panels
-# and a GEMM), except for the formats with a row-interleaved copy (q4_0, iq4_nl, q4_k,
+# and a GEMM), except for the formats with a row-interleaved copy (q4_0, iq4_nl, iq4_xs, q4_k,
 # int4_g32, q8_0), whose integer GEMV is the faster at every count (native prompt_takes_gemv; on the
 # mid-size Qwen3-MoE model, 2-core Zen 5: a 64-token prompt 1.5-1.6x, a 512-token one
 # 1.06-1.3x faster than on the GEMM). "auto": by the measured switch points.

@@ -8,7 +8,7 @@ development machine, against 12.7 GB/s in fp32), and a quantized GGUF projection
 to be dequantized into a copy two to four times its size. ``NativeLinear`` reads the stored
 matrix in its own format (Q4_0 stays 4.5 bits a weight in memory), with the same kernels as
 the experts: Q8 activations and integer dot products for a few tokens, dequantized panels
-and an fp32 GEMM for a prompt. In place, except q4_0 / iq4_nl / int4_g32 / q4_k / q8_0, which are copied
+and an fp32 GEMM for a prompt. In place, except q4_0 / iq4_nl / iq4_xs / int4_g32 / q4_k / q8_0, which are copied
 once into the row-interleaved layout (``native/src/repack.h``) whose integer path wins at
 every token count.
 

@@ -371,11 +371,30 @@ static inline void dequant_q4kx8_block(const MatrixRef& w, int64_t r, int64_t sb
     }
 }
 
+// Super-block sb of row r of an iq4_xsx8 matrix into dst[0 .. 256), as dequant_block does iq4_xs.
+static inline void dequant_iq4xsx8_block(const MatrixRef& w, int64_t r, int64_t sb, float* dst) {
+    const uint8_t* blk = w.data + (r / 8) * w.row_stride + sb * kIq4XsX8Bytes;
+    const int lane = int(r % 8);
+    const float d = fp16_to_f32(load_u16(blk + 2 * lane));
+    const uint16_t sh = load_u16(blk + 16 + 2 * lane);
+    const uint32_t sl = load_u32(blk + 32 + 4 * lane);
+    for (int j = 0; j < 8; ++j) {
+        const int ls = int((sl >> (4 * j)) & 0x0F) | (((sh >> (2 * j)) & 3) << 4);
+        const float dl = d * float(ls - 32);
+        for (int l = 0; l < 16; ++l) {
+            const uint8_t c = blk[iq4xsx8_code_at(lane, j, l)];
+            dst[32 * j + l] = dl * float(kIq4nlValues[c & 0x0F]);
+            dst[32 * j + l + 16] = dl * float(kIq4nlValues[c >> 4]);
+        }
+    }
+}
+
 // Columns k0 .. k0+kc-1 of row r (k0, kc multiples of the block) to fp32.
 static inline void dequant_row_portable(Format fmt, const MatrixRef& w, int64_t r, int64_t k0, int kc, float* dst) {
     if (unsigned(fmt) >= unsigned(FMT_COUNT)) return;
-    if (fmt == FMT_Q4_K_X8) {
-        for (int64_t sb = k0 / 256; sb < (k0 + kc) / 256; ++sb) dequant_q4kx8_block(w, r, sb, dst + (sb * 256 - k0));
+    if (fmt == FMT_Q4_K_X8 || fmt == FMT_IQ4_XS_X8) {
+        for (int64_t sb = k0 / 256; sb < (k0 + kc) / 256; ++sb)
+            (fmt == FMT_Q4_K_X8 ? dequant_q4kx8_block : dequant_iq4xsx8_block)(w, r, sb, dst + (sb * 256 - k0));
         return;
     }
     if (kFormats[fmt].row_group == 8) {

@@ -36,7 +36,7 @@ public:
     DenseLinear(DenseLinear&&) = default;
     DenseLinear(const DenseLinear&) = delete;  // it may own a copy of its matrices
 
-    // q4_0 / iq4_nl / int4_g32 / q4_k / q8_0 matrices (every part's rows a multiple of 8): replace them by one
+    // q4_0 / iq4_nl / iq4_xs / int4_g32 / q4_k / q8_0 matrices (every part's rows a multiple of 8): replace them by one
     // row-interleaved copy the projection owns (repack.h), made on the pool's threads.
     void interleave(Executor& exec);
     int64_t copied_bytes() const { return owned_bytes_; }

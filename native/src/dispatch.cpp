@@ -161,6 +161,7 @@ std::string self_test(const KernelTable* t) {
                                : fmt == FMT_INT4_X8 ? FMT_INT4_G32
                                : fmt == FMT_Q8_0_X8 ? FMT_Q8_0
                                : fmt == FMT_IQ4_NL_X8 ? FMT_IQ4_NL
+                               : fmt == FMT_IQ4_XS_X8 ? FMT_IQ4_XS
                                                     : FMT_Q4_K;
             ROWS = 8;  // one group: fits the narrowest panel (the scalar one)
             random_rows(src, ROWS, K, rng, data, scales, w);

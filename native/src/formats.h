@@ -73,6 +73,10 @@
 //          group to the next; row counts and first rows are multiples of 8.
 //   iq4_nlx8  iq4_nl rows interleaved as q4_0x8 (fp16 scales, the same code places); a
 //          code is an index into the iq4_nl table, not q + 8
+//   iq4_xsx8  iq4_xs rows interleaved the same way, per group K / 256 super-blocks of 1088
+//          bytes (the stored size): d[8] fp16 | scales_h[8] u16 | scales_l[8] u32 (each row's
+//          fields as stored) | eight sub-blocks of 128 bytes, sub-block j's code byte l of row
+//          r at 64 + 128 j + x8_code_at(r, l) - 16 (q4_0x8's places)
 //   q8_0x8  q8_0 rows interleaved the same way: per group, K / 32 blocks of 272 bytes, the
 //          eight rows' fp16 scales, then eight chunks of 32 bytes, chunk c holding code
 //          bytes 4c .. 4c+3 (elements, signed) of row r at bytes 4r .. 4r+3. The GEMV still
@@ -133,6 +137,7 @@ enum Format : int {
     FMT_IQ1_S,
     FMT_IQ1_M,
     FMT_IQ4_NL_X8,  // iq4_nl rows interleaved in groups of 8 (made at load)
+    FMT_IQ4_XS_X8,  // iq4_xs rows interleaved in groups of 8 (made at load)
     FMT_COUNT
 };
 
@@ -188,6 +193,7 @@ static constexpr std::array<FormatInfo, FMT_COUNT> format_infos() {
     f[FMT_IQ1_S] = {"iq1_s", 256, 50, 0, false, false, 1, 256};
     f[FMT_IQ1_M] = {"iq1_m", 256, 56, 0, false, false, 1, 256};
     f[FMT_IQ4_NL_X8] = {"iq4_nlx8", 32, 18, 0, false, false, 8};
+    f[FMT_IQ4_XS_X8] = {"iq4_xsx8", 256, 136, 0, false, false, 8, 256};
     return f;
 }
 static constexpr std::array<FormatInfo, FMT_COUNT> kFormats = format_infos();
@@ -205,7 +211,8 @@ static_assert(every_format_has_info(), "a Format without its kFormats entry");
 // Block32). On AVX-512 the calls of more than four tokens of q2_k, q3_k and iq4_xs are panel
 // GEMMs with the GEMV's bits per token (gemm_q3k_512 / gemm_q2k_512 / gemm_b32_512). The other
 // i-quants' prompts: see iq_prompt_gemv below; elsewhere they dequantize through their GEMV's
-// unpacking into the GEMM's panels.
+// unpacking into the GEMM's panels. (iq4_nl's and iq4_xs's matrices of rows in eights are
+// copied into their x8 layouts, whose GEMV serves every count: gemm_x8nl_512 past four.)
 static inline bool gemv_at_every_count(Format f) {
     return f == FMT_Q2_K || f == FMT_Q3_K || f == FMT_Q4_1 || f == FMT_Q5_1 || f == FMT_IQ4_NL || f == FMT_IQ4_XS;
 }
@@ -244,12 +251,14 @@ static inline bool iq_prompt_gemv(Format f) { return iq_prefill_min_tokens(f, tr
 constexpr int kX8BlockBytes = 144;
 constexpr int kQ4KX8Bytes = 1184;
 constexpr int kQ8X8BlockBytes = 272;  // q8_0x8: 32 columns
+constexpr int kIq4XsX8Bytes = 1088;   // iq4_xsx8: a 256-column super-block
 
 // Where a row's bytes lie inside one such block (the layouts above; `lane` is the row within
 // its group): the copy writes and the portable dequantizer reads through these, the SIMD kernels
 // read whole 32-byte chunks at the same places.
 static inline int x8_code_at(int lane, int j) { return 16 + 32 * (j / 4) + 4 * lane + j % 4; }  // q4_0 code byte j
 // (q8_0x8: the same places for its 32 code bytes, eight chunks instead of four)
+static inline int iq4xsx8_code_at(int lane, int j, int l) { return 48 + 128 * j + x8_code_at(lane, l); }
 static inline int q4kx8_scale_at(int lane, int j) { return 32 + 8 * j + lane; }                 // sc of sub-block j
 static inline int q4kx8_min_at(int lane, int j) { return 96 + 8 * j + lane; }                   // m of sub-block j
 static inline int q4kx8_code_at(int lane, int c, int l) {  // byte l of the row's code chunk c

@@ -863,7 +863,7 @@ static void gemv_q8_q2k(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t
 
 #include "kernels_iq.inl"
 
-// ---- decode: the row-interleaved x8 layouts (q4_0x8, int4_g32x8, iq4_nlx8) ---------------
+// ---- decode: the row-interleaved x8 layouts (q4_0x8, int4_g32x8, iq4_nlx8, iq4_xsx8) -----
 
 // Four activation bytes in every 32-bit lane.
 static inline __m256i bcast4(const int8_t* p) {
@@ -951,14 +951,24 @@ static void offset_block_sums(const int8_t* q, int64_t nb, int32_t* out) {
     }
 }
 
-// iq4_nlx8: gemv_x8_n's eight rows a vector, the codes looked up in the iq4_nl table (one
-// vpshufb a chunk and nibble half). Each block's integer dot is exact, as in llama.cpp, and
-// so the same on every kernel set. With AVX-512 VNNI a value goes in as value + 128 (1 .. 241:
+// The eight rows' scales of sub-block j of an iq4_xsx8 super-block: d x (ls - 32), ls's low
+// four bits at bit 4j of the row's scales_l word, its high two at bit 2j of its scales_h.
+static inline __m256 iq4xs_x8_scales(const uint8_t* sblk, __m256 d, int j) {
+    const __m256i lo = _mm256_and_si256(_mm256_srli_epi32(load32(sblk + 32), 4 * j), _mm256_set1_epi32(0x0F));
+    const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sblk + 16)));
+    const __m256i hi = _mm256_and_si256(_mm256_slli_epi32(_mm256_srli_epi32(h, 2 * j), 4), _mm256_set1_epi32(0x30));
+    return _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_or_si256(lo, hi), _mm256_set1_epi32(32))));
+}
+
+// iq4_nlx8 and iq4_xsx8: gemv_x8_n's eight rows a vector, the codes looked up in the iq4_nl
+// table (one vpshufb a chunk and nibble half); iq4_xs's 32-value sub-blocks are iq4_nl's blocks
+// with the scale d x (ls - 32). Each block's integer dot is exact, as in llama.cpp, and so the
+// same on every kernel set. With AVX-512 VNNI a value goes in as value + 128 (1 .. 241:
 // vpdpbusd's unsigned operand) and each block's sum starts from -128 times its activations'
 // sum (offset_block_sums, once a call). Without VNNI vpmaddubsw would saturate on 241 x 127
 // pairs, so the values stay signed, their signs go onto the activations (|w| x +-a, at most
 // 2 x 127 x 127 a pair) and each chunk widens to int32 at once, as q8_0x8's do.
-template <int N>
+template <Format F, int N>
 static void gemv_x8nl_n(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t K, const Q8Row* acts, float* out,
                         int64_t ldo) {
     const int64_t nb = K / 32;
@@ -973,15 +983,30 @@ static void gemv_x8nl_n(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t
     const __m256i table = iq4nl_table();
 #endif
     for (int64_t g = 0; g < nrows / 8; ++g) {
-        const uint8_t* blk = w.data + (row0 / 8 + g) * w.row_stride;
+        const uint8_t* group = w.data + (row0 / 8 + g) * w.row_stride;
         __m256 acc[N];
         for (int t = 0; t < N; ++t) acc[t] = _mm256_setzero_ps();
-        for (int64_t b = 0; b < nb; ++b, blk += kX8BlockBytes) {
-            prefetch_span(blk + kPrefetchAhead, kX8BlockBytes);
-            const __m256 dw = x8_scales<FMT_IQ4_NL_X8>(blk);
+        __m256 d = _mm256_setzero_ps();  // iq4_xsx8: the super-block's eight d
+        for (int64_t b = 0; b < nb; ++b) {
+            const uint8_t* codes;
+            __m256 dw;
+            if constexpr (F == FMT_IQ4_XS_X8) {
+                const uint8_t* sblk = group + (b / 8) * kIq4XsX8Bytes;
+                if (b % 8 == 0) {
+                    prefetch_span(sblk + kPrefetchAheadK, kIq4XsX8Bytes);
+                    d = load8_as_ps<FMT_F16>(sblk, 0);
+                }
+                dw = iq4xs_x8_scales(sblk, d, int(b % 8));
+                codes = sblk + 64 + 128 * (b % 8);
+            } else {
+                const uint8_t* blk = group + b * kX8BlockBytes;
+                prefetch_span(blk + kPrefetchAhead, kX8BlockBytes);
+                dw = x8_scales<F>(blk);
+                codes = blk + 16;
+            }
             __m256i v[8];  // chunk c's low nibbles' values at 2c, its high nibbles' at 2c + 1
             for (int c = 0; c < 4; ++c) {
-                const __m256i raw = load32(blk + 16 + 32 * c);
+                const __m256i raw = load32(codes + 32 * c);
                 v[2 * c] = _mm256_shuffle_epi8(table, _mm256_and_si256(raw, m4));
                 v[2 * c + 1] = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4));
             }
@@ -1231,16 +1256,125 @@ static void gemv_q8_q4kx8(const MatrixRef& w, int64_t row0, int64_t nrows, int64
     by_tokens<Q4KX8G>(w, row0, nrows, K, acts, ntok, out, ldo);
 }
 
-template <int N>
-struct X8NL {
-    static void run(const MatrixRef& w, int64_t r0, int64_t n, int64_t K, const Q8Row* a, float* o, int64_t l) {
-        gemv_x8nl_n<N>(w, r0, n, K, a, o, l);
+#if defined(HMOE_AVX512)
+// T tokens over a decoded panel of sixteen rows (gemm_x8nl_512): each block's eight code
+// vectors loaded once for the T tokens, whose sums and accumulators stay in registers; per
+// token the GEMV's steps in the GEMV's order.
+template <int T>
+static inline void x8nl_panel_tokens(const __m512i* codes, const __m512* scales, int64_t nb, const Q8Row* acts,
+                                     const int32_t* offsets, float* out, int64_t ldo, int64_t pair) {
+    __m512 acc[T];
+    for (int t = 0; t < T; ++t) acc[t] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+        __m512i v[8];
+        for (int i = 0; i < 8; ++i) v[i] = _mm512_load_si512(codes + 8 * b + i);
+        const __m512 dw = scales[b];
+        for (int t = 0; t < T; ++t) {
+            const int8_t* a = acts[t].q + 32 * b;
+            const auto bcast = [](const int8_t* p) {
+                int32_t x;
+                std::memcpy(&x, p, 4);
+                return _mm512_set1_epi32(x);
+            };
+            __m512i s32 = _mm512_set1_epi32(offsets[t * nb + b]);
+            for (int c = 0; c < 4; ++c) {
+                s32 = _mm512_dpbusd_epi32(s32, v[2 * c], bcast(a + 4 * c));
+                s32 = _mm512_dpbusd_epi32(s32, v[2 * c + 1], bcast(a + 16 + 4 * c));
+            }
+            acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_set1_ps(acts[t].d[b])), _mm512_cvtepi32_ps(s32), acc[t]);
+        }
     }
+    for (int t = 0; t < T; ++t) {
+        _mm256_storeu_ps(out + t * ldo, _mm512_castps512_ps256(acc[t]));
+        if (pair == 2) _mm256_storeu_ps(out + t * ldo + 8, _mm512_extractf32x8_ps(acc[t], 1));
+    }
+}
+
+// gemv_x8nl_n's many-token form (calls of more than four tokens: prompts), with its bits per
+// token: two groups of eight rows a 512-bit vector, their blocks decoded once a call into a
+// panel (K / 32 blocks of eight vectors and a scale vector, K x 16 bytes: 32 KiB at K = 2048),
+// then per token and block the same offset, eight vpdpbusd and FMA as the GEMV, sixteen rows
+// at a time and the activations broadcast from memory.
+template <Format F>
+static void gemm_x8nl_512(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t K, const Q8Row* acts, int ntok,
+                          float* out, int64_t ldo) {
+    const int64_t nb = K / 32, groups = nrows / 8;
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    const __m256i table = _mm256_add_epi8(iq4nl_table(), _mm256_set1_epi8(char(0x80)));
+    thread_local std::vector<int32_t> offsets_buf;
+    thread_local std::vector<__m512i> codes_buf;
+    thread_local std::vector<__m512> scales_buf;
+    offsets_buf.resize(size_t(ntok * nb));
+    codes_buf.resize(size_t(8 * nb));
+    scales_buf.resize(size_t(nb));
+    for (int t = 0; t < ntok; ++t) offset_block_sums(acts[t].q, nb, offsets_buf.data() + t * nb);
+    for (int64_t g = 0; g < groups; g += 2) {
+        const int64_t pair = std::min<int64_t>(2, groups - g);
+        // The panel: the low half of each vector group g's rows, the high half group g + 1's.
+        for (int64_t b = 0; b < nb; ++b) {
+            __m256i v[2][8];
+            __m256 dw[2];
+            for (int h = 0; h < 2; ++h) {
+                if (h == pair) {  // one group left: zeros above it
+                    for (int i = 0; i < 8; ++i) v[h][i] = _mm256_setzero_si256();
+                    dw[h] = _mm256_setzero_ps();
+                    continue;
+                }
+                const uint8_t* group = w.data + (row0 / 8 + g + h) * w.row_stride;
+                const uint8_t* codes;
+                if constexpr (F == FMT_IQ4_XS_X8) {
+                    const uint8_t* sblk = group + (b / 8) * kIq4XsX8Bytes;
+                    dw[h] = iq4xs_x8_scales(sblk, load8_as_ps<FMT_F16>(sblk, 0), int(b % 8));
+                    codes = sblk + 64 + 128 * (b % 8);
+                } else {
+                    const uint8_t* blk = group + b * kX8BlockBytes;
+                    dw[h] = x8_scales<F>(blk);
+                    codes = blk + 16;
+                }
+                for (int c = 0; c < 4; ++c) {
+                    const __m256i raw = load32(codes + 32 * c);
+                    v[h][2 * c] = _mm256_shuffle_epi8(table, _mm256_and_si256(raw, m4));
+                    v[h][2 * c + 1] = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4));
+                }
+            }
+            for (int i = 0; i < 8; ++i)
+                codes_buf[size_t(8 * b + i)] = _mm512_inserti64x4(_mm512_castsi256_si512(v[0][i]), v[1][i], 1);
+            scales_buf[size_t(b)] = _mm512_insertf32x8(_mm512_castps256_ps512(dw[0]), dw[1], 1);
+        }
+        int t0 = 0;
+        for (; t0 + 4 <= ntok; t0 += 4)
+            x8nl_panel_tokens<4>(codes_buf.data(), scales_buf.data(), nb, acts + t0, offsets_buf.data() + t0 * nb,
+                                 out + t0 * ldo + 8 * g, ldo, pair);
+        switch (ntok - t0) {
+            case 1: x8nl_panel_tokens<1>(codes_buf.data(), scales_buf.data(), nb, acts + t0, offsets_buf.data() + t0 * nb,
+                                         out + t0 * ldo + 8 * g, ldo, pair); break;
+            case 2: x8nl_panel_tokens<2>(codes_buf.data(), scales_buf.data(), nb, acts + t0, offsets_buf.data() + t0 * nb,
+                                         out + t0 * ldo + 8 * g, ldo, pair); break;
+            case 3: x8nl_panel_tokens<3>(codes_buf.data(), scales_buf.data(), nb, acts + t0, offsets_buf.data() + t0 * nb,
+                                         out + t0 * ldo + 8 * g, ldo, pair); break;
+            default: break;
+        }
+    }
+}
+#endif
+
+template <Format F>
+struct X8NL {
+    template <int N>
+    struct G {
+        static void run(const MatrixRef& w, int64_t r0, int64_t n, int64_t K, const Q8Row* a, float* o, int64_t l) {
+            gemv_x8nl_n<F, N>(w, r0, n, K, a, o, l);
+        }
+    };
 };
 
+template <Format F>
 static void gemv_q8_x8nl(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t K, const Q8Row* acts, int ntok,
                          float* out, int64_t ldo) {
-    by_tokens<X8NL>(w, row0, nrows, K, acts, ntok, out, ldo);
+#if defined(HMOE_AVX512)
+    if (ntok > kMaxGemvTokens) return gemm_x8nl_512<F>(w, row0, nrows, K, acts, ntok, out, ldo);
+#endif
+    by_tokens<X8NL<F>::template G>(w, row0, nrows, K, acts, ntok, out, ldo);
 }
 
 template <Format F>
@@ -1525,6 +1659,39 @@ static inline void transpose8(const float* src, int64_t lds, float* dst, int64_t
     }
 }
 
+// Code chunk c of an iq4_nl block of eight rows (iq4_nlx8, iq4_xsx8) into a panel's k-major
+// rows: the table values, byte i sign-extended as in q8_0x8's, times the rows' scales.
+static inline void nl_chunk_to_panel(__m256i raw, __m256 dw, float* o, int c) {
+    const __m256i nib = _mm256_set1_epi8(0x0F);
+    const __m256i lo = _mm256_shuffle_epi8(iq4nl_table(), _mm256_and_si256(raw, nib));
+    const __m256i hi = _mm256_shuffle_epi8(iq4nl_table(), _mm256_and_si256(_mm256_srli_epi16(raw, 4), nib));
+    for (int i = 0; i < 4; ++i) {
+        const auto byte = [i](__m256i x) {
+            return _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_sllv_epi32(x, _mm256_set1_epi32(24 - 8 * i)), 24));
+        };
+        _mm256_storeu_ps(o + int64_t(4 * c + i) * kPanel, _mm256_mul_ps(byte(lo), dw));
+        _mm256_storeu_ps(o + int64_t(16 + 4 * c + i) * kPanel, _mm256_mul_ps(byte(hi), dw));
+    }
+}
+
+static void dequant_panel_iq4xsx8(const MatrixRef& w, int64_t row0, int nrows, int64_t k0, int kc, float* dst) {
+    for (int g = 0; g < kPanel / 8; ++g) {
+        if (8 * g >= nrows) {
+            for (int k = 0; k < kc; ++k) _mm256_storeu_ps(dst + int64_t(k) * kPanel + 8 * g, _mm256_setzero_ps());
+            continue;
+        }
+        const uint8_t* sblk = w.data + (row0 / 8 + g) * w.row_stride + (k0 / 256) * kIq4XsX8Bytes;
+        for (int sb = 0; sb < kc / 256; ++sb, sblk += kIq4XsX8Bytes) {
+            const __m256 d = load8_as_ps<FMT_F16>(sblk, 0);
+            for (int j = 0; j < 8; ++j) {
+                const __m256 dw = iq4xs_x8_scales(sblk, d, j);
+                float* o = dst + int64_t(256 * sb + 32 * j) * kPanel + 8 * g;
+                for (int c = 0; c < 4; ++c) nl_chunk_to_panel(load32(sblk + 64 + 128 * j + 32 * c), dw, o, c);
+            }
+        }
+    }
+}
+
 // The x8 layouts are already row-interleaved: byte i of a code chunk's lanes is one column
 // of eight rows, so a shift, a mask and a convert give a k-major row of the panel directly
 // (no transpose).
@@ -1543,17 +1710,8 @@ static void dequant_panel_x8(const MatrixRef& w, int64_t row0, int nrows, int64_
             float* o = dst + int64_t(32 * b) * kPanel + 8 * g;
             for (int c = 0; c < 4; ++c) {
                 const __m256i raw = load32(blk + 16 + 32 * c);
-                if constexpr (F == FMT_IQ4_NL_X8) {  // table values, byte i sign-extended as in q8_0x8's
-                    const __m256i nib = _mm256_set1_epi8(0x0F);
-                    const __m256i lo = _mm256_shuffle_epi8(iq4nl_table(), _mm256_and_si256(raw, nib));
-                    const __m256i hi = _mm256_shuffle_epi8(iq4nl_table(), _mm256_and_si256(_mm256_srli_epi16(raw, 4), nib));
-                    for (int i = 0; i < 4; ++i) {
-                        const auto byte = [i](__m256i x) {
-                            return _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_sllv_epi32(x, _mm256_set1_epi32(24 - 8 * i)), 24));
-                        };
-                        _mm256_storeu_ps(o + int64_t(4 * c + i) * kPanel, _mm256_mul_ps(byte(lo), dw));
-                        _mm256_storeu_ps(o + int64_t(16 + 4 * c + i) * kPanel, _mm256_mul_ps(byte(hi), dw));
-                    }
+                if constexpr (F == FMT_IQ4_NL_X8) {
+                    nl_chunk_to_panel(raw, dw, o, c);
                     continue;
                 }
                 for (int i = 0; i < 4; ++i) {
@@ -1628,6 +1786,7 @@ static void dequant_panel(Format fmt, const MatrixRef& w, int64_t row0, int nrow
     if (fmt == FMT_Q4_0_X8) return dequant_panel_x8<FMT_Q4_0_X8>(w, row0, nrows, k0, kc, dst);
     if (fmt == FMT_INT4_X8) return dequant_panel_x8<FMT_INT4_X8>(w, row0, nrows, k0, kc, dst);
     if (fmt == FMT_IQ4_NL_X8) return dequant_panel_x8<FMT_IQ4_NL_X8>(w, row0, nrows, k0, kc, dst);
+    if (fmt == FMT_IQ4_XS_X8) return dequant_panel_iq4xsx8(w, row0, nrows, k0, kc, dst);
     // Rows of tmp are kc + 16 floats apart: with a power-of-two stride (kc = 2048: 8 KiB) all
     // rows would fall into the same L1 sets and the transpose's eight loads would evict one
     // another; one extra cache line per row staggers them.
@@ -2262,6 +2421,7 @@ static const KernelTable* make_table(const char* name) {
             t.gemv_any_tokens[f] = true;
 #if defined(HMOE_AVX512)
         t.gemv_any_tokens[FMT_Q3_K] = t.gemv_any_tokens[FMT_Q2_K] = true;  // gemm_q3k_512 / gemm_q2k_512 past four
+        t.gemv_any_tokens[FMT_IQ4_NL_X8] = t.gemv_any_tokens[FMT_IQ4_XS_X8] = true;  // gemm_x8nl_512 past four
 #endif
         t.iq_unpack[FMT_IQ4_XS] = iq_unpack<FMT_IQ4_XS>;
         t.iq_unpack[FMT_IQ2_XXS] = iq_unpack<FMT_IQ2_XXS>;
@@ -2275,7 +2435,8 @@ static const KernelTable* make_table(const char* name) {
         q8[FMT_INT4_X8] = gemv_q8_x8<FMT_INT4_X8>;
         q8[FMT_Q4_K_X8] = gemv_q8_q4kx8;
         q8[FMT_Q8_0_X8] = gemv_q8_q8x8;
-        q8[FMT_IQ4_NL_X8] = gemv_q8_x8nl;
+        q8[FMT_IQ4_NL_X8] = gemv_q8_x8nl<FMT_IQ4_NL_X8>;
+        q8[FMT_IQ4_XS_X8] = gemv_q8_x8nl<FMT_IQ4_XS_X8>;
         t.gemv_f32[FMT_BF16] = gemv_float<FMT_BF16>;
         t.gemv_f32[FMT_F16] = gemv_float<FMT_F16>;
         t.gemv_f32[FMT_F32] = gemv_float<FMT_F32>;

@@ -912,7 +912,7 @@ NB_MODULE(_native, m) {
                  }
              },
              "format"_a, "cols"_a, "parts"_a, "interleave"_a = true,
-             "interleave: copy q4_0 / iq4_nl / int4_g32 / q4_k / q8_0 matrices into the row-interleaved layout (see MoELayer).")
+             "interleave: copy q4_0 / iq4_nl / iq4_xs / int4_g32 / q4_k / q8_0 matrices into the row-interleaved layout (see MoELayer).")
         .def_static(
             "join",
             [](const std::vector<const DenseLinear*>& lins) {
@@ -1096,7 +1096,7 @@ NB_MODULE(_native, m) {
              },
              "format"_a, "down_format"_a, "hidden"_a, "intermediate"_a, "refs"_a, "cpu"_a, "activation"_a = "silu", "alpha"_a = 1.702f,
              "limit"_a = 7.0f, "biases"_a, "interleave"_a = true,
-             "interleave: copy q4_0 / iq4_nl / int4_g32 / q4_k / q8_0 experts into the row-interleaved layout the integer GEMV reads fastest "
+             "interleave: copy q4_0 / iq4_nl / iq4_xs / int4_g32 / q4_k / q8_0 experts into the row-interleaved layout the integer GEMV reads fastest "
              "(see repack.h); the source pages are released when they are a read-only file mapping.")
         .def("forward", &layer_forward, "x"_a, "topk_ids"_a, "topk_weights"_a, "out"_a, "regime"_a = 0,
              "prefill_min_tokens"_a = 0, "out[T, H] = the weighted sum over the CPU-resident experts (GIL released).")

@@ -56,7 +56,7 @@ public:
     void forward(Executor& exec, const KernelTable& kt, const void* x, bool x_bf16, int64_t T, const int64_t* ids,
                  const float* weights, int k, float* out, Regime regime, int prefill_min_tokens) const;
 
-    // Replace the CPU experts' q4_0 / iq4_nl / int4_g32 / q4_k / q8_0 matrices by row-interleaved copies (repack.h)
+    // Replace the CPU experts' q4_0 / iq4_nl / iq4_xs / int4_g32 / q4_k / q8_0 matrices by row-interleaved copies (repack.h)
     // that the layer owns, made on the pool's threads (each expert's by a thread of the node
     // that computes it, so first touch places it there). Source pages that belong to a
     // read-only file mapping are released afterwards (they stay in the page cache, from

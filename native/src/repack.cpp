@@ -8,6 +8,7 @@
 #include <cstring>
 #include <new>
 
+#include "dispatch.h"
 #include "thread_pool.h"
 #include "topology.h"
 
@@ -19,6 +20,9 @@ Format interleaved_format(Format fmt) {
     if (fmt == FMT_Q4_K) return FMT_Q4_K_X8;
     if (fmt == FMT_Q8_0) return FMT_Q8_0_X8;
     if (fmt == FMT_IQ4_NL) return FMT_IQ4_NL_X8;
+    // iq4_xs, except where the kernel set multiplies its prompts on AMX tiles (prompt_q8),
+    // which read the stored layout.
+    if (fmt == FMT_IQ4_XS && !current_table()->prompt_q8[FMT_IQ4_XS]) return FMT_IQ4_XS_X8;
     return FMT_COUNT;
 }
 
@@ -40,6 +44,7 @@ int64_t interleaved_bytes(Format xfmt, int64_t rows, int64_t K) {
     if (kFormats[xfmt].row_group == 1) return rows * (K / kFormats[xfmt].block) * kFormats[xfmt].block_bytes;
     if (xfmt == FMT_Q4_K_X8) return rows / 8 * (K / 256) * kQ4KX8Bytes;
     if (xfmt == FMT_Q8_0_X8) return rows / 8 * (K / 32) * kQ8X8BlockBytes;
+    if (xfmt == FMT_IQ4_XS_X8) return rows / 8 * (K / 256) * kIq4XsX8Bytes;
     return rows / 8 * (K / 32) * kX8BlockBytes;
 }
 
@@ -83,6 +88,24 @@ MatrixRef interleave_q8(const MatrixRef& src, int64_t rows, int64_t K, uint8_t* 
     return MatrixRef{dst, nullptr, nb * kQ8X8BlockBytes, 0};
 }
 
+MatrixRef interleave_iq4xs(const MatrixRef& src, int64_t rows, int64_t K, uint8_t* dst) {
+    const int64_t nsb = K / 256;
+    for (int64_t g = 0; g < rows / 8; ++g)
+        for (int64_t sb = 0; sb < nsb; ++sb) {
+            uint8_t* o = dst + (g * nsb + sb) * kIq4XsX8Bytes;
+            for (int lane = 0; lane < 8; ++lane) {
+                const uint8_t* blk = src.row(8 * g + lane) + sb * 136;
+                std::memcpy(o + 2 * lane, blk, 2);            // d
+                std::memcpy(o + 16 + 2 * lane, blk + 2, 2);   // scales_h
+                std::memcpy(o + 32 + 4 * lane, blk + 4, 4);   // scales_l
+                for (int j = 0; j < 8; ++j)
+                    for (int c = 0; c < 4; ++c)  // four code bytes of a row lie together
+                        std::memcpy(o + iq4xsx8_code_at(lane, j, 4 * c), blk + 8 + 16 * j + 4 * c, 4);
+            }
+        }
+    return MatrixRef{dst, nullptr, nsb * kIq4XsX8Bytes, 0};
+}
+
 }  // namespace
 
 MatrixRef interleave_rows(Format fmt, Format to, const MatrixRef& src, int64_t rows, int64_t K, uint8_t* dst) {
@@ -93,6 +116,7 @@ MatrixRef interleave_rows(Format fmt, Format to, const MatrixRef& src, int64_t r
     }
     if (fmt == FMT_Q4_K) return interleave_q4k(src, rows, K, dst);
     if (fmt == FMT_Q8_0) return interleave_q8(src, rows, K, dst);
+    if (fmt == FMT_IQ4_XS) return interleave_iq4xs(src, rows, K, dst);
     const int64_t nb = K / 32;
     for (int64_t g = 0; g < rows / 8; ++g) {
         for (int64_t b = 0; b < nb; ++b) {

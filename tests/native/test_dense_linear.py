@@ -147,17 +147,18 @@ def test_prompt_rows_take_one_path_by_format_at_any_count(isa, fmt, rows):
 
 
 @pytest.mark.skipif(not {"avx512_vnni", "avx2"} <= set(ISAS), reason="needs both x86 kernel sets")
-@pytest.mark.parametrize("fmt", ["q4_k", "iq4_nl"])
+@pytest.mark.parametrize("fmt", ["q4_k", "iq4_nl", "iq4_xs"])
 def test_x8_gemv_gives_the_same_bits_on_avx512_as_on_avx2(fmt):
     """q4_kx8: AVX-512 computes three or four tokens on pairs of 8-row groups (vpdpbusd into
-    int32), AVX2 group by group (vpmaddubsw into int16). iq4_nlx8: AVX-512 takes the values
-    + 128 and an offset per block, AVX2 the signs onto the activations. Both: exact integer
-    sums, the same float steps."""
-    lin = NativeLinear(random_matrix(np.random.default_rng(9), fmt, (72, 1024)))  # 4 pairs and a group
-    assert lin.native.format == f"{fmt}x8"
+    int32), AVX2 group by group (vpmaddubsw into int16). iq4_nlx8 and iq4_xsx8: AVX-512 takes
+    the values + 128 and an offset per block, AVX2 the signs onto the activations. All: exact
+    integer sums, the same float steps."""
     x = torch.randn(9, 1024)
     outs = {}
     try:
+        _native.set_isa("avx512_vnni")  # with AMX, iq4_xs stays as stored for its tile prompts
+        lin = NativeLinear(random_matrix(np.random.default_rng(9), fmt, (72, 1024)))  # 4 pairs and a group
+        assert lin.native.format == f"{fmt}x8"
         for isa in ("avx512_vnni", "avx2"):
             _native.set_isa(isa)
             outs[isa] = torch.empty(9, 72)

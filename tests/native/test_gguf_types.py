@@ -66,13 +66,18 @@ def test_the_gemv_computes_the_dequantized_product(fmt, tokens, isa):
     assert float((out - expected).abs().max()) <= 0.01 * scale
 
 
+@pytest.mark.parametrize("interleave", [False, True])
 @pytest.mark.parametrize("fmt", NEW_TYPES)
-def test_the_gemv_gives_each_token_the_same_bits_however_many_come_at_once(fmt, isa):
+def test_the_gemv_gives_each_token_the_same_bits_however_many_come_at_once(fmt, interleave, isa):
     """The i-quants' GEMV takes a prompt's tokens in one call, decoding each super-block once
-    for all of them; per token it does what the four-token passes do, in the same order."""
+    for all of them; per token it does what the four-token passes do, in the same order. So do
+    iq4_nl's and iq4_xs's row-interleaved copies (with AVX-512, gemm_x8nl_512 past four tokens:
+    24 rows, a pair of 8-row groups and a single one)."""
     data = stored(fmt)
     tensor = torch.from_numpy(data)
-    linear = _native.DenseLinear(fmt, K, [(ROWS, [tensor.data_ptr(), 0, data.shape[1], 0])], False)
+    linear = _native.DenseLinear(fmt, K, [(ROWS, [tensor.data_ptr(), 0, data.shape[1], 0])], interleave)
+    copied = interleave and (fmt == "iq4_nl" or (fmt == "iq4_xs" and isa != "avx512_amx"))
+    assert linear.format == (f"{fmt}x8" if copied else fmt)
     x = torch.from_numpy(np.random.default_rng(4).standard_normal((37, K)).astype(np.float32))
     together = torch.empty(37, ROWS)
     linear.forward(x, together, 1 << 30)
