@@ -932,6 +932,7 @@ static void gemv_x8_n(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t K
     }
 }
 
+#if defined(HMOE_AVX512)
 // -128 times the sum of each 32-block of a token's Q8 activations (iq4_nlx8's offset, below).
 static void offset_block_sums(const int8_t* q, int64_t nb, int32_t* out) {
     const __m256i ones8 = _mm256_set1_epi8(1), ones16 = _mm256_set1_epi16(1);
@@ -950,6 +951,7 @@ static void offset_block_sums(const int8_t* q, int64_t nb, int32_t* out) {
         out[b] = -128 * sum;
     }
 }
+#endif
 
 // The eight rows' scales of sub-block j of an iq4_xsx8 super-block: d x (ls - 32), ls's low
 // four bits at bit 4j of the row's scales_l word, its high two at bit 2j of its scales_h.
@@ -958,6 +960,31 @@ static inline __m256 iq4xs_x8_scales(const uint8_t* sblk, __m256 d, int j) {
     const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sblk + 16)));
     const __m256i hi = _mm256_and_si256(_mm256_slli_epi32(_mm256_srli_epi32(h, 2 * j), 4), _mm256_set1_epi32(0x30));
     return _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_or_si256(lo, hi), _mm256_set1_epi32(32))));
+}
+
+// Block b (32 columns) of an iq4_nlx8 / iq4_xsx8 group of eight rows: the rows' scales as
+// floats, and in v the codes looked up in `table` (chunk c's low nibbles at 2c, its high
+// nibbles at 2c + 1). The GEMV and the many-token GEMM decode through it alike.
+template <Format F>
+static inline __m256 x8nl_block(const uint8_t* group, int64_t b, __m256i table, __m256i v[8]) {
+    const uint8_t* codes;
+    __m256 dw;
+    if constexpr (F == FMT_IQ4_XS_X8) {
+        const uint8_t* sblk = group + (b / 8) * kIq4XsX8Bytes;
+        dw = iq4xs_x8_scales(sblk, load8_as_ps<FMT_F16>(sblk, 0), int(b % 8));
+        codes = sblk + 64 + 128 * (b % 8);
+    } else {
+        const uint8_t* blk = group + b * kX8BlockBytes;
+        dw = x8_scales<F>(blk);
+        codes = blk + 16;
+    }
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    for (int c = 0; c < 4; ++c) {
+        const __m256i raw = load32(codes + 32 * c);
+        v[2 * c] = _mm256_shuffle_epi8(table, _mm256_and_si256(raw, m4));
+        v[2 * c + 1] = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4));
+    }
+    return dw;
 }
 
 // iq4_nlx8 and iq4_xsx8: gemv_x8_n's eight rows a vector, the codes looked up in the iq4_nl
@@ -972,7 +999,6 @@ template <Format F, int N>
 static void gemv_x8nl_n(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t K, const Q8Row* acts, float* out,
                         int64_t ldo) {
     const int64_t nb = K / 32;
-    const __m256i m4 = _mm256_set1_epi8(0x0F);
 #if defined(HMOE_AVX512)
     const __m256i table = _mm256_add_epi8(iq4nl_table(), _mm256_set1_epi8(char(0x80)));
     thread_local std::vector<int32_t> offsets_buf;
@@ -986,30 +1012,14 @@ static void gemv_x8nl_n(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t
         const uint8_t* group = w.data + (row0 / 8 + g) * w.row_stride;
         __m256 acc[N];
         for (int t = 0; t < N; ++t) acc[t] = _mm256_setzero_ps();
-        __m256 d = _mm256_setzero_ps();  // iq4_xsx8: the super-block's eight d
         for (int64_t b = 0; b < nb; ++b) {
-            const uint8_t* codes;
-            __m256 dw;
             if constexpr (F == FMT_IQ4_XS_X8) {
-                const uint8_t* sblk = group + (b / 8) * kIq4XsX8Bytes;
-                if (b % 8 == 0) {
-                    prefetch_span(sblk + kPrefetchAheadK, kIq4XsX8Bytes);
-                    d = load8_as_ps<FMT_F16>(sblk, 0);
-                }
-                dw = iq4xs_x8_scales(sblk, d, int(b % 8));
-                codes = sblk + 64 + 128 * (b % 8);
+                if (b % 8 == 0) prefetch_span(group + (b / 8) * kIq4XsX8Bytes + kPrefetchAheadK, kIq4XsX8Bytes);
             } else {
-                const uint8_t* blk = group + b * kX8BlockBytes;
-                prefetch_span(blk + kPrefetchAhead, kX8BlockBytes);
-                dw = x8_scales<F>(blk);
-                codes = blk + 16;
+                prefetch_span(group + b * kX8BlockBytes + kPrefetchAhead, kX8BlockBytes);
             }
-            __m256i v[8];  // chunk c's low nibbles' values at 2c, its high nibbles' at 2c + 1
-            for (int c = 0; c < 4; ++c) {
-                const __m256i raw = load32(codes + 32 * c);
-                v[2 * c] = _mm256_shuffle_epi8(table, _mm256_and_si256(raw, m4));
-                v[2 * c + 1] = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4));
-            }
+            __m256i v[8];
+            const __m256 dw = x8nl_block<F>(group, b, table, v);
 #if !defined(HMOE_AVX512)
             __m256i mag[8];
             for (int i = 0; i < 8; ++i) mag[i] = _mm256_sign_epi8(v[i], v[i]);
@@ -1299,7 +1309,6 @@ template <Format F>
 static void gemm_x8nl_512(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t K, const Q8Row* acts, int ntok,
                           float* out, int64_t ldo) {
     const int64_t nb = K / 32, groups = nrows / 8;
-    const __m256i m4 = _mm256_set1_epi8(0x0F);
     const __m256i table = _mm256_add_epi8(iq4nl_table(), _mm256_set1_epi8(char(0x80)));
     thread_local std::vector<int32_t> offsets_buf;
     thread_local std::vector<__m512i> codes_buf;
@@ -1320,22 +1329,7 @@ static void gemm_x8nl_512(const MatrixRef& w, int64_t row0, int64_t nrows, int64
                     dw[h] = _mm256_setzero_ps();
                     continue;
                 }
-                const uint8_t* group = w.data + (row0 / 8 + g + h) * w.row_stride;
-                const uint8_t* codes;
-                if constexpr (F == FMT_IQ4_XS_X8) {
-                    const uint8_t* sblk = group + (b / 8) * kIq4XsX8Bytes;
-                    dw[h] = iq4xs_x8_scales(sblk, load8_as_ps<FMT_F16>(sblk, 0), int(b % 8));
-                    codes = sblk + 64 + 128 * (b % 8);
-                } else {
-                    const uint8_t* blk = group + b * kX8BlockBytes;
-                    dw[h] = x8_scales<F>(blk);
-                    codes = blk + 16;
-                }
-                for (int c = 0; c < 4; ++c) {
-                    const __m256i raw = load32(codes + 32 * c);
-                    v[h][2 * c] = _mm256_shuffle_epi8(table, _mm256_and_si256(raw, m4));
-                    v[h][2 * c + 1] = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4));
-                }
+                dw[h] = x8nl_block<F>(w.data + (row0 / 8 + g + h) * w.row_stride, b, table, v[h]);
             }
             for (int i = 0; i < 8; ++i)
                 codes_buf[size_t(8 * b + i)] = _mm512_inserti64x4(_mm512_castsi256_si512(v[0][i]), v[1][i], 1);

@@ -50,60 +50,72 @@ int64_t interleaved_bytes(Format xfmt, int64_t rows, int64_t K) {
 
 namespace {
 
-MatrixRef interleave_q4k(const MatrixRef& src, int64_t rows, int64_t K, uint8_t* dst) {
-    const int64_t nsb = K / 256;
-    for (int64_t g = 0; g < rows / 8; ++g) {
-        for (int64_t sb = 0; sb < nsb; ++sb) {
-            uint8_t* o = dst + (g * nsb + sb) * kQ4KX8Bytes;
-            for (int lane = 0; lane < 8; ++lane) {
-                const uint8_t* blk = src.row(8 * g + lane) + sb * 144;
-                std::memcpy(o + 2 * lane, blk, 2);        // d
-                std::memcpy(o + 16 + 2 * lane, blk + 2, 2);  // dmin
-                uint8_t sc[8], mn[8];
-                k_scales_mins(blk + 4, sc, mn);
-                for (int j = 0; j < 8; ++j) {
-                    o[q4kx8_scale_at(lane, j)] = sc[j];
-                    o[q4kx8_min_at(lane, j)] = mn[j];
-                }
-                for (int c = 0; c < 4; ++c)
-                    for (int v = 0; v < 8; ++v)  // four bytes of a row lie together
-                        std::memcpy(o + q4kx8_code_at(lane, c, 4 * v), blk + 16 + 32 * c + 4 * v, 4);
-            }
+// The loop every x8 copy shares: for each group of eight rows and each of its `blocks` blocks
+// (32 or 256 columns), copy(o, lane, r, b) writes row r = 8g + lane's share of block b into
+// the group's `block_bytes` at o.
+template <typename Copy>
+MatrixRef interleave_groups(int64_t rows, int64_t blocks, int block_bytes, uint8_t* dst, Copy copy) {
+    for (int64_t g = 0; g < rows / 8; ++g)
+        for (int64_t b = 0; b < blocks; ++b) {
+            uint8_t* o = dst + (g * blocks + b) * block_bytes;
+            for (int lane = 0; lane < 8; ++lane) copy(o, lane, 8 * g + lane, b);
         }
-    }
-    return MatrixRef{dst, nullptr, nsb * kQ4KX8Bytes, 0};
+    return MatrixRef{dst, nullptr, blocks * block_bytes, 0};
+}
+
+MatrixRef interleave_q4k(const MatrixRef& src, int64_t rows, int64_t K, uint8_t* dst) {
+    return interleave_groups(rows, K / 256, kQ4KX8Bytes, dst, [&](uint8_t* o, int lane, int64_t r, int64_t sb) {
+        const uint8_t* blk = src.row(r) + sb * 144;
+        std::memcpy(o + 2 * lane, blk, 2);           // d
+        std::memcpy(o + 16 + 2 * lane, blk + 2, 2);  // dmin
+        uint8_t sc[8], mn[8];
+        k_scales_mins(blk + 4, sc, mn);
+        for (int j = 0; j < 8; ++j) {
+            o[q4kx8_scale_at(lane, j)] = sc[j];
+            o[q4kx8_min_at(lane, j)] = mn[j];
+        }
+        for (int c = 0; c < 4; ++c)
+            for (int v = 0; v < 8; ++v)  // four bytes of a row lie together
+                std::memcpy(o + q4kx8_code_at(lane, c, 4 * v), blk + 16 + 32 * c + 4 * v, 4);
+    });
 }
 
 MatrixRef interleave_q8(const MatrixRef& src, int64_t rows, int64_t K, uint8_t* dst) {
-    const int64_t nb = K / 32;
-    for (int64_t g = 0; g < rows / 8; ++g)
-        for (int64_t b = 0; b < nb; ++b) {
-            uint8_t* o = dst + (g * nb + b) * kQ8X8BlockBytes;
-            for (int lane = 0; lane < 8; ++lane) {
-                const uint8_t* blk = src.row(8 * g + lane) + b * 34;
-                std::memcpy(o + 2 * lane, blk, 2);
-                for (int c = 0; c < 8; ++c) std::memcpy(o + x8_code_at(lane, 4 * c), blk + 2 + 4 * c, 4);
-            }
-        }
-    return MatrixRef{dst, nullptr, nb * kQ8X8BlockBytes, 0};
+    return interleave_groups(rows, K / 32, kQ8X8BlockBytes, dst, [&](uint8_t* o, int lane, int64_t r, int64_t b) {
+        const uint8_t* blk = src.row(r) + b * 34;
+        std::memcpy(o + 2 * lane, blk, 2);
+        for (int c = 0; c < 8; ++c) std::memcpy(o + x8_code_at(lane, 4 * c), blk + 2 + 4 * c, 4);
+    });
 }
 
 MatrixRef interleave_iq4xs(const MatrixRef& src, int64_t rows, int64_t K, uint8_t* dst) {
-    const int64_t nsb = K / 256;
-    for (int64_t g = 0; g < rows / 8; ++g)
-        for (int64_t sb = 0; sb < nsb; ++sb) {
-            uint8_t* o = dst + (g * nsb + sb) * kIq4XsX8Bytes;
-            for (int lane = 0; lane < 8; ++lane) {
-                const uint8_t* blk = src.row(8 * g + lane) + sb * 136;
-                std::memcpy(o + 2 * lane, blk, 2);            // d
-                std::memcpy(o + 16 + 2 * lane, blk + 2, 2);   // scales_h
-                std::memcpy(o + 32 + 4 * lane, blk + 4, 4);   // scales_l
-                for (int j = 0; j < 8; ++j)
-                    for (int c = 0; c < 4; ++c)  // four code bytes of a row lie together
-                        std::memcpy(o + iq4xsx8_code_at(lane, j, 4 * c), blk + 8 + 16 * j + 4 * c, 4);
-            }
+    return interleave_groups(rows, K / 256, kIq4XsX8Bytes, dst, [&](uint8_t* o, int lane, int64_t r, int64_t sb) {
+        const uint8_t* blk = src.row(r) + sb * 136;
+        std::memcpy(o + 2 * lane, blk, 2);           // d
+        std::memcpy(o + 16 + 2 * lane, blk + 2, 2);  // scales_h
+        std::memcpy(o + 32 + 4 * lane, blk + 4, 4);  // scales_l
+        for (int j = 0; j < 8; ++j)
+            for (int c = 0; c < 4; ++c)  // four code bytes of a row lie together
+                std::memcpy(o + iq4xsx8_code_at(lane, j, 4 * c), blk + 8 + 16 * j + 4 * c, 4);
+    });
+}
+
+// q4_0, iq4_nl and int4_g32 into 144-byte blocks of 32 columns (q4_0's code order).
+MatrixRef interleave_b32(Format fmt, const MatrixRef& src, int64_t rows, int64_t K, uint8_t* dst) {
+    return interleave_groups(rows, K / 32, kX8BlockBytes, dst, [&](uint8_t* o, int lane, int64_t r, int64_t b) {
+        uint8_t codes[16];  // q4_0 order: low nibble element j, high nibble element 16 + j
+        if (fmt == FMT_Q4_0 || fmt == FMT_IQ4_NL) {  // the same block: fp16 d, 16 code bytes
+            const uint8_t* blk = src.row(r) + b * 18;
+            std::memcpy(o + 2 * lane, blk, 2);
+            std::memcpy(codes, blk + 2, 16);
+        } else {  // int4_g32: byte j holds elements 2j (low) and 2j + 1 (high)
+            const uint8_t* blk = src.row(r) + b * 16;
+            std::memcpy(o + 2 * lane, src.scale_row(r) + 2 * b, 2);
+            auto nib = [blk](int e) { return (blk[e / 2] >> (4 * (e & 1))) & 0x0F; };
+            for (int j = 0; j < 16; ++j) codes[j] = uint8_t(nib(j) | (nib(16 + j) << 4));
         }
-    return MatrixRef{dst, nullptr, nsb * kIq4XsX8Bytes, 0};
+        for (int j = 0; j < 16; ++j) o[x8_code_at(lane, j)] = codes[j];
+    });
 }
 
 }  // namespace
@@ -117,28 +129,7 @@ MatrixRef interleave_rows(Format fmt, Format to, const MatrixRef& src, int64_t r
     if (fmt == FMT_Q4_K) return interleave_q4k(src, rows, K, dst);
     if (fmt == FMT_Q8_0) return interleave_q8(src, rows, K, dst);
     if (fmt == FMT_IQ4_XS) return interleave_iq4xs(src, rows, K, dst);
-    const int64_t nb = K / 32;
-    for (int64_t g = 0; g < rows / 8; ++g) {
-        for (int64_t b = 0; b < nb; ++b) {
-            uint8_t* o = dst + (g * nb + b) * kX8BlockBytes;
-            for (int lane = 0; lane < 8; ++lane) {
-                const int64_t r = 8 * g + lane;
-                uint8_t codes[16];  // q4_0 order: low nibble element j, high nibble element 16 + j
-                if (fmt == FMT_Q4_0 || fmt == FMT_IQ4_NL) {  // the same block: fp16 d, 16 code bytes
-                    const uint8_t* blk = src.row(r) + b * 18;
-                    std::memcpy(o + 2 * lane, blk, 2);
-                    std::memcpy(codes, blk + 2, 16);
-                } else {  // int4_g32: byte j holds elements 2j (low) and 2j + 1 (high)
-                    const uint8_t* blk = src.row(r) + b * 16;
-                    std::memcpy(o + 2 * lane, src.scale_row(r) + 2 * b, 2);
-                    auto nib = [blk](int e) { return (blk[e / 2] >> (4 * (e & 1))) & 0x0F; };
-                    for (int j = 0; j < 16; ++j) codes[j] = uint8_t(nib(j) | (nib(16 + j) << 4));
-                }
-                for (int j = 0; j < 16; ++j) o[x8_code_at(lane, j)] = codes[j];
-            }
-        }
-    }
-    return MatrixRef{dst, nullptr, nb * kX8BlockBytes, 0};
+    return interleave_b32(fmt, src, rows, K, dst);
 }
 
 void UnmapBytes::operator()(uint8_t* p) const { munmap(p, size); }
