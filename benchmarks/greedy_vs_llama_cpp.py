@@ -99,6 +99,11 @@ def write_reference(model: str, prompt: list[int], steps: int, out: str) -> None
     np.savez(out, tokens=np.array(tokens), logits=np.stack(rows))
 
 
+def distance(rows: list[np.ndarray], ref: list[np.ndarray]) -> float:
+    """The mean over steps of the RMS gap between `rows` and `ref`, in units of `ref`'s spread."""
+    return float(np.mean([np.sqrt(((r - f) ** 2).mean()) / f.std() for r, f in zip(rows, ref)]))
+
+
 def held_to(name: str, rows: list[np.ndarray], tokens: list[int], ref: list[np.ndarray]) -> None:
     """How `rows` (logits before each of `tokens`) keep the reference's choices."""
     same, notes = 0, []
@@ -108,8 +113,8 @@ def held_to(name: str, rows: list[np.ndarray], tokens: list[int], ref: list[np.n
             same += 1
         elif len(notes) < 4:
             notes.append(f"step {i}: the reference's margin {float(ref[i][token] - ref[i][best]):.4f}")
-    distance = np.mean([np.sqrt(((r - f) ** 2).mean()) / f.std() for r, f in zip(rows, ref)])
-    print(f"{name}: the reference's token at {same} of {len(tokens)} steps; logits {distance:.4f} of the spread "
+    apart = distance(rows, ref)
+    print(f"{name}: the reference's token at {same} of {len(tokens)} steps; logits {apart:.4f} of the spread "
           f"from the reference's" + (f" ({'; '.join(notes)})" if notes else ""), flush=True)
 
 
@@ -137,7 +142,7 @@ def main() -> None:
         for i, (r, o, t) in enumerate(zip(rows, other, tokens)):
             if int(np.argmax(o)) != t:
                 print(f"step {i}: batches of 8 choose {int(np.argmax(o))}, of 512 {t}; margin {float(r[t] - r[int(np.argmax(o))]):.4f}")
-        apart = np.mean([np.sqrt(((o - r) ** 2).mean()) / r.std() for r, o in zip(rows, other)])
+        apart = distance(other, rows)
         print(f"llama.cpp, prompt in batches of 8 against 512: the same choice at {same} of {args.steps} steps; logits "
               f"{apart:.4f} of the spread apart (their spread {np.mean([r.std() for r in rows]):.3f})")
         return
@@ -161,7 +166,7 @@ def main() -> None:
                 ref = their_logits[i]
                 print(f"{name}: step {i}: engine {best}, llama.cpp {token}; llama.cpp's margin "
                       f"{float(ref[token] - ref[best]):.4f}, the engine's {float(ours[best] - ours[token]):.4f}")
-        apart = np.mean([np.sqrt(((r - t) ** 2).mean()) / t.std() for r, t in zip(rows, their_logits)])
+        apart = distance(rows, their_logits)
         print(f"{name}: the engine's greedy choice is llama.cpp's at {same} of {args.steps} steps; logits "
               f"{apart:.4f} of the spread from llama.cpp's")
 
