@@ -4,7 +4,7 @@ says at each step whether its best token is llama.cpp's, and where not, both mar
 gap between the two tokens in llama.cpp's logits and in the engine's): a difference at a
 margin under about 5e-3 is a near tie that rounding decides.
 
-    python benchmarks/greedy_vs_llama_cpp.py FILE.gguf [--dtype bf16,fp32] [--steps 32] [--reference | --llama-self]
+    python benchmarks/greedy_vs_llama_cpp.py FILE.gguf [--dtype auto,bf16,fp32] [--steps 32] [--reference | --llama-self]
 
 `--reference` asks who is right where they differ: the exact product of the file's weights
 (the engine's PyTorch path with the native kernels off, in float32: every weight
@@ -40,9 +40,9 @@ def prompt_ids(n: int) -> list[int]:
 
 
 def engine_rows(model: str, prompt: list[int], forced: list[int] | None, steps: int,
-                dtype: str) -> tuple[list[int], list[np.ndarray]]:
+                dtype: str, exact: bool = False) -> tuple[list[int], list[np.ndarray]]:
     """The engine's logits before each token (the prompt's last row, then one per token); its own
-    greedy tokens unless `forced`."""
+    greedy tokens unless `forced`; `exact`: with a float32 cache."""
     import torch
 
     from hybridmoe.backend.engine.model import build_model
@@ -50,7 +50,8 @@ def engine_rows(model: str, prompt: list[int], forced: list[int] | None, steps: 
     from hybridmoe.backend.models import inspect_model
 
     m = build_model(inspect_model(model).spec.config, open_weights(model), max_context=len(prompt) + steps + 8,
-                    dtype={"bf16": torch.bfloat16, "fp32": torch.float32}[dtype], device="cpu")
+                    dtype={"auto": None, "bf16": torch.bfloat16, "fp32": torch.float32}[dtype], device="cpu",
+                    cache_dtype=torch.float32 if exact else None)
     tokens, rows = [], []
     with torch.inference_mode():
         row = m(torch.tensor(prompt), 0)[-1].float()
@@ -95,7 +96,7 @@ def reference(model: str, prompt_tokens: int, steps: int) -> tuple[list[int], li
 
 
 def write_reference(model: str, prompt: list[int], steps: int, out: str) -> None:
-    tokens, rows = engine_rows(model, prompt, None, steps, "fp32")  # run with HYBRIDMOE_NATIVE=0
+    tokens, rows = engine_rows(model, prompt, None, steps, "fp32", exact=True)  # run with HYBRIDMOE_NATIVE=0
     np.savez(out, tokens=np.array(tokens), logits=np.stack(rows))
 
 
@@ -121,7 +122,9 @@ def held_to(name: str, rows: list[np.ndarray], tokens: list[int], ref: list[np.n
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("model")
-    p.add_argument("--dtype", default="bf16", help="engine compute dtypes to try, comma-separated (bf16, fp32)")
+    p.add_argument("--dtype", default="auto",
+                   help="engine compute dtypes to try, comma-separated: auto (the engine's own: float32 activations "
+                        "and a float16 cache on the CPU), bf16, fp32 (with a float16 cache)")
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--reference", action="store_true", help="hold both to the exact product of the weights")

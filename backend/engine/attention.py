@@ -102,6 +102,8 @@ def attend(
     else:
         q_pos = torch.arange(start_pos, start_pos + n_q, device=q.device)
         mask, causal = causal_mask(q_pos, key_positions, n_keys, window), False
+    if k.dtype != q.dtype:  # a float16 cache under float32 activations (model._cache_dtype): widened exactly
+        k, v = k.to(q.dtype), v.to(q.dtype)
     if sinks is not None:
         if causal:
             q_pos = torch.arange(n_q, device=q.device)

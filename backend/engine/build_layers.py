@@ -57,7 +57,7 @@ class Build:
 
     def __init__(self, spec: ModelSpec, weights: WeightSource, placement: dict[int, tuple[int, ...]],
                  device: torch.device, dtype: torch.dtype, max_context: int, recorder: ExpertRecorder | None,
-                 *, sliding_rewind: int = 0):
+                 *, sliding_rewind: int = 0, cache_dtype: torch.dtype | None = None):
         # The spec decides the model's sizes (hidden, widths, experts, windows); the layers'
         # descriptions everything else.
         self.spec = spec
@@ -66,6 +66,7 @@ class Build:
         self.load = Loader(weights, device, dtype)
         self.placement = placement
         self.device, self.dtype, self.max_context = device, dtype, max_context
+        self.cache_dtype = cache_dtype or dtype  # the KV cache's elements (model._cache_dtype)
         self.sliding_rewind = sliding_rewind
         self.recorder = recorder
         self.hidden = spec.hidden_size
@@ -174,7 +175,7 @@ def _grouped_query(b: Build, i: int, d: GroupedQueryAttention) -> Attention:
         q_norm = b.norm(f"{p}.q_norm.weight", d.heads * head_dim)
         k_norm = b.norm(f"{p}.k_norm.weight", d.kv_heads * head_dim)
     n_heads, n_kv_heads = heads[1] - heads[0], kv[1] - kv[0]
-    cache = PagedKV(b.cache_group(i), n_kv_heads, head_dim, head_dim, b.dtype, b.device)
+    cache = PagedKV(b.cache_group(i), n_kv_heads, head_dim, head_dim, b.cache_dtype, b.device)
     return Attention(
         q=q, k=k, v=v, o=o, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim,
         rotary=b.rotary(d.rotary), cache=cache, q_norm=q_norm, k_norm=k_norm,
@@ -216,7 +217,7 @@ def _latent(b: Build, i: int, d: LatentAttention) -> MLAttention:
                         cols=None if b.card is None else (heads[0] * v_dim, heads[1] * v_dim)),
         n_heads=heads[1] - heads[0], nope_dim=nope, rope_dim=rope, v_dim=v_dim, kv_lora_rank=kv_lora,
         rotary=b.rotary(d.rotary),
-        cache=PagedLatent(b.cache_group(i), kv_lora, rope, b.dtype, b.device),
+        cache=PagedLatent(b.cache_group(i), kv_lora, rope, b.cache_dtype, b.device),
         # DeepSeek's YaRN (mscale_all_dim) sharpens the softmax too.
         scale=(nope + rope) ** -0.5 * softmax_scale_multiplier(d.rotary.params),
     )

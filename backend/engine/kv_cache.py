@@ -367,15 +367,17 @@ class PagedKV(nn.Module):
             keys, values = self._read(seq, 0, _blocks(end))
             return keys[:, :, :end], values[:, :, :end], None
         # A sliding layer: the held positions of the window before `start`, then the new
-        # ones as computed (only the last `keep` of which are stored).
+        # ones as the cache holds them (only the last `keep` of which are stored): a chunk's
+        # own keys read as a later chunk reads them (a float16 cache under float32 activations).
         first = max(0, start - self.window + 1)
+        k, v = k.to(self.k.dtype), v.to(self.v.dtype)
         keys, values, positions = k, v, torch.arange(start, end, device=k.device)
         if first < start:
             j0 = first // B
             held_k, held_v = self._read(seq, j0, _blocks(start) - j0)
             lo, hi = first - j0 * B, start - j0 * B
-            keys = torch.cat((held_k[:, :, lo:hi], k.to(held_k.dtype)), dim=2)
-            values = torch.cat((held_v[:, :, lo:hi], v.to(held_v.dtype)), dim=2)
+            keys = torch.cat((held_k[:, :, lo:hi], k), dim=2)
+            values = torch.cat((held_v[:, :, lo:hi], v), dim=2)
             positions = torch.arange(first, end, device=k.device)
         kept = min(n, self.group.keep)
         self._write(seq, k[:, :, n - kept :], v[:, :, n - kept :], end - kept)

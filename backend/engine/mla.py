@@ -155,6 +155,7 @@ class MLAttention(nn.Module):
             table = seg.seq.table_array(self.cache.group)
             return self.stored_maps.attend(q_full, self.cache.kv, table, start_pos, self.scale).to(q.dtype)
         cached = self.cache.update(seg.seq, latent, k_rope.reshape(n, rope), start_pos)  # [S, c + rope]
+        cached = cached.to(q.dtype)  # a float16 cache under float32 activations (model._cache_dtype): exact
         n_keys = cached.shape[0]
 
         if self._use_absorbed(n, n_keys):

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridmoe.backend.engine import build_layers, native_kernels
+from hybridmoe.backend.engine import stored_linear as stored_linear_module
 from hybridmoe.backend.models import layer_description
 from hybridmoe.backend.plan import decode_path
 from hybridmoe.backend.engine.build_layers import Build
@@ -30,7 +31,7 @@ from hybridmoe.backend.engine.native_linear import native_linear
 from hybridmoe.backend.engine.stored_linear import StoredLinear, stored_linear
 from hybridmoe.backend.engine.stats import ExpertRecorder
 from hybridmoe.backend.engine.tensor_parallel import HeadShards, Shards, part
-from hybridmoe.backend.formats.weights import WeightSource, missing_tensor, require, text_model_weights
+from hybridmoe.backend.formats.weights import WeightSource, checkpoint_kind, missing_tensor, require, text_model_weights
 from hybridmoe.backend.errors import ModelUnloadedError, UnsupportedModelError
 from hybridmoe.backend.models.families import family_by_name, family_for_config, spec_from_config
 from hybridmoe.backend.models.hf_config import HFConfig
@@ -249,12 +250,49 @@ class MoeTransformer(nn.Module):
         self._decode_step = False  # rebuilt for the next decode: the native one is absorbed only
 
 
-def _default_dtype(embed: Any) -> torch.dtype:
-    """float32 for float32 checkpoints (the tests), else bfloat16: float16 activations
-    overflow in DeepSeek-style models, and quantized checkpoints carry no compute dtype."""
-    if isinstance(embed, torch.Tensor) and embed.dtype == torch.float32:
+def _default_dtype(embed: Any, gguf_on_cpu: bool) -> torch.dtype:
+    """float32 for float32 checkpoints (the tests) and for a GGUF whose every layer runs on the
+    CPU, else bfloat16 (float16 activations overflow in DeepSeek-style models).
+
+    A GGUF carries no compute dtype; its reference is llama.cpp, whose CPU backend keeps every
+    activation in float32 and its KV cache in float16. In bfloat16 the engine rounded each
+    block's output to 8 bits of mantissa, and its greedy tokens left llama.cpp's on BF16 and
+    Q8_0 files at margins of 0.006-0.043 of the logits' spread (benchmarks/greedy_vs_llama_cpp.py);
+    on the CPU float32 costs little, the kernels computing in float32 either way."""
+    if gguf_on_cpu or (isinstance(embed, torch.Tensor) and embed.dtype == torch.float32):
         return torch.float32
     return torch.bfloat16
+
+
+def _cpu_alone(device: torch.device) -> bool:
+    """A CPU device that computes as a CPU (not standing in for a card, as in the tests)."""
+    return device.type == "cpu" and not stored_linear_module.serves(device)
+
+
+def _cache_dtype(dtype: torch.dtype, gguf_on_cpu: bool) -> torch.dtype:
+    """The KV cache's elements: float16 for a GGUF computed in float32 on the CPU, as llama.cpp's
+    default cache (the same bytes as bfloat16, three more bits of mantissa: a BF16 file's logits
+    0.0007 of their spread from the exact product's, against 0.0067 with a bfloat16 cache),
+    else the compute dtype."""
+    return torch.float16 if gguf_on_cpu and dtype == torch.float32 else dtype
+
+
+def _embedding_dtype(stored: Any, dtype: torch.dtype, cache_dtype: torch.dtype) -> torch.dtype:
+    """The embedding table's dtype: with a 16-bit cache, 16-bit however the activations are
+    computed (the table is the largest widened tensor: 2.3 GB of Kimi K2's in 16 bits):
+    bfloat16 where the file stores it so, else float16 (a quantized table's values, 3 bits
+    more exact than bfloat16's; ``_embedding`` falls back to bfloat16 where one would overflow).
+    With a float32 cache (a float32 checkpoint; the exact product a benchmark asks for), float32."""
+    if dtype != torch.float32 or cache_dtype == torch.float32:
+        return dtype
+    return torch.bfloat16 if getattr(stored, "dtype", None) == torch.bfloat16 else torch.float16
+
+
+def _embedding(b: Build, vocab: int, dtype: torch.dtype) -> torch.Tensor:
+    table = b.load.tensor("model.embed_tokens.weight", (vocab, b.hidden), dtype=dtype)
+    if dtype == torch.float16 and not bool(torch.isfinite(table).all()):
+        table = b.load.tensor("model.embed_tokens.weight", (vocab, b.hidden), dtype=torch.bfloat16)
+    return table
 
 
 def _spec(config: Mapping[str, Any], name: str | None) -> ModelSpec:
@@ -282,6 +320,7 @@ def build_model(
     sequences: int = 1,
     sliding_rewind: int = SLIDING_REWIND_TOKENS,
     dtype: torch.dtype | None = None,
+    cache_dtype: torch.dtype | None = None,
     name: str | None = None,
     on_progress: Callable[[int, int], None] | None = None,
     pipeline: Seq[tuple[torch.device | str, Collection[int]]] | None = None,
@@ -301,7 +340,9 @@ def build_model(
         blocks are allocated once, here.
     sliding_rewind: positions a sliding-window layer keeps beyond its window, so that a
         conversation can be rewound that far without a new prefill (CacheRewindError beyond).
-    dtype: compute dtype (default: float32 for a float32 checkpoint, else bfloat16).
+    dtype: compute dtype (default: float32 for a float32 checkpoint and for a GGUF run on the
+        CPU alone, else bfloat16: ``_default_dtype``).
+    cache_dtype: the KV cache's elements (default: ``_cache_dtype``).
     on_progress: called with (layers built, total layers).
     pipeline: (device, layers) stages in order, each layer in one of them (the Plan's split
         across GPUs); a layer's attention, cache, dense or shared weights and main-device
@@ -320,8 +361,15 @@ def build_model(
     config = spec.config
     weights = text_model_weights(weights)
     device = _device(device if device is not None else default_device())
+    # Every layer on the CPU, its experts in host RAM (experts placed on the main device, cards,
+    # or a main device holding matrices as a card does stand in for a GPU: the tests build them
+    # on the CPU); not on AMX, whose prompts multiply bf16 rows on its tiles (_norms_in_float32).
+    gguf_on_cpu = (checkpoint_kind(weights) == "gguf" and not tensor_parallel and not any((placement or {}).values())
+                   and all(_cpu_alone(_device(d)) for d, _ in (pipeline or [(device, ())]))
+                   and not (native_kernels.enabled() and native_kernels.isa() == "avx512_amx"))
+    embed_weight = require(weights, "model.embed_tokens.weight")
     if dtype is None:
-        dtype = _default_dtype(require(weights, "model.embed_tokens.weight"))
+        dtype = _default_dtype(embed_weight, gguf_on_cpu)
     cards = [(_device(d), _placement(p)) for d, p in tensor_parallel or ()]
     if cards:
         if placement or pipeline:
@@ -344,18 +392,20 @@ def build_model(
                               moe_layers, placement)
     stage_of = _stages(pipeline, n_layers, device)
     device = stage_of[0][0]
-    b = Build(spec, weights, placement, device, dtype, max_context, recorder, sliding_rewind=sliding_rewind)
+    b = Build(spec, weights, placement, device, dtype, max_context, recorder, sliding_rewind=sliding_rewind,
+              cache_dtype=cache_dtype or _cache_dtype(dtype, gguf_on_cpu))
     b.resident_form = resident_form
     b.sequences = sequences
     vocab = spec.vocab_size
     embed_stored = stored_linear(require(weights, "model.embed_tokens.weight", (vocab, b.hidden)), None, b.device)
-    embed = None if embed_stored is not None else b.load.tensor("model.embed_tokens.weight", (vocab, b.hidden))
+    embed = (None if embed_stored is not None
+             else _embedding(b, vocab, _embedding_dtype(embed_weight, dtype, b.cache_dtype)))
     # The build compiles the layers' architecture from their descriptions. What those say of
     # the loaded forms (the checkpoint's kind, formats the native kernels read, where the
     # experts are) it does not read: the built modules state it (``MoeTransformer.describe``).
     described = family_by_name(family).describe_layers(spec, Loading(
         main_device="cpu" if device.type == "cpu" else str(device), context=max_context, checkpoint="safetensors",
-        cache_dtype=str(dtype).removeprefix("torch."), projections_native=False))
+        cache_dtype=str(b.cache_dtype).removeprefix("torch."), projections_native=False))
     layers = []
     for i, d in enumerate(described):
         b.on(stage_of[i][0])
@@ -393,7 +443,7 @@ def build_model(
             lm_head = (embed_stored if embed_stored.data.device == b.device
                        else StoredLinear(embed_stored.stored.to(b.device)))
         else:
-            lm_head = native_linear(stored, None, b.device, dtype) or Linear(embed.to(b.device))
+            lm_head = native_linear(stored, None, b.device, dtype) or Linear(embed.to(b.device, dtype))
     net = MoeTransformer(family=family, spec=spec, config=b.config, embed=embed, embed_stored=embed_stored,
                          layers=layers, norm=norm, lm_head=lm_head, recorder=recorder, placement=placement,
                          device=device, dtype=dtype, max_context=max_context, cache=b.cache, max_sequences=sequences)

@@ -3,7 +3,7 @@
 One new token per call attends over the whole cache: PyTorch's attention kernels are built
 for many queries and, over a bf16 cache on a CPU without bf16 arithmetic, spent more time
 per layer than the layer's projections (2.7 ms for 32 heads over 260 positions, measured).
-The kernel reads the cache in place (bf16 or fp32), each key and value row once per group
+The kernel reads the cache in place (float32, bfloat16 or float16), each key and value row once per group
 of query heads sharing it, in float32.
 """
 
@@ -13,6 +13,8 @@ import torch
 
 from hybridmoe.backend.engine import native_kernels
 
+_CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what the kernels read
+
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor | None:
     """softmax(scale q k^T) v for one query per head, or None when the kernels cannot run it.
@@ -21,7 +23,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     [1, Hq, 1, Dv] in q's dtype."""
     if not native_kernels.enabled() or q.device.type != "cpu" or k.dtype != v.dtype:
         return None
-    if k.dtype not in (torch.bfloat16, torch.float32) or k.stride(-1) != 1 or v.stride(-1) != 1:
+    if k.dtype not in _CACHE_DTYPES or k.stride(-1) != 1 or v.stride(-1) != 1:
         return None
     heads, dim = q.shape[1], q.shape[3]
     out = torch.empty((heads, v.shape[3]), dtype=torch.float32)
@@ -39,7 +41,7 @@ def paged_decode_attention(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: to
     [1, Hq, 1, Dv] in q's dtype."""
     if not native_kernels.enabled() or q.device.type != "cpu" or k_blocks.device.type != "cpu":
         return None
-    if k_blocks.dtype != v_blocks.dtype or k_blocks.dtype not in (torch.bfloat16, torch.float32):
+    if k_blocks.dtype != v_blocks.dtype or k_blocks.dtype not in _CACHE_DTYPES:
         return None
     if k_blocks.stride(-1) != 1 or v_blocks.stride(-1) != 1:
         return None

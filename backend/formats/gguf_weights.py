@@ -120,6 +120,8 @@ class _Entry:
 class GGUFWeights:
     """Tensors of one GGUF model (one file or a split set) under HF names. See the module doc."""
 
+    checkpoint = "gguf"
+
     def __init__(self, files: list[Path], readers: list[GGUFFile]):
         self.files = tuple(files)
         self._readers = readers

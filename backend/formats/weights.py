@@ -50,6 +50,11 @@ class WeightSource(Protocol):
     def __contains__(self, name: object) -> bool: ...
 
 
+def checkpoint_kind(source: WeightSource) -> str:
+    """"gguf" for a GGUF model, else "safetensors" (also for tensors handed over in a mapping)."""
+    return getattr(source, "checkpoint", "safetensors")
+
+
 def location(source: WeightSource) -> str:
     """Where a source reads from (a directory or file), for messages."""
     loc = getattr(source, "location", None)
@@ -122,6 +127,8 @@ def _quant():
 
 class SafetensorsWeights:
     """A Hugging Face safetensors checkpoint (a directory, or a single .safetensors file)."""
+
+    checkpoint = "safetensors"
 
     def __init__(self, path: str | os.PathLike):
         path = Path(path)
@@ -222,6 +229,7 @@ class PrefixedWeights:
         self.inner = inner
         self.prefix = prefix
         self.location = location(inner)
+        self.checkpoint = checkpoint_kind(inner)
 
     def get(self, name: str) -> Any:
         return self.inner.get(self.prefix + name)

@@ -156,7 +156,7 @@ class Loading:
     main_device: str  # "cpu", "cuda:0"
     context: int  # tokens a conversation may reach (a sliding window as long never bites)
     checkpoint: str  # "safetensors" or "gguf"
-    cache_dtype: str  # the KV cache's (the compute dtype): "bfloat16", "float32"
+    cache_dtype: str  # the KV cache's: "bfloat16", "float32", "float16" (a GGUF on the CPU)
     projections_native: bool  # the always-read projections in forms the native kernels read
     experts_on_main: Mapping[int, int] = field(default_factory=dict)  # MoE layer -> experts on the main device
     experts_native: Mapping[int, str] = field(default_factory=dict)  # MoE layer -> why its host experts are not read natively

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from hybridmoe.backend.hardware.profile import GPU
 from hybridmoe.backend.models.families import family_by_name
@@ -108,11 +109,33 @@ def compute_dtype_bytes(spec: ModelSpec) -> int:
     return 4 if spec.other_format in ("f32", "fp32") else 2
 
 
-def router_element_bytes(spec: ModelSpec) -> int:
+@dataclass(frozen=True)
+class EngineNumerics:
+    """Element sizes of what the engine computes and holds, as ``engine.model`` chooses them."""
+
+    compute: int  # bytes: activations and the tensors widened in host RAM (norms, routers)
+    kv: int  # bytes of a KV cache element
+    kv_name: str  # "bf16", "fp16" or "fp32" (--kv-dtype's names)
+    embedding: int  # bytes of an element of the embedding table held in host RAM
+
+
+def engine_numerics(spec: ModelSpec, source: str, cpu_only: bool, amx: bool) -> EngineNumerics:
+    """A float32 checkpoint computes and caches in float32; a GGUF run on the CPU alone (but with
+    AMX tiles, which multiply bf16 rows) computes in float32 with a float16 cache and a 16-bit
+    embedding table (model._default_dtype); the rest in bfloat16."""
+    if compute_dtype_bytes(spec) == 4:
+        return EngineNumerics(4, 4, "fp32", 4)
+    if source == "gguf" and cpu_only and not amx:
+        return EngineNumerics(4, 2, "fp16", 2)
+    return EngineNumerics(2, 2, "bf16", 2)
+
+
+def router_element_bytes(spec: ModelSpec, compute_bytes: int | None = None) -> int:
     """Bytes of one element of a router's matrix as the engine holds (and reads) it: float32
-    for the families that route in float32 (their ``ROUTER_FLOAT32``), else the compute dtype;
-    GGUF files store routers in F32 either way."""
-    return 4 if family_by_name(spec.family).ROUTER_FLOAT32 else compute_dtype_bytes(spec)
+    for the families that route in float32 (their ``ROUTER_FLOAT32``), else the compute dtype
+    (`compute_bytes`, default the checkpoint's: ``compute_dtype_bytes``); GGUF files store
+    routers in F32 either way."""
+    return 4 if family_by_name(spec.family).ROUTER_FLOAT32 else compute_bytes or compute_dtype_bytes(spec)
 
 
 def resident_expert_bytes(spec: ModelSpec, form: str) -> int:

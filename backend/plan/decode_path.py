@@ -31,7 +31,7 @@ from hybridmoe.backend.models.layer_description import (
 )
 
 # Cache dtypes the native attention reads (bf16 as its bits).
-_NATIVE_CACHE = ("float32", "bfloat16")
+_NATIVE_CACHE = ("float32", "bfloat16", "float16")
 
 # The routers the native kernels choose with: the names of the native ``RouteKind``
 # (``decode_ops.h``; the chain's ``ChainRoute``), which the chain is handed as they are.

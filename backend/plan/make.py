@@ -120,14 +120,16 @@ class _AlwaysRead:
 
     @classmethod
     def of(cls, spec: ModelSpec, inventory: TensorInventory, *, as_stored: bool = False,
-           on_gpu: bool = False) -> _AlwaysRead:
-        """As the engine holds `inventory` in host RAM (`on_gpu`: on a GPU; or, `as_stored`, as
-        the file stores it: llama.cpp)."""
+           on_gpu: bool = False, numerics: B.EngineNumerics | None = None) -> _AlwaysRead:
+        """As the engine holds `inventory` in host RAM with these `numerics` (`on_gpu`: on a
+        GPU; or, `as_stored`, as the file stores it: llama.cpp)."""
         def held(c: TensorClass) -> int:
             if as_stored:
                 return inventory.bytes_by_class.get(c, 0)
-            counted = inventory.gpu_held_bytes if on_gpu else inventory.held_bytes
-            return counted(c, B.compute_dtype_bytes(spec), B.router_element_bytes(spec))
+            if on_gpu:
+                return inventory.gpu_held_bytes(c, B.compute_dtype_bytes(spec), B.router_element_bytes(spec))
+            widened = numerics.embedding if c is TensorClass.EMBEDDING else numerics.compute
+            return inventory.held_bytes(c, widened, B.router_element_bytes(spec, numerics.compute))
 
         lm_head, embedding = held(TensorClass.LM_HEAD), held(TensorClass.EMBEDDING)
         return cls(attention=held(TensorClass.ATTENTION) / spec.num_layers,
@@ -215,10 +217,15 @@ class _Planner:
         # (norms, float and fp8 matrices: the inventory's gpu_widened); llama.cpp keeps all of
         # them as the file stores them.
         self.stored = _AlwaysRead.of(spec, inventory, as_stored=True)
-        self.host = self.stored if workload.backend == "llamacpp" else _AlwaysRead.of(spec, inventory)
-        # llama.cpp's cache takes the workload's type; the engine's is always in its compute
-        # dtype (engine/model.py), whatever --kv-dtype says (below: a warning where they differ).
-        self.kv_elem = workload.kv_bytes_per_element if self.llama else B.compute_dtype_bytes(spec)
+        # The engine's element sizes: a GGUF computed on the CPU alone is float32 with a
+        # float16 cache, anything else in its compute dtype (engine/model.py).
+        cpu_only = workload.strategy == "cpu-only" or not hardware.served_gpus
+        self.numerics = B.engine_numerics(spec, inventory.source, cpu_only, "amx_bf16" in hardware.cpu.features)
+        self.host = (self.stored if workload.backend == "llamacpp"
+                     else _AlwaysRead.of(spec, inventory, numerics=self.numerics))
+        # llama.cpp's cache takes the workload's type; the engine's is its own (numerics),
+        # whatever --kv-dtype says (below: a warning where they differ).
+        self.kv_elem = workload.kv_bytes_per_element if self.llama else self.numerics.kv
         self.kv_layer_token = spec.kv_bytes_per_token_per_layer(self.kv_elem)
         # Routed experts the engine's CPU would dequantize with PyTorch on every call
         # (models.slow_paths), counted in the estimate where the plan leaves them on the CPU. A
@@ -341,8 +348,9 @@ class _Planner:
             self.warnings.append(
                 f"{numa} NUMA nodes: CPU experts are split across nodes, each node's threads reading local memory."
             )
-        engine_kv = "fp32" if self.kv_elem == 4 else "bf16"
-        if not self.llama and wl.kv_dtype != engine_kv:
+        engine_kv = self.numerics.kv_name
+        # (Warned where the bytes differ: a float16 cache for a bf16 one is the memory asked for.)
+        if not self.llama and wl.kv_bytes_per_element != self.kv_elem:
             self.warnings.append(
                 f"The embedded engine keeps its KV cache in {engine_kv} ({self.kv_elem:g} bytes an element), "
                 f"not {wl.kv_dtype}, and this plan counts it so; --kv-dtype {wl.kv_dtype} is for llama.cpp "

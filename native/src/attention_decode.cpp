@@ -68,7 +68,7 @@ void phase_runs(void* ctx, int, int) {
         while (r + 1 < c.rows.size() && c.rows[r + 1].first_slot * c.parts <= u) ++r;
         const Row& row = c.rows[r];
         const DecodeAttention& a = *row.a;
-        const size_t esz = a.kv_bf16 ? 2 : 4;
+        const size_t esz = cache_elem_bytes(a.kv);
         const auto* k = static_cast<const uint8_t*>(a.k);
         const auto* v = static_cast<const uint8_t*>(a.v);
         const int64_t ru = u - row.first_slot * c.parts, part = ru % c.parts, at = ru / c.parts;  // at: the row's slot
@@ -89,7 +89,7 @@ void phase_runs(void* ctx, int, int) {
             segs[n_segs++] = {k + size_t(k_off) * esz, v + size_t(v_off) * esz, len};
             s += len;
         }
-        c.kt->attend_run(c.q.data() + row.q_at + (h * c.group + g0) * a.D, heads, a.D, a.Dv, segs, n_segs, a.kv_bf16,
+        c.kt->attend_run(c.q.data() + row.q_at + (h * c.group + g0) * a.D, heads, a.D, a.Dv, segs, n_segs, a.kv,
                          a.k_pos, a.v_pos, n, tls_scores.data(), c.m.data() + slot, c.l.data() + slot,
                          c.acc.data() + slot * a.Dv);
     }

@@ -3,8 +3,8 @@
 // PyTorch's attention kernels are built for many queries; for one query per head over a
 // bf16 cache they convert the cache and pay their setup per call, which on a CPU main
 // device cost more than the layer's projections (measured: 2.7 ms for 32 heads over 260
-// positions in bf16). Here the cache is read in place, bf16 or fp32, each key and value
-// row once per group of query heads that share it (grouped-query attention), split over
+// positions in bf16). Here the cache is read in place (float32, bfloat16 or float16), each
+// key and value row once per group of query heads that share it (grouped-query attention), split over
 // the pool's threads by KV head and run of positions (and by query heads where those are
 // fewer than the threads: a short context with one KV head), the runs merged by their softmax
 // maxima (as flash-decoding does).
@@ -31,7 +31,7 @@ struct DecodeAttention {
     // + (s % block_size) * k_pos. Values alike.
     const void* k;
     const void* v;
-    bool kv_bf16;
+    Format kv;  // the cache's elements: FMT_F32, FMT_BF16 or FMT_F16
     int64_t Hq, Hkv, D, Dv, S;
     int64_t k_head, k_pos, v_head, v_pos;
     float scale;

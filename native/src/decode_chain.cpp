@@ -147,7 +147,7 @@ void DecodeChain::run(Executor& exec, const KernelTable& kt, float* x, int64_t T
     std::vector<DecodeAttention> rows(static_cast<size_t>(T));
     // Grouped-query attention of the normed input h_ into att_.
     auto grouped = [&](const ChainLayer& l) {
-        const size_t esz = l.cache_bf16 ? 2 : 4;
+        const size_t esz = cache_elem_bytes(l.cache_type);
         l.qkv->forward(exec, kt, h_.data(), false, T, qkv_.data(), kGemv);
         if (l.qkv_bias) add_bias(qkv_.data(), l.qkv_bias, T, width);
         laps.lap(CP_QKV);
@@ -156,10 +156,10 @@ void DecodeChain::run(Executor& exec, const KernelTable& kt, float* x, int64_t T
         store.eps = l.qk_eps;
         store.rotary_dim = 2 * l.rotary_half;
         store.pairs = l.pairs;
-        store.cache_bf16 = l.cache_bf16;
+        store.cache_type = l.cache_type;
         attend.k = l.k_cache;
         attend.v = l.v_cache;
-        attend.kv_bf16 = l.cache_bf16;
+        attend.kv = l.cache_type;
         attend.scale = l.scale;
         for (int64_t t = 0; t < T; ++t) {
             const int64_t pos = positions[t];
@@ -186,7 +186,7 @@ void DecodeChain::run(Executor& exec, const KernelTable& kt, float* x, int64_t T
     };
     // Latent attention of h_ into att_: the calls of cpu_decode's _MLAStep, in its order.
     auto latent = [&](const ChainLayer& l) {
-        const size_t esz = l.cache_bf16 ? 2 : 4;
+        const size_t esz = cache_elem_bytes(l.cache_type);
         const int64_t rope = s.D - s.Dv, q_width = s.Hq * (s.nope + rope);
         if (l.q_a) {
             l.q_a->forward(exec, kt, h_.data(), false, T, qa_.data(), kGemv);
@@ -205,7 +205,7 @@ void DecodeChain::run(Executor& exec, const KernelTable& kt, float* x, int64_t T
         row.kv_norm = l.kv_norm;
         row.eps = l.kv_eps;
         row.pairs = l.pairs;
-        row.cache_bf16 = l.cache_bf16;
+        row.cache_type = l.cache_type;
         for (int64_t t = 0; t < T; ++t) {
             const int64_t pos = positions[t], block = tables[t * table_len + pos / s.block];
             row.q = qkv_.data() + t * q_width;
@@ -217,7 +217,7 @@ void DecodeChain::run(Executor& exec, const KernelTable& kt, float* x, int64_t T
             lengths_[size_t(t)] = pos + 1;
         }
         laps.lap(CP_SMALL);
-        const MlaDecode m{s.Hq, s.nope, rope, s.v, s.Dv, l.maps, l.k_cache, l.cache_bf16, s.block, l.scale};
+        const MlaDecode m{s.Hq, s.nope, rope, s.v, s.Dv, l.maps, l.k_cache, l.cache_type, s.block, l.scale};
         mla_attend_rows(exec, kt, m, qkv_.data(), T, tables, table_len, lengths_.data(), att_.data());
         laps.lap(CP_ATTEND);
     };

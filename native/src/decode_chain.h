@@ -86,7 +86,7 @@ struct ChainLayer {
     bool pairs;
     void* k_cache;  // [n_blocks, Hkv, B, D]; latent attention: [n_blocks, B, c + rope]
     void* v_cache;  // [n_blocks, Hkv, B, Dv]; latent attention: unused
-    bool cache_bf16;
+    Format cache_type;  // the KV cache's elements: FMT_F32, FMT_BF16 or FMT_F16
     int64_t n_blocks;
     float scale;
     // Latent attention (ChainShape::latent) in place of q|k|v: `qkv` is then q (q_proj, or q_b

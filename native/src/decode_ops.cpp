@@ -63,13 +63,14 @@ void head(float* h, const float* w, float eps, const RopeStore& a) {
     rotate(h, a.cos, a.sin, a.rotary_dim, a.pairs);
 }
 
-void store(void* cache, bool bf16, int64_t at, const float* src, int64_t n) {
-    if (bf16) {
-        uint16_t* dst = static_cast<uint16_t*>(cache) + at;
-        for (int64_t i = 0; i < n; ++i) dst[i] = f32_to_bf16(src[i]);
-    } else {
+void store(void* cache, Format kv, int64_t at, const float* src, int64_t n) {
+    uint16_t* half = static_cast<uint16_t*>(cache) + at;
+    if (kv == FMT_BF16)
+        for (int64_t i = 0; i < n; ++i) half[i] = f32_to_bf16(src[i]);
+    else if (kv == FMT_F16)
+        for (int64_t i = 0; i < n; ++i) half[i] = f32_to_fp16(src[i]);
+    else
         std::memcpy(static_cast<float*>(cache) + at, src, size_t(n) * 4);
-    }
 }
 
 // The k largest of v[0..E) by value (ties: the lower index first), in descending order.
@@ -100,8 +101,8 @@ void rope_store(const RopeStore& a) {
     for (int64_t h = 0; h < a.Hkv; ++h) {
         std::memcpy(buf, k + h * a.D, size_t(a.D) * 4);
         head(buf, a.k_norm, a.eps, a);
-        store(a.k_cache, a.cache_bf16, h * a.k_head + a.pos * a.k_pos, buf, a.D);
-        store(a.v_cache, a.cache_bf16, h * a.v_head + a.pos * a.v_pos, v + h * a.Dv, a.Dv);
+        store(a.k_cache, a.cache_type, h * a.k_head + a.pos * a.k_pos, buf, a.D);
+        store(a.v_cache, a.cache_type, h * a.v_head + a.pos * a.v_pos, v + h * a.Dv, a.Dv);
     }
 }
 
@@ -134,7 +135,7 @@ void mla_rope_store(const MlaRopeStore& a) {
     norm_row(a.kv, a.kv_norm, a.eps, a.c, row);
     std::memcpy(row + a.c, a.kv + a.c, size_t(a.rope) * 4);
     rotate(row + a.c, a.cos, a.sin, a.rope, a.pairs);
-    store(a.cache_row, a.cache_bf16, 0, row, a.c + a.rope);
+    store(a.cache_row, a.cache_type, 0, row, a.c + a.rope);
 }
 
 void softmax_topk(const float* logits, int64_t E, int k, bool normalize, int64_t* ids, float* weights) {

@@ -9,6 +9,8 @@
 
 #include <cstdint>
 
+#include "formats.h"
+
 namespace hmoe {
 
 struct KernelTable;
@@ -20,7 +22,7 @@ constexpr int64_t kMaxHeadDim = 1024;  // the bindings refuse longer heads
 
 // One token's fused q|k|v projection (Hq*D, then Hkv*D, then Hkv*Dv floats): q and k
 // normalised per head (when q_norm / k_norm are given), rotated, q written to q_out [Hq, D],
-// k and v stored at position `pos` of the cache (bf16, rounded to nearest even, or fp32).
+// k and v stored at position `pos` of the cache (float32, or bfloat16 or float16 rounded to nearest even).
 struct RopeStore {
     const float* qkv;
     int64_t Hq, Hkv, D, Dv;
@@ -33,7 +35,7 @@ struct RopeStore {
     bool pairs;           // (x0, x1), (x2, x3)... rotate, output de-interleaved; else halves
     void* k_cache;        // head h, position s at + h * k_head + s * k_pos elements
     void* v_cache;
-    bool cache_bf16;
+    Format cache_type;  // FMT_F32, FMT_BF16 or FMT_F16
     int64_t k_head, k_pos, v_head, v_pos, pos;
     float* q_out;
 };
@@ -52,7 +54,7 @@ struct MlaRopeStore {
     const float* sin;
     bool pairs;
     void* cache_row;
-    bool cache_bf16;
+    Format cache_type;  // FMT_F32, FMT_BF16 or FMT_F16
 };
 void mla_rope_store(const MlaRopeStore& a);
 

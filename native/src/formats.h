@@ -98,6 +98,7 @@
 #pragma once
 
 #include <array>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -328,6 +329,28 @@ static inline float fp16_to_f32(uint16_t h) {
     // Subnormal half: value = man * 2^-24, exact in float.
     float v = float(man) * (1.0f / 16777216.0f);
     return (h & 0x8000) ? -v : v;
+}
+
+// Float to IEEE half, rounded to nearest even as PyTorch's conversion (and vcvtps2ph) round:
+// beyond the largest half (65504, up to where it rounds) infinity, below the smallest normal a
+// subnormal.
+static inline uint16_t f32_to_fp16(float f) {
+    uint32_t u = bits_from_f32(f);
+    const uint16_t sign = uint16_t((u >> 16) & 0x8000u);
+    u &= 0x7fffffffu;
+    if (u > 0x7f800000u) return uint16_t(sign | 0x7e00u);  // NaN stays NaN
+    if (u >= 0x477ff000u) return uint16_t(sign | 0x7c00u);  // |f| >= 65520 rounds to infinity
+    if (u < 0x38800000u)                                     // below 2^-14: a multiple of 2^-24
+        return uint16_t(sign | uint16_t(std::nearbyint(f32_from_bits(u) * 16777216.0f)));
+    return uint16_t(sign | ((u + 0xfffu + ((u >> 13) & 1u) - (112u << 23)) >> 13));
+}
+
+// A KV cache's elements: float32, bfloat16 or float16 (kv is FMT_F32, FMT_BF16 or FMT_F16).
+static inline size_t cache_elem_bytes(Format kv) { return kv == FMT_F32 ? 4 : 2; }
+static inline float cache_at(const void* base, Format kv, int64_t i) {
+    if (kv == FMT_F32) return static_cast<const float*>(base)[i];
+    const uint16_t h = static_cast<const uint16_t*>(base)[i];
+    return kv == FMT_BF16 ? bf16_to_f32(h) : fp16_to_f32(h);
 }
 
 static inline uint16_t load_u16(const uint8_t* p) {

@@ -42,8 +42,9 @@ using GptOssGluFn = void (*)(const float* g, const float* u, float* h, int64_t n
 // Decode attention, one KV head over a run of n positions (see attention_decode.cpp), stored
 // as segments contiguous in memory (one for a contiguous cache, one per block touched for a
 // paged one): position s of segment i has key row segs[i].k + s * ldk and value row
-// segs[i].v + s * ldv (D and Dv elements, bf16 when kv_bf16 else fp32); the segments' n add
-// up to n. For query heads g < group (q[g * D], already scaled), over the run's positions s:
+// segs[i].v + s * ldv (D and Dv elements of the cache type kv: FMT_F32, FMT_BF16 or FMT_F16);
+// the segments' n add up to n. For query heads g < group (q[g * D], already scaled), over the
+// run's positions s:
 //   m[g] = max_s q_g . k_s,  l[g] = sum_s e^(q_g . k_s - m[g]),
 //   acc[g * Dv + j] = sum_s e^(q_g . k_s - m[g]) v_s[j]
 // in position order whatever the segments, so a run gives the same bits however it is split.
@@ -54,7 +55,7 @@ struct KvSegment {
     int64_t n;
 };
 using AttendRunFn = void (*)(const float* q, int group, int64_t D, int64_t Dv, const KvSegment* segs, int n_segs,
-                             bool kv_bf16, int64_t ldk, int64_t ldv, int64_t n, float* scores, float* m, float* l,
+                             Format kv, int64_t ldk, int64_t ldv, int64_t n, float* scores, float* m, float* l,
                              float* acc);
 
 // A GEMV with the matrix's transpose, streaming its rows: out[t][j] += sum_{i < m} x[t][i] *

@@ -119,12 +119,8 @@ static void gptoss_glu(const float* g, const float* u, float* h, int64_t n, floa
     }
 }
 
-static inline float kv_at(const void* base, bool bf16, int64_t i) {
-    return bf16 ? bf16_to_f32(static_cast<const uint16_t*>(base)[i]) : static_cast<const float*>(base)[i];
-}
-
 static void attend_run(const float* q, int group, int64_t D, int64_t Dv, const KvSegment* segs, int n_segs,
-                       bool kv_bf16, int64_t ldk, int64_t ldv, int64_t n, float* scores, float* m, float* l,
+                       Format kv, int64_t ldk, int64_t ldv, int64_t n, float* scores, float* m, float* l,
                        float* acc) {
     for (int g = 0; g < group; ++g) {
         float* sc = scores + int64_t(g) * n;
@@ -132,7 +128,7 @@ static void attend_run(const float* q, int group, int64_t D, int64_t Dv, const K
         for (int i = 0, p = 0; i < n_segs; ++i)
             for (int64_t s = 0; s < segs[i].n; ++s, ++p) {
                 float dot = 0.f;
-                for (int64_t d = 0; d < D; ++d) dot += q[g * D + d] * kv_at(segs[i].k, kv_bf16, s * ldk + d);
+                for (int64_t d = 0; d < D; ++d) dot += q[g * D + d] * cache_at(segs[i].k, kv, s * ldk + d);
                 sc[p] = dot;
                 mx = std::fmax(mx, dot);
             }
@@ -144,7 +140,7 @@ static void attend_run(const float* q, int group, int64_t D, int64_t Dv, const K
         for (int64_t j = 0; j < Dv; ++j) a[j] = 0.f;
         for (int i = 0, p = 0; i < n_segs; ++i)
             for (int64_t s = 0; s < segs[i].n; ++s, ++p)
-                for (int64_t j = 0; j < Dv; ++j) a[j] += sc[p] * kv_at(segs[i].v, kv_bf16, s * ldv + j);
+                for (int64_t j = 0; j < Dv; ++j) a[j] += sc[p] * cache_at(segs[i].v, kv, s * ldv + j);
     }
 }
 

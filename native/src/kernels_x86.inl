@@ -1984,20 +1984,23 @@ static void gptoss_glu(const float* g, const float* u, float* h, int64_t n, floa
 
 // ---- decode attention -------------------------------------------------------------------
 
-template <bool BF16>
+// Cache elements as floats: KV is the cache's type (FMT_F32, FMT_BF16 or FMT_F16).
+template <Format KV>
 static inline __m256 kv8(const void* base, int64_t i) {
-    if constexpr (BF16) {
-        const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(base) + i));
-        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-    } else {
+    if constexpr (KV == FMT_F32) {
         return _mm256_loadu_ps(static_cast<const float*>(base) + i);
+    } else {
+        const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(base) + i));
+        if constexpr (KV == FMT_BF16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+        else return _mm256_cvtph_ps(h);
     }
 }
 
-template <bool BF16>
+template <Format KV>
 static inline float kv1(const void* base, int64_t i) {
-    if constexpr (BF16) return bf16_to_f32(static_cast<const uint16_t*>(base)[i]);
-    else return static_cast<const float*>(base)[i];
+    if constexpr (KV == FMT_F32) return static_cast<const float*>(base)[i];
+    else if constexpr (KV == FMT_BF16) return bf16_to_f32(static_cast<const uint16_t*>(base)[i]);
+    else return fp16_to_f32(static_cast<const uint16_t*>(base)[i]);
 }
 
 // Software prefetch spread over a loop: each step() asks for the next `per` cache lines of
@@ -2019,7 +2022,7 @@ struct PrefetchStream {
 // latency (with one position the G chains waited on each other's latency, measured 2x slower).
 // Given `next_k` and `v`, each step also prefetches a share of the next stretch's keys into L1
 // and of `v` (values) into L2 (see attend_run_t).
-template <bool BF16, int G>
+template <Format KV, int G>
 static void attend_scores(const float* q, int64_t D, const void* k, int64_t ldk, int64_t n, float* sc, int64_t ld_sc,
                           PrefetchStream* next_k = nullptr, PrefetchStream* v = nullptr) {
     const int64_t D8 = D / 8 * 8;
@@ -2033,7 +2036,7 @@ static void attend_scores(const float* q, int64_t D, const void* k, int64_t ldk,
         __m256 a[G], b[G];
         for (int j = 0; j < G; ++j) a[j] = b[j] = _mm256_setzero_ps();
         for (int64_t d = 0; d < D8; d += 8) {
-            const __m256 k0 = kv8<BF16>(k, r0 + d), k1 = kv8<BF16>(k, r1 + d);
+            const __m256 k0 = kv8<KV>(k, r0 + d), k1 = kv8<KV>(k, r1 + d);
             for (int j = 0; j < G; ++j) {
                 const __m256 qv = _mm256_loadu_ps(q + j * D + d);
                 a[j] = _mm256_fmadd_ps(qv, k0, a[j]);
@@ -2054,8 +2057,8 @@ static void attend_scores(const float* q, int64_t D, const void* k, int64_t ldk,
         for (int j = 0; j < G; ++j) {
             float d0 = hsum_ps(a[j]), d1 = hsum_ps(b[j]);
             for (int64_t d = D8; d < D; ++d) {
-                d0 += q[j * D + d] * kv1<BF16>(k, r0 + d);
-                d1 += q[j * D + d] * kv1<BF16>(k, r1 + d);
+                d0 += q[j * D + d] * kv1<KV>(k, r0 + d);
+                d1 += q[j * D + d] * kv1<KV>(k, r1 + d);
             }
             sc[j * ld_sc + s] = d0;
             sc[j * ld_sc + s + 1] = d1;
@@ -2066,12 +2069,12 @@ static void attend_scores(const float* q, int64_t D, const void* k, int64_t ldk,
         __m256 a[G];
         for (int j = 0; j < G; ++j) a[j] = _mm256_setzero_ps();
         for (int64_t d = 0; d < D8; d += 8) {
-            const __m256 kv = kv8<BF16>(k, row + d);
+            const __m256 kv = kv8<KV>(k, row + d);
             for (int j = 0; j < G; ++j) a[j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + j * D + d), kv, a[j]);
         }
         for (int j = 0; j < G; ++j) {
             float dot = hsum_ps(a[j]);
-            for (int64_t d = D8; d < D; ++d) dot += q[j * D + d] * kv1<BF16>(k, row + d);
+            for (int64_t d = D8; d < D; ++d) dot += q[j * D + d] * kv1<KV>(k, row + d);
             sc[j * ld_sc + s] = dot;
         }
     }
@@ -2082,7 +2085,7 @@ static void attend_scores(const float* q, int64_t D, const void* k, int64_t ldk,
 // stream past, so every row segment read is a whole line. Loading and storing the float
 // accumulators between stretches leaves each one's chain of FMAs as it was: the same bits
 // as one pass over all the positions.
-template <bool BF16, int G>
+template <Format KV, int G>
 static void attend_values(const float* p, int64_t ld_p, int64_t Dv, const void* v, int64_t n, int64_t ldv,
                           float* acc, PrefetchStream* pf) {
     int64_t j0 = 0;
@@ -2093,8 +2096,8 @@ static void attend_values(const float* p, int64_t ld_p, int64_t Dv, const void* 
         for (int64_t s = 0; s < n; ++s) {
             if (pf && j0 == 0) pf->step<_MM_HINT_T0>();  // spread over the first columns' pass
             const int64_t row = s * ldv + j0;
-            const __m256 v0 = kv8<BF16>(v, row), v1 = kv8<BF16>(v, row + 8), v2 = kv8<BF16>(v, row + 16),
-                         v3 = kv8<BF16>(v, row + 24);
+            const __m256 v0 = kv8<KV>(v, row), v1 = kv8<KV>(v, row + 8), v2 = kv8<KV>(v, row + 16),
+                         v3 = kv8<KV>(v, row + 24);
             for (int j = 0; j < G; ++j) {
                 const __m256 w = _mm256_broadcast_ss(p + j * ld_p + s);
                 a[j][0] = _mm256_fmadd_ps(w, v0, a[j][0]);
@@ -2110,7 +2113,7 @@ static void attend_values(const float* p, int64_t ld_p, int64_t Dv, const void* 
         __m256 a[G];
         for (int j = 0; j < G; ++j) a[j] = _mm256_loadu_ps(acc + j * Dv + j0);
         for (int64_t s = 0; s < n; ++s) {
-            const __m256 vv = kv8<BF16>(v, s * ldv + j0);
+            const __m256 vv = kv8<KV>(v, s * ldv + j0);
             for (int j = 0; j < G; ++j) a[j] = _mm256_fmadd_ps(_mm256_broadcast_ss(p + j * ld_p + s), vv, a[j]);
         }
         for (int j = 0; j < G; ++j) _mm256_storeu_ps(acc + j * Dv + j0, a[j]);
@@ -2118,7 +2121,7 @@ static void attend_values(const float* p, int64_t ld_p, int64_t Dv, const void* 
     for (; j0 < Dv; ++j0)
         for (int j = 0; j < G; ++j) {
             float t = acc[j * Dv + j0];
-            for (int64_t s = 0; s < n; ++s) t += p[j * ld_p + s] * kv1<BF16>(v, s * ldv + j0);
+            for (int64_t s = 0; s < n; ++s) t += p[j * ld_p + s] * kv1<KV>(v, s * ldv + j0);
             acc[j * Dv + j0] = t;
         }
 }
@@ -2134,23 +2137,27 @@ static void attend_values(const float* p, int64_t ld_p, int64_t Dv, const void* 
 // about 128 -> 75 us hot (with the changes below, 151 -> 100 cold). Eight heads x two
 // positions of scores a step was 10-18 % slower than four x four, two x eight slower still.
 
-// Sixteen elements of a bf16 or fp32 cache row from i on as floats; with a mask, those of
+// Sixteen elements of a cache row (f32, bf16 or f16) from i on as floats; with a mask, those of
 // its set bits (the rest zero: a row's tail, read without touching past its end).
-template <bool BF16>
+template <Format KV>
 static inline __m512 kv16(const void* base, int64_t i) {
-    if constexpr (BF16)
-        return _mm512_castsi512_ps(_mm512_slli_epi32(
-            _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(base) + i))), 16));
-    else
+    if constexpr (KV == FMT_F32) {
         return _mm512_loadu_ps(static_cast<const float*>(base) + i);
+    } else {
+        const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(base) + i));
+        if constexpr (KV == FMT_BF16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+        else return _mm512_cvtph_ps(h);
+    }
 }
-template <bool BF16>
+template <Format KV>
 static inline __m512 kv16(const void* base, int64_t i, __mmask16 m) {
-    if constexpr (BF16)
-        return _mm512_castsi512_ps(
-            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, static_cast<const uint16_t*>(base) + i)), 16));
-    else
+    if constexpr (KV == FMT_F32) {
         return _mm512_maskz_loadu_ps(m, static_cast<const float*>(base) + i);
+    } else {
+        const __m256i h = _mm256_maskz_loadu_epi16(m, static_cast<const uint16_t*>(base) + i);
+        if constexpr (KV == FMT_BF16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+        else return _mm512_cvtph_ps(h);
+    }
 }
 
 // The sums of sixteen vectors' lanes, transposed: lane 4k + e of the result is the sum of
@@ -2172,7 +2179,7 @@ constexpr int sum16_lane(int i) { return 4 * (i % 4) + i / 4; }
 
 // attend_scores for G <= 4 heads and P positions per step (G x P <= 16 accumulators of 16 lanes,
 // x[P j + p]: head j at position s + p); positions past the stretch read its last row.
-template <bool BF16, int G, int P = 16 / G>
+template <Format KV, int G, int P = 16 / G>
 static void attend_scores16(const float* q, int64_t D, const void* k, int64_t ldk, int64_t n, float* sc, int64_t ld_sc,
                             PrefetchStream* next_k, PrefetchStream* v) {
     const int64_t D16 = D / 16 * 16;
@@ -2190,7 +2197,7 @@ static void attend_scores16(const float* q, int64_t D, const void* k, int64_t ld
         for (int i = 0; i < 16; ++i) x[i] = _mm512_setzero_ps();
         for (int64_t d = 0; d < D16; d += 16) {
             __m512 kk[P];
-            for (int p = 0; p < P; ++p) kk[p] = kv16<BF16>(k, r[p] + d);
+            for (int p = 0; p < P; ++p) kk[p] = kv16<KV>(k, r[p] + d);
             for (int j = 0; j < G; ++j) {
                 const __m512 qv = _mm512_loadu_ps(q + j * D + d);
                 for (int p = 0; p < P; ++p) x[P * j + p] = _mm512_fmadd_ps(qv, kk[p], x[P * j + p]);
@@ -2198,7 +2205,7 @@ static void attend_scores16(const float* q, int64_t D, const void* k, int64_t ld
         }
         if (tail) {
             __m512 kk[P];
-            for (int p = 0; p < P; ++p) kk[p] = kv16<BF16>(k, r[p] + D16, tail);
+            for (int p = 0; p < P; ++p) kk[p] = kv16<KV>(k, r[p] + D16, tail);
             for (int j = 0; j < G; ++j) {
                 const __m512 qv = _mm512_maskz_loadu_ps(tail, q + j * D + D16);
                 for (int p = 0; p < P; ++p) x[P * j + p] = _mm512_fmadd_ps(qv, kk[p], x[P * j + p]);
@@ -2214,7 +2221,7 @@ static void attend_scores16(const float* q, int64_t D, const void* k, int64_t ld
 // attend_values for G <= 8 heads: C vectors of 16 value columns per head (8 to 16
 // accumulators), the value rows converted once for all G heads; a masked last vector for
 // Dv's tail. Every column's chain of FMAs is the same however the columns are grouped.
-template <bool BF16, int G>
+template <Format KV, int G>
 static void attend_values16(const float* p, int64_t ld_p, int64_t Dv, const void* v, int64_t n, int64_t ldv,
                             float* acc, PrefetchStream* pf) {
     constexpr int C = G <= 4 ? 4 : 2;
@@ -2226,7 +2233,7 @@ static void attend_values16(const float* p, int64_t ld_p, int64_t Dv, const void
         for (int64_t s = 0; s < n; ++s) {
             if (pf && j0 == 0) pf->step<_MM_HINT_T0>();  // spread over the first columns' pass
             __m512 vv[C];
-            for (int c = 0; c < C; ++c) vv[c] = kv16<BF16>(v, s * ldv + j0 + 16 * c);
+            for (int c = 0; c < C; ++c) vv[c] = kv16<KV>(v, s * ldv + j0 + 16 * c);
             for (int j = 0; j < G; ++j) {
                 const __m512 w = _mm512_set1_ps(p[j * ld_p + s]);
                 for (int c = 0; c < C; ++c) a[j][c] = _mm512_fmadd_ps(w, vv[c], a[j][c]);
@@ -2240,7 +2247,7 @@ static void attend_values16(const float* p, int64_t ld_p, int64_t Dv, const void
         __m512 a[G];
         for (int j = 0; j < G; ++j) a[j] = _mm512_maskz_loadu_ps(m, acc + j * Dv + j0);
         for (int64_t s = 0; s < n; ++s) {
-            const __m512 vv = kv16<BF16>(v, s * ldv + j0, m);
+            const __m512 vv = kv16<KV>(v, s * ldv + j0, m);
             for (int j = 0; j < G; ++j) a[j] = _mm512_fmadd_ps(_mm512_set1_ps(p[j * ld_p + s]), vv, a[j]);
         }
         for (int j = 0; j < G; ++j) _mm512_mask_storeu_ps(acc + j * Dv + j0, m, a[j]);
@@ -2248,47 +2255,47 @@ static void attend_values16(const float* p, int64_t ld_p, int64_t Dv, const void
 }
 
 // g (at most kScoreHeads, kValueHeads) heads of a stretch: the kernels above for that many.
-template <bool BF16>
+template <Format KV>
 static void scores_heads(int g, const float* q, int64_t D, const void* k, int64_t ldk, int64_t n, float* sc,
                          int64_t ld_sc, PrefetchStream* next_k, PrefetchStream* v) {
     switch (g) {
-        case 4: return attend_scores16<BF16, 4>(q, D, k, ldk, n, sc, ld_sc, next_k, v);
-        case 3: return attend_scores16<BF16, 3>(q, D, k, ldk, n, sc, ld_sc, next_k, v);
-        case 2: return attend_scores16<BF16, 2>(q, D, k, ldk, n, sc, ld_sc, next_k, v);
-        default: return attend_scores16<BF16, 1>(q, D, k, ldk, n, sc, ld_sc, next_k, v);
+        case 4: return attend_scores16<KV, 4>(q, D, k, ldk, n, sc, ld_sc, next_k, v);
+        case 3: return attend_scores16<KV, 3>(q, D, k, ldk, n, sc, ld_sc, next_k, v);
+        case 2: return attend_scores16<KV, 2>(q, D, k, ldk, n, sc, ld_sc, next_k, v);
+        default: return attend_scores16<KV, 1>(q, D, k, ldk, n, sc, ld_sc, next_k, v);
     }
 }
-template <bool BF16>
+template <Format KV>
 static void values_heads(int g, const float* p, int64_t ld_p, int64_t Dv, const void* v, int64_t n, int64_t ldv,
                          float* acc, PrefetchStream* pf) {
     switch (g) {
-        case 8: return attend_values16<BF16, 8>(p, ld_p, Dv, v, n, ldv, acc, pf);
-        case 7: return attend_values16<BF16, 7>(p, ld_p, Dv, v, n, ldv, acc, pf);
-        case 6: return attend_values16<BF16, 6>(p, ld_p, Dv, v, n, ldv, acc, pf);
-        case 5: return attend_values16<BF16, 5>(p, ld_p, Dv, v, n, ldv, acc, pf);
-        case 4: return attend_values16<BF16, 4>(p, ld_p, Dv, v, n, ldv, acc, pf);
-        case 3: return attend_values16<BF16, 3>(p, ld_p, Dv, v, n, ldv, acc, pf);
-        case 2: return attend_values16<BF16, 2>(p, ld_p, Dv, v, n, ldv, acc, pf);
-        default: return attend_values16<BF16, 1>(p, ld_p, Dv, v, n, ldv, acc, pf);
+        case 8: return attend_values16<KV, 8>(p, ld_p, Dv, v, n, ldv, acc, pf);
+        case 7: return attend_values16<KV, 7>(p, ld_p, Dv, v, n, ldv, acc, pf);
+        case 6: return attend_values16<KV, 6>(p, ld_p, Dv, v, n, ldv, acc, pf);
+        case 5: return attend_values16<KV, 5>(p, ld_p, Dv, v, n, ldv, acc, pf);
+        case 4: return attend_values16<KV, 4>(p, ld_p, Dv, v, n, ldv, acc, pf);
+        case 3: return attend_values16<KV, 3>(p, ld_p, Dv, v, n, ldv, acc, pf);
+        case 2: return attend_values16<KV, 2>(p, ld_p, Dv, v, n, ldv, acc, pf);
+        default: return attend_values16<KV, 1>(p, ld_p, Dv, v, n, ldv, acc, pf);
     }
 }
 constexpr int kScoreHeads = 4, kValueHeads = 8;  // heads per pass of the kernels
 #else
-template <bool BF16>
+template <Format KV>
 static void scores_heads(int g, const float* q, int64_t D, const void* k, int64_t ldk, int64_t n, float* sc,
                          int64_t ld_sc, PrefetchStream* next_k, PrefetchStream* v) {
     switch (g) {
-        case 4: return attend_scores<BF16, 4>(q, D, k, ldk, n, sc, ld_sc, next_k, v);
-        case 3: return attend_scores<BF16, 3>(q, D, k, ldk, n, sc, ld_sc, next_k, v);
-        case 2: return attend_scores<BF16, 2>(q, D, k, ldk, n, sc, ld_sc, next_k, v);
-        default: return attend_scores<BF16, 1>(q, D, k, ldk, n, sc, ld_sc, next_k, v);
+        case 4: return attend_scores<KV, 4>(q, D, k, ldk, n, sc, ld_sc, next_k, v);
+        case 3: return attend_scores<KV, 3>(q, D, k, ldk, n, sc, ld_sc, next_k, v);
+        case 2: return attend_scores<KV, 2>(q, D, k, ldk, n, sc, ld_sc, next_k, v);
+        default: return attend_scores<KV, 1>(q, D, k, ldk, n, sc, ld_sc, next_k, v);
     }
 }
-template <bool BF16>
+template <Format KV>
 static void values_heads(int g, const float* p, int64_t ld_p, int64_t Dv, const void* v, int64_t n, int64_t ldv,
                          float* acc, PrefetchStream* pf) {
-    if (g >= 2) return attend_values<BF16, 2>(p, ld_p, Dv, v, n, ldv, acc, pf);
-    attend_values<BF16, 1>(p, ld_p, Dv, v, n, ldv, acc, pf);
+    if (g >= 2) return attend_values<KV, 2>(p, ld_p, Dv, v, n, ldv, acc, pf);
+    attend_values<KV, 1>(p, ld_p, Dv, v, n, ldv, acc, pf);
 }
 constexpr int kScoreHeads = 4, kValueHeads = 2;  // heads per pass of the kernels
 #endif
@@ -2324,10 +2331,10 @@ static inline float max_of(const float* x, int64_t n) {
 // keys and this stretch's values, the values pass the next stretch's values. (Cold, 2 threads,
 // without and with in turn, 1024 positions 482 -> 336 us a layer, 0.29 -> 0.43 of the
 // bandwidth probe.)
-template <bool BF16>
+template <Format KV>
 static void attend_run_t(const float* q, int group, int64_t D, int64_t Dv, const KvSegment* segs, int n_segs,
                          int64_t ldk, int64_t ldv, int64_t n, float* scores, float* m, float* l, float* acc) {
-    constexpr int64_t esz = BF16 ? 2 : 4;
+    constexpr int64_t esz = KV == FMT_F32 ? 4 : 2;
     // Every pass over a stretch's keys (one per kScoreHeads heads of the group) issues its
     // share of the prefetches. (All of them in the first pass, before: with a group of 8, a
     // burst of three streams' misses, then a pass with none. Cold, 2 cores, in turn in one
@@ -2343,7 +2350,7 @@ static void attend_run_t(const float* q, int group, int64_t D, int64_t Dv, const
         // before: a 2048-position decode over a cold cache took 1.13-1.18x longer, 2 cores.)
         PrefetchStream this_v(segs[i].v, segs[i].n * ldv * esz, steps);
         for (int g0 = 0; g0 < group; g0 += kScoreHeads)
-            scores_heads<BF16>(std::min(kScoreHeads, group - g0), q + int64_t(g0) * D, D, segs[i].k, ldk, segs[i].n,
+            scores_heads<KV>(std::min(kScoreHeads, group - g0), q + int64_t(g0) * D, D, segs[i].k, ldk, segs[i].n,
                                scores + int64_t(g0) * n + off, n, &next_k, &this_v);
     }
     for (int g = 0; g < group; ++g) {
@@ -2367,19 +2374,21 @@ static void attend_run_t(const float* q, int group, int64_t D, int64_t Dv, const
         PrefetchStream next_v = i + 1 < n_segs ? PrefetchStream(segs[i + 1].v, segs[i + 1].n * ldv * esz, segs[i].n)
                                                : PrefetchStream();
         for (int g0 = 0; g0 < group; g0 += kValueHeads) {
-            values_heads<BF16>(std::min(kValueHeads, group - g0), scores + int64_t(g0) * n + off, n, Dv, segs[i].v, segs[i].n, ldv,
+            values_heads<KV>(std::min(kValueHeads, group - g0), scores + int64_t(g0) * n + off, n, Dv, segs[i].v, segs[i].n, ldv,
                                acc + int64_t(g0) * Dv, g0 == 0 ? &next_v : nullptr);  // the first pass prefetches
         }
     }
 }
 
 static void attend_run(const float* q, int group, int64_t D, int64_t Dv, const KvSegment* segs, int n_segs,
-                       bool kv_bf16, int64_t ldk, int64_t ldv, int64_t n, float* scores, float* m, float* l,
+                       Format kv, int64_t ldk, int64_t ldv, int64_t n, float* scores, float* m, float* l,
                        float* acc) {
-    if (kv_bf16)
-        attend_run_t<true>(q, group, D, Dv, segs, n_segs, ldk, ldv, n, scores, m, l, acc);
+    if (kv == FMT_BF16)
+        attend_run_t<FMT_BF16>(q, group, D, Dv, segs, n_segs, ldk, ldv, n, scores, m, l, acc);
+    else if (kv == FMT_F16)
+        attend_run_t<FMT_F16>(q, group, D, Dv, segs, n_segs, ldk, ldv, n, scores, m, l, acc);
     else
-        attend_run_t<false>(q, group, D, Dv, segs, n_segs, ldk, ldv, n, scores, m, l, acc);
+        attend_run_t<FMT_F32>(q, group, D, Dv, segs, n_segs, ldk, ldv, n, scores, m, l, acc);
 }
 
 static const KernelTable* make_table(const char* name) {

@@ -206,7 +206,7 @@ void mla_attend_rows(Executor& exec, const KernelTable& kt, const MlaDecode& m, 
         DecodeAttention& a = rows[size_t(t)];
         a.q = q_latent.data() + t * m.H * cr;
         a.k = a.v = m.cache;
-        a.kv_bf16 = m.cache_bf16;
+        a.kv = m.cache_type;
         a.Hq = m.H;
         a.Hkv = 1;
         a.D = cr;

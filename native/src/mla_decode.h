@@ -47,7 +47,7 @@ struct MlaDecode {
     int64_t H, nope, rope, v, c;
     const LatentMaps* maps;
     const void* cache; // [n_blocks, block, c + rope]
-    bool cache_bf16;
+    Format cache_type;  // FMT_F32, FMT_BF16 or FMT_F16
     int64_t block;
     float scale;
 };

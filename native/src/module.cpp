@@ -81,20 +81,18 @@ bool is_bf16_or_bits(const nb::dlpack::dtype& d) {
     return is_bf16(d) || (d.code == uint8_t(nb::dlpack::dtype_code::UInt) && d.bits == 16 && d.lanes == 1);
 }
 
-// Keys and values of a KV cache: whether they are bf16 (else float32; anything else is refused).
-bool cache_is_bf16(const nb::dlpack::dtype& k, const nb::dlpack::dtype& v) {
-    const bool bf16 = is_bf16_or_bits(k);
-    if (!bf16 && k != nb::dtype<float>()) throw nb::type_error("the cache must be float32 or bfloat16");
-    if (k != v) throw nb::type_error("keys and values must have one dtype");
-    return bf16;
-}
-
 // A float matrix's format from its dtype: float32, float16, or bfloat16 (or its bits).
 Format half_format(const nb::dlpack::dtype& dt, const char* what) {
     if (dt == nb::dtype<float>()) return FMT_F32;
     if (is_bf16_or_bits(dt)) return FMT_BF16;
     if (dt.code == uint8_t(nb::dlpack::dtype_code::Float) && dt.bits == 16 && dt.lanes == 1) return FMT_F16;
     throw nb::type_error((std::string(what) + " must be float32, float16 or bfloat16").c_str());
+}
+
+// Keys and values of a KV cache: their element type (float32, bfloat16 or float16; one for both).
+Format cache_format(const nb::dlpack::dtype& k, const nb::dlpack::dtype& v) {
+    if (k != v) throw nb::type_error("keys and values must have one dtype");
+    return half_format(k, "the cache");
 }
 
 using I64Array = nb::ndarray<const int64_t, nb::c_contig, nb::device::cpu>;
@@ -234,7 +232,6 @@ void run_attend_decode(DecodeAttention& a, const QueryRows& q, float scale, Atte
 void attend_decode_py(QueryRows q,
                       nb::ndarray<nb::ndim<3>, nb::device::cpu> k, nb::ndarray<nb::ndim<3>, nb::device::cpu> v,
                       int64_t length, float scale, AttendOut out) {
-    const bool bf16 = cache_is_bf16(k.dtype(), v.dtype());
     DecodeAttention a;
     a.Hq = int64_t(q.shape(0));
     a.D = int64_t(q.shape(1));
@@ -248,7 +245,7 @@ void attend_decode_py(QueryRows q,
     if (int64_t(out.shape(0)) != a.Hq || int64_t(out.shape(1)) != a.Dv) throw nb::value_error("out must be float32 [Hq, Dv]");
     a.k = k.data();
     a.v = v.data();
-    a.kv_bf16 = bf16;
+    a.kv = cache_format(k.dtype(), v.dtype());
     a.k_head = k.stride(0);
     a.k_pos = k.stride(1);
     a.v_head = v.stride(0);
@@ -264,7 +261,7 @@ using KvBlocks = nb::ndarray<nb::ndim<4>, nb::device::cpu>;
 DecodeAttention paged_attention(int64_t Hq, int64_t D, const KvBlocks& k_blocks, const KvBlocks& v_blocks,
                                 const int64_t* table, int64_t table_len, int64_t length) {
     DecodeAttention a;
-    a.kv_bf16 = cache_is_bf16(k_blocks.dtype(), v_blocks.dtype());
+    a.kv = cache_format(k_blocks.dtype(), v_blocks.dtype());
     a.Hq = Hq;
     a.D = D;
     const int64_t n_blocks = int64_t(k_blocks.shape(0));
@@ -388,7 +385,7 @@ void rope_store_py(F32Array qkv, int64_t n_heads, int64_t n_kv_heads, std::optio
     a.Hkv = n_kv_heads;
     a.D = int64_t(k_cache.shape(2));
     a.Dv = int64_t(v_cache.shape(2));
-    const bool bf16 = cache_is_bf16(k_cache.dtype(), v_cache.dtype());
+    a.cache_type = cache_format(k_cache.dtype(), v_cache.dtype());
     if (a.Hkv <= 0 || a.Hq % a.Hkv || int64_t(k_cache.shape(0)) != a.Hkv || int64_t(v_cache.shape(0)) != a.Hkv)
         throw nb::value_error("the caches must hold n_kv_heads heads, a divisor of n_heads");
     if (a.D > kMaxHeadDim || a.Dv > kMaxHeadDim) throw nb::value_error("head size over 1024");
@@ -412,7 +409,6 @@ void rope_store_py(F32Array qkv, int64_t n_heads, int64_t n_kv_heads, std::optio
     a.pairs = pairs;
     a.k_cache = k_cache.data();
     a.v_cache = v_cache.data();
-    a.cache_bf16 = bf16;
     a.k_head = k_cache.stride(0);
     a.k_pos = k_cache.stride(1);
     a.v_head = v_cache.stride(0);
@@ -446,7 +442,7 @@ void mla_rope_store_py(F32Out q, F32Array kv, F32Array kv_norm, float eps, F32Ar
     a.sin = sin.data();
     a.pairs = pairs;
     a.cache_row = cache_row.data();
-    a.cache_bf16 = cache_is_bf16(cache_row.dtype(), cache_row.dtype());
+    a.cache_type = cache_format(cache_row.dtype(), cache_row.dtype());
     mla_rope_store(a);
 }
 
@@ -512,7 +508,7 @@ void mla_attend_rows_py(nb::ndarray<const float, nb::ndim<2>, nb::c_contig, nb::
             if (tables(t, b) < 0 || tables(t, b) >= n_blocks) throw nb::value_error("block table entry out of range");
     }
     m.cache = cache.data();
-    m.cache_bf16 = cache_is_bf16(cache.dtype(), cache.dtype());
+    m.cache_type = cache_format(cache.dtype(), cache.dtype());
     m.scale = scale;
     const float* qp = q.data();
     const int64_t* tp = tables.data();
@@ -986,7 +982,7 @@ NB_MODULE(_native, m) {
                 l.qk_eps = qk_eps;
                 l.k_cache = k_cache.data();
                 l.v_cache = v_cache.data();
-                l.cache_bf16 = cache_is_bf16(k_cache.dtype(), v_cache.dtype());
+                l.cache_type = cache_format(k_cache.dtype(), v_cache.dtype());
                 l.n_blocks = int64_t(k_cache.shape(0));
                 chain_common(l, s, attn_norm, attn_eps, cos, sin, pairs, scale, o, o_bias);
                 chain_ffn(l, s, ffn_norm, ffn_eps, router, router_bias, route, normalize, correction_bias, n_group,
@@ -1026,7 +1022,7 @@ NB_MODULE(_native, m) {
                 l.kv_eps = kv_eps;
                 l.maps = &kv_b;
                 l.k_cache = cache.data();
-                l.cache_bf16 = cache_is_bf16(cache.dtype(), cache.dtype());
+                l.cache_type = cache_format(cache.dtype(), cache.dtype());
                 l.n_blocks = int64_t(cache.shape(0));
                 chain_common(l, s, attn_norm, attn_eps, cos, sin, pairs, scale, o, o_bias);
                 chain_ffn(l, s, ffn_norm, ffn_eps, router, router_bias, route, normalize, correction_bias, n_group,

@@ -197,7 +197,15 @@ def test_a_prompt_gives_the_same_logits_however_it_is_chunked(family, quant, che
 
     whole = last_logits(())
     for cuts in ((48,), (7, 48, 96), (97,), (64, 65)):
-        assert torch.equal(last_logits(cuts), whole), cuts
+        if model.dtype == torch.float32 and quant != "bf16-checkpoint":
+            # A GGUF on the CPU computes in float32 (model._default_dtype). A prompt's attention
+            # runs through PyTorch's many-query kernels (SDPA, or eager_attention's products
+            # with sinks), whose float32 sums are grouped by the chunk's rows and keys: the
+            # logits agree to a few units in the last place (measured: at most 4, 3.8e-6 of 14),
+            # which bf16 outputs had rounded away. A cut in the wrong place moves them by 0.1.
+            torch.testing.assert_close(last_logits(cuts), whole, rtol=0, atol=1e-5 * float(whole.abs().max()))
+        else:
+            assert torch.equal(last_logits(cuts), whole), cuts
 
 
 def test_a_prompts_last_rows_take_the_heads_few_token_path(converted, monkeypatch):  # noqa: F811
@@ -212,6 +220,5 @@ def test_a_prompts_last_rows_take_the_heads_few_token_path(converted, monkeypatc
     (logits,) = model.forward_batch([(model.cache.new_sequence(), tokens(9, seed=1).reshape(-1).tolist(), 0)],
                                     prompt=True)
     assert seen == [native_kernels.dense_threshold("decode")]
-    # The head's float32 sums, as a decode step's logits are, not rounded to the model's bf16.
-    assert model.dtype == torch.bfloat16 and logits.dtype == torch.float32
-    assert not torch.equal(logits, logits.bfloat16().float())
+    # The head's float32 sums, as a decode step's logits are.
+    assert model.dtype == torch.float32 and logits.dtype == torch.float32

@@ -30,7 +30,7 @@ def cpu_model(path):
 def test_a_projection_reads_the_norms_float32_rows(family, converted):  # noqa: F811
     path = converted(family, "q8_0")
     model = cpu_model(path)
-    assert model.dtype == torch.bfloat16 and model.norm.float32
+    assert model.dtype == torch.float32 and model.norm.float32  # a GGUF on the CPU: model._default_dtype
     layer = model.layers[0]
     rows = layer.attn_norm(3 * torch.randn(16, layer.attn_norm.weight.shape[0], generator=torch.Generator().manual_seed(0)))
     assert rows.dtype == torch.float32
@@ -39,7 +39,7 @@ def test_a_projection_reads_the_norms_float32_rows(family, converted):  # noqa: 
     stored = require(open_weights(path), f"model.layers.0.self_attn.{name}.weight")
     exact = rows.double() @ dequantize(stored, torch.float32).double().T
     unrounded, rounded = projection(rows, float32=True), projection(rows.bfloat16(), float32=True)
-    assert projection(rows).dtype == torch.bfloat16  # its outputs in the compute dtype
+    assert projection(rows).dtype == model.dtype  # its outputs in the compute dtype
     assert relative_error(unrounded.double(), exact) < relative_error(rounded.double(), exact)
 
 

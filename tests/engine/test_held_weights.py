@@ -14,6 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from hybridmoe.backend.engine import step_profile, stored_linear
 from hybridmoe.backend.engine.mla import MLAttention
@@ -109,7 +110,8 @@ def test_the_plans_gpu_always_read_bytes_are_what_the_engine_holds(models, famil
     planned = plan.devices[0].bytes_by_class["always_read"]
     monkeypatch.setenv("HYBRIDMOE_NATIVE", "0")
     monkeypatch.setattr(stored_linear, "serves", lambda device: True)
-    model = build_model(inspected.spec, open_weights(path), max_context=64)
+    # (The CPU standing in for the plan's GPU: in the GPU's compute dtype, not a CPU's float32.)
+    model = build_model(inspected.spec, open_weights(path), max_context=64, dtype=torch.bfloat16)
     assert planned == _held_bytes(model)
     held = [m for m in model.modules() if isinstance(m, stored_linear.StoredLinear)]
     if source != "hf":  # a GGUF's projections as stored (a K-quant mix: each in its own type)

@@ -56,7 +56,7 @@ def _lengths(block):
 HEADS = [(4, 4, 64, 64), (16, 4, 128, 128), (32, 4, 128, 128), (8, 1, 64, 48), (24, 2, 40, 24)]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("block", [1, 16, 64, 256, 320])
 @pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"{h[0]}q{h[1]}kv{h[2]}d{h[3]}dv")
 def test_matches_reference_and_contiguous(isa, heads, block, dtype):
@@ -100,7 +100,7 @@ def test_numpy_views_as_the_decode_step_passes_them():
     assert np.array_equal(out, expected.view(32, 128).numpy())
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_rows_of_a_step_each_get_their_solo_bits(isa, dtype):
     """One call for the queries of several sequences (a decode step) over one shared pool of
     blocks: each row equals attend_decode_paged of that row alone, bit for bit, whatever the
@@ -128,7 +128,7 @@ def test_rows_of_a_step_each_get_their_solo_bits(isa, dtype):
         assert torch.equal(out[t], alone), f"row {t} ({n} positions)"
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_a_short_context_shares_its_heads_out_with_the_same_bits(isa, dtype):
     """One KV head (latent attention's shape: 16 query heads of 576, values of 512) over a
     context of one run of positions is one unit of work, fewer than the threads: its query
@@ -191,8 +191,8 @@ def test_bad_arguments_are_refused_with_what_is_wrong(arguments, message):
 
 
 def test_cache_dtype_is_checked():
-    k = torch.randn(6, 2, 16, 64, dtype=torch.float16)
-    with pytest.raises(TypeError, match="float32 or bfloat16"):
+    k = torch.randn(6, 2, 16, 64, dtype=torch.float64)
+    with pytest.raises(TypeError, match="float32, float16 or bfloat16"):
         _call(k=k, v=k)
     with pytest.raises(TypeError, match="one dtype"):
         _call(k=torch.randn(6, 2, 16, 64).to(torch.bfloat16))
@@ -202,7 +202,7 @@ def test_not_taken_when_disabled_or_not_covered(monkeypatch):
     k_blocks, v_blocks, table = _paged_cache(2, 16, 8, 8, 20, torch.float32, seed=4)
     q = torch.randn(1, 2, 1, 8)
     assert paged_decode_attention(q, k_blocks, v_blocks, table, 20, 1.0) is not None
-    assert paged_decode_attention(q, k_blocks.half(), v_blocks.half(), table, 20, 1.0) is None
+    assert paged_decode_attention(q, k_blocks.double(), v_blocks.double(), table, 20, 1.0) is None
     assert paged_decode_attention(q, k_blocks, v_blocks.bfloat16(), table, 20, 1.0) is None
     strided = k_blocks.transpose(-1, -2).contiguous().transpose(-1, -2)
     assert paged_decode_attention(q, strided, v_blocks, table, 20, 1.0) is None

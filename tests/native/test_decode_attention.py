@@ -21,7 +21,7 @@ _native = native_kernels._native
 SHAPES = [(32, 4, 128, 260), (12, 4, 72, 600), (8, 8, 64, 1), (4, 1, 128, 1000), (6, 6, 16, 257)]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("shape", SHAPES)
 def test_matches_sdpa(isa, shape, dtype):
     hq, hkv, d, s = shape
@@ -34,11 +34,11 @@ def test_matches_sdpa(isa, shape, dtype):
     ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), scale=d**-0.5, enable_gqa=hq != hkv)
     assert out.shape == (1, hq, 1, d) and out.dtype == dtype
     err = float((out.float() - ref).norm() / ref.norm())
-    # fp32: summation order only; bf16: the result is rounded to bf16 once (2^-9 relative).
+    # fp32: summation order only; bf16, f16: the result is rounded once (2^-9, 2^-12 relative).
     assert err < (1e-5 if dtype == torch.float32 else 4e-3)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("d", [128, 64])
 def test_a_head_gets_the_same_bits_whatever_heads_share_its_keys(isa, dtype, d):
     # Eight query heads per KV head take the kernels' four-head path, whose score sums are

@@ -60,7 +60,7 @@ def test_embed_rows_refuses_a_token_outside_the_vocabulary():
 CASES = [(8, 2, 32, 32, "halves", True), (4, 2, 16, 8, "halves", True), (4, 4, 24, 24, "pairs", False)]
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("case", CASES)
 def test_rope_store_matches_norm_rotary_and_cache_write(case, cache_dtype):
     hq, hkv, d, rd, layout, qk_norm = case
@@ -86,6 +86,22 @@ def test_rope_store_matches_norm_rotary_and_cache_write(case, cache_dtype):
     others = torch.ones(64, dtype=torch.bool)
     others[pos] = False
     assert not k_cache[:, others].any() and not v_cache[:, others].any()  # nothing else written
+
+
+def test_a_float16_cache_holds_what_torchs_conversion_gives():
+    """The decode step writes the cache natively, a prompt through PyTorch: the two must round
+    alike, to nearest even, at the edges too (the largest half and past it, the smallest normal,
+    subnormals, halfway cases, NaN)."""
+    edges = [65504.0, 65519.0, 65520.0, 1e5, -7e4, 6.1035156e-5, 6.1e-5, 1e-7, 2.9e-8, 3e-8, 5.960464477539063e-08,
+             1.0 + 2**-11, 1.0 + 3 * 2**-11, -(2.0 + 2**-10), 0.0, -0.0, float("inf"), float("nan")]
+    g = torch.Generator().manual_seed(1)
+    v = torch.cat((torch.tensor(edges), 100 * torch.randn(16 * 40 - len(edges), generator=g)))
+    for h in range(0, v.numel(), 16):
+        qkv = torch.cat((torch.zeros(32), v[h:h + 16])).view(1, -1)  # q and k zero, v the values
+        k_cache, v_cache = torch.zeros(1, 4, 16, dtype=torch.float16), torch.zeros(1, 4, 16, dtype=torch.float16)
+        _native.rope_store(qkv, 1, 1, None, None, 1e-6, torch.ones(4, 4), torch.zeros(4, 4), False, k_cache, v_cache, 2,
+                           torch.empty(1, 16))
+        assert torch.equal(v_cache[0, 2].view(torch.int16), v[h:h + 16].half().view(torch.int16)), h
 
 
 def test_rope_store_refuses_a_position_past_the_cache():

@@ -59,7 +59,7 @@ def test_sliding_layers_take_the_per_call_path_and_say_so():
     (dict(sinks=True), "attention sinks"),
     (dict(clip_qkv=8.0), "q/k/v clipping"),
     (dict(qk_norm="whole"), "q/k norm over all heads"),
-    (dict(cache_dtype="float16"), "a float16 cache"),
+    (dict(cache_dtype="float64"), "a float64 cache"),
     (dict(projections_native=False), "projections in a format the native kernels do not read"),
 ])
 def test_each_attention_the_native_step_does_not_cover_names_its_reason(change, reason):
