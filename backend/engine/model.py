@@ -367,7 +367,7 @@ def build_model(
     gguf_on_cpu = (checkpoint_kind(weights) == "gguf" and not tensor_parallel and not any((placement or {}).values())
                    and all(_cpu_alone(_device(d)) for d, _ in (pipeline or [(device, ())]))
                    and not (native_kernels.enabled() and native_kernels.isa() == "avx512_amx"))
-    embed_weight = require(weights, "model.embed_tokens.weight")
+    embed_weight = require(weights, "model.embed_tokens.weight", (spec.vocab_size, spec.hidden_size))
     if dtype is None:
         dtype = _default_dtype(embed_weight, gguf_on_cpu)
     cards = [(_device(d), _placement(p)) for d, p in tensor_parallel or ()]
@@ -397,7 +397,7 @@ def build_model(
     b.resident_form = resident_form
     b.sequences = sequences
     vocab = spec.vocab_size
-    embed_stored = stored_linear(require(weights, "model.embed_tokens.weight", (vocab, b.hidden)), None, b.device)
+    embed_stored = stored_linear(embed_weight, None, b.device)
     embed = (None if embed_stored is not None
              else _embedding(b, vocab, _embedding_dtype(embed_weight, dtype, b.cache_dtype)))
     # The build compiles the layers' architecture from their descriptions. What those say of
@@ -438,12 +438,11 @@ def build_model(
         # The head reads the embedding table: in its stored form on a CPU main device, else
         # the embedding's own (no second copy where both are on one device): its blocks on a
         # GPU that holds it as stored, or its materialised tensor.
-        stored = require(weights, "model.embed_tokens.weight", (vocab, b.hidden))
         if embed_stored is not None:
             lm_head = (embed_stored if embed_stored.data.device == b.device
                        else StoredLinear(embed_stored.stored.to(b.device)))
         else:
-            lm_head = native_linear(stored, None, b.device, dtype) or Linear(embed.to(b.device, dtype))
+            lm_head = native_linear(embed_weight, None, b.device, dtype) or Linear(embed.to(b.device, dtype))
     net = MoeTransformer(family=family, spec=spec, config=b.config, embed=embed, embed_stored=embed_stored,
                          layers=layers, norm=norm, lm_head=lm_head, recorder=recorder, placement=placement,
                          device=device, dtype=dtype, max_context=max_context, cache=b.cache, max_sequences=sequences)

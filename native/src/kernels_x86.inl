@@ -1996,13 +1996,6 @@ static inline __m256 kv8(const void* base, int64_t i) {
     }
 }
 
-template <Format KV>
-static inline float kv1(const void* base, int64_t i) {
-    if constexpr (KV == FMT_F32) return static_cast<const float*>(base)[i];
-    else if constexpr (KV == FMT_BF16) return bf16_to_f32(static_cast<const uint16_t*>(base)[i]);
-    else return fp16_to_f32(static_cast<const uint16_t*>(base)[i]);
-}
-
 // Software prefetch spread over a loop: each step() asks for the next `per` cache lines of
 // [p, p + 64 * lines).
 struct PrefetchStream {
@@ -2057,8 +2050,8 @@ static void attend_scores(const float* q, int64_t D, const void* k, int64_t ldk,
         for (int j = 0; j < G; ++j) {
             float d0 = hsum_ps(a[j]), d1 = hsum_ps(b[j]);
             for (int64_t d = D8; d < D; ++d) {
-                d0 += q[j * D + d] * kv1<KV>(k, r0 + d);
-                d1 += q[j * D + d] * kv1<KV>(k, r1 + d);
+                d0 += q[j * D + d] * cache_at(k, KV, r0 + d);
+                d1 += q[j * D + d] * cache_at(k, KV, r1 + d);
             }
             sc[j * ld_sc + s] = d0;
             sc[j * ld_sc + s + 1] = d1;
@@ -2074,7 +2067,7 @@ static void attend_scores(const float* q, int64_t D, const void* k, int64_t ldk,
         }
         for (int j = 0; j < G; ++j) {
             float dot = hsum_ps(a[j]);
-            for (int64_t d = D8; d < D; ++d) dot += q[j * D + d] * kv1<KV>(k, row + d);
+            for (int64_t d = D8; d < D; ++d) dot += q[j * D + d] * cache_at(k, KV, row + d);
             sc[j * ld_sc + s] = dot;
         }
     }
@@ -2121,7 +2114,7 @@ static void attend_values(const float* p, int64_t ld_p, int64_t Dv, const void* 
     for (; j0 < Dv; ++j0)
         for (int j = 0; j < G; ++j) {
             float t = acc[j * Dv + j0];
-            for (int64_t s = 0; s < n; ++s) t += p[j * ld_p + s] * kv1<KV>(v, s * ldv + j0);
+            for (int64_t s = 0; s < n; ++s) t += p[j * ld_p + s] * cache_at(v, KV, s * ldv + j0);
             acc[j * Dv + j0] = t;
         }
 }
