@@ -24,15 +24,16 @@ __all__ = [
 # The flags each x86 kernel set of the native extension needs at run time, best set first, as
 # /proc/cpuinfo names them (all in cpu.X86_FEATURES): native/src/dispatch.cpp's
 # supported_tables, which must be mirrored here exactly. A CPU with AVX-512 that lacks one of
-# the AVX-512 set's flags (Skylake-X and Cascade Lake: no VBMI, BITALG, GFNI, BF16; Cooper Lake:
-# no VBMI, BITALG, GFNI; Ice Lake and Tiger Lake: no BF16) runs the AVX2 set. The AMX set
-# ("avx512_amx", where the OS allows the tiles) is only offered beside the AVX-512 set and
+# the AVX-512 set's flags (Skylake-X: no VNNI; Cascade Lake and Cooper Lake: no VBMI, BITALG,
+# GFNI) runs the AVX2 set; Ice Lake and Tiger Lake (no BF16, which the set does not use) run the
+# AVX-512 set. The AMX set ("avx512_amx", where the OS allows the tiles and AVX512-BF16 converts
+# its rows: every AMX CPU has it) is only offered beside the AVX-512 set and
 # decodes with its kernels: it is "avx512" here. The extension's own names: "avx512_amx" or
 # "avx512_vnni" for "avx512", "avx2", and "scalar" for the portable set, which every CPU runs
 # (an Arm one among them: the x86 sets are not built there).
 NATIVE_KERNEL_SETS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("avx512", ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512_bf16", "avx512vbmi",
-                "avx512_bitalg", "gfni", "fma", "f16c")),
+    ("avx512", ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512vbmi", "avx512_bitalg",
+                "gfni", "fma", "f16c")),
     ("avx2", ("avx2", "fma", "f16c")),
 )
 PORTABLE_KERNEL_SET = "portable"

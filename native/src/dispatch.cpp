@@ -20,9 +20,8 @@ std::vector<const KernelTable*> supported_tables() {
     // kernel or hypervisor that disabled AVX-512 is respected.
     if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
         __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vnni") &&
-        __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512vbmi") &&
-        __builtin_cpu_supports("avx512bitalg") && __builtin_cpu_supports("gfni") && __builtin_cpu_supports("fma") &&
-        __builtin_cpu_supports("f16c")) {
+        __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("avx512bitalg") && __builtin_cpu_supports("gfni") &&
+        __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) {
 #if defined(HMOE_HAVE_AMX)
         if (amx_usable()) v.push_back(kernels_avx512_amx());
 #endif

@@ -310,7 +310,8 @@ bool amx_usable() {
     unsigned eax, ebx, ecx, edx;
     if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
     const bool amx_bf16 = edx & (1u << 22), amx_tile = edx & (1u << 24);
-    if (!amx_bf16 || !amx_tile) return false;
+    // The set converts its rows with AVX512-BF16 (every AMX CPU has it; checked all the same).
+    if (!amx_bf16 || !amx_tile || !__builtin_cpu_supports("avx512bf16")) return false;
     // Linux hands out the tile state (8 KiB of registers) per process, on request; without
     // it the first tile instruction kills the process. ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA.
     constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;

@@ -11,8 +11,8 @@ import pytest
 from hybridmoe.backend.hardware.cpu import X86_FEATURES
 from hybridmoe.backend.hardware.cpu_kernels import NATIVE_KERNEL_SETS, native_kernel_set, native_kernel_set_lacks
 
-AVX512_SET = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512_bf16", "avx512vbmi",
-              "avx512_bitalg", "gfni", "fma", "f16c")
+AVX512_SET = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512vbmi", "avx512_bitalg", "gfni",
+              "fma", "f16c")
 AVX2_SET = ("avx2", "fma", "f16c")
 DISPATCH = Path(__file__).resolve().parents[2] / "native" / "src" / "dispatch.cpp"
 
@@ -22,6 +22,13 @@ def test_a_cpu_with_every_flag_gets_the_avx512_set_also_with_amx():
     assert native_kernel_set((*AVX2_SET, *AVX512_SET, "amx_tile", "amx_int8", "amx_bf16")) == "avx512"
     # dispatch.cpp asks for the AVX-512 set's flags alone (AVX2 is implied by the CPU, not checked).
     assert native_kernel_set(AVX512_SET) == "avx512"
+
+
+def test_ice_lake_without_bf16_gets_the_avx512_set():
+    # Ice Lake and Tiger Lake: VNNI, VBMI, BITALG, GFNI but no AVX512-BF16, which no kernel of the set uses.
+    ice_lake = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512vbmi",
+                "avx512_bitalg", "gfni", "avx512ifma", "avx512_vbmi2", "avx512_vpopcntdq")
+    assert native_kernel_set(ice_lake) == "avx512"
 
 
 def test_avx512_without_vbmi_or_another_flag_gets_the_avx2_set():
