@@ -268,7 +268,7 @@ def plan_text(plan: Plan) -> str:
     out = [
         f"Plan: {plan.model} ({plan.family}, experts {plan.expert_format}) on {plan.hardware}"
         + (" (described)" if plan.described_hardware else ""),
-        f"Workload: {wl.context} tokens × {wl.users} conversation(s), KV {wl.kv_dtype}, "
+        f"Workload: {wl.context} tokens × {wl.users} conversation(s), KV {plan.kv_cache_dtype or wl.kv_dtype}, "
         f"strategy {wl.strategy}, prefill reserve {wl.prefill_reserve}",
         "",
     ]

@@ -12,10 +12,12 @@ touches (8 x 3 x 2048 x 768) over the median CPU time of a call.
 call by call with the engine's: ggml's mul_mat_id (what llama.cpp's MoE layers run) for the
 gate, up and down projections of one token, one thread, through the ggml libraries that
 llama-cpp-python ships (ctypes; its build's kernel set, native to the machine it was built
-on). Both sides leave out the activation between the projections (the engine's layer
-computes it, a few microseconds).
+on; --ggml-lib DIR takes another build's libggml-base.so and libggml-cpu.so, say one made
+with -DGGML_NATIVE=OFF -DGGML_AVX2=ON to set llama.cpp's AVX2 kernels beside
+HYBRIDMOE_NATIVE_ISA=avx2). Both sides leave out the activation between the projections (the
+engine's layer computes it, a few microseconds).
 
-    python benchmarks/expert_decode_rates.py [--formats iq2_xxs q4_0] [--calls 400] [--llama-cpp]
+    python benchmarks/expert_decode_rates.py [--formats iq2_xxs q4_0] [--calls 400] [--llama-cpp [--ggml-lib DIR]]
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import torch
 from gguf import GGMLQuantizationType
 
 from hybridmoe import _native
-from hybridmoe.backend.bench.kernel_layer import make_layer, routing
+from hybridmoe.backend.bench.kernel_layer import SEED, make_layer, routing
 from hybridmoe.backend.engine import native_experts, native_kernels
 from hybridmoe.backend.plan.expected import EXPERT_UNPACK_RATES_PER_CORE
 
@@ -44,10 +46,11 @@ class GgmlMoe:
     class _InitParams(ctypes.Structure):
         _fields_ = [("mem_size", ctypes.c_size_t), ("mem_buffer", ctypes.c_void_p), ("no_alloc", ctypes.c_bool)]
 
-    def __init__(self, merged: dict, fmt: str):
-        import llama_cpp
+    def __init__(self, merged: dict, fmt: str, lib_dir: Path | None = None):
+        if lib_dir is None:
+            import llama_cpp
 
-        lib_dir = Path(llama_cpp.__file__).parent / "lib"
+            lib_dir = Path(llama_cpp.__file__).parent / "lib"
         base = ctypes.CDLL(str(lib_dir / "libggml-base.so"), mode=ctypes.RTLD_GLOBAL)
         cpu = ctypes.CDLL(str(lib_dir / "libggml-cpu.so"), mode=ctypes.RTLD_GLOBAL)
         P, I64 = ctypes.c_void_p, ctypes.c_int64
@@ -65,7 +68,7 @@ class GgmlMoe:
         cpu.ggml_cpu_init()
         self.base, self.cpu = base, cpu
         weight_bytes = sum(merged[k].parts["data"].numel() for k in ("gate", "up", "down"))
-        self.ctx = base.ggml_init(self._InitParams(weight_bytes + (64 << 20), None, False))
+        self.ctx = base.ggml_init(self._InitParams(weight_bytes + (256 << 20), None, False))
         qtype = GGMLQuantizationType[fmt.upper()].value
 
         def tensor(t, w=None, dims=()):
@@ -99,6 +102,7 @@ def main() -> None:
     p.add_argument("--formats", nargs="+", default=[*EXPERT_UNPACK_RATES_PER_CORE["avx512"], "iq4_xs", "q4_0"])
     p.add_argument("--calls", type=int, default=400)
     p.add_argument("--llama-cpp", action="store_true", help="time llama.cpp's kernels on the same bytes, alternating")
+    p.add_argument("--ggml-lib", type=Path, help="with --llama-cpp: the folder of another ggml build's libraries")
     args = p.parse_args()
     _native.set_num_threads(1)
     torch.set_num_threads(1)
@@ -112,7 +116,7 @@ def main() -> None:
     for fmt in args.formats:
         merged: dict = {}
         layer = native_experts.native_for(make_layer(fmt, EXPERTS, HIDDEN, INTER, merged=merged))
-        peer = GgmlMoe(merged, fmt) if args.llama_cpp else None
+        peer = GgmlMoe(merged, fmt, args.ggml_lib) if args.llama_cpp else None
         seconds: list[float] = []
         peer_seconds: list[float] = []
         for call in range(args.calls + 8):
@@ -121,7 +125,9 @@ def main() -> None:
             layer.forward(x, ids, w, regime="decode")
             mid = time.process_time()
             if peer is not None:
-                peer.forward(ids)
+                # Experts of its own: the engine's would be in the cache (L3 holds a tenth of
+                # the q4_0 layer), which made the second side of each call the faster.
+                peer.forward(routing(1, EXPERTS, TOP_K, call, seed=SEED + 1)[0])
             if call >= 8:  # the first calls warm up
                 seconds.append(mid - start)
                 peer_seconds.append(time.process_time() - mid)

@@ -404,6 +404,7 @@ class _Planner:
             threads=threads,
             numa_nodes=numa,
             kv_bytes_per_token=spec.kv_bytes_per_token(self.kv_elem),
+            kv_cache_dtype=wl.kv_dtype if self.llama else self.numerics.kv_name,
             kv_bytes_per_conversation=spec.kv_bytes(wl.context, self.kv_elem),
             routed_expert_bytes_total=routed_total,
             gpu_routed_expert_bytes=gpu_routed,

@@ -104,6 +104,10 @@ class Plan:
     # layer: what the GPU budgets above count (bytes_per_expert is the stored form, which
     # host RAM and the prefill reserve count).
     gpu_expert_format: str = "bf16"
+    # The KV cache's element type as the plan's backend keeps it: llama.cpp the workload's
+    # --kv-dtype, the engine its own (budget.engine_numerics: fp16 on a CPU-only GGUF run). ""
+    # in plans saved before it was recorded: the workload's then.
+    kv_cache_dtype: str = ""
     gpu_bytes_per_expert: dict[int, float] = field(default_factory=dict)
     # Prompt tokens per forward call from which the engine streams CPU experts to the GPU
     # for prefill (from prefill_crossover_tokens; None: no prefill reserve, no streaming).

@@ -17,6 +17,7 @@ from hybridmoe.backend.hardware.profile import CPU, HardwareProfile, Memory
 from hybridmoe.backend.models import inspect_model
 from hybridmoe.backend.models.formats import get_format, ggml_type_name, tensor_bytes
 from hybridmoe.backend.models.inventory import TensorClass
+from hybridmoe.app.render import plan_text
 from hybridmoe.backend.plan import Workload, make
 
 GIB = 1 << 30
@@ -172,6 +173,7 @@ def test_a_cpu_only_llama_cpp_plan_counts_the_stored_bytes(mixed):
     assert host["always_read"] == rest
     per_token = (TOP_K * routed / E + rest - written["token_embd.weight"][1]) + plan.kv_cache_bytes
     assert plan.host_bytes_per_token == pytest.approx(per_token)
+    assert plan.kv_cache_dtype == "bf16"  # the workload's --kv-dtype, which llama.cpp takes
 
 
 def test_the_engine_reads_the_new_types_as_stored(mixed):
@@ -184,6 +186,10 @@ def test_the_engine_reads_the_new_types_as_stored(mixed):
     plan = make(inspected.spec, inv, _cpu_box(), Workload(context=256, strategy="cpu-only", backend="engine"))
     routed = sum(nbytes for name, (_, nbytes, _) in written.items() if _is_expert(name))
     assert plan.host_routed_expert_bytes == routed == plan.devices[-1].bytes_by_class["routed_experts"]
+    # Its own cache, float16 on the CPU alone (model._cache_dtype), is what the plan names and counts.
+    assert plan.kv_cache_dtype == "fp16"
+    assert plan.kv_bytes_per_token == inspected.spec.kv_bytes_per_token(2)
+    assert "KV fp16" in plan_text(plan)
     assert all(inv.host_bytes_per_expert(b) == inv.bytes_per_expert(b) for b in range(LAYERS))
     # The norms (classed with the attention) and the ternary attn_v.
     widened = [name for name, (qtype, _, shape) in written.items()

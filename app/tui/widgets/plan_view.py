@@ -104,7 +104,7 @@ def verdict_text(plan: Plan) -> Text:
     out = Text()
     out.append(f"{plan.model}", style="bold")
     out.append(f" on {plan.hardware}: {wl.context:,} tokens × {wl.users} conversation(s), "
-               f"KV {wl.kv_dtype}, {wl.strategy}, backend {wl.backend}\n")
+               f"KV {plan.kv_cache_dtype or wl.kv_dtype}, {wl.strategy}, backend {wl.backend}\n")
     if plan.fits:
         out.append("Fits", style="bold green")
         out.append(f" — {plan.reason}")
