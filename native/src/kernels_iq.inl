@@ -81,11 +81,10 @@ static inline __m256i scale_pair(int lo, int hi) {
 static inline __m256i grid4(const uint64_t* grid, int i0, int i1, int i2, int i3) {
     return _mm256_set_epi64x(int64_t(grid[i3]), int64_t(grid[i2]), int64_t(grid[i1]), int64_t(grid[i0]));
 }
-static inline __m256i grid8(const uint32_t* grid, const uint8_t* q, int hi) {  // hi: bit k -> index bit 8 of entry k
-    return _mm256_setr_epi32(int(grid[q[0] | (hi << 8 & 256)]), int(grid[q[1] | (hi << 7 & 256)]),
-                             int(grid[q[2] | (hi << 6 & 256)]), int(grid[q[3] | (hi << 5 & 256)]),
-                             int(grid[q[4] | (hi << 4 & 256)]), int(grid[q[5] | (hi << 3 & 256)]),
-                             int(grid[q[6] | (hi << 2 & 256)]), int(grid[q[7] | (hi << 1 & 256)]));
+template <typename I>  // byte indices (iq3_xxs) or word indices a decoder computed (iq3_s)
+static inline __m256i grid8(const uint32_t* grid, const I* i) {
+    return _mm256_setr_epi32(int(grid[i[0]]), int(grid[i[1]]), int(grid[i[2]]), int(grid[i[3]]), int(grid[i[4]]),
+                             int(grid[i[5]]), int(grid[i[6]]), int(grid[i[7]]));
 }
 #if defined(HMOE_AVX512) && !defined(HMOE_NO_GRID_GATHER)
 #define HMOE_GRID_GATHER 1
@@ -407,7 +406,7 @@ struct IqBlock<FMT_IQ3_XXS, Gather> {
 #if defined(HMOE_AVX512)
         return grid8_bytes(kIq3xxsGrid, qs);
 #else
-        return grid8(kIq3xxsGrid, qs, 0);
+        return grid8(kIq3xxsGrid, qs);
 #endif
     }
 };
@@ -415,15 +414,13 @@ struct IqBlock<FMT_IQ3_XXS, Gather> {
 template <bool Gather>
 struct IqBlock<FMT_IQ3_S, Gather> {
     const uint8_t* p;
-#if defined(HMOE_AVX512)
     // The 64 nine-bit grid indices (index 8 ib + k: qs byte 8 ib + k, bit k of qh byte ib as
-    // bit 8) and the quarters' scales (s in both halves of a dword: a broadcast is a load),
-    // for the whole super-block in vectors: one by one the index costs four scalar
+    // bit 8) and (AVX-512) the quarters' scales (s in both halves of a dword: a broadcast is a
+    // load), for the whole super-block in vectors: one by one the index costs four scalar
     // operations, the scale five.
     alignas(64) uint16_t index[64];
+#if defined(HMOE_AVX512)
     alignas(32) int32_t scale[8];
-#else
-    alignas(32) uint16_t index[64];  // the same indices, two quarters a vector
 #endif
     explicit IqBlock(const uint8_t* blk) : p(blk) {
 #if !defined(HMOE_AVX512)
@@ -476,9 +473,9 @@ struct IqBlock<FMT_IQ3_S, Gather> {
 #endif
     }
     __m256i grid(int ib) const {
-        const uint8_t* qs = p + 2 + 8 * ib;
 #if defined(HMOE_GRID_GATHER)
         if constexpr (Gather) {
+            const uint8_t* qs = p + 2 + 8 * ib;
             const __m256i hi = _mm256_slli_epi32(
                 _mm256_and_si256(
                     _mm256_srlv_epi32(_mm256_set1_epi32(p[66 + ib]), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)),
@@ -490,10 +487,7 @@ struct IqBlock<FMT_IQ3_S, Gather> {
 #if defined(HMOE_AVX512)
         return grid8_words(kIq3sGrid, index + 8 * ib);
 #else
-        (void)qs;
-        const uint16_t* i = index + 8 * ib;
-        return _mm256_setr_epi32(int(kIq3sGrid[i[0]]), int(kIq3sGrid[i[1]]), int(kIq3sGrid[i[2]]), int(kIq3sGrid[i[3]]),
-                                 int(kIq3sGrid[i[4]]), int(kIq3sGrid[i[5]]), int(kIq3sGrid[i[6]]), int(kIq3sGrid[i[7]]));
+        return grid8(kIq3sGrid, index + 8 * ib);
 #endif
     }
 };
@@ -722,8 +716,9 @@ static inline void iq1_tokens(const Iq1Dot* q, float d, const Q8Row* acts, int64
 #endif
 
 // The decode GEMV on AVX-512 of iq1_s and iq1_m (the iq2 / iq3 formats' is kernels_planes.inl's;
-// it served iq2_xs / iq2_s / iq3_s before, figures below) and on AVX2 of iq2_s and iq3_s (gemv_iq_n), whose decoders store per-super-block
-// arrays (indices, signs, scales, table rows): each super-block's IqBlock
+// it served iq2_xs / iq2_s / iq3_s before, figures below), and on AVX2 of iq2_s and iq3_s
+// (gemv_iq_n), whose decoders store per-super-block arrays (indices, signs, scales, table
+// rows): each super-block's IqBlock
 // built one super-block ahead (across rows too), into one of two fixed slots in turn, so that
 // the decode's narrow loads of those arrays find the constructor's vector stores long done.
 // Read back right after the stores, they held the loop up (apparently no store-to-load
