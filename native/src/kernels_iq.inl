@@ -492,18 +492,12 @@ struct IqBlock<FMT_IQ3_S, Gather> {
     }
 };
 
-// iq1: 8g + delta with g in {-1, 0, 1} and delta = +-1 per group of 8 (`deltas`: a byte each).
-static inline IqQuarter iq1_quarter(__m256i g, __m256i deltas, __m256i scale, int lo, int hi) {
-    const __m256i v = _mm256_add_epi8(_mm256_sign_epi8(_mm256_set1_epi8(8), g), deltas);
-    return {_mm256_sign_epi8(v, v), signs_of(v), scale, lo, hi};
-}
-
-#if !defined(HMOE_AVX512)
-// AVX2: the grid with its delta applied, 8g + 1 at entry e and 8g - 1 at entry 2048 + e (the
-// delta bit as index bit 11), so that a quarter's values are its four look-ups as they come:
-// per quarter three vector operations fewer than iq1_quarter (32 KB against the grid's 16).
-// One core of an Ice Lake under HYBRIDMOE_NATIVE_ISA=avx2 against llama.cpp's AVX2 build,
-// same bytes, two runs (benchmarks/expert_decode_rates.py --llama-cpp --ggml-lib): iq1_s
+// iq1: 8g + delta with g in {-1, 0, 1} and delta = +-1 per group of 8. The grid with its delta
+// applied, 8g + 1 at entry e and 8g - 1 at entry 2048 + e (the delta bit as index bit 11), so
+// that a quarter's values are its four look-ups as they come: per quarter three vector
+// operations fewer than the grid's g with the delta added (32 KB against the grid's 16). One
+// core of an Ice Lake under HYBRIDMOE_NATIVE_ISA=avx2 against llama.cpp's AVX2 build, same
+// bytes, two runs (benchmarks/expert_decode_rates.py --llama-cpp --ggml-lib): iq1_s
 // 1.08/1.14x -> 1.22/1.24x, iq1_m 1.00/0.99x -> 1.17/1.20x.
 struct Iq1ValueTable {
     alignas(64) uint64_t entry[4096];
@@ -523,7 +517,6 @@ static inline IqQuarter iq1_values_quarter(const uint64_t* table, const uint16_t
     const __m256i v = grid4(table, i[0], i[1], i[2], i[3]);
     return {_mm256_abs_epi8(v), signs_of(v), scale, lo, hi};
 }
-#endif
 
 #if defined(HMOE_AVX512)
 // iq1's decode GEMV on AVX-512 (gemv_iq1_n): a quarter as the unsigned bytes s x |8g + delta|
@@ -567,20 +560,11 @@ struct Iq1sDotTable {
     }
 };
 inline constexpr Iq1sDotTable kIq1sDotTable{};
-static inline Iq1Dot iq1_dot(__m256i g, __m256i deltas, const uint8_t* row) {
-    const __m256i v = _mm256_add_epi8(_mm256_sign_epi8(_mm256_set1_epi8(8), g), deltas);
+static inline Iq1Dot iq1_dot(__m256i v, const uint8_t* row) {
     const __m256i table = _mm256_load_si256(reinterpret_cast<const __m256i*>(row));
     return {_mm256_shuffle_epi8(table, _mm256_abs_epi8(v)), v};
 }
 #endif
-
-// Four bytes of a super-block's table, one per group of eight values, each spread over its
-// group's eight bytes of the quarter.
-static inline __m256i bytes_by_group(uint32_t four) {
-    return _mm256_shuffle_epi8(_mm256_set1_epi32(int(four)),
-                               _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3,
-                                                3, 3, 3, 3, 3, 3, 3));
-}
 
 template <bool Gather>
 struct IqBlock<FMT_IQ1_S, Gather> {
@@ -621,12 +605,7 @@ struct IqBlock<FMT_IQ1_S, Gather> {
         const int qh = load_u16(p + 34 + 2 * ib);
         const uint16_t* i = index + 4 * ib;
         const int s = 2 * (qh >> 12 & 7) + 1;
-#if defined(HMOE_AVX512)
-        const __m256i g = grid4(kIq1sGrid, i[0], i[1], i[2], i[3]);
-        return iq1_quarter(g, _mm256_set1_epi8(qh & 0x8000 ? -1 : 1), _mm256_set1_epi16(short(s)), s, s);
-#else
         return iq1_values_quarter(kIq1Values.entry + (qh >> 4 & 2048), i, _mm256_set1_epi16(short(s)), s, s);
-#endif
     }
 #if defined(HMOE_AVX512)
     Iq1Dot dot(int ib) const {
@@ -642,16 +621,11 @@ struct IqBlock<FMT_IQ1_S, Gather> {
 template <bool Gather>
 struct IqBlock<FMT_IQ1_M, Gather> {
     const uint8_t* p;
-    // The 32 grid indices (high three bits from a nibble of qh each: a multiply by 256 or 16)
-    // and the 32 deltas (+-1: the nibble's fourth bit) in vectors, for the whole super-block.
-    // AVX2 keeps the delta bit as index bit 11 instead (kIq1Values' halves).
+    // The 32 indices into kIq1Values (a nibble of qh each gives the grid index's high three
+    // bits and, fourth, the delta's: a multiply by 256 or 16) in vectors, for the whole super-block.
     alignas(32) uint16_t index[32];
 #if defined(HMOE_AVX512)
-    alignas(32) uint8_t delta[32];
     alignas(32) uint32_t row[8];  // dot(): each quarter's table row
-    static constexpr short kIndexBits = 0x700;
-#else
-    static constexpr short kIndexBits = 0xF00;
 #endif
     explicit IqBlock(const uint8_t* blk) : p(blk) {
         const __m128i qh = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 32));
@@ -660,18 +634,12 @@ struct IqBlock<FMT_IQ1_M, Gather> {
             const __m128i nibbles = _mm_shuffle_epi8(
                 qh, _mm_add_epi8(_mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7), _mm_set1_epi8(char(8 * half))));
             const __m256i high =
-                _mm256_and_si256(_mm256_mullo_epi16(_mm256_cvtepu8_epi16(nibbles), mul), _mm256_set1_epi16(kIndexBits));
+                _mm256_and_si256(_mm256_mullo_epi16(_mm256_cvtepu8_epi16(nibbles), mul), _mm256_set1_epi16(0xF00));
             const __m256i low = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16 * half)));
             _mm256_store_si256(reinterpret_cast<__m256i*>(index + 16 * half), _mm256_or_si256(low, high));
         }
         index_in_memory(index);
 #if defined(HMOE_AVX512)
-        // Group j's delta: bit 3 (j even) or 7 (j odd) of qh byte j / 2 set: -1, else +1.
-        const __m128i lo = _mm_and_si128(qh, _mm_set1_epi8(0x08)), hi = _mm_and_si128(qh, _mm_set1_epi8(char(0x80)));
-        const __m256i clear =
-            _mm256_cmpeq_epi8(_mm256_set_m128i(_mm_unpackhi_epi8(lo, hi), _mm_unpacklo_epi8(lo, hi)), _mm256_setzero_si256());
-        _mm256_store_si256(reinterpret_cast<__m256i*>(delta),
-                           _mm256_or_si256(_mm256_xor_si256(clear, _mm256_set1_epi8(-1)), _mm256_set1_epi8(1)));
         // dot(): quarter ib's row of kIq1ScaleTable, in bytes: its 6-bit field, bits 6 (ib % 2) ..
         // of scale word ib / 2.
         const __m256i words = _mm256_cvtepu16_epi32(_mm_shuffle_epi8(
@@ -690,17 +658,12 @@ struct IqBlock<FMT_IQ1_M, Gather> {
         const uint16_t* i = index + 4 * ib;
         const int sc = load_u16(p + 48 + 2 * (ib / 2)) >> (6 * (ib % 2));
         const int lo = 2 * (sc & 7) + 1, hi = 2 * (sc >> 3 & 7) + 1;
-#if defined(HMOE_AVX512)
-        const __m256i g = grid4(kIq1sGrid, i[0], i[1], i[2], i[3]);
-        return iq1_quarter(g, bytes_by_group(load_u32(delta + 4 * ib)), scale_pair(lo, hi), lo, hi);
-#else
         return iq1_values_quarter(kIq1Values.entry, i, scale_pair(lo, hi), lo, hi);
-#endif
     }
 #if defined(HMOE_AVX512)
     Iq1Dot dot(int ib) const {
         const uint16_t* i = index + 4 * ib;
-        return iq1_dot(grid4_words(kIq1sGrid, i), bytes_by_group(load_u32(delta + 4 * ib)), kIq1ScaleTable.row[0] + row[ib]);
+        return iq1_dot(grid4_words(kIq1Values.entry, i), kIq1ScaleTable.row[0] + row[ib]);
     }
 #endif
 };
