@@ -64,6 +64,7 @@ class GgmlMoe:
         base.ggml_nbytes.restype = ctypes.c_size_t
         base.ggml_nbytes.argtypes = [P]
         base.ggml_build_forward_expand.argtypes = [P, P]
+        base.ggml_free.argtypes = [P]
         cpu.ggml_graph_compute_with_ctx.argtypes = [P, P, ctypes.c_int]
         cpu.ggml_cpu_init()
         self.base, self.cpu = base, cpu
@@ -95,6 +96,9 @@ class GgmlMoe:
         chosen = ids.to(torch.int32).numpy().copy()
         ctypes.memmove(self.base.ggml_get_data(self.ids), chosen.ctypes.data, chosen.nbytes)
         self.cpu.ggml_graph_compute_with_ctx(self.ctx, self.graph, 1)
+
+    def close(self) -> None:
+        self.base.ggml_free(self.ctx)  # the layer's weights: hundreds of MB a format
 
 
 def main() -> None:
@@ -135,6 +139,7 @@ def main() -> None:
         documented = documented_rates.get(fmt)
         note = f"  (documented {documented / 1e9:.1f})" if documented else ""
         if peer is not None:
+            peer.close()
             peer_median = statistics.median(peer_seconds)
             note += f"  llama.cpp {weights / peer_median / 1e9:5.1f}, engine/llama.cpp {peer_median / median:4.2f}x"
         print(f"{fmt:<8} {median * 1e3:6.3f} ms a token  {weights / median / 1e9:5.1f} G weights/s a core{note}")
