@@ -12,8 +12,9 @@ from __future__ import annotations
 import torch
 
 from hybridmoe.backend.engine import native_kernels
+from hybridmoe.backend.plan.decode_path import NATIVE_CACHE_DTYPES
 
-_CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what the kernels read
+_CACHE_DTYPES = tuple(getattr(torch, name) for name in NATIVE_CACHE_DTYPES)  # what the kernels read
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor | None:

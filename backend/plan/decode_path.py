@@ -30,8 +30,9 @@ from hybridmoe.backend.models.layer_description import (
     MixtureOfExperts,
 )
 
-# Cache dtypes the native attention reads (bf16 as its bits).
-_NATIVE_CACHE = ("float32", "bfloat16", "float16")
+# Cache dtypes the native attention reads (bf16 as its bits), by torch's names
+# (engine/native_attention.py checks a cache against them).
+NATIVE_CACHE_DTYPES = ("float32", "bfloat16", "float16")
 
 # The routers the native kernels choose with: the names of the native ``RouteKind``
 # (``decode_ops.h``; the chain's ``ChainRoute``), which the chain is handed as they are.
@@ -79,7 +80,7 @@ def attention_covered(a: Attention) -> str | None:
             return "partial rotary in latent attention"
         if not a.kv_b_native:
             return "kv_b in a dtype or layout the absorbed kernels do not read"
-        if a.cache_dtype not in _NATIVE_CACHE:
+        if a.cache_dtype not in NATIVE_CACHE_DTYPES:
             return f"a {a.cache_dtype} cache"
         return None
     if a.window is not None:
@@ -92,7 +93,7 @@ def attention_covered(a: Attention) -> str | None:
         return "q/k norm over all heads"
     if not a.projections_native:
         return "projections in a format the native kernels do not read"
-    if a.cache_dtype not in _NATIVE_CACHE:
+    if a.cache_dtype not in NATIVE_CACHE_DTYPES:
         return f"a {a.cache_dtype} cache"
     return None
 

@@ -217,10 +217,13 @@ class _Planner:
         # (norms, float and fp8 matrices: the inventory's gpu_widened); llama.cpp keeps all of
         # them as the file stores them.
         self.stored = _AlwaysRead.of(spec, inventory, as_stored=True)
+        # The GPUs the backend can drive (llama.cpp drives AMD cards too, its ROCm and Vulkan
+        # builds; the engine CUDA's alone) and those this workload uses.
+        self.usable_gpus = hardware.llamacpp_gpus if self.llama else hardware.served_gpus
+        self.gpus = () if workload.strategy == "cpu-only" else self.usable_gpus
         # The engine's element sizes: a GGUF computed on the CPU alone is float32 with a
         # float16 cache, anything else in its compute dtype (engine/model.py).
-        cpu_only = workload.strategy == "cpu-only" or not hardware.served_gpus
-        self.numerics = B.engine_numerics(spec, inventory.source, cpu_only, "amx_bf16" in hardware.cpu.features)
+        self.numerics = B.engine_numerics(spec, inventory.source, not self.gpus, "amx_bf16" in hardware.cpu.features)
         self.host = (self.stored if workload.backend == "llamacpp"
                      else _AlwaysRead.of(spec, inventory, numerics=self.numerics))
         # llama.cpp's cache takes the workload's type; the engine's is its own (numerics),
@@ -251,9 +254,7 @@ class _Planner:
 
     def plan(self) -> Plan:
         spec, wl = self.spec, self.wl
-        # llama.cpp drives AMD cards too (its ROCm and Vulkan builds); the engine CUDA's alone.
-        usable_gpus = self.hw.llamacpp_gpus if self.llama else self.hw.served_gpus
-        gpus = usable_gpus if wl.strategy != "cpu-only" else ()
+        usable_gpus, gpus = self.usable_gpus, self.gpus
         if not usable_gpus:
             self.warnings.append("No GPU the hybrid backend can use: everything runs on the CPU, which is slow.")
         others = [g.name for g in self.hw.llamacpp_gpus if g not in usable_gpus]
@@ -817,7 +818,7 @@ class _Planner:
         if room_for_kv <= 0 or not per_user_token:
             # Only a card can be short of room for its always-read weights: host RAM then
             # holds them with --strategy cpu-only (never suggested where it is in force).
-            if self.wl.strategy == "cpu-only" or not (self.hw.llamacpp_gpus if self.llama else self.hw.served_gpus):
+            if not self.gpus:
                 return ["The always-read weights alone do not fit: a smaller quantization or more memory."]
             return ["The always-read weights alone do not fit on the GPU: add GPU memory, or keep every weight in "
                     "host RAM (--strategy cpu-only)."]
