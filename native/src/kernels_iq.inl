@@ -29,14 +29,20 @@ static inline __m256i add_scaled_pairs(__m256i acc, __m256i pairs, __m256i scale
 }
 #else
 using Signs = __m256i;  // +1 or -1 per byte, for vpsignb
-static inline Signs signs_from_bits(uint32_t bits) {
-    // Byte i of the word goes to bytes 8i .. 8i + 7, each tested against its own bit.
-    const __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(int(bits)),
-                                              _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2,
-                                                               2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+// bytes: sign byte k of a quarter in bytes 8k .. 8k + 7, each tested against its own bit.
+static inline Signs signs_from_spread_bytes(__m256i bytes) {
     const __m256i bit = _mm256_set1_epi64x(int64_t(0x8040201008040201ull));
     return _mm256_or_si256(_mm256_cmpeq_epi8(_mm256_and_si256(bytes, bit), bit), _mm256_set1_epi8(1));
 }
+// Byte k of the 16 at sign_bytes + 4j (j < 4, both 128-bit lanes holding the same 16) to bytes
+// 8k .. 8k + 7.
+static inline Signs signs_of_quarter_bytes(__m256i sign_bytes, int j) {
+    const __m256i pick = _mm256_add_epi8(_mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2,
+                                                          2, 2, 3, 3, 3, 3, 3, 3, 3, 3),
+                                         _mm256_set1_epi8(char(4 * j)));
+    return signs_from_spread_bytes(_mm256_shuffle_epi8(sign_bytes, pick));
+}
+static inline Signs signs_from_bits(uint32_t bits) { return signs_of_quarter_bytes(_mm256_set1_epi32(int(bits)), 0); }
 static inline Signs signs_of(__m256i v) { return v; }
 static inline __m256i with_signs(__m256i a, Signs s) { return _mm256_sign_epi8(a, s); }
 static inline __m256i add_scaled_pairs(__m256i acc, __m256i pairs, __m256i scale) {
@@ -262,13 +268,22 @@ struct IqBlock<FMT_IQ2_XXS, Gather> {
     }
 };
 
-// Sub-block scales of iq2_xs / iq2_s (a byte per quarter, a nibble per 16 values) as the
-// quarter's multipliers: lanes 0-7 2 lo + 1, lanes 8-15 2 hi + 1, in vectors from the byte
-// broadcast (the scalar nibbles and two broadcasts cost twice as much in the decode GEMV).
-static inline __m256i nibble_scale_pair(uint8_t sc) {
-    const __m256i nib = _mm256_and_si256(
-        _mm256_srlv_epi32(_mm256_set1_epi16(short(sc)), _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)), _mm256_set1_epi16(15));
-    return _mm256_or_si256(_mm256_slli_epi16(nib, 1), _mm256_set1_epi16(1));
+// Sub-block scales of iq2_xs / iq2_s (a byte per quarter, a nibble per 16 values) as
+// multipliers, on AVX2: all sixteen of the super-block in one vector (byte 2 ib: 2 lo + 1 of
+// quarter ib, byte 2 ib + 1: 2 hi + 1), from which each quarter's pair (lanes 0-7 its first,
+// 8-15 its second) is a shuffle and a widening. Per quarter two vector operations, where
+// computing the pair from its scale byte took five. One core of an Ice Lake Xeon under
+// HYBRIDMOE_NATIVE_ISA=avx2 against llama.cpp's AVX2 build on the same bytes
+// (benchmarks/expert_decode_rates.py --llama-cpp --ggml-lib, two runs, builds alternating):
+// iq2_s 1.08/1.12x -> 1.22/1.23x, iq2_xs 1.18/1.19x -> 1.25/1.29x (1.32/1.35x with its sign
+// bytes kept in registers, below); iq1_m's scale fields the same way 1.15/1.14x -> 1.27/1.23x.
+static inline __m128i nibble_scales(__m128i b) {
+    const __m128i m = _mm_unpacklo_epi8(_mm_and_si128(b, _mm_set1_epi8(15)), _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(15)));
+    return _mm_or_si128(_mm_add_epi8(m, m), _mm_set1_epi8(1));
+}
+static inline __m256i nibble_scale_pair(__m128i scales, int ib) {
+    const __m128i pick = _mm_add_epi8(_mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1), _mm_set1_epi8(char(2 * ib)));
+    return _mm256_cvtepu8_epi16(_mm_shuffle_epi8(scales, pick));
 }
 
 #if defined(HMOE_AVX512)
@@ -298,16 +313,28 @@ static inline void nibble_scale_pairs(const uint8_t* sc, int16_t (*pair)[16]) {
 template <bool Gather>
 struct IqBlock<FMT_IQ2_XS, Gather> {
     const uint8_t* p;
-    alignas(32) uint32_t sign[8];
 #if defined(HMOE_AVX512)
+    alignas(32) uint32_t sign[8];
     // The 32 nine-bit grid indices and the quarters' scale pairs, for the whole super-block.
     alignas(64) uint16_t index[32];
     alignas(64) int16_t pair[8][16];
+#else
+    // nibble_scales, and the sign bytes of quarters 0-3 / 4-7 in both 128-bit lanes: each
+    // quarter's signs a shuffle away. Stored and read back as words, as AVX-512 does, they
+    // (and the grid indices stored so: 1.33 -> 1.08x, a super-block ahead 1.34 -> 1.18x) wait
+    // on the stores.
+    __m128i scales;
+    __m256i sign_lo, sign_hi;
 #endif
     explicit IqBlock(const uint8_t* blk) : p(blk) {
+#if !defined(HMOE_AVX512)
+        scales = nibble_scales(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 66)));
+        const __m256i signs = sign_bytes_of_words(blk + 2);
+        sign_lo = _mm256_permute2x128_si256(signs, signs, 0x00);
+        sign_hi = _mm256_permute2x128_si256(signs, signs, 0x11);
+#else
         _mm256_store_si256(reinterpret_cast<__m256i*>(sign), sign_bytes_of_words(blk + 2));
         index_in_memory(sign);
-#if defined(HMOE_AVX512)
         _mm512_store_si512(index, _mm512_and_si512(_mm512_loadu_si512(blk + 2), _mm512_set1_epi16(511)));
         index_in_memory(index);
         nibble_scale_pairs(blk + 66, pair);
@@ -324,7 +351,8 @@ struct IqBlock<FMT_IQ2_XS, Gather> {
         const uint8_t* q = p + 2 + 8 * ib;
         const __m256i g = grid4(kIq2xsGrid, load_u16(q) & 511, load_u16(q + 2) & 511, load_u16(q + 4) & 511,
                                 load_u16(q + 6) & 511);
-        return {g, signs_from_bits(sign[ib]), nibble_scale_pair(sc), 2 * (sc & 15) + 1, 2 * (sc >> 4) + 1};
+        return {g, signs_of_quarter_bytes(ib < 4 ? sign_lo : sign_hi, ib & 3), nibble_scale_pair(scales, ib),
+                2 * (sc & 15) + 1, 2 * (sc >> 4) + 1};
 #endif
     }
 };
@@ -338,11 +366,15 @@ struct IqBlock<FMT_IQ2_S, Gather> {
     alignas(32) uint16_t index[32];
 #if defined(HMOE_AVX512)
     alignas(64) int16_t pair[8][16];  // the quarters' scale pairs (nibble_scale_pairs)
+#else
+    __m128i scales;  // nibble_scales
 #endif
     explicit IqBlock(const uint8_t* blk) : p(blk) {
 #if defined(HMOE_AVX512)
         nibble_scale_pairs(blk + 74, pair);
         index_in_memory(pair);
+#else
+        scales = nibble_scales(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 74)));
 #endif
         if constexpr (!Gather) {
             // qh byte of quarter ib to index lanes 4 ib .. 4 ib + 3, shifted so that its bits
@@ -366,7 +398,7 @@ struct IqBlock<FMT_IQ2_S, Gather> {
 #if defined(HMOE_AVX512)
         const __m256i scale = _mm256_load_si256(reinterpret_cast<const __m256i*>(pair[ib]));
 #else
-        const __m256i scale = nibble_scale_pair(sc);
+        const __m256i scale = nibble_scale_pair(scales, ib);
 #endif
         return {grid(ib), signs_from_bits(load_u32(p + 34 + 4 * ib)), scale, 2 * (sc & 15) + 1, 2 * (sc >> 4) + 1};
     }
@@ -627,8 +659,29 @@ struct IqBlock<FMT_IQ1_M, Gather> {
     alignas(32) uint16_t index[32];
 #if defined(HMOE_AVX512)
     alignas(32) uint32_t row[8];  // dot(): each quarter's table row
+#else
+    // The sixteen 3-bit scale fields as 2 s + 1, byte 2 ib + h (h = 0: the quarter's first
+    // 16 values) as nibble_scales: field 2 ib + h sits at bit 6 (ib % 2) + 3 h of scale word ib / 2.
+    // Once per super-block, a shuffle and a widening per quarter.
+    __m128i scales;
 #endif
     explicit IqBlock(const uint8_t* blk) : p(blk) {
+#if !defined(HMOE_AVX512)
+        {
+            // Field f = 4 w + k of word w to 16-bit lane f, moved to bits 9-11 by a multiply by
+            // 2^(9 - 3k) (AVX2 has no variable 16-bit shift).
+            const __m256i words = _mm256_shuffle_epi8(
+                _mm256_broadcastq_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 48))),
+                _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3, 2, 3, 4, 5, 4, 5, 4, 5, 4, 5, 6, 7, 6, 7, 6, 7, 6, 7));
+            const __m256i field = _mm256_and_si256(
+                _mm256_srli_epi16(_mm256_mullo_epi16(words, _mm256_setr_epi16(512, 64, 8, 1, 512, 64, 8, 1, 512, 64, 8, 1, 512,
+                                                                               64, 8, 1)),
+                                  9),
+                _mm256_set1_epi16(7));
+            const __m256i s = _mm256_or_si256(_mm256_add_epi16(field, field), _mm256_set1_epi16(1));
+            scales = _mm_packus_epi16(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+        }
+#endif
         const __m128i qh = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 32));
         const __m256i mul = _mm256_setr_epi16(256, 16, 256, 16, 256, 16, 256, 16, 256, 16, 256, 16, 256, 16, 256, 16);
         for (int half = 0; half < 2; ++half) {
@@ -659,7 +712,11 @@ struct IqBlock<FMT_IQ1_M, Gather> {
         const uint16_t* i = index + 4 * ib;
         const int sc = load_u16(p + 48 + 2 * (ib / 2)) >> (6 * (ib % 2));
         const int lo = 2 * (sc & 7) + 1, hi = 2 * (sc >> 3 & 7) + 1;
+#if defined(HMOE_AVX512)
         return iq1_values_quarter(kIq1Values.entry, i, scale_pair(lo, hi), lo, hi);
+#else
+        return iq1_values_quarter(kIq1Values.entry, i, nibble_scale_pair(scales, ib), lo, hi);
+#endif
     }
 #if defined(HMOE_AVX512)
     Iq1Dot dot(int ib) const {
