@@ -201,6 +201,7 @@ def _run_paired(model: str, prompt_tokens: int, threads: int, pairs: int, tokens
             state["llamacpp"] = tok
 
         rates: dict[str, list[float]] = {"engine": [], "llamacpp": []}
+        probes = [_probe(threads)]
         for i in range(pairs):
             start = prompt_tokens + i * tokens
             for name in (("engine", "llamacpp") if i % 2 == 0 else ("llamacpp", "engine")):
@@ -208,9 +209,10 @@ def _run_paired(model: str, prompt_tokens: int, threads: int, pairs: int, tokens
                 t0 = time.perf_counter()
                 (engine if name == "engine" else llama)(start)
                 rates[name].append(tokens / (time.perf_counter() - t0))
+        probes.append(_probe(threads))
     finally:
         llm.close()
-    return {"pairs": pairs, "tokens": tokens, **rates,
+    return {"pairs": pairs, "tokens": tokens, **rates, "probe": probes,
             "ratios": [e / lc for e, lc in zip(rates["engine"], rates["llamacpp"])]}
 
 
@@ -274,6 +276,12 @@ def measure(model: str, *, prompt_tokens: int = 512, gen_tokens: int = 64, threa
             ratios = run["ratios"]
             q1, median, q3 = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else ratios * 3
             summary["paired"] = {**run, "median": median, "quartiles": [q1, q3]}
+            # The engine's share of the probe at its paired rate: 4-12 passes a process, where
+            # its own worker times one (a 31-token pass moved 58-69 tokens/s on a 2-core VM).
+            nbytes = engine.get("per_token", {}).get("end_to_end", {}).get("bytes")
+            if nbytes and run.get("probe"):
+                summary["paired"]["engine_of_probe"] = (nbytes * statistics.median(run["engine"])
+                                                        / statistics.median(run["probe"]))
     return summary
 
 
@@ -497,7 +505,9 @@ def table(summary: dict) -> str:
         lines.append(f"in alternation in one process ({paired['pairs']} pairs of {paired['tokens']}-token passes at the "
                      f"same positions): decode {paired['median']:.2f}x (quartiles {paired['quartiles'][0]:.2f}-"
                      f"{paired['quartiles'][1]:.2f}; engine {statistics.median(paired['engine']):.1f}, llama.cpp "
-                     f"{statistics.median(paired['llamacpp']):.1f} tok/s)")
+                     f"{statistics.median(paired['llamacpp']):.1f} tok/s"
+                     + (f", the engine at {paired['engine_of_probe']:.0%} of the probe" if "engine_of_probe" in paired
+                        else "") + ")")
     return "\n".join(lines)
 
 
@@ -575,14 +585,16 @@ def sweep_table(result: dict) -> str:
     for row in result["types"]:
         d64, p512, d2k = row["decode_64"], row["prefill_512"], row["decode_2048"]
         engine = d64["results"].get("engine", {})
-        share = engine.get("per_token", {}).get("end_to_end", {}).get("of_probe")
+        share = (d64.get("paired", {}).get("engine_of_probe")
+                 or engine.get("per_token", {}).get("end_to_end", {}).get("of_probe"))
         tokens = len(engine.get("tokens", ()))
         same = f"{d64['greedy_tokens_in_common']}/{tokens}" if "greedy_tokens_in_common" in d64 else "-"
         lines.append(f"{row['type']:11} {row['bytes'] / 1e9:5.2f} {same:>11} {ratio(d64, 'decode_ratio'):>10} "
                      f"{(f'{share:.0%}' if share else '-'):>8} {ratio(d2k, 'decode_ratio'):>12} "
                      f"{ratio(p512, 'prefill_ratio'):>11}")
     lines.append("decode: the median ratio of passes in alternation in one process; prefill: medians of separate "
-                 "processes; of probe: the engine's bytes per token at its decode rate against the read probe")
+                 "processes; of probe: the engine's bytes per token at its decode rate (in alternation) against the "
+                 "read probe")
     return "\n".join(lines)
 
 

@@ -364,6 +364,7 @@ def build_model(
     # Every layer on the CPU, its experts in host RAM (experts placed on the main device, cards,
     # or a main device holding matrices as a card does stand in for a GPU: the tests build them
     # on the CPU); not on AMX, whose prompts multiply bf16 rows on its tiles (_norms_in_float32).
+    # The planner reads the same from a CPU's features (cpu_kernels.prompts_on_amx_tiles).
     gguf_on_cpu = (checkpoint_kind(weights) == "gguf" and not tensor_parallel and not any((placement or {}).values())
                    and all(_cpu_alone(_device(d)) for d, _ in (pipeline or [(device, ())]))
                    and not (native_kernels.enabled() and native_kernels.isa() == "avx512_amx"))

@@ -121,8 +121,9 @@ class EngineNumerics:
 
 def engine_numerics(spec: ModelSpec, source: str, cpu_only: bool, amx: bool) -> EngineNumerics:
     """A float32 checkpoint computes and caches in float32; a GGUF run on the CPU alone (but with
-    AMX tiles, which multiply bf16 rows) computes in float32 with a float16 cache and a 16-bit
-    embedding table (model._default_dtype); the rest in bfloat16."""
+    AMX tiles, which multiply bf16 rows: `amx`, cpu_kernels.prompts_on_amx_tiles) computes in
+    float32 with a float16 cache and a 16-bit embedding table (model._default_dtype); the rest
+    in bfloat16."""
     if compute_dtype_bytes(spec) == 4:
         return EngineNumerics(4, 4, "fp32", 4)
     if source == "gguf" and cpu_only and not amx:

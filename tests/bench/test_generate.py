@@ -7,6 +7,7 @@ time; the report's plumbing is checked on a tiny GGUF (its speed says nothing)."
 from __future__ import annotations
 
 import json
+import statistics
 
 import pytest
 import torch
@@ -139,9 +140,16 @@ def test_both_backends_decode_in_alternation_in_one_process(tiny_gguf, capsys):
     assert paired["ratios"] == [e / lc for e, lc in zip(paired["engine"], paired["llamacpp"])]
     low, high = paired["quartiles"]
     assert min(paired["ratios"]) <= low <= paired["median"] <= high <= max(paired["ratios"])
+    # The engine's share of the probe at its paired rate: its bytes a token, the probes before and after.
+    nbytes = json.loads(out)["results"]["engine"]["per_token"]["end_to_end"]["bytes"]
+    assert len(paired["probe"]) == 2 and all(p > 0 for p in paired["probe"])
+    assert paired["engine_of_probe"] == pytest.approx(
+        nbytes * statistics.median(paired["engine"]) / statistics.median(paired["probe"]))
     cli.main(["bench", "generate", str(tiny_gguf), "--prompt-tokens", "16", "--gen-tokens", "5", "--threads", "1",
               "--repeats", "1", "--rounds", "1", "--pairs", "2"])
-    assert "in alternation in one process (2 pairs of 16-token passes at the same positions): decode" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    assert "in alternation in one process (2 pairs of 16-token passes at the same positions): decode" in text
+    assert "the engine at " in text and "% of the probe)" in text
 
 
 def test_the_report_says_how_long_the_greedy_tokens_agree():
@@ -249,3 +257,21 @@ def test_a_run_keeps_the_engines_prompt_rate_and_an_i_quants_decoding_rate():
     assert achieved.lookup(here)[0] == pytest.approx(200e6 / 0.015)
     assert achieved.lookup_rate(here, "prefill_flops_per_s", "q4_0") is None
     assert achieved.lookup_rate(here, "expert_weights_per_s_per_core", "q4_0") is None
+
+
+def test_the_sweep_gives_the_engine_share_of_the_probe_at_its_paired_rate():
+    """The sweep's "of probe" column: the paired passes' figure where they ran, else the
+    engine worker's own pass."""
+    from hybridmoe.backend.bench.generate import sweep_table
+
+    engine = {"tokens": [1] * 4, "per_token": {"end_to_end": {"of_probe": 0.5}}}
+
+    def row(paired: dict) -> dict:
+        d64 = {"results": {"engine": engine}, "greedy_tokens_in_common": 4, "decode_ratio": 1.5, "paired": paired}
+        return {"type": "iq2_xs", "bytes": 2e9, "decode_64": d64, "decode_2048": {"decode_ratio": 1.4},
+                "prefill_512": {"prefill_ratio": 1.1}}
+
+    with_pairs = sweep_table({"model": "m.gguf", "types": [row({"median": 2.0, "engine_of_probe": 0.8})]})
+    assert with_pairs.splitlines()[2].split() == ["iq2_xs", "2.00", "4/4", "2.00x", "80%", "1.40x", "1.10x"]
+    alone = sweep_table({"model": "m.gguf", "types": [row({})]})
+    assert alone.splitlines()[2].split() == ["iq2_xs", "2.00", "4/4", "1.50x", "50%", "1.40x", "1.10x"]

@@ -10,7 +10,10 @@ import torch
 
 from hybridmoe.backend.engine.model import build_model
 from hybridmoe.backend.formats.weights import open_weights
+from hybridmoe.backend.hardware.cpu import detect_cpu
+from hybridmoe.backend.hardware.profile import HardwareProfile, Memory
 from hybridmoe.backend.models import inspect_model
+from hybridmoe.backend.plan import Workload, make
 from hybridmoe.backend.models.spec import KV_BLOCK_TOKENS, SLIDING_REWIND_TOKENS
 from tests.convert.conftest import FAMILIES, build_checkpoint
 
@@ -75,3 +78,23 @@ def test_gpt_oss_sliding_layers_hold_their_window_and_the_rewind_margin(models):
     ring = (reads + keeps) * block
     assert spec.sliding_layers == (0, 2) and ring < LONG
     assert [spec.kv_tokens(i, LONG) for i in range(spec.num_layers)] == [ring, LONG, ring]
+
+
+@pytest.mark.parametrize("source", ["hf", "gguf"])
+def test_the_plan_names_and_counts_the_cache_the_engine_keeps_on_this_cpu(models, source):
+    """The plan's cache type (budget.engine_numerics, from the hardware's features) and the
+    engine's (model._cache_dtype, from its devices and the kernel set the extension runs) are
+    worked out apart: on the CPU alone of whatever machine runs this (AMX or not), the same
+    type and bytes. A bf16 checkpoint keeps bf16; its GGUF float16 (bf16 under AMX)."""
+    path = models("qwen3_moe", source)
+    inspected = inspect_model(path)
+    cpu, _ = detect_cpu()
+    gib = 1 << 30
+    machine = HardwareProfile(cpu=cpu, memory=Memory(total_bytes=64 * gib, available_bytes=64 * gib),
+                              gpus=(), described=True, name="this machine")
+    plan = make(inspected.spec, inspected.inventory, machine,
+                Workload(context=SHORT, strategy="cpu-only", backend="engine"))
+    model = build_model(inspected.spec, open_weights(path), max_context=SHORT)
+    cache_dtype = next(b.dtype for m in model.modules() if type(m).__name__ == "PagedKV" for b in [m._buffers["k"]])
+    assert plan.kv_cache_dtype == {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}[cache_dtype]
+    assert plan.kv_cache_bytes == _allocated_kv_bytes(model)
