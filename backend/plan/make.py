@@ -223,7 +223,8 @@ class _Planner:
         self.gpus = () if workload.strategy == "cpu-only" else self.usable_gpus
         # The engine's element sizes: a GGUF computed on the CPU alone is float32 with a
         # float16 cache, anything else in its compute dtype (engine/model.py).
-        self.numerics = B.engine_numerics(spec, inventory.source, not self.gpus, prompts_on_amx_tiles(hardware.cpu.features))
+        self.numerics = B.engine_numerics(spec, inventory.source, not self.gpus,
+                                          prompts_on_amx_tiles(hardware.cpu.features, here=not hardware.described))
         self.host = (self.stored if workload.backend == "llamacpp"
                      else _AlwaysRead.of(spec, inventory, numerics=self.numerics))
         # llama.cpp's cache takes the workload's type; the engine's is its own (numerics),

@@ -91,7 +91,7 @@ def test_the_plan_names_and_counts_the_cache_the_engine_keeps_on_this_cpu(models
     cpu, _ = detect_cpu()
     gib = 1 << 30
     machine = HardwareProfile(cpu=cpu, memory=Memory(total_bytes=64 * gib, available_bytes=64 * gib),
-                              gpus=(), described=True, name="this machine")
+                              gpus=(), name="this machine")
     plan = make(inspected.spec, inspected.inventory, machine,
                 Workload(context=SHORT, strategy="cpu-only", backend="engine"))
     model = build_model(inspected.spec, open_weights(path), max_context=SHORT)

@@ -43,6 +43,10 @@ def test_the_engine_prompts_on_amx_tiles_where_the_amx_set_runs(monkeypatch):
     assert not prompts_on_amx_tiles((*AVX2_SET, *AVX512_SET, "avx512_bf16"))
     assert not prompts_on_amx_tiles(tuple(f for f in sapphire_rapids if f != "avx512_bf16"))
     assert not prompts_on_amx_tiles(tuple(f for f in sapphire_rapids if f != "avx512vbmi"))  # the AVX2 set
+    # On this machine, also as the extension found it (here it runs no AMX set unless it has one).
+    from hybridmoe import _native
+
+    assert prompts_on_amx_tiles(sapphire_rapids, here=True) == (_native.isa() == "avx512_amx")
     monkeypatch.setenv("HYBRIDMOE_NATIVE", "0")  # the PyTorch reference computes the experts
     assert not prompts_on_amx_tiles(sapphire_rapids)
 
