@@ -211,7 +211,8 @@ static_assert(every_format_has_info(), "a Format without its kFormats entry");
 // iq4_nl's codes with a 6-bit scale per 32 under one fp16 per 256: kernels_x86.inl's
 // Block32). On AVX-512 the calls of more than four tokens of q2_k, q3_k and iq4_xs are panel
 // GEMMs with the GEMV's bits per token (gemm_q3k_512 / gemm_q2k_512 / gemm_b32_512). The other
-// i-quants' prompts: see iq_prompt_gemv below. (iq4_nl's and iq4_xs's matrices of rows in eights are
+// i-quants' prompts: see iq_prompt_gemv below; elsewhere they dequantize through their GEMV's
+// unpacking into the GEMM's panels. (iq4_nl's and iq4_xs's matrices of rows in eights are
 // copied into their x8 layouts, whose GEMV serves every count: gemm_x8nl_512 past four.)
 static inline bool gemv_at_every_count(Format f) {
     return f == FMT_Q2_K || f == FMT_Q3_K || f == FMT_Q4_1 || f == FMT_Q5_1 || f == FMT_IQ4_NL || f == FMT_IQ4_XS;
@@ -241,17 +242,9 @@ static inline int iq_prefill_min_tokens(Format f, bool avx512) {
 }
 
 // Prompts (prompt_takes_gemv) take one path per format at any count, so that a token's result
-// does not depend on the tokens beside it: for these i-quants the GEMV, on every kernel set.
-// On AVX-512 (their values fit gemm_iq_512's signs-on-weights form) it is the faster up to 256
-// tokens a call, and an expert's share of a prompt chunk is far fewer (32 of 512 tokens for 8
-// of 128 experts). On AVX2 the GEMM overtakes it at about 128 tokens a call, but by a few
-// percent, where the GEMV wins by two to three times on a chat turn's few tokens an expert: a
-// layer of 128 experts of 2048 x 768, top 8, one thread's CPU time, GEMM / GEMV ms at 64 / 512
-// / 2048 tokens (4 / 32 / 128 an expert), Ice Lake under HYBRIDMOE_NATIVE_ISA=avx2: iq2_xxs
-// 307 / 658 / 2018 against 104 / 570 / 2141, iq2_s 293 / 689 / 2091 against 112 / 562 / 2209,
-// iq3_s 330 / 695 / 2071 against 174 / 577 / 2154, iq1_m 288 / 738 / 2602 against 108 / 595 /
-// 2412. (The dequantized GEMM had left a 64-token prompt 0.71-0.96x llama.cpp's on every
-// i-quant file there.)
+// does not depend on the tokens beside it. On AVX-512 that is the GEMV for these i-quants
+// (their values fit gemm_iq_512's signs-on-weights form): the faster up to 256 tokens a call,
+// and an expert's share of a prompt chunk is far fewer (32 of 512 tokens for 8 of 128 experts).
 static inline bool iq_prompt_gemv(Format f) { return iq_prefill_min_tokens(f, true) != 0; }
 
 // Bytes of one block of a group of eight rows in the x8 layouts: 32 columns of q4_0x8 /
