@@ -660,27 +660,27 @@ struct IqBlock<FMT_IQ1_M, Gather> {
 #if defined(HMOE_AVX512)
     alignas(32) uint32_t row[8];  // dot(): each quarter's table row
 #else
-    // The sixteen 3-bit scale fields as 2 s + 1, byte 2 ib + h (h = 0: the quarter's first
-    // 16 values) as nibble_scales: field 2 ib + h sits at bit 6 (ib % 2) + 3 h of scale word ib / 2.
-    // Once per super-block, a shuffle and a widening per quarter.
-    __m128i scales;
+    __m128i scales;  // iq1m_scales: a shuffle and a widening per quarter (nibble_scale_pair)
+
+    // The sixteen 3-bit scale fields of the four words at sc as 2 s + 1, byte 2 ib + h (h = 0:
+    // the quarter's first 16 values), as nibble_scales lays out iq2's: field 2 ib + h sits at
+    // bit 6 (ib % 2) + 3 h of word ib / 2, i.e. field f = 4 w + k at bit 3k of word w, brought to
+    // bits 9-11 of 16-bit lane f by a multiply by 2^(9 - 3k) (AVX2 has no variable 16-bit shift).
+    static __m128i iq1m_scales(const uint8_t* sc) {
+        const __m256i words = _mm256_shuffle_epi8(
+            _mm256_broadcastq_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc))),
+            _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3, 2, 3, 4, 5, 4, 5, 4, 5, 4, 5, 6, 7, 6, 7, 6, 7, 6, 7));
+        const __m256i field = _mm256_and_si256(
+            _mm256_srli_epi16(
+                _mm256_mullo_epi16(words, _mm256_setr_epi16(512, 64, 8, 1, 512, 64, 8, 1, 512, 64, 8, 1, 512, 64, 8, 1)), 9),
+            _mm256_set1_epi16(7));
+        const __m256i s = _mm256_or_si256(_mm256_add_epi16(field, field), _mm256_set1_epi16(1));
+        return _mm_packus_epi16(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+    }
 #endif
     explicit IqBlock(const uint8_t* blk) : p(blk) {
 #if !defined(HMOE_AVX512)
-        {
-            // Field f = 4 w + k of word w to 16-bit lane f, moved to bits 9-11 by a multiply by
-            // 2^(9 - 3k) (AVX2 has no variable 16-bit shift).
-            const __m256i words = _mm256_shuffle_epi8(
-                _mm256_broadcastq_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 48))),
-                _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3, 2, 3, 4, 5, 4, 5, 4, 5, 4, 5, 6, 7, 6, 7, 6, 7, 6, 7));
-            const __m256i field = _mm256_and_si256(
-                _mm256_srli_epi16(_mm256_mullo_epi16(words, _mm256_setr_epi16(512, 64, 8, 1, 512, 64, 8, 1, 512, 64, 8, 1, 512,
-                                                                               64, 8, 1)),
-                                  9),
-                _mm256_set1_epi16(7));
-            const __m256i s = _mm256_or_si256(_mm256_add_epi16(field, field), _mm256_set1_epi16(1));
-            scales = _mm_packus_epi16(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
-        }
+        scales = iq1m_scales(blk + 48);
 #endif
         const __m128i qh = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 32));
         const __m256i mul = _mm256_setr_epi16(256, 16, 256, 16, 256, 16, 256, 16, 256, 16, 256, 16, 256, 16, 256, 16);

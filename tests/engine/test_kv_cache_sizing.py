@@ -13,6 +13,7 @@ from hybridmoe.backend.formats.weights import open_weights
 from hybridmoe.backend.hardware.cpu import detect_cpu
 from hybridmoe.backend.hardware.profile import HardwareProfile, Memory
 from hybridmoe.backend.models import inspect_model
+from hybridmoe.backend.models.formats import TORCH_DTYPES
 from hybridmoe.backend.plan import Workload, make
 from hybridmoe.backend.models.spec import KV_BLOCK_TOKENS, SLIDING_REWIND_TOKENS
 from tests.convert.conftest import FAMILIES, build_checkpoint
@@ -95,6 +96,6 @@ def test_the_plan_names_and_counts_the_cache_the_engine_keeps_on_this_cpu(models
     plan = make(inspected.spec, inspected.inventory, machine,
                 Workload(context=SHORT, strategy="cpu-only", backend="engine"))
     model = build_model(inspected.spec, open_weights(path), max_context=SHORT)
-    cache_dtype = next(b.dtype for m in model.modules() if type(m).__name__ == "PagedKV" for b in [m._buffers["k"]])
-    assert plan.kv_cache_dtype == {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}[cache_dtype]
+    cache_dtype = next(m.k.dtype for m in model.modules() if type(m).__name__ == "PagedKV")
+    assert plan.kv_cache_dtype == TORCH_DTYPES[str(cache_dtype).removeprefix("torch.")]
     assert plan.kv_cache_bytes == _allocated_kv_bytes(model)
