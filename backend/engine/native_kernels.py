@@ -84,7 +84,9 @@ def summary() -> str:
 # and a GEMM), except for the formats with a row-interleaved copy (q4_0, iq4_nl, iq4_xs, q4_k,
 # int4_g32, q8_0), whose integer GEMV is the faster at every count (native prompt_takes_gemv; on the
 # mid-size Qwen3-MoE model, 2-core Zen 5: a 64-token prompt 1.5-1.6x, a 512-token one
-# 1.06-1.3x faster than on the GEMM). "auto": by the measured switch points.
+# 1.06-1.3x faster than on the GEMM), and the other formats that take their GEMV at every
+# count (q2_k, q3_k, q4_1, q5_1, the i-quants: native formats.h). "auto": by the measured
+# switch points.
 _ROWS: ContextVar[str] = ContextVar("hybridmoe_rows", default="auto")
 _DENSE_THRESHOLD = {"auto": 0, "decode": 1 << 30, "prompt": -1}  # -1: native kPromptRows
 _EXPERT_REGIME = {"auto": "auto", "decode": "decode", "prompt": "prompt"}

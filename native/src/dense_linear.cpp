@@ -48,9 +48,8 @@ int dense_prefill_min_tokens(const KernelTable& kt, Format fmt) {
     if (std::strcmp(kt.name, "scalar") == 0) return 1;
     if (kFormats[fmt].row_group == 8) return kNeverPrefill;  // see prefill_min_tokens (moe_layer.cpp)
     if (gemv_at_every_count(fmt)) return kNeverPrefill;  // as for prompts: see prompt_takes_gemv
-    const bool avx512 = std::strncmp(kt.name, "avx512", 6) == 0;
-    if (const int iq = iq_prefill_min_tokens(fmt, avx512)) return iq;
-    if (avx512) return 16;
+    if (const int iq = iq_prefill_min_tokens(fmt)) return iq;
+    if (std::strncmp(kt.name, "avx512", 6) == 0) return 16;
     return 24;
 }
 

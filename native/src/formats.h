@@ -211,41 +211,43 @@ static_assert(every_format_has_info(), "a Format without its kFormats entry");
 // iq4_nl's codes with a 6-bit scale per 32 under one fp16 per 256: kernels_x86.inl's
 // Block32). On AVX-512 the calls of more than four tokens of q2_k, q3_k and iq4_xs are panel
 // GEMMs with the GEMV's bits per token (gemm_q3k_512 / gemm_q2k_512 / gemm_b32_512). The other
-// i-quants' prompts: see iq_prompt_gemv below; elsewhere they dequantize through their GEMV's
-// unpacking into the GEMM's panels. (iq4_nl's and iq4_xs's matrices of rows in eights are
+// i-quants' prompts: see iq_prompt_gemv below. (iq4_nl's and iq4_xs's matrices of rows in eights are
 // copied into their x8 layouts, whose GEMV serves every count: gemm_x8nl_512 past four.)
 static inline bool gemv_at_every_count(Format f) {
     return f == FMT_Q2_K || f == FMT_Q3_K || f == FMT_Q4_1 || f == FMT_Q5_1 || f == FMT_IQ4_NL || f == FMT_IQ4_XS;
 }
 
-// Where the i-quants' prompts switch from the GEMV to dequantized panels and the GEMM: the
-// tokens a call needs for the GEMM to be the faster, measured per format and kernel set
-// (1536 x 2048 matrices, hot, one thread's CPU time, GEMV and GEMM in turn at 16-256 tokens,
-// Xeon with AVX-512; the first count measured where the GEMM was the faster, or 256). The
-// GEMV unpacks a super-block once for all of a call's tokens (kernels_iq.inl); on AVX-512,
-// with the signs on the weights and two quarters a vector, it stays level with the GEMM up to
-// 256 tokens (ms at 32 / 128 / 256 tokens, iq2_xxs: GEMV 1.45 / 5.73 / 12.1, GEMM 2.40 /
-// 6.56 / 12.7). On AVX2 the GEMM's FMAs catch up by 32-64 tokens. (iq4_xs is not one of
-// these: gemv_at_every_count.)
-// 0: not one of these i-quants.
-static inline int iq_prefill_min_tokens(Format f, bool avx512) {
+// Where the i-quants' calls (a decode step's, regime "auto") switch from the GEMV to
+// dequantized panels and the GEMM: the tokens a call needs for the GEMM to be the faster,
+// measured per format and kernel set (1536 x 2048 matrices, hot, one thread's CPU time, GEMV
+// and GEMM in turn at 16-256 tokens; the first count measured where the GEMM was the faster,
+// or 256). The GEMV unpacks a super-block once for many tokens, its signs on the weights
+// (kernels_iq.inl: gemm_iq_512 on AVX-512, gemv_iq_many on AVX2), and stays level with the
+// GEMM or ahead up to 256 tokens and beyond: Xeon with AVX-512, ms at 32 / 128 / 256 tokens,
+// iq2_xxs: GEMV 1.45 / 5.73 / 12.1, GEMM 2.40 / 6.56 / 12.7; Ice Lake under
+// HYBRIDMOE_NATIVE_ISA=avx2, 768 x 2048, ms at 32 / 256 / 1024 tokens, GEMV against GEMM:
+// iq2_xxs 1.28 / 6.92 / 29.0 against 1.78 / 9.47 / 35.5, iq1_m 0.93 / 7.03 / 31.2 against
+// 1.57 / 8.90 / 37.2 (iq2_s, iq3_xxs, iq1_s alike). (iq4_xs is not one of these:
+// gemv_at_every_count.) 0: not one of these i-quants.
+static inline int iq_prefill_min_tokens(Format f) {
     switch (f) {
-        case FMT_IQ2_XXS: return avx512 ? 256 : 64;
         case FMT_IQ1_M:
         case FMT_IQ1_S:
+        case FMT_IQ2_XXS:
         case FMT_IQ2_XS:
         case FMT_IQ2_S:
         case FMT_IQ3_XXS:
-        case FMT_IQ3_S: return avx512 ? 256 : 32;
+        case FMT_IQ3_S: return 256;
         default: return 0;
     }
 }
 
 // Prompts (prompt_takes_gemv) take one path per format at any count, so that a token's result
-// does not depend on the tokens beside it. On AVX-512 that is the GEMV for these i-quants
-// (their values fit gemm_iq_512's signs-on-weights form): the faster up to 256 tokens a call,
-// and an expert's share of a prompt chunk is far fewer (32 of 512 tokens for 8 of 128 experts).
-static inline bool iq_prompt_gemv(Format f) { return iq_prefill_min_tokens(f, true) != 0; }
+// does not depend on the tokens beside it: for these i-quants the GEMV, the faster up to 256
+// tokens a call and more, where an expert's share of a prompt chunk is far fewer (32 of 512
+// tokens for 8 of 128 experts) and, with a real prompt's uneven routing, a few experts' many
+// more (gemv_iq_many blocks its tokens for those).
+static inline bool iq_prompt_gemv(Format f) { return iq_prefill_min_tokens(f) != 0; }
 
 // Bytes of one block of a group of eight rows in the x8 layouts: 32 columns of q4_0x8 /
 // int4_g32x8 / iq4_nlx8, a 256-column super-block of q4_kx8.

@@ -29,9 +29,8 @@ Format interleaved_format(Format fmt) {
 bool prompt_takes_gemv(const KernelTable& kt, Format fmt, bool bf16_acts) {
     if (std::strcmp(kt.name, "scalar") == 0) return false;
     if (kt.prompt_q8[fmt] && on_tiles(kt, fmt, bf16_acts)) return true;
-    const bool avx512 = std::strncmp(kt.name, "avx512", 6) == 0;
     return kFormats[fmt].row_group == 8 || interleaved_format(fmt) != FMT_COUNT || gemv_at_every_count(fmt) ||
-           (avx512 && iq_prompt_gemv(fmt));
+           iq_prompt_gemv(fmt);
 }
 
 Format copied_format(Format fmt, int64_t rows, bool in_file) {

@@ -39,8 +39,8 @@ Format interleaved_format(Format fmt);
 // matrix's GEMV 2.0-2.5x faster than its GEMM at 16-32 tokens, 1.2x at 512; one expert 9x at
 // 4 tokens, 1.4x at 64; the mid-size Qwen3 model in llama.cpp's Q2_K mix, prompts of 64 and
 // 512 tokens 1.46x and 1.20x faster; q5_k/q6_k gained under 6 % there and lost on Zen 3's
-// AVX2, so they stay), and q4_1/q5_1/iq4_nl/iq4_xs; on AVX-512 also the other i-quants
-// (iq_prompt_gemv, formats.h). On kernels named "scalar" (portable), whose GEMM is the faster
+// AVX2, so they stay), and q4_1/q5_1/iq4_nl/iq4_xs and the other i-quants (iq_prompt_gemv,
+// formats.h). On kernels named "scalar" (portable), whose GEMM is the faster
 // from one token, never. Where the kernel set has a prompt GEMV of its own for the format
 // (KernelTable::prompt_q8: the i-quants on AMX tiles) and the activations are bf16
 // (on_tiles), always.

@@ -227,8 +227,8 @@ def test_a_format_without_an_x8_layout_is_read_in_place_from_process_memory():
 def test_prompt_rows_take_one_regime_by_format_at_any_count(isa, fmt):
     """The prompt regime: the decode regime for the formats with a row-interleaved copy (its
     integer GEMV is the faster at every count), for q3_k and q2_k (gemv_at_every_count; on
-    AVX-512 past four tokens a GEMM with the GEMV's bits) and on AVX-512 the i-quants, the
-    prefill regime for the rest, whatever each expert's count, so that a prompt's numbers do
+    AVX-512 past four tokens a GEMM with the GEMV's bits) and for the i-quants, the prefill
+    regime for the rest (and on the portable set), whatever each expert's count, so that a prompt's numbers do
     not depend on how it was split into chunks. With AMX the i-quants' experts of 32 tokens or more take their
     own GEMV on bf16 tiles (kPromptTilesMinTokens): that one case depends on the count."""
     rng = np.random.default_rng(zlib.crc32(fmt.encode()))
@@ -241,7 +241,7 @@ def test_prompt_rows_take_one_regime_by_format_at_any_count(isa, fmt):
     if prompt_on_tiles(fmt, x.dtype, 60):
         check(experts, x, ids, w, "prompt", fmt)
         return
-    gemv = isa != "scalar" and (fmt in ("q4_0", "q4_k", "q3_k", "q2_k") or (fmt == "iq2_xxs" and isa.startswith("avx512")))
+    gemv = isa != "scalar" and fmt in ("q4_0", "q4_k", "q3_k", "q2_k", "iq2_xxs")
     assert torch.equal(whole, native.forward(x, ids, w, regime="decode" if gemv else "prefill"))
     for a, b in ((0, 1), (1, 14), (14, 120)):
         assert torch.equal(native.forward(x[a:b], ids[a:b], w[a:b], regime="prompt"), whole[a:b]), (a, b)
