@@ -739,7 +739,8 @@ struct IqBlock<FMT_IQ4_XS, Gather> {
 };
 
 // One decoded super-block (its eight quarters and float d) against N tokens, into each token's
-// float lanes: the one per-token body of the decode GEMV and of the many-token one below.
+// float lanes: the decode GEMV's per-token body (AVX2's many-token GEMV below computes the same
+// integers in its offset form).
 template <int N>
 static inline void iq_tokens(const IqQuarter* q, float d, const Q8Row* acts, int64_t sb, __m256* acc) {
     __m256i sums[N];
