@@ -848,7 +848,59 @@ static E* aligned64(std::vector<E>& v, int64_t n) {
 }
 
 #if defined(HMOE_AVX512)
+// Whether kernel `a` of format F is faster on this CPU than `b`, two ways to the same values:
+// each timed on a small matrix of the format (64 x 2048, L2-resident, random blocks with d = 1),
+// `tokens` tokens a call, the better of seven tries each. Decided once per process where it is
+// first needed; the environment variable `env` = 0 or 1 decides instead (tests take both).
+template <Format F, typename A, typename B>
+static bool first_is_faster(const char* env, A a, B b, int tokens) {
+    if (const char* v = std::getenv(env); v && (*v == '0' || *v == '1')) return *v == '1';
+    constexpr int64_t kRows = 64, kK = 2048;
+    constexpr int kBytes = kFormats[F].block_bytes;
+    std::vector<uint8_t> blocks(size_t(kRows * (kK / 256) * kBytes));
+    uint32_t x = 0x9E3779B9u;
+    for (uint8_t& byte : blocks) byte = uint8_t((x = x * 1664525u + 1013904223u) >> 24);
+    for (size_t i = 0; i < blocks.size(); i += kBytes) blocks[i] = 0x00, blocks[i + 1] = 0x3C;  // d = 1 (no subnormals)
+    int8_t q[kK];
+    float d[kK / 32], sums[kK / 32] = {};
+    for (int64_t k = 0; k < kK; ++k) q[k] = int8_t(k % 17 - 8);
+    for (float& v : d) v = 1.0f;
+    MatrixRef w;
+    w.data = blocks.data();
+    w.row_stride = kK / 256 * kBytes;
+    std::vector<Q8Row> acts(size_t(tokens), Q8Row{q, d, sums});
+    std::vector<float> out(size_t(kRows * tokens));
+    const auto time_of = [&](auto gemv) {
+        const auto t0 = std::chrono::steady_clock::now();
+        for (int rep = 0; rep < 2; ++rep) gemv(w, 0, kRows, kK, acts.data(), tokens, out.data(), kRows);
+        return std::chrono::steady_clock::now() - t0;
+    };
+    auto ta = std::chrono::steady_clock::duration::max(), tb = ta;
+    for (int trial = 0; trial < 7; ++trial) {
+        ta = std::min(ta, time_of(a));
+        tb = std::min(tb, time_of(b));
+    }
+    return ta < tb;
+}
+
 #include "kernels_planes.inl"
+
+// The byte-plane GEMVs of one token with one-table or two-table look-ups (look_up_256), as
+// first_is_faster times them.
+template <Format F, bool kOneTable>
+static void planes_gemv1(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t K, const Q8Row* acts, int,
+                         float* out, int64_t ldo) {
+    if constexpr (F == FMT_IQ3_XXS || F == FMT_IQ3_S)
+        gemv_iq3_planes<F, 1, kOneTable>(w, row0, nrows, K, acts, out, ldo);
+    else
+        gemv_iq2_planes<F, 1, kOneTable>(w, row0, nrows, K, acts, out, ldo);
+}
+template <Format F>
+static bool one_table_look_ups() {
+    static const bool faster =
+        first_is_faster<F>("HYBRIDMOE_ONE_TABLE_LOOKUPS", planes_gemv1<F, true>, planes_gemv1<F, false>, 1);
+    return faster;
+}
 #endif
 
 // Decode: up to four tokens, their float lanes in registers (iq2_xxs and iq3_xxs on AVX-512:
@@ -859,9 +911,14 @@ static void gemv_iq_n(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t K
 #if defined(HMOE_AVX512)
     if constexpr (F == FMT_IQ1_S || F == FMT_IQ1_M)
         if (nrows > 0 && K >= 256) return gemv_iq_ahead_n<F, G, N>(w, row0, nrows, K, acts, out, ldo);
-    if constexpr (F == FMT_IQ2_XXS || F == FMT_IQ2_XS || F == FMT_IQ2_S)
-        return gemv_iq2_planes<F, N>(w, row0, nrows, K, acts, out, ldo);
-    if constexpr (F == FMT_IQ3_XXS || F == FMT_IQ3_S) return gemv_iq3_planes<F, N>(w, row0, nrows, K, acts, out, ldo);
+    if constexpr (F == FMT_IQ2_XXS || F == FMT_IQ2_XS || F == FMT_IQ2_S) {
+        if (one_table_look_ups<F>()) return gemv_iq2_planes<F, N, true>(w, row0, nrows, K, acts, out, ldo);
+        return gemv_iq2_planes<F, N, false>(w, row0, nrows, K, acts, out, ldo);
+    }
+    if constexpr (F == FMT_IQ3_XXS || F == FMT_IQ3_S) {
+        if (one_table_look_ups<F>()) return gemv_iq3_planes<F, N, true>(w, row0, nrows, K, acts, out, ldo);
+        return gemv_iq3_planes<F, N, false>(w, row0, nrows, K, acts, out, ldo);
+    }
 #else
     // AVX2: iq2_s and iq3_s, whose decoders store the super-block's indices in vectors, also
     // build each super-block one ahead. One core of an Ice Lake Xeon under HYBRIDMOE_NATIVE_ISA=avx2,
@@ -1786,8 +1843,7 @@ static void gemv_q8_iq_with(const MatrixRef& w, int64_t row0, int64_t nrows, int
 
 #if defined(HMOE_GRID_GATHER)
 // Whether gathering the grid look-ups is faster on this CPU than loading them one by one:
-// timed once per format, on first use, on a small matrix of this format (L2-resident), the
-// better of seven tries each. It depends on the core, not on the format's bytes: on the
+// timed once per format, on first use (first_is_faster). It depends on the core, not on the format's bytes: on the
 // Xeon (AVX-512, AMX) gathering won for all three formats (iq2_s 24 -> 33, iq3_xxs 31 ->
 // 35, iq3_s 17 -> 27 G weights/s), on an AMD EPYC (Zen 4) it lost for two (iq3_xxs 13.5 ->
 // 8.9, iq2_s 11.4 -> 9.9) and won for iq3_s (7.5 -> 8.9): one token, one thread; since iq3_s's
@@ -1798,34 +1854,7 @@ static void gemv_q8_iq_with(const MatrixRef& w, int64_t row0, int64_t nrows, int
 // decoding does: timed at 16 tokens.
 template <Format F>
 static bool gather_is_faster() {
-    if (const char* v = std::getenv("HYBRIDMOE_GRID_GATHER"); v && (*v == '0' || *v == '1')) return *v == '1';
-    constexpr int64_t kRows = 64, kK = 2048;
-    constexpr int kBytes = kFormats[F].block_bytes;
-    std::vector<uint8_t> blocks(size_t(kRows * (kK / 256) * kBytes));
-    uint32_t x = 0x9E3779B9u;
-    for (uint8_t& b : blocks) b = uint8_t((x = x * 1664525u + 1013904223u) >> 24);
-    for (size_t i = 0; i < blocks.size(); i += kBytes) blocks[i] = 0x00, blocks[i + 1] = 0x3C;  // d = 1 (no subnormals)
-    constexpr int kTokens = 16;
-    int8_t q[kK];
-    float d[kK / 32], sums[kK / 32] = {};
-    for (int64_t k = 0; k < kK; ++k) q[k] = int8_t(k % 17 - 8);
-    for (float& v : d) v = 1.0f;
-    MatrixRef w;
-    w.data = blocks.data();
-    w.row_stride = kK / 256 * kBytes;
-    std::vector<Q8Row> acts(kTokens, Q8Row{q, d, sums});
-    std::vector<float> out(kRows * kTokens);
-    const auto time_of = [&](auto gemv) {
-        const auto t0 = std::chrono::steady_clock::now();
-        for (int rep = 0; rep < 2; ++rep) gemv(w, 0, kRows, kK, acts.data(), kTokens, out.data(), kRows);
-        return std::chrono::steady_clock::now() - t0;
-    };
-    auto with = std::chrono::steady_clock::duration::max(), without = with;
-    for (int trial = 0; trial < 7; ++trial) {
-        with = std::min(with, time_of(gemv_q8_iq_with<F, true>));
-        without = std::min(without, time_of(gemv_q8_iq_with<F, false>));
-    }
-    return with < without;
+    return first_is_faster<F>("HYBRIDMOE_GRID_GATHER", gemv_q8_iq_with<F, true>, gemv_q8_iq_with<F, false>, 16);
 }
 #endif
 

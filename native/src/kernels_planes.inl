@@ -123,21 +123,44 @@ static constexpr uint64_t sign_pair_matrix(int j, bool parity) {
     return row(j) << (8 * (7 - 4)) | row(j + 1) << (8 * (7 - 5));
 }
 
-// 256 entries of bytes by 64 indices: two vpermi2b over 128 each, the index's top bit picks.
+// 256 entries of bytes by 64 indices, two ways to the same bytes (one_table_look_ups picks, in
+// kernels_iq.inl): two two-table vpermi2b over 128 entries each, the index's top bit picking
+// (kOneTable false); or four one-table vpermb over 64 each, bit 6 picking by merge-masking the
+// second of each pair, then the top bit. Ice Lake takes two cycles for a vpermi2b and one for a
+// vpermb (1.66 against 0.82 TSC ticks each, eight independent chains), and the look-ups are a
+// fifth to two fifths of these GEMVs' time there (iq2_xs / iq2_s without them: 24 -> 31 / 20
+// -> 33 G weights/s). One table at a time there, L2-resident 768 x 2048, one token, medians of
+// three alternations: iq2_xxs 33.5 -> 34.9, iq2_xs 24.4 -> 25.4, iq2_s 19.8 -> 20.8, iq3_xxs
+// 22.0 -> 23.4, iq3_s 19.6 -> 20.8 G weights/s. On Zen 4 a vpermi2b costs what a vpermb does,
+// so there the two-table form's fewer instructions should win: decided per CPU and format.
+template <bool kOneTable>
 static inline __m512i look_up_256(const uint8_t* table, __m512i idx, __mmask64 top) {
-    const __m512i lo = _mm512_permutex2var_epi8(_mm512_load_si512(table), idx, _mm512_load_si512(table + 64));
-    const __m512i hi = _mm512_permutex2var_epi8(_mm512_load_si512(table + 128), idx, _mm512_load_si512(table + 192));
-    return _mm512_mask_blend_epi8(top, lo, hi);
+    if constexpr (kOneTable) {
+        const __mmask64 b6 = _mm512_test_epi8_mask(idx, _mm512_set1_epi8(0x40));
+        __m512i lo = _mm512_permutexvar_epi8(idx, _mm512_load_si512(table));
+        lo = _mm512_mask_permutexvar_epi8(lo, b6, idx, _mm512_load_si512(table + 64));
+        __m512i hi = _mm512_permutexvar_epi8(idx, _mm512_load_si512(table + 128));
+        hi = _mm512_mask_permutexvar_epi8(hi, b6, idx, _mm512_load_si512(table + 192));
+        return _mm512_mask_blend_epi8(top, lo, hi);
+    } else {
+        const __m512i lo = _mm512_permutex2var_epi8(_mm512_load_si512(table), idx, _mm512_load_si512(table + 64));
+        const __m512i hi = _mm512_permutex2var_epi8(_mm512_load_si512(table + 128), idx, _mm512_load_si512(table + 192));
+        return _mm512_mask_blend_epi8(top, lo, hi);
+    }
 }
 
 // 512 entries: the ninth index bit (`ninth`, one per byte) picks between two halves.
+template <bool kOneTable>
 static inline __m512i look_up_512(const uint8_t* table, __m512i idx, __mmask64 top, __mmask64 ninth) {
-    return _mm512_mask_blend_epi8(ninth, look_up_256(table, idx, top), look_up_256(table + 256, idx, top));
+    return _mm512_mask_blend_epi8(ninth, look_up_256<kOneTable>(table, idx, top),
+                                  look_up_256<kOneTable>(table + 256, idx, top));
 }
 
 // 1024 entries: the tenth bit picks between two 512.
+template <bool kOneTable>
 static inline __m512i look_up_1024(const uint8_t* table, __m512i idx, __mmask64 top, __mmask64 ninth, __mmask64 tenth) {
-    return _mm512_mask_blend_epi8(tenth, look_up_512(table, idx, top, ninth), look_up_512(table + 512, idx, top, ninth));
+    return _mm512_mask_blend_epi8(tenth, look_up_512<kOneTable>(table, idx, top, ninth),
+                                  look_up_512<kOneTable>(table + 512, idx, top, ninth));
 }
 
 // ---- the activations in plane order -------------------------------------------------------
@@ -205,7 +228,7 @@ static PlaneActs plane_acts(const Q8Row& a, int64_t K, int slot) {
 // by gf2p8affineqb), and the scales: iq2_xxs one per quarter (a dword lane), iq2_xs / iq2_s
 // one per 16 values (int16 lane g: entries 2g, 2g + 1). Super-blocks p (entries 0-31) and p2
 // (32-63: not necessarily the next one; if null, zeros).
-template <Format F>
+template <Format F, bool kOneTable>
 struct Iq2Planes {
     __m512i x[4];
     __m512i scale;
@@ -267,11 +290,12 @@ struct Iq2Planes {
         const __mmask64 top = _mm512_movepi8_mask(idx);
         __m512i lo, hi;
         if constexpr (F == FMT_IQ2_XXS) {
-            lo = look_up_256(kCodes.lo, idx, top), hi = look_up_256(kCodes.hi, idx, top);
+            lo = look_up_256<kOneTable>(kCodes.lo, idx, top), hi = look_up_256<kOneTable>(kCodes.hi, idx, top);
         } else if constexpr (F == FMT_IQ2_XS) {
-            lo = look_up_512(kCodes.lo, idx, top, ninth), hi = look_up_512(kCodes.hi, idx, top, ninth);
+            lo = look_up_512<kOneTable>(kCodes.lo, idx, top, ninth), hi = look_up_512<kOneTable>(kCodes.hi, idx, top, ninth);
         } else {
-            lo = look_up_1024(kCodes.lo, idx, top, ninth, tenth), hi = look_up_1024(kCodes.hi, idx, top, ninth, tenth);
+            lo = look_up_1024<kOneTable>(kCodes.lo, idx, top, ninth, tenth);
+            hi = look_up_1024<kOneTable>(kCodes.hi, idx, top, ninth, tenth);
         }
         const __m512i low4 = _mm512_set1_epi8(0x0F);
         const auto pair = [&](__m512i codes, int j) {  // (codes & 15) | signs: ternary logic 0xEC = (A & C) | B
@@ -290,7 +314,7 @@ struct Iq2Planes {
 // Qwen3-30B's down projections) ends on a lone one, which shares a step with the next row's
 // (even rows wait for odd ones with their sums put aside; the activations of that step are the
 // last super-block's twice, plane_acts' last chunk); a last even row's takes a step alone.
-template <Format F, int N>
+template <Format F, int N, bool kOneTable>
 static void gemv_iq2_planes(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t K, const Q8Row* acts, float* out,
                             int64_t ldo) {
     constexpr bool kXxs = F == FMT_IQ2_XXS;
@@ -309,7 +333,7 @@ static void gemv_iq2_planes(const MatrixRef& w, int64_t row0, int64_t nrows, int
     const auto products = [&](const uint8_t* a, const uint8_t* b, int64_t c) {
         Products out;
         prefetch_span(a + kPrefetchAheadK, 2 * kBytes);
-        const Iq2Planes<F> blk(a, b);
+        const Iq2Planes<F, kOneTable> blk(a, b);
         // -64 x the activations' sums per 16 values (pairs added; iq2_xs / iq2_s: scaled).
         const __m512i offset = kXxs ? _mm512_set1_epi16(-64) : _mm512_mullo_epi16(blk.scale, _mm512_set1_epi16(-64));
         // Two chains (even and odd planes), added at the end: half the latency of one.
@@ -382,7 +406,7 @@ static void gemv_iq2_planes(const MatrixRef& w, int64_t row0, int64_t nrows, int
 // iq3_xxs and iq3_s, up to four tokens: a super-block a step, its 64 entries of four values;
 // quarter q's integer is lanes 2q and 2q + 1 added. iq3_s: ninth index bits in qh (bit e of
 // the eight bytes: entry e), its signs stored as bits (value order), a scale nibble per quarter.
-template <Format F, int N>
+template <Format F, int N, bool kOneTable>
 static void gemv_iq3_planes(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t K, const Q8Row* acts, float* out,
                             int64_t ldo) {
     constexpr bool kS = F == FMT_IQ3_S;
@@ -413,16 +437,16 @@ static void gemv_iq3_planes(const MatrixRef& w, int64_t row0, int64_t nrows, int
             __m256i scale;
             if constexpr (kS) {
                 const __mmask64 ninth = _cvtu64_mask64(load_u64(p + 66));
-                lo = look_up_512(kTables.lo, idx, top, ninth);
-                hi = look_up_512(kTables.hi, idx, top, ninth);
+                lo = look_up_512<kOneTable>(kTables.lo, idx, top, ninth);
+                hi = look_up_512<kOneTable>(kTables.hi, idx, top, ninth);
                 quarter_signs = _mm512_cvtepu32_epi64(load32(p + 74));
                 // byte 106 + j: quarters 2j (low nibble) and 2j + 1
                 const __m256i nib = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(int(load_u32(p + 106))), nibble_shift),
                                                      _mm256_set1_epi32(15));
                 scale = _mm256_add_epi32(_mm256_slli_epi32(nib, 1), _mm256_set1_epi32(1));
             } else {
-                lo = look_up_256(kTables.lo, idx, top);
-                hi = look_up_256(kTables.hi, idx, top);
+                lo = look_up_256<kOneTable>(kTables.lo, idx, top);
+                hi = look_up_256<kOneTable>(kTables.hi, idx, top);
                 const __m256i words = load32(p + 66);
                 const __m512i fields = _mm512_multishift_epi64_epi8(sign_fields, _mm512_castsi256_si512(words));
                 const __m512i signs = _mm512_permutex2var_epi8(signs_lo, fields, signs_hi);

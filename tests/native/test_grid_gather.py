@@ -1,7 +1,10 @@
-"""The i-quants whose grid look-ups may be gathered (iq2_s, iq3_xxs, iq3_s: AVX-512) take
-gathering or one-by-one loads by what is faster on the CPU, timed once per format; both must
-give the same bits. HYBRIDMOE_GRID_GATHER=0/1 forces each, in a process of its own (the
-choice is made once per process)."""
+"""Kernels chosen per CPU by timing, which must give the same bits either way (the choice is
+made once per process, so each setting runs in a process of its own):
+
+- the i-quants whose grid look-ups may be gathered (iq2_s, iq3_xxs, iq3_s: AVX-512) take
+  gathering or one-by-one loads (HYBRIDMOE_GRID_GATHER=0/1 forces each);
+- the byte-plane decode GEMVs of the iq2 / iq3 formats (AVX-512) look their grids up with
+  two-table or one-table byte permutes (HYBRIDMOE_ONE_TABLE_LOOKUPS=0/1)."""
 
 from __future__ import annotations
 
@@ -16,8 +19,6 @@ from hybridmoe.backend.engine import native_kernels
 
 pytestmark = pytest.mark.skipif(native_kernels._native is None, reason="native extension not built")
 
-FORMATS = ("iq2_s", "iq3_xxs", "iq3_s")
-
 _SCRIPT = r"""
 import sys
 import numpy as np, torch
@@ -28,11 +29,11 @@ out = {}
 for name in _native.isa_info()["supported"]:
     _native.set_isa(name)
     for fmt in sys.argv[2].split(","):
-        data = stored(fmt, 40, 512, seed=5)
+        data = stored(fmt, 40, 768, seed=5)  # three super-blocks a row: the iq2 planes' odd tail too
         tensor = torch.from_numpy(data)
-        linear = _native.DenseLinear(fmt, 512, [(40, [tensor.data_ptr(), 0, data.shape[1], 0])], False)
+        linear = _native.DenseLinear(fmt, 768, [(40, [tensor.data_ptr(), 0, data.shape[1], 0])], False)
         for tokens in (1, 3, 37):
-            x = torch.from_numpy(np.random.default_rng(tokens).standard_normal((tokens, 512)).astype(np.float32))
+            x = torch.from_numpy(np.random.default_rng(tokens).standard_normal((tokens, 768)).astype(np.float32))
             y = torch.empty(tokens, 40)
             linear.forward(x, y, 1 << 30)  # the GEMV (37: the many-token one)
             out[f"{name}/{fmt}/{tokens}"] = y.numpy()
@@ -40,17 +41,21 @@ np.savez(sys.argv[1], **out)
 """
 
 
-def _outputs(tmp_path, gather: str) -> dict:
-    path = tmp_path / f"gather{gather}.npz"
-    env = {**os.environ, "HYBRIDMOE_GRID_GATHER": gather}
-    subprocess.run([sys.executable, "-c", _SCRIPT, str(path), ",".join(FORMATS)], check=True, env=env,
+def _outputs(tmp_path, env_name: str, value: str, formats: tuple[str, ...]) -> dict:
+    path = tmp_path / f"{env_name}{value}.npz"
+    env = {**os.environ, env_name: value}
+    subprocess.run([sys.executable, "-c", _SCRIPT, str(path), ",".join(formats)], check=True, env=env,
                    cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
     with np.load(path) as f:
         return {k: f[k] for k in f.files}
 
 
-def test_gathered_and_loaded_grids_give_the_same_bits(tmp_path):
-    gathered, loaded = _outputs(tmp_path, "1"), _outputs(tmp_path, "0")
-    assert gathered.keys() == loaded.keys() and gathered
-    for key in gathered:
-        assert np.array_equal(gathered[key], loaded[key]), key
+@pytest.mark.parametrize("env_name, formats", [
+    ("HYBRIDMOE_GRID_GATHER", ("iq2_s", "iq3_xxs", "iq3_s")),
+    ("HYBRIDMOE_ONE_TABLE_LOOKUPS", ("iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs", "iq3_s")),
+])
+def test_both_ways_give_the_same_bits(tmp_path, env_name, formats):
+    on, off = _outputs(tmp_path, env_name, "1", formats), _outputs(tmp_path, env_name, "0", formats)
+    assert on.keys() == off.keys() and on
+    for key in on:
+        assert np.array_equal(on[key], off[key]), key
