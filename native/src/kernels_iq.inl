@@ -885,20 +885,26 @@ static bool first_is_faster(const char* env, A a, B b, int tokens) {
 
 #include "kernels_planes.inl"
 
-// The byte-plane GEMVs of one token with one-table or two-table look-ups (look_up_256), as
-// first_is_faster times them.
-template <Format F, bool kOneTable>
-static void planes_gemv1(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t K, const Q8Row* acts, int,
-                         float* out, int64_t ldo) {
+// The byte-plane GEMV of an iq2 / iq3 format, N tokens, with one-table or two-table look-ups
+// (look_up_256).
+template <Format F, int N, bool kOneTable>
+static void gemv_planes(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t K, const Q8Row* acts, float* out,
+                        int64_t ldo) {
     if constexpr (F == FMT_IQ3_XXS || F == FMT_IQ3_S)
-        gemv_iq3_planes<F, 1, kOneTable>(w, row0, nrows, K, acts, out, ldo);
+        gemv_iq3_planes<F, N, kOneTable>(w, row0, nrows, K, acts, out, ldo);
     else
-        gemv_iq2_planes<F, 1, kOneTable>(w, row0, nrows, K, acts, out, ldo);
+        gemv_iq2_planes<F, N, kOneTable>(w, row0, nrows, K, acts, out, ldo);
+}
+// Its one-token form in the signature first_is_faster times.
+template <Format F, bool kOneTable>
+static void gemv_planes_1(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t K, const Q8Row* acts, int,
+                          float* out, int64_t ldo) {
+    gemv_planes<F, 1, kOneTable>(w, row0, nrows, K, acts, out, ldo);
 }
 template <Format F>
 static bool one_table_look_ups() {
     static const bool faster =
-        first_is_faster<F>("HYBRIDMOE_ONE_TABLE_LOOKUPS", planes_gemv1<F, true>, planes_gemv1<F, false>, 1);
+        first_is_faster<F>("HYBRIDMOE_ONE_TABLE_LOOKUPS", gemv_planes_1<F, true>, gemv_planes_1<F, false>, 1);
     return faster;
 }
 #endif
@@ -911,13 +917,9 @@ static void gemv_iq_n(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t K
 #if defined(HMOE_AVX512)
     if constexpr (F == FMT_IQ1_S || F == FMT_IQ1_M)
         if (nrows > 0 && K >= 256) return gemv_iq_ahead_n<F, G, N>(w, row0, nrows, K, acts, out, ldo);
-    if constexpr (F == FMT_IQ2_XXS || F == FMT_IQ2_XS || F == FMT_IQ2_S) {
-        if (one_table_look_ups<F>()) return gemv_iq2_planes<F, N, true>(w, row0, nrows, K, acts, out, ldo);
-        return gemv_iq2_planes<F, N, false>(w, row0, nrows, K, acts, out, ldo);
-    }
-    if constexpr (F == FMT_IQ3_XXS || F == FMT_IQ3_S) {
-        if (one_table_look_ups<F>()) return gemv_iq3_planes<F, N, true>(w, row0, nrows, K, acts, out, ldo);
-        return gemv_iq3_planes<F, N, false>(w, row0, nrows, K, acts, out, ldo);
+    if constexpr (F == FMT_IQ2_XXS || F == FMT_IQ2_XS || F == FMT_IQ2_S || F == FMT_IQ3_XXS || F == FMT_IQ3_S) {
+        if (one_table_look_ups<F>()) return gemv_planes<F, N, true>(w, row0, nrows, K, acts, out, ldo);
+        return gemv_planes<F, N, false>(w, row0, nrows, K, acts, out, ldo);
     }
 #else
     // AVX2: iq2_s and iq3_s, whose decoders store the super-block's indices in vectors, also
