@@ -6,9 +6,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from hybridmoe.backend.hardware.cpu_kernels import PORTABLE_KERNEL_SET, native_kernel_set
+
 # The rate at which the engine's CPU kernels compute experts in a prefill, for the crossover
 # with streaming them to a GPU: cores × an assumed 2.5 GHz (a sustained all-core clock is not
-# knowable from here; the plan says so) × the fp32 FMA peak of the best vector ISA present ×
+# knowable from here; the plan says so) × the fp32 FMA peak of its native kernel set ×
 # the share of it the kernels reach. They multiply dequantized panels in fp32 (or int8 dot
 # products), never with AMX tiles or bf16 dot instructions, so those do not count: measured on
 # an H200 machine's host (Xeon, 16 cores, AVX-512 and AMX), the CPU experts of a 4K-token
@@ -16,11 +18,14 @@ from dataclasses import dataclass
 # AMX's peak (41 TFLOP/s), the streaming threshold was 5,201 tokens where the measured rates
 # put it at 189.
 ASSUMED_CPU_HZ = 2.5e9
-FLOPS_PER_CYCLE = (
-    ("avx512f", 64.0),  # two FMA ports × 16 fp32 × 2 flops
-    ("avx2", 32.0),  # two FMA ports × 8 fp32 × 2 flops
-)
-PORTABLE_FLOPS_PER_CYCLE = 8.0
+# By the native kernel set a CPU runs (hardware.cpu_kernels.native_kernel_set), not the widest
+# vector ISA it has: a Skylake-X or Cascade Lake has AVX-512 but runs the AVX2 set, whose
+# kernels never use 512-bit registers.
+FLOPS_PER_CYCLE = {
+    "avx512": 64.0,  # two FMA ports × 16 fp32 × 2 flops
+    "avx2": 32.0,  # two FMA ports × 8 fp32 × 2 flops
+    PORTABLE_KERNEL_SET: 8.0,
+}
 KERNEL_SHARE_OF_PEAK = 0.5
 
 # One all-reduce of a token's hidden state across the cards of one machine (a few KB: latency,
@@ -44,8 +49,7 @@ def experts_touched(n_experts: int, k: int, users: int) -> float:
 def cpu_flops(physical_cores: int | None, features: tuple[str, ...]) -> float | None:
     if not physical_cores:
         return None
-    per_cycle = next((f for name, f in FLOPS_PER_CYCLE if name in features), PORTABLE_FLOPS_PER_CYCLE)
-    return physical_cores * ASSUMED_CPU_HZ * per_cycle * KERNEL_SHARE_OF_PEAK
+    return physical_cores * ASSUMED_CPU_HZ * FLOPS_PER_CYCLE[native_kernel_set(features)] * KERNEL_SHARE_OF_PEAK
 
 
 def prefill_crossover_tokens(bits_per_weight: float, cpu_flops_per_s: float | None, pcie_bytes_per_s: float | None):

@@ -11,7 +11,7 @@ same bytes at the rates a backend is known to reach, and says where each rate ca
   decode reaches (``RATES``);
 * NUMA: of each socket beyond the first, the backend reads ``extra_socket_share`` locally;
 * the CPU's compute: the CPU experts' multiply-adds at ``estimate.cpu_flops`` (cores × an
-  assumed 2.5 GHz × the FMA rate of the best vector ISA × the kernels' share of it), so that a
+  assumed 2.5 GHz × the FMA rate of the kernel set it runs × the kernels' share of it), so that a
   step is never faster than the CPU can compute it (several conversations at once);
 * the i-quants' unpacking: the engine's kernels unpack an i-quant's weights from codebooks before
   multiplying them, and at a token a step on few cores that, not the reads, sets the experts'
@@ -35,8 +35,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hybridmoe.backend.hardware.cpu_kernels import KERNEL_SET_NAMES, native_kernel_set, native_kernel_set_lacks
-from hybridmoe.backend.plan.estimate import FLOPS_PER_CYCLE, PORTABLE_FLOPS_PER_CYCLE, DecodeEstimate
+from hybridmoe.backend.hardware.cpu_kernels import (
+    KERNEL_SET_NAMES,
+    PORTABLE_KERNEL_SET,
+    native_kernel_set,
+    native_kernel_set_lacks,
+)
+from hybridmoe.backend.plan.estimate import FLOPS_PER_CYCLE, DecodeEstimate
 
 # A sustained multi-threaded read of host memory (what the read probe measures) reaches about
 # this share of the DIMMs' theoretical figure (channels × MT/s × 8 B) on server and desktop
@@ -121,8 +126,8 @@ EXPERT_UNPACK_RATES_PER_CORE: dict[str, dict[str, float]] = {
         "iq3_s": 7.9e9,
     },
 }
-# The set the portable kernels' rates are scaled from: × estimate.PORTABLE_FLOPS_PER_CYCLE over
-# its FLOPS_PER_CYCLE (assumed, not measured: the unpacking goes as the kernels' vector width).
+# The set the portable kernels' rates are scaled from: × the portable set's estimate.FLOPS_PER_CYCLE
+# over this set's (assumed, not measured: the unpacking goes as the kernels' vector width).
 PORTABLE_UNPACK_SCALED_FROM = "avx2"
 
 
@@ -160,11 +165,11 @@ def documented_unpack_rate(expert_format: str | None, features: tuple[str, ...])
         return per_core, how, words
     # The portable kernels: the AVX2 set's rate scaled by the FMA widths (stated, not measured).
     base = KERNEL_SET_NAMES[PORTABLE_UNPACK_SCALED_FROM]
-    width = dict(FLOPS_PER_CYCLE)[PORTABLE_UNPACK_SCALED_FROM]
-    scale = PORTABLE_FLOPS_PER_CYCLE / width
+    width, portable = FLOPS_PER_CYCLE[PORTABLE_UNPACK_SCALED_FROM], FLOPS_PER_CYCLE[PORTABLE_KERNEL_SET]
+    scale = portable / width
     per_core = EXPERT_UNPACK_RATES_PER_CORE[PORTABLE_UNPACK_SCALED_FROM][expert_format] * scale
     how = (f"{per_core / 1e9:.1f} G weights/s a core, the documented rate for {expert_format} with the {base} "
-           f"kernels × {scale:g} for the portable kernels ({PORTABLE_FLOPS_PER_CYCLE:g} of {width:g} flops a cycle, "
+           f"kernels × {scale:g} for the portable kernels ({portable:g} of {width:g} flops a cycle, "
            "assumed")
     lacks = native_kernel_set_lacks(PORTABLE_UNPACK_SCALED_FROM, features)
     if "avx2" in features and lacks:
@@ -362,7 +367,7 @@ def expected_prefill(
         source = f"the engine's prompt rate measured on this machine ({where}{other})"
     elif cpu_flops_per_s:
         rate = cpu_flops_per_s
-        source = ("cores × an assumed 2.5 GHz × the fp32 FMA rate of the best vector ISA × 0.5, nothing measured "
+        source = ("cores × an assumed 2.5 GHz × the fp32 FMA rate of its kernel set × 0.5, nothing measured "
                   "on this machine yet")
     else:
         return Expected(None, "unknown: the CPU's core count is not known")

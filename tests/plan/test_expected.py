@@ -28,9 +28,16 @@ def deepseek():
     return inspect_model(CONFIGS / "deepseek-ai__DeepSeek-R1.json", expert_format="q4_k_m")
 
 
+# The flags of a CPU that runs the AVX-512 kernel set (the planner's compute rate follows the set:
+# estimate.cpu_flops), and of one with AVX-512 that runs the AVX2 set.
+ZEN4 = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512_bf16",
+        "avx512vbmi", "avx512_bitalg", "gfni")
+COOPER_LAKE = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512_bf16")
+
+
 def xeon(sockets: int, **kw):
     return describe(host_ram="1000GiB", cpu_model="Intel Xeon Gold 6454S", sockets=sockets, cores=32 * sockets,
-                    features=["avx2", "avx512f"], **kw)
+                    features=ZEN4, **kw)
 
 
 def test_cpu_only_expected_is_the_bytes_at_the_stated_rate(qwen30):
@@ -71,9 +78,17 @@ def test_the_cpu_compute_limits_many_conversations(qwen30):
     assert "compute" in plan.decode_expected_how_per_user
 
 
+def test_the_cpu_compute_rate_is_the_kernel_sets_not_the_widest_isas():
+    """A CPU with AVX-512 that lacks a flag of the AVX-512 kernel set runs the AVX2 set, whose
+    kernels never use 512-bit registers: half the flops a cycle, as an AVX2 CPU; the portable
+    set an eighth of AVX-512's."""
+    assert cpu_flops(4, COOPER_LAKE) == cpu_flops(4, ("avx2", "fma", "f16c")) == cpu_flops(4, ZEN4) / 2
+    assert cpu_flops(4, ("avx2", "avx512f")) == cpu_flops(4, ZEN4) / 8
+
+
 def test_the_engines_rate_measured_here_is_kept_and_used(qwen30, tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path))
-    here = HardwareProfile(cpu=CPU(model_name="Test CPU", physical_cores=4, sockets=1, features=("avx2",)),
+    here = HardwareProfile(cpu=CPU(model_name="Test CPU", physical_cores=4, sockets=1, features=("avx2", "fma", "f16c")),
                            memory=Memory(total_bytes=64 * GIB, available_bytes=64 * GIB,
                                          bandwidth_measured_bytes_per_s=40e9))
     wl = Workload(context=4096, strategy="cpu-only")
@@ -112,7 +127,7 @@ def test_the_engines_rate_measured_here_is_kept_and_used(qwen30, tmp_path, monke
 
 def test_hybrid_expected_adds_the_gpu_and_the_hand_offs(qwen30):
     machine = describe(gpu_model="RTX 2080", host_ram="64GiB", cpu_model="Intel Core i9-10900X", sockets=1, cores=10,
-                       features=["avx2", "avx512f"])
+                       features=ZEN4)
     plan = make(qwen30.spec, qwen30.inventory, machine, Workload(context=4096, backend="llamacpp"))
     rates = RATES["llamacpp"]
     cpu_layers = sum(1 for ids in plan.gpu_experts.values() if len(ids) < plan.n_routed_experts)
@@ -243,12 +258,9 @@ def test_a_card_of_unknown_bandwidth_is_left_out_and_said_so(qwen30):
 
 # The flags of a Zen 4 CPU that the native kernel sets look at (all the AVX-512 set's), and a
 # Cooper Lake's: AVX-512 with VNNI and BF16 but no VBMI, BITALG, GFNI, which takes the AVX2 set.
-ZEN4 = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512_bf16",
-        "avx512vbmi", "avx512_bitalg", "gfni")
-COOPER_LAKE = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512_bf16")
 
 
-def _this_machine(cores=4, features=("avx2", "avx512f"), probe=40e9):
+def _this_machine(cores=4, features=ZEN4, probe=40e9):
     return HardwareProfile(cpu=CPU(model_name="Test CPU", physical_cores=cores, sockets=1, features=features),
                            memory=Memory(total_bytes=64 * GIB, available_bytes=64 * GIB,
                                          bandwidth_measured_bytes_per_s=probe))
@@ -345,8 +357,13 @@ def test_an_i_quants_decode_is_set_by_its_unpacking_on_few_cores(tmp_path, monke
     assert ("the documented rate for iq2_xxs with the AVX2 kernels (this CPU has AVX-512 but not avx512vbmi, "
             "avx512_bitalg, gfni, which the AVX-512 kernels need)") in cooper.decode_expected_how
     # The portable kernels: the AVX2 rate × their FMA width over AVX2's (stated, not measured).
-    portable = make(iq2.spec, iq2.inventory, _this_machine(cores=2, features=("avx2", "avx512f")), wl)
-    assert portable.decode_tokens_per_s_expected == pytest.approx(unpack_bound(avx2_rate / 4))
+    # Their compute, at the portable set's FMA width too, then sets the step (and the text still
+    # says how the experts unpack).
+    no_fma = ("avx2", "avx512f")
+    portable = make(iq2.spec, iq2.inventory, _this_machine(cores=2, features=no_fma), wl)
+    compute = portable.prefill_cpu_flops_per_token / cpu_flops(2, no_fma)
+    assert compute > 1 / unpack_bound(avx2_rate / 4)
+    assert portable.decode_tokens_per_s_expected == pytest.approx(1 / compute)
     assert (f"{avx2_rate / 4e9:.1f} G weights/s a core, the documented rate for iq2_xxs with the AVX2 kernels × 0.25 "
             "for the portable kernels (8 of 32 flops a cycle, assumed; this CPU has AVX2 but not fma, f16c, which the "
             "AVX2 kernels need)") in portable.decode_expected_how

@@ -24,11 +24,16 @@ def kimi():
     return inspect_model(CONFIGS / "moonshotai__Kimi-K2.6.json")
 
 
+# Zen 5, as /proc/cpuinfo names its flags: every flag of the AVX-512 kernel set.
+EPYC_9355_FEATURES = ("avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni",
+                      "avx512_bf16", "avx512vbmi", "avx512_bitalg", "gfni")
+
+
 def epyc_host(ram=1536 * GIB, gpus=()):
     """Two EPYC 9355 sockets, 24 channels of DDR5-6400: 1,228.8 GB/s (docs/sizing.md §6)."""
     return HardwareProfile(
         cpu=CPU(model_name="AMD EPYC 9355", arch="x86_64", sockets=2, physical_cores=64, threads=128,
-                features=("avx2", "fma", "avx512f", "avx512_bf16")),
+                features=EPYC_9355_FEATURES),
         memory=Memory(total_bytes=ram, available_bytes=ram, bandwidth_theoretical_bytes_per_s=24 * 6400e6 * 8),
         gpus=tuple(gpus),
         described=True,
