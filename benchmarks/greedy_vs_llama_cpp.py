@@ -34,6 +34,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from hybridmoe.backend.bench.greedy import compare, distance  # noqa: E402
+
 
 def prompt_ids(n: int) -> list[int]:
     return [int(x) for x in np.random.default_rng(0).integers(100, 16000, size=n)]
@@ -100,11 +102,6 @@ def write_reference(model: str, prompt: list[int], steps: int, out: str) -> None
     np.savez(out, tokens=np.array(tokens), logits=np.stack(rows))
 
 
-def distance(rows: list[np.ndarray], ref: list[np.ndarray]) -> float:
-    """The mean over steps of the RMS gap between `rows` and `ref`, in units of `ref`'s spread."""
-    return float(np.mean([np.sqrt(((r - f) ** 2).mean()) / f.std() for r, f in zip(rows, ref)]))
-
-
 def held_to(name: str, rows: list[np.ndarray], tokens: list[int], ref: list[np.ndarray]) -> None:
     """How `rows` (logits before each of `tokens`) keep the reference's choices."""
     same, notes = 0, []
@@ -159,19 +156,12 @@ def main() -> None:
 
     theirs, their_logits = llama_rows(args.model, prompt, None, args.steps)
     for name in args.dtype.split(","):
-        same = 0
-        rows = engine_rows(args.model, prompt, theirs, args.steps, name)[1]
-        for i, (ours, token) in enumerate(zip(rows, theirs)):
-            best = int(ours.argmax())
-            if best == token:
-                same += 1
-            else:
-                ref = their_logits[i]
-                print(f"{name}: step {i}: engine {best}, llama.cpp {token}; llama.cpp's margin "
-                      f"{float(ref[token] - ref[best]):.4f}, the engine's {float(ours[best] - ours[token]):.4f}")
-        apart = distance(rows, their_logits)
-        print(f"{name}: the engine's greedy choice is llama.cpp's at {same} of {args.steps} steps; logits "
-              f"{apart:.4f} of the spread from llama.cpp's")
+        result = compare(theirs, their_logits, engine_rows(args.model, prompt, theirs, args.steps, name)[1])
+        for d in result["differences"]:
+            print(f"{name}: step {d['step']}: engine {d['engine']}, llama.cpp {d['llamacpp']}; llama.cpp's margin "
+                  f"{d['llamacpp_margin']:.4f}, the engine's {d['engine_margin']:.4f}")
+        print(f"{name}: the engine's greedy choice is llama.cpp's at {result['same']} of {args.steps} steps; logits "
+              f"{result['distance']:.4f} of the spread from llama.cpp's")
 
 
 if __name__ == "__main__":

@@ -216,10 +216,44 @@ def _run_paired(model: str, prompt_tokens: int, threads: int, pairs: int, tokens
             "ratios": [e / lc for e, lc in zip(rates["engine"], rates["llamacpp"])]}
 
 
+def _run_forced(model: str, prompt_tokens: int, threads: int, steps: int) -> dict:
+    """llama.cpp's greedy tokens after the prompt, and the engine fed the same ones (both in this
+    process): every step's choices compared (backend/bench/greedy.py)."""
+    import numpy as np
+
+    from hybridmoe.backend.bench import greedy
+    from hybridmoe.backend.llamacpp.model import RawModel
+
+    context = prompt_tokens + steps + 8
+    llm = RawModel(model, n_ctx=context, n_batch=2048, n_threads=threads)
+    try:
+        ids = _prompt(llm.n_vocab(), prompt_tokens)
+        tokens, theirs = [], []
+        logits = llm.eval(ids)
+        for _ in range(steps):
+            theirs.append(np.array(logits[-1], dtype=np.float32))
+            tokens.append(int(np.argmax(theirs[-1])))
+            logits = llm.eval([tokens[-1]])
+    finally:
+        llm.close()
+    net, plan = _load_engine(model, context, threads)
+    seq, chunk = net.sequence, plan.workload.prefill_chunk
+    for pos in range(0, len(ids), chunk):
+        (row,) = net.forward_batch([(seq, ids[pos : pos + chunk], pos)], prompt=True)
+    ours = []
+    for i, tok in enumerate(tokens):
+        ours.append(row.float().numpy().copy())  # the step's buffer may be the next step's
+        if i + 1 < len(tokens):
+            (row,) = net.forward_batch([(seq, [tok], len(ids) + i)])
+    return greedy.compare(tokens, theirs, ours)
+
+
 def run_worker(backend: str, model: str, prompt_tokens: int, gen_tokens: int, threads: int, repeats: int,
                pairs: int = 0) -> dict:
     if backend == "paired":
         return _run_paired(model, prompt_tokens, threads, pairs, gen_tokens)
+    if backend == "forced":
+        return _run_forced(model, prompt_tokens, threads, gen_tokens)
     runner = _run_engine if backend == "engine" else _run_llamacpp
     result = runner(model, prompt_tokens, gen_tokens, threads, repeats)
     result["rss_peak"] = _vm_hwm()
@@ -538,6 +572,7 @@ def breakdown_table(per: dict, passes: int, probes: int) -> list[str]:
 # The sweep's three measurements of each type: decode after a 64-token prompt (and the greedy
 # tokens), prefill of 512 tokens, decode after a 2048-token prompt.
 SWEEP_RUNS = (("decode_64", 64, 32), ("prefill_512", 512, 2), ("decode_2048", 2048, 32))
+SWEEP_GREEDY = (64, 32)  # the teacher-forced comparison's prompt and steps
 
 
 def sweep(model: str, types: list[str], *, workdir: str | Path | None = None, threads: int | None = None,
@@ -545,10 +580,13 @@ def sweep(model: str, types: list[str], *, workdir: str | Path | None = None, th
     """``measure`` on `model` retyped to each of `types` (a GGUF type for every routed expert
     tensor, or a mix of ``retype.MIXES``; backend/bench/retype.py), one file at a time (written
     into `workdir`, default beside the model, and removed after): one row per type of the
-    engine / llama.cpp ratios of SWEEP_RUNS, the greedy tokens the two share, and the engine's
-    share of the bandwidth probe."""
+    engine / llama.cpp ratios of SWEEP_RUNS, the engine's share of the bandwidth probe, and its
+    greedy choices against llama.cpp's, teacher-forced (SWEEP_GREEDY; backend/bench/greedy.py)."""
+    import psutil
+
     from hybridmoe.backend.bench import retype
 
+    cores = threads or psutil.cpu_count(logical=False) or 1
     workdir = Path(workdir or Path(model).parent)
     rows = []
     for i, fmt in enumerate(types):
@@ -564,6 +602,8 @@ def sweep(model: str, types: list[str], *, workdir: str | Path | None = None, th
                 summary = measure(str(files[0]), prompt_tokens=prompt, gen_tokens=gen, threads=threads, repeats=1,
                                   rounds=1, pairs=pairs if gen > 2 else 0, cancel=cancel)
                 row[key] = summary
+            prompt, gen = SWEEP_GREEDY
+            row["greedy"] = worker_result(_worker_cmd("forced", str(files[0]), prompt, gen, cores, 1), cancel)
         finally:
             for f in files:
                 f.unlink(missing_ok=True)
@@ -572,9 +612,11 @@ def sweep(model: str, types: list[str], *, workdir: str | Path | None = None, th
 
 
 def sweep_table(result: dict) -> str:
+    from hybridmoe.backend.bench import greedy
+
     lines = [f"{result['model']} retyped (routed experts, or the named mix): engine / llama.cpp, same file, same run",
-             f"{'type':11} {'GB':>5} {'greedy same':>11} {'decode@64':>10} {'of probe':>8} {'decode@2048':>12} "
-             f"{'prefill 512':>11}"]
+             f"{'type':11} {'GB':>5} {'decode@64':>10} {'of probe':>8} {'decode@2048':>12} {'prefill 512':>11}  "
+             "greedy, teacher-forced"]
 
     def ratio(summary: dict, key: str) -> str:
         paired = summary.get("paired") or {}
@@ -587,20 +629,22 @@ def sweep_table(result: dict) -> str:
         engine = d64["results"].get("engine", {})
         share = (d64.get("paired", {}).get("engine_of_probe")
                  or engine.get("per_token", {}).get("end_to_end", {}).get("of_probe"))
-        tokens = len(engine.get("tokens", ()))
-        same = f"{d64['greedy_tokens_in_common']}/{tokens}" if "greedy_tokens_in_common" in d64 else "-"
-        lines.append(f"{row['type']:11} {row['bytes'] / 1e9:5.2f} {same:>11} {ratio(d64, 'decode_ratio'):>10} "
+        forced = row.get("greedy", {})
+        same = greedy.in_words(forced) if "same" in forced else forced.get("error", "-")
+        lines.append(f"{row['type']:11} {row['bytes'] / 1e9:5.2f} {ratio(d64, 'decode_ratio'):>10} "
                      f"{(f'{share:.0%}' if share else '-'):>8} {ratio(d2k, 'decode_ratio'):>12} "
-                     f"{ratio(p512, 'prefill_ratio'):>11}")
+                     f"{ratio(p512, 'prefill_ratio'):>11}  {same}")
     lines.append("decode: the median ratio of passes in alternation in one process; prefill: medians of separate "
                  "processes; of probe: the engine's bytes per token at its decode rate (in alternation) against the "
-                 "read probe")
+                 f"read probe; greedy: llama.cpp's {SWEEP_GREEDY[1]} greedy tokens after a {SWEEP_GREEDY[0]}-token "
+                 "prompt, fed to the engine, at how many steps it chooses the same (a difference at a llama.cpp "
+                 f"margin under {greedy.NEAR_TIE:g} is a near tie)")
     return "\n".join(lines)
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--worker", choices=(*BACKENDS, "paired"), help=argparse.SUPPRESS)
+    p.add_argument("--worker", choices=(*BACKENDS, "paired", "forced"), help=argparse.SUPPRESS)
     p.add_argument("model")
     p.add_argument("--prompt-tokens", type=int, default=512)
     p.add_argument("--gen-tokens", type=int, default=64)

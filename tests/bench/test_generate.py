@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import statistics
 
+import numpy as np
 import pytest
 import torch
 
@@ -261,17 +262,54 @@ def test_a_run_keeps_the_engines_prompt_rate_and_an_i_quants_decoding_rate():
 
 def test_the_sweep_gives_the_engine_share_of_the_probe_at_its_paired_rate():
     """The sweep's "of probe" column: the paired passes' figure where they ran, else the
-    engine worker's own pass."""
+    engine worker's own pass; its greedy column the teacher-forced comparison's."""
     from hybridmoe.backend.bench.generate import sweep_table
 
     engine = {"tokens": [1] * 4, "per_token": {"end_to_end": {"of_probe": 0.5}}}
+    forced = {"steps": 4, "same": 4, "differences": [], "distance": 0.01}
 
     def row(paired: dict) -> dict:
         d64 = {"results": {"engine": engine}, "greedy_tokens_in_common": 4, "decode_ratio": 1.5, "paired": paired}
         return {"type": "iq2_xs", "bytes": 2e9, "decode_64": d64, "decode_2048": {"decode_ratio": 1.4},
-                "prefill_512": {"prefill_ratio": 1.1}}
+                "prefill_512": {"prefill_ratio": 1.1}, "greedy": forced}
 
     with_pairs = sweep_table({"model": "m.gguf", "types": [row({"median": 2.0, "engine_of_probe": 0.8})]})
-    assert with_pairs.splitlines()[2].split() == ["iq2_xs", "2.00", "4/4", "2.00x", "80%", "1.40x", "1.10x"]
+    assert with_pairs.splitlines()[2].split() == ["iq2_xs", "2.00", "2.00x", "80%", "1.40x", "1.10x", "4/4"]
     alone = sweep_table({"model": "m.gguf", "types": [row({})]})
-    assert alone.splitlines()[2].split() == ["iq2_xs", "2.00", "4/4", "1.50x", "50%", "1.40x", "1.10x"]
+    assert alone.splitlines()[2].split() == ["iq2_xs", "2.00", "1.50x", "50%", "1.40x", "1.10x", "4/4"]
+
+
+def test_teacher_forced_differences_carry_both_margins():
+    """Every step is compared (llama.cpp's tokens fed to both); a difference says how far apart
+    the two tokens were in each backend's logits, and the words say whether that was a near tie."""
+    from hybridmoe.backend.bench.greedy import compare, in_words
+
+    theirs = [np.array([0.0, 1.0, 0.5]), np.array([2.0, 0.0, 1.998]), np.array([0.0, 0.0, 3.0])]
+    ours = [np.array([0.0, 1.1, 0.4]), np.array([1.9, 0.0, 2.0]), np.array([0.5, 0.0, 2.0])]
+    result = compare([1, 0, 2], theirs, ours)
+    assert result["steps"] == 3 and result["same"] == 2
+    (d,) = result["differences"]
+    assert (d["step"], d["engine"], d["llamacpp"]) == (1, 2, 0)
+    assert d["llamacpp_margin"] == pytest.approx(0.002) and d["engine_margin"] == pytest.approx(0.1)
+    assert in_words(result) == "2/3 (near ties: llama.cpp margins up to 0.0020)"
+    theirs[2] = np.array([2.9, 0.0, 3.0])
+    ours[2] = np.array([3.0, 0.0, 2.0])
+    assert in_words(compare([1, 0, 2], theirs, ours)) == "1/3 (llama.cpp margins 0.0020, 0.1000)"
+    assert in_words(compare([1, 0, 2], theirs, theirs)) == "3/3"
+
+
+@pytest.mark.slow
+def test_the_forced_worker_compares_every_step_of_one_file(tiny_gguf):
+    """The sweep's greedy comparison on a real file: llama.cpp's greedy tokens, the engine fed
+    the same ones, in one process; on a Q8_0-sized tiny model the two choose alike."""
+    pytest.importorskip("llama_cpp")
+    from hybridmoe.backend.bench.generate import _worker_cmd, worker_result
+
+    result = worker_result(_worker_cmd("forced", str(tiny_gguf), 12, 6, 1, 1), None)
+    assert "error" not in result, result
+    assert result["steps"] == 6
+    # Each difference is a token llama.cpp ranked first and the engine did not.
+    assert all(d["llamacpp_margin"] >= 0 < d["engine_margin"] for d in result["differences"])
+    # The rows line up: the engine's logits before each of llama.cpp's tokens are close to its
+    # own (a row off by one step would be as far apart as two steps' logits).
+    assert 0 < result["distance"] < 0.1
