@@ -569,8 +569,8 @@ def breakdown_table(per: dict, passes: int, probes: int) -> list[str]:
     return lines
 
 
-# The sweep's three measurements of each type: decode after a 64-token prompt (and the greedy
-# tokens), prefill of 512 tokens, decode after a 2048-token prompt.
+# The sweep's three measurements of each type: decode after a 64-token prompt, prefill of 512
+# tokens, decode after a 2048-token prompt.
 SWEEP_RUNS = (("decode_64", 64, 32), ("prefill_512", 512, 2), ("decode_2048", 2048, 32))
 SWEEP_GREEDY = (64, 32)  # the teacher-forced comparison's prompt and steps
 
