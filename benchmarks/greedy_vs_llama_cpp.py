@@ -104,16 +104,10 @@ def write_reference(model: str, prompt: list[int], steps: int, out: str) -> None
 
 def held_to(name: str, rows: list[np.ndarray], tokens: list[int], ref: list[np.ndarray]) -> None:
     """How `rows` (logits before each of `tokens`) keep the reference's choices."""
-    same, notes = 0, []
-    for i, (row, token) in enumerate(zip(rows, tokens)):
-        best = int(np.argmax(row))
-        if best == token:
-            same += 1
-        elif len(notes) < 4:
-            notes.append(f"step {i}: the reference's margin {float(ref[i][token] - ref[i][best]):.4f}")
-    apart = distance(rows, ref)
-    print(f"{name}: the reference's token at {same} of {len(tokens)} steps; logits {apart:.4f} of the spread "
-          f"from the reference's" + (f" ({'; '.join(notes)})" if notes else ""), flush=True)
+    result = compare(tokens, ref, rows)
+    notes = [f"step {d['step']}: the reference's margin {d['llamacpp_margin']:.4f}" for d in result["differences"][:4]]
+    print(f"{name}: the reference's token at {result['same']} of {len(tokens)} steps; logits {result['distance']:.4f} "
+          f"of the spread from the reference's" + (f" ({'; '.join(notes)})" if notes else ""), flush=True)
 
 
 def main() -> None:

@@ -72,6 +72,14 @@ def _load_engine(model: str, context: int, threads: int):
     return EngineBackend().load(model, plan).model, plan
 
 
+def _prefill(net, ids: list[int], chunk: int):
+    """The prompt `ids` into the engine's one sequence from position 0, `chunk` tokens a call
+    (the plan's, as the app's scheduler calls it): the last token's logits."""
+    for pos in range(0, len(ids), chunk):
+        (logits,) = net.forward_batch([(net.sequence, ids[pos : pos + chunk], pos)], prompt=True)
+    return logits
+
+
 def _run_engine(model: str, prompt_tokens: int, gen_tokens: int, threads: int, repeats: int) -> dict:
     from hybridmoe.backend.engine import native_kernels, step_profile
     from hybridmoe.backend.text.sampling import Sampler, SamplingParams
@@ -81,7 +89,6 @@ def _run_engine(model: str, prompt_tokens: int, gen_tokens: int, threads: int, r
     load_s = time.perf_counter() - t0
     rss_load = _vm_hwm()
     ids = _prompt(net.config.require("vocab_size"), prompt_tokens)
-    chunk = plan.workload.prefill_chunk
     prefill, decode, decode_probe, probes, tokens = [], [], [], [], []
     profiles = []
     greedy = Sampler(SamplingParams(temperature=0))
@@ -89,8 +96,7 @@ def _run_engine(model: str, prompt_tokens: int, gen_tokens: int, threads: int, r
     # The model's entry point the app's scheduler calls (``batching``), one sequence.
     for rep in range(repeats + 1):  # the first pass warms up, untimed
         t0 = time.perf_counter()
-        for pos in range(0, len(ids), chunk):
-            (logits,) = net.forward_batch([(seq, ids[pos : pos + chunk], pos)], prompt=True)
+        logits = _prefill(net, ids, plan.workload.prefill_chunk)
         prefill_s = time.perf_counter() - t0
         tok = greedy.sample(logits)
         out = [tok]
@@ -182,9 +188,7 @@ def _run_paired(model: str, prompt_tokens: int, threads: int, pairs: int, tokens
     try:
         ids = _prompt(llm.n_vocab(), prompt_tokens)
         greedy, seq = Sampler(SamplingParams(temperature=0)), net.sequence
-        chunk = plan.workload.prefill_chunk
-        for pos in range(0, len(ids), chunk):
-            (logits,) = net.forward_batch([(seq, ids[pos : pos + chunk], pos)], prompt=True)
+        logits = _prefill(net, ids, plan.workload.prefill_chunk)
         state = {"engine": greedy.sample(logits), "llamacpp": int(np.argmax(llm.eval(ids)[-1]))}
 
         def engine(start: int) -> None:
@@ -237,9 +241,7 @@ def _run_forced(model: str, prompt_tokens: int, threads: int, steps: int) -> dic
     finally:
         llm.close()
     net, plan = _load_engine(model, context, threads)
-    seq, chunk = net.sequence, plan.workload.prefill_chunk
-    for pos in range(0, len(ids), chunk):
-        (row,) = net.forward_batch([(seq, ids[pos : pos + chunk], pos)], prompt=True)
+    seq, row = net.sequence, _prefill(net, ids, plan.workload.prefill_chunk)
     ours = []
     for i, tok in enumerate(tokens):
         ours.append(row.float().numpy().copy())  # the step's buffer may be the next step's

@@ -45,7 +45,6 @@ def in_words(result: dict) -> str:
     margins = [d["llamacpp_margin"] for d in result["differences"]]
     if not margins:
         return text
-    wide = [m for m in margins if m >= NEAR_TIE]
-    if not wide:
+    if all(m < NEAR_TIE for m in margins):
         return f"{text} (near ties: llama.cpp margins up to {max(margins):.4f})"
     return f"{text} (llama.cpp margins {', '.join(f'{m:.4f}' for m in sorted(margins))})"

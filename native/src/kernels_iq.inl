@@ -1845,10 +1845,10 @@ static void gemv_q8_iq_with(const MatrixRef& w, int64_t row0, int64_t nrows, int
 
 #if defined(HMOE_GRID_GATHER)
 // Whether gathering the grid look-ups is faster on this CPU than loading them one by one:
-// timed once per format, on first use (first_is_faster). It depends on the core, not on the format's bytes: on the
-// Xeon (AVX-512, AMX) gathering won for all three formats (iq2_s 24 -> 33, iq3_xxs 31 ->
-// 35, iq3_s 17 -> 27 G weights/s), on an AMD EPYC (Zen 4) it lost for two (iq3_xxs 13.5 ->
-// 8.9, iq2_s 11.4 -> 9.9) and won for iq3_s (7.5 -> 8.9): one token, one thread; since iq3_s's
+// timed once per format, on first use (first_is_faster). It depends on the core, not on the
+// format's bytes: on the Xeon (AVX-512, AMX) gathering won for all three formats (iq2_s 24 ->
+// 33, iq3_xxs 31 -> 35, iq3_s 17 -> 27 G weights/s), on an AMD EPYC (Zen 4) it lost for two
+// (iq3_xxs 13.5 -> 8.9, iq2_s 11.4 -> 9.9) and won for iq3_s (7.5 -> 8.9): one token, one thread; since iq3_s's
 // indices are computed per super-block in vectors and loaded a super-block ahead
 // (gemv_iq_ahead_n) loading wins there too (L2-resident, one token: 9.1 gathered, 13 loaded).
 // Both give the same values. HYBRIDMOE_GRID_GATHER=0 or 1 decides instead (tests take both).
