@@ -9,8 +9,9 @@ part); the backends take turns for `rounds` rounds, so that a machine whose
 speed drifts over minutes (a shared host) slows both alike. Reported: load time, peak RSS
 after load and at the end, prefill tokens/s on the prompt and decode tokens/s, medians over
 all timed passes. Then both backends in one process decode short passes in alternation
-(``_run_paired``), whose median ratio is the steadiest on a shared host. A benchmark, not a
-test: compare the ratios printed at the end.
+(``_run_paired``), whose median ratio is the steadiest on a shared host, and compare their
+greedy choices teacher-forced (backend/bench/greedy.py). A benchmark, not a test: compare the
+ratios printed at the end.
 """
 
 from __future__ import annotations
@@ -171,25 +172,30 @@ def _run_llamacpp(model: str, prompt_tokens: int, gen_tokens: int, threads: int,
             "decode_probe": decode_probe, "probe": probes, "tokens": tokens, "version": version("llama-cpp-python")}
 
 
+GREEDY_STEPS = 32  # the teacher-forced comparison's steps (after the run's prompt)
+
+
 def _run_paired(model: str, prompt_tokens: int, threads: int, pairs: int, tokens: int) -> dict:
     """Both backends in one process, decoding in alternation from the same prompt: in pair i each
     decodes `tokens` tokens at the same positions, right after the other (which goes first
     alternates). On a shared host whose bandwidth moves by tens of percent within minutes, the
     ratio of two passes a fraction of a second apart is steadier than that of medians taken
-    minutes apart in separate processes; its median over the pairs is the figure."""
+    minutes apart in separate processes; its median over the pairs is the figure. Then, both
+    rewound to the prompt, their greedy choices teacher-forced ("greedy": ``_forced``)."""
     import numpy as np
 
     from hybridmoe.backend.llamacpp.model import RawModel
     from hybridmoe.backend.text.sampling import Sampler, SamplingParams
 
-    context = prompt_tokens + pairs * tokens + 8
+    context = prompt_tokens + max(pairs * tokens, GREEDY_STEPS) + 8
     net, plan = _load_engine(model, context, threads)
     llm = RawModel(model, n_ctx=context, n_batch=2048, n_threads=threads)
     try:
         ids = _prompt(llm.n_vocab(), prompt_tokens)
         greedy, seq = Sampler(SamplingParams(temperature=0)), net.sequence
-        logits = _prefill(net, ids, plan.workload.prefill_chunk)
-        state = {"engine": greedy.sample(logits), "llamacpp": int(np.argmax(llm.eval(ids)[-1]))}
+        firsts = (_prefill(net, ids, plan.workload.prefill_chunk).float().numpy().copy(),
+                  np.array(llm.eval(ids)[-1], dtype=np.float32))
+        state = {"engine": int(np.argmax(firsts[0])), "llamacpp": int(np.argmax(firsts[1]))}
 
         def engine(start: int) -> None:
             tok = state["engine"]
@@ -214,39 +220,28 @@ def _run_paired(model: str, prompt_tokens: int, threads: int, pairs: int, tokens
                 (engine if name == "engine" else llama)(start)
                 rates[name].append(tokens / (time.perf_counter() - t0))
         probes.append(_probe(threads))
+        forced = _forced(net, llm, len(ids), firsts)
     finally:
         llm.close()
     return {"pairs": pairs, "tokens": tokens, **rates, "probe": probes,
-            "ratios": [e / lc for e, lc in zip(rates["engine"], rates["llamacpp"])]}
+            "ratios": [e / lc for e, lc in zip(rates["engine"], rates["llamacpp"])], "greedy": forced}
 
 
-def _run_forced(model: str, prompt_tokens: int, threads: int, steps: int) -> dict:
-    """llama.cpp's greedy tokens after the prompt, and the engine fed the same ones (both in this
-    process): every step's choices compared (backend/bench/greedy.py)."""
+def _forced(net, llm, prompt_tokens: int, firsts) -> dict:
+    """llama.cpp's GREEDY_STEPS greedy tokens after the prompt, and the engine fed the same ones,
+    both from their logits after the prompt (`firsts`: the engine's, llama.cpp's) with their
+    caches rewound to it: every step's choices compared (backend/bench/greedy.py)."""
     import numpy as np
 
     from hybridmoe.backend.bench import greedy
-    from hybridmoe.backend.llamacpp.model import RawModel
 
-    context = prompt_tokens + steps + 8
-    llm = RawModel(model, n_ctx=context, n_batch=2048, n_threads=threads)
-    try:
-        ids = _prompt(llm.n_vocab(), prompt_tokens)
-        tokens, theirs = [], []
-        logits = llm.eval(ids)
-        for _ in range(steps):
-            theirs.append(np.array(logits[-1], dtype=np.float32))
-            tokens.append(int(np.argmax(theirs[-1])))
-            logits = llm.eval([tokens[-1]])
-    finally:
-        llm.close()
-    net, plan = _load_engine(model, context, threads)
-    seq, row = net.sequence, _prefill(net, ids, plan.workload.prefill_chunk)
-    ours = []
-    for i, tok in enumerate(tokens):
+    ours, theirs, tokens = [firsts[0]], [firsts[1]], [int(np.argmax(firsts[1]))]
+    llm.rewind(prompt_tokens)
+    for i in range(GREEDY_STEPS - 1):
+        (row,) = net.forward_batch([(net.sequence, [tokens[-1]], prompt_tokens + i)])
         ours.append(row.float().numpy().copy())  # the step's buffer may be the next step's
-        if i + 1 < len(tokens):
-            (row,) = net.forward_batch([(seq, [tok], len(ids) + i)])
+        theirs.append(np.array(llm.eval([tokens[-1]])[-1], dtype=np.float32))
+        tokens.append(int(np.argmax(theirs[-1])))
     return greedy.compare(tokens, theirs, ours)
 
 
@@ -254,8 +249,6 @@ def run_worker(backend: str, model: str, prompt_tokens: int, gen_tokens: int, th
                pairs: int = 0) -> dict:
     if backend == "paired":
         return _run_paired(model, prompt_tokens, threads, pairs, gen_tokens)
-    if backend == "forced":
-        return _run_forced(model, prompt_tokens, threads, gen_tokens)
     runner = _run_engine if backend == "engine" else _run_llamacpp
     result = runner(model, prompt_tokens, gen_tokens, threads, repeats)
     result["rss_peak"] = _vm_hwm()
@@ -523,10 +516,17 @@ def table(summary: dict) -> str:
         if "plan_bytes_per_token" in engine:  # what `hybridmoe plan --strategy cpu-only` promised
             lines.append(f"the plan's figure: {engine['plan_bytes_per_token'] / 1e6:.1f} MB read per token (its cache "
                          f"at the full {engine['plan_context']} tokens)")
+    forced = (summary.get("paired") or {}).get("greedy")
     if "decode_ratio" in summary:
         tokens = len(engine.get("tokens", ()))
         common = summary["greedy_tokens_in_common"]
-        agree = "the same" if summary["same_greedy_tokens"] else f"the same for the first {common} of {tokens}"
+        if forced:  # the free-running prefix ends at the first near tie; the forced comparison does not
+            from hybridmoe.backend.bench import greedy
+
+            agree = (f"teacher-forced: {greedy.in_words(forced)} the same, logits {forced['distance']:.3f} of their "
+                     "spread apart")
+        else:
+            agree = "the same" if summary["same_greedy_tokens"] else f"the same for the first {common} of {tokens}"
         if "decode_ratio_at_wall" in summary:
             lines.append(f"llama.cpp read {summary['llamacpp_of_probe']:.0%} of the probe on the same bytes per token: "
                          f"at the wall, decode would be {summary['decode_ratio_at_wall']:.2f}x llama.cpp's")
@@ -574,7 +574,6 @@ def breakdown_table(per: dict, passes: int, probes: int) -> list[str]:
 # The sweep's three measurements of each type: decode after a 64-token prompt, prefill of 512
 # tokens, decode after a 2048-token prompt.
 SWEEP_RUNS = (("decode_64", 64, 32), ("prefill_512", 512, 2), ("decode_2048", 2048, 32))
-SWEEP_GREEDY = (64, 32)  # the teacher-forced comparison's prompt and steps
 
 
 def sweep(model: str, types: list[str], *, workdir: str | Path | None = None, threads: int | None = None,
@@ -583,12 +582,10 @@ def sweep(model: str, types: list[str], *, workdir: str | Path | None = None, th
     tensor, or a mix of ``retype.MIXES``; backend/bench/retype.py), one file at a time (written
     into `workdir`, default beside the model, and removed after): one row per type of the
     engine / llama.cpp ratios of SWEEP_RUNS, the engine's share of the bandwidth probe, and its
-    greedy choices against llama.cpp's, teacher-forced (SWEEP_GREEDY; backend/bench/greedy.py)."""
-    import psutil
-
+    greedy choices against llama.cpp's, teacher-forced after the decode_64 run's prompt (its
+    paired worker's; backend/bench/greedy.py)."""
     from hybridmoe.backend.bench import retype
 
-    cores = threads or psutil.cpu_count(logical=False) or 1
     workdir = Path(workdir or Path(model).parent)
     rows = []
     for i, fmt in enumerate(types):
@@ -604,8 +601,6 @@ def sweep(model: str, types: list[str], *, workdir: str | Path | None = None, th
                 summary = measure(str(files[0]), prompt_tokens=prompt, gen_tokens=gen, threads=threads, repeats=1,
                                   rounds=1, pairs=pairs if gen > 2 else 0, cancel=cancel)
                 row[key] = summary
-            prompt, gen = SWEEP_GREEDY
-            row["greedy"] = worker_result(_worker_cmd("forced", str(files[0]), prompt, gen, cores, 1), cancel)
         finally:
             for f in files:
                 f.unlink(missing_ok=True)
@@ -631,14 +626,14 @@ def sweep_table(result: dict) -> str:
         engine = d64["results"].get("engine", {})
         share = (d64.get("paired", {}).get("engine_of_probe")
                  or engine.get("per_token", {}).get("end_to_end", {}).get("of_probe"))
-        forced = row.get("greedy", {})
+        forced = d64.get("paired", {}).get("greedy", {})
         same = greedy.in_words(forced) if "same" in forced else forced.get("error", "-")
         lines.append(f"{row['type']:11} {row['bytes'] / 1e9:5.2f} {ratio(d64, 'decode_ratio'):>10} "
                      f"{(f'{share:.0%}' if share else '-'):>8} {ratio(d2k, 'decode_ratio'):>12} "
                      f"{ratio(p512, 'prefill_ratio'):>11}  {same}")
     lines.append("decode: the median ratio of passes in alternation in one process; prefill: medians of separate "
                  "processes; of probe: the engine's bytes per token at its decode rate (in alternation) against the "
-                 f"read probe; greedy: llama.cpp's {SWEEP_GREEDY[1]} greedy tokens after a {SWEEP_GREEDY[0]}-token "
+                 f"read probe; greedy: llama.cpp's {GREEDY_STEPS} greedy tokens after a {SWEEP_RUNS[0][1]}-token "
                  "prompt, fed to the engine, at how many steps it chooses the same (a difference at a llama.cpp "
                  f"margin under {greedy.NEAR_TIE:g} is a near tie)")
     return "\n".join(lines)
@@ -646,7 +641,7 @@ def sweep_table(result: dict) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--worker", choices=(*BACKENDS, "paired", "forced"), help=argparse.SUPPRESS)
+    p.add_argument("--worker", choices=(*BACKENDS, "paired"), help=argparse.SUPPRESS)
     p.add_argument("model")
     p.add_argument("--prompt-tokens", type=int, default=512)
     p.add_argument("--gen-tokens", type=int, default=64)

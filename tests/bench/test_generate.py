@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from hybridmoe.app import cli
+from hybridmoe.backend.bench.generate import GREEDY_STEPS
 from hybridmoe.backend.engine import native_kernels, step_profile
 from hybridmoe.backend.engine.session import EngineBackend
 from hybridmoe.backend.hardware import detect
@@ -146,10 +147,19 @@ def test_both_backends_decode_in_alternation_in_one_process(tiny_gguf, capsys):
     assert len(paired["probe"]) == 2 and all(p > 0 for p in paired["probe"])
     assert paired["engine_of_probe"] == pytest.approx(
         nbytes * statistics.median(paired["engine"]) / statistics.median(paired["probe"]))
+    # Then both rewound to the prompt: llama.cpp's greedy tokens fed to the engine, every step
+    # compared; each difference a token llama.cpp ranked first and the engine did not.
+    forced = paired["greedy"]
+    assert forced["steps"] == GREEDY_STEPS and len(forced["differences"]) == GREEDY_STEPS - forced["same"]
+    assert all(d["llamacpp_margin"] >= 0 < d["engine_margin"] for d in forced["differences"])
+    # The rows line up: the engine's logits before each of llama.cpp's tokens are close to its
+    # own (a row off by one step, or a cache not rewound, would be as far apart as two steps').
+    assert 0 < forced["distance"] < 0.1
     cli.main(["bench", "generate", str(tiny_gguf), "--prompt-tokens", "16", "--gen-tokens", "5", "--threads", "1",
               "--repeats", "1", "--rounds", "1", "--pairs", "2"])
     text = capsys.readouterr().out
     assert "in alternation in one process (2 pairs of 16-token passes at the same positions): decode" in text
+    assert "; greedy tokens teacher-forced: " in text and f"/{GREEDY_STEPS}" in text
     assert "the engine at " in text and "% of the probe)" in text
 
 
@@ -271,12 +281,13 @@ def test_the_sweep_gives_the_engine_share_of_the_probe_at_its_paired_rate():
     def row(paired: dict) -> dict:
         d64 = {"results": {"engine": engine}, "greedy_tokens_in_common": 4, "decode_ratio": 1.5, "paired": paired}
         return {"type": "iq2_xs", "bytes": 2e9, "decode_64": d64, "decode_2048": {"decode_ratio": 1.4},
-                "prefill_512": {"prefill_ratio": 1.1}, "greedy": forced}
+                "prefill_512": {"prefill_ratio": 1.1}}
 
-    with_pairs = sweep_table({"model": "m.gguf", "types": [row({"median": 2.0, "engine_of_probe": 0.8})]})
+    paired = {"median": 2.0, "engine_of_probe": 0.8, "greedy": forced}
+    with_pairs = sweep_table({"model": "m.gguf", "types": [row(paired)]})
     assert with_pairs.splitlines()[2].split() == ["iq2_xs", "2.00", "2.00x", "80%", "1.40x", "1.10x", "4/4"]
-    alone = sweep_table({"model": "m.gguf", "types": [row({})]})
-    assert alone.splitlines()[2].split() == ["iq2_xs", "2.00", "1.50x", "50%", "1.40x", "1.10x", "4/4"]
+    alone = sweep_table({"model": "m.gguf", "types": [row({})]})  # no pairs: no forced comparison either
+    assert alone.splitlines()[2].split() == ["iq2_xs", "2.00", "1.50x", "50%", "1.40x", "1.10x", "-"]
 
 
 def test_teacher_forced_differences_carry_both_margins():
@@ -296,20 +307,3 @@ def test_teacher_forced_differences_carry_both_margins():
     ours[2] = np.array([3.0, 0.0, 2.0])
     assert in_words(compare([1, 0, 2], theirs, ours)) == "1/3 (llama.cpp margins 0.0020, 0.1000)"
     assert in_words(compare([1, 0, 2], theirs, theirs)) == "3/3"
-
-
-@pytest.mark.slow
-def test_the_forced_worker_compares_every_step_of_one_file(tiny_gguf):
-    """The sweep's greedy comparison on a real file: llama.cpp's greedy tokens, the engine fed
-    the same ones, in one process; on a Q8_0-sized tiny model the two choose alike."""
-    pytest.importorskip("llama_cpp")
-    from hybridmoe.backend.bench.generate import _worker_cmd, worker_result
-
-    result = worker_result(_worker_cmd("forced", str(tiny_gguf), 12, 6, 1, 1), None)
-    assert "error" not in result, result
-    assert result["steps"] == 6
-    # Each difference is a token llama.cpp ranked first and the engine did not.
-    assert all(d["llamacpp_margin"] >= 0 < d["engine_margin"] for d in result["differences"])
-    # The rows line up: the engine's logits before each of llama.cpp's tokens are close to its
-    # own (a row off by one step would be as far apart as two steps' logits).
-    assert 0 < result["distance"] < 0.1
