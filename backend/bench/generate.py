@@ -518,15 +518,15 @@ def table(summary: dict) -> str:
                          f"at the full {engine['plan_context']} tokens)")
     forced = (summary.get("paired") or {}).get("greedy")
     if "decode_ratio" in summary:
-        tokens = len(engine.get("tokens", ()))
-        common = summary["greedy_tokens_in_common"]
         if forced:  # the free-running prefix ends at the first near tie; the forced comparison does not
             from hybridmoe.backend.bench import greedy
 
             agree = (f"teacher-forced: {greedy.in_words(forced)} the same, logits {forced['distance']:.3f} of their "
                      "spread apart")
+        elif summary["same_greedy_tokens"]:
+            agree = "the same"
         else:
-            agree = "the same" if summary["same_greedy_tokens"] else f"the same for the first {common} of {tokens}"
+            agree = f"the same for the first {summary['greedy_tokens_in_common']} of {len(engine.get('tokens', ()))}"
         if "decode_ratio_at_wall" in summary:
             lines.append(f"llama.cpp read {summary['llamacpp_of_probe']:.0%} of the probe on the same bytes per token: "
                          f"at the wall, decode would be {summary['decode_ratio_at_wall']:.2f}x llama.cpp's")
