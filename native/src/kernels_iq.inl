@@ -111,7 +111,7 @@ constexpr bool kGatherByDefault = false;
 #if defined(HMOE_AVX512)
 // grid4 / grid8 on AVX-512 by the word indices a decoder stored a super-block ahead (iq1_s,
 // iq1_m, iq2_xs, iq2_s, iq3_s) or by the block's own index bytes (iq3_xxs), written out (now for
-// iq1's decode GEMV and the others' prompt panels, kernels_planes.inl doing their decode): in the unrolled
+// iq1_m's decode GEMV and the prompt panels, kernels_planes.inl doing the others' decode): in the unrolled
 // decode GEMV GCC parks indices in vector registers between their load and the look-up
 // (vmovq there and back, two more micro-ops each). Four indices come in with one 64-bit
 // load and are taken apart in registers (fewer loads: the look-ups are most of the decode's).
@@ -552,7 +552,7 @@ static inline IqQuarter iq1_values_quarter(const uint64_t* table, const uint16_t
 }
 
 #if defined(HMOE_AVX512)
-// iq1's decode GEMV on AVX-512 (gemv_iq1_n): a quarter as the unsigned bytes s x |8g + delta|
+// iq1_m's decode GEMV on AVX-512 (iq1_tokens): a quarter as the unsigned bytes s x |8g + delta|
 // (at most 15 x 9 = 135: vpdpbusd's unsigned operand) and the values v = 8g + delta themselves,
 // whose signs go onto the activations (vpsignb; v is never zero), so that one vpdpbusd per
 // token and quarter gives lane i = sum over bytes 4i .. 4i + 3 of s v a: lane by lane the
@@ -575,24 +575,6 @@ struct Iq1ScaleTable {
     }
 };
 inline constexpr Iq1ScaleTable kIq1ScaleTable{};
-// iq1_s, whose scale and delta are per quarter: by the quarter's top four qh bits (the scale
-// field, the delta's sign), the 16 bytes s x |v| and the 16 bytes v by code j = g & 3 (0: g = 0,
-// 1: g = 1, 3: g = -1; 2 never occurs), each looked up with one vpshufb.
-struct Iq1sDotTable {
-    alignas(32) int8_t row[16][32];
-    constexpr Iq1sDotTable() : row{} {
-        for (int r = 0; r < 16; ++r) {
-            const int s = 2 * (r & 7) + 1, delta = r & 8 ? -1 : 1;
-            const int v[4] = {delta, 8 + delta, 1, -8 + delta};
-            for (int j = 0; j < 16; ++j) {
-                const int vj = v[j & 3];
-                row[r][j] = int8_t(uint8_t(s * (vj < 0 ? -vj : vj)));
-                row[r][16 + j] = int8_t(vj);
-            }
-        }
-    }
-};
-inline constexpr Iq1sDotTable kIq1sDotTable{};
 static inline Iq1Dot iq1_dot(__m256i v, const uint8_t* row) {
     const __m256i table = _mm256_load_si256(reinterpret_cast<const __m256i*>(row));
     return {_mm256_shuffle_epi8(table, _mm256_abs_epi8(v)), v};
@@ -602,9 +584,6 @@ static inline Iq1Dot iq1_dot(__m256i v, const uint8_t* row) {
 template <bool Gather>
 struct IqBlock<FMT_IQ1_S, Gather> {
     const uint8_t* p;
-#if defined(HMOE_AVX512)
-    alignas(32) uint32_t row[8];  // dot(): each quarter's table row
-#endif
     // The 32 eleven-bit grid indices in vectors, as iq2_s's: the three high bits of entry k
     // are bits 3k .. 3k + 2 of the quarter's qh word, which a multiply by 2^(8 - 3k) brings
     // to bits 8-10 (k = 3: a shift right by one, the high half of a multiply by 2^15).
@@ -626,12 +605,6 @@ struct IqBlock<FMT_IQ1_S, Gather> {
             _mm256_store_si256(reinterpret_cast<__m256i*>(index + 16 * half), _mm256_or_si256(low, high));
         }
         index_in_memory(index);
-#if defined(HMOE_AVX512)
-        // dot(): each quarter's row of kIq1sDotTable (its qh word's top four bits), in bytes.
-        _mm256_store_si256(reinterpret_cast<__m256i*>(row),
-                           _mm256_slli_epi32(_mm256_srli_epi32(_mm256_cvtepu16_epi32(qh), 12), 5));
-        index_in_memory(row);
-#endif
     }
     float d() const { return h2f(p) * 0.125f; }
     IqQuarter quarter(int ib) const {
@@ -640,15 +613,6 @@ struct IqBlock<FMT_IQ1_S, Gather> {
         const int s = 2 * (qh >> 12 & 7) + 1;
         return iq1_values_quarter(kIq1Values.entry + (qh >> 4 & 2048), i, _mm256_set1_epi16(short(s)), s, s);
     }
-#if defined(HMOE_AVX512)
-    Iq1Dot dot(int ib) const {
-        const uint16_t* i = index + 4 * ib;
-        const int8_t* r = kIq1sDotTable.row[0] + row[ib];
-        const __m256i j = _mm256_and_si256(grid4_words(kIq1sGrid, i), _mm256_set1_epi8(3));
-        return {_mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(r))), j),
-                _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(r + 16))), j)};
-    }
-#endif
 };
 
 template <bool Gather>
@@ -776,8 +740,8 @@ static inline void iq1_tokens(const Iq1Dot* q, float d, const Q8Row* acts, int64
 }
 #endif
 
-// The decode GEMV on AVX-512 of iq1_s and iq1_m (the iq2 / iq3 formats' is kernels_planes.inl's;
-// it served iq2_xs / iq2_s / iq3_s before, figures below), and on AVX2 of iq2_s and iq3_s
+// The decode GEMV on AVX-512 of iq1_m (iq1_s's and the iq2 / iq3 formats' is kernels_planes.inl's;
+// it served iq1_s, iq2_xs / iq2_s / iq3_s before, figures below), and on AVX2 of iq2_s and iq3_s
 // (gemv_iq_n), whose decoders store per-super-block arrays (indices, signs, scales, table
 // rows): each super-block's IqBlock
 // built one super-block ahead (across rows too), into one of two fixed slots in turn, so that
@@ -807,7 +771,7 @@ template <Format F, bool G, int N>
     const auto step = [&](const Blk& b) {
         prefetch_span(b.p + kPrefetchAheadK, kBytes);
 #if defined(HMOE_AVX512)
-        if constexpr (F == FMT_IQ1_S || F == FMT_IQ1_M) {
+        if constexpr (F == FMT_IQ1_M) {
             Iq1Dot q[8];
 #pragma GCC unroll 8
             for (int ib = 0; ib < 8; ++ib) q[ib] = b.dot(ib);
@@ -915,9 +879,10 @@ template <Format F, bool G, int N>
 static void gemv_iq_n(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t K, const Q8Row* acts, float* out,
                       int64_t ldo) {
 #if defined(HMOE_AVX512)
-    if constexpr (F == FMT_IQ1_S || F == FMT_IQ1_M)
+    if constexpr (F == FMT_IQ1_M)
         if (nrows > 0 && K >= 256) return gemv_iq_ahead_n<F, G, N>(w, row0, nrows, K, acts, out, ldo);
-    if constexpr (F == FMT_IQ2_XXS || F == FMT_IQ2_XS || F == FMT_IQ2_S || F == FMT_IQ3_XXS || F == FMT_IQ3_S) {
+    if constexpr (F == FMT_IQ1_S || F == FMT_IQ2_XXS || F == FMT_IQ2_XS || F == FMT_IQ2_S || F == FMT_IQ3_XXS ||
+                  F == FMT_IQ3_S) {
         if (one_table_look_ups<F>()) return gemv_planes<F, N, true>(w, row0, nrows, K, acts, out, ldo);
         return gemv_planes<F, N, false>(w, row0, nrows, K, acts, out, ldo);
     }
@@ -1080,8 +1045,8 @@ static void gemv_iq_many(const MatrixRef& w, int64_t row0, int64_t nrows, int64_
 #if defined(HMOE_AVX512)
 // Prompts on AVX-512, formats whose values stay within +-62 (all that come here; iq4_xs,
 // which reaches 127, takes the 32-block GEMV): a GEMM
-// micro-kernel with 16 rows in the vector lanes and the tokens broadcast. (Below, iq1_s and
-// iq1_m's form; the iq2 / iq3 formats, whose decode sums per quarter, take the same loop over
+// micro-kernel with 16 rows in the vector lanes and the tokens broadcast. (Below, iq1_m's form;
+// iq1_s and the iq2 / iq3 formats, whose decode sums per quarter, take the same loop over
 // QuarterPanel.) The integers each
 // token needs are gemv_iq_n's eight lanes per super-block (lane i: bytes 4i .. 4i + 3 of every
 // quarter, times the quarter's scale for those bytes), each with its own float FMA, so every
@@ -1371,7 +1336,7 @@ static void gemm_iq_512(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t
         for (int64_t sb = 0; sb < nsb; ++sb) xds[size_t(sb * ntok + t)] = acts[t].d[8 * sb];
     __m512* const f = reinterpret_cast<__m512*>(aligned64(f_buf, int64_t(ntok) * 8 * 16));
     // The formats whose decode GEMV sums per quarter (kernels_planes.inl): see QuarterPanel.
-    constexpr bool kQuarters = F != FMT_IQ1_S && F != FMT_IQ1_M;
+    constexpr bool kQuarters = F != FMT_IQ1_M;
     constexpr int kGroups = F == FMT_IQ2_XS || F == FMT_IQ2_S ? 16 : 8;
     alignas(64) std::conditional_t<kQuarters, QuarterPanel<kGroups>, IqPanel> P;
     // The blocks are read super-block by super-block across 16 rows, not along a row, which

@@ -1,5 +1,5 @@
-// The decode GEMV of the iq2 and iq3 formats (iq2_xxs, iq2_xs, iq2_s, iq3_xxs, iq3_s) on AVX-512
-// by byte planes: the grid look-ups done 64 entries at a time with vpermb / vpermi2b (VBMI)
+// The decode GEMV of iq1_s and the iq2 and iq3 formats (iq2_xxs, iq2_xs, iq2_s, iq3_xxs, iq3_s) on
+// AVX-512 by byte planes: the grid look-ups done 64 entries at a time with vpermb / vpermi2b (VBMI)
 // instead of one load per entry. Included by kernels_iq.inl in the AVX-512 set only
 // (dispatch.cpp requires VBMI, GFNI and BITALG there).
 //
@@ -26,8 +26,13 @@
 // activations (vpshufbitqmb picks each entry's sign bit of a plane from its quarter's 32 sign
 // bits, a masked subtract applies it): 4 planes of 64 per super-block.
 //
+// iq1_s (values -1, 0, 1 and a delta of +-1/8 per quarter) is iq2's shape without signs: the
+// codes g + 1 of a 2048-entry grid are vpdpbusd's unsigned operand as they are (Iq1sPlanes).
+//
 // One core of the 2-core Zen 4, L2-resident 768 x 2048, one token, before -> now: iq2_xxs 17.9
 // -> 43, iq2_xs 16.9 -> 32, iq2_s 17.8 -> 27, iq3_xxs 14.0 -> 32, iq3_s 13.9 -> 29 G weights/s.
+// iq1_s on the Ice Lake, medians of four alternations of the builds: 12.1 -> 18.4 (768 x 2048),
+// 13.0 -> 16.4 (2048 x 768).
 
 static inline uint64_t load_u64(const uint8_t* p) {
     uint64_t v;
@@ -67,6 +72,21 @@ constexpr const auto& iq2_plane_codes() {
     else
         return kIq2sCodes;
 }
+
+// iq1_s (a grid of 2048 entries of eight values -1, 0 or 1): codes g + 1 (0, 1, 2) of an entry's
+// values 0-3 (lo) and 4-7 (hi), value j at bits 2j: vpdpbusd's unsigned operand as they are (times
+// 8, see Iq1sPlanes), the +1 taken off with the activations' sums.
+struct alignas(64) Iq1sPlaneCodes {
+    uint8_t lo[2048], hi[2048];
+    constexpr Iq1sPlaneCodes() : lo{}, hi{} {
+        for (int e = 0; e < 2048; ++e)
+            for (int j = 0; j < 4; ++j) {
+                lo[e] = uint8_t(lo[e] | (int(int8_t(uint8_t(kIq1sGrid[e] >> (8 * j)))) + 1) << (2 * j));
+                hi[e] = uint8_t(hi[e] | (int(int8_t(uint8_t(kIq1sGrid[e] >> (8 * (j + 4))))) + 1) << (2 * j));
+            }
+    }
+};
+inline constexpr Iq1sPlaneCodes kIq1sCodes{};
 
 // value[h]: the signed value + 64 of plane 2k + h by index bits [c_2k, c_2k+1, s_2k, s_2k+1].
 struct alignas(64) Iq2PlaneValues {
@@ -145,22 +165,7 @@ struct alignas(64) HighRuns {
 };
 inline constexpr HighRuns<512> kIq3sHighRuns{kIq3sPlanes.hi};
 inline constexpr HighRuns<1024> kIq2sHighRuns{kIq2sCodes.hi};
-
-// The high codes of index idx (its low byte; ninth, tenth: its bits 8 and 9).
-template <int kEntries>
-static inline __m512i high_codes(const HighRuns<kEntries>& t, __m512i idx, __mmask64 ninth, __mmask64 tenth) {
-    __m512i group = _mm512_and_si512(_mm512_srli_epi16(idx, 3), _mm512_set1_epi8(0x1F));
-    group = _mm512_mask_add_epi8(group, ninth, group, _mm512_set1_epi8(0x20));
-    const auto look_up = [&](const uint8_t* table) {  // 1024 entries: the tenth bit picks the table's half
-        const __m512i low = _mm512_permutexvar_epi8(group, _mm512_load_si512(table));
-        if constexpr (kEntries == 512) return low;
-        return _mm512_mask_permutexvar_epi8(low, tenth, group, _mm512_load_si512(table + 64));
-    };
-    const __m512i before = _mm512_and_si512(look_up(t.steps), _mm512_permutexvar_epi8(idx, _mm512_load_si512(t.prefix)));
-    const __m512i run = _mm512_add_epi8(look_up(t.base), _mm512_popcnt_epi8(before));
-    if (t.run_is_code) return run;
-    return _mm512_permutex2var_epi8(_mm512_load_si512(t.code), run, _mm512_load_si512(t.code + 64));
-}
+inline constexpr HighRuns<2048> kIq1sHighRuns{kIq1sCodes.hi};
 
 // gf2p8affineqb's matrix (the row of output bit i in byte 7 - i) moving the signs of values j and
 // j + 1 of an entry to bits 4 and 5: from a byte of eight sign bits (iq2_s), or from seven
@@ -211,6 +216,36 @@ static inline __m512i look_up_1024(const uint8_t* table, __m512i idx, __mmask64 
                                   look_up_512<kOneTable>(table + 512, idx, top, ninth));
 }
 
+// 2048 entries: the eleventh bit picks between two 1024.
+template <bool kOneTable>
+static inline __m512i look_up_2048(const uint8_t* table, __m512i idx, __mmask64 top, __mmask64 ninth, __mmask64 tenth,
+                                   __mmask64 eleventh) {
+    return _mm512_mask_blend_epi8(eleventh, look_up_1024<kOneTable>(table, idx, top, ninth, tenth),
+                                  look_up_1024<kOneTable>(table + 1024, idx, top, ninth, tenth));
+}
+
+// The high codes of index idx (its low byte; ninth, tenth, eleventh: its bits 8, 9 and 10).
+template <int kEntries>
+static inline __m512i high_codes(const HighRuns<kEntries>& t, __m512i idx, __mmask64 ninth, __mmask64 tenth,
+                                 __mmask64 eleventh = 0) {
+    __m512i group = _mm512_and_si512(_mm512_srli_epi16(idx, 3), _mm512_set1_epi8(0x1F));
+    group = _mm512_mask_add_epi8(group, ninth, group, _mm512_set1_epi8(0x20));
+    if constexpr (kEntries == 2048) group = _mm512_mask_add_epi8(group, tenth, group, _mm512_set1_epi8(0x40));
+    const auto look_up = [&](const uint8_t* table) {
+        if constexpr (kEntries == 2048) {  // 256 groups: the eleventh bit is the group's top
+            return look_up_256<true>(table, group, eleventh);
+        } else {  // 512: 64 groups; 1024: 128, the tenth bit picking the table's half
+            const __m512i low = _mm512_permutexvar_epi8(group, _mm512_load_si512(table));
+            if constexpr (kEntries == 512) return low;
+            return _mm512_mask_permutexvar_epi8(low, tenth, group, _mm512_load_si512(table + 64));
+        }
+    };
+    const __m512i before = _mm512_and_si512(look_up(t.steps), _mm512_permutexvar_epi8(idx, _mm512_load_si512(t.prefix)));
+    const __m512i run = _mm512_add_epi8(look_up(t.base), _mm512_popcnt_epi8(before));
+    if (t.run_is_code) return run;
+    return _mm512_permutex2var_epi8(_mm512_load_si512(t.code), run, _mm512_load_si512(t.code + 64));
+}
+
 // ---- the activations in plane order -------------------------------------------------------
 
 // Per token, once per call, into a per-thread buffer: byte i of plane j = value j of entry i,
@@ -241,7 +276,7 @@ static void chunk_to_planes(const int8_t* q, int8_t* out) {
 
 template <Format F>
 static PlaneActs plane_acts(const Q8Row& a, int64_t K, int slot) {
-    constexpr bool kIq2 = F == FMT_IQ2_XXS || F == FMT_IQ2_XS || F == FMT_IQ2_S;
+    constexpr bool kIq2 = F == FMT_IQ2_XXS || F == FMT_IQ2_XS || F == FMT_IQ2_S || F == FMT_IQ1_S;  // 8-value entries
     constexpr int kSpan = kIq2 ? 512 : 256;
     const int64_t nchunks = (K + kSpan - 1) / kSpan;
     thread_local std::vector<int8_t> q_buf[kMaxGemvTokens];
@@ -355,6 +390,51 @@ struct Iq2Planes {
     }
 };
 
+// Two super-blocks of iq1_s as planes (p: entries 0-31, p2: 32-63; if null, zeros): the codes
+// g + 1 of values 0-3 and 4-7 (four to a byte; plane(j) takes value j's out, times 8), and per
+// quarter lane (0-7: p's, 8-15: p2's) the scale 2s + 1 and the activations' sums' multiplier
+// -(8 - delta) as an int16 pair. Quarter q's integer sum of (8g + delta) a is then the pairs'
+// madd plus the planes' vpdpbusd, 8 (g + 1) a: the prompt panel's (QuarterPanel, the values
+// 8g + delta as they are) exactly, so both times 2s + 1 give the same floats.
+template <bool kOneTable>
+struct Iq1sPlanes {
+    __m512i code[2];  // values 0-3, 4-7
+    __m512i scale;    // int32 lanes
+    __m512i offset;   // int16 pairs
+
+    Iq1sPlanes(const uint8_t* p, const uint8_t* p2) {
+        const bool two = p2 != nullptr;
+        const __m512i idx = _mm512_inserti64x4(_mm512_castsi256_si512(load32(p + 2)), two ? load32(p2 + 2) : _mm256_setzero_si256(), 1);
+        // qh at 34: a 16-bit word per quarter, entry k's index bits 8-10 at its bits 3k .. 3k + 2,
+        // the scale at 12-14 and the delta's sign at 15.
+        const uint64_t h[4] = {load_u64(p + 34), load_u64(p + 42), two ? load_u64(p2 + 34) : 0, two ? load_u64(p2 + 42) : 0};
+        const auto index_bit = [&](int b) {  // bit 8 + b of the 64 entries' indices
+            constexpr uint64_t kFirst = 0x0249024902490249ULL;
+            return __mmask64(_pext_u64(h[0], kFirst << b) | _pext_u64(h[1], kFirst << b) << 16 |
+                             _pext_u64(h[2], kFirst << b) << 32 | _pext_u64(h[3], kFirst << b) << 48);
+        };
+        const __mmask64 ninth = index_bit(0), tenth = index_bit(1), eleventh = index_bit(2);
+        code[0] = look_up_2048<kOneTable>(kIq1sCodes.lo, idx, _mm512_movepi8_mask(idx), ninth, tenth, eleventh);
+        code[1] = high_codes(kIq1sHighRuns, idx, ninth, tenth, eleventh);
+        const __m128i qa = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 34));
+        const __m128i qb = two ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(p2 + 34)) : _mm_setzero_si128();
+        const __m512i words = _mm512_cvtepu16_epi32(_mm256_inserti128_si256(_mm256_castsi128_si256(qa), qb, 1));
+        scale = _mm512_add_epi32(_mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(words, 12), _mm512_set1_epi32(7)), 1),
+                                 _mm512_set1_epi32(1));
+        const __m512i negative = _mm512_srli_epi32(words, 15);
+        const __m512i m = _mm512_sub_epi32(_mm512_set1_epi32(-7), _mm512_add_epi32(negative, negative));  // -7 or -9
+        offset = _mm512_or_si512(_mm512_and_si512(m, _mm512_set1_epi32(0xFFFF)), _mm512_slli_epi32(m, 16));
+    }
+
+    // Value j's codes times 8 (0, 8, 16): gf2p8affineqb moving bits 2 (j % 4) and 2 (j % 4) + 1
+    // (of the byte of values 0-3 or 4-7) to bits 3 and 4.
+    __m512i plane(int j) const {
+        const int b = 2 * (j % 4);
+        const uint64_t matrix = uint64_t(1) << b << (8 * (7 - 3)) | uint64_t(1) << (b + 1) << (8 * (7 - 4));
+        return _mm512_gf2p8affine_epi64_epi8(code[j / 4], _mm512_set1_epi64(int64_t(matrix)), 0);
+    }
+};
+
 // iq2_xxs / iq2_xs / iq2_s, up to four tokens: two super-blocks a step, their 16 quarters in
 // the 16 dword lanes, each quarter's integer from the offset's share -64 x (its activations'
 // sum, times the scale per 16 for iq2_xs / iq2_s, whose per-plane pairs vpdpwssd scales;
@@ -381,6 +461,26 @@ static void gemv_iq2_planes(const MatrixRef& w, int64_t row0, int64_t nrows, int
     const auto products = [&](const uint8_t* a, const uint8_t* b, int64_t c) {
         Products out;
         prefetch_span(a + kPrefetchAheadK, 2 * kBytes);
+        if constexpr (F == FMT_IQ1_S) {
+            const Iq1sPlanes<kOneTable> blk(a, b);
+            __m512i sums[N], odd_sums[N];  // two chains, as below
+            for (int t = 0; t < N; ++t) {
+                sums[t] = _mm512_madd_epi16(_mm512_load_si512(pa[t].sums + 32 * c), blk.offset);
+                odd_sums[t] = _mm512_setzero_si512();
+            }
+#pragma GCC unroll 4
+            for (int k = 0; k < 4; ++k) {
+                const __m512i v0 = blk.plane(2 * k), v1 = blk.plane(2 * k + 1);
+                for (int t = 0; t < N; ++t) {
+                    const int8_t* q = pa[t].q + 512 * c + 128 * k;
+                    sums[t] = _mm512_dpbusd_epi32(sums[t], v0, _mm512_load_si512(q));
+                    odd_sums[t] = _mm512_dpbusd_epi32(odd_sums[t], v1, _mm512_load_si512(q + 64));
+                }
+            }
+            for (int t = 0; t < N; ++t)
+                out.v[t] = _mm512_cvtepi32_ps(_mm512_mullo_epi32(_mm512_add_epi32(sums[t], odd_sums[t]), blk.scale));
+            return out;
+        }
         const Iq2Planes<F, kOneTable> blk(a, b);
         // -64 x the activations' sums per 16 values (pairs added; iq2_xs / iq2_s: scaled).
         const __m512i offset = kXxs ? _mm512_set1_epi16(-64) : _mm512_mullo_epi16(blk.scale, _mm512_set1_epi16(-64));

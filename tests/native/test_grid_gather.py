@@ -3,7 +3,7 @@ made once per process, so each setting runs in a process of its own):
 
 - the i-quants whose grid look-ups may be gathered (iq2_s, iq3_xxs, iq3_s: AVX-512) take
   gathering or one-by-one loads (HYBRIDMOE_GRID_GATHER=0/1 forces each);
-- the byte-plane decode GEMVs of the iq2 / iq3 formats (AVX-512) look their grids up with
+- the byte-plane decode GEMVs of iq1_s and the iq2 / iq3 formats (AVX-512) look their grids up with
   two-table or one-table byte permutes (HYBRIDMOE_ONE_TABLE_LOOKUPS=0/1)."""
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ out = {}
 for name in _native.isa_info()["supported"]:
     _native.set_isa(name)
     for fmt in sys.argv[2].split(","):
-        data = stored(fmt, 40, 768, seed=5)  # three super-blocks a row: the iq2 planes' odd tail too
+        data = stored(fmt, 40, 768, seed=5)  # three super-blocks a row: the iq1 / iq2 planes' odd tail too
         tensor = torch.from_numpy(data)
         linear = _native.DenseLinear(fmt, 768, [(40, [tensor.data_ptr(), 0, data.shape[1], 0])], False)
         for tokens in (1, 3, 37):
@@ -52,7 +52,7 @@ def _outputs(tmp_path, env_name: str, value: str, formats: tuple[str, ...]) -> d
 
 @pytest.mark.parametrize("env_name, formats", [
     ("HYBRIDMOE_GRID_GATHER", ("iq2_s", "iq3_xxs", "iq3_s")),
-    ("HYBRIDMOE_ONE_TABLE_LOOKUPS", ("iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs", "iq3_s")),
+    ("HYBRIDMOE_ONE_TABLE_LOOKUPS", ("iq1_s", "iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs", "iq3_s")),
 ])
 def test_both_ways_give_the_same_bits(tmp_path, env_name, formats):
     on, off = _outputs(tmp_path, env_name, "1", formats), _outputs(tmp_path, env_name, "0", formats)
