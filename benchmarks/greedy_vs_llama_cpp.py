@@ -4,7 +4,8 @@ says at each step whether its best token is llama.cpp's, and where not, both mar
 gap between the two tokens in llama.cpp's logits and in the engine's): a difference at a
 margin under about 5e-3 is a near tie that rounding decides.
 
-    python benchmarks/greedy_vs_llama_cpp.py FILE.gguf [--dtype auto,bf16,fp32] [--steps 32] [--reference | --llama-self]
+    python benchmarks/greedy_vs_llama_cpp.py FILE.gguf [--dtype auto,bf16,fp32] [--steps 32] [--text PROMPT]
+        [--reference | --llama-self]
 
 `--reference` asks who is right where they differ: the exact product of the file's weights
 (the engine's PyTorch path with the native kernels off, in float32: every weight
@@ -37,8 +38,18 @@ sys.path.insert(0, str(ROOT))
 from hybridmoe.backend.bench.greedy import compare, distance  # noqa: E402
 
 
-def prompt_ids(n: int) -> list[int]:
-    return [int(x) for x in np.random.default_rng(0).integers(100, 16000, size=n)]
+def prompt_ids(model: str, n: int, text: str | None) -> list[int]:
+    """`text` in the model's tokens, or else `n` random ids of its vocabulary."""
+    from hybridmoe.backend.llamacpp.model import RawModel
+
+    llm = RawModel(model, n_ctx=64, n_threads=1)
+    try:
+        if text is not None:
+            return llm.tokenize(text.encode())
+        top = min(16000, llm.n_vocab())  # 16000: the figures of earlier runs on the 16384-token models
+        return [int(x) for x in np.random.default_rng(0).integers(min(100, top // 2), top, size=n)]
+    finally:
+        llm.close()
 
 
 def engine_rows(model: str, prompt: list[int], forced: list[int] | None, steps: int,
@@ -86,12 +97,12 @@ def llama_rows(model: str, prompt: list[int], forced: list[int] | None, steps: i
     return tokens, rows
 
 
-def reference(model: str, prompt_tokens: int, steps: int) -> tuple[list[int], list[np.ndarray]]:
+def reference(model: str, prompt_args: list[str], steps: int) -> tuple[list[int], list[np.ndarray]]:
     """The exact product's greedy tokens and logits, from a process with the kernels off."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "reference.npz"
         subprocess.run([sys.executable, __file__, model, "--write-reference", str(out), "--steps", str(steps),
-                        "--prompt-tokens", str(prompt_tokens)], check=True,
+                        *prompt_args], check=True,
                        env={**os.environ, "HYBRIDMOE_NATIVE": "0"})
         z = np.load(out)
         return z["tokens"].tolist(), list(z["logits"])
@@ -117,12 +128,14 @@ def main() -> None:
                    help="engine compute dtypes to try, comma-separated: auto (the engine's own: float32 activations "
                         "and a float16 cache on the CPU), bf16, fp32 (with a float16 cache)")
     p.add_argument("--steps", type=int, default=32)
-    p.add_argument("--prompt-tokens", type=int, default=64)
+    p.add_argument("--prompt-tokens", type=int, default=64, help="a prompt of this many random tokens")
+    p.add_argument("--text", help="this prompt instead (a trained model's: benchmarks/trained_tiny.py)")
     p.add_argument("--reference", action="store_true", help="hold both to the exact product of the weights")
     p.add_argument("--llama-self", action="store_true", help="llama.cpp against itself, its prompt in batches of 8")
     p.add_argument("--write-reference", help=argparse.SUPPRESS)
     args = p.parse_args()
-    prompt = prompt_ids(args.prompt_tokens)
+    prompt = prompt_ids(args.model, args.prompt_tokens, args.text)
+    prompt_args = ["--prompt-tokens", str(args.prompt_tokens)] + (["--text", args.text] if args.text is not None else [])
     if args.write_reference:
         return write_reference(args.model, prompt, args.steps, args.write_reference)
 
@@ -142,7 +155,7 @@ def main() -> None:
         return
 
     if args.reference:
-        tokens, ref = reference(args.model, args.prompt_tokens, args.steps)
+        tokens, ref = reference(args.model, prompt_args, args.steps)
         held_to("llama.cpp", llama_rows(args.model, prompt, tokens, args.steps)[1], tokens, ref)
         for name in args.dtype.split(","):
             held_to(f"engine {name}", engine_rows(args.model, prompt, tokens, args.steps, name)[1], tokens, ref)

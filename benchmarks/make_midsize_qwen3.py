@@ -52,9 +52,10 @@ def _corpus(seed: int = 0, lines: int = 20000) -> list[str]:
             + f" {rng.randrange(100000)}" for _ in range(lines)]
 
 
-def write_tokenizer(directory: Path) -> int:
+def write_tokenizer(directory: Path, corpus: list[str] | None = None, vocab: int = VOCAB) -> int:
     """A byte-level BPE (Qwen2's split expression, as the converter tests' tokenizers) of
-    exactly VOCAB tokens, with ChatML; returns its size."""
+    exactly `vocab` tokens trained on `corpus` (default: the pseudo-words), with ChatML; returns
+    its size."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
     from tests.convert.conftest import CHATML, QWEN2_SPLIT, write_tokenizer as write_hf_tokenizer
@@ -65,9 +66,9 @@ def write_tokenizer(directory: Path) -> int:
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
     ])
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    trainer = trainers.BpeTrainer(vocab_size=vocab, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   special_tokens=list(SPECIALS), show_progress=False)
-    tok.train_from_iterator(_corpus(), trainer)
+    tok.train_from_iterator(_corpus() if corpus is None else corpus, trainer)
     write_hf_tokenizer(directory, tok, {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "bos_token": None,
                                         "add_bos_token": False})
     (directory / "chat_template.jinja").write_text(CHATML, encoding="utf-8")
