@@ -551,36 +551,6 @@ static inline IqQuarter iq1_values_quarter(const uint64_t* table, const uint16_t
     return {_mm256_abs_epi8(v), signs_of(v), scale, lo, hi};
 }
 
-#if defined(HMOE_AVX512)
-// iq1_m's decode GEMV on AVX-512 (iq1_tokens): a quarter as the unsigned bytes s x |8g + delta|
-// (at most 15 x 9 = 135: vpdpbusd's unsigned operand) and the values v = 8g + delta themselves,
-// whose signs go onto the activations (vpsignb; v is never zero), so that one vpdpbusd per
-// token and quarter gives lane i = sum over bytes 4i .. 4i + 3 of s v a: lane by lane the
-// integers of iq_tokens' vpmaddubsw + vpdpwssd with the scale pair (exact both ways: the int16
-// pairs never saturate), hence the same floats. Per token and quarter two instructions where
-// iq_tokens has three; per quarter the decoder drops the sign mask and the scale pair.
-// iq1_m's s x |v| through vpshufb: a 32-byte row per 6-bit scale field (lo: the first 16
-// values' scale, hi: the second's), byte j of each half the scale times j (j <= 15: <= 225).
-struct Iq1Dot {
-    __m256i u, v;
-};
-struct Iq1ScaleTable {
-    alignas(32) uint8_t row[64][32];
-    constexpr Iq1ScaleTable() : row{} {
-        for (int sc = 0; sc < 64; ++sc)
-            for (int j = 0; j < 16; ++j) {
-                row[sc][j] = uint8_t((2 * (sc & 7) + 1) * j);
-                row[sc][16 + j] = uint8_t((2 * (sc >> 3) + 1) * j);
-            }
-    }
-};
-inline constexpr Iq1ScaleTable kIq1ScaleTable{};
-static inline Iq1Dot iq1_dot(__m256i v, const uint8_t* row) {
-    const __m256i table = _mm256_load_si256(reinterpret_cast<const __m256i*>(row));
-    return {_mm256_shuffle_epi8(table, _mm256_abs_epi8(v)), v};
-}
-#endif
-
 template <bool Gather>
 struct IqBlock<FMT_IQ1_S, Gather> {
     const uint8_t* p;
@@ -615,15 +585,20 @@ struct IqBlock<FMT_IQ1_S, Gather> {
     }
 };
 
+// iq1_m's d (times 1/8, the delta's unit): a float16 in the top nibbles of its four scale words.
+static inline float iq1m_d(const uint8_t* p) {
+    const uint16_t s0 = load_u16(p + 48), s1 = load_u16(p + 50), s2 = load_u16(p + 52), s3 = load_u16(p + 54);
+    const uint16_t bits = uint16_t((s0 >> 12) | ((s1 >> 8) & 0x00F0) | ((s2 >> 4) & 0x0F00) | (s3 & 0xF000));
+    return _cvtsh_ss(bits) * 0.125f;
+}
+
 template <bool Gather>
 struct IqBlock<FMT_IQ1_M, Gather> {
     const uint8_t* p;
     // The 32 indices into kIq1Values (a nibble of qh each gives the grid index's high three
     // bits and, fourth, the delta's: a multiply by 256 or 16) in vectors, for the whole super-block.
     alignas(32) uint16_t index[32];
-#if defined(HMOE_AVX512)
-    alignas(32) uint32_t row[8];  // dot(): each quarter's table row
-#else
+#if !defined(HMOE_AVX512)
     __m128i scales;  // iq1m_scales: a shuffle and a widening per quarter (nibble_scale_pair)
 
     // The sixteen 3-bit scale fields of the four words at sc as 2 s + 1, byte 2 ib + h (h = 0:
@@ -657,21 +632,8 @@ struct IqBlock<FMT_IQ1_M, Gather> {
             _mm256_store_si256(reinterpret_cast<__m256i*>(index + 16 * half), _mm256_or_si256(low, high));
         }
         index_in_memory(index);
-#if defined(HMOE_AVX512)
-        // dot(): quarter ib's row of kIq1ScaleTable, in bytes: its 6-bit field, bits 6 (ib % 2) ..
-        // of scale word ib / 2.
-        const __m256i words = _mm256_cvtepu16_epi32(_mm_shuffle_epi8(
-            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 48)), _mm_setr_epi8(0, 1, 0, 1, 2, 3, 2, 3, 4, 5, 4, 5, 6, 7, 6, 7)));
-        const __m256i field = _mm256_srlv_epi32(words, _mm256_setr_epi32(0, 6, 0, 6, 0, 6, 0, 6));
-        _mm256_store_si256(reinterpret_cast<__m256i*>(row), _mm256_and_si256(_mm256_slli_epi32(field, 5), _mm256_set1_epi32(63 * 32)));
-        index_in_memory(row);
-#endif
     }
-    float d() const {
-        const uint16_t s0 = load_u16(p + 48), s1 = load_u16(p + 50), s2 = load_u16(p + 52), s3 = load_u16(p + 54);
-        const uint16_t bits = uint16_t((s0 >> 12) | ((s1 >> 8) & 0x00F0) | ((s2 >> 4) & 0x0F00) | (s3 & 0xF000));
-        return _cvtsh_ss(bits) * 0.125f;
-    }
+    float d() const { return iq1m_d(p); }
     IqQuarter quarter(int ib) const {
         const uint16_t* i = index + 4 * ib;
         const int sc = load_u16(p + 48 + 2 * (ib / 2)) >> (6 * (ib % 2));
@@ -682,12 +644,6 @@ struct IqBlock<FMT_IQ1_M, Gather> {
         return iq1_values_quarter(kIq1Values.entry, i, nibble_scale_pair(scales, ib), lo, hi);
 #endif
     }
-#if defined(HMOE_AVX512)
-    Iq1Dot dot(int ib) const {
-        const uint16_t* i = index + 4 * ib;
-        return iq1_dot(grid4_words(kIq1Values.entry, i), kIq1ScaleTable.row[0] + row[ib]);
-    }
-#endif
 };
 
 template <bool Gather>
@@ -720,26 +676,6 @@ static inline void iq_tokens(const IqQuarter* q, float d, const Q8Row* acts, int
         acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * acts[t].d[8 * sb]), _mm256_cvtepi32_ps(sums[t]), acc[t]);
 }
 
-#if defined(HMOE_AVX512)
-// iq_tokens for Iq1Dot quarters: the even and odd quarters in two chains of vpdpbusd (half
-// the latency), added before the conversion (integers: the same lane sums).
-template <int N>
-static inline void iq1_tokens(const Iq1Dot* q, float d, const Q8Row* acts, int64_t sb, __m256* acc) {
-    __m256i sums[2][N];
-    for (int t = 0; t < N; ++t) sums[0][t] = sums[1][t] = _mm256_setzero_si256();
-#pragma GCC unroll 8
-    for (int ib = 0; ib < 8; ++ib) {
-        for (int t = 0; t < N; ++t) {
-            const __m256i a = _mm256_sign_epi8(load32(acts[t].q + 256 * sb + 32 * ib), q[ib].v);
-            sums[ib & 1][t] = _mm256_dpbusd_epi32(sums[ib & 1][t], q[ib].u, a);
-        }
-    }
-    for (int t = 0; t < N; ++t)
-        acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(d * acts[t].d[8 * sb]),
-                                 _mm256_cvtepi32_ps(_mm256_add_epi32(sums[0][t], sums[1][t])), acc[t]);
-}
-#endif
-
 // The decode GEMV on AVX-512 of iq1_m (iq1_s's and the iq2 / iq3 formats' is kernels_planes.inl's;
 // it served iq1_s, iq2_xs / iq2_s / iq3_s before, figures below), and on AVX2 of iq2_s and iq3_s
 // (gemv_iq_n), whose decoders store per-super-block arrays (indices, signs, scales, table
@@ -770,20 +706,10 @@ template <Format F, bool G, int N>
     for (int t = 0; t < N; ++t) acc[t] = _mm256_setzero_ps();
     const auto step = [&](const Blk& b) {
         prefetch_span(b.p + kPrefetchAheadK, kBytes);
-#if defined(HMOE_AVX512)
-        if constexpr (F == FMT_IQ1_M) {
-            Iq1Dot q[8];
+        IqQuarter q[8];
 #pragma GCC unroll 8
-            for (int ib = 0; ib < 8; ++ib) q[ib] = b.dot(ib);
-            iq1_tokens<N>(q, b.d(), acts, sb, acc);
-        } else
-#endif
-        {
-            IqQuarter q[8];
-#pragma GCC unroll 8
-            for (int ib = 0; ib < 8; ++ib) q[ib] = b.quarter(ib);
-            iq_tokens<N>(q, b.d(), acts, sb, acc);
-        }
+        for (int ib = 0; ib < 8; ++ib) q[ib] = b.quarter(ib);
+        iq_tokens<N>(q, b.d(), acts, sb, acc);
         if (++sb == nsb) {
             for (int t = 0; t < N; ++t) out[t * ldo + r] = hsum_ps(acc[t]), acc[t] = _mm256_setzero_ps();
             sb = 0;
@@ -879,9 +805,7 @@ template <Format F, bool G, int N>
 static void gemv_iq_n(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t K, const Q8Row* acts, float* out,
                       int64_t ldo) {
 #if defined(HMOE_AVX512)
-    if constexpr (F == FMT_IQ1_M)
-        if (nrows > 0 && K >= 256) return gemv_iq_ahead_n<F, G, N>(w, row0, nrows, K, acts, out, ldo);
-    if constexpr (F == FMT_IQ1_S || F == FMT_IQ2_XXS || F == FMT_IQ2_XS || F == FMT_IQ2_S || F == FMT_IQ3_XXS ||
+    if constexpr (F == FMT_IQ1_S || F == FMT_IQ1_M || F == FMT_IQ2_XXS || F == FMT_IQ2_XS || F == FMT_IQ2_S || F == FMT_IQ3_XXS ||
                   F == FMT_IQ3_S) {
         if (one_table_look_ups<F>()) return gemv_planes<F, N, true>(w, row0, nrows, K, acts, out, ldo);
         return gemv_planes<F, N, false>(w, row0, nrows, K, acts, out, ldo);
@@ -1044,24 +968,15 @@ static void gemv_iq_many(const MatrixRef& w, int64_t row0, int64_t nrows, int64_
 
 #if defined(HMOE_AVX512)
 // Prompts on AVX-512, formats whose values stay within +-62 (all that come here; iq4_xs,
-// which reaches 127, takes the 32-block GEMV): a GEMM
-// micro-kernel with 16 rows in the vector lanes and the tokens broadcast. (Below, iq1_m's form;
-// iq1_s and the iq2 / iq3 formats, whose decode sums per quarter, take the same loop over
-// QuarterPanel.) The integers each
-// token needs are gemv_iq_n's eight lanes per super-block (lane i: bytes 4i .. 4i + 3 of every
-// quarter, times the quarter's scale for those bytes), each with its own float FMA, so every
-// four-value dot product meets a scale of its own. vpdpbusd gives that dot for 16 rows in one
-// instruction: activations offset to unsigned bytes (x + 128: x ^ 0x80, once per call)
-// against the signed weights, the accumulator starting from the offset's share -128 x the
-// four weights' sum, so it holds sum x w exactly, at most 4 x 128 x 62 in size: an int16.
-// So the dots of quarters 2j and 2j + 1 go into the two halves of a dword (shift, blend) and
-// one vpdpwssd applies both quarters' scales and adds them into the lane's int32 (exact: at
-// most 8 x 4 x 128 x 62 x 31). Three multiply instructions per 2 x 16 x 4 values, where the
-// token-at-a-time loop (vpmaddubsw + vpdpwssd per 64 values, the scales on the int16 pairs)
-// needs four; on Zen 4, whose two multiply pipes take one 512-bit multiply a cycle, that is
-// what bounds both. Lane i's integer is the same as gemv_iq_n's, and so are its FMA per
-// super-block (d x the token's d, times it, into the lane's float), the super-blocks' order
-// and hsum_ps's additions of the lanes: the same bits as the decode GEMV, per token.
+// which reaches 127, takes the 32-block GEMV): a GEMM micro-kernel with 16 rows in the vector
+// lanes and the tokens broadcast, computing the integers of the decode GEMV (kernels_planes.inl:
+// one per quarter and super-block) and applying them alike, one FMA per quarter and super-block
+// (d x the token's d, times it, into the quarter's float lane), the super-blocks in order, then
+// hsum_ps's additions of the lanes: the same bits as the decode GEMV, per token. vpdpbusd gives
+// a four-value dot for 16 rows in one instruction: activations offset to unsigned bytes (x +
+// 128: x ^ 0x80, once per call) against the signed weights, each scale group's chain starting
+// from the offset's share -128 x the group's weights' sum, so that it holds sum x w exactly;
+// times the group's scale (vpmulld), added per quarter (QuarterPanel).
 //
 // The weights are decoded once per call and super-block into a panel of 16 rows (the dwords
 // transposed to [k][row], the offsets' shares, the scales as pairs, ~8.5 KB), which stays in L1
@@ -1069,61 +984,20 @@ static void gemv_iq_many(const MatrixRef& w, int64_t row0, int64_t nrows, int64_
 // float lanes in memory between super-blocks); the activations are transposed once per call
 // to [super-block][k][token], so that a token's dword is one broadcast from a constant offset.
 // Measured on Zen 4 (one core, 768 x 2048 and 2048 x 768 matrices, 32 tokens, both paths in one
-// process in turn): 1.45-1.55x the token-at-a-time loop's speed; in a whole MoE layer, whose
+// process in turn, an earlier form with eight lanes per super-block): 1.45-1.55x the
+// token-at-a-time loop's speed; in a whole MoE layer, whose
 // weights come cold from memory and whose super-block decoding (the grid look-ups, the same
 // work in both) then takes a third to half of the time, less (see docs/architecture.md).
 constexpr int kIqTileTokens = 16;  // tokens whose int32 lanes stay in registers
 
-// One row block's super-block, decoded: wq[k] the 16 rows' dwords k = 8 ib + i (signed
-// bytes), corr[k] the offset's share -128 x the dword's sum, scale[j][h] the scales of
-// quarters 2j and 2j + 1 for lanes i < 4 (h = 0) or i >= 4 (h = 1) as int16 pairs, d the
-// rows' floats. Rows past the block's are zero.
-struct alignas(64) IqPanel {
-    int32_t wq[64][16];
-    int32_t corr[64][16];
-    int32_t scale[4][2][16];
-    float d[16];
-};
-
-// N tokens (x: their offset activations at this super-block, dword k of token t at
-// x[16 k + t]; xd: their d) against a panel: into f[t * 8 + i], token t's float lanes i over
-// the 16 rows.
-template <int N>
-static inline void iq_panel_tokens(const IqPanel& P, const int32_t* x, const float* xd, __m512* f) {
-    alignas(64) __m512 dx[N];
-    const __m512 d = _mm512_load_ps(P.d);
-    for (int t = 0; t < N; ++t) dx[t] = _mm512_mul_ps(d, _mm512_set1_ps(xd[t]));
-#pragma GCC unroll 1
-    for (int i = 0; i < 8; ++i) {
-        __m512i L[N];
-        for (int t = 0; t < N; ++t) L[t] = _mm512_setzero_si512();
-#pragma GCC unroll 4
-        for (int j = 0; j < 4; ++j) {
-            const __m512i wa = _mm512_load_si512(P.wq[16 * j + i]), wb = _mm512_load_si512(P.wq[16 * j + 8 + i]);
-            const __m512i ca = _mm512_load_si512(P.corr[16 * j + i]), cb = _mm512_load_si512(P.corr[16 * j + 8 + i]);
-            const __m512i s = _mm512_load_si512(P.scale[j][i >> 2]);
-            const int32_t* xa = x + 16 * (16 * j + i);
-            const int32_t* xb = x + 16 * (16 * j + 8 + i);
-#pragma GCC unroll 16
-            for (int t = 0; t < N; ++t) {
-                const __m512i da = _mm512_dpbusd_epi32(ca, _mm512_set1_epi32(xa[t]), wa);
-                const __m512i db = _mm512_dpbusd_epi32(cb, _mm512_set1_epi32(xb[t]), wb);
-                const __m512i both = _mm512_mask_blend_epi16(0xAAAAAAAA, da, _mm512_slli_epi32(db, 16));
-                L[t] = _mm512_dpwssd_epi32(L[t], both, s);
-            }
-        }
-        for (int t = 0; t < N; ++t) f[t * 8 + i] = _mm512_fmadd_ps(dx[t], _mm512_cvtepi32_ps(L[t]), f[t * 8 + i]);
-    }
-}
-
-// The panel of the formats whose decode GEMV (kernels_planes.inl) has an integer per quarter:
-// token t's lane q is quarter q's 32 values . activations, each scale group's (kGroups in the
-// super-block: 8, a scale per quarter, for iq2_xxs / iq3_xxs / iq3_s; 16, per 16 values, for
-// iq2_xs / iq2_s) one chain of vpdpbusd from the offset's share, times its scale (vpmulld),
-// added (exact: at most 32 x 62 x 127 x 31 < 2^24, so the conversion to float is too).
+// One row block's super-block, decoded: token t's lane q is quarter q's 32 values .
+// activations, each scale group's (kGroups in the super-block: 8, a scale per quarter, for
+// iq1_s / iq2_xxs / iq3_xxs / iq3_s; 16, per 16 values, for iq1_m / iq2_xs / iq2_s) one chain of
+// vpdpbusd from the offset's share, times its scale (vpmulld), added (exact: at most 32 x 62 x
+// 127 x 31 < 2^24, so the conversion to float is too). Rows past the block's are zero.
 template <int kGroups>
 struct alignas(64) QuarterPanel {
-    int32_t wq[64][16];          // as IqPanel's: dword k = 8 q + i holds values 4i .. 4i + 3 of quarter q
+    int32_t wq[64][16];          // the 16 rows' dwords k = 8 q + i: values 4i .. 4i + 3 of quarter q (signed bytes)
     int32_t corr[kGroups][16];   // -128 x the sum of group g's values
     int32_t scale[kGroups][16];  // group g's multiplier
     float d[16];
@@ -1230,8 +1104,7 @@ static inline void transpose16x16_epi32(__m512i* m) {
 // Super-block sb of rows r0 .. r0 + nr - 1 (nr <= 16; the others zero), with the same
 // super-block of the next `next` rows prefetched: the values with their signs transposed to
 // wq[k][row] (dword k = 8 q + i holds values 4i .. 4i + 3 of quarter q), the rows' d, and each
-// row's quarter multipliers handed to scales(r, lo, hi) (zeros for the rows past nr): what both
-// panels below take from the decoders.
+// row's quarter multipliers handed to scales(r, lo, hi) (zeros for the rows past nr).
 template <Format F, bool G, class Scales>
 static void decode_panel_rows(const MatrixRef& w, int64_t r0, int nr, int next, int64_t sb, int32_t (*wq)[16], float* d,
                               Scales&& scales) {
@@ -1269,18 +1142,7 @@ static inline __m512i offset_share(const int32_t (*wq)[16], int k0, int n) {
     return _mm512_sub_epi32(_mm512_setzero_si512(), sum);
 }
 
-template <Format F, bool G>
-static void iq_decode_panel(const MatrixRef& w, int64_t r0, int nr, int next, int64_t sb, IqPanel& P) {
-    decode_panel_rows<F, G>(w, r0, nr, next, sb, P.wq, P.d, [&](int r, const int* lo, const int* hi) {
-        for (int j = 0; j < 4; ++j) {  // quarters 2j and 2j + 1 as an int16 pair
-            P.scale[j][0][r] = int32_t(uint32_t(uint16_t(lo[2 * j])) | uint32_t(lo[2 * j + 1]) << 16);
-            P.scale[j][1][r] = int32_t(uint32_t(uint16_t(hi[2 * j])) | uint32_t(hi[2 * j + 1]) << 16);
-        }
-    });
-    for (int k = 0; k < 64; ++k) _mm512_store_si512(P.corr[k], offset_share(P.wq, k, 1));
-}
-
-// iq_decode_panel for the quarter panel.
+// A row block's super-block into the panel.
 template <Format F, bool G, int kGroups>
 static void quarter_decode_panel(const MatrixRef& w, int64_t r0, int nr, int next, int64_t sb, QuarterPanel<kGroups>& P) {
     constexpr int kPer = kGroups / 8, kDwords = 8 / kPer;
@@ -1335,13 +1197,11 @@ static void gemm_iq_512(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t
     for (int t = 0; t < ntok; ++t)
         for (int64_t sb = 0; sb < nsb; ++sb) xds[size_t(sb * ntok + t)] = acts[t].d[8 * sb];
     __m512* const f = reinterpret_cast<__m512*>(aligned64(f_buf, int64_t(ntok) * 8 * 16));
-    // The formats whose decode GEMV sums per quarter (kernels_planes.inl): see QuarterPanel.
-    constexpr bool kQuarters = F != FMT_IQ1_M;
-    constexpr int kGroups = F == FMT_IQ2_XS || F == FMT_IQ2_S ? 16 : 8;
-    alignas(64) std::conditional_t<kQuarters, QuarterPanel<kGroups>, IqPanel> P;
+    constexpr int kGroups = F == FMT_IQ1_M || F == FMT_IQ2_XS || F == FMT_IQ2_S ? 16 : 8;
+    alignas(64) QuarterPanel<kGroups> P;
     // The blocks are read super-block by super-block across 16 rows, not along a row, which
     // the hardware's stream prefetch follows less well: each row's super-block is decoded
-    // with the same one of the row 16 further on prefetched (iq_decode_panel), the first row
+    // with the same one of the row 16 further on prefetched (decode_panel_rows), the first row
     // block's all at the start.
     constexpr int kBytes = kFormats[F].block_bytes;
     for (int r = 0; r < std::min<int64_t>(16, nrows); ++r) prefetch_span(w.row(row0 + r), int(nsb) * kBytes);
@@ -1350,21 +1210,13 @@ static void gemm_iq_512(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t
         const int next = int(std::min<int64_t>(16, nrows - rb - 16));
         for (int64_t i = 0; i < int64_t(ntok) * 8; ++i) f[i] = _mm512_setzero_ps();
         for (int64_t sb = 0; sb < nsb; ++sb) {
-            if constexpr (kQuarters)
-                quarter_decode_panel<F, G>(w, row0 + rb, nr, next, sb, P);
-            else
-                iq_decode_panel<F, G>(w, row0 + rb, nr, next, sb, P);
+            quarter_decode_panel<F, G>(w, row0 + rb, nr, next, sb, P);
             const float* xd = xds.data() + sb * ntok;
             for (int g = 0; g < ngroups; ++g) {
                 const int t0 = g * kIqTileTokens;
                 const int32_t* x = X + (sb * ngroups + g) * 64 * 16;
                 with_tile_tokens(std::min(kIqTileTokens, ntok - t0),
-                                 [&](auto n) {
-                                     if constexpr (kQuarters)
-                                         quarter_panel_tokens<kGroups, decltype(n)::value>(P, x, xd + t0, f + t0 * 8);
-                                     else
-                                         iq_panel_tokens<decltype(n)::value>(P, x, xd + t0, f + t0 * 8);
-                                 });
+                                 [&](auto n) { quarter_panel_tokens<kGroups, decltype(n)::value>(P, x, xd + t0, f + t0 * 8); });
             }
         }
         store_panel_sums(f, ntok, nr, out + rb, ldo);

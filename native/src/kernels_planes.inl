@@ -1,5 +1,5 @@
-// The decode GEMV of iq1_s and the iq2 and iq3 formats (iq2_xxs, iq2_xs, iq2_s, iq3_xxs, iq3_s) on
-// AVX-512 by byte planes: the grid look-ups done 64 entries at a time with vpermb / vpermi2b (VBMI)
+// The decode GEMV of the iq1, iq2 and iq3 formats (iq1_s, iq1_m, iq2_xxs, iq2_xs, iq2_s, iq3_xxs,
+// iq3_s) on AVX-512 by byte planes: the grid look-ups done 64 entries at a time with vpermb / vpermi2b (VBMI)
 // instead of one load per entry. Included by kernels_iq.inl in the AVX-512 set only
 // (dispatch.cpp requires VBMI, GFNI and BITALG there).
 //
@@ -26,13 +26,14 @@
 // activations (vpshufbitqmb picks each entry's sign bit of a plane from its quarter's 32 sign
 // bits, a masked subtract applies it): 4 planes of 64 per super-block.
 //
-// iq1_s (values -1, 0, 1 and a delta of +-1/8 per quarter) is iq2's shape without signs: the
-// codes g + 1 of a 2048-entry grid are vpdpbusd's unsigned operand as they are (Iq1sPlanes).
+// iq1_s and iq1_m (values -1, 0, 1 and a delta of +-1/8 per quarter or per entry) are iq2's
+// shape without signs: the codes g + 1 of a 2048-entry grid are vpdpbusd's unsigned operand as
+// they are (Iq1sPlanes, Iq1mPlanes).
 //
 // One core of the 2-core Zen 4, L2-resident 768 x 2048, one token, before -> now: iq2_xxs 17.9
 // -> 43, iq2_xs 16.9 -> 32, iq2_s 17.8 -> 27, iq3_xxs 14.0 -> 32, iq3_s 13.9 -> 29 G weights/s.
-// iq1_s on the Ice Lake, medians of four alternations of the builds: 12.1 -> 18.4 (768 x 2048),
-// 13.0 -> 16.4 (2048 x 768).
+// On the Ice Lake, medians of four alternations of the builds: iq1_s 12.1 -> 18.4 (768 x 2048),
+// 13.0 -> 16.4 (2048 x 768); iq1_m 10.8 -> 16.5, 8.6 -> 15.1.
 
 static inline uint64_t load_u64(const uint8_t* p) {
     uint64_t v;
@@ -249,10 +250,10 @@ static inline __m512i high_codes(const HighRuns<kEntries>& t, __m512i idx, __mma
 // ---- the activations in plane order -------------------------------------------------------
 
 // Per token, once per call, into a per-thread buffer: byte i of plane j = value j of entry i,
-// entries of kWidth values (iq2: 8, planes of a 512-value chunk; iq3: 4, of a 256-value one).
-// An iq2 row of an odd number of super-blocks ends on a chunk of its last super-block twice
-// (see gemv_iq2_planes). The iq2 formats also get `sums`, each 16 values' sum as an int16
-// (32 a chunk): their +64 offset's share (plane values + 64).
+// entries of kWidth values (iq1 / iq2: 8, planes of a 512-value chunk; iq3: 4, of a 256-value
+// one). An iq1 / iq2 row of an odd number of super-blocks ends on a chunk of its last
+// super-block twice (see gemv_iq2_planes). These formats also get `sums`, each 16 values' sum
+// as an int16 (32 a chunk): their offset's share (iq2's plane values + 64, iq1's codes g + 1).
 struct PlaneActs {
     const int8_t* q;
     const int16_t* sums;
@@ -276,7 +277,7 @@ static void chunk_to_planes(const int8_t* q, int8_t* out) {
 
 template <Format F>
 static PlaneActs plane_acts(const Q8Row& a, int64_t K, int slot) {
-    constexpr bool kIq2 = F == FMT_IQ2_XXS || F == FMT_IQ2_XS || F == FMT_IQ2_S || F == FMT_IQ1_S;  // 8-value entries
+    constexpr bool kIq2 = F == FMT_IQ2_XXS || F == FMT_IQ2_XS || F == FMT_IQ2_S || F == FMT_IQ1_S || F == FMT_IQ1_M;  // 8-value entries
     constexpr int kSpan = kIq2 ? 512 : 256;
     const int64_t nchunks = (K + kSpan - 1) / kSpan;
     thread_local std::vector<int8_t> q_buf[kMaxGemvTokens];
@@ -435,10 +436,56 @@ struct Iq1sPlanes {
     }
 };
 
-// iq2_xxs / iq2_xs / iq2_s, up to four tokens: two super-blocks a step, their 16 quarters in
-// the 16 dword lanes, each quarter's integer from the offset's share -64 x (its activations'
-// sum, times the scale per 16 for iq2_xs / iq2_s, whose per-plane pairs vpdpwssd scales;
-// iq2_xxs's quarter scale goes on at the end). A row of an odd number of super-blocks (K = 768:
+// Two super-blocks of iq1_m as planes, as Iq1sPlanes, but with a delta per entry and a scale
+// per 16 values: plane(j) is 8 (g + 1) + (delta + 1), 0 .. 18, whose products less 9 x the
+// activations' sum per 16 values are those of 8g + delta (the prompt panel's values), and
+// `scale` holds each 16 values' 2s + 1 in int16 lane i (as iq2_xs's, for vpdpwssd).
+template <bool kOneTable>
+struct Iq1mPlanes {
+    __m512i code[2];  // values 0-3, 4-7
+    __m512i delta;    // 2 where an entry's delta is +1, else 0
+    __m512i scale;    // int16 lanes
+
+    Iq1mPlanes(const uint8_t* p, const uint8_t* p2) {
+        const bool two = p2 != nullptr;
+        const __m512i idx = _mm512_inserti64x4(_mm512_castsi256_si512(load32(p)), two ? load32(p2) : _mm256_setzero_si256(), 1);
+        // qh at 32: a nibble per entry (entry 2i low, 2i + 1 high), its index bits 8-10 and the
+        // delta's sign.
+        const uint64_t h[4] = {load_u64(p + 32), load_u64(p + 40), two ? load_u64(p2 + 32) : 0, two ? load_u64(p2 + 40) : 0};
+        const auto nibble_bit = [&](int b) {
+            constexpr uint64_t kFirst = 0x1111111111111111ULL;
+            return __mmask64(_pext_u64(h[0], kFirst << b) | _pext_u64(h[1], kFirst << b) << 16 |
+                             _pext_u64(h[2], kFirst << b) << 32 | _pext_u64(h[3], kFirst << b) << 48);
+        };
+        const __mmask64 ninth = nibble_bit(0), tenth = nibble_bit(1), eleventh = nibble_bit(2);
+        code[0] = look_up_2048<kOneTable>(kIq1sCodes.lo, idx, _mm512_movepi8_mask(idx), ninth, tenth, eleventh);
+        code[1] = high_codes(kIq1sHighRuns, idx, ninth, tenth, eleventh);
+        delta = _mm512_maskz_mov_epi8(~nibble_bit(3), _mm512_set1_epi8(2));
+        // The scales at 48: field i (of 16 values i) at bits 3 (i % 4) .. of word i / 4 (the words'
+        // top nibbles are d's).
+        const __m128i words = _mm_set_epi64x(two ? int64_t(load_u64(p2 + 48)) : 0, int64_t(load_u64(p + 48)));
+        alignas(64) static constexpr struct Order {
+            uint16_t word[32], shift[32];
+            constexpr Order() : word{}, shift{} {
+                for (int i = 0; i < 32; ++i) word[i] = uint16_t(i / 4), shift[i] = uint16_t(3 * (i % 4));
+            }
+        } kOrder{};
+        const __m512i field = _mm512_srlv_epi16(_mm512_permutexvar_epi16(_mm512_load_si512(kOrder.word), _mm512_castsi128_si512(words)),
+                                                _mm512_load_si512(kOrder.shift));
+        scale = _mm512_add_epi16(_mm512_slli_epi16(_mm512_and_si512(field, _mm512_set1_epi16(7)), 1), _mm512_set1_epi16(1));
+    }
+
+    __m512i plane(int j) const {  // as Iq1sPlanes', plus the delta's 0 or 2
+        const int b = 2 * (j % 4);
+        const uint64_t matrix = uint64_t(1) << b << (8 * (7 - 3)) | uint64_t(1) << (b + 1) << (8 * (7 - 4));
+        return _mm512_or_si512(_mm512_gf2p8affine_epi64_epi8(code[j / 4], _mm512_set1_epi64(int64_t(matrix)), 0), delta);
+    }
+};
+
+// iq2_xxs / iq2_xs / iq2_s (and iq1_s / iq1_m), up to four tokens: two super-blocks a step,
+// their 16 quarters in the 16 dword lanes, each quarter's integer from the offset's share -64 x
+// (its activations' sum, times the scale per 16 for iq2_xs / iq2_s, whose per-plane pairs
+// vpdpwssd scales; iq2_xxs's quarter scale goes on at the end; iq1's, see Iq1sPlanes). A row of an odd number of super-blocks (K = 768:
 // Qwen3-30B's down projections) ends on a lone one, which shares a step with the next row's
 // (even rows wait for odd ones with their sums put aside; the activations of that step are the
 // last super-block's twice, plane_acts' last chunk); a last even row's takes a step alone.
@@ -480,6 +527,25 @@ static void gemv_iq2_planes(const MatrixRef& w, int64_t row0, int64_t nrows, int
             for (int t = 0; t < N; ++t)
                 out.v[t] = _mm512_cvtepi32_ps(_mm512_mullo_epi32(_mm512_add_epi32(sums[t], odd_sums[t]), blk.scale));
             return out;
+        } else if constexpr (F == FMT_IQ1_M) {
+            const Iq1mPlanes<kOneTable> blk(a, b);
+            const __m512i offset = _mm512_mullo_epi16(blk.scale, _mm512_set1_epi16(-9));  // -9 x the sums, scaled
+            __m512i sums[N], odd_sums[N];
+            for (int t = 0; t < N; ++t) {
+                sums[t] = _mm512_madd_epi16(_mm512_load_si512(pa[t].sums + 32 * c), offset);
+                odd_sums[t] = _mm512_setzero_si512();
+            }
+#pragma GCC unroll 4
+            for (int k = 0; k < 4; ++k) {
+                const __m512i v0 = blk.plane(2 * k), v1 = blk.plane(2 * k + 1);
+                for (int t = 0; t < N; ++t) {  // at most 2 x 18 x 127 a pair
+                    const int8_t* q = pa[t].q + 512 * c + 128 * k;
+                    sums[t] = _mm512_dpwssd_epi32(sums[t], _mm512_maddubs_epi16(v0, _mm512_load_si512(q)), blk.scale);
+                    odd_sums[t] = _mm512_dpwssd_epi32(odd_sums[t], _mm512_maddubs_epi16(v1, _mm512_load_si512(q + 64)), blk.scale);
+                }
+            }
+            for (int t = 0; t < N; ++t) out.v[t] = _mm512_cvtepi32_ps(_mm512_add_epi32(sums[t], odd_sums[t]));
+            return out;
         }
         const Iq2Planes<F, kOneTable> blk(a, b);
         // -64 x the activations' sums per 16 values (pairs added; iq2_xs / iq2_s: scaled).
@@ -512,10 +578,11 @@ static void gemv_iq2_planes(const MatrixRef& w, int64_t row0, int64_t nrows, int
         }
         return out;
     };
-    // acc + the super-block at d's (index sb) share, half h of v.
-    const auto add = [&](__m256 acc, const __m512& v, int h, const uint8_t* d, int64_t sb, int t) {
+    // acc + the super-block at p's (index sb) share, half h of v.
+    const auto add = [&](__m256 acc, const __m512& v, int h, const uint8_t* p, int64_t sb, int t) {
         const __m256 half = h == 0 ? _mm512_castps512_ps256(v) : _mm512_extractf32x8_ps(v, 1);
-        return _mm256_fmadd_ps(_mm256_set1_ps(h2f(d) * 0.125f * acts[t].d[8 * sb]), half, acc);
+        const float d = F == FMT_IQ1_M ? iq1m_d(p) : h2f(p) * 0.125f;
+        return _mm256_fmadd_ps(_mm256_set1_ps(d * acts[t].d[8 * sb]), half, acc);
     };
     __m256 waiting[N];  // an even row's sums, waiting for the next row (odd K)
     for (int64_t r = 0; r < nrows; ++r) {

@@ -3,7 +3,7 @@ made once per process, so each setting runs in a process of its own):
 
 - the i-quants whose grid look-ups may be gathered (iq2_s, iq3_xxs, iq3_s: AVX-512) take
   gathering or one-by-one loads (HYBRIDMOE_GRID_GATHER=0/1 forces each);
-- the byte-plane decode GEMVs of iq1_s and the iq2 / iq3 formats (AVX-512) look their grids up with
+- the byte-plane decode GEMVs of the iq1, iq2 and iq3 formats (AVX-512) look their grids up with
   two-table or one-table byte permutes (HYBRIDMOE_ONE_TABLE_LOOKUPS=0/1)."""
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def _outputs(tmp_path, env_name: str, value: str, formats: tuple[str, ...]) -> d
 
 @pytest.mark.parametrize("env_name, formats", [
     ("HYBRIDMOE_GRID_GATHER", ("iq2_s", "iq3_xxs", "iq3_s")),
-    ("HYBRIDMOE_ONE_TABLE_LOOKUPS", ("iq1_s", "iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs", "iq3_s")),
+    ("HYBRIDMOE_ONE_TABLE_LOOKUPS", ("iq1_s", "iq1_m", "iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs", "iq3_s")),
 ])
 def test_both_ways_give_the_same_bits(tmp_path, env_name, formats):
     on, off = _outputs(tmp_path, env_name, "1", formats), _outputs(tmp_path, env_name, "0", formats)
