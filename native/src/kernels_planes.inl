@@ -314,8 +314,17 @@ static PlaneActs plane_acts(const Q8Row& a, int64_t K, int slot) {
 // (32-63: not necessarily the next one; if null, zeros).
 template <Format F, bool kOneTable>
 struct Iq2Planes {
+    static constexpr bool kPerSixteen = F != FMT_IQ2_XXS;  // scales per 16 values, else per quarter
     __m512i x[4];
     __m512i scale;
+
+    // The activations' sums' multiplier (int16 pairs): -64, the values' offset, times the scale
+    // per 16 values where there is one.
+    __m512i offset() const {
+        return kPerSixteen ? _mm512_mullo_epi16(scale, _mm512_set1_epi16(-64)) : _mm512_set1_epi16(-64);
+    }
+    // Plane j's signed values + 64.
+    __m512i value(int j) const { return _mm512_permutexvar_epi8(x[j / 2], _mm512_load_si512(kIq2PlaneValues.value[j % 2])); }
 
     Iq2Planes(const uint8_t* p, const uint8_t* p2) {
         constexpr bool kParity = F != FMT_IQ2_S;
@@ -391,96 +400,113 @@ struct Iq2Planes {
     }
 };
 
-// Two super-blocks of iq1_s as planes (p: entries 0-31, p2: 32-63; if null, zeros): the codes
-// g + 1 of values 0-3 and 4-7 (four to a byte; plane(j) takes value j's out, times 8), and per
-// quarter lane (0-7: p's, 8-15: p2's) the scale 2s + 1 and the activations' sums' multiplier
-// -(8 - delta) as an int16 pair. Quarter q's integer sum of (8g + delta) a is then the pairs'
-// madd plus the planes' vpdpbusd, 8 (g + 1) a: the prompt panel's (QuarterPanel, the values
-// 8g + delta as they are) exactly, so both times 2s + 1 give the same floats.
-template <bool kOneTable>
-struct Iq1sPlanes {
-    __m512i code[2];  // values 0-3, 4-7
-    __m512i scale;    // int32 lanes
-    __m512i offset;   // int16 pairs
+// The 16 bytes at `at` of two super-blocks (p2 null: zeros) as four words: 16 entries' index-bit
+// fields a word (iq1_s: three bits per entry in a quarter's 16-bit word; iq1_m: a nibble per entry).
+struct FieldWords {
+    uint64_t h[4];
+    FieldWords(const uint8_t* p, const uint8_t* p2, int at)
+        : h{load_u64(p + at), load_u64(p + at + 8), p2 ? load_u64(p2 + at) : 0, p2 ? load_u64(p2 + at + 8) : 0} {}
+};
 
-    Iq1sPlanes(const uint8_t* p, const uint8_t* p2) {
-        const bool two = p2 != nullptr;
-        const __m512i idx = _mm512_inserti64x4(_mm512_castsi256_si512(load32(p + 2)), two ? load32(p2 + 2) : _mm256_setzero_si256(), 1);
-        // qh at 34: a 16-bit word per quarter, entry k's index bits 8-10 at its bits 3k .. 3k + 2,
-        // the scale at 12-14 and the delta's sign at 15.
-        const uint64_t h[4] = {load_u64(p + 34), load_u64(p + 42), two ? load_u64(p2 + 34) : 0, two ? load_u64(p2 + 42) : 0};
-        const auto index_bit = [&](int b) {  // bit 8 + b of the 64 entries' indices
-            constexpr uint64_t kFirst = 0x0249024902490249ULL;
-            return __mmask64(_pext_u64(h[0], kFirst << b) | _pext_u64(h[1], kFirst << b) << 16 |
-                             _pext_u64(h[2], kFirst << b) << 32 | _pext_u64(h[3], kFirst << b) << 48);
-        };
-        const __mmask64 ninth = index_bit(0), tenth = index_bit(1), eleventh = index_bit(2);
+// The 64 entries' bits b of their fields (`first`: each field's bit 0 in a word), by pext.
+static inline __mmask64 index_bits(const FieldWords& f, uint64_t first, int b) {
+    return __mmask64(_pext_u64(f.h[0], first << b) | _pext_u64(f.h[1], first << b) << 16 |
+                     _pext_u64(f.h[2], first << b) << 32 | _pext_u64(f.h[3], first << b) << 48);
+}
+
+// The iq1 formats' 64 entries as codes g + 1 (0, 1, 2) of values 0-3 and 4-7, four to a byte,
+// by their eleven-bit grid indices (idx the low bytes, then index_bits).
+template <bool kOneTable>
+struct Iq1Codes {
+    __m512i code[2];
+
+    Iq1Codes(__m512i idx, const FieldWords& f, uint64_t first) {
+        const __mmask64 ninth = index_bits(f, first, 0), tenth = index_bits(f, first, 1), eleventh = index_bits(f, first, 2);
         code[0] = look_up_2048<kOneTable>(kIq1sCodes.lo, idx, _mm512_movepi8_mask(idx), ninth, tenth, eleventh);
         code[1] = high_codes(kIq1sHighRuns, idx, ninth, tenth, eleventh);
-        const __m128i qa = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 34));
-        const __m128i qb = two ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(p2 + 34)) : _mm_setzero_si128();
-        const __m512i words = _mm512_cvtepu16_epi32(_mm256_inserti128_si256(_mm256_castsi128_si256(qa), qb, 1));
-        scale = _mm512_add_epi32(_mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(words, 12), _mm512_set1_epi32(7)), 1),
-                                 _mm512_set1_epi32(1));
-        const __m512i negative = _mm512_srli_epi32(words, 15);
-        const __m512i m = _mm512_sub_epi32(_mm512_set1_epi32(-7), _mm512_add_epi32(negative, negative));  // -7 or -9
-        offset = _mm512_or_si512(_mm512_and_si512(m, _mm512_set1_epi32(0xFFFF)), _mm512_slli_epi32(m, 16));
     }
-
     // Value j's codes times 8 (0, 8, 16): gf2p8affineqb moving bits 2 (j % 4) and 2 (j % 4) + 1
-    // (of the byte of values 0-3 or 4-7) to bits 3 and 4.
-    __m512i plane(int j) const {
+    // of the byte of values 0-3 or 4-7 to bits 3 and 4.
+    __m512i times8(int j) const {
         const int b = 2 * (j % 4);
         const uint64_t matrix = uint64_t(1) << b << (8 * (7 - 3)) | uint64_t(1) << (b + 1) << (8 * (7 - 4));
         return _mm512_gf2p8affine_epi64_epi8(code[j / 4], _mm512_set1_epi64(int64_t(matrix)), 0);
     }
 };
 
-// Two super-blocks of iq1_m as planes, as Iq1sPlanes, but with a delta per entry and a scale
-// per 16 values: plane(j) is 8 (g + 1) + (delta + 1), 0 .. 18, whose products less 9 x the
-// activations' sum per 16 values are those of 8g + delta (the prompt panel's values), and
-// `scale` holds each 16 values' 2s + 1 in int16 lane i (as iq2_xs's, for vpdpwssd).
+// Two super-blocks of iq1_s as planes, as Iq2Planes (p: entries 0-31, p2: 32-63; if null,
+// zeros): value(j) = 8 (g + 1), per quarter lane (0-7: p's, 8-15: p2's) the scale 2s + 1, and
+// the activations' sums' multiplier -(8 - delta) as an int16 pair. Quarter q's sum of
+// (8g + delta) a is then the pairs' madd plus the planes' vpdpbusd: the prompt panel's
+// (QuarterPanel, the values 8g + delta as they are) exactly, so both times 2s + 1 give the
+// same floats.
+template <bool kOneTable>
+struct Iq1sPlanes {
+    static constexpr bool kPerSixteen = false;
+    Iq1Codes<kOneTable> codes;
+    __m512i scale;  // int32 lanes
+    __m512i multiplier;
+
+    __m512i offset() const { return multiplier; }
+    __m512i value(int j) const { return codes.times8(j); }
+
+    // qh at 34: a 16-bit word per quarter, entry k's index bits 8-10 at its bits 3k .. 3k + 2,
+    // the scale at 12-14 and the delta's sign at 15.
+    static constexpr uint64_t kFirst = 0x0249024902490249ULL;
+    Iq1sPlanes(const uint8_t* p, const uint8_t* p2)
+        : codes(_mm512_inserti64x4(_mm512_castsi256_si512(load32(p + 2)), p2 ? load32(p2 + 2) : _mm256_setzero_si256(), 1),
+                FieldWords(p, p2, 34), kFirst) {
+        const __m128i qa = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 34));
+        const __m128i qb = p2 ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(p2 + 34)) : _mm_setzero_si128();
+        const __m512i words = _mm512_cvtepu16_epi32(_mm256_inserti128_si256(_mm256_castsi128_si256(qa), qb, 1));
+        scale = _mm512_add_epi32(_mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(words, 12), _mm512_set1_epi32(7)), 1),
+                                 _mm512_set1_epi32(1));
+        const __m512i negative = _mm512_srli_epi32(words, 15);
+        const __m512i m = _mm512_sub_epi32(_mm512_set1_epi32(-7), _mm512_add_epi32(negative, negative));  // -7 or -9
+        multiplier = _mm512_or_si512(_mm512_and_si512(m, _mm512_set1_epi32(0xFFFF)), _mm512_slli_epi32(m, 16));
+    }
+};
+
+// iq1_m, with a delta per entry and a scale per 16 values: value(j) = 8 (g + 1) + (delta + 1),
+// 0 .. 18, whose products less 9 x the activations' sum per 16 values are those of 8g + delta
+// (the prompt panel's values); `scale` holds each 16 values' 2s + 1 in int16 lane i, as
+// iq2_xs's.
 template <bool kOneTable>
 struct Iq1mPlanes {
-    __m512i code[2];  // values 0-3, 4-7
-    __m512i delta;    // 2 where an entry's delta is +1, else 0
-    __m512i scale;    // int16 lanes
+    static constexpr bool kPerSixteen = true;
+    Iq1Codes<kOneTable> codes;
+    __m512i delta;  // 2 where an entry's delta is +1, else 0
+    __m512i scale;
 
-    Iq1mPlanes(const uint8_t* p, const uint8_t* p2) {
-        const bool two = p2 != nullptr;
-        const __m512i idx = _mm512_inserti64x4(_mm512_castsi256_si512(load32(p)), two ? load32(p2) : _mm256_setzero_si256(), 1);
-        // qh at 32: a nibble per entry (entry 2i low, 2i + 1 high), its index bits 8-10 and the
-        // delta's sign.
-        const uint64_t h[4] = {load_u64(p + 32), load_u64(p + 40), two ? load_u64(p2 + 32) : 0, two ? load_u64(p2 + 40) : 0};
-        const auto nibble_bit = [&](int b) {
-            constexpr uint64_t kFirst = 0x1111111111111111ULL;
-            return __mmask64(_pext_u64(h[0], kFirst << b) | _pext_u64(h[1], kFirst << b) << 16 |
-                             _pext_u64(h[2], kFirst << b) << 32 | _pext_u64(h[3], kFirst << b) << 48);
-        };
-        const __mmask64 ninth = nibble_bit(0), tenth = nibble_bit(1), eleventh = nibble_bit(2);
-        code[0] = look_up_2048<kOneTable>(kIq1sCodes.lo, idx, _mm512_movepi8_mask(idx), ninth, tenth, eleventh);
-        code[1] = high_codes(kIq1sHighRuns, idx, ninth, tenth, eleventh);
-        delta = _mm512_maskz_mov_epi8(~nibble_bit(3), _mm512_set1_epi8(2));
+    __m512i offset() const { return _mm512_mullo_epi16(scale, _mm512_set1_epi16(-9)); }
+    __m512i value(int j) const { return _mm512_or_si512(codes.times8(j), delta); }
+
+    // qh at 32: a nibble per entry (entry 2i low, 2i + 1 high), its index bits 8-10 and the
+    // delta's sign.
+    static constexpr uint64_t kFirst = 0x1111111111111111ULL;
+    Iq1mPlanes(const uint8_t* p, const uint8_t* p2)
+        : codes(_mm512_inserti64x4(_mm512_castsi256_si512(load32(p)), p2 ? load32(p2) : _mm256_setzero_si256(), 1),
+                FieldWords(p, p2, 32), kFirst) {
+        delta = _mm512_maskz_mov_epi8(~index_bits(FieldWords(p, p2, 32), kFirst, 3), _mm512_set1_epi8(2));
         // The scales at 48: field i (of 16 values i) at bits 3 (i % 4) .. of word i / 4 (the words'
         // top nibbles are d's).
-        const __m128i words = _mm_set_epi64x(two ? int64_t(load_u64(p2 + 48)) : 0, int64_t(load_u64(p + 48)));
+        const __m128i words = _mm_set_epi64x(p2 ? int64_t(load_u64(p2 + 48)) : 0, int64_t(load_u64(p + 48)));
         alignas(64) static constexpr struct Order {
             uint16_t word[32], shift[32];
             constexpr Order() : word{}, shift{} {
                 for (int i = 0; i < 32; ++i) word[i] = uint16_t(i / 4), shift[i] = uint16_t(3 * (i % 4));
             }
         } kOrder{};
-        const __m512i field = _mm512_srlv_epi16(_mm512_permutexvar_epi16(_mm512_load_si512(kOrder.word), _mm512_castsi128_si512(words)),
-                                                _mm512_load_si512(kOrder.shift));
+        const __m512i field = _mm512_srlv_epi16(
+            _mm512_permutexvar_epi16(_mm512_load_si512(kOrder.word), _mm512_castsi128_si512(words)), _mm512_load_si512(kOrder.shift));
         scale = _mm512_add_epi16(_mm512_slli_epi16(_mm512_and_si512(field, _mm512_set1_epi16(7)), 1), _mm512_set1_epi16(1));
     }
-
-    __m512i plane(int j) const {  // as Iq1sPlanes', plus the delta's 0 or 2
-        const int b = 2 * (j % 4);
-        const uint64_t matrix = uint64_t(1) << b << (8 * (7 - 3)) | uint64_t(1) << (b + 1) << (8 * (7 - 4));
-        return _mm512_or_si512(_mm512_gf2p8affine_epi64_epi8(code[j / 4], _mm512_set1_epi64(int64_t(matrix)), 0), delta);
-    }
 };
+
+// The plane decoder of an 8-value format.
+template <Format F, bool kOneTable>
+using Planes8 = std::conditional_t<F == FMT_IQ1_S, Iq1sPlanes<kOneTable>,
+                                   std::conditional_t<F == FMT_IQ1_M, Iq1mPlanes<kOneTable>, Iq2Planes<F, kOneTable>>>;
 
 // iq2_xxs / iq2_xs / iq2_s (and iq1_s / iq1_m), up to four tokens: two super-blocks a step,
 // their 16 quarters in the 16 dword lanes, each quarter's integer from the offset's share -64 x
@@ -492,14 +518,12 @@ struct Iq1mPlanes {
 template <Format F, int N, bool kOneTable>
 static void gemv_iq2_planes(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t K, const Q8Row* acts, float* out,
                             int64_t ldo) {
-    constexpr bool kXxs = F == FMT_IQ2_XXS;
+    using Decoder = Planes8<F, kOneTable>;
     constexpr int kBytes = kFormats[F].block_bytes;
     const int64_t nsb = K / 256, full = nsb / 2, last = nsb - 1;
     const bool odd = nsb % 2 != 0;
     PlaneActs pa[N];
     for (int t = 0; t < N; ++t) pa[t] = plane_acts<F>(acts[t], K, t);
-    const __m512i even_plane = _mm512_load_si512(kIq2PlaneValues.value[0]);
-    const __m512i odd_plane = _mm512_load_si512(kIq2PlaneValues.value[1]);
     // Super-blocks a (lanes 0-7) and b (8-15; zeros if null) against chunk c of the activations:
     // v[t], token t's 16 quarters' integers as floats.
     struct Products {
@@ -508,48 +532,9 @@ static void gemv_iq2_planes(const MatrixRef& w, int64_t row0, int64_t nrows, int
     const auto products = [&](const uint8_t* a, const uint8_t* b, int64_t c) {
         Products out;
         prefetch_span(a + kPrefetchAheadK, 2 * kBytes);
-        if constexpr (F == FMT_IQ1_S) {
-            const Iq1sPlanes<kOneTable> blk(a, b);
-            __m512i sums[N], odd_sums[N];  // two chains, as below
-            for (int t = 0; t < N; ++t) {
-                sums[t] = _mm512_madd_epi16(_mm512_load_si512(pa[t].sums + 32 * c), blk.offset);
-                odd_sums[t] = _mm512_setzero_si512();
-            }
-#pragma GCC unroll 4
-            for (int k = 0; k < 4; ++k) {
-                const __m512i v0 = blk.plane(2 * k), v1 = blk.plane(2 * k + 1);
-                for (int t = 0; t < N; ++t) {
-                    const int8_t* q = pa[t].q + 512 * c + 128 * k;
-                    sums[t] = _mm512_dpbusd_epi32(sums[t], v0, _mm512_load_si512(q));
-                    odd_sums[t] = _mm512_dpbusd_epi32(odd_sums[t], v1, _mm512_load_si512(q + 64));
-                }
-            }
-            for (int t = 0; t < N; ++t)
-                out.v[t] = _mm512_cvtepi32_ps(_mm512_mullo_epi32(_mm512_add_epi32(sums[t], odd_sums[t]), blk.scale));
-            return out;
-        } else if constexpr (F == FMT_IQ1_M) {
-            const Iq1mPlanes<kOneTable> blk(a, b);
-            const __m512i offset = _mm512_mullo_epi16(blk.scale, _mm512_set1_epi16(-9));  // -9 x the sums, scaled
-            __m512i sums[N], odd_sums[N];
-            for (int t = 0; t < N; ++t) {
-                sums[t] = _mm512_madd_epi16(_mm512_load_si512(pa[t].sums + 32 * c), offset);
-                odd_sums[t] = _mm512_setzero_si512();
-            }
-#pragma GCC unroll 4
-            for (int k = 0; k < 4; ++k) {
-                const __m512i v0 = blk.plane(2 * k), v1 = blk.plane(2 * k + 1);
-                for (int t = 0; t < N; ++t) {  // at most 2 x 18 x 127 a pair
-                    const int8_t* q = pa[t].q + 512 * c + 128 * k;
-                    sums[t] = _mm512_dpwssd_epi32(sums[t], _mm512_maddubs_epi16(v0, _mm512_load_si512(q)), blk.scale);
-                    odd_sums[t] = _mm512_dpwssd_epi32(odd_sums[t], _mm512_maddubs_epi16(v1, _mm512_load_si512(q + 64)), blk.scale);
-                }
-            }
-            for (int t = 0; t < N; ++t) out.v[t] = _mm512_cvtepi32_ps(_mm512_add_epi32(sums[t], odd_sums[t]));
-            return out;
-        }
-        const Iq2Planes<F, kOneTable> blk(a, b);
-        // -64 x the activations' sums per 16 values (pairs added; iq2_xs / iq2_s: scaled).
-        const __m512i offset = kXxs ? _mm512_set1_epi16(-64) : _mm512_mullo_epi16(blk.scale, _mm512_set1_epi16(-64));
+        const Decoder blk(a, b);
+        // The offset's share: the activations' sums per 16 values (pairs added) times it.
+        const __m512i offset = blk.offset();
         // Two chains (even and odd planes), added at the end: half the latency of one.
         __m512i sums[N], odd_sums[N];
         for (int t = 0; t < N; ++t) {
@@ -558,12 +543,11 @@ static void gemv_iq2_planes(const MatrixRef& w, int64_t row0, int64_t nrows, int
         }
 #pragma GCC unroll 4
         for (int k = 0; k < 4; ++k) {
-            const __m512i v0 = _mm512_permutexvar_epi8(blk.x[k], even_plane);
-            const __m512i v1 = _mm512_permutexvar_epi8(blk.x[k], odd_plane);
+            const __m512i v0 = blk.value(2 * k), v1 = blk.value(2 * k + 1);
             for (int t = 0; t < N; ++t) {
                 const int8_t* q = pa[t].q + 512 * c + 128 * k;
                 const __m512i a0 = _mm512_load_si512(q), a1 = _mm512_load_si512(q + 64);
-                if constexpr (kXxs) {
+                if constexpr (!Decoder::kPerSixteen) {
                     sums[t] = _mm512_dpbusd_epi32(sums[t], v0, a0);
                     odd_sums[t] = _mm512_dpbusd_epi32(odd_sums[t], v1, a1);
                 } else {  // at most 2 x 107 x 127 a pair: no saturation
@@ -572,9 +556,9 @@ static void gemv_iq2_planes(const MatrixRef& w, int64_t row0, int64_t nrows, int
                 }
             }
         }
-        for (int t = 0; t < N; ++t) {
+        for (int t = 0; t < N; ++t) {  // a scale per quarter goes on at the end
             const __m512i i = _mm512_add_epi32(sums[t], odd_sums[t]);
-            out.v[t] = _mm512_cvtepi32_ps(kXxs ? _mm512_mullo_epi32(i, blk.scale) : i);
+            out.v[t] = _mm512_cvtepi32_ps(Decoder::kPerSixteen ? i : _mm512_mullo_epi32(i, blk.scale));
         }
         return out;
     };
