@@ -292,7 +292,7 @@ def cmd_bench_kernels(args) -> int:
 # What `bench generate --types` retypes a model to: the GGUF types of routed experts the engine
 # reads, and the mixes of backend/bench/retype.py.
 SWEEP_TYPES = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_nl", "iq4_xs",
-               "iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs", "iq3_s", "iq1_s", "iq1_m", "ud-q2_k_xl")
+               "iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs", "iq3_s", "iq1_s", "iq1_m", "ud-q2_k_xl", "ud-iq1_s")
 
 
 def cmd_bench_generate(args) -> int:
@@ -527,7 +527,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="which to measure (default engine,llamacpp)")
     p.add_argument("--types", type=comma_separated(SWEEP_TYPES),
                    help="sweep: the model retyped to each (its routed experts as random blocks of the type, or "
-                        "the mix ud-q2_k_xl), one file at a time beside the model; per type decode at 64 and "
+                        "the mixes ud-q2_k_xl, ud-iq1_s), one file at a time beside the model; per type decode at 64 and "
                         "2048 positions and prefill of 512 tokens against llama.cpp")
     p.add_argument("--json", action="store_true", help="the results, the engine's per-token breakdown "
                    "included, as JSON")

@@ -15,7 +15,8 @@ differences say nothing of accuracy. A model trained on text has a real model's 
 3. quantizes that with llama.cpp's own quantizer into each type's mix, the routed experts forced
    to the type (the IQ2_M mix for IQ2_S experts), with a uniform importance matrix (llama.cpp
    requires one for IQ1_S, IQ1_M, IQ2_XXS and IQ2_XS); ud-q2_k_xl is Q4_K_M with IQ2_XXS gate and
-   up experts, IQ3_XXS down experts and a Q8_0 head, as the DeepSeek UD-Q2_K_XL files;
+   up experts, IQ3_XXS down experts and a Q8_0 head, as the DeepSeek UD-Q2_K_XL files, ud-iq1_s
+   the same with IQ1_S gate and up, IQ2_XXS down and a Q6_K head (UD-IQ1_S);
 4. per file and per prompt (three snippets of Python), llama.cpp's greedy tokens and the engine
    fed the same ones, both through their serving paths (`bench generate`'s teacher-forced
    comparison), every step compared, with llama.cpp's margin wherever they differ.
@@ -46,9 +47,13 @@ MIXES = {
     "iq1_s": ("IQ1_S", "IQ1_S"), "iq1_m": ("IQ1_M", "IQ1_M"), "iq2_xxs": ("IQ2_XXS", "IQ2_XXS"),
     "iq2_xs": ("IQ2_XS", "IQ2_XS"), "iq2_s": ("IQ2_M", "IQ2_S"), "iq3_xxs": ("IQ3_XXS", "IQ3_XXS"),
     "iq3_s": ("IQ3_S", "IQ3_S"), "iq4_xs": ("IQ4_XS", "IQ4_XS"), "iq4_nl": ("IQ4_NL", "IQ4_NL"),
-    "q4_1": ("Q4_1", "Q4_1"), "q5_1": ("Q5_1", "Q5_1"), "ud-q2_k_xl": ("Q4_K_M", None),
+    "q4_1": ("Q4_1", "Q4_1"), "q5_1": ("Q5_1", "Q5_1"), "ud-q2_k_xl": ("Q4_K_M", None), "ud-iq1_s": ("Q4_K_M", None),
 }
-UD_OVERRIDES = {r"ffn_(gate|up)_exps": "IQ2_XXS", r"ffn_down_exps": "IQ3_XXS", r"^output\.weight": "Q8_0"}
+# The Unsloth-shaped mixes (backend/bench/retype.py's, without their edge layers): tensor patterns -> types.
+UD_OVERRIDES = {
+    "ud-q2_k_xl": {r"ffn_(gate|up)_exps": "IQ2_XXS", r"ffn_down_exps": "IQ3_XXS", r"^output\.weight": "Q8_0"},
+    "ud-iq1_s": {r"ffn_(gate|up)_exps": "IQ1_S", r"ffn_down_exps": "IQ2_XXS", r"^output\.weight": "Q6_K"},
+}
 
 PROMPTS = (
     'import os\nimport sys\n\n\ndef main(argv=None):\n    """Parse the arguments and run."""\n'
@@ -186,7 +191,7 @@ def main() -> int:
         mix, experts = MIXES[name]
         path = args.out_dir / f"tiny-{name}.gguf"
         if not path.exists():
-            quantize(bf16, path, mix, UD_OVERRIDES if experts is None else {r"_exps\.": experts})
+            quantize(bf16, path, mix, UD_OVERRIDES[name] if experts is None else {r"_exps\.": experts})
         results = compare_file(path)
         same = sum(r["same"] for r in results)
         steps = sum(r["steps"] for r in results)

@@ -16,8 +16,10 @@ the very same file.
 stored. ``mix="ud-q2_k_xl"`` is shaped like Unsloth's UD-Q2_K_XL of DeepSeek-V3: gate/up
 experts IQ2_XXS (IQ3_XXS in the first and last MoE layers), down experts IQ3_XXS, attention
 Q4_K with the value (and latent) projections Q6_K, shared experts and dense layers Q6_K,
-embedding Q4_K, head Q8_0. A row that is not whole blocks of its type takes llama.cpp's
-fallback type. ``parts=N`` writes N files, ``NAME-0000i-of-0000N.gguf``, as gguf-split does.
+embedding Q4_K, head Q8_0. ``mix="ud-iq1_s"``, like the UD-IQ1_S of DeepSeek-R1 (the
+"1.58-bit" file most people run it from): gate/up experts IQ1_S (IQ2_XXS in the first and
+last MoE layers), down experts IQ2_XXS, the rest as UD-Q2_K_XL's but a Q6_K head. A row that
+is not whole blocks of its type takes llama.cpp's fallback type. ``parts=N`` writes N files, ``NAME-0000i-of-0000N.gguf``, as gguf-split does.
 """
 
 from __future__ import annotations
@@ -28,23 +30,28 @@ from pathlib import Path
 
 import numpy as np
 
-MIXES = ("ud-q2_k_xl",)
+# mix -> the routed experts' gate/up type, gate/up's in the first and last MoE layers, down's; the head's
+MIXES = {
+    "ud-q2_k_xl": ("iq2_xxs", "iq3_xxs", "iq3_xxs", "q8_0"),
+    "ud-iq1_s": ("iq1_s", "iq2_xxs", "iq2_xxs", "q6_k"),
+}
 _EXPERTS = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight")
 _BLOCK = re.compile(r"blk\.(\d+)\.(.+)")
 
 
-def ud_q2_k_xl(name: str, first_moe: int, last_layer: int) -> str | None:
-    """The UD-Q2_K_XL-shaped type of tensor `name` (None: keep it as stored)."""
+def mix_type(mix: str, name: str, first_moe: int, last_layer: int) -> str | None:
+    """The type the Unsloth-shaped `mix` gives tensor `name` (None: keep it as stored)."""
+    gate_up, edge, down, head = MIXES[mix]
     m = _EXPERTS.fullmatch(name)
     if m:
         layer, proj = int(m.group(1)), m.group(2)
-        if proj == "down" or layer in (first_moe, last_layer):
-            return "iq3_xxs"
-        return "iq2_xxs"
+        if proj == "down":
+            return down
+        return edge if layer in (first_moe, last_layer) else gate_up
     if name == "token_embd.weight":
         return "q4_k"
     if name == "output.weight":
-        return "q8_0"
+        return head
     b = _BLOCK.fullmatch(name)
     if not b or not b.group(2).endswith(".weight") or "norm" in b.group(2) or "ffn_gate_inp" in b.group(2):
         return None
@@ -76,7 +83,7 @@ def retype(src: str | Path, dst: str | Path, *, experts: str | None = None, mix:
     def target(name: str, row: int) -> str | None:
         fmt = experts if _EXPERTS.fullmatch(name) else None
         if mix is not None:
-            fmt = ud_q2_k_xl(name, first_moe, layers - 1)
+            fmt = mix_type(mix, name, first_moe, layers - 1)
         return gguf_row_fallback(fmt, row) if fmt else None
 
     per_part = -(-len(source.tensors) // parts) if parts > 1 else 0

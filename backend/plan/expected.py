@@ -101,8 +101,10 @@ RATES = {
 # 7ab2641) by `python benchmarks/expert_decode_rates.py`: one thread's CPU time per token of a
 # layer of 128 experts of 2048 x 768, top 8 (the mid-size benchmark model's shape, random valid
 # blocks), the median over the script's calls; the AVX2 set on the same CPU with
-# HYBRIDMOE_NATIVE_ISA=avx2. The AMX set decodes with the AVX-512 set's kernels. The portable set
-# has no entry: the AVX2 set's rates scaled by FMA width (documented_unpack_rate).
+# HYBRIDMOE_NATIVE_ISA=avx2. The AVX-512 iq1_s / iq1_m figures predate their byte-plane kernels
+# (ad431e0), which an Ice Lake core runs about 1.5x as fast: low until remeasured on Zen 4 (a
+# bench run's measured rate replaces them). The AMX set decodes with the AVX-512 set's kernels.
+# The portable set has no entry: the AVX2 set's rates scaled by FMA width (documented_unpack_rate).
 # The formats with no entry (IQ4_XS, IQ4_NL, the K-quants, Q4_0-Q8_0: a 16-entry table at most)
 # unpack fast enough to keep up with the reads on any machine with more than a few cores (IQ4_XS
 # 20.1 and Q4_0 26.6 G weights/s a core with AVX-512, measured earlier on a 2-core Xeon VM).
