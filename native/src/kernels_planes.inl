@@ -1,6 +1,6 @@
 // The decode GEMV of the iq1, iq2 and iq3 formats (iq1_s, iq1_m, iq2_xxs, iq2_xs, iq2_s, iq3_xxs,
-// iq3_s) on AVX-512 by byte planes: the grid look-ups done 64 entries at a time with vpermb / vpermi2b (VBMI)
-// instead of one load per entry. Included by kernels_iq.inl in the AVX-512 set only
+// iq3_s) on AVX-512 by byte planes: the grid look-ups done 64 entries at a time with vpermb /
+// vpermi2b (VBMI) instead of one load per entry. Included by kernels_iq.inl in the AVX-512 set only
 // (dispatch.cpp requires VBMI, GFNI and BITALG there).
 //
 // Why: one grid entry a load (8 values of iq2, 4 of iq3) held these formats at 14-18 G weights/s
@@ -277,7 +277,8 @@ static void chunk_to_planes(const int8_t* q, int8_t* out) {
 
 template <Format F>
 static PlaneActs plane_acts(const Q8Row& a, int64_t K, int slot) {
-    constexpr bool kIq2 = F == FMT_IQ2_XXS || F == FMT_IQ2_XS || F == FMT_IQ2_S || F == FMT_IQ1_S || F == FMT_IQ1_M;  // 8-value entries
+    // Entries of 8 values: iq1 and iq2.
+    constexpr bool kIq2 = F == FMT_IQ2_XXS || F == FMT_IQ2_XS || F == FMT_IQ2_S || F == FMT_IQ1_S || F == FMT_IQ1_M;
     constexpr int kSpan = kIq2 ? 512 : 256;
     const int64_t nchunks = (K + kSpan - 1) / kSpan;
     thread_local std::vector<int8_t> q_buf[kMaxGemvTokens];
@@ -307,6 +308,11 @@ static PlaneActs plane_acts(const Q8Row& a, int64_t K, int slot) {
 
 // ---- the GEMVs ----------------------------------------------------------------------------
 
+// The 32 bytes at `at` of super-blocks p and p2 (null: zeros) in one vector.
+static inline __m512i two_blocks(const uint8_t* p, const uint8_t* p2, int at) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(load32(p + at)), p2 ? load32(p2 + at) : _mm256_setzero_si256(), 1);
+}
+
 // Two super-blocks of an iq2 format as plane indices: per pair of planes 2k, 2k + 1 a byte per
 // entry [c_2k, c_2k+1, s_2k, s_2k+1] (x[k]; codes by a look-up of the grid index, signs moved
 // by gf2p8affineqb), and the scales: iq2_xxs one per quarter (a dword lane), iq2_xs / iq2_s
@@ -324,7 +330,9 @@ struct Iq2Planes {
         return kPerSixteen ? _mm512_mullo_epi16(scale, _mm512_set1_epi16(-64)) : _mm512_set1_epi16(-64);
     }
     // Plane j's signed values + 64.
-    __m512i value(int j) const { return _mm512_permutexvar_epi8(x[j / 2], _mm512_load_si512(kIq2PlaneValues.value[j % 2])); }
+    __m512i value(int j) const {
+        return _mm512_permutexvar_epi8(x[j / 2], _mm512_load_si512(kIq2PlaneValues.value[j % 2]));
+    }
 
     Iq2Planes(const uint8_t* p, const uint8_t* p2) {
         constexpr bool kParity = F != FMT_IQ2_S;
@@ -372,8 +380,8 @@ struct Iq2Planes {
                 signs = _mm512_srli_epi16(high, 1);
             } else {
                 // Index bytes, then a sign byte per entry; qh: entry e's ninth and tenth bits at 2e, 2e + 1.
-                idx = _mm512_inserti64x4(_mm512_castsi256_si512(load32(p + 2)), two ? load32(p2 + 2) : _mm256_setzero_si256(), 1);
-                signs = _mm512_inserti64x4(_mm512_castsi256_si512(load32(p + 34)), two ? load32(p2 + 34) : _mm256_setzero_si256(), 1);
+                idx = two_blocks(p, p2, 2);
+                signs = two_blocks(p, p2, 34);
                 const uint64_t qh = load_u64(p + 66), qh2 = two ? load_u64(p2 + 66) : 0;
                 constexpr uint64_t kEven = 0x5555555555555555ULL;
                 ninth = _pext_u64(qh, kEven) | _pext_u64(qh2, kEven) << 32;
@@ -421,7 +429,8 @@ struct Iq1Codes {
     __m512i code[2];
 
     Iq1Codes(__m512i idx, const FieldWords& f, uint64_t first) {
-        const __mmask64 ninth = index_bits(f, first, 0), tenth = index_bits(f, first, 1), eleventh = index_bits(f, first, 2);
+        const __mmask64 ninth = index_bits(f, first, 0), tenth = index_bits(f, first, 1);
+        const __mmask64 eleventh = index_bits(f, first, 2);
         code[0] = look_up_2048<kOneTable>(kIq1sCodes.lo, idx, _mm512_movepi8_mask(idx), ninth, tenth, eleventh);
         code[1] = high_codes(kIq1sHighRuns, idx, ninth, tenth, eleventh);
     }
@@ -454,13 +463,12 @@ struct Iq1sPlanes {
     // the scale at 12-14 and the delta's sign at 15.
     static constexpr uint64_t kFirst = 0x0249024902490249ULL;
     Iq1sPlanes(const uint8_t* p, const uint8_t* p2)
-        : codes(_mm512_inserti64x4(_mm512_castsi256_si512(load32(p + 2)), p2 ? load32(p2 + 2) : _mm256_setzero_si256(), 1),
-                FieldWords(p, p2, 34), kFirst) {
+        : codes(two_blocks(p, p2, 2), FieldWords(p, p2, 34), kFirst) {
         const __m128i qa = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 34));
         const __m128i qb = p2 ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(p2 + 34)) : _mm_setzero_si128();
         const __m512i words = _mm512_cvtepu16_epi32(_mm256_inserti128_si256(_mm256_castsi128_si256(qa), qb, 1));
-        scale = _mm512_add_epi32(_mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(words, 12), _mm512_set1_epi32(7)), 1),
-                                 _mm512_set1_epi32(1));
+        const __m512i field = _mm512_and_si512(_mm512_srli_epi32(words, 12), _mm512_set1_epi32(7));
+        scale = _mm512_add_epi32(_mm512_slli_epi32(field, 1), _mm512_set1_epi32(1));
         const __m512i negative = _mm512_srli_epi32(words, 15);
         const __m512i m = _mm512_sub_epi32(_mm512_set1_epi32(-7), _mm512_add_epi32(negative, negative));  // -7 or -9
         multiplier = _mm512_or_si512(_mm512_and_si512(m, _mm512_set1_epi32(0xFFFF)), _mm512_slli_epi32(m, 16));
@@ -485,8 +493,7 @@ struct Iq1mPlanes {
     // delta's sign.
     static constexpr uint64_t kFirst = 0x1111111111111111ULL;
     Iq1mPlanes(const uint8_t* p, const uint8_t* p2)
-        : codes(_mm512_inserti64x4(_mm512_castsi256_si512(load32(p)), p2 ? load32(p2) : _mm256_setzero_si256(), 1),
-                FieldWords(p, p2, 32), kFirst) {
+        : codes(two_blocks(p, p2, 0), FieldWords(p, p2, 32), kFirst) {
         delta = _mm512_maskz_mov_epi8(~index_bits(FieldWords(p, p2, 32), kFirst, 3), _mm512_set1_epi8(2));
         // The scales at 48: field i (of 16 values i) at bits 3 (i % 4) .. of word i / 4 (the words'
         // top nibbles are d's).
