@@ -750,7 +750,14 @@ static bool first_is_faster(const char* env, A a, B b, int tokens) {
     std::vector<uint8_t> blocks(size_t(kRows * (kK / 256) * kBytes));
     uint32_t x = 0x9E3779B9u;
     for (uint8_t& byte : blocks) byte = uint8_t((x = x * 1664525u + 1013904223u) >> 24);
-    for (size_t i = 0; i < blocks.size(); i += kBytes) blocks[i] = 0x00, blocks[i + 1] = 0x3C;  // d = 1 (no subnormals)
+    for (size_t i = 0; i < blocks.size(); i += kBytes) {  // d = 1 (no subnormals)
+        if constexpr (F == FMT_IQ1_M) {  // float16 1.0, 0x3C00, a nibble in each scale word's top
+            constexpr uint8_t kNibble[4] = {0x0, 0x0, 0xC, 0x3};
+            for (int w = 0; w < 4; ++w) blocks[i + 49 + 2 * w] = uint8_t((blocks[i + 49 + 2 * w] & 0x0F) | kNibble[w] << 4);
+        } else {
+            blocks[i] = 0x00, blocks[i + 1] = 0x3C;
+        }
+    }
     int8_t q[kK];
     float d[kK / 32], sums[kK / 32] = {};
     for (int64_t k = 0; k < kK; ++k) q[k] = int8_t(k % 17 - 8);
