@@ -462,8 +462,8 @@ struct Iq1sPlanes {
     // qh at 34: a 16-bit word per quarter, entry k's index bits 8-10 at its bits 3k .. 3k + 2,
     // the scale at 12-14 and the delta's sign at 15.
     static constexpr uint64_t kFirst = 0x0249024902490249ULL;
-    Iq1sPlanes(const uint8_t* p, const uint8_t* p2)
-        : codes(two_blocks(p, p2, 2), FieldWords(p, p2, 34), kFirst) {
+    Iq1sPlanes(const uint8_t* p, const uint8_t* p2) : codes(two_blocks(p, p2, 2), FieldWords(p, p2, 34), kFirst) {
+        // The same 16 bytes again, as a vector (from the words, GPR-to-vector moves on port 5).
         const __m128i qa = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 34));
         const __m128i qb = p2 ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(p2 + 34)) : _mm_setzero_si128();
         const __m512i words = _mm512_cvtepu16_epi32(_mm256_inserti128_si256(_mm256_castsi128_si256(qa), qb, 1));
@@ -492,9 +492,9 @@ struct Iq1mPlanes {
     // qh at 32: a nibble per entry (entry 2i low, 2i + 1 high), its index bits 8-10 and the
     // delta's sign.
     static constexpr uint64_t kFirst = 0x1111111111111111ULL;
-    Iq1mPlanes(const uint8_t* p, const uint8_t* p2)
-        : codes(two_blocks(p, p2, 0), FieldWords(p, p2, 32), kFirst) {
-        delta = _mm512_maskz_mov_epi8(~index_bits(FieldWords(p, p2, 32), kFirst, 3), _mm512_set1_epi8(2));
+    Iq1mPlanes(const uint8_t* p, const uint8_t* p2) : Iq1mPlanes(p, p2, FieldWords(p, p2, 32)) {}
+    Iq1mPlanes(const uint8_t* p, const uint8_t* p2, const FieldWords& qh) : codes(two_blocks(p, p2, 0), qh, kFirst) {
+        delta = _mm512_maskz_mov_epi8(~index_bits(qh, kFirst, 3), _mm512_set1_epi8(2));
         // The scales at 48: field i (of 16 values i) at bits 3 (i % 4) .. of word i / 4 (the words'
         // top nibbles are d's).
         const __m128i words = _mm_set_epi64x(p2 ? int64_t(load_u64(p2 + 48)) : 0, int64_t(load_u64(p + 48)));
@@ -504,8 +504,8 @@ struct Iq1mPlanes {
                 for (int i = 0; i < 32; ++i) word[i] = uint16_t(i / 4), shift[i] = uint16_t(3 * (i % 4));
             }
         } kOrder{};
-        const __m512i field = _mm512_srlv_epi16(
-            _mm512_permutexvar_epi16(_mm512_load_si512(kOrder.word), _mm512_castsi128_si512(words)), _mm512_load_si512(kOrder.shift));
+        const __m512i words32 = _mm512_permutexvar_epi16(_mm512_load_si512(kOrder.word), _mm512_castsi128_si512(words));
+        const __m512i field = _mm512_srlv_epi16(words32, _mm512_load_si512(kOrder.shift));
         scale = _mm512_add_epi16(_mm512_slli_epi16(_mm512_and_si512(field, _mm512_set1_epi16(7)), 1), _mm512_set1_epi16(1));
     }
 };
@@ -518,10 +518,11 @@ using Planes8 = std::conditional_t<F == FMT_IQ1_S, Iq1sPlanes<kOneTable>,
 // iq2_xxs / iq2_xs / iq2_s (and iq1_s / iq1_m), up to four tokens: two super-blocks a step,
 // their 16 quarters in the 16 dword lanes, each quarter's integer from the offset's share -64 x
 // (its activations' sum, times the scale per 16 for iq2_xs / iq2_s, whose per-plane pairs
-// vpdpwssd scales; iq2_xxs's quarter scale goes on at the end; iq1's, see Iq1sPlanes). A row of an odd number of super-blocks (K = 768:
-// Qwen3-30B's down projections) ends on a lone one, which shares a step with the next row's
-// (even rows wait for odd ones with their sums put aside; the activations of that step are the
-// last super-block's twice, plane_acts' last chunk); a last even row's takes a step alone.
+// vpdpwssd scales; iq2_xxs's quarter scale goes on at the end; iq1's, see Iq1sPlanes). A row
+// of an odd number of super-blocks (K = 768: Qwen3-30B's down projections) ends on a lone one,
+// which shares a step with the next row's (even rows wait for odd ones with their sums put
+// aside; the activations of that step are the last super-block's twice, plane_acts' last
+// chunk); a last even row's takes a step alone.
 template <Format F, int N, bool kOneTable>
 static void gemv_iq2_planes(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t K, const Q8Row* acts, float* out,
                             int64_t ldo) {
