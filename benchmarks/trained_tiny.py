@@ -123,6 +123,7 @@ def quantize(src: Path, dst: Path, mix: str, overrides: dict[str, str]) -> None:
     import llama_cpp
     from gguf import GGUFReader
 
+    from hybridmoe.backend.convert.kquants import tensor_type_overrides
     from hybridmoe.backend.llamacpp import log
 
     matrices = [(t.name, [int(n) for n in t.shape]) for t in GGUFReader(src).tensors if len(t.shape) >= 2]
@@ -134,10 +135,8 @@ def quantize(src: Path, dst: Path, mix: str, overrides: dict[str, str]) -> None:
         entries[i].name, entries[i].size = name.encode(), n
         entries[i].data = ctypes.cast(columns[-1], ctypes.POINTER(ctypes.c_float))
     entries[len(matrices)].name = None
-    forced = (llama_cpp.llama_model_tensor_override * (len(overrides) + 1))()
-    for i, (pattern, qtype) in enumerate(overrides.items()):
-        forced[i].pattern, forced[i].type = pattern.encode(), getattr(llama_cpp, f"GGML_TYPE_{qtype}")
-    forced[len(overrides)].pattern = None
+    forced = tensor_type_overrides(llama_cpp, [(getattr(llama_cpp, f"GGML_TYPE_{qtype}"), pattern)
+                                               for pattern, qtype in overrides.items()])
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{mix}")
     params.imatrix = ctypes.cast(entries, ctypes.POINTER(llama_cpp.llama_model_imatrix_data))

@@ -19,7 +19,8 @@ Q4_K with the value (and latent) projections Q6_K, shared experts and dense laye
 embedding Q4_K, head Q8_0. ``mix="ud-iq1_s"``, like the UD-IQ1_S of DeepSeek-R1 (the
 "1.58-bit" file most people run it from): gate/up experts IQ1_S (IQ2_XXS in the first and
 last MoE layers), down experts IQ2_XXS, the rest as UD-Q2_K_XL's but a Q6_K head. A row that
-is not whole blocks of its type takes llama.cpp's fallback type. ``parts=N`` writes N files, ``NAME-0000i-of-0000N.gguf``, as gguf-split does.
+is not whole blocks of its type takes llama.cpp's fallback type. ``parts=N`` writes N files,
+``NAME-0000i-of-0000N.gguf``, as gguf-split does.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ from pathlib import Path
 
 import numpy as np
 
-# mix -> the routed experts' gate/up type, gate/up's in the first and last MoE layers, down's; the head's
+# mix -> the routed experts' gate/up type, gate/up's in the first and last MoE layers, down's;
+# the head's
 MIXES = {
     "ud-q2_k_xl": ("iq2_xxs", "iq3_xxs", "iq3_xxs", "q8_0"),
     "ud-iq1_s": ("iq1_s", "iq2_xxs", "iq2_xxs", "q6_k"),

@@ -101,6 +101,19 @@ def _stop(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
+def tensor_type_overrides(llama_cpp, keep: list[tuple[int, str]]):
+    """llama.cpp's array of tensor-type overrides for `keep`'s (ggml type, name pattern) pairs, for
+    ``llama_model_quantize_params.tt_overrides`` (ctypes.cast to its pointer type; the array must
+    outlive the call)."""
+    # A null-pattern entry ends the array, as llama.cpp expects.
+    overrides = (llama_cpp.llama_model_tensor_override * (len(keep) + 1))()
+    for i, (qtype, pattern) in enumerate(keep):
+        overrides[i].pattern = pattern.encode()
+        overrides[i].type = int(qtype)
+    overrides[len(keep)].pattern = None
+    return overrides
+
+
 def _main(argv: list[str]) -> int:
     import ctypes
 
@@ -112,12 +125,7 @@ def _main(argv: list[str]) -> int:
     params.nthread = os.cpu_count() or 1
     keep = [argv[i + 1].split("=", 1) for i in range(3, len(argv) - 1) if argv[i] == "--keep"]
     if keep:
-        # A null-pattern entry ends the array, as llama.cpp expects.
-        overrides = (llama_cpp.llama_model_tensor_override * (len(keep) + 1))()
-        for i, (qtype, pattern) in enumerate(keep):
-            overrides[i].pattern = pattern.encode()
-            overrides[i].type = int(qtype)
-        overrides[len(keep)].pattern = None
+        overrides = tensor_type_overrides(llama_cpp, [(int(qtype), pattern) for qtype, pattern in keep])
         params.tt_overrides = ctypes.cast(overrides, ctypes.POINTER(llama_cpp.llama_model_tensor_override))
     rc = llama_cpp.llama_model_quantize(src.encode(), dst.encode(), params)
     return 0 if rc == 0 else 1
