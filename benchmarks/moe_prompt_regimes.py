@@ -9,7 +9,8 @@ neighbours do not enter the figure; bf16 activations, as the engine gives them. 
 two builds of the extension (or two kernel sets: HYBRIDMOE_NATIVE_ISA=avx512_vnni) to compare
 them: the i-quants' many-token GEMV took IQ2_XXS 551 -> 377 ms and IQ3_XXS 596 -> 405 ms here
 (Xeon with AVX-512, 512 tokens); with AMX their prompts on bf16 tiles, IQ2_XXS 339 -> 250 ms,
-IQ2_S 373 -> 219 ms. On Zen 4 (AVX-512 VNNI, no AMX; a busy 2-core VM, medians of three
+IQ2_S 373 -> 219 ms, until the GEMVs below overtook the tiles (Sapphire Rapids-class Xeon,
+tiles / GEMV: IQ2_XXS 251 / 195 ms, IQ2_S 259 / 214, IQ4_XS 229 / 160), which were removed. On Zen 4 (AVX-512 VNNI, no AMX; a busy 2-core VM, medians of three
 runs), the GEMM micro-kernel that replaced the many-token GEMV's token-at-a-time loop took the
 prompt column IQ2_XXS 368 -> 271 ms, IQ3_XXS 454 -> 291, IQ2_S 406 -> 291, IQ3_S 373 -> 309,
 IQ1_S 322 -> 317 (both paths in one process in turn, two runs: 1.13-1.37x each).

@@ -363,11 +363,9 @@ def build_model(
     device = _device(device if device is not None else default_device())
     # Every layer on the CPU, its experts in host RAM (experts placed on the main device, cards,
     # or a main device holding matrices as a card does stand in for a GPU: the tests build them
-    # on the CPU); not on AMX, whose prompts multiply bf16 rows on its tiles (_norms_in_float32).
-    # The planner reads the same from a CPU's features (cpu_kernels.prompts_on_amx_tiles).
+    # on the CPU). The planner reads the same (budget.engine_numerics).
     gguf_on_cpu = (checkpoint_kind(weights) == "gguf" and not tensor_parallel and not any((placement or {}).values())
-                   and all(_cpu_alone(_device(d)) for d, _ in (pipeline or [(device, ())]))
-                   and not (native_kernels.enabled() and native_kernels.isa() == "avx512_amx"))
+                   and all(_cpu_alone(_device(d)) for d, _ in (pipeline or [(device, ())])))
     embed_weight = require(weights, "model.embed_tokens.weight", (spec.vocab_size, spec.hidden_size))
     if dtype is None:
         dtype = _default_dtype(embed_weight, gguf_on_cpu)
@@ -466,11 +464,11 @@ def _norms_in_float32(net: MoeTransformer) -> None:
     logits were further from the exact product of a file's weights than llama.cpp's: on the
     mid-size benchmark model, 0.047 of the logits' spread against llama.cpp's 0.043 in Q3_K,
     0.024 against 0.019 in IQ4_XS; 0.035 and 0.017 with float32 rows
-    (benchmarks/greedy_vs_llama_cpp.py --reference). Not on AMX, whose prompts multiply on
-    bf16 tiles that take bf16 rows (native on_tiles): float32 rows would send them to the
-    slower AVX-512 GEMM."""
-    if native_kernels.isa() == "avx512_amx":
-        return
+    (benchmarks/greedy_vs_llama_cpp.py --reference). Also on AMX, whose bf16 tiles take bf16
+    rows alone (native on_tiles): float32 rows go to the AVX-512 GEMM there, which costs a
+    prompt little, the GEMVs serving most formats' prompts (a 512-token prompt of the mid-size
+    model's UD-Q2_K_XL mix on a 2-core Sapphire Rapids-class VM: 1.31x llama.cpp's rate in
+    bfloat16 on tiles, 1.23x in float32; `hybridmoe bench generate --types`)."""
     for layer in net.layers:
         if _reads_float32(layer.attn.describe()):
             layer.attn_norm.float32 = True

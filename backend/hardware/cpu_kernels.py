@@ -18,7 +18,6 @@ __all__ = [
     "native_kernel_set",
     "native_kernel_set_lacks",
     "native_kernels_missing",
-    "prompts_on_amx_tiles",
     "turned_off",
 ]
 
@@ -48,30 +47,6 @@ def native_kernel_set(features: Iterable[str]) -> str:
     NATIVE_KERNEL_SETS (dispatch.cpp's run-time requirements)."""
     have = set(features)
     return next((name for name, needs in NATIVE_KERNEL_SETS if have.issuperset(needs)), PORTABLE_KERNEL_SET)
-
-
-# What the AMX set needs beside the AVX-512 set's flags: native/src/kernels_amx.cpp's
-# amx_usable (which also asks the OS for the tiles' state; Linux 5.16 on hands it out).
-AMX_KERNEL_SET_NEEDS = ("amx_tile", "amx_bf16", "avx512_bf16")
-
-
-def prompts_on_amx_tiles(features: Iterable[str], *, here: bool = False) -> bool:
-    """Whether the engine on a CPU with `features` runs the AMX kernel set (its prompts multiply
-    bf16 rows on the tiles, so a GGUF on the CPU alone computes in bfloat16): the AVX-512 set's
-    flags and AMX_KERNEL_SET_NEEDS, with the native kernels built and on; on this machine
-    (`here`) also as the extension found it (the OS may refuse the tiles' state,
-    HYBRIDMOE_NATIVE_ISA may pick a lesser set). The planner's reading of what engine.model
-    (gguf_on_cpu) asks the extension itself; tests/engine/test_kv_cache_sizing.py holds the two
-    to the same cache on the machine it runs on."""
-    have = set(features)
-    if not (native_kernel_set(have) == "avx512" and have.issuperset(AMX_KERNEL_SET_NEEDS)
-            and native_kernels_missing() is None):
-        return False
-    if here:
-        from hybridmoe import _native
-
-        return _native.isa() == "avx512_amx"
-    return True
 
 
 def native_kernel_set_lacks(kernel_set: str, features: Iterable[str]) -> tuple[str, ...]:

@@ -119,14 +119,13 @@ class EngineNumerics:
     embedding: int  # bytes of an element of the embedding table held in host RAM
 
 
-def engine_numerics(spec: ModelSpec, source: str, cpu_only: bool, amx: bool) -> EngineNumerics:
-    """A float32 checkpoint computes and caches in float32; a GGUF run on the CPU alone (but with
-    AMX tiles, which multiply bf16 rows: `amx`, cpu_kernels.prompts_on_amx_tiles) computes in
-    float32 with a float16 cache and a 16-bit embedding table (model._default_dtype); the rest
-    in bfloat16."""
+def engine_numerics(spec: ModelSpec, source: str, cpu_only: bool) -> EngineNumerics:
+    """A float32 checkpoint computes and caches in float32; a GGUF run on the CPU alone computes
+    in float32 with a float16 cache and a 16-bit embedding table (model._default_dtype); the
+    rest in bfloat16."""
     if compute_dtype_bytes(spec) == 4:
         return EngineNumerics(4, 4, "fp32", 4)
-    if source == "gguf" and cpu_only and not amx:
+    if source == "gguf" and cpu_only:
         return EngineNumerics(4, 2, "fp16", 2)
     return EngineNumerics(2, 2, "bf16", 2)
 

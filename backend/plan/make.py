@@ -22,7 +22,7 @@ from typing import Any
 
 from hybridmoe.backend.errors import ModelError, PlanError
 from hybridmoe.backend.hardware import achieved
-from hybridmoe.backend.hardware.cpu_kernels import native_kernels_missing, prompts_on_amx_tiles
+from hybridmoe.backend.hardware.cpu_kernels import native_kernels_missing
 from hybridmoe.backend.hardware.profile import HardwareProfile
 from hybridmoe.backend.models.formats import FORMATS, int4_resident_layout
 from hybridmoe.backend.models.inventory import TensorClass, TensorInventory
@@ -223,8 +223,7 @@ class _Planner:
         self.gpus = () if workload.strategy == "cpu-only" else self.usable_gpus
         # The engine's element sizes: a GGUF computed on the CPU alone is float32 with a
         # float16 cache, anything else in its compute dtype (engine/model.py).
-        self.numerics = B.engine_numerics(spec, inventory.source, not self.gpus,
-                                          prompts_on_amx_tiles(hardware.cpu.features, here=not hardware.described))
+        self.numerics = B.engine_numerics(spec, inventory.source, not self.gpus)
         self.host = (self.stored if workload.backend == "llamacpp"
                      else _AlwaysRead.of(spec, inventory, numerics=self.numerics))
         # llama.cpp's cache takes the workload's type; the engine's is its own (numerics),

@@ -97,7 +97,6 @@ struct Call {
     int64_t N, K, T;
     const void* x;
     bool x_bf16;
-    bool prompt;  // a prompt's rows (kPromptRows): each format's prompt GEMV (gemv_for)
     bool quantize[kActVariants];  // the Q8 variants the GEMV parts of quantized formats read
     const float* x32;
     float* out;
@@ -142,8 +141,7 @@ void phase_gemv(void* ctx, int, int) {
         if (u >= int64_t(c.work.size())) return;
         const Unit& w = c.work[size_t(u)];
         const FormatInfo& fi = kFormats[w.fmt];
-        const GemvChoice gemv = gemv_for(*c.kt, w.fmt, c.T, c.prompt, c.x_bf16);
-        const int64_t step = gemv.step;
+        const int64_t step = gemv_step(*c.kt, w.fmt, c.T);
         thread_local std::vector<Q8Row> acts;
         for (int64_t t0 = 0; t0 < c.T; t0 += step) {
             const int nt = int(std::min<int64_t>(step, c.T - t0));
@@ -155,7 +153,7 @@ void phase_gemv(void* ctx, int, int) {
             } else {
                 acts.resize(size_t(nt));
                 for (int t = 0; t < nt; ++t) acts[size_t(t)] = c.q8(t0 + t, act_variant(fi));
-                gemv.fn(*w.w, w.r0, w.rows, c.K, acts.data(), nt, y, c.N);
+                c.kt->gemv_q8[w.fmt](*w.w, w.r0, w.rows, c.K, acts.data(), nt, y, c.N);
             }
         }
     }
@@ -307,10 +305,9 @@ void DenseLinear::forward(Executor& exec, const KernelTable& kt, const void* x, 
     c.T = T;
     c.x = x;
     c.x_bf16 = x_bf16;
-    c.prompt = prefill_min_tokens == kPromptRows;
     c.out = out;
     auto gemm = [&](const DensePart& p) {
-        if (prefill_min_tokens == kPromptRows) return !prompt_takes_gemv(kt, p.fmt, x_bf16);
+        if (prefill_min_tokens == kPromptRows) return !prompt_takes_gemv(kt, p.fmt);
         return T >= (prefill_min_tokens > 0 ? prefill_min_tokens : dense_prefill_min_tokens(kt, p.fmt));
     };
     int64_t gemv_rows = 0, gemm_rows = 0;

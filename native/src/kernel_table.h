@@ -64,9 +64,6 @@ using AttendRunFn = void (*)(const float* q, int group, int64_t D, int64_t Dv, c
 using RowsAxpyFn = void (*)(Format fmt, const uint8_t* rows, int64_t stride, int64_t m, int64_t n, const float* const* x,
                             int ntok, float* const* out);
 
-// One i-quant super-block (256 values) as integers: value k = d * scale[k / 16] * v[k].
-using IqUnpackFn = void (*)(const uint8_t* block, int8_t* v, int16_t* scale, float* d);
-
 constexpr int kMaxGemvTokens = 4;
 
 // A prefill switch point no call reaches: the GEMV path at every token count.
@@ -81,10 +78,6 @@ struct KernelTable {
     // for all of them (the i-quants, whose unpacking costs more than their dot products).
     bool gemv_any_tokens[FMT_COUNT];
     GemvF32Fn gemv_f32[FMT_COUNT];   // null for quantized formats
-    // A prompt's rows of the format, any number of tokens: where set (AMX tiles), calls of
-    // kPromptTilesMinTokens or more take this instead of gemv_q8 (see gemv_for).
-    GemvQ8Fn prompt_q8[FMT_COUNT];
-    IqUnpackFn iq_unpack[FMT_COUNT];  // the i-quants (x86 sets)
     DequantPanelFn dequant_panel;    // all formats
     GemmPanelsFn gemm_panels;
     GemmBf16Fn gemm_panels_bf16;  // null where the CPU has no bf16 tiles; see on_tiles
@@ -106,29 +99,6 @@ inline int64_t gemv_step(const KernelTable& kt, Format fmt, int64_t n) {
 // 2^-8 steps); never for f32 and f16 weights, which llama.cpp multiplies at their own precision.
 inline bool on_tiles(const KernelTable& kt, Format fmt, bool bf16_acts) {
     return bf16_acts && kt.gemm_panels_bf16 && fmt != FMT_F32 && fmt != FMT_F16;
-}
-
-// Tokens from which a call of a prompt's rows takes the table's prompt GEMV (prompt_q8)
-// instead of the decode GEMV. Below it, unpacking every weight to bf16 costs more than the
-// tiles save: a 768 x 2048 expert matrix, one thread's CPU time, Xeon with AMX, GEMV / tiles
-// ms at 1 / 16 / 32 / 64 / 512 tokens, iq2_xxs: 0.08 / 0.40 / 0.70 / 1.82 / 18.3 against
-// 0.58 / 0.60 / 0.67 / 0.98 / 5.8 (iq3_xxs, iq2_s and iq1_m cross over at 24-32 too). So
-// these formats' prompt rows do depend on how many tokens share an expert's call, unlike
-// every other path's (prompt_takes_gemv): a chat turn's experts see one or two tokens each,
-// where the tiles would be five to seven times slower.
-constexpr int kPromptTilesMinTokens = 32;
-
-// The GEMV of `fmt` for a prompt's rows (prompt) or a decode step's, and the tokens one call
-// takes out of `n`: the table's prompt GEMV where it has one, the call may use tiles
-// (on_tiles) and has enough tokens, else the decode GEMV.
-struct GemvChoice {
-    GemvQ8Fn fn;
-    int64_t step;
-};
-inline GemvChoice gemv_for(const KernelTable& kt, Format fmt, int64_t n, bool prompt, bool bf16_acts) {
-    if (prompt && kt.prompt_q8[fmt] && on_tiles(kt, fmt, bf16_acts) && n >= kPromptTilesMinTokens)
-        return {kt.prompt_q8[fmt], n};
-    return {kt.gemv_q8[fmt], gemv_step(kt, fmt, n)};
 }
 
 const KernelTable* kernels_scalar();

@@ -1,8 +1,8 @@
 // Decode GEMV of the i-quant super-blocks (iq2_xxs, iq2_xs, iq2_s, iq3_xxs, iq3_s, iq1_s,
 // iq1_m): the low-bit experts of the community GGUFs of DeepSeek, Kimi, Qwen3 and GLM.
 // Included by kernels_x86.inl (inside each ISA's namespace, after its helpers). iq4_xs has a
-// decoder here too (IqBlock: the dequantizing and iq_unpack, the AMX prompt kernel's), but its
-// GEMV is the 32-block one of kernels_x86.inl (gemv_b32_n: iq4_nl's codes, a scale per block).
+// decoder here too (IqBlock: the dequantizing), but its GEMV is the 32-block one of
+// kernels_x86.inl (gemv_b32_n: iq4_nl's codes, a scale per block).
 //
 // Every value of these formats is an integer w times an integer scale per 16 or 32 values
 // times one float per super-block (formats.h), so one GEMV serves them all: a decoder turns
@@ -1696,16 +1696,3 @@ static void gemv_q8_iq(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t 
     gemv_q8_iq_with<F, kGatherByDefault>(w, row0, nrows, K, acts, ntok, out, ldo);
 }
 
-// One super-block as plain integers, for kernels that multiply elsewhere (the AMX prompt
-// kernel, kernels_amx.cpp): value k = d * scale[k / 16] * v[k], v signed (|v| <= 127).
-template <Format F>
-static void iq_unpack(const uint8_t* block, int8_t* v, int16_t* scale, float* d) {
-    const IqBlock<F> blk(block);
-    for (int q = 0; q < 8; ++q) {
-        const IqQuarter a = blk.quarter(q);
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(v + 32 * q), with_signs(a.mag, a.sign));
-        scale[2 * q] = int16_t(_mm256_extract_epi16(a.scale, 0));
-        scale[2 * q + 1] = int16_t(_mm256_extract_epi16(a.scale, 8));
-    }
-    *d = blk.d();
-}

@@ -2419,14 +2419,6 @@ static const KernelTable* make_table(const char* name) {
         t.gemv_any_tokens[FMT_Q3_K] = t.gemv_any_tokens[FMT_Q2_K] = true;  // gemm_q3k_512 / gemm_q2k_512 past four
         t.gemv_any_tokens[FMT_IQ4_NL_X8] = t.gemv_any_tokens[FMT_IQ4_XS_X8] = true;  // gemm_x8nl_512 past four
 #endif
-        t.iq_unpack[FMT_IQ4_XS] = iq_unpack<FMT_IQ4_XS>;
-        t.iq_unpack[FMT_IQ2_XXS] = iq_unpack<FMT_IQ2_XXS>;
-        t.iq_unpack[FMT_IQ2_XS] = iq_unpack<FMT_IQ2_XS>;
-        t.iq_unpack[FMT_IQ2_S] = iq_unpack<FMT_IQ2_S>;
-        t.iq_unpack[FMT_IQ3_XXS] = iq_unpack<FMT_IQ3_XXS>;
-        t.iq_unpack[FMT_IQ3_S] = iq_unpack<FMT_IQ3_S>;
-        t.iq_unpack[FMT_IQ1_S] = iq_unpack<FMT_IQ1_S>;
-        t.iq_unpack[FMT_IQ1_M] = iq_unpack<FMT_IQ1_M>;
         q8[FMT_Q4_0_X8] = gemv_q8_x8<FMT_Q4_0_X8>;
         q8[FMT_INT4_X8] = gemv_q8_x8<FMT_INT4_X8>;
         q8[FMT_Q4_K_X8] = gemv_q8_q4kx8;

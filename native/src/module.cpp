@@ -686,13 +686,11 @@ NB_MODULE(_native, m) {
             // in (the x8 copy where one is made); None: the GEMV path at every count.
             nb::dict experts, dense;
             nb::list prompt_gemv;  // formats whose prompts take the GEMV at every count
-            nb::list prompt_tiles;  // ... and of those, the ones whose prompt GEMV is on bf16 tiles (from 32 tokens a call)
             for (int i = 0; i < FMT_COUNT; ++i) {
                 const Format f = Format(i);
                 if (kFormats[f].row_group != 1 || kFormats[f].float_acts) continue;
                 const Format used = interleaved_format(f) == FMT_COUNT ? f : interleaved_format(f);
-                if (prompt_takes_gemv(*current_table(), used, true)) prompt_gemv.append(kFormats[f].name);
-                if (current_table()->prompt_q8[used]) prompt_tiles.append(kFormats[f].name);
+                if (prompt_takes_gemv(*current_table(), used)) prompt_gemv.append(kFormats[f].name);
                 const int e = default_prefill_min_tokens(*current_table(), used);
                 const int l = dense_prefill_min_tokens(*current_table(), used);
                 experts[kFormats[f].name] = e >= kNeverPrefill ? nb::none() : nb::cast(e);
@@ -701,8 +699,6 @@ NB_MODULE(_native, m) {
             d["prefill_min_tokens"] = experts;
             d["dense_prefill_min_tokens"] = dense;
             d["prompt_gemv"] = prompt_gemv;
-            d["prompt_tiles"] = prompt_tiles;
-            d["prompt_tiles_min_tokens"] = kPromptTilesMinTokens;
             // The GEMM on bf16 tiles for bf16 activations and every format but f32 and f16 (on_tiles).
             d["gemm_bf16"] = current_table()->gemm_panels_bf16 != nullptr;
             return d;

@@ -143,7 +143,6 @@ struct Call {
     Format fmt, fmt_dn;         // gate/up, down
     bool deint, float_fmt;      // gate/up: activation order, fp32 activations
     bool deint_dn, float_dn;    // down: the same for the intermediate
-    bool prompt;                // a prompt's rows: each format's prompt GEMV (gemv_for)
     int group, group_dn;        // elements per activation scale (FormatInfo::act_group)
     int64_t T, H, I;
     const std::vector<ExpertWeights>* experts;
@@ -243,8 +242,7 @@ void decode_gate_up(const Call& c, const Entry& en, int r0, int rc) {
     for (int mi = 0; mi < 2; ++mi) {
         const MatrixRef& m = mi == 0 ? w.gate : w.up;
         float* Y = mi == 0 ? G : U;
-        const GemvChoice gemv = gemv_for(*c.kt, c.fmt, en.n, c.prompt, c.x_bf16);
-        const int64_t step = gemv.step;
+        const int64_t step = gemv_step(*c.kt, c.fmt, en.n);
         for (int64_t i = 0; i < en.n; i += step) {
             const int nt = int(std::min<int64_t>(step, en.n - i));
             if (c.float_fmt) {
@@ -255,7 +253,7 @@ void decode_gate_up(const Call& c, const Entry& en, int r0, int rc) {
                 std::vector<Q8Row>& acts = tls.acts;
                 acts.resize(size_t(nt));
                 for (int t = 0; t < nt; ++t) acts[size_t(t)] = c.x_q8(c.ws->pair_tok[size_t(en.begin + i + t)]);
-                gemv.fn(m, r0, rc, c.H, acts.data(), nt, Y + i * rc, rc);
+                c.kt->gemv_q8[c.fmt](m, r0, rc, c.H, acts.data(), nt, Y + i * rc, rc);
             }
         }
     }
@@ -370,7 +368,7 @@ void decode_down(const Call& c, const MatrixRef& down, int64_t pair, int nt, int
         std::vector<Q8Row>& acts = tls.acts;
         acts.resize(size_t(nt));
         for (int t = 0; t < nt; ++t) acts[size_t(t)] = c.h_q8(pair + t);
-        gemv_for(*c.kt, c.fmt_dn, nt, c.prompt, c.x_bf16).fn(down, r0, rc, c.I, acts.data(), nt, Y, ldy);
+        c.kt->gemv_q8[c.fmt_dn](down, r0, rc, c.I, acts.data(), nt, Y, ldy);
     }
 }
 
@@ -393,7 +391,7 @@ void down_rows(const Call& c, int node, int r0, int rc) {
             for (int i = 0; i < m; ++i) accumulate(c, out, w, en.begin + i, r0, rc, C + int64_t(i) * cols);
             continue;
         }
-        const int64_t step = gemv_for(*c.kt, c.fmt_dn, en.n, c.prompt, c.x_bf16).step;
+        const int64_t step = gemv_step(*c.kt, c.fmt_dn, en.n);
         float* Y = tls.get(0, size_t(step) * rc);
         for (int64_t i = 0; i < en.n; i += step) {
             const int nt = int(std::min<int64_t>(step, en.n - i));
@@ -560,8 +558,7 @@ int MoELayer::bind_to_nodes(const Executor& exec) {
 void MoELayer::forward(Executor& exec, const KernelTable& kt, const void* x, bool x_bf16, int64_t T, const int64_t* ids,
                        const float* weights, int k, float* out, Regime regime, int prefill_min_tokens) const {
     if (T <= 0) return;
-    const bool prompt = regime == Regime::Prompt;
-    if (prompt) regime = prompt_takes_gemv(kt, fmt_, x_bf16) ? Regime::Decode : Regime::Prefill;
+    if (regime == Regime::Prompt) regime = prompt_takes_gemv(kt, fmt_) ? Regime::Decode : Regime::Prefill;
     std::lock_guard<std::mutex> lock(g_call_mutex);
     Workspace& ws = g_ws;
     const int64_t E = n_experts();
@@ -614,7 +611,6 @@ void MoELayer::forward(Executor& exec, const KernelTable& kt, const void* x, boo
     Call c;
     c.kt = &kt;
     c.fmt = fmt_;
-    c.prompt = prompt;
     c.fmt_dn = down_fmt_;
     c.deint = fi.deinterleave;
     c.float_fmt = fi.float_acts;

@@ -20,15 +20,12 @@ Format interleaved_format(Format fmt) {
     if (fmt == FMT_Q4_K) return FMT_Q4_K_X8;
     if (fmt == FMT_Q8_0) return FMT_Q8_0_X8;
     if (fmt == FMT_IQ4_NL) return FMT_IQ4_NL_X8;
-    // iq4_xs, except where the kernel set multiplies its prompts on AMX tiles (prompt_q8),
-    // which read the stored layout.
-    if (fmt == FMT_IQ4_XS && !current_table()->prompt_q8[FMT_IQ4_XS]) return FMT_IQ4_XS_X8;
+    if (fmt == FMT_IQ4_XS) return FMT_IQ4_XS_X8;
     return FMT_COUNT;
 }
 
-bool prompt_takes_gemv(const KernelTable& kt, Format fmt, bool bf16_acts) {
+bool prompt_takes_gemv(const KernelTable& kt, Format fmt) {
     if (std::strcmp(kt.name, "scalar") == 0) return false;
-    if (kt.prompt_q8[fmt] && on_tiles(kt, fmt, bf16_acts)) return true;
     return kFormats[fmt].row_group == 8 || interleaved_format(fmt) != FMT_COUNT || gemv_at_every_count(fmt) ||
            iq_prompt_gemv(fmt);
 }

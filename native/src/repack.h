@@ -41,10 +41,8 @@ Format interleaved_format(Format fmt);
 // 512 tokens 1.46x and 1.20x faster; q5_k/q6_k gained under 6 % there and lost on Zen 3's
 // AVX2, so they stay), and q4_1/q5_1/iq4_nl/iq4_xs and the other i-quants (iq_prompt_gemv,
 // formats.h). On kernels named "scalar" (portable), whose GEMM is the faster
-// from one token, never. Where the kernel set has a prompt GEMV of its own for the format
-// (KernelTable::prompt_q8: the i-quants on AMX tiles) and the activations are bf16
-// (on_tiles), always.
-bool prompt_takes_gemv(const KernelTable& kt, Format fmt, bool bf16_acts);
+// from one token, never.
+bool prompt_takes_gemv(const KernelTable& kt, Format fmt);
 
 // The layout a [rows, K] matrix of `fmt` is copied into at load: its x8 layout (rows in whole
 // groups of 8), else, where `in_file` (its pages lie in a read-only file mapping, which

@@ -18,7 +18,6 @@ import pytest
 import torch
 from gguf import GGUFReader
 
-from hybridmoe.backend.engine import native_kernels
 from hybridmoe.backend.engine.model import build_model
 from hybridmoe.backend.formats.weights import open_weights
 from hybridmoe.backend.models import inspect_model
@@ -160,7 +159,5 @@ def test_engine_matches_llama_cpp_on_community_expert_types(fmt, wide_q8_0, tmp_
     from hybridmoe.backend.bench.retype import retype
 
     (path,) = retype(wide_q8_0, tmp_path / f"m-{fmt}.gguf", experts=fmt)
-    # Rows in eights: the row-interleaved copy (iq4_xs: not where its prompts run on AMX tiles).
-    x8 = fmt == "iq4_nl" or (fmt == "iq4_xs" and native_kernels.isa() != "avx512_amx")
-    layout = f"{fmt}x8" if x8 else fmt
+    layout = f"{fmt}x8" if fmt in ("iq4_nl", "iq4_xs") else fmt  # rows in eights: the row-interleaved copy
     assert_matches_llama_cpp_with_experts_in_place(path, (layout, layout))

@@ -86,7 +86,7 @@ def test_the_plan_names_and_counts_the_cache_the_engine_keeps_on_this_cpu(models
     """The plan's cache type (budget.engine_numerics, from the hardware's features) and the
     engine's (model._cache_dtype, from its devices and the kernel set the extension runs) are
     worked out apart: on the CPU alone of whatever machine runs this (AMX or not), the same
-    type and bytes. A bf16 checkpoint keeps bf16; its GGUF float16 (bf16 under AMX)."""
+    type and bytes. A bf16 checkpoint keeps bf16; its GGUF float16."""
     path = models("qwen3_moe", source)
     inspected = inspect_model(path)
     cpu, _ = detect_cpu()

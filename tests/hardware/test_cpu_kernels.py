@@ -9,8 +9,7 @@ from pathlib import Path
 import pytest
 
 from hybridmoe.backend.hardware.cpu import X86_FEATURES
-from hybridmoe.backend.hardware.cpu_kernels import (NATIVE_KERNEL_SETS, native_kernel_set, native_kernel_set_lacks,
-                                                    native_kernels_missing, prompts_on_amx_tiles)
+from hybridmoe.backend.hardware.cpu_kernels import (NATIVE_KERNEL_SETS, native_kernel_set, native_kernel_set_lacks)
 
 AVX512_SET = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512vbmi", "avx512_bitalg", "gfni",
               "fma", "f16c")
@@ -30,25 +29,6 @@ def test_ice_lake_without_bf16_gets_the_avx512_set():
     ice_lake = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512vbmi",
                 "avx512_bitalg", "gfni", "avx512ifma", "avx512_vbmi2", "avx512_vpopcntdq")
     assert native_kernel_set(ice_lake) == "avx512"
-
-
-def test_the_engine_prompts_on_amx_tiles_where_the_amx_set_runs(monkeypatch):
-    """The planner's reading of whether the engine's prompts run on AMX tiles (and a GGUF on the
-    CPU alone then computes in bfloat16): AMX-BF16, the tiles and AVX512-BF16 beside the AVX-512
-    set's flags, with the native kernels on."""
-    if native_kernels_missing():
-        pytest.skip(native_kernels_missing())
-    sapphire_rapids = (*AVX2_SET, *AVX512_SET, "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16")
-    assert prompts_on_amx_tiles(sapphire_rapids)
-    assert not prompts_on_amx_tiles((*AVX2_SET, *AVX512_SET, "avx512_bf16"))
-    assert not prompts_on_amx_tiles(tuple(f for f in sapphire_rapids if f != "avx512_bf16"))
-    assert not prompts_on_amx_tiles(tuple(f for f in sapphire_rapids if f != "avx512vbmi"))  # the AVX2 set
-    # On this machine, also as the extension found it (here it runs no AMX set unless it has one).
-    from hybridmoe import _native
-
-    assert prompts_on_amx_tiles(sapphire_rapids, here=True) == (_native.isa() == "avx512_amx")
-    monkeypatch.setenv("HYBRIDMOE_NATIVE", "0")  # the PyTorch reference computes the experts
-    assert not prompts_on_amx_tiles(sapphire_rapids)
 
 
 def test_avx512_without_vbmi_or_another_flag_gets_the_avx2_set():

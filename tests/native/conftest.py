@@ -30,11 +30,3 @@ def gemm_on_tiles(fmt: str, acts: torch.dtype) -> bool:
     (AMX tiles, for activations that come in bf16: every format but f32 and f16), so that its
     GEMM matches the fp32 reference on bf16-rounded weights instead."""
     return bool(_native.isa_info()["gemm_bf16"]) and acts == torch.bfloat16 and fmt not in ("f32", "f16")
-
-
-def prompt_on_tiles(fmt: str, acts: torch.dtype, tokens: int) -> bool:
-    """Whether a call of `tokens` of a prompt's rows of `fmt` takes the set's bf16-tile GEMV
-    (AMX: the i-quants, for activations that come in bf16, from 32 tokens a call), which
-    rounds the Q8 activations and the weights to bf16."""
-    info = _native.isa_info()
-    return acts == torch.bfloat16 and fmt in info["prompt_tiles"] and tokens >= info["prompt_tiles_min_tokens"]

@@ -156,7 +156,6 @@ def test_x8_gemv_gives_the_same_bits_on_avx512_as_on_avx2(fmt):
     x = torch.randn(9, 1024)
     outs = {}
     try:
-        _native.set_isa("avx512_vnni")  # with AMX, iq4_xs stays as stored for its tile prompts
         lin = NativeLinear(random_matrix(np.random.default_rng(9), fmt, (72, 1024)))  # 4 pairs and a group
         assert lin.native.format == f"{fmt}x8"
         for isa in ("avx512_vnni", "avx2"):

@@ -80,7 +80,7 @@ def test_the_gemv_gives_each_token_the_same_bits_however_many_come_at_once(fmt, 
     data = stored(fmt, rows)
     tensor = torch.from_numpy(data)
     linear = _native.DenseLinear(fmt, K, [(rows, [tensor.data_ptr(), 0, data.shape[1], 0])], interleave)
-    copied = interleave and (fmt == "iq4_nl" or (fmt == "iq4_xs" and isa != "avx512_amx"))
+    copied = interleave and fmt in ("iq4_nl", "iq4_xs")
     assert linear.format == (f"{fmt}x8" if copied else fmt)
     x = torch.from_numpy(np.random.default_rng(4).standard_normal((tokens, K)).astype(np.float32))
     together = torch.empty(tokens, rows)
@@ -96,12 +96,11 @@ GEMV_ALWAYS = ("q4_1", "q5_1", "iq4_nl", "iq4_xs")  # their 32-block GEMV reads 
 
 @pytest.mark.parametrize("fmt", NEW_TYPES)
 def test_their_prompts_take_one_path_by_format(fmt):
-    """q4_1/q5_1/iq4_nl/iq4_xs take the GEMV at every count (with AMX, iq4_xs's prompt GEMV
-    is on bf16 tiles from 32 tokens a call); the other i-quants switch to dequantized panels
-    and the GEMM at their measured switch point (both experts and dense projections), past
-    the four tokens a GEMV pass serves, and their prompts take one path: the GEMV (which
-    decodes a super-block once for many tokens; with AMX on bf16 tiles). The portable set's
-    GEMM is the faster from one token."""
+    """q4_1/q5_1/iq4_nl/iq4_xs take the GEMV at every count; the other i-quants switch to
+    dequantized panels and the GEMM at their measured switch point (both experts and dense
+    projections), past the four tokens a GEMV pass serves, and their prompts take one path:
+    the GEMV (which decodes a super-block once for many tokens). The portable set's GEMM is
+    the faster from one token."""
     for name in ISAS:
         _native.set_isa(name)
         try:
@@ -112,12 +111,9 @@ def test_their_prompts_take_one_path_by_format(fmt):
                 assert experts == dense == 1 and not prompt_gemv
             elif fmt in GEMV_ALWAYS:
                 assert experts is None and dense is None and prompt_gemv
-                assert (fmt in info["prompt_tiles"]) == (name == "avx512_amx" and fmt == "iq4_xs")
             else:
                 assert 4 < experts <= 256 and experts == dense
-                # AMX: every i-quant's prompt GEMV runs on bf16 tiles (prompt_tiles).
                 assert prompt_gemv
-                assert (fmt in info["prompt_tiles"]) == (name == "avx512_amx")
         finally:
             _native.set_isa("")
 

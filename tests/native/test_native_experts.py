@@ -51,7 +51,7 @@ from hybridmoe.backend.engine.experts import (
     ResidentExperts,
     experts_forward,
 )
-from tests.native.conftest import ISAS, bf16, gemm_on_tiles, prompt_on_tiles
+from tests.native.conftest import ISAS, bf16, gemm_on_tiles
 
 pytestmark = pytest.mark.skipif(not native_kernels.available(), reason="native extension not built")
 
@@ -133,18 +133,15 @@ def emulated(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, ref: ResidentE
     return out
 
 
-def kernel_rounding(fmt: str, path: str, acts: torch.dtype, tokens: int):
-    """(round, tiles) for a path of the kernel set in use, an expert of `tokens`, activations
-    of dtype `acts`: "gemv" (Q8 activations; none for the float formats), "gemm" (none; bf16
-    weights on tiles), "prompt" (the GEMV, or the prompt GEMV on tiles of the formats that
-    have one: Q8 activations, then bf16)."""
+def kernel_rounding(fmt: str, path: str, acts: torch.dtype):
+    """(round, tiles) for a path of the kernel set in use and activations of dtype `acts`:
+    "gemv" and "prompt" (Q8 activations; none for the float formats), "gemm" (none; bf16
+    weights on tiles, for bf16 activations)."""
     group = act_group(fmt)
     if path == "gemm":
         return (bf16, True) if gemm_on_tiles(fmt, acts) else (None, False)
     if fmt in FLOAT_FORMATS:
         return None, False
-    if path == "prompt" and prompt_on_tiles(fmt, acts, tokens):
-        return (lambda v: bf16(q8(v, group))), True
     return (lambda v: q8(v, group)), False
 
 
@@ -159,7 +156,7 @@ def check(experts: HostExperts, x: torch.Tensor, ids: torch.Tensor, w: torch.Ten
     threshold = native.layer.prefill_min_tokens
     path = {"decode": lambda n: "gemv", "prefill": lambda n: "gemm", "prompt": lambda n: "prompt",
             "auto": lambda n: "gemv" if n < threshold else "gemm"}[regime]
-    rounds = lambda n: kernel_rounding(fmt, path(n), acts, n)  # noqa: E731
+    rounds = lambda n: kernel_rounding(fmt, path(n), acts)  # noqa: E731
     if all(rounds(n) == (None, False) for n in range(1, len(x) + 1)):
         err = rel_err(out, ref)  # nothing rounded: fp32 math up to the order of the sums
         assert err < EXACT_TOL, f"{fmt} {regime}: relative error {err:.3g} (tolerance {EXACT_TOL})"
@@ -229,8 +226,7 @@ def test_prompt_rows_take_one_regime_by_format_at_any_count(isa, fmt):
     integer GEMV is the faster at every count), for q3_k and q2_k (gemv_at_every_count; on
     AVX-512 past four tokens a GEMM with the GEMV's bits) and for the i-quants, the prefill
     regime for the rest (and on the portable set), whatever each expert's count, so that a prompt's numbers do
-    not depend on how it was split into chunks. With AMX the i-quants' experts of 32 tokens or more take their
-    own GEMV on bf16 tiles (kPromptTilesMinTokens): that one case depends on the count."""
+    not depend on how it was split into chunks."""
     rng = np.random.default_rng(zlib.crc32(fmt.encode()))
     H, I = sizes(fmt)
     experts = make_host_experts(rng, fmt, 6, H, I, range(6))
@@ -238,9 +234,6 @@ def test_prompt_rows_take_one_regime_by_format_at_any_count(isa, fmt):
     x = torch.from_numpy(rng.standard_normal((120, H)).astype(np.float32)).bfloat16()
     ids, w = random_routing(rng, 120, 6, 3)  # about 60 tokens an expert
     whole = native.forward(x, ids, w, regime="prompt")
-    if prompt_on_tiles(fmt, x.dtype, 60):
-        check(experts, x, ids, w, "prompt", fmt)
-        return
     gemv = isa != "scalar" and fmt in ("q4_0", "q4_k", "q3_k", "q2_k", "iq2_xxs")
     assert torch.equal(whole, native.forward(x, ids, w, regime="decode" if gemv else "prefill"))
     for a, b in ((0, 1), (1, 14), (14, 120)):
