@@ -131,9 +131,10 @@ def _reference(probes: Sequence[float]) -> tuple[float, float]:
     return float(np.median(probes)), max(probes)
 
 
-def _kt_peer(shape: Shape, E: int, fmt: str, tokens: Sequence[int], threads: int, seconds: float) -> dict[str, Any]:
-    spec = dict(E=E, k=shape.top_k, H=shape.hidden, I=shape.inter, format=fmt, seed=SEED, tokens=list(tokens),
-                threads=threads, seconds=seconds, min_repeats=3, max_repeats=50)
+def _kt_peer(shape: Shape, E: int, fmt: str, method: str, tokens: Sequence[int], threads: int,
+             seconds: float) -> dict[str, Any]:
+    spec = dict(E=E, k=shape.top_k, H=shape.hidden, I=shape.inter, format=fmt, method=method, seed=SEED,
+                tokens=list(tokens), threads=threads, seconds=seconds, min_repeats=3, max_repeats=50)
     from hybridmoe.backend.bench.kt_kernel_peer import RESULT_MARK
 
     try:
@@ -216,26 +217,30 @@ def run(
                     out(format_rows(rows[-1:], header=False))
             experts = native = None  # free the layer before kt-kernel builds its own copy
             if "kt-kernel" in peers:
-                from hybridmoe.backend.bench.kt_kernel_peer import supported_formats
+                from hybridmoe.backend.bench.kt_kernel_peer import methods
+                from hybridmoe.backend.hardware.cpu import detect_cpu
 
-                if fmt not in supported_formats():
+                kt_methods = methods(fmt, set(detect_cpu()[0].features))
+                if not kt_methods:
                     out(f"  kt-kernel: no comparable path for {fmt}")
                     continue
                 # kt-kernel's caller thread waits in sync() while its pool works, so it is
                 # run with the same number of pool threads and, on small machines where
                 # that oversubscribes the cores, with one fewer.
-                for kt_threads in sorted({threads, max(1, threads - 1)}, reverse=True):
-                    res = _kt_peer(shape, E, fmt, tokens, kt_threads, seconds)
-                    if "error" in res:
-                        rows.append(Row(label, fmt, 0, f"kt-kernel, {kt_threads} threads", None, note=res["error"]))
-                        out(f"  kt-kernel: {res['error']}")
-                        break
-                    for T in tokens:
-                        nbytes = _distinct_bytes(T, E, shape.top_k, range(64), eb)
-                        rows.append(Row(label, fmt, T, f"kt-kernel {res['method']} [{res['variant']}], "
-                                        f"{kt_threads} thr", res["latency"][str(T)], nbytes, *_reference(probes),
-                                        best_s=res["best"][str(T)]))
-                        out(format_rows(rows[-1:], header=False))
+                for method in kt_methods:
+                    for kt_threads in sorted({threads, max(1, threads - 1)}, reverse=True):
+                        res = _kt_peer(shape, E, fmt, method, tokens, kt_threads, seconds)
+                        if "error" in res:
+                            rows.append(Row(label, fmt, 0, f"kt-kernel {method}, {kt_threads} threads", None,
+                                            note=res["error"]))
+                            out(f"  kt-kernel {method}: {res['error']}")
+                            break
+                        for T in tokens:
+                            nbytes = _distinct_bytes(T, E, shape.top_k, range(64), eb)
+                            rows.append(Row(label, fmt, T, f"kt-kernel {res['method']} [{res['variant']}], "
+                                            f"{kt_threads} thr", res["latency"][str(T)], nbytes, *_reference(probes),
+                                            best_s=res["best"][str(T)]))
+                            out(format_rows(rows[-1:], header=False))
     for r in rows:
         r.host_bandwidth, r.host_bandwidth_best = float(np.median(probes)), max(probes)
     out(f"\nhost read bandwidth over {len(probes)} probes of the run: median {np.median(probes) / 1e9:.2f} GB/s "

@@ -11,7 +11,11 @@ drives kt-kernel's low-level extension (``kt_kernel_ext``) the way its Python wr
 * int4_g32 (Kimi K2 compressed-tensors): ``RAWINT4``, whose kernels take the int32 words
   as bytes and the bf16 scales per expert (NativeMoEWrapper, CompressedSafeTensorLoader),
   with the best class kt-kernel selects for this CPU (AMX, AVX-VNNI-256 or AVX2);
-* bf16: the native ``BF16`` class with per-expert pointers.
+* bf16: the native ``BF16`` class with per-expert pointers;
+* on a CPU with AMX, q8_0 and q4_0 also through its AMX classes (``AMXInt8_MOE``,
+  ``AMXInt4_MOE``), its fast path there: they take bf16 weights (the layer's, dequantized) and
+  quantize them at load, per row, to int8 / int4 (AMXMoEWrapper.load_weights_from_tensors).
+  ``methods`` says which paths a format has here.
 
 Activations and outputs are bf16 (kt-kernel's interface), ids int64, weights fp32, all
 experts on the CPU. kt-kernel is a benchmark peer only: nothing else imports it.
@@ -35,8 +39,19 @@ RESULT_MARK = "KT_PEER_RESULT "
 LLAMAFILE_FORMATS = ("q4_0", "q8_0", "q4_k", "q5_k", "q6_k", "q2_k", "q3_k", "iq4_xs", "iq2_xxs", "iq1_s")
 
 
+# Formats compared with kt-kernel's AMX class of the same bits per weight, on CPUs with AMX.
+AMX_CLASSES = {"q8_0": "AMXInt8_MOE", "q4_0": "AMXInt4_MOE"}
+
+
 def supported_formats() -> tuple[str, ...]:
     return LLAMAFILE_FORMATS + ("int4_g32", "bf16")
+
+
+def methods(fmt: str, cpu_features: set[str]) -> tuple[str, ...]:
+    """kt-kernel's paths for `fmt` on a CPU with these /proc/cpuinfo flags: "amx" (its AMX class,
+    first: kt-kernel's own choice there) and "default" (llamafile, RAWINT4 or BF16)."""
+    amx = ("amx",) if fmt in AMX_CLASSES and {"amx_tile", "amx_int8", "amx_bf16"} <= cpu_features else ()
+    return amx + (("default",) if fmt in supported_formats() else ())
 
 
 def _build(spec: dict[str, Any]):
@@ -60,7 +75,20 @@ def _build(spec: dict[str, Any]):
     cfg.max_len = max(512, max(spec["tokens"]))
     keep: list[Any] = [mask, merged]
 
-    if fmt in LLAMAFILE_FORMATS:
+    if spec.get("method") == "amx":
+        from kt_kernel_ext import moe as kt_moe
+
+        from hybridmoe.backend.formats.quant import dequantize
+
+        for name in ("gate", "up", "down"):  # [E, out, in] bf16, which the class quantizes
+            w = dequantize(merged[name], torch.bfloat16).contiguous()
+            keep.append(w)
+            setattr(cfg, f"{name}_proj", w.data_ptr())
+        cfg.save = cfg.load = False  # quantized at load, in memory (its wrapper's save mode also writes them)
+        cls = getattr(kt_moe, AMX_CLASSES[fmt])
+        moe = cls(cfg)
+        method = cls.__name__
+    elif fmt in LLAMAFILE_FORMATS:
         from kt_kernel_ext.kvcache import ggml_type
         from kt_kernel_ext.moe import MOE
 
@@ -109,7 +137,8 @@ def _build(spec: dict[str, Any]):
         method = "BF16 (AVX2BF16_MOE)"
     else:
         raise ValueError(f"kt-kernel has no path for {fmt} here")
-    identity = torch.arange(E, dtype=torch.int32)
+    # The expert map: int64 for the AMX classes (as kt-kernel's own callers pass it), int32 for llamafile.
+    identity = torch.arange(E, dtype=torch.int64 if spec.get("method") == "amx" else torch.int32)
     cpu.submit(moe.load_weights_task(identity.data_ptr()))
     cpu.sync()
     return cpu, moe, method, keep
