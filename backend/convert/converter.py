@@ -41,7 +41,7 @@ from hybridmoe.backend.convert.tensor_types import BLOCK_TYPES, FILE_TYPES, QUAN
 from hybridmoe.backend.convert.vocab import vocab_from_hf
 from hybridmoe.backend.formats.quant import QuantTensor
 from hybridmoe.backend.formats.weights import SafetensorsWeights, WeightSource, text_model_weights
-from hybridmoe.backend.errors import HybridMoeError, ModelError, UsageError
+from hybridmoe.backend.errors import ModelError, UsageError
 from hybridmoe.backend.files import partial_path, sweep_stale_partials, write_error
 from hybridmoe.backend.models import inspect_model
 from hybridmoe.backend.models.gguf_reader import open_gguf_file

@@ -24,7 +24,6 @@ from hybridmoe.backend.models.layer_description import (
     Attention,
     DenseFeedForward,
     FeedForward,
-    GroupedQueryAttention,
     Layer,
     LatentAttention,
     MixtureOfExperts,

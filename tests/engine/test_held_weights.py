@@ -22,7 +22,6 @@ from hybridmoe.backend.engine.model import build_model
 from hybridmoe.backend.engine.session import EngineBackend
 from hybridmoe.backend.formats.weights import open_weights
 from hybridmoe.backend.models import inspect_model
-from hybridmoe.backend.models.inventory import TensorClass
 from hybridmoe.backend.plan import Workload, make
 from tests.convert.conftest import FAMILIES, build_checkpoint, needs_llama_cpp
 from tests.engine.test_hybrid_resident import _workstation

@@ -350,8 +350,6 @@ def test_a_layer_call_that_fails_midway_gives_up_what_it_started(checkpoints, mo
 def test_closing_wakes_every_wait_and_stops_the_threads(checkpoints, monkeypatch):
     """With the copier waiting for slots a layer left open will never release, close() fails
     the markers still owed, so the waits end and both threads (daemons) stop at once."""
-    import time
-
     from hybridmoe.backend.engine import hybrid
 
     monkeypatch.setattr(hybrid, "INLINE_ROWS", 0)  # short calls use the worker too
@@ -448,7 +446,6 @@ def test_a_process_with_an_unclosed_scheduler_exits(checkpoints, tmp_path):
     at exit, and the waits are failed there)."""
     import subprocess
     import sys
-    import time
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]

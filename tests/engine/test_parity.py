@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.engine.conftest import FAMILY_NAMES, engine, greedy, relative_error, tokens
+from tests.engine.conftest import FAMILY_NAMES, engine, relative_error, tokens
 
 MLA_FAMILIES = ("deepseek_v3", "deepseek_v2")
 
