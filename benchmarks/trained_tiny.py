@@ -49,11 +49,16 @@ MIXES = {
     "iq3_s": ("IQ3_S", "IQ3_S"), "iq4_xs": ("IQ4_XS", "IQ4_XS"), "iq4_nl": ("IQ4_NL", "IQ4_NL"),
     "q4_1": ("Q4_1", "Q4_1"), "q5_1": ("Q5_1", "Q5_1"), "ud-q2_k_xl": ("Q4_K_M", None), "ud-iq1_s": ("Q4_K_M", None),
 }
-# The Unsloth-shaped mixes (backend/bench/retype.py's, without their edge layers): tensor patterns -> types.
-UD_OVERRIDES = {
-    "ud-q2_k_xl": {r"ffn_(gate|up)_exps": "IQ2_XXS", r"ffn_down_exps": "IQ3_XXS", r"^output\.weight": "Q8_0"},
-    "ud-iq1_s": {r"ffn_(gate|up)_exps": "IQ1_S", r"ffn_down_exps": "IQ2_XXS", r"^output\.weight": "Q6_K"},
-}
+
+
+def ud_overrides(mix: str) -> dict[str, str]:
+    """The Unsloth-shaped `mix` of `bench generate --types` (backend/bench/retype.py's MIXES,
+    without their edge layers) as llama.cpp's tensor-type overrides: patterns -> types."""
+    from hybridmoe.backend.bench import retype
+
+    gate_up, _edge, down, head = retype.MIXES[mix]
+    return {r"ffn_(gate|up)_exps": gate_up.upper(), r"ffn_down_exps": down.upper(), r"^output\.weight": head.upper()}
+
 
 PROMPTS = (
     'import os\nimport sys\n\n\ndef main(argv=None):\n    """Parse the arguments and run."""\n'
@@ -190,7 +195,7 @@ def main() -> int:
         mix, experts = MIXES[name]
         path = args.out_dir / f"tiny-{name}.gguf"
         if not path.exists():
-            quantize(bf16, path, mix, UD_OVERRIDES[name] if experts is None else {r"_exps\.": experts})
+            quantize(bf16, path, mix, ud_overrides(name) if experts is None else {r"_exps\.": experts})
         results = compare_file(path)
         same = sum(r["same"] for r in results)
         steps = sum(r["steps"] for r in results)

@@ -318,7 +318,6 @@ def plan_expectation(model: str, context: int, prompt_tokens: int) -> dict:
     """The plan's expected decode and prefill tokens/s for one CPU-only conversation of
     `context` tokens on this machine (one bandwidth reading for the process), per backend,
     with how each was obtained: what the table prints beside the measured figures."""
-
     from hybridmoe.backend.hardware import detect
     from hybridmoe.backend.models import inspect_model
     from hybridmoe.backend.plan import Workload, make

@@ -37,7 +37,9 @@ import numpy as np
 import torch
 
 from hybridmoe.backend.bench.kernel_layer import SEED, make_layer, routing
+from hybridmoe.backend.bench.kt_kernel_peer import RESULT_MARK, methods
 from hybridmoe.backend.engine import native_experts, native_kernels
+from hybridmoe.backend.hardware.cpu import detect_cpu
 
 __all__ = ["SHAPES", "Row", "run", "switch_point", "format_rows"]
 
@@ -135,8 +137,6 @@ def _kt_peer(shape: Shape, E: int, fmt: str, method: str, tokens: Sequence[int],
              seconds: float) -> dict[str, Any]:
     spec = dict(E=E, k=shape.top_k, H=shape.hidden, I=shape.inter, format=fmt, method=method, seed=SEED,
                 tokens=list(tokens), threads=threads, seconds=seconds, min_repeats=3, max_repeats=50)
-    from hybridmoe.backend.bench.kt_kernel_peer import RESULT_MARK
-
     try:
         proc = subprocess.run([sys.executable, "-m", "hybridmoe.backend.bench.kt_kernel_peer", json.dumps(spec)],
                               capture_output=True, text=True, timeout=1800)
@@ -173,6 +173,7 @@ def run(
     out(f"native kernels: {native_kernels.isa()}, {threads} threads; host read bandwidth: "
         f"{app_bw / 1e9:.2f} GB/s (app probe, the ratio's reference), {native_bw / 1e9:.2f} GB/s (native probe)")
     rows: list[Row] = []
+    cpu_features = set(detect_cpu()[0].features)  # which of kt-kernel's paths it has here (methods)
     for shape_name in shapes:
         shape = SHAPES[shape_name]
         E = min(shape.experts, deepseek_experts) if shape_name == "deepseek-v3" else shape.experts
@@ -217,10 +218,7 @@ def run(
                     out(format_rows(rows[-1:], header=False))
             experts = native = None  # free the layer before kt-kernel builds its own copy
             if "kt-kernel" in peers:
-                from hybridmoe.backend.bench.kt_kernel_peer import methods
-                from hybridmoe.backend.hardware.cpu import detect_cpu
-
-                kt_methods = methods(fmt, set(detect_cpu()[0].features))
+                kt_methods = methods(fmt, cpu_features)
                 if not kt_methods:
                     out(f"  kt-kernel: no comparable path for {fmt}")
                     continue
