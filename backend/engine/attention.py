@@ -46,14 +46,18 @@ def eager_attention(
     mask: torch.Tensor | None,
     scale: float,
     sinks: torch.Tensor | None = None,
+    rounded_to: torch.dtype | None = None,
 ) -> torch.Tensor:
     """softmax(q k^T * scale) v for q [1, H, T, D], k [1, KV, S, D], v [1, KV, S, Dv].
 
     KV heads are shared by H/KV query heads without copying them: the query heads of a group
     are stacked into one matrix per KV head. `mask` [T, S] is True where attending is allowed.
     With `sinks` [H] (GPT-OSS) the softmax runs in the scores' dtype as the reference does;
-    otherwise in float32.
+    otherwise in float32. `rounded_to`: float32 products of the queries and of the softmax's
+    weights rounded to that dtype (the cache's: the native decode step's rounding, see ``attend``).
     """
+    if rounded_to is not None:
+        q, k, v = q.to(rounded_to).float(), k.float(), v.float()
     _, n_heads, n_q, dim = q.shape
     n_kv, n_keys = k.shape[1], k.shape[2]
     group = n_heads // n_kv
@@ -74,6 +78,8 @@ def eager_attention(
             probs = F.softmax(combined, dim=-1, dtype=combined.dtype)[..., :-1]
         else:
             probs = F.softmax(scores, dim=-1, dtype=torch.float32)
+        if rounded_to is not None:
+            probs = probs.to(rounded_to)
         probs = probs.to(v.dtype).reshape(1, n_kv, group * n, n_keys)
         out[:, :, t0:t1] = torch.matmul(probs, v).view(1, n_heads, n, -1)
     return out
@@ -102,12 +108,18 @@ def attend(
     else:
         q_pos = torch.arange(start_pos, start_pos + n_q, device=q.device)
         mask, causal = causal_mask(q_pos, key_positions, n_keys, window), False
-    if k.dtype != q.dtype:  # a float16 cache under float32 activations (model._cache_dtype): widened exactly
+    # A float16 cache under float32 activations (a GGUF on the CPU: model._cache_dtype): the
+    # queries and the softmax's weights rounded to float16 as the decode step rounds them
+    # (native/src/attention_decode.cpp), which is llama.cpp's arithmetic; SDPA's fused kernels
+    # cannot round the weights.
+    rounded = k.dtype == torch.float16 and q.dtype == torch.float32 and q.device.type == "cpu"
+    if causal and (sinks is not None or rounded):  # the eager path takes the mask
+        mask = causal_mask(torch.arange(n_q, device=q.device), None, n_keys, None)
+    if rounded and sinks is None:
+        return eager_attention(q, k, v, mask, scale, rounded_to=torch.float16)
+    if k.dtype != q.dtype:  # widened exactly
         k, v = k.to(q.dtype), v.to(q.dtype)
     if sinks is not None:
-        if causal:
-            q_pos = torch.arange(n_q, device=q.device)
-            mask = causal_mask(q_pos, None, n_keys, None)
         return eager_attention(q, k, v, mask, scale, sinks)
     dtype = q.dtype
     if q.device.type == "cpu" and dtype != torch.float32:

@@ -487,7 +487,8 @@ class DecodeStep:
         # The embedding table as NumPy (bf16 as its bits), which ``embed_rows`` reads: one
         # native call per step; F.embedding's dispatch and the copy into the residual stream
         # cost ~0.2 ms a token on caches the weights have just streamed through.
-        self.embed = _cache_view(model.embed)
+        self.embed = None if model.embed is None else _cache_view(model.embed)
+        self.embed_stored = model.embed_stored  # a table held as stored (NativeLinear): its rows dequantized
         # A head the kernels do not read is a PyTorch Linear in the model dtype.
         self.head = _Linear(model.lm_head, "head") if model.lm_head.runs_native else None
 
@@ -507,7 +508,10 @@ class DecodeStep:
         # NumPy views: slicing the torch handles costs ~20 us each with cold caches, and only
         # the layer-by-layer path and a PyTorch head use them.
         xa, ha = self.x.a[:n], self.h.a[:n]
-        _native.embed_rows(self.embed, tokens, xa)
+        if self.embed is not None:
+            _native.embed_rows(self.embed, tokens, xa)
+        else:
+            self.embed_stored.native.dequantize_rows(tokens, xa)
         dtype = self.model.dtype
         if self.chain is not None:
             self.chain(xa, segments)

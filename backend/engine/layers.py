@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridmoe.backend.models import layer_description
+from hybridmoe.backend.engine import native_kernels
 from hybridmoe.backend.engine.native_linear import NativeLinear
 from hybridmoe.backend.errors import UnsupportedModelError
 
@@ -75,9 +76,16 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = self.weight.dtype  # the compute dtype, also for the float32 residual stream
-        # One fused op for x * rsqrt(mean(x^2) + eps) (bit-equal to the four-op form, measured):
-        # at decode the per-op overhead is most of a norm's cost.
-        h = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        if x.device.type == "cpu" and native_kernels.enabled():
+            # The native norm on a CPU: the decode step's bits, and llama.cpp's (its mean in
+            # double), which the Q8 codes of the next block's rows round on to the last bit.
+            if self.float32:
+                return native_kernels.rms_norm(x, self.weight, self.eps)
+            h = native_kernels.rms_norm(x, None, self.eps)
+        else:
+            # One fused op for x * rsqrt(mean(x^2) + eps) (bit-equal to the four-op form,
+            # measured): at decode the per-op overhead is most of a norm's cost.
+            h = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         if self.float32:
             return self.weight.float() * h
         if self.round_before_weight:

@@ -155,7 +155,10 @@ class MLAttention(nn.Module):
             table = seg.seq.table_array(self.cache.group)
             return self.stored_maps.attend(q_full, self.cache.kv, table, start_pos, self.scale).to(q.dtype)
         cached = self.cache.update(seg.seq, latent, k_rope.reshape(n, rope), start_pos)  # [S, c + rope]
-        cached = cached.to(q.dtype)  # a float16 cache under float32 activations (model._cache_dtype): exact
+        # A float16 cache under float32 activations (model._cache_dtype): widened exactly, the
+        # absorbed form's queries and weights rounded to it as the native kernels round them.
+        rounded = torch.float16 if cached.dtype == torch.float16 and q.dtype == torch.float32 else None
+        cached = cached.to(q.dtype)
         n_keys = cached.shape[0]
 
         if self._use_absorbed(n, n_keys):
@@ -171,7 +174,7 @@ class MLAttention(nn.Module):
             if n > 1 or start_pos + n != n_keys:
                 q_pos = torch.arange(start_pos, start_pos + n, device=q.device)
                 mask = causal_mask(q_pos, None, n_keys, None)
-            attended = eager_attention(q_full, keys, values, mask, self.scale)  # [1, H, n, c]
+            attended = eager_attention(q_full, keys, values, mask, self.scale, rounded_to=rounded)  # [1, H, n, c]
             if w is None:  # W_UV after attention
                 out = stored.values(attended[0]).unsqueeze(0)
             else:

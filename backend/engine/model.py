@@ -27,7 +27,8 @@ from hybridmoe.backend.engine.decode_experts import triton_available
 from hybridmoe.backend.engine.hybrid import HybridOptions, attach
 from hybridmoe.backend.engine.kv_cache import PagedCache, Segment, Sequence
 from hybridmoe.backend.engine.layers import Linear, RMSNorm
-from hybridmoe.backend.engine.native_linear import native_linear
+from hybridmoe.backend.engine.native_kernels import Unsupported
+from hybridmoe.backend.engine.native_linear import NativeLinear, native_linear
 from hybridmoe.backend.engine.stored_linear import StoredLinear, stored_linear
 from hybridmoe.backend.engine.stats import ExpertRecorder
 from hybridmoe.backend.engine.tensor_parallel import HeadShards, Shards, part
@@ -63,15 +64,15 @@ class MoeTransformer(nn.Module):
     """
 
     def __init__(self, *, family: str, spec: ModelSpec, config: HFConfig, embed: torch.Tensor | None,
-                 embed_stored: StoredLinear | None, layers: list[DecoderLayer], norm: RMSNorm, lm_head: nn.Module,
+                 embed_stored: StoredLinear | NativeLinear | None, layers: list[DecoderLayer], norm: RMSNorm, lm_head: nn.Module,
                  recorder: ExpertRecorder, placement: dict[int, tuple[int, ...]], device: torch.device,
                  dtype: torch.dtype, max_context: int, cache: PagedCache, max_sequences: int = 1):
         super().__init__()
         self.family = family
         self.spec = spec
         self.config = config
-        # The embedding table: a tensor in the compute dtype (``embed``), or (a GGUF's on a GPU)
-        # its blocks as stored, of which a call dequantizes the rows it looks up (``embed_stored``).
+        # The embedding table: a tensor in the compute dtype (``embed``), or (a GGUF's) its blocks
+        # as stored, of which a call dequantizes the rows it looks up (``embed_stored``).
         self.embed_stored = embed_stored
         self.register_buffer("embed", embed, persistent=False)
         self.layers = nn.ModuleList(layers)
@@ -288,6 +289,22 @@ def _embedding_dtype(stored: Any, dtype: torch.dtype, cache_dtype: torch.dtype) 
     return torch.bfloat16 if getattr(stored, "dtype", None) == torch.bfloat16 else torch.float16
 
 
+def _table_as_stored(stored: Any, weights: Any, device: torch.device) -> NativeLinear | None:
+    """A GGUF's embedding table held as the file stores it on a CPU main device, each lookup
+    dequantizing the rows it reads in float32 (``NativeLinear.rows``), where the kernels read
+    its type; else None (the table is widened). llama.cpp looks its rows up so: widened to
+    float16, a quantized table's rows sat 2e-4 of their size from its, which flipped the first
+    layer's Q8 codes (on a trained model's prompt, logits 0.003 of their spread apart); and the
+    table is the largest widened tensor (Kimi K2's: 2.3 GB in 16 bits, 0.6 GB in Q4_K)."""
+    if (device.type != "cpu" or not native_kernels.enabled() or checkpoint_kind(weights) != "gguf"
+            or native_kernels.native_format(stored) is None):
+        return None
+    try:
+        return NativeLinear(stored, interleave=False)
+    except Unsupported:
+        return None
+
+
 def _embedding(b: Build, vocab: int, dtype: torch.dtype) -> torch.Tensor:
     table = b.load.tensor("model.embed_tokens.weight", (vocab, b.hidden), dtype=dtype)
     if dtype == torch.float16 and not bool(torch.isfinite(table).all()):
@@ -396,7 +413,7 @@ def build_model(
     b.resident_form = resident_form
     b.sequences = sequences
     vocab = spec.vocab_size
-    embed_stored = stored_linear(embed_weight, None, b.device)
+    embed_stored = stored_linear(embed_weight, None, b.device) or _table_as_stored(embed_weight, weights, b.device)
     embed = (None if embed_stored is not None
              else _embedding(b, vocab, _embedding_dtype(embed_weight, dtype, b.cache_dtype)))
     # The build compiles the layers' architecture from their descriptions. What those say of
@@ -437,7 +454,7 @@ def build_model(
         # The head reads the embedding table: in its stored form on a CPU main device, else
         # the embedding's own (no second copy where both are on one device): its blocks on a
         # GPU that holds it as stored, or its materialised tensor.
-        if embed_stored is not None:
+        if embed_stored is not None and not embed_stored.runs_native:  # a card's blocks (StoredLinear)
             lm_head = (embed_stored if embed_stored.data.device == b.device
                        else StoredLinear(embed_stored.stored.to(b.device)))
         else:

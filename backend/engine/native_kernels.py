@@ -36,11 +36,23 @@ __all__ = [
     "isa_info",
     "matrix_ref",
     "native_format",
+    "rms_norm",
     "summary",
 ]
 
 _GGUF_NATIVE = GGUF_CPU_KERNEL_TYPES
 _FLOAT_NATIVE = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """x / rms(x) (* weight) over x's last dimension in float32, the mean of the squares in double
+    as llama.cpp's (native/src/decode_ops.h)."""
+    x = x.float().contiguous()
+    out = torch.empty_like(x)
+    if x.numel():
+        w = None if weight is None else weight.float().contiguous().numpy()
+        _native.rms_norm(x.numpy(), w, float(eps), out.numpy())
+    return out
 
 
 def available() -> bool:

@@ -75,6 +75,14 @@ class NativeLinear(nn.Module):
                       dtypes.pop() if len(dtypes) == 1 else None)
         return joined
 
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The rows `ids` [n] in `dtype`, each dequantized from its stored blocks in float32: an
+        embedding lookup (llama.cpp's get_rows) on a table held as stored."""
+        out = torch.empty((ids.numel(), self.in_features), dtype=torch.float32)
+        if ids.numel():
+            self.native.dequantize_rows(ids.reshape(-1).tolist(), out.numpy())
+        return out.to(dtype)
+
     def forward(self, x: torch.Tensor, *, float32: bool = False) -> torch.Tensor:
         """float32: the kernels' float32 output as it is, not rounded to the compute dtype
         (logits). x may be float32 where the compute dtype is not (a norm's output, ``RMSNorm``)."""

@@ -153,12 +153,15 @@ _FP8_SCALES = re.compile(r"\.weight_scale_inv$")  # an fp8 weight's block scales
 _INT4_PARTS = re.compile(r"\.weight_(?:packed|scale|shape|zero_point)$")  # compressed-tensors int4, read in place
 
 
-def _widened(c: Classified, name: str, fmt: str, shape: tuple[int, ...]) -> bool:
+def _widened(c: Classified, name: str, fmt: str, shape: tuple[int, ...], gguf: bool) -> bool:
     """Whether the engine holds this always-read tensor in its compute dtype on the CPU
-    whatever the file stores: the embedding table (lookups), MLA's kv_b stored whole (its
-    decode step reads it so), vectors (norms, biases), and matrices in a format the kernels do
-    not read (with their scales)."""
-    if c.cls is C.EMBEDDING or (c.cls is C.ATTENTION and _KV_B_WHOLE.search(name)):
+    whatever the file stores: the embedding table (lookups; a GGUF's in a type the kernels read
+    stays as stored, its rows dequantized as they are looked up: model._table_as_stored), MLA's
+    kv_b stored whole (its decode step reads it so), vectors (norms, biases), and matrices in a
+    format the kernels do not read (with their scales)."""
+    if c.cls is C.EMBEDDING:
+        return not (gguf and fmt.lower() in CPU_KERNEL_DTYPES)
+    if c.cls is C.ATTENTION and _KV_B_WHOLE.search(name):
         return True
     if c.cls not in (C.ATTENTION, C.DENSE_FFN, C.SHARED_EXPERTS, C.LM_HEAD) or _INT4_PARTS.search(name):
         return False
@@ -187,6 +190,7 @@ class _Held:
     ``widened``, ``copy_extra``, ``copy_extra_by_layer``; on a GPU ``gpu_widened`` and, type by
     type, ``gpu_forms``), tensor by tensor."""
 
+    gguf: bool  # the tensors are a GGUF's
     widened: dict[TensorClass, tuple[int, int]] = field(default_factory=dict)
     extra: dict[TensorClass, int] = field(default_factory=dict)
     extra_by_layer: dict[int, int] = field(default_factory=dict)
@@ -210,7 +214,7 @@ class _Held:
             key = (fmt.lower(), on_gpu)
             forms[key] = forms[key].plus(tensors, nbytes, elements) if key in forms else GpuForm(
                 fmt.lower(), on_gpu, tensors, nbytes, elements, name)
-        if _widened(c, name, fmt, shape):
+        if _widened(c, name, fmt, shape, self.gguf):
             stored, count = self.widened.get(c.cls, (0, 0))
             self.widened[c.cls] = (stored + nbytes, count + elements)
         elif c.cls is not C.OTHER and (extra := _copy_extra(fmt, shape, nbytes)):
@@ -259,7 +263,7 @@ def inventory_from_records(records: Iterable[TensorRecord], spec: ModelSpec, *, 
     by_class = {c: 0 for c in TensorClass}
     by_layer: dict[int, int] = {}
     router_params = router_bytes = 0  # the routers' matrices
-    held = _Held()
+    held = _Held(source == "gguf")
     types = _Types()
     # A GGUF tensor is read in its own type; a safetensors expert's parts (fp8 weights and
     # their scales, int4 codes and group scales) in the checkpoint's expert format.
@@ -446,7 +450,7 @@ def inventory_from_config(spec: ModelSpec, *, expert_format: str | None = None,
     by_class = {c: 0 for c in TensorClass}
     by_layer: dict[int, int] = {}
     router_params = router_bytes = 0  # the routers' matrices
-    held = _Held()
+    held = _Held(gguf_mode)
     types = _Types()
     tensors = family.expected_tensors(spec)
     for t in (part for t in tensors for part in _as_gguf_stores(t, spec)) if gguf_mode else tensors:

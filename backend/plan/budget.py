@@ -116,13 +116,14 @@ class EngineNumerics:
     compute: int  # bytes: activations and the tensors widened in host RAM (norms, routers)
     kv: int  # bytes of a KV cache element
     kv_name: str  # "bf16", "fp16" or "fp32" (--kv-dtype's names)
-    embedding: int  # bytes of an element of the embedding table held in host RAM
+    embedding: int  # bytes of an element of an embedding table widened in host RAM (a GGUF's the
+    # kernels read is held as stored: models/tensors._widened)
 
 
 def engine_numerics(spec: ModelSpec, source: str, cpu_only: bool) -> EngineNumerics:
     """A float32 checkpoint computes and caches in float32; a GGUF run on the CPU alone computes
-    in float32 with a float16 cache and a 16-bit embedding table (model._default_dtype); the
-    rest in bfloat16."""
+    in float32 with a float16 cache (model._default_dtype), an embedding table it widens in 16
+    bits; the rest in bfloat16."""
     if compute_dtype_bytes(spec) == 4:
         return EngineNumerics(4, 4, "fp32", 4)
     if source == "gguf" and cpu_only:

@@ -43,8 +43,16 @@ struct Row {
     int64_t runs;        // per KV head
     int64_t first_slot;  // of the call's slots
     size_t q_at;         // offset of its scaled queries in Call::q
+    size_t e_at;         // offset of its slots' softmax terms in Call::e (group x run a slot)
 };
 
+// Two phases: the scores (and their exponentials against each run's maximum), then, the runs'
+// maxima and sums merged per head, the values weighted by the normalised softmax. Over an fp16
+// cache (a GGUF's on the CPU) the queries and those weights are rounded to fp16 first
+// (attention_rounded): llama.cpp's CPU attention multiplies its fp16 cache with the query and
+// the weights converted to fp16 (its matrix product converts the second operand to the first's
+// type), and in float32 the decode steps' attention sat 6-9e-4 of its size from llama.cpp's on
+// a trained model, each layer; its greedy tokens left llama.cpp's at margins above 0.01.
 struct Call {
     const KernelTable* kt;
     int group;
@@ -52,47 +60,89 @@ struct Call {
     std::vector<Row> rows;
     int64_t slots = 0, units = 0;
     std::vector<float> q;          // scaled queries
-    std::vector<float> m, l, acc;  // per slot: [group], [group], [group * Dv]
+    std::vector<float> e;          // softmax terms, then weights, per slot [group, run]
+    std::vector<float> m, l, w;    // per slot: [group] each (w: e's factor to the normalised weight)
+    std::vector<float> acc;        // per slot: [group * Dv]
     std::atomic<int64_t> next{0};
 };
 
-thread_local std::vector<float> tls_scores;
+// The work of unit u: its row, KV head, run of positions and query heads.
+struct UnitWork {
+    const Row* row;
+    int64_t h, s0, n, slot;  // slot: of the part's first head, in units of heads
+    int g0, heads;
+    int n_segs;
+    KvSegment segs[kMaxRun];  // the run's stretches contiguous in memory (one per block touched)
+};
 
-void phase_runs(void* ctx, int, int) {
+void unit_work(const Call& c, int64_t u, UnitWork& w) {
+    size_t r = 0;
+    while (r + 1 < c.rows.size() && c.rows[r + 1].first_slot * c.parts <= u) ++r;
+    const Row& row = c.rows[r];
+    const DecodeAttention& a = *row.a;
+    const size_t esz = cache_elem_bytes(a.kv);
+    const auto* k = static_cast<const uint8_t*>(a.k);
+    const auto* v = static_cast<const uint8_t*>(a.v);
+    const int64_t ru = u - row.first_slot * c.parts, part = ru % c.parts, at = ru / c.parts;  // at: the row's slot
+    w.row = &row;
+    w.h = at / row.runs;
+    w.s0 = (at % row.runs) * row.run;
+    w.n = std::min(row.run, a.S - w.s0);
+    w.g0 = int(part) * c.part_heads;
+    w.heads = std::min(c.part_heads, c.group - w.g0);
+    w.slot = (row.first_slot + at) * c.group + w.g0;
+    w.n_segs = 0;
+    for (int64_t s = w.s0; s < w.s0 + w.n;) {
+        int64_t len = w.s0 + w.n - s, k_off = w.h * a.k_head + s * a.k_pos, v_off = w.h * a.v_head + s * a.v_pos;
+        if (a.blocks) {
+            const int64_t block = a.blocks[s / a.block_size], pos = s % a.block_size;
+            len = std::min(len, a.block_size - pos);
+            k_off = block * a.k_block + w.h * a.k_head + pos * a.k_pos;
+            v_off = block * a.v_block + w.h * a.v_head + pos * a.v_pos;
+        }
+        w.segs[w.n_segs++] = {k + size_t(k_off) * esz, v + size_t(v_off) * esz, len};
+        s += len;
+    }
+}
+
+// The unit's softmax terms: group x run floats a slot, from the row's e_at on.
+float* unit_terms(Call& c, const UnitWork& w) {
+    const int64_t at = w.slot / c.group - w.row->first_slot;
+    return c.e.data() + w.row->e_at + size_t((at * c.group + w.g0) * w.row->run);
+}
+
+void phase_scores(void* ctx, int, int) {
     Call& c = *static_cast<Call*>(ctx);
-    KvSegment segs[kMaxRun];  // at most one per position (blocks of one position)
+    UnitWork w;
     for (;;) {
         const int64_t u = c.next.fetch_add(1, std::memory_order_relaxed);
         if (u >= c.units) return;
-        size_t r = 0;
-        while (r + 1 < c.rows.size() && c.rows[r + 1].first_slot * c.parts <= u) ++r;
-        const Row& row = c.rows[r];
-        const DecodeAttention& a = *row.a;
-        const size_t esz = cache_elem_bytes(a.kv);
-        const auto* k = static_cast<const uint8_t*>(a.k);
-        const auto* v = static_cast<const uint8_t*>(a.v);
-        const int64_t ru = u - row.first_slot * c.parts, part = ru % c.parts, at = ru / c.parts;  // at: the row's slot
-        const int64_t h = at / row.runs, s0 = (at % row.runs) * row.run, n = std::min(row.run, a.S - s0);
-        const int g0 = int(part) * c.part_heads, heads = std::min(c.part_heads, c.group - g0);
-        const int64_t slot = (row.first_slot + at) * c.group + g0;  // of the part's first head
-        if (tls_scores.size() < size_t(heads * n)) tls_scores.resize(size_t(heads * n));
-        // The run's stretches that are contiguous in memory: all of it, or its part in each block.
-        int n_segs = 0;
-        for (int64_t s = s0; s < s0 + n;) {
-            int64_t len = s0 + n - s, k_off = h * a.k_head + s * a.k_pos, v_off = h * a.v_head + s * a.v_pos;
-            if (a.blocks) {
-                const int64_t block = a.blocks[s / a.block_size], pos = s % a.block_size;
-                len = std::min(len, a.block_size - pos);
-                k_off = block * a.k_block + h * a.k_head + pos * a.k_pos;
-                v_off = block * a.v_block + h * a.v_head + pos * a.v_pos;
-            }
-            segs[n_segs++] = {k + size_t(k_off) * esz, v + size_t(v_off) * esz, len};
-            s += len;
-        }
-        c.kt->attend_run(c.q.data() + row.q_at + (h * c.group + g0) * a.D, heads, a.D, a.Dv, segs, n_segs, a.kv,
-                         a.k_pos, a.v_pos, n, tls_scores.data(), c.m.data() + slot, c.l.data() + slot,
-                         c.acc.data() + slot * a.Dv);
+        unit_work(c, u, w);
+        const DecodeAttention& a = *w.row->a;
+        c.kt->attend_scores(c.q.data() + w.row->q_at + (w.h * c.group + w.g0) * a.D, w.heads, a.D, w.segs, w.n_segs, a.kv,
+                            a.k_pos, a.v_pos, w.n, unit_terms(c, w), w.row->run, c.m.data() + w.slot, c.l.data() + w.slot);
     }
+}
+
+void phase_values(void* ctx, int, int) {
+    Call& c = *static_cast<Call*>(ctx);
+    UnitWork w;
+    for (;;) {
+        const int64_t u = c.next.fetch_add(1, std::memory_order_relaxed);
+        if (u >= c.units) return;
+        unit_work(c, u, w);
+        const DecodeAttention& a = *w.row->a;
+        c.kt->attend_values(unit_terms(c, w), c.w.data() + w.slot, w.heads, w.row->run, a.Dv, w.segs, w.n_segs, a.kv,
+                            a.v_pos, w.n, c.acc.data() + w.slot * a.Dv);
+    }
+}
+
+void run_phase(Executor& exec, Call& c, void (*phase)(void*, int, int)) {
+    c.next.store(0, std::memory_order_relaxed);
+    if (c.units == 1)
+        phase(&c, 0, 0);  // one unit: not worth waking the pool
+    else
+        exec.run(phase, &c);
 }
 
 std::mutex g_mutex;  // the scratch of one call
@@ -105,13 +155,14 @@ void attend_decode_rows(Executor& exec, const KernelTable& kt, const DecodeAtten
     Call c;
     c.kt = &kt;
     c.group = int(rows[0].Hq / rows[0].Hkv);
-    size_t q_size = 0;
+    size_t q_size = 0, e_size = 0;
     for (int i = 0; i < n_rows; ++i) {
         const DecodeAttention& a = rows[i];
         const int64_t run = run_length(a.S, exec.threads()), runs = (a.S + run - 1) / run;
-        c.rows.push_back({&a, run, runs, c.slots, q_size});
+        c.rows.push_back({&a, run, runs, c.slots, q_size, e_size});
         c.slots += a.Hkv * runs;
         q_size += size_t(a.Hq * a.D);
+        e_size += size_t(a.Hkv * runs * c.group * run);
     }
     c.part_heads = c.group;
     if (c.slots < exec.threads() && c.group > kPartHeads) {
@@ -123,35 +174,41 @@ void attend_decode_rows(Executor& exec, const KernelTable& kt, const DecodeAtten
     c.units = c.slots * c.parts;
     c.q.resize(q_size);
     for (const Row& row : c.rows)
-        for (int64_t i = 0; i < row.a->Hq * row.a->D; ++i) c.q[row.q_at + size_t(i)] = row.a->q[i] * row.a->scale;
+        for (int64_t i = 0; i < row.a->Hq * row.a->D; ++i)
+            c.q[row.q_at + size_t(i)] = attention_rounded(row.a->q[i], row.a->kv) * row.a->scale;
+    c.e.resize(e_size);
     c.m.resize(size_t(c.slots * c.group));
     c.l.resize(size_t(c.slots * c.group));
+    c.w.resize(size_t(c.slots * c.group));
     c.acc.resize(size_t(c.slots * c.group * rows[0].Dv));
-    if (c.units == 1) {
-        phase_runs(&c, 0, 0);  // one unit: not worth waking the pool
-    } else {
-        exec.run(phase_runs, &c);
-    }
-    // Merge the runs of each query head: rescale each by e^(m_run - max).
-    for (const Row& row : c.rows) {
-        const DecodeAttention& a = *row.a;
-        for (int64_t h = 0; h < a.Hkv; ++h)
+    run_phase(exec, c, phase_scores);
+    // Each query head's runs merged: its maximum and the sum of its terms over all positions,
+    // and each run's factor from its terms (against its own maximum) to the normalised weights.
+    for (const Row& row : c.rows)
+        for (int64_t h = 0; h < row.a->Hkv; ++h)
             for (int g = 0; g < c.group; ++g) {
                 const int64_t u0 = row.first_slot + h * row.runs;
                 float mx = -INFINITY;
                 for (int64_t r = 0; r < row.runs; ++r) mx = std::max(mx, c.m[size_t((u0 + r) * c.group + g)]);
-                float* o = a.out + (h * c.group + g) * a.Dv;
-                std::fill(o, o + a.Dv, 0.f);
                 float denom = 0.f;
                 for (int64_t r = 0; r < row.runs; ++r) {
-                    const int64_t u = u0 + r;
-                    const float w = std::exp(c.m[size_t(u * c.group + g)] - mx);
-                    denom += w * c.l[size_t(u * c.group + g)];
-                    const float* acc = c.acc.data() + (u * c.group + g) * a.Dv;
-                    for (int64_t j = 0; j < a.Dv; ++j) o[j] += w * acc[j];
+                    const size_t i = size_t((u0 + r) * c.group + g);
+                    c.w[i] = std::exp(c.m[i] - mx);
+                    denom += c.w[i] * c.l[i];
                 }
-                const float inv = 1.f / denom;
-                for (int64_t j = 0; j < a.Dv; ++j) o[j] *= inv;
+                for (int64_t r = 0; r < row.runs; ++r) c.w[size_t((u0 + r) * c.group + g)] /= denom;
+            }
+    run_phase(exec, c, phase_values);
+    for (const Row& row : c.rows) {
+        const DecodeAttention& a = *row.a;
+        for (int64_t h = 0; h < a.Hkv; ++h)
+            for (int g = 0; g < c.group; ++g) {
+                float* o = a.out + (h * c.group + g) * a.Dv;
+                std::fill(o, o + a.Dv, 0.f);
+                for (int64_t r = 0; r < row.runs; ++r) {
+                    const float* acc = c.acc.data() + ((row.first_slot + h * row.runs + r) * c.group + g) * a.Dv;
+                    for (int64_t j = 0; j < a.Dv; ++j) o[j] += acc[j];
+                }
             }
     }
 }

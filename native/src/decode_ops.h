@@ -15,7 +15,8 @@ namespace hmoe {
 
 struct KernelTable;
 
-// out[r, :] = x[r, :] / sqrt(mean(x[r, :]^2) + eps) * w for r < rows (out may be x).
+// out[r, :] = x[r, :] / sqrt(mean(x[r, :]^2) + eps) * w for r < rows (out may be x; w null: no
+// weight), the mean of the squares in double as llama.cpp's.
 void rms_norm(const float* x, const float* w, float eps, int64_t rows, int64_t n, float* out);
 
 constexpr int64_t kMaxHeadDim = 1024;  // the bindings refuse longer heads

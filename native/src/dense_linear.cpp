@@ -64,8 +64,9 @@ struct Q8Acts {
     std::vector<float> d, s;
 };
 struct Workspace {
-    std::vector<float> xf;  // x as fp32 when it came as bf16
+    std::vector<float> xf;     // x as fp32 when it came as bf16
     Q8Acts q8[kActVariants];
+    std::vector<float> xr[2];  // x rounded to its Q8 values for the GEMM (round_to_q8): groups of 32, 256
 };
 std::mutex g_mutex;  // one call at a time uses the workspace
 Workspace g_ws;
@@ -98,6 +99,7 @@ struct Call {
     const void* x;
     bool x_bf16;
     bool quantize[kActVariants];  // the Q8 variants the GEMV parts of quantized formats read
+    bool round[2];                // the roundings the GEMM parts read (Workspace::xr)
     const float* x32;
     float* out;
     int unit_rows;  // the most rows of a unit
@@ -118,9 +120,16 @@ void prepare_token(const Call& c, int64_t t) {
     for (int v = 0; v < kActVariants; ++v) {
         if (!c.quantize[v]) continue;
         const Q8Row q = c.q8(t, v);
-        c.kt->quantize(c.x32 + t * c.K, c.K, act_variant_permuted(v), act_variant_group(v), const_cast<int8_t*>(q.q),
-                       const_cast<float*>(q.d), const_cast<float*>(q.s));
+        c.kt->quantize(c.x32 + t * c.K, c.K, v, const_cast<int8_t*>(q.q), const_cast<float*>(q.d),
+                       const_cast<float*>(q.s));
     }
+    for (int r = 0; r < 2; ++r)
+        if (c.round[r]) round_to_q8(c.x32 + t * c.K, c.K, r ? 2 : 0, g_ws.xr[r].data() + t * c.K);
+}
+
+// The fp32 rows a GEMM part of `fmt` multiplies: x's Q8 values for a GGUF type (prompt_rounds_acts).
+const float* gemm_input(const Call& c, Format fmt) {
+    return prompt_rounds_acts(fmt) ? g_ws.xr[kFormats[fmt].act_group == 256].data() : c.x32;
 }
 
 void phase_prepare(void* ctx, int, int) {
@@ -190,7 +199,8 @@ void phase_gemm(void* ctx, int, int) {
                 for (int64_t t = 0; t < c.T; ++t) ab[t] = static_cast<const uint16_t*>(c.x) + t * c.K + k0;
                 c.kt->gemm_panels_bf16(ab, int(c.T), W, np, kc, C, ldc);
             } else {
-                for (int64_t t = 0; t < c.T; ++t) a[t] = c.x32 + t * c.K + k0;
+                const float* rows = gemm_input(c, w.fmt);
+                for (int64_t t = 0; t < c.T; ++t) a[t] = rows + t * c.K + k0;
                 c.kt->gemm_panels(a, int(c.T), W, np, kc, C, ldc);
             }
         }
@@ -285,6 +295,15 @@ DenseLinear DenseLinear::join(const std::vector<const DenseLinear*>& lins) {
     return DenseLinear(lins[0]->cols_, std::move(parts));
 }
 
+void DenseLinear::dequantize_rows(const KernelTable& kt, const int64_t* ids, int64_t n, float* out) const {
+    for (int64_t i = 0; i < n; ++i) {
+        int64_t r = ids[i];
+        const DensePart* p = parts_.data();
+        while (r >= p->rows) r -= (p++)->rows;
+        kt.dequant_row(p->fmt, p->w, r, 0, int(cols_), out + i * cols_);
+    }
+}
+
 int64_t DenseLinear::bytes() const {
     int64_t total = 0;
     for (const DensePart& p : parts_) {
@@ -312,11 +331,13 @@ void DenseLinear::forward(Executor& exec, const KernelTable& kt, const void* x, 
     };
     int64_t gemv_rows = 0, gemm_rows = 0;
     std::fill(c.quantize, c.quantize + kActVariants, false);
+    std::fill(c.round, c.round + 2, false);
     for (const DensePart& p : parts_) {
         const FormatInfo& f = kFormats[p.fmt];
         const bool on_gemm = gemm(p);
         (on_gemm ? gemm_rows : gemv_rows) += p.rows;
         if (!on_gemm && !f.float_acts) c.quantize[act_variant(f)] = true;
+        if (on_gemm && prompt_rounds_acts(p.fmt) && !on_tiles(kt, p.fmt, x_bf16)) c.round[f.act_group == 256] = true;
     }
     if (x_bf16) grow(g_ws.xf, size_t(T * cols_));
     c.x32 = x_bf16 ? g_ws.xf.data() : static_cast<const float*>(x);
@@ -329,8 +350,10 @@ void DenseLinear::forward(Executor& exec, const KernelTable& kt, const void* x, 
         grow(a.d, size_t(T * cols_ / 32));
         grow(a.s, size_t(T * cols_ / 32));
     }
+    for (int r = 0; r < 2; ++r)
+        if (c.round[r]) grow(g_ws.xr[r], size_t(T * cols_));
     // Activations to fp32 / Q8: inline for a few tokens (a phase costs a wake-up), else in parallel.
-    if (x_bf16 || any_q8) {
+    if (x_bf16 || any_q8 || c.round[0] || c.round[1]) {
         if (T <= 4) {
             for (int64_t t = 0; t < T; ++t) prepare_token(c, t);
         } else {

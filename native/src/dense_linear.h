@@ -54,6 +54,10 @@ public:
     void forward(Executor& exec, const KernelTable& kt, const void* x, bool x_bf16, int64_t T, float* out,
                  int prefill_min_tokens) const;
 
+    // out[i] = row ids[i] of the matrix (the parts' rows one after the other) in fp32, each
+    // dequantized as stored: an embedding lookup on the table's blocks. ids must be rows.
+    void dequantize_rows(const KernelTable& kt, const int64_t* ids, int64_t n, float* out) const;
+
     const std::vector<DensePart>& parts() const { return parts_; }
     int64_t rows() const { return rows_; }
     int64_t cols() const { return cols_; }

@@ -97,11 +97,13 @@
 // Permuting activations costs nothing per weight; permuting weights would cost a copy.
 #pragma once
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 
 #include "iq_grids.h"
 
@@ -151,6 +153,7 @@ struct FormatInfo {
     bool float_acts;      // decode reads fp32 activations (float formats) instead of Q8
     int row_group = 1;    // rows stored interleaved in groups of this many (the x8 layouts)
     int act_group = 32;   // Q8 activations share one scale over this many (see below)
+    bool act_sum_f16 = false;  // the activations' block sums s in fp16, as llama.cpp's Q8_1 (act_variant)
 };
 
 // Indexed by Format, each entry set under its enumerator: reordering the enum moves no entry,
@@ -182,8 +185,8 @@ static constexpr std::array<FormatInfo, FMT_COUNT> format_infos() {
     f[FMT_Q5_0] = {"q5_0", 32, 22, 0, false, false};
     f[FMT_Q3_K] = {"q3_k", 256, 110, 0, false, false, 1, 256};
     f[FMT_Q2_K] = {"q2_k", 256, 84, 0, false, false, 1, 256};
-    f[FMT_Q4_1] = {"q4_1", 32, 20, 0, false, false};
-    f[FMT_Q5_1] = {"q5_1", 32, 24, 0, false, false};
+    f[FMT_Q4_1] = {"q4_1", 32, 20, 0, false, false, 1, 32, true};
+    f[FMT_Q5_1] = {"q5_1", 32, 24, 0, false, false, 1, 32, true};
     f[FMT_IQ4_NL] = {"iq4_nl", 32, 18, 0, false, false};
     f[FMT_IQ4_XS] = {"iq4_xs", 256, 136, 0, false, false, 1, 256};
     f[FMT_IQ2_XXS] = {"iq2_xxs", 256, 66, 0, false, false, 1, 256};
@@ -279,10 +282,19 @@ struct MatrixRef {
     const uint8_t* scale_row(int64_t r) const { return scales + r * scale_row_stride; }
 };
 
-// The Q8 activation variants a call may need, one per (order, scale group) the formats read:
-// natural order, permuted order (both one scale per 32), natural order with one per 256.
-constexpr int kActVariants = 3;
-static inline int act_variant(const FormatInfo& f) { return f.deinterleave ? 1 : f.act_group == 256 ? 2 : 0; }
+// The Q8 activation variants a call may need, each as llama.cpp quantizes the activations of
+// the GGUF types that read it (their vec_dot_type), so that the integer dots are its integers
+// and the scales its scales: on a Q8_0 file the engine's logits were 2e-3 of their size from
+// llama.cpp's after every expert block, all of it the scale's rounding (measured against its
+// own intermediate tensors), which put greedy differences at margins of 0.01.
+//   0 Q8_0: one scale per 32, stored in fp16 (block_q8_0's d), codes rne(x * 127 / amax);
+//   1 the same in the permuted (even, odd) order of the checkpoints' int4 / mxfp4 rows;
+//   2 Q8_K: one float32 scale per 256, d = 1 / (127 / amax) (block_q8_K; the K- and i-quants);
+//   3 Q8_1: Q8_0 with s = fp16(d * sum(q)), d before its rounding (block_q8_1; q4_1, q5_1).
+constexpr int kActVariants = 4;
+static inline int act_variant(const FormatInfo& f) {
+    return f.deinterleave ? 1 : f.act_group == 256 ? 2 : f.act_sum_f16 ? 3 : 0;
+}
 static inline bool act_variant_permuted(int v) { return v == 1; }
 static inline int act_variant_group(int v) { return v == 2 ? 256 : 32; }
 
@@ -347,6 +359,56 @@ static inline uint16_t f32_to_fp16(float f) {
     return uint16_t(sign | ((u + 0xfffu + ((u >> 13) & 1u) - (112u << 23)) >> 13));
 }
 
+// One Q8 activation group's scales from its largest |x| (see act_variant): the factor `id`
+// that rounds x to its codes, the scale d the kernels read (fp16-rounded for Q8_0 / Q8_1's
+// groups of 32; the reciprocal of id for Q8_K's 256), and d before the rounding, which Q8_1's
+// block sums take.
+struct ActScale {
+    float id, d, d32;
+};
+// A NaN or an infinity (a damaged model's rows) carries through to the scales, so that the
+// outputs are not numbers either and the model is found damaged (engine/session.py).
+static inline ActScale act_scale(float amax, int group) {
+    if (amax == 0.f) return {0.f, 0.f, 0.f};
+    const float id = 127.f / amax, d32 = amax / 127.f;
+    return {id, group == 32 ? fp16_to_f32(f32_to_fp16(d32)) : 1.f / id, d32};
+}
+// A block's s: d * sum(q), exact for d in fp16 (11 bits by at most 12); Q8_1's fp16(d32 * sum).
+static inline float block_sum(float d, float d32, int sum, bool sum_f16) {
+    return sum_f16 ? fp16_to_f32(f32_to_fp16(d32 * float(sum))) : d * float(sum);
+}
+
+// The prompt GEMMs of the GGUF types multiply the activations rounded to the values of their
+// Q8 codes (round_to_q8), as llama.cpp computes those types at every token count: a prompt's
+// rows are then a decode step's to float rounding, and llama.cpp's. Multiplied as they came,
+// the prompt's cache rows sat 2e-3 of their size from llama.cpp's and the decode steps'
+// attention a few 1e-4 from it. The checkpoints' int4 and mxfp4 keep fp32 rows: their
+// reference, transformers, does not round them.
+static inline bool prompt_rounds_acts(Format f) {
+    return !kFormats[f].float_acts && !kFormats[f].deinterleave && f != FMT_INT4_X8;
+}
+
+// The largest |x[i]| of n, NaN where one is (a maximum's comparisons pass NaN over).
+static inline float abs_max(const float* x, int n) {
+    float amax = 0.f;
+    bool nan = false;
+    for (int i = 0; i < n; ++i) {
+        amax = std::max(amax, std::fabs(x[i]));
+        nan |= x[i] != x[i];
+    }
+    return nan ? std::numeric_limits<float>::quiet_NaN() : amax;
+}
+
+// x (K values, whole groups of act variant v, natural order) as its Q8 codes times their scale.
+static inline void round_to_q8(const float* x, int64_t K, int v, float* out) {
+    const int group = act_variant_group(v);
+    for (int64_t g = 0; g < K; g += group) {
+        const ActScale a = act_scale(abs_max(x + g, group), group);
+        for (int i = 0; i < group; ++i)  // the code, rounded half to even by the adder (|x id| <= 127)
+            out[g + i] = ((x[g + i] * a.id + 12582912.f) - 12582912.f) * a.d;
+    }
+}
+
 // A KV cache's elements: float32, bfloat16 or float16 (kv is FMT_F32, FMT_BF16 or FMT_F16).
 static inline size_t cache_elem_bytes(Format kv) { return kv == FMT_F32 ? 4 : 2; }
 static inline float cache_at(const void* base, Format kv, int64_t i) {
@@ -354,6 +416,11 @@ static inline float cache_at(const void* base, Format kv, int64_t i) {
     const uint16_t h = static_cast<const uint16_t*>(base)[i];
     return kv == FMT_BF16 ? bf16_to_f32(h) : fp16_to_f32(h);
 }
+
+// Decode attention over an fp16 cache (a GGUF's on the CPU) rounds its queries and softmax
+// weights to fp16, as llama.cpp's CPU attention does (attention_decode.cpp); other caches
+// round neither.
+static inline float attention_rounded(float x, Format kv) { return kv == FMT_F16 ? fp16_to_f32(f32_to_fp16(x)) : x; }
 
 static inline uint16_t load_u16(const uint8_t* p) {
     uint16_t v;

@@ -19,6 +19,8 @@ using GemvQ8Fn = void (*)(const MatrixRef& w, int64_t row0, int64_t nrows, int64
 // The same for float formats, with fp32 activations (x[t] points at K floats).
 using GemvF32Fn = void (*)(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t K, const float* const* x, int ntok,
                            float* out, int64_t ldo);
+// Columns k0 .. k0+kc-1 (multiples of the format's block) of row r to fp32 (an embedding lookup).
+using DequantRowFn = void (*)(Format fmt, const MatrixRef& w, int64_t r, int64_t k0, int kc, float* dst);
 // Prefill: dequantize rows row0 .. row0+nrows-1 (nrows <= panel), columns k0 .. k0+kc-1
 // (multiples of the format's block) into a k-major panel dst[k * panel + r]; rows past
 // nrows are zero. tmp holds panel * (kc + 16) floats of scratch.
@@ -31,9 +33,9 @@ using GemmPanelsFn = void (*)(const float* const* a, int m, const float* w, int 
 // The same product with bf16 activations (a[i] points at the token's k0-th bf16 value) on
 // bf16-rounded weights, fp32 sums (AMX tiles).
 using GemmBf16Fn = void (*)(const uint16_t* const* a, int m, const float* w, int npanels, int kc, float* c, int64_t ldc);
-// Activations to Q8 blocks of 32 (K a multiple of group), optionally in the permuted order,
-// with one scale per `group` elements (32 or 256: a FormatInfo's act_group).
-using QuantizeFn = void (*)(const float* x, int64_t K, bool deinterleave, int group, int8_t* q, float* d, float* s);
+// Activations to Q8 blocks of 32 in act variant `v` (formats.h's act_variant: order, scale group
+// and rounding), K a multiple of its group.
+using QuantizeFn = void (*)(const float* x, int64_t K, int v, int8_t* q, float* d, float* s);
 // h[i] = silu(g[i]) * u[i]
 using SiluMulFn = void (*)(const float* g, const float* u, float* h, int64_t n);
 // GPT-OSS: g = min(g, limit), u = clamp(u, -limit, limit), h = (u + 1) * g * sigmoid(alpha g)
@@ -43,20 +45,23 @@ using GptOssGluFn = void (*)(const float* g, const float* u, float* h, int64_t n
 // as segments contiguous in memory (one for a contiguous cache, one per block touched for a
 // paged one): position s of segment i has key row segs[i].k + s * ldk and value row
 // segs[i].v + s * ldv (D and Dv elements of the cache type kv: FMT_F32, FMT_BF16 or FMT_F16);
-// the segments' n add up to n. For query heads g < group (q[g * D], already scaled), over the
-// run's positions s:
-//   m[g] = max_s q_g . k_s,  l[g] = sum_s e^(q_g . k_s - m[g]),
-//   acc[g * Dv + j] = sum_s e^(q_g . k_s - m[g]) v_s[j]
-// in position order whatever the segments, so a run gives the same bits however it is split.
-// scores holds group * n floats of scratch.
+// the segments' n add up to n. In two calls, the run's softmax weights normalised between them
+// over all the runs of the head (attention_decode.cpp). For query heads g < group (q[g * D],
+// rounded and scaled as that file says), over the run's positions s:
+//   scores: m[g] = max_s q_g . k_s, e[g * ld + s] = e^(q_g . k_s - m[g]), l[g] = sum_s e[g * ld + s]
+//           (ldv: where the values the next call reads lie, to prefetch them);
+//   values: p = e[g * ld + s] * w[g] (attention_rounded, in place in e), then
+//           acc[g * Dv + j] = sum_s p[g * ld + s] v_s[j].
+// Each in position order whatever the segments, so a run gives the same bits however it is split.
 struct KvSegment {
     const void* k;
     const void* v;
     int64_t n;
 };
-using AttendRunFn = void (*)(const float* q, int group, int64_t D, int64_t Dv, const KvSegment* segs, int n_segs,
-                             Format kv, int64_t ldk, int64_t ldv, int64_t n, float* scores, float* m, float* l,
-                             float* acc);
+using AttendScoresFn = void (*)(const float* q, int group, int64_t D, const KvSegment* segs, int n_segs, Format kv,
+                                int64_t ldk, int64_t ldv, int64_t n, float* e, int64_t ld, float* m, float* l);
+using AttendValuesFn = void (*)(float* e, const float* w, int group, int64_t ld, int64_t Dv, const KvSegment* segs,
+                                int n_segs, Format kv, int64_t ldv, int64_t n, float* acc);
 
 // A GEMV with the matrix's transpose, streaming its rows: out[t][j] += sum_{i < m} x[t][i] *
 // row_i[j] for j < n, t < ntok, row i at rows + i * stride bytes in a float format (bf16,
@@ -79,11 +84,13 @@ struct KernelTable {
     bool gemv_any_tokens[FMT_COUNT];
     GemvF32Fn gemv_f32[FMT_COUNT];   // null for quantized formats
     DequantPanelFn dequant_panel;    // all formats
+    DequantRowFn dequant_row;        // all formats
     GemmPanelsFn gemm_panels;
     GemmBf16Fn gemm_panels_bf16;  // null where the CPU has no bf16 tiles; see on_tiles
     SiluMulFn silu_mul;
     GptOssGluFn gptoss_glu;
-    AttendRunFn attend_run;
+    AttendScoresFn attend_scores;
+    AttendValuesFn attend_values;
     RowsAxpyFn rows_axpy;
 };
 

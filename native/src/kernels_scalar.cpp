@@ -86,24 +86,21 @@ static void gemm_panels(const float* const* a, int m, const float* w, int npanel
     }
 }
 
-static void quantize(const float* x, int64_t K, bool deint, int group, int8_t* q, float* d, float* s) {
-    float db = 0.f;
+static void quantize(const float* x, int64_t K, int v, int8_t* q, float* d, float* s) {
+    const bool deint = act_variant_permuted(v);
+    const int group = act_variant_group(v);
+    ActScale a{};
     for (int64_t b = 0; b < K / 32; ++b) {
         const float* xb = x + 32 * b;
-        if ((32 * b) % group == 0) {
-            float amax = 0.f;
-            for (int i = 0; i < group; ++i) amax = std::fmax(amax, std::fabs(xb[i]));
-            db = amax / 127.f;
-        }
-        const float id = db > 0.f ? 1.f / db : 0.f;
+        if ((32 * b) % group == 0) a = act_scale(abs_max(xb, group), group);
         int sum = 0;
         for (int e = 0; e < 32; ++e) {
-            const int v = int(std::lrint(xb[e] * id));
-            q[32 * b + act_pos(e, deint)] = int8_t(v);
-            sum += v;
+            const int v8 = int(std::nearbyint(xb[e] * a.id));  // half to even, as vcvtps2dq
+            q[32 * b + act_pos(e, deint)] = int8_t(v8);
+            sum += v8;
         }
-        d[b] = db;
-        s[b] = db * float(sum);
+        d[b] = a.d;
+        s[b] = block_sum(a.d, a.d32, sum, v == 3);
     }
 }
 
@@ -119,11 +116,10 @@ static void gptoss_glu(const float* g, const float* u, float* h, int64_t n, floa
     }
 }
 
-static void attend_run(const float* q, int group, int64_t D, int64_t Dv, const KvSegment* segs, int n_segs,
-                       Format kv, int64_t ldk, int64_t ldv, int64_t n, float* scores, float* m, float* l,
-                       float* acc) {
+static void attend_scores(const float* q, int group, int64_t D, const KvSegment* segs, int n_segs, Format kv,
+                          int64_t ldk, int64_t, int64_t n, float* e, int64_t ld, float* m, float* l) {
     for (int g = 0; g < group; ++g) {
-        float* sc = scores + int64_t(g) * n;
+        float* sc = e + int64_t(g) * ld;
         float mx = -INFINITY;
         for (int i = 0, p = 0; i < n_segs; ++i)
             for (int64_t s = 0; s < segs[i].n; ++s, ++p) {
@@ -136,11 +132,19 @@ static void attend_run(const float* q, int group, int64_t D, int64_t Dv, const K
         for (int64_t s = 0; s < n; ++s) sum += (sc[s] = std::exp(sc[s] - mx));
         m[g] = mx;
         l[g] = sum;
+    }
+}
+
+static void attend_values(float* e, const float* w, int group, int64_t ld, int64_t Dv, const KvSegment* segs,
+                          int n_segs, Format kv, int64_t ldv, int64_t n, float* acc) {
+    for (int g = 0; g < group; ++g) {
+        float* p = e + int64_t(g) * ld;
+        for (int64_t s = 0; s < n; ++s) p[s] = attention_rounded(p[s] * w[g], kv);
         float* a = acc + int64_t(g) * Dv;
         for (int64_t j = 0; j < Dv; ++j) a[j] = 0.f;
-        for (int i = 0, p = 0; i < n_segs; ++i)
-            for (int64_t s = 0; s < segs[i].n; ++s, ++p)
-                for (int64_t j = 0; j < Dv; ++j) a[j] += sc[p] * cache_at(segs[i].v, kv, s * ldv + j);
+        for (int i = 0, s0 = 0; i < n_segs; s0 += int(segs[i].n), ++i)
+            for (int64_t s = 0; s < segs[i].n; ++s)
+                for (int64_t j = 0; j < Dv; ++j) a[j] += p[s0 + s] * cache_at(segs[i].v, kv, s * ldv + j);
     }
 }
 
@@ -184,7 +188,9 @@ const KernelTable* kernels_scalar() {
         t.gemm_panels = gemm_panels;
         t.silu_mul = silu_mul;
         t.gptoss_glu = gptoss_glu;
-        t.attend_run = attend_run;
+        t.dequant_row = dequant_row_portable;
+        t.attend_scores = attend_scores;
+        t.attend_values = attend_values;
         t.rows_axpy = rows_axpy;
         return t;
     }();

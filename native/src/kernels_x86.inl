@@ -1884,29 +1884,37 @@ static void gemm_panels(const float* const* a, int m, const float* w, int npanel
 
 // ---- activations ----------------------------------------------------------------------------
 
-// The largest |x[i]| of n (a multiple of 32) floats.
+// The largest |x[i]| of n (a multiple of 32) floats, NaN where one is (as abs_max).
 static inline float amax_ps(const float* x, int64_t n) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
-    __m256 amax = _mm256_setzero_ps();
-    for (int64_t i = 0; i < n; i += 8) amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + i)));
+    __m256 amax = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n; i += 8) {
+        const __m256 v = _mm256_loadu_ps(x + i);
+        amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v));
+        nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    }
+    if (_mm256_movemask_ps(nan)) return std::numeric_limits<float>::quiet_NaN();
     __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
     m = _mm_max_ps(m, _mm_movehl_ps(m, m));
     m = _mm_max_ss(m, _mm_movehdup_ps(m));
     return _mm_cvtss_f32(m);
 }
 
-static void quantize(const float* x, int64_t K, bool deint, int group, int8_t* q, float* d, float* s) {
+static void quantize(const float* x, int64_t K, int v, int8_t* q, float* d, float* s) {
+    const bool deint = act_variant_permuted(v), sum_f16 = v == 3;
+    const int group = act_variant_group(v);
     // Byte order after the two packs, fixed by one dword permute: packs work per 128-bit half.
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     // Even elements of each 16 first, then odd ones (within each 128-bit half) ...
     const __m256i evens_odds = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15, 0, 2, 4, 6, 8, 10,
                                                 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
-    float db = 0.f;
+    float db = 0.f, d32 = 0.f;
     __m256 id = _mm256_setzero_ps();
     for (int64_t b = 0; b < K / 32; ++b) {
         if ((32 * b) % group == 0) {
-            db = amax_ps(x + 32 * b, group) / 127.f;
-            id = _mm256_set1_ps(db > 0.f ? 1.f / db : 0.f);
+            const ActScale a = act_scale(amax_ps(x + 32 * b, group), group);
+            db = a.d, d32 = a.d32;
+            id = _mm256_set1_ps(a.id);
         }
         __m256i iv[4];
         for (int i = 0; i < 4; ++i)  // round to nearest even
@@ -1923,7 +1931,7 @@ static void quantize(const float* x, int64_t K, bool deint, int group, int8_t* q
         s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
         s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
         d[b] = db;
-        s[b] = db * float(_mm_cvtsi128_si32(s4));
+        s[b] = block_sum(db, d32, _mm_cvtsi128_si32(s4), sum_f16);
     }
 }
 
@@ -2014,7 +2022,7 @@ struct PrefetchStream {
 // Two positions per step: 2 x G independent accumulator chains, enough to cover the FMA
 // latency (with one position the G chains waited on each other's latency, measured 2x slower).
 // Given `next_k` and `v`, each step also prefetches a share of the next stretch's keys into L1
-// and of `v` (values) into L2 (see attend_run_t).
+// and of `v` (values) into L2 (see attend_scores_t).
 template <Format KV, int G>
 static void attend_scores(const float* q, int64_t D, const void* k, int64_t ldk, int64_t n, float* sc, int64_t ld_sc,
                           PrefetchStream* next_k = nullptr, PrefetchStream* v = nullptr) {
@@ -2325,8 +2333,8 @@ static inline float max_of(const float* x, int64_t n) {
 // without and with in turn, 1024 positions 482 -> 336 us a layer, 0.29 -> 0.43 of the
 // bandwidth probe.)
 template <Format KV>
-static void attend_run_t(const float* q, int group, int64_t D, int64_t Dv, const KvSegment* segs, int n_segs,
-                         int64_t ldk, int64_t ldv, int64_t n, float* scores, float* m, float* l, float* acc) {
+static void attend_scores_t(const float* q, int group, int64_t D, const KvSegment* segs, int n_segs, int64_t ldk,
+                            int64_t ldv, int64_t n, float* e, int64_t ld, float* m, float* l) {
     constexpr int64_t esz = KV == FMT_F32 ? 4 : 2;
     // Every pass over a stretch's keys (one per kScoreHeads heads of the group) issues its
     // share of the prefetches. (All of them in the first pass, before: with a group of 8, a
@@ -2344,44 +2352,71 @@ static void attend_run_t(const float* q, int group, int64_t D, int64_t Dv, const
         PrefetchStream this_v(segs[i].v, segs[i].n * ldv * esz, steps);
         for (int g0 = 0; g0 < group; g0 += kScoreHeads)
             scores_heads<KV>(std::min(kScoreHeads, group - g0), q + int64_t(g0) * D, D, segs[i].k, ldk, segs[i].n,
-                               scores + int64_t(g0) * n + off, n, &next_k, &this_v);
+                             e + int64_t(g0) * ld + off, ld, &next_k, &this_v);
     }
     for (int g = 0; g < group; ++g) {
-        float* sc = scores + int64_t(g) * n;
+        float* sc = e + int64_t(g) * ld;
         const float mx = max_of(sc, n);
         const __m256 vmx = _mm256_set1_ps(mx);
         __m256 vsum = _mm256_setzero_ps();
         int64_t s = 0;
         for (; s + 8 <= n; s += 8) {
-            const __m256 e = exp_ps(_mm256_sub_ps(_mm256_loadu_ps(sc + s), vmx));
-            _mm256_storeu_ps(sc + s, e);
-            vsum = _mm256_add_ps(vsum, e);
+            const __m256 ex = exp_ps(_mm256_sub_ps(_mm256_loadu_ps(sc + s), vmx));
+            _mm256_storeu_ps(sc + s, ex);
+            vsum = _mm256_add_ps(vsum, ex);
         }
         float sum = hsum_ps(vsum);
         for (; s < n; ++s) sum += (sc[s] = exp_scalar(sc[s] - mx));
         m[g] = mx;
         l[g] = sum;
     }
+}
+
+template <Format KV>
+static void attend_values_t(float* e, const float* w, int group, int64_t ld, int64_t Dv, const KvSegment* segs,
+                            int n_segs, int64_t ldv, int64_t n, float* acc) {
+    constexpr int64_t esz = KV == FMT_F32 ? 4 : 2;
+    for (int g = 0; g < group; ++g) {  // the softmax weights (rounded: attention_rounded)
+        float* p = e + int64_t(g) * ld;
+        const __m256 wg = _mm256_set1_ps(w[g]);
+        int64_t s = 0;
+        for (; s + 8 <= n; s += 8) {
+            __m256 v = _mm256_mul_ps(_mm256_loadu_ps(p + s), wg);
+            if constexpr (KV == FMT_F16)
+                v = _mm256_cvtph_ps(_mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+            _mm256_storeu_ps(p + s, v);
+        }
+        for (; s < n; ++s) p[s] = attention_rounded(p[s] * w[g], KV);
+    }
     std::fill(acc, acc + int64_t(group) * Dv, 0.f);
     for (int i = 0, off = 0; i < n_segs; off += int(segs[i].n), ++i) {
         PrefetchStream next_v = i + 1 < n_segs ? PrefetchStream(segs[i + 1].v, segs[i + 1].n * ldv * esz, segs[i].n)
                                                : PrefetchStream();
         for (int g0 = 0; g0 < group; g0 += kValueHeads) {
-            values_heads<KV>(std::min(kValueHeads, group - g0), scores + int64_t(g0) * n + off, n, Dv, segs[i].v, segs[i].n, ldv,
-                               acc + int64_t(g0) * Dv, g0 == 0 ? &next_v : nullptr);  // the first pass prefetches
+            values_heads<KV>(std::min(kValueHeads, group - g0), e + int64_t(g0) * ld + off, ld, Dv, segs[i].v, segs[i].n,
+                             ldv, acc + int64_t(g0) * Dv, g0 == 0 ? &next_v : nullptr);  // the first pass prefetches
         }
     }
 }
 
-static void attend_run(const float* q, int group, int64_t D, int64_t Dv, const KvSegment* segs, int n_segs,
-                       Format kv, int64_t ldk, int64_t ldv, int64_t n, float* scores, float* m, float* l,
-                       float* acc) {
+static void attend_scores(const float* q, int group, int64_t D, const KvSegment* segs, int n_segs, Format kv,
+                          int64_t ldk, int64_t ldv, int64_t n, float* e, int64_t ld, float* m, float* l) {
     if (kv == FMT_BF16)
-        attend_run_t<FMT_BF16>(q, group, D, Dv, segs, n_segs, ldk, ldv, n, scores, m, l, acc);
+        attend_scores_t<FMT_BF16>(q, group, D, segs, n_segs, ldk, ldv, n, e, ld, m, l);
     else if (kv == FMT_F16)
-        attend_run_t<FMT_F16>(q, group, D, Dv, segs, n_segs, ldk, ldv, n, scores, m, l, acc);
+        attend_scores_t<FMT_F16>(q, group, D, segs, n_segs, ldk, ldv, n, e, ld, m, l);
     else
-        attend_run_t<FMT_F32>(q, group, D, Dv, segs, n_segs, ldk, ldv, n, scores, m, l, acc);
+        attend_scores_t<FMT_F32>(q, group, D, segs, n_segs, ldk, ldv, n, e, ld, m, l);
+}
+
+static void attend_values(float* e, const float* w, int group, int64_t ld, int64_t Dv, const KvSegment* segs,
+                          int n_segs, Format kv, int64_t ldv, int64_t n, float* acc) {
+    if (kv == FMT_BF16)
+        attend_values_t<FMT_BF16>(e, w, group, ld, Dv, segs, n_segs, ldv, n, acc);
+    else if (kv == FMT_F16)
+        attend_values_t<FMT_F16>(e, w, group, ld, Dv, segs, n_segs, ldv, n, acc);
+    else
+        attend_values_t<FMT_F32>(e, w, group, ld, Dv, segs, n_segs, ldv, n, acc);
 }
 
 static const KernelTable* make_table(const char* name) {
@@ -2432,7 +2467,9 @@ static const KernelTable* make_table(const char* name) {
         t.gemm_panels = gemm_panels;
         t.silu_mul = silu_mul;
         t.gptoss_glu = gptoss_glu;
-        t.attend_run = attend_run;
+        t.dequant_row = dequant_row_portable;
+        t.attend_scores = attend_scores;
+        t.attend_values = attend_values;
         t.rows_axpy = rows_axpy;
         return t;
     }();

@@ -53,7 +53,7 @@ void head_gemv(const KernelTable& kt, Format fmt, const MatrixRef& w, int64_t ro
         for (int i = 0; i < n; ++i) {
             int8_t* q = b.q.data() + i * K;
             float *d = b.d.data() + i * (K / 32), *s = b.s.data() + i * (K / 32);
-            kt.quantize(x[t0 + i], K, act_variant_permuted(v), act_variant_group(v), q, d, s);
+            kt.quantize(x[t0 + i], K, v, q, d, s);
             acts[i] = {q, d, s};
         }
         kt.gemv_q8[fmt](w, row0, nrows, K, acts, n, out + t0 * ldo, ldo);

@@ -342,11 +342,11 @@ void attend_decode_rows_py(nb::ndarray<const float, nb::ndim<3>, nb::c_contig, n
 using F32Out = nb::ndarray<float, nb::c_contig, nb::device::cpu>;
 using I64Out = nb::ndarray<int64_t, nb::c_contig, nb::device::cpu>;
 
-void rms_norm_py(F32Array x, F32Array w, float eps, F32Out out) {
-    const int64_t n = int64_t(w.size());
-    if (n <= 0 || x.ndim() < 1 || int64_t(x.shape(x.ndim() - 1)) != n) throw nb::value_error("x rows must be as long as w");
+void rms_norm_py(F32Array x, std::optional<F32Array> w, float eps, F32Out out) {
+    const int64_t n = x.ndim() < 1 ? 0 : int64_t(x.shape(x.ndim() - 1));
+    if (n <= 0 || (w && int64_t(w->size()) != n)) throw nb::value_error("x rows must be as long as w");
     if (out.size() != x.size()) throw nb::value_error("out must have x's shape");
-    rms_norm(x.data(), w.data(), eps, int64_t(x.size()) / n, n, out.data());
+    rms_norm(x.data(), w ? w->data() : nullptr, eps, int64_t(x.size()) / n, n, out.data());
 }
 
 // out[i] = table[tokens[i]] widened to float32; the table is float32, float16, or bfloat16 (or its
@@ -787,8 +787,8 @@ NB_MODULE(_native, m) {
           "attend_decode_paged for one query per sequence of a decode step, in one pass of the threads: q [T, Hq, D], "
           "tables [T, blocks], lengths [T], out [T, Hq, Dv].");
 
-    m.def("rms_norm", &rms_norm_py, "x"_a, "w"_a, "eps"_a, "out"_a,
-          "out = x / sqrt(mean(x^2) + eps) * w over the last axis, float32 (out may be x).");
+    m.def("rms_norm", &rms_norm_py, "x"_a, "w"_a.none(), "eps"_a, "out"_a,
+          "out = x / sqrt(mean(x^2) + eps) * w over the last axis, float32 (out may be x; w None: unweighted).");
     m.def(
         "silu_mul_rows",
         [](nb::ndarray<const float, nb::ndim<2>, nb::c_contig, nb::device::cpu> gu,
@@ -920,6 +920,21 @@ NB_MODULE(_native, m) {
         .def("forward", &dense_forward, "x"_a, "out"_a, "prefill_min_tokens"_a = 0,
              "out[T, rows] = x[T, cols] W^T in float32 (GIL released). prefill_min_tokens: from how many tokens "
              "the GEMM path; 0 each part's measured switch point; -1 (prompt rows) each part's path by its format.")
+        .def(
+            "dequantize_rows",
+            [](const DenseLinear& lin, const std::vector<int64_t>& ids,
+               nb::ndarray<float, nb::ndim<2>, nb::c_contig, nb::device::cpu> out) {
+                if (int64_t(out.shape(0)) < int64_t(ids.size()) || int64_t(out.shape(1)) != lin.cols())
+                    throw nb::value_error("out must have a row of the matrix's width per id");
+                for (const int64_t r : ids)
+                    if (r < 0 || r >= lin.rows())
+                        throw nb::index_error(("row " + std::to_string(r) + " is outside the matrix").c_str());
+                const KernelTable& kt = *current_table();
+                float* op = out.data();
+                nb::gil_scoped_release release;
+                lin.dequantize_rows(kt, ids.data(), int64_t(ids.size()), op);
+            },
+            "ids"_a, "out"_a, "out[i] = row ids[i] in float32, dequantized as stored (an embedding lookup).")
         .def_prop_ro("format", &format_names, "The stored format, or a joined projection's formats (\"q4_kx8+q6_k\").")
         .def_prop_ro("rows", &DenseLinear::rows)
         .def_prop_ro("cols", &DenseLinear::cols)

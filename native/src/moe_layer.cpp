@@ -110,6 +110,7 @@ struct Workspace {
     std::vector<int8_t> xq;      // Q8 of x, [T, H]
     std::vector<float> xd, xs;   // [T, H / 32]
     std::vector<uint8_t> need_q; // tokens whose x must be quantized
+    std::vector<float> xr;       // x rounded to its Q8 values for the prefill GEMM (round_x), [T, H]
     std::vector<float> hf;       // fp32 intermediate per pair, [P, I] (prefill, float formats, and
                                  // decode rows waiting for the rest of their scale group)
     std::vector<uint16_t> hb;    // the prefill intermediate in bf16, [P, I] (down on tiles)
@@ -141,8 +142,9 @@ typename V::value_type* grow(V& v, size_t n) {
 struct Call {
     const KernelTable* kt;
     Format fmt, fmt_dn;         // gate/up, down
-    bool deint, float_fmt;      // gate/up: activation order, fp32 activations
-    bool deint_dn, float_dn;    // down: the same for the intermediate
+    int q8, q8_dn;              // gate/up, down: the Q8 activation variant (formats.h's act_variant)
+    bool float_fmt, float_dn;   // gate/up, down: fp32 activations instead
+    bool round_x, round_h;      // the prefill GEMMs' rows rounded to their Q8 values (prompt_rounds_acts)
     int group, group_dn;        // elements per activation scale (FormatInfo::act_group)
     int64_t T, H, I;
     const std::vector<ExpertWeights>* experts;
@@ -184,9 +186,10 @@ void phase_prepare(void* ctx, int, int) {
                 float* dst = ws.xf.data() + t * c.H;
                 for (int64_t i = 0; i < c.H; ++i) dst[i] = bf16_to_f32(src[i]);
             }
+            if (c.round_x) round_to_q8(c.x32 + t * c.H, c.H, c.q8, ws.xr.data() + t * c.H);
             if (ws.need_q[size_t(t)]) {
                 const Q8Row q = c.x_q8(t);
-                c.kt->quantize(c.x32 + t * c.H, c.H, c.deint, c.group, const_cast<int8_t*>(q.q),
+                c.kt->quantize(c.x32 + t * c.H, c.H, c.q8, const_cast<int8_t*>(q.q),
                                const_cast<float*>(q.d), const_cast<float*>(q.s));
             }
         }
@@ -228,7 +231,7 @@ void finish_intermediate(const Call& c, const ExpertWeights& w, bool prefill, in
         h = c.ws->hf.data() + pair * c.I + r0;
     }
     const Q8Row q = c.h_q8(pair);
-    c.kt->quantize(h, rc, c.deint_dn, c.group_dn, const_cast<int8_t*>(q.q) + r0, const_cast<float*>(q.d) + r0 / 32,
+    c.kt->quantize(h, rc, c.q8_dn, const_cast<int8_t*>(q.q) + r0, const_cast<float*>(q.d) + r0 / 32,
                    const_cast<float*>(q.s) + r0 / 32);
 }
 
@@ -321,8 +324,9 @@ void prefill_gate_up(const Call& c, const Entry& en, int r0, int rc) {
     float* C = tls.get(4, size_t(m) * 2 * cols);
     std::fill(C, C + size_t(m) * 2 * cols, 0.f);
     const auto tok = [&](int i) { return c.ws->pair_tok[size_t(en.begin + i)]; };
+    const float* x = c.round_x ? c.ws->xr.data() : c.x32;
     const Rows& a = gemm_rows(
-        c, c.fmt, m, [&](int i) { return c.x32 + tok(i) * c.H; },
+        c, c.fmt, m, [&](int i) { return x + tok(i) * c.H; },
         [&](int i) { return static_cast<const uint16_t*>(c.x) + tok(i) * c.H; });
     const MatrixRef mats[2] = {w.gate, w.up};
     prefill_gemm(c, c.fmt, mats, 2, r0, rc, c.H, a, m, C, 2 * cols);
@@ -342,6 +346,22 @@ void phase_gate_up(void* ctx, int node, int) {
             prefill_gate_up(c, en, unit.r0, unit.rows);
         else
             decode_gate_up(c, en, unit.r0, unit.rows);
+    }
+}
+
+// Between phases B and C (round_h): the prefill pairs' intermediates rounded to their Q8 values
+// in place, an expert's pairs a unit (a group of the down format's scale spans units of B).
+void phase_round_intermediate(void* ctx, int, int) {
+    Call& c = *static_cast<Call*>(ctx);
+    for (;;) {
+        const int64_t u = c.next[0].fetch_add(1, std::memory_order_relaxed);
+        if (u >= int64_t(c.ws->entries.size())) return;
+        const Entry& en = c.ws->entries[size_t(u)];
+        if (!en.prefill) continue;
+        for (int64_t pair = en.begin; pair < en.begin + en.n; ++pair) {
+            float* h = c.ws->hf.data() + pair * c.I;
+            round_to_q8(h, c.I, c.q8_dn, h);
+        }
     }
 }
 
@@ -612,10 +632,12 @@ void MoELayer::forward(Executor& exec, const KernelTable& kt, const void* x, boo
     c.kt = &kt;
     c.fmt = fmt_;
     c.fmt_dn = down_fmt_;
-    c.deint = fi.deinterleave;
+    c.q8 = act_variant(fi);
     c.float_fmt = fi.float_acts;
-    c.deint_dn = fd.deinterleave;
+    c.q8_dn = act_variant(fd);
     c.float_dn = fd.float_acts;
+    c.round_x = any_prefill && prompt_rounds_acts(fmt_) && !on_tiles(kt, fmt_, x_bf16);
+    c.round_h = any_prefill && prompt_rounds_acts(down_fmt_) && !on_tiles(kt, down_fmt_, x_bf16);
     c.group = fi.act_group;
     c.group_dn = fd.act_group;
     c.T = T;
@@ -656,8 +678,9 @@ void MoELayer::forward(Executor& exec, const KernelTable& kt, const void* x, boo
     }
     if (nodes > 1) grow(ws.node_out, size_t(int64_t(nodes - 1) * T * H_));
 
+    if (c.round_x) grow(ws.xr, size_t(T * H_));
     c.a_units = (T + 3) / 4;
-    if (x_bf16 || any_decode) {
+    if (x_bf16 || any_decode || c.round_x) {
         reset_counters(c);
         if (c.a_units == 1)
             phase_prepare(&c, 0, 0);  // one unit of work: a phase would only add a wake-up
@@ -736,6 +759,10 @@ void MoELayer::forward(Executor& exec, const KernelTable& kt, const void* x, boo
 
     reset_counters(c);
     exec.run(phase_gate_up, &c);
+    if (c.round_h) {
+        reset_counters(c);
+        exec.run(phase_round_intermediate, &c);
+    }
     reset_counters(c);
     exec.run(phase_down, &c);
     if (nodes > 1) {

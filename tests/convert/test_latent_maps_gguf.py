@@ -51,14 +51,16 @@ def test_a_gguf_deepseek_reads_its_split_kv_b_as_stored(converted, quant, tolera
 
 
 def test_both_forms_of_a_prompt_agree_on_stored_maps(converted):
-    """The absorbed form reads the stored maps natively; the expanded one rebuilds kv_b for its call."""
+    """The absorbed form reads the stored maps natively; the expanded one rebuilds kv_b for its call.
+    (The absorbed form's queries and softmax weights meet the float16 cache in float16, as
+    llama.cpp's; the expanded form's in float32: 2^-11 apart at most.)"""
     path = converted("deepseek_v3", "bf16", all_experts=True)
     model = build_model(inspect_model(path).spec.config, open_weights(path), max_context=64, dtype=torch.float32)
     ids = tokens(20, seed=4)
     model.set_mla_absorb(True)
     absorbed = model(ids, 0)
     model.set_mla_absorb(False)
-    assert relative_error(absorbed, model(ids, 0)) < 1e-4
+    assert relative_error(absorbed, model(ids, 0)) < 2e-3
 
 
 @pytest.mark.parametrize("quant", ["q8_0", "q4_0", "q4_k_m"])

@@ -145,8 +145,8 @@ def test_mxfp4_gguf_matches_transformers(released, tmp_path):
 
 @needs_llama_cpp
 def test_engine_runs_the_mxfp4_gguf_as_the_checkpoint(released, tmp_path):
-    """The engine reads the repacked blocks as the checkpoint's (same numbers, same model), and
-    agrees with llama.cpp on the file."""
+    """The engine reads the repacked blocks as the checkpoint's (the same model), and agrees
+    with llama.cpp on the file."""
     from hybridmoe.backend.convert import to_gguf
     from hybridmoe.backend.engine.model import build_model
     from hybridmoe.backend.formats.weights import open_weights
@@ -160,7 +160,10 @@ def test_engine_runs_the_mxfp4_gguf_as_the_checkpoint(released, tmp_path):
         return build_model(inspect_model(p).spec.config, open_weights(p), max_context=64, dtype=torch.float32)(ids, 0)
 
     from_gguf, from_checkpoint = run(path), run(directory)
-    assert float((from_gguf - from_checkpoint).abs().max()) < 1e-3 * float(from_checkpoint.abs().max())
+    # The same model to the rounding of the activations: a GGUF's experts multiply them as
+    # llama.cpp does, on their Q8 values (1.6e-2 of the largest logit here), the checkpoint's
+    # exactly, as transformers.
+    assert float((from_gguf - from_checkpoint).abs().max()) < 0.05 * float(from_checkpoint.abs().max())
     llm = open_llama(path)
     try:
         theirs = llama_logits(llm, PROMPT)

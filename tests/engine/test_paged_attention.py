@@ -39,11 +39,14 @@ def _gathered(blocks, table, length):
 
 
 def _reference(q, k, v, scale):
-    """softmax(scale q k^T) v in float64, query heads grouped over the KV heads."""
+    """softmax(scale q k^T) v in float64, query heads grouped over the KV heads; over an fp16
+    cache the query and the softmax's weights rounded to fp16 first, as the kernels round them
+    (llama.cpp's attention)."""
     group = q.shape[1] // k.shape[1]
     k64 = k.double().repeat_interleave(group, dim=1)
     v64 = v.double().repeat_interleave(group, dim=1)
-    return torch.softmax(q.double() @ k64.transpose(-1, -2) * scale, dim=-1) @ v64
+    as_cache = (lambda t: t.half().double()) if k.dtype == torch.float16 else (lambda t: t.double())  # noqa: E731
+    return as_cache(torch.softmax(as_cache(q) @ k64.transpose(-1, -2) * scale, dim=-1)) @ v64
 
 
 def _lengths(block):
@@ -72,8 +75,10 @@ def test_matches_reference_and_contiguous(isa, heads, block, dtype):
         k, v = _gathered(k_blocks, table, length), _gathered(v_blocks, table, length)
         ref = _reference(q, k, v, scale)
         err = float((out.double() - ref).norm() / ref.norm())
-        # fp32 arithmetic on exact (fp32 or bf16) inputs: summation order only.
-        assert err < 1e-5, (length, err)
+        # fp32 arithmetic on exact inputs: summation order only. Over fp16 the order puts a weight
+        # on the other side of an fp16 rounding now and then (a few in a thousand positions), which
+        # moves it by 2^-11 of itself (unrounded, 3-4e-4 off: tests/native/test_decode_attention.py).
+        assert err < (2e-4 if dtype == torch.float16 else 1e-5), (length, err)
 
         contiguous = decode_attention(q, k, v, scale)
         assert torch.equal(out, contiguous), (length, float((out - contiguous).abs().max()))
@@ -149,7 +154,7 @@ def test_a_short_context_shares_its_heads_out_with_the_same_bits(isa, dtype):
         assert torch.equal(alone, out[0]), length
         k, v = _gathered(k_blocks, torch.tensor([3]), length), _gathered(v_blocks, torch.tensor([3]), length)
         ref = _reference(q[0].view(1, 16, 1, 576), k, v, 0.05).view(16, 512)
-        assert float((alone.double() - ref).norm() / ref.norm()) < 1e-5, length
+        assert float((alone.double() - ref).norm() / ref.norm()) < (2e-4 if dtype == torch.float16 else 1e-5), length
 
 
 def test_rows_are_checked_one_by_one():

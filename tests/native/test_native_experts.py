@@ -6,12 +6,14 @@ on randomized shapes: T from 1 to 512, k from 1 to 8, odd expert counts, -1 pads
 with no expert and with every expert on the CPU.
 
 Two references, compared by the relative Frobenius error of the [T, H] output:
-* the fp32 reference (the engine's own expert math on dequantized weights). Prefill, and
-  the float formats in both regimes, must match it to 1e-5: the weights are dequantized
-  exactly as the reference does and everything is fp32; only the summation order differs.
-* for the decode regime of quantized formats, the same math with the activations rounded
-  the way the kernels round them: to int8 per block of 32 with scale max|x| / 127 (as
-  llama.cpp's q8_0), once for x before gate/up and once for the intermediate before down.
+* the fp32 reference (the engine's own expert math on dequantized weights). The float
+  formats in both regimes, and the prefill of the checkpoints' int4 and mxfp4, must match it
+  to 1e-5: the weights are dequantized exactly as the reference does and everything is fp32;
+  only the summation order differs.
+* for the GGUF types in both regimes (and the checkpoints' formats in decode), the same math
+  with the activations rounded the way the kernels round them, llama.cpp's Q8_0 / Q8_K (q8
+  below), once for x before gate/up and once for the intermediate before down: the decode
+  GEMV's integer dots, and the prefill GEMM on the same values.
   The kernels must match that to 5e-3. What remains is fp32 summation order (K-quants
   subtract the mins' total from the scaled sum, two large terms, where the reference
   subtracts per weight), and the rare rounding tie that the two computations of the
@@ -39,6 +41,7 @@ import torch.nn.functional as F
 from hybridmoe.backend.bench.synthetic_experts import (
     ALL_FORMATS,
     FLOAT_FORMATS,
+    HF_FORMATS,
     block_of,
     make_host_experts,
     random_routing,
@@ -103,10 +106,15 @@ def act_group(fmt: str) -> int:
 
 
 def q8(x: torch.Tensor, group: int = 32) -> torch.Tensor:
-    """x rounded as the kernels round activations: int8, scale max|x| / 127 per `group`."""
-    xb = x.reshape(*x.shape[:-1], -1, group)
-    d = xb.abs().amax(-1, keepdim=True) / 127
-    q = torch.round(xb * torch.where(d > 0, 1.0 / d, torch.zeros_like(d)))  # half to even, as vcvtps2dq
+    """x rounded as the kernels round activations, llama.cpp's Q8_0 / Q8_K: codes
+    round(x * 127 / max|x|) per `group`, times the scale max|x| / 127 rounded to float16 for
+    groups of 32 (block_q8_0's d), 1 / (127 / max|x|) for groups of 256 (block_q8_K's)."""
+    xb = x.float().reshape(*x.shape[:-1], -1, group)
+    amax = xb.abs().amax(-1, keepdim=True)
+    # 127 / amax as a division (a scalar over a tensor is its reciprocal times the scalar: an ulp off)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127) / amax, torch.zeros_like(amax))
+    q = torch.round(xb * inv)  # half to even, as vcvtps2dq
+    d = (amax / 127).half().float() if group == 32 else torch.where(inv > 0, 1 / inv, torch.zeros_like(inv))
     return (q * d).reshape(x.shape)
 
 
@@ -135,12 +143,13 @@ def emulated(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, ref: ResidentE
 
 def kernel_rounding(fmt: str, path: str, acts: torch.dtype):
     """(round, tiles) for a path of the kernel set in use and activations of dtype `acts`:
-    "gemv" and "prompt" (Q8 activations; none for the float formats), "gemm" (none; bf16
-    weights on tiles, for bf16 activations)."""
+    "gemv" and "prompt" (Q8 activations; none for the float formats), "gemm" (bf16 weights on
+    tiles, for bf16 activations; else the GGUF types' Q8 values, as llama.cpp computes them at
+    every count, and the checkpoints' int4 and mxfp4 unrounded)."""
     group = act_group(fmt)
-    if path == "gemm":
-        return (bf16, True) if gemm_on_tiles(fmt, acts) else (None, False)
-    if fmt in FLOAT_FORMATS:
+    if path == "gemm" and gemm_on_tiles(fmt, acts):
+        return bf16, True
+    if fmt in FLOAT_FORMATS or (path == "gemm" and fmt in HF_FORMATS):
         return None, False
     return (lambda v: q8(v, group)), False
 
