@@ -60,7 +60,7 @@ struct Call {
     std::vector<Row> rows;
     int64_t slots = 0, units = 0;
     std::vector<float> q;          // scaled queries
-    std::vector<float> e;          // softmax terms, then weights, per slot [group, run]
+    float* e = nullptr;            // softmax terms, then weights, per slot [group, run] (g_terms)
     std::vector<float> m, l, w;    // per slot: [group] each (w: e's factor to the normalised weight)
     std::vector<float> acc;        // per slot: [group * Dv]
     std::atomic<int64_t> next{0};
@@ -108,7 +108,7 @@ void unit_work(const Call& c, int64_t u, UnitWork& w) {
 // The unit's softmax terms: group x run floats a slot, from the row's e_at on.
 float* unit_terms(Call& c, const UnitWork& w) {
     const int64_t at = w.slot / c.group - w.row->first_slot;
-    return c.e.data() + w.row->e_at + size_t((at * c.group + w.g0) * w.row->run);
+    return c.e + w.row->e_at + size_t((at * c.group + w.g0) * w.row->run);
 }
 
 void phase_scores(void* ctx, int, int) {
@@ -146,6 +146,9 @@ void run_phase(Executor& exec, Call& c, void (*phase)(void*, int, int)) {
 }
 
 std::mutex g_mutex;  // the scratch of one call
+// Call::e's memory, kept between calls: a new vector was zeroed every call, a write of the
+// whole score matrix (1 MiB at 2048 positions of 32 heads) before its first use.
+std::vector<float> g_terms;
 
 }  // namespace
 
@@ -176,7 +179,8 @@ void attend_decode_rows(Executor& exec, const KernelTable& kt, const DecodeAtten
     for (const Row& row : c.rows)
         for (int64_t i = 0; i < row.a->Hq * row.a->D; ++i)
             c.q[row.q_at + size_t(i)] = attention_rounded(row.a->q[i], row.a->kv) * row.a->scale;
-    c.e.resize(e_size);
+    if (g_terms.size() < e_size) g_terms.resize(e_size);
+    c.e = g_terms.data();
     c.m.resize(size_t(c.slots * c.group));
     c.l.resize(size_t(c.slots * c.group));
     c.w.resize(size_t(c.slots * c.group));
