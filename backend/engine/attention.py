@@ -21,10 +21,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from hybridmoe.backend.engine import paged_decode
+from hybridmoe.backend.engine import native_kernels, paged_decode
 from hybridmoe.backend.engine.kv_cache import PagedKV, Segment, causal_mask
 from hybridmoe.backend.engine.layers import Linear, RMSNorm
-from hybridmoe.backend.engine.native_attention import decode_attention
+from hybridmoe.backend.engine.native_attention import decode_attention, prompt_attention
 from hybridmoe.backend.engine.native_linear import NativeLinear
 from hybridmoe.backend.engine.rope import Rotary
 from hybridmoe.backend.models.layer_description import GroupedQueryAttention
@@ -85,6 +85,12 @@ def eager_attention(
     return out
 
 
+def _rounded(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """A float16 cache under float32 queries on the CPU (a GGUF there: model._cache_dtype),
+    which attention rounds to as llama.cpp does (native/src/attention_decode.cpp)."""
+    return k.dtype == torch.float16 and q.dtype == torch.float32 and q.device.type == "cpu" and native_kernels.enabled()
+
+
 def attend(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -112,7 +118,7 @@ def attend(
     # queries and the softmax's weights rounded to float16 as the decode step rounds them
     # (native/src/attention_decode.cpp), which is llama.cpp's arithmetic; SDPA's fused kernels
     # cannot round the weights.
-    rounded = k.dtype == torch.float16 and q.dtype == torch.float32 and q.device.type == "cpu"
+    rounded = _rounded(q, k)
     if causal and (sinks is not None or rounded):  # the eager path takes the mask
         mask = causal_mask(torch.arange(n_q, device=q.device), None, n_keys, None)
     if rounded and sinks is None:
@@ -221,6 +227,13 @@ class Attention(nn.Module):
         q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, heads, n, d]
         cos, sin = self.rotary.tables(seg.start, n, q.dtype)
         q, k = self.rotary.apply(q, cos, sin), self.rotary.apply(k, cos, sin)
+        if n > 1 and _rounded(q, self.cache.k) and self.cache.window is None and self.sinks is None:
+            # A prompt over a float16 cache: its rows as decode steps (the decode kernels round
+            # as llama.cpp does, which SDPA cannot: see ``attend``), 3x faster than the eager products.
+            self.cache.write(seg.seq, k, v, seg.start)
+            out = prompt_attention(q, self.cache.k, self.cache.v, seg.seq.table_array(self.cache.group), seg.start,
+                                   self.scale)
+            return out.to(q.dtype).squeeze(0).transpose(0, 1).reshape(n, -1)
         keys, values, key_positions = self.cache.update(seg.seq, k, v, seg.start)
         out = attend(q, keys, values, seg.start, key_positions, self.cache.window, self.scale, self.sinks)
         return out.squeeze(0).transpose(0, 1).reshape(n, -1)

@@ -339,7 +339,7 @@ class PagedKV(nn.Module):
     def nbytes(self) -> int:
         return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
 
-    def _write(self, seq: Sequence, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
+    def write(self, seq: Sequence, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
         """k, v [1, KV heads, T, d] at positions start.. (their blocks prepared)."""
         pos = torch.arange(start, start + k.shape[2])
         table = seq.table_tensor(self.group, torch.device("cpu"))
@@ -363,7 +363,7 @@ class PagedKV(nn.Module):
         n = k.shape[2]
         end = start + n
         if self.window is None:
-            self._write(seq, k, v, start)
+            self.write(seq, k, v, start)
             keys, values = self._read(seq, 0, _blocks(end))
             return keys[:, :, :end], values[:, :, :end], None
         # A sliding layer: the held positions of the window before `start`, then the new
@@ -380,7 +380,7 @@ class PagedKV(nn.Module):
             values = torch.cat((held_v[:, :, lo:hi], v), dim=2)
             positions = torch.arange(first, end, device=k.device)
         kept = min(n, self.group.keep)
-        self._write(seq, k[:, :, n - kept :], v[:, :, n - kept :], end - kept)
+        self.write(seq, k[:, :, n - kept :], v[:, :, n - kept :], end - kept)
         return keys, values, positions
 
 

@@ -9,6 +9,7 @@ of query heads sharing it, in float32.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from hybridmoe.backend.engine import native_kernels
@@ -53,3 +54,26 @@ def paged_decode_attention(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: to
     native_kernels._native.attend_decode_paged(q.reshape(heads, dim).float().contiguous(), k_blocks, v_blocks,
                                                table.to("cpu", torch.int64).contiguous(), length, scale, out)
     return out.to(q.dtype).view(1, heads, 1, -1)
+
+
+# Score elements (rows x query heads x positions) one call of prompt_attention's kernels keeps.
+_PROMPT_SCORE_BUDGET = 1 << 24
+
+
+def prompt_attention(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor, table, start: int,
+                     scale: float) -> torch.Tensor:
+    """A prompt's causal attention as decode steps of its rows over a block-allocated cache
+    (the rows' keys and values written): row t attends positions 0 .. start + t, through the
+    decode kernels, so that a prompt's rows are a decode step's bits. q [1, Hq, T, D] ->
+    [1, Hq, T, Dv] float32. Rows go in groups whose score matrices fit _PROMPT_SCORE_BUDGET."""
+    heads, n, dim = q.shape[1], q.shape[2], q.shape[3]
+    rows = q[0].transpose(0, 1).float().contiguous()  # [T, Hq, D]
+    table = np.ascontiguousarray(table, dtype=np.int64)
+    out = torch.empty((n, heads, v_blocks.shape[3]), dtype=torch.float32)
+    per_call = max(1, _PROMPT_SCORE_BUDGET // (heads * (start + n)))
+    for t0 in range(0, n, per_call):
+        t1 = min(n, t0 + per_call)
+        tables = np.ascontiguousarray(np.broadcast_to(table, (t1 - t0, table.shape[0])))
+        lengths = np.arange(start + t0 + 1, start + t1 + 1, dtype=np.int64)
+        native_kernels._native.attend_decode_rows(rows[t0:t1], k_blocks, v_blocks, tables, lengths, scale, out[t0:t1])
+    return out.transpose(0, 1).unsqueeze(0)
