@@ -229,7 +229,8 @@ class Attention(nn.Module):
         q, k = self.rotary.apply(q, cos, sin), self.rotary.apply(k, cos, sin)
         if n > 1 and _rounded(q, self.cache.k) and self.cache.window is None and self.sinks is None:
             # A prompt over a float16 cache: its rows as decode steps (the decode kernels round
-            # as llama.cpp does, which SDPA cannot: see ``attend``), 3x faster than the eager products.
+            # as llama.cpp does, which SDPA cannot: see ``attend``). Faster than the eager
+            # products: a 512-token prompt of the mid-size IQ2_XXS model 1.89 -> 1.70 s.
             self.cache.write(seg.seq, k, v, seg.start)
             out = prompt_attention(q, self.cache.k, self.cache.v, seg.seq.table_array(self.cache.group), seg.start,
                                    self.scale)

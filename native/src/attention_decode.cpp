@@ -111,30 +111,30 @@ float* unit_terms(Call& c, const UnitWork& w) {
     return c.e + w.row->e_at + size_t((at * c.group + w.g0) * w.row->run);
 }
 
+// The call's units taken in turn by this thread: fn(its work, its row's attention).
+template <class Fn>
+void each_unit(Call& c, Fn fn) {
+    UnitWork w;
+    for (int64_t u; (u = c.next.fetch_add(1, std::memory_order_relaxed)) < c.units;) {
+        unit_work(c, u, w);
+        fn(w, *w.row->a);
+    }
+}
+
 void phase_scores(void* ctx, int, int) {
     Call& c = *static_cast<Call*>(ctx);
-    UnitWork w;
-    for (;;) {
-        const int64_t u = c.next.fetch_add(1, std::memory_order_relaxed);
-        if (u >= c.units) return;
-        unit_work(c, u, w);
-        const DecodeAttention& a = *w.row->a;
+    each_unit(c, [&c](const UnitWork& w, const DecodeAttention& a) {
         c.kt->attend_scores(c.q.data() + w.row->q_at + (w.h * c.group + w.g0) * a.D, w.heads, a.D, w.segs, w.n_segs, a.kv,
                             a.k_pos, a.v_pos, w.n, unit_terms(c, w), w.row->run, c.m.data() + w.slot, c.l.data() + w.slot);
-    }
+    });
 }
 
 void phase_values(void* ctx, int, int) {
     Call& c = *static_cast<Call*>(ctx);
-    UnitWork w;
-    for (;;) {
-        const int64_t u = c.next.fetch_add(1, std::memory_order_relaxed);
-        if (u >= c.units) return;
-        unit_work(c, u, w);
-        const DecodeAttention& a = *w.row->a;
+    each_unit(c, [&c](const UnitWork& w, const DecodeAttention& a) {
         c.kt->attend_values(unit_terms(c, w), c.w.data() + w.slot, w.heads, w.row->run, a.Dv, w.segs, w.n_segs, a.kv,
                             a.v_pos, w.n, c.acc.data() + w.slot * a.Dv);
-    }
+    });
 }
 
 void run_phase(Executor& exec, Call& c, void (*phase)(void*, int, int)) {
