@@ -124,7 +124,7 @@ void prepare_token(const Call& c, int64_t t) {
                        const_cast<float*>(q.s));
     }
     for (int r = 0; r < 2; ++r)
-        if (c.round[r]) round_to_q8(c.x32 + t * c.K, c.K, r ? 2 : 0, g_ws.xr[r].data() + t * c.K);
+        if (c.round[r]) round_to_q8(c.x32 + t * c.K, c.K, r ? 256 : 32, g_ws.xr[r].data() + t * c.K);
 }
 
 // The fp32 rows a GEMM part of `fmt` multiplies: x's Q8 values for a GGUF type (prompt_rounds_acts).

@@ -297,6 +297,7 @@ static inline int act_variant(const FormatInfo& f) {
 }
 static inline bool act_variant_permuted(int v) { return v == 1; }
 static inline int act_variant_group(int v) { return v == 2 ? 256 : 32; }
+static inline bool act_variant_sum_f16(int v) { return v == 3; }
 
 // Q8 activations for one token (or one intermediate row): K int8 values in blocks of 32,
 // the scale d of each block (the same for all blocks of a group of the format's act_group),
@@ -399,9 +400,8 @@ static inline float abs_max(const float* x, int n) {
     return nan ? std::numeric_limits<float>::quiet_NaN() : amax;
 }
 
-// x (K values, whole groups of act variant v, natural order) as its Q8 codes times their scale.
-static inline void round_to_q8(const float* x, int64_t K, int v, float* out) {
-    const int group = act_variant_group(v);
+// x (K values, whole groups of `group`, natural order) as its Q8 codes times their scale.
+static inline void round_to_q8(const float* x, int64_t K, int group, float* out) {
     for (int64_t g = 0; g < K; g += group) {
         const ActScale a = act_scale(abs_max(x + g, group), group);
         for (int i = 0; i < group; ++i)  // the code, rounded half to even by the adder (|x id| <= 127)

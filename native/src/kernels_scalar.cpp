@@ -100,7 +100,7 @@ static void quantize(const float* x, int64_t K, int v, int8_t* q, float* d, floa
             sum += v8;
         }
         d[b] = a.d;
-        s[b] = block_sum(a.d, a.d32, sum, v == 3);
+        s[b] = block_sum(a.d, a.d32, sum, act_variant_sum_f16(v));
     }
 }
 

@@ -1901,7 +1901,7 @@ static inline float amax_ps(const float* x, int64_t n) {
 }
 
 static void quantize(const float* x, int64_t K, int v, int8_t* q, float* d, float* s) {
-    const bool deint = act_variant_permuted(v), sum_f16 = v == 3;
+    const bool deint = act_variant_permuted(v), sum_f16 = act_variant_sum_f16(v);
     const int group = act_variant_group(v);
     // Byte order after the two packs, fixed by one dword permute: packs work per 128-bit half.
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);

@@ -186,7 +186,7 @@ void phase_prepare(void* ctx, int, int) {
                 float* dst = ws.xf.data() + t * c.H;
                 for (int64_t i = 0; i < c.H; ++i) dst[i] = bf16_to_f32(src[i]);
             }
-            if (c.round_x) round_to_q8(c.x32 + t * c.H, c.H, c.q8, ws.xr.data() + t * c.H);
+            if (c.round_x) round_to_q8(c.x32 + t * c.H, c.H, c.group, ws.xr.data() + t * c.H);
             if (ws.need_q[size_t(t)]) {
                 const Q8Row q = c.x_q8(t);
                 c.kt->quantize(c.x32 + t * c.H, c.H, c.q8, const_cast<int8_t*>(q.q),
@@ -360,7 +360,7 @@ void phase_round_intermediate(void* ctx, int, int) {
         if (!en.prefill) continue;
         for (int64_t pair = en.begin; pair < en.begin + en.n; ++pair) {
             float* h = c.ws->hf.data() + pair * c.I;
-            round_to_q8(h, c.I, c.q8_dn, h);
+            round_to_q8(h, c.I, c.group_dn, h);
         }
     }
 }
