@@ -705,7 +705,7 @@ template <Format F, bool G, int N>
     __m256 acc[N];
     for (int t = 0; t < N; ++t) acc[t] = _mm256_setzero_ps();
     const auto step = [&](const Blk& b) {
-        prefetch_span(b.p + kPrefetchAheadK, kBytes);
+        prefetch_span<_MM_HINT_T0>(b.p + kPrefetchAheadK, kBytes);
         IqQuarter q[8];
 #pragma GCC unroll 8
         for (int ib = 0; ib < 8; ++ib) q[ib] = b.quarter(ib);
@@ -836,7 +836,7 @@ static void gemv_iq_n(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t K
         _mm_prefetch(reinterpret_cast<const char*>(w.row(row0 + r + 1)), _MM_HINT_T0);
         for (int64_t sb = 0; sb < nsb; ++sb) {
             const IqBlock<F, G> blk(row + sb * kBytes);
-            prefetch_span(blk.p + kPrefetchAheadK, kBytes);
+            prefetch_span<_MM_HINT_T0>(blk.p + kPrefetchAheadK, kBytes);
             IqQuarter q[8];
 #pragma GCC unroll 8
             for (int ib = 0; ib < 8; ++ib) q[ib] = blk.quarter(ib);
@@ -888,7 +888,7 @@ static inline void decode_offset_panel(const MatrixRef& w, int64_t row0, int64_t
     const __m256i offset = _mm256_set1_epi8(char(0x80));
     for (int r = 0; r < R; ++r) {
         const IqBlock<F, G> blk(w.row(row0 + r) + sb * kBytes);
-        prefetch_span(blk.p + kPrefetchAheadK, kBytes);
+        prefetch_span<_MM_HINT_T0>(blk.p + kPrefetchAheadK, kBytes);
         __m256i share = _mm256_setzero_si256();
         for (int ib = 0; ib < 8; ++ib) {
             const IqQuarter q = blk.quarter(ib);
@@ -1124,7 +1124,7 @@ static void decode_panel_rows(const MatrixRef& w, int64_t r0, int nr, int next, 
             d[r] = 0.0f;
         } else {
             const IqBlock<F, G> blk(w.row(r0 + r) + sb * kBytes);
-            if (r < next) prefetch_span(w.row(r0 + 16 + r) + sb * kBytes, kBytes);
+            if (r < next) prefetch_span<_MM_HINT_T0>(w.row(r0 + 16 + r) + sb * kBytes, kBytes);
             for (int q = 0; q < 8; ++q) {
                 const IqQuarter a = blk.quarter(q);
                 _mm256_store_si256(reinterpret_cast<__m256i*>(rows[r] + 8 * q), with_signs(a.mag, a.sign));
@@ -1211,7 +1211,7 @@ static void gemm_iq_512(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t
     // with the same one of the row 16 further on prefetched (decode_panel_rows), the first row
     // block's all at the start.
     constexpr int kBytes = kFormats[F].block_bytes;
-    for (int r = 0; r < std::min<int64_t>(16, nrows); ++r) prefetch_span(w.row(row0 + r), int(nsb) * kBytes);
+    for (int r = 0; r < std::min<int64_t>(16, nrows); ++r) prefetch_span<_MM_HINT_T0>(w.row(row0 + r), int(nsb) * kBytes);
     for (int64_t rb = 0; rb < nrows; rb += 16) {
         const int nr = int(std::min<int64_t>(16, nrows - rb));
         const int next = int(std::min<int64_t>(16, nrows - rb - 16));
@@ -1276,7 +1276,7 @@ static void b32_decode_panel(const MatrixRef& w, int64_t r0, int nr, int next, i
             continue;
         }
         p[r] = w.row(r0 + r) + sb * kBytes;
-        if (r < next) prefetch_span(w.row(r0 + 16 + r) + sb * kBytes, kBytes);
+        if (r < next) prefetch_span<_MM_HINT_T0>(w.row(r0 + 16 + r) + sb * kBytes, kBytes);
         dh[r] = load_u16(p[r]);
         sh[r] = load_u16(p[r] + 2);
         sl[r] = load_u32(p[r] + 4);
@@ -1375,7 +1375,7 @@ static void gemm_b32_512(const MatrixRef& w, int64_t row0, int64_t nrows, int64_
     __m512* const f = reinterpret_cast<__m512*>(aligned64(f_buf, int64_t(ntok) * 8 * 16));
     alignas(64) B32Panel P;
     constexpr int kBytes = kFormats[F].block_bytes;
-    for (int r = 0; r < std::min<int64_t>(16, nrows); ++r) prefetch_span(w.row(row0 + r), int(nsb) * kBytes);
+    for (int r = 0; r < std::min<int64_t>(16, nrows); ++r) prefetch_span<_MM_HINT_T0>(w.row(row0 + r), int(nsb) * kBytes);
     for (int64_t rb = 0; rb < nrows; rb += 16) {
         const int nr = int(std::min<int64_t>(16, nrows - rb));
         const int next = int(std::min<int64_t>(16, nrows - rb - 16));
@@ -1461,7 +1461,7 @@ static void q23k_decode_panel(const MatrixRef& w, int64_t r0, int nr, int next, 
             continue;
         }
         const uint8_t* b = w.row(r0 + r) + sb * kBytes;
-        if (r < next) prefetch_span(w.row(r0 + 16 + r) + sb * kBytes, kBytes);
+        if (r < next) prefetch_span<_MM_HINT_T0>(w.row(r0 + 16 + r) + sb * kBytes, kBytes);
         __m256i s16;
         if constexpr (kThree) {
             s16 = _mm256_cvtepi8_epi16(q3k_scales16(b + 96));
@@ -1611,7 +1611,7 @@ static void gemm_q23k_512(const MatrixRef& w, int64_t row0, int64_t nrows, int64
     __m512* const fm = kThree ? nullptr : reinterpret_cast<__m512*>(aligned64(fm_buf, int64_t(ntok) * 8 * 16));
     alignas(64) Q23Panel P;
     constexpr int kBytes = kQ23Bytes<kThree>;
-    for (int r = 0; r < std::min<int64_t>(16, nrows); ++r) prefetch_span(w.row(row0 + r), int(nsb) * kBytes);
+    for (int r = 0; r < std::min<int64_t>(16, nrows); ++r) prefetch_span<_MM_HINT_T0>(w.row(row0 + r), int(nsb) * kBytes);
     for (int64_t rb = 0; rb < nrows; rb += 16) {
         const int nr = int(std::min<int64_t>(16, nrows - rb));
         const int next = int(std::min<int64_t>(16, nrows - rb - 16));

@@ -54,23 +54,38 @@ constexpr int kMr = 6;
 // distances in turn in one process, 1.04x at 1536, 1.08x at 2048, 1.10x at 3072 over 1024).
 // AVX-512 is taken as the sign of the larger share: measured on that Xeon only (a Zen 5,
 // which has AVX-512 too, is not).
+//
+// Where to: L2 (T1) at the longer distances. A core has far fewer L1 misses in flight than
+// L2 misses (Golden Cove: 16 fill buffers against 48 L2 entries; Zen 4: 24 against 64), and
+// a stream this far ahead keeps that many lines coming; the loads then hit L2 and the L1
+// prefetchers. On the 2-core Xeon (AMX), cold GEMV of 4096 x 2048 matrices, 2 threads, L1
+// against L2 in turn, three rounds, of the probe: q8_0x8 0.65-0.71 -> 0.78-0.79, q4_0x8
+// 0.59-0.65 -> 0.68-0.73, q4_kx8 0.56-0.57 -> 0.65-0.68, bf16 0.55-0.59 -> 0.62-0.65 (q6_k,
+// q5_k even); the decode chain's q|k|v and output projections 0.70-0.78 -> 0.79-0.89. The
+// AVX2 set's 1 KiB stream on the same machine lost a little in L2 (q8_0x8 0.74 -> 0.70),
+// its K-quants' 2 KiB one gained (q4_kx8 0.57 -> 0.69, q6_k 0.54 -> 0.60). The i-quants'
+// GEMVs, bound by their look-ups rather than by memory, keep L1 (kernels_iq.inl).
 #if defined(HMOE_AVX512)
 constexpr int kPrefetchAhead = 3072;
+constexpr _mm_hint kPrefetchTo = _MM_HINT_T1;
 #else
 constexpr int kPrefetchAhead = 1024;
+constexpr _mm_hint kPrefetchTo = _MM_HINT_T0;
 #endif
 // The K-quant kernels (q6_k, q4_kx8) are slower per byte, and twice that distance kept more
 // of the probe's bandwidth: cold GEMV of 2048 x 2048 matrices, 2 threads, distances in turn
 // against a probe per round, q6_k 0.82 -> 0.87 of the probe, q4_kx8 0.83 -> 0.86 (3072 and
-// 4096 no better; q4_0x8 flat, q8_0x8 best at 1024).
+// 4096 no better; q4_0x8 flat, q8_0x8 best at 1024). Into L2, in both sets (above).
 constexpr int kPrefetchAheadK = 2048;
+constexpr _mm_hint kPrefetchToK = _MM_HINT_T1;
 
-// Prefetch [p, p + bytes) (whole cache lines) into L1.
+// Prefetch [p, p + bytes) (whole cache lines) into L1 (_MM_HINT_T0) or L2 (_MM_HINT_T1).
+template <_mm_hint Hint>
 static inline void prefetch_span(const uint8_t* p, int bytes) {
     // Unrolled (the sizes are constants): as a loop, its counter, compare and branch were
     // three instructions per prefetch, ~15 % of a q4_kx8 super-block's instructions.
 #pragma GCC unroll 32
-    for (int i = 0; i < bytes; i += 64) _mm_prefetch(reinterpret_cast<const char*>(p + i), _MM_HINT_T0);
+    for (int i = 0; i < bytes; i += 64) _mm_prefetch(reinterpret_cast<const char*>(p + i), Hint);
 }
 
 // ---- small helpers --------------------------------------------------------------------
@@ -299,7 +314,7 @@ static void gemv_b32_n(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t 
         // block sums (hsum8), and a single FMA applies the eight (weight x activation)
         // scales; the offset of unsigned codes is one more FMA with the activation sums.
         for (int64_t b = 0; b < nb8; b += 8) {
-            prefetch_span(row + b * kBlockBytes + kPrefetchAhead, 8 * kBlockBytes);
+            prefetch_span<kPrefetchTo>(row + b * kBlockBytes + kPrefetchAhead, 8 * kBlockBytes);
             __m256i q[8];
             for (int j = 0; j < 8; ++j) q[j] = B::codes(row, b + j);
             const __m256 dw = scales8<F>(row, srow, b);
@@ -457,7 +472,7 @@ static void gemv_q45k_n(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t
         _mm_prefetch(reinterpret_cast<const char*>(w.row(row0 + r + 1)), _MM_HINT_T0);
         for (int64_t sb = 0; sb < nsb; ++sb) {
             const uint8_t* blk = row + sb * bytes;
-            prefetch_span(blk + kPrefetchAheadK, bytes);
+            prefetch_span<kPrefetchToK>(blk + kPrefetchAheadK, bytes);
             uint32_t scw[2], mnw[2];
             k_scales_mins_words(blk + 4, scw, mnw);
             const __m256i sc16 =
@@ -568,7 +583,7 @@ static void gemv_q6k_n(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t 
         _mm_prefetch(reinterpret_cast<const char*>(w.row(row0 + r + 1)), _MM_HINT_T0);
         for (int64_t sb = 0; sb < nsb; ++sb) {
             const uint8_t* blk = row + sb * 210;
-            prefetch_span(blk + kPrefetchAheadK, 210);
+            prefetch_span<kPrefetchToK>(blk + kPrefetchAheadK, 210);
             const __m256i s16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192)));
             __m256i sums[N];  // the scaled integer dots less the offset, from -32 x the offset on
             for (int t = 0; t < N; ++t)
@@ -675,7 +690,7 @@ static void gemv_q23k_n(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t
         _mm_prefetch(reinterpret_cast<const char*>(w.row(row0 + r + 1)), _MM_HINT_T0);
         for (int64_t sb = 0; sb < nsb; ++sb) {
             const uint8_t* blk = row + sb * kBytes;
-            prefetch_span(blk + kPrefetchAheadK, kBytes);
+            prefetch_span<kPrefetchToK>(blk + kPrefetchAheadK, kBytes);
             __m256i s16, sums[N];
             if constexpr (kThree) {
                 s16 = _mm256_cvtepi8_epi16(q3k_scales16(blk + 96));
@@ -780,7 +795,7 @@ static void gemv_b32_many(const MatrixRef& w, int64_t row0, int64_t nrows, int64
         for (int t = 0; t < ntok; ++t) acc[t] = _mm256_setzero_ps();
         _mm_prefetch(reinterpret_cast<const char*>(w.row(row0 + r + 1)), _MM_HINT_T0);
         for (int64_t b = 0; b < nb8; b += 8) {
-            prefetch_span(row + b * kBlockBytes + kPrefetchAhead, 8 * kBlockBytes);
+            prefetch_span<kPrefetchTo>(row + b * kBlockBytes + kPrefetchAhead, 8 * kBlockBytes);
             __m256i q[8], m[8];
             for (int j = 0; j < 8; ++j) {
                 q[j] = B::codes(row, b + j);
@@ -899,7 +914,7 @@ static void gemv_x8_n(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t K
         __m256 acc[N], corr[N];
         for (int t = 0; t < N; ++t) acc[t] = corr[t] = _mm256_setzero_ps();
         for (int64_t b = 0; b < nb; ++b, blk += kX8BlockBytes) {
-            prefetch_span(blk + kPrefetchAhead, kX8BlockBytes);
+            prefetch_span<kPrefetchTo>(blk + kPrefetchAhead, kX8BlockBytes);
             const __m256 dw = x8_scales<F>(blk);
             __m256i lo[4], hi[4];
             for (int c = 0; c < 4; ++c) {
@@ -1014,9 +1029,9 @@ static void gemv_x8nl_n(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t
         for (int t = 0; t < N; ++t) acc[t] = _mm256_setzero_ps();
         for (int64_t b = 0; b < nb; ++b) {
             if constexpr (F == FMT_IQ4_XS_X8) {
-                if (b % 8 == 0) prefetch_span(group + (b / 8) * kIq4XsX8Bytes + kPrefetchAheadK, kIq4XsX8Bytes);
+                if (b % 8 == 0) prefetch_span<kPrefetchToK>(group + (b / 8) * kIq4XsX8Bytes + kPrefetchAheadK, kIq4XsX8Bytes);
             } else {
-                prefetch_span(group + b * kX8BlockBytes + kPrefetchAhead, kX8BlockBytes);
+                prefetch_span<kPrefetchTo>(group + b * kX8BlockBytes + kPrefetchAhead, kX8BlockBytes);
             }
             __m256i v[8];
             const __m256 dw = x8nl_block<F>(group, b, table, v);
@@ -1089,7 +1104,7 @@ static void gemv_q4kx8_groups(const MatrixRef& w, int64_t row0, int64_t g0, int6
                 // the top of the super-block, held the chunk's loads back behind them (cold, 2
                 // threads: 0.72-0.78 -> 0.83-0.86 of the probe; decode of the Q4_K_M benchmark
                 // model, with the distance above, 1.10x).
-                prefetch_span(blk + kPrefetchAheadK + kQ4KX8Bytes / 4 * c, kQ4KX8Bytes / 4);
+                prefetch_span<kPrefetchToK>(blk + kPrefetchAheadK + kQ4KX8Bytes / 4 * c, kQ4KX8Bytes / 4);
                 __m256i lo16[N], hi16[N];
                 for (int t = 0; t < N; ++t) lo16[t] = hi16[t] = _mm256_setzero_si256();
                 for (int v = 0; v < 8; ++v) {
@@ -1165,8 +1180,8 @@ static void gemv_q4kx8_pairs(const MatrixRef& w, int64_t row0, int64_t pairs, in
             __m512i isum[N];
             for (int t = 0; t < N; ++t) isum[t] = _mm512_setzero_si512();
             for (int c = 0; c < 4; ++c) {
-                prefetch_span(b0 + kPrefetchAheadK + kQ4KX8Bytes / 4 * c, kQ4KX8Bytes / 4);
-                prefetch_span(b1 + kPrefetchAheadK + kQ4KX8Bytes / 4 * c, kQ4KX8Bytes / 4);
+                prefetch_span<kPrefetchToK>(b0 + kPrefetchAheadK + kQ4KX8Bytes / 4 * c, kQ4KX8Bytes / 4);
+                prefetch_span<kPrefetchToK>(b1 + kPrefetchAheadK + kQ4KX8Bytes / 4 * c, kQ4KX8Bytes / 4);
                 __m512i lo32[N], hi32[N];
                 for (int t = 0; t < N; ++t) lo32[t] = hi32[t] = _mm512_setzero_si512();
                 for (int v = 0; v < 8; ++v) {
@@ -1225,7 +1240,7 @@ static void gemv_x8q8_n(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t
         __m256 acc[N];
         for (int t = 0; t < N; ++t) acc[t] = _mm256_setzero_ps();
         for (int64_t b = 0; b < nb; ++b, blk += kQ8X8BlockBytes) {
-            prefetch_span(blk + kPrefetchAhead, kQ8X8BlockBytes);
+            prefetch_span<kPrefetchTo>(blk + kPrefetchAhead, kQ8X8BlockBytes);
             const __m256 dw = load8_as_ps<FMT_F16>(blk, 0);
             __m256i s32[N];
             for (int t = 0; t < N; ++t) s32[t] = _mm256_setzero_si256();
@@ -1403,7 +1418,7 @@ static void gemv_float_n(const MatrixRef& w, int64_t row0, int64_t nrows, int64_
             // and two threads: 0.84-0.86 -> 0.94-0.99 of the probe). fp32 streams fast enough
             // without: prefetching made it slower (1.00 -> 0.92).
             if constexpr (F != FMT_F32)
-                if (k % 32 == 0) _mm_prefetch(reinterpret_cast<const char*>(row + 2 * k + kPrefetchAhead), _MM_HINT_T0);
+                if (k % 32 == 0) _mm_prefetch(reinterpret_cast<const char*>(row + 2 * k + kPrefetchAhead), kPrefetchTo);
             const __m256 w0 = load8_as_ps<F>(row, k), w1 = load8_as_ps<F>(row, k + 8);
             for (int t = 0; t < N; ++t) {
                 acc[t][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x[t] + k), acc[t][0]);
