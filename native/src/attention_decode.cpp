@@ -176,9 +176,7 @@ void attend_decode_rows(Executor& exec, const KernelTable& kt, const DecodeAtten
     }
     c.units = c.slots * c.parts;
     c.q.resize(q_size);
-    for (const Row& row : c.rows)
-        for (int64_t i = 0; i < row.a->Hq * row.a->D; ++i)
-            c.q[row.q_at + size_t(i)] = attention_rounded(row.a->q[i], row.a->kv) * row.a->scale;
+    for (const Row& row : c.rows) kt.attend_queries(row.a->q, row.a->Hq * row.a->D, row.a->scale, row.a->kv, c.q.data() + row.q_at);
     if (g_terms.size() < e_size) g_terms.resize(e_size);
     c.e = g_terms.data();
     c.m.resize(size_t(c.slots * c.group));

@@ -58,6 +58,9 @@ struct KvSegment {
     const void* v;
     int64_t n;
 };
+// The queries of a decode attention call as the scores read them: out[i] = q[i], rounded to
+// fp16 over an fp16 cache (attention_rounded), times scale.
+using AttendQueriesFn = void (*)(const float* q, int64_t n, float scale, Format kv, float* out);
 using AttendScoresFn = void (*)(const float* q, int group, int64_t D, const KvSegment* segs, int n_segs, Format kv,
                                 int64_t ldk, int64_t ldv, int64_t n, float* e, int64_t ld, float* m, float* l);
 using AttendValuesFn = void (*)(float* e, const float* w, int group, int64_t ld, int64_t Dv, const KvSegment* segs,
@@ -89,6 +92,7 @@ struct KernelTable {
     GemmBf16Fn gemm_panels_bf16;  // null where the CPU has no bf16 tiles; see on_tiles
     SiluMulFn silu_mul;
     GptOssGluFn gptoss_glu;
+    AttendQueriesFn attend_queries;
     AttendScoresFn attend_scores;
     AttendValuesFn attend_values;
     RowsAxpyFn rows_axpy;

@@ -116,6 +116,10 @@ static void gptoss_glu(const float* g, const float* u, float* h, int64_t n, floa
     }
 }
 
+static void attend_queries(const float* q, int64_t n, float scale, Format kv, float* out) {
+    for (int64_t i = 0; i < n; ++i) out[i] = attention_rounded(q[i], kv) * scale;
+}
+
 static void attend_scores(const float* q, int group, int64_t D, const KvSegment* segs, int n_segs, Format kv,
                           int64_t ldk, int64_t, int64_t n, float* e, int64_t ld, float* m, float* l) {
     for (int g = 0; g < group; ++g) {
@@ -189,6 +193,7 @@ const KernelTable* kernels_scalar() {
         t.silu_mul = silu_mul;
         t.gptoss_glu = gptoss_glu;
         t.dequant_row = dequant_row_portable;
+        t.attend_queries = attend_queries;
         t.attend_scores = attend_scores;
         t.attend_values = attend_values;
         t.rows_axpy = rows_axpy;
