@@ -705,7 +705,7 @@ template <Format F, bool G, int N>
     __m256 acc[N];
     for (int t = 0; t < N; ++t) acc[t] = _mm256_setzero_ps();
     const auto step = [&](const Blk& b) {
-        prefetch_span<_MM_HINT_T0>(b.p + kPrefetchAheadK, kBytes);
+        prefetch_span<_MM_HINT_T0>(b.p + kPrefetchAheadIq, kBytes);
         IqQuarter q[8];
 #pragma GCC unroll 8
         for (int ib = 0; ib < 8; ++ib) q[ib] = b.quarter(ib);
@@ -836,7 +836,7 @@ static void gemv_iq_n(const MatrixRef& w, int64_t row0, int64_t nrows, int64_t K
         _mm_prefetch(reinterpret_cast<const char*>(w.row(row0 + r + 1)), _MM_HINT_T0);
         for (int64_t sb = 0; sb < nsb; ++sb) {
             const IqBlock<F, G> blk(row + sb * kBytes);
-            prefetch_span<_MM_HINT_T0>(blk.p + kPrefetchAheadK, kBytes);
+            prefetch_span<_MM_HINT_T0>(blk.p + kPrefetchAheadIq, kBytes);
             IqQuarter q[8];
 #pragma GCC unroll 8
             for (int ib = 0; ib < 8; ++ib) q[ib] = blk.quarter(ib);
@@ -888,7 +888,7 @@ static inline void decode_offset_panel(const MatrixRef& w, int64_t row0, int64_t
     const __m256i offset = _mm256_set1_epi8(char(0x80));
     for (int r = 0; r < R; ++r) {
         const IqBlock<F, G> blk(w.row(row0 + r) + sb * kBytes);
-        prefetch_span<_MM_HINT_T0>(blk.p + kPrefetchAheadK, kBytes);
+        prefetch_span<_MM_HINT_T0>(blk.p + kPrefetchAheadIq, kBytes);
         __m256i share = _mm256_setzero_si256();
         for (int ib = 0; ib < 8; ++ib) {
             const IqQuarter q = blk.quarter(ib);

@@ -539,7 +539,7 @@ static void gemv_iq2_planes(const MatrixRef& w, int64_t row0, int64_t nrows, int
     };
     const auto products = [&](const uint8_t* a, const uint8_t* b, int64_t c) {
         Products out;
-        prefetch_span<_MM_HINT_T0>(a + kPrefetchAheadK, 2 * kBytes);
+        prefetch_span<_MM_HINT_T0>(a + kPrefetchAheadIq, 2 * kBytes);
         const Decoder blk(a, b);
         // The offset's share: the activations' sums per 16 values (pairs added) times it.
         const __m512i offset = blk.offset();
@@ -637,7 +637,7 @@ static void gemv_iq3_planes(const MatrixRef& w, int64_t row0, int64_t nrows, int
         for (int t = 0; t < N; ++t) acc[t] = _mm256_setzero_ps();
         for (int64_t sb = 0; sb < nsb; ++sb) {
             const uint8_t* p = row + kBytes * sb;
-            prefetch_span<_MM_HINT_T0>(p + kPrefetchAheadK, kBytes);
+            prefetch_span<_MM_HINT_T0>(p + kPrefetchAheadIq, kBytes);
             const __m512i idx = _mm512_loadu_si512(p + 2);
             const __mmask64 top = _mm512_movepi8_mask(idx);
             __m512i lo, hi, quarter_signs;
