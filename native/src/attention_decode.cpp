@@ -53,16 +53,32 @@ struct Row {
 // the weights converted to fp16 (its matrix product converts the second operand to the first's
 // type), and in float32 the decode steps' attention sat 6-9e-4 of its size from llama.cpp's on
 // a trained model, each layer; its greedy tokens left llama.cpp's at margins above 0.01.
+//
+// A call's buffers are kept between calls (one call at a time: g_mutex), grown when a call needs
+// more: new vectors were zero-filled every call, which at a prompt's size (512 rows of 32 heads:
+// ~25 MB of queries and partial sums a layer) meant fresh pages, faulted in and cleared by the
+// kernel, then cleared again.
+struct Scratch {
+    std::vector<float> q;      // scaled queries
+    std::vector<float> e;      // softmax terms, then weights, per slot [group, run]
+    std::vector<float> m, l, w;  // per slot: [group] each (w: e's factor to the normalised weight)
+    std::vector<float> acc;    // per slot: [group * Dv]
+};
+std::mutex g_mutex;  // the scratch of one call
+Scratch g_scratch;
+
+float* grown(std::vector<float>& v, size_t n) {
+    if (v.size() < n) v.resize(n);
+    return v.data();
+}
+
 struct Call {
     const KernelTable* kt;
     int group;
     int part_heads = 0, parts = 1;  // query heads per unit, units per slot
     std::vector<Row> rows;
     int64_t slots = 0, units = 0;
-    std::vector<float> q;          // scaled queries
-    float* e = nullptr;            // softmax terms, then weights, per slot [group, run] (g_terms)
-    std::vector<float> m, l, w;    // per slot: [group] each (w: e's factor to the normalised weight)
-    std::vector<float> acc;        // per slot: [group * Dv]
+    float *q = nullptr, *e = nullptr, *m = nullptr, *l = nullptr, *w = nullptr, *acc = nullptr;  // g_scratch's
     std::atomic<int64_t> next{0};
 };
 
@@ -124,16 +140,16 @@ void each_unit(Call& c, Fn fn) {
 void phase_scores(void* ctx, int, int) {
     Call& c = *static_cast<Call*>(ctx);
     each_unit(c, [&c](const UnitWork& w, const DecodeAttention& a) {
-        c.kt->attend_scores(c.q.data() + w.row->q_at + (w.h * c.group + w.g0) * a.D, w.heads, a.D, w.segs, w.n_segs, a.kv,
-                            a.k_pos, a.v_pos, w.n, unit_terms(c, w), w.row->run, c.m.data() + w.slot, c.l.data() + w.slot);
+        c.kt->attend_scores(c.q + w.row->q_at + (w.h * c.group + w.g0) * a.D, w.heads, a.D, w.segs, w.n_segs, a.kv,
+                            a.k_pos, a.v_pos, w.n, unit_terms(c, w), w.row->run, c.m + w.slot, c.l + w.slot);
     });
 }
 
 void phase_values(void* ctx, int, int) {
     Call& c = *static_cast<Call*>(ctx);
     each_unit(c, [&c](const UnitWork& w, const DecodeAttention& a) {
-        c.kt->attend_values(unit_terms(c, w), c.w.data() + w.slot, w.heads, w.row->run, a.Dv, w.segs, w.n_segs, a.kv,
-                            a.v_pos, w.n, c.acc.data() + w.slot * a.Dv);
+        c.kt->attend_values(unit_terms(c, w), c.w + w.slot, w.heads, w.row->run, a.Dv, w.segs, w.n_segs, a.kv,
+                            a.v_pos, w.n, c.acc + w.slot * a.Dv);
     });
 }
 
@@ -144,11 +160,6 @@ void run_phase(Executor& exec, Call& c, void (*phase)(void*, int, int)) {
     else
         exec.run(phase, &c);
 }
-
-std::mutex g_mutex;  // the scratch of one call
-// Call::e's memory, kept between calls: a new vector was zeroed every call, a write of the
-// whole score matrix (1 MiB at 2048 positions of 32 heads) before its first use.
-std::vector<float> g_terms;
 
 }  // namespace
 
@@ -175,14 +186,14 @@ void attend_decode_rows(Executor& exec, const KernelTable& kt, const DecodeAtten
         c.parts = (c.group + c.part_heads - 1) / c.part_heads;
     }
     c.units = c.slots * c.parts;
-    c.q.resize(q_size);
-    for (const Row& row : c.rows) kt.attend_queries(row.a->q, row.a->Hq * row.a->D, row.a->scale, row.a->kv, c.q.data() + row.q_at);
-    if (g_terms.size() < e_size) g_terms.resize(e_size);
-    c.e = g_terms.data();
-    c.m.resize(size_t(c.slots * c.group));
-    c.l.resize(size_t(c.slots * c.group));
-    c.w.resize(size_t(c.slots * c.group));
-    c.acc.resize(size_t(c.slots * c.group * rows[0].Dv));
+    const size_t per_slot = size_t(c.slots * c.group);
+    c.q = grown(g_scratch.q, q_size);
+    c.e = grown(g_scratch.e, e_size);
+    c.m = grown(g_scratch.m, per_slot);
+    c.l = grown(g_scratch.l, per_slot);
+    c.w = grown(g_scratch.w, per_slot);
+    c.acc = grown(g_scratch.acc, per_slot * size_t(rows[0].Dv));
+    for (const Row& row : c.rows) kt.attend_queries(row.a->q, row.a->Hq * row.a->D, row.a->scale, row.a->kv, c.q + row.q_at);
     run_phase(exec, c, phase_scores);
     // Each query head's runs merged: its maximum and the sum of its terms over all positions,
     // and each run's factor from its terms (against its own maximum) to the normalised weights.
@@ -208,7 +219,7 @@ void attend_decode_rows(Executor& exec, const KernelTable& kt, const DecodeAtten
                 float* o = a.out + (h * c.group + g) * a.Dv;
                 std::fill(o, o + a.Dv, 0.f);
                 for (int64_t r = 0; r < row.runs; ++r) {
-                    const float* acc = c.acc.data() + ((row.first_slot + h * row.runs + r) * c.group + g) * a.Dv;
+                    const float* acc = c.acc + ((row.first_slot + h * row.runs + r) * c.group + g) * a.Dv;
                     for (int64_t j = 0; j < a.Dv; ++j) o[j] += acc[j];
                 }
             }
