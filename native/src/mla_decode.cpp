@@ -198,7 +198,12 @@ void LatentMaps::to_dense(Executor& exec, const KernelTable& kt, void* out, bool
 void mla_attend_rows(Executor& exec, const KernelTable& kt, const MlaDecode& m, const float* q, int64_t T,
                      const int64_t* tables, int64_t table_len, const int64_t* lengths, float* out) {
     const int64_t cr = m.c + m.rope;
-    std::vector<float> q_latent(size_t(T * m.H * cr)), latent(size_t(T * m.H * m.c));
+    // Kept between the calls of the thread, as decode attention keeps its buffers: new vectors
+    // were zero-filled every call (0.5 MB a token and layer at DeepSeek-V3's 128 heads), and
+    // every element is written before it is read.
+    thread_local std::vector<float> q_latent, latent;
+    if (q_latent.size() < size_t(T * m.H * cr)) q_latent.resize(size_t(T * m.H * cr));
+    if (latent.size() < size_t(T * m.H * m.c)) latent.resize(size_t(T * m.H * m.c));
     Heads heads{&m, &kt, q, q_latent.data(), latent.data(), out, T};
     exec.run(phase_absorb, &heads);
     std::vector<DecodeAttention> rows(static_cast<size_t>(T));
