@@ -66,7 +66,7 @@ def prompt_attention(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Te
     (the rows' keys and values written): row t attends positions 0 .. start + t, through the
     decode kernels, so that a prompt's rows are a decode step's bits. q [1, Hq, T, D] ->
     [1, Hq, T, Dv] float32. Rows go in groups whose score matrices fit _PROMPT_SCORE_BUDGET."""
-    heads, n, dim = q.shape[1], q.shape[2], q.shape[3]
+    heads, n = q.shape[1], q.shape[2]
     rows = q[0].transpose(0, 1).float().contiguous()  # [T, Hq, D]
     table = np.ascontiguousarray(table, dtype=np.int64)
     out = torch.empty((n, heads, v_blocks.shape[3]), dtype=torch.float32)

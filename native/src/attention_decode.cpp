@@ -6,6 +6,7 @@
 #include <mutex>
 #include <vector>
 
+#include "scratch.h"
 #include "thread_pool.h"
 
 namespace hmoe {
@@ -66,11 +67,6 @@ struct Scratch {
 };
 std::mutex g_mutex;  // the scratch of one call
 Scratch g_scratch;
-
-float* grown(std::vector<float>& v, size_t n) {
-    if (v.size() < n) v.resize(n);
-    return v.data();
-}
 
 struct Call {
     const KernelTable* kt;
@@ -187,12 +183,12 @@ void attend_decode_rows(Executor& exec, const KernelTable& kt, const DecodeAtten
     }
     c.units = c.slots * c.parts;
     const size_t per_slot = size_t(c.slots * c.group);
-    c.q = grown(g_scratch.q, q_size);
-    c.e = grown(g_scratch.e, e_size);
-    c.m = grown(g_scratch.m, per_slot);
-    c.l = grown(g_scratch.l, per_slot);
-    c.w = grown(g_scratch.w, per_slot);
-    c.acc = grown(g_scratch.acc, per_slot * size_t(rows[0].Dv));
+    c.q = grow(g_scratch.q, q_size);
+    c.e = grow(g_scratch.e, e_size);
+    c.m = grow(g_scratch.m, per_slot);
+    c.l = grow(g_scratch.l, per_slot);
+    c.w = grow(g_scratch.w, per_slot);
+    c.acc = grow(g_scratch.acc, per_slot * size_t(rows[0].Dv));
     for (const Row& row : c.rows) kt.attend_queries(row.a->q, row.a->Hq * row.a->D, row.a->scale, row.a->kv, c.q + row.q_at);
     run_phase(exec, c, phase_scores);
     // Each query head's runs merged: its maximum and the sum of its terms over all positions,

@@ -7,6 +7,7 @@
 #include <stdexcept>
 #include <vector>
 
+#include "scratch.h"
 #include "thread_pool.h"
 #include "topology.h"
 
@@ -77,12 +78,6 @@ struct Scratch {
     std::vector<const uint16_t*> ab;  // the same rows in bf16 (on tiles)
 };
 thread_local Scratch tls;
-
-template <class V>
-typename V::value_type* grow(V& v, size_t n) {
-    if (v.size() < n) v.resize(n);
-    return v.data();
-}
 
 // A run of rows of one part; its output columns start at `col`.
 struct Unit {

@@ -2339,6 +2339,23 @@ static inline float max_of(const float* x, int64_t n) {
     return mx;
 }
 
+// Eight floats through fp16 and back, rounded to nearest even (attention_rounded's vector form).
+static inline __m256 rounded_to_f16(__m256 v) {
+    return _mm256_cvtph_ps(_mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
+// The queries rounded and scaled in vectors: a scalar fp16 round trip per element was a third
+// of a 64-position decode attention call's time on the calling thread (32 heads of 128).
+static void attend_queries(const float* q, int64_t n, float scale, Format kv, float* out) {
+    const __m256 vs = _mm256_set1_ps(scale);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 v = _mm256_loadu_ps(q + i);
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(kv == FMT_F16 ? rounded_to_f16(v) : v, vs));
+    }
+    for (; i < n; ++i) out[i] = attention_rounded(q[i], kv) * scale;
+}
+
 // A run of positions stretch by stretch (a stretch: the run's part of one cache block), every
 // head of the group over a stretch while its keys (then its values) are in L1. Head group by
 // head group, each pass read the whole run again from L2 (64 KiB of keys or values at 256
@@ -2352,19 +2369,6 @@ static inline float max_of(const float* x, int64_t n) {
 // keys and this stretch's values, the values pass the next stretch's values. (Cold, 2 threads,
 // without and with in turn, 1024 positions 482 -> 336 us a layer, 0.29 -> 0.43 of the
 // bandwidth probe.)
-// The queries rounded and scaled in vectors: a scalar fp16 round trip per element was a third
-// of a 64-position decode attention call's time on the calling thread (32 heads of 128).
-static void attend_queries(const float* q, int64_t n, float scale, Format kv, float* out) {
-    const __m256 vs = _mm256_set1_ps(scale);
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-        __m256 v = _mm256_loadu_ps(q + i);
-        if (kv == FMT_F16) v = _mm256_cvtph_ps(_mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-        _mm256_storeu_ps(out + i, _mm256_mul_ps(v, vs));
-    }
-    for (; i < n; ++i) out[i] = attention_rounded(q[i], kv) * scale;
-}
-
 template <Format KV>
 static void attend_scores_t(const float* q, int group, int64_t D, const KvSegment* segs, int n_segs, int64_t ldk,
                             int64_t ldv, int64_t n, float* e, int64_t ld, float* m, float* l) {
@@ -2415,8 +2419,7 @@ static void attend_values_t(float* e, const float* w, int group, int64_t ld, int
         int64_t s = 0;
         for (; s + 8 <= n; s += 8) {
             __m256 v = _mm256_mul_ps(_mm256_loadu_ps(p + s), wg);
-            if constexpr (KV == FMT_F16)
-                v = _mm256_cvtph_ps(_mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+            if constexpr (KV == FMT_F16) v = rounded_to_f16(v);
             _mm256_storeu_ps(p + s, v);
         }
         for (; s < n; ++s) p[s] = attention_rounded(p[s] * w[g], KV);

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "attention_decode.h"
+#include "scratch.h"
 #include "thread_pool.h"
 
 namespace hmoe {
@@ -202,9 +203,7 @@ void mla_attend_rows(Executor& exec, const KernelTable& kt, const MlaDecode& m, 
     // were zero-filled every call (0.5 MB a token and layer at DeepSeek-V3's 128 heads), and
     // every element is written before it is read.
     thread_local std::vector<float> q_latent, latent;
-    if (q_latent.size() < size_t(T * m.H * cr)) q_latent.resize(size_t(T * m.H * cr));
-    if (latent.size() < size_t(T * m.H * m.c)) latent.resize(size_t(T * m.H * m.c));
-    Heads heads{&m, &kt, q, q_latent.data(), latent.data(), out, T};
+    Heads heads{&m, &kt, q, grow(q_latent, size_t(T * m.H * cr)), grow(latent, size_t(T * m.H * m.c)), out, T};
     exec.run(phase_absorb, &heads);
     std::vector<DecodeAttention> rows(static_cast<size_t>(T));
     for (int64_t t = 0; t < T; ++t) {

@@ -8,6 +8,7 @@
 #include <numeric>
 
 #include "repack.h"
+#include "scratch.h"
 #include "thread_pool.h"
 #include "topology.h"
 
@@ -132,12 +133,6 @@ struct Workspace {
 
 std::mutex g_call_mutex;
 Workspace g_ws;
-
-template <class V>
-typename V::value_type* grow(V& v, size_t n) {
-    if (v.size() < n) v.resize(n);
-    return v.data();
-}
 
 struct Call {
     const KernelTable* kt;
